@@ -1,0 +1,45 @@
+"""usp-hal: Unified Sequence Parallel attention over a registry of kernel backends.
+
+``import usp_hal`` imports torch and nothing else: no kernel package, no device init.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+from .backend import AttentionBackend, BackendUnavailable  # noqa: E402
+from .capabilities import AttnRequest, Availability, Package  # noqa: E402
+from .registry import (  # noqa: E402
+    REGISTRY, AttnType, get_backend, list_backends, register_backend, select_backend,
+)
+
+_LAZY = {
+    "init_sequence_parallel": "mesh",
+    "set_seq_parallel_pg": "mesh",
+    "SequenceParallelMesh": "mesh",
+    "get_default_mesh": "mesh",
+    "LongContextAttention": "attention",
+    "LongContextAttentionQKVPacked": "attention",
+    "UlyssesAttention": "attention",
+    "RingAttention": "attention",
+    "shard": "layout",
+    "unshard": "layout",
+    "EXTRACT_FUNC_DICT": "layout",
+    "platform": None,
+}
+
+__all__ = [
+    "AttentionBackend", "BackendUnavailable", "AttnRequest", "Availability", "Package",
+    "REGISTRY", "AttnType", "get_backend", "list_backends", "register_backend", "select_backend",
+    *_LAZY,
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod = _LAZY[name]
+        if mod is None:
+            return importlib.import_module(f".{name}", __name__)
+        return getattr(importlib.import_module(f".{mod}", __name__), name)
+    raise AttributeError(f"module 'usp_hal' has no attribute {name!r}")

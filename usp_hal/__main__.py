@@ -1,0 +1,3 @@
+from usp_hal.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""usp-hal command line: probe, run, bench, matrix."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> module in this package that defines add_parser(subparsers) and run(args)
+COMMANDS = {
+    "probe": "probe",
+    "run": "run",
+    "bench": "bench",
+    "matrix": "matrix",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="usp-hal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, modname in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"{__name__}.{modname}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{modname}":
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

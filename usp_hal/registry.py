@@ -1,0 +1,218 @@
+"""Backend registry: lazy entries by name, AttnType, plugins, and `auto` selection.
+
+Entries map a name to an import path (``"module:Class"``); the module is imported only
+when the backend is used or listed.  Out-of-tree backends register through the
+``usp_hal.backends`` entry-point group (the entry point loads to an AttentionBackend
+subclass; its ``NAME`` is the registered name).
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.metadata
+import logging
+from typing import Iterable, Optional
+
+from .backend import AttentionBackend
+from .capabilities import AttnRequest
+
+log = logging.getLogger("usp_hal")
+
+ENTRY_POINT_GROUP = "usp_hal.backends"
+
+
+class AttnType(str, enum.Enum):
+    """Attention kernel choice. yunchang's member names are accepted as aliases."""
+
+    AUTO = "auto"
+    SDPA = "sdpa"
+    FA2 = "fa2"
+    FA3 = "fa3"
+    SAGE_FP8 = "sage_fp8"
+    FLASHINFER = "flashinfer"
+    NPU = "npu"
+    XPU = "xpu"
+
+    # yunchang-compatible aliases (enum aliases: same value, other name)
+    FA = "fa2"
+    TORCH = "sdpa"
+    TORCH_EFFICIENT = "sdpa"
+    TORCH_FLASH = "sdpa"
+    SAGE_AUTO = "sage_fp8"
+    SAGE_FP8_SM90 = "sage_fp8"
+
+    def __str__(self) -> str:  # pragma: no cover - cosmetic
+        return self.value
+
+
+_BUILTIN = {
+    "sdpa": "usp_hal.backends.sdpa:SDPABackend",
+    "fa2": "usp_hal.backends.fa2:FlashAttn2Backend",
+    "fa3": "usp_hal.backends.fa3:FlashAttn3Backend",
+    "sage_fp8": "usp_hal.backends.sage:SageFP8Backend",
+    "flashinfer": "usp_hal.backends.flashinfer:FlashInferBackend",
+    "npu": "usp_hal.backends.npu:NPUBackend",
+    "xpu": "usp_hal.backends.xpu:XPUBackend",
+}
+
+# `auto` tries these in order; lossy (quantised) kernels are never picked automatically.
+AUTO_PRIORITY = {
+    "cuda": ["fa3", "fa2", "sdpa", "flashinfer"],
+    "rocm": ["fa2", "sdpa"],
+    "npu": ["npu"],
+    "xpu": ["xpu"],
+    "cpu": ["sdpa"],
+}
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._entries: dict = dict(_BUILTIN)
+        self._loaded: dict = {}
+        self._plugins_loaded = False
+        self._plugin_errors: dict = {}
+
+    # ------------------------------------------------------------ registration
+    def register(self, name: str, backend, *, override: bool = False) -> None:
+        """Register a backend class (or a "module:Class" import path) under ``name``."""
+        name = str(name).lower()
+        if name in ("auto",):
+            raise ValueError("'auto' is reserved")
+        if name in self._entries and not override:
+            raise ValueError(f"backend {name!r} is already registered (pass override=True to replace it)")
+        self._entries[name] = backend
+        self._loaded.pop(name, None)
+
+    def unregister(self, name: str) -> None:
+        self._entries.pop(name, None)
+        self._loaded.pop(name, None)
+
+    def _load_plugins(self) -> None:
+        if self._plugins_loaded:
+            return
+        self._plugins_loaded = True
+        try:
+            eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        except Exception as exc:  # pragma: no cover - broken metadata
+            log.warning("could not read entry points %s: %s", ENTRY_POINT_GROUP, exc)
+            return
+        for ep in eps:
+            name = ep.name.lower()
+            if name in self._entries:
+                log.warning("plugin backend %r ignored: the name is taken", name)
+                continue
+            self._entries[name] = ep
+
+    def names(self) -> list:
+        self._load_plugins()
+        return list(self._entries)
+
+    # ------------------------------------------------------------ lookup
+    def canonical_name(self, attn_type) -> str:
+        """Map an AttnType / yunchang enum / string to a registered name (or 'auto')."""
+        self._load_plugins()
+        if isinstance(attn_type, AttnType):
+            return attn_type.value
+        if isinstance(attn_type, enum.Enum):  # e.g. yunchang.kernels.AttnType members
+            attn_type = attn_type.name
+        text = str(attn_type)
+        low = text.lower()
+        if low == "auto" or low in self._entries:
+            return low
+        upper = text.upper()
+        if upper in AttnType.__members__:
+            return AttnType.__members__[upper].value
+        valid = ["auto"] + self.names() + sorted(k for k in AttnType.__members__ if AttnType[k].value != k.lower())
+        raise ValueError(f"unknown attn_type {attn_type!r}; valid options are: {', '.join(valid)}")
+
+    def get(self, attn_type) -> "type[AttentionBackend]":
+        name = self.canonical_name(attn_type)
+        if name == "auto":
+            raise ValueError("'auto' is not a backend; use select(request)")
+        if name in self._loaded:
+            return self._loaded[name]
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            mod, _, attr = entry.partition(":")
+            cls = getattr(importlib.import_module(mod), attr)
+        elif isinstance(entry, importlib.metadata.EntryPoint):
+            try:
+                cls = entry.load()
+            except Exception as exc:
+                raise RuntimeError(f"plugin backend {name!r} ({entry.value}) failed to load: {exc}") from exc
+        else:
+            cls = entry
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise TypeError(f"backend {name!r} must be an AttentionBackend subclass, got {cls!r}")
+        self._loaded[name] = cls
+        return cls
+
+    def backends(self) -> list:
+        return [self.get(n) for n in self.names()]
+
+    # ------------------------------------------------------------ selection
+    def priority(self, device_type: str) -> list:
+        base = list(AUTO_PRIORITY.get(device_type, []))
+        # plugins (and registered extras) that declare this device come after the built-ins
+        for name in self.names():
+            if name not in _BUILTIN and name not in base:
+                try:
+                    cls = self.get(name)
+                except Exception:
+                    continue
+                if device_type in cls.SUPPORTED_DEVICES:
+                    base.append(name)
+        return base
+
+    def reasons(self, name: str, request: AttnRequest) -> list:
+        """Availability problem (if any) then every capability reason."""
+        cls = self.get(name)
+        out = []
+        avail = cls.availability()
+        if not avail.ok:
+            out.append(f"unavailable: {avail.reason}")
+        out.extend(cls.not_supported_reasons(request))
+        return out
+
+    def select(self, attn_type, request: AttnRequest) -> "type[AttentionBackend]":
+        """Validate an explicit choice, or pick the first fitting backend for 'auto'."""
+        name = self.canonical_name(attn_type)
+        if name != "auto":
+            why = self.reasons(name, request)
+            if why:
+                alts = [n for n in self.priority(request.device_type) if n != name and not self.reasons(n, request)]
+                alt = f"; backends that would work: {', '.join(alts)}" if alts else ""
+                raise NotImplementedError(
+                    f"attn_type={name!r} cannot run this call ({request.describe()}):\n  - "
+                    + "\n  - ".join(why) + alt)
+            return self.get(name)
+        candidates = self.priority(request.device_type)
+        report = []
+        for cand in candidates:
+            why = self.reasons(cand, request)
+            if not why:
+                log.info("usp_hal: attn_type='auto' chose %r for %s", cand, request.describe())
+                return self.get(cand)
+            report.append(f"`{cand}` is not supported because:\n    - " + "\n    - ".join(why))
+        raise NotImplementedError(
+            f"No attention backend found for inputs: {request.describe()}\n"
+            + ("\n".join(report) if report else f"  no backend is registered for device {request.device_type!r}"))
+
+
+REGISTRY = Registry()
+
+
+def register_backend(name: str, backend, *, override: bool = False) -> None:
+    REGISTRY.register(name, backend, override=override)
+
+
+def get_backend(attn_type) -> "type[AttentionBackend]":
+    return REGISTRY.get(attn_type)
+
+
+def select_backend(attn_type, request: AttnRequest) -> "type[AttentionBackend]":
+    return REGISTRY.select(attn_type, request)
+
+
+def list_backends() -> list:
+    return REGISTRY.names()
