@@ -1,0 +1,263 @@
+"""`usp-hal probe`: report shape, availability reasons, --verify, and the text table."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from usp_hal import platform
+from usp_hal.backend import AttentionBackend
+from usp_hal.backends.sdpa import SDPABackend
+from usp_hal.cli import main
+from usp_hal.cli import probe
+from usp_hal.registry import AttnType, Registry
+
+DOCUMENTED = {t.value for t in AttnType} - {"auto"}   # the built-in names of the public API
+CPU_ONLY = platform.available_device_types() == ("cpu",)
+
+
+def _strict_json(text: str):
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name} in probe output")
+    return json.loads(text, parse_constant=no_constants)
+
+
+def _run(capsys, *argv):
+    rc = main(["probe", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def report_json():
+    """One --json run shared by the shape tests (the probe itself is cheap; this keeps it so)."""
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["probe", "--json"])
+    assert rc == 0
+    return _strict_json(buf.getvalue())
+
+
+def test_json_top_level_keys(report_json):
+    assert {"torch", "platform", "dist_backends", "backends"} <= set(report_json)
+    assert "verify" not in report_json
+    assert report_json["torch"]["version"] == torch.__version__
+    assert report_json["platform"]["device_type"] in platform.DEVICE_TYPES
+    assert "cpu" in report_json["platform"]["device_types"]
+    assert report_json["dist_backends"]["gloo"] is platform.dist_backend_available("gloo")
+    assert all(isinstance(v, bool) for v in report_json["dist_backends"].values())
+
+
+def test_json_lists_every_registered_backend(report_json):
+    names = [b["name"] for b in report_json["backends"]]
+    assert DOCUMENTED <= set(names)
+    assert len(names) == len(set(names))
+    for row in report_json["backends"]:
+        assert set(row) >= {"name", "available", "reason", "version", "capabilities"}
+        assert isinstance(row["available"], bool)
+        if row["available"]:
+            assert row["reason"] == ""
+        else:
+            assert row["reason"].strip(), f"{row['name']} is unavailable without a reason"
+
+
+def test_sdpa_available_with_declared_capabilities(report_json):
+    row = next(b for b in report_json["backends"] if b["name"] == "sdpa")
+    assert row["available"] is True
+    caps = row["capabilities"]
+    assert caps["dtypes"] == ["fp64", "fp32", "bf16", "fp16"]
+    assert caps["devices"] == sorted(SDPABackend.SUPPORTED_DEVICES)
+    assert caps["backward"] is SDPABackend.HAS_BACKWARD
+    assert caps["lse"] is SDPABackend.RETURNS_LSE
+    assert caps["softcap"] is SDPABackend.SUPPORTS_SOFTCAP
+    assert caps["gqa"] is SDPABackend.SUPPORTS_GQA
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="only a CPU-only machine makes every kernel backend unavailable")
+def test_kernel_backends_unavailable_on_cpu_with_reasons(report_json):
+    for row in report_json["backends"]:
+        if row["name"] == "sdpa":
+            continue
+        assert row["available"] is False, row
+        assert len(row["reason"]) > 5
+
+
+def test_import_failure_and_raising_availability_are_reasons_not_crashes():
+    class Raises(AttentionBackend):
+        NAME = "raises"
+        SUPPORTED_DEVICES = frozenset({"cpu"})
+        SUPPORTED_DTYPES = frozenset({torch.float32})
+
+        @classmethod
+        def availability(cls):
+            raise OSError("driver exploded")
+
+    reg = Registry()
+    reg.register("broken", "usp_hal.backends._no_such_adapter:Nothing")
+    reg.register("raises", Raises)
+    rows = {r["name"]: r for r in probe.backend_rows(reg)}
+    assert rows["broken"]["available"] is False
+    assert "failed to import" in rows["broken"]["reason"]
+    assert "_no_such_adapter" in rows["broken"]["reason"]
+    assert rows["broken"]["capabilities"] == {}
+    assert rows["raises"]["available"] is False
+    assert "OSError: driver exploded" in rows["raises"]["reason"]
+    assert rows["raises"]["capabilities"]["dtypes"] == ["fp32"]
+    # the text output survives both
+    report = {"usp_hal": "x", "torch": {"version": "t", "cuda": None, "hip": None, "xpu": None},
+              "platform": {"device_type": "cpu", "device_types": ["cpu"], "device_count": 1,
+                           "device_name": "cpu", "compute_capability": None},
+              "dist_backends": {"gloo": True}, "backends": list(rows.values())}
+    text = probe.format_text(report)
+    assert re.search(r"^broken\s+no\s+-\s+\?", text, re.M)
+    assert "driver exploded" in text
+
+
+def test_plain_output_is_an_aligned_table(capsys):
+    rc, out, _ = _run(capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("backend "))
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}
+    cols = ["available", "version", "fwd", "bwd", "lse(ring)", "causal", "window", "softcap", "gqa",
+            "dtypes", "devices", "min cc"]
+    starts = [lines[header].index(c) for c in cols]
+    assert starts == sorted(starts)
+    sdpa = next(line for line in lines[header:] if line.startswith("sdpa "))
+    assert sdpa[starts[0]:].startswith("yes")                       # available column
+    assert sdpa[starts[cols.index("dtypes")]:].startswith("fp64,fp32,bf16,fp16")
+    for name in DOCUMENTED:
+        assert re.search(rf"^{name}\s", out, re.M), f"{name} missing from the table"
+    assert "torch" in out and torch.__version__ in out
+    if CPU_ONLY:
+        assert "Unavailable here:" in out
+        reasons = out.split("Unavailable here:")[1]
+        for name in DOCUMENTED - {"sdpa"}:
+            assert re.search(rf"^\s+{name}\s+\S", reasons, re.M)
+
+
+def test_verify_passes_for_sdpa(capsys):
+    rc, out, _ = _run(capsys, "--verify", "--json", "--backend", "sdpa")
+    assert rc == 0
+    data = _strict_json(out)
+    v = data["verify"]
+    assert v["ok"] is True
+    res = v["results"]
+    assert {r["backend"] for r in res} == {"sdpa"}
+    assert {r["dtype"] for r in res} == {"fp64", "fp32", "bf16", "fp16"}
+    assert {r["case"] for r in res} == {"plain", "causal", "gqa-causal"}
+    for r in res:
+        assert r["status"] == "pass", r
+        assert set(r["errors"]) == {"out", "lse", "dq", "dk", "dv"}
+        atol = r["tolerance"][0]
+        assert all(0 <= e <= 2 * atol for e in r["errors"].values()), r
+
+
+def test_verify_text_reports_pass(capsys):
+    rc, out, _ = _run(capsys, "--verify", "--backend", "sdpa", "--dtype", "fp32")
+    assert rc == 0
+    assert "verification: PASSED" in out
+    assert re.search(r"^sdpa\s+cpu\s+fp32\s+causal\s+\S+\s+\S+\s+\S+\s+\S+\s+\S+\s+pass$", out, re.M)
+
+
+class _WrongOut(SDPABackend):
+    """A kernel that is silently wrong: verification must catch it."""
+    NAME = "wrong"
+    SUPPORTED_DEVICES = frozenset({"cpu"})
+    SUPPORTED_DTYPES = frozenset({torch.float32})
+
+    def forward(self, q, k, v, **kw):
+        out, lse = super().forward(q, k, v, **kw)
+        return out * 1.01, lse
+
+
+class _NoFp64HereBackend(SDPABackend):
+    NAME = "nofp64"
+    SUPPORTED_DEVICES = frozenset({"cpu"})
+    SUPPORTED_DTYPES = frozenset({torch.float64, torch.float32})
+    HAS_BACKWARD = False
+    SUPPORTS_GQA = False
+
+    @classmethod
+    def extra_reasons(cls, req):
+        return ["fp64 disabled for this test"] if req.dtype == torch.float64 else []
+
+
+def test_verify_failure_sets_exit_code(capsys, monkeypatch):
+    reg = Registry()
+    reg.register("wrong", _WrongOut)
+    monkeypatch.setattr(probe, "REGISTRY", reg)
+    rc, out, _ = _run(capsys, "--verify", "--backend", "wrong")
+    assert rc == 1
+    assert "verification: FAILED" in out
+    assert "out: exceeds tolerance" in out
+
+
+def test_verify_skips_refused_dtypes_and_undeclared_features():
+    rows = probe.verify_backend(_NoFp64HereBackend, "cpu")
+    by_dtype = {}
+    for r in rows:
+        by_dtype.setdefault(r["dtype"], []).append(r)
+    (fp64,) = by_dtype["fp64"]
+    assert fp64["status"] == "skip" and "fp64 disabled" in fp64["reason"]
+    fp32 = by_dtype["fp32"]
+    assert {r["case"] for r in fp32} == {"plain", "causal"}      # no GQA declared
+    for r in fp32:
+        assert r["status"] == "pass"
+        assert set(r["errors"]) == {"out", "lse"}                 # forward-only: no grads checked
+
+
+def test_verify_requested_unavailable_backend_fails(capsys, monkeypatch):
+    class NeedsPkg(SDPABackend):
+        NAME = "needspkg"
+        from usp_hal.capabilities import Package
+        REQUIRED_PACKAGES = (Package("usp-hal-no-such-dist", "usp_hal_no_such_module", extra="nope"),)
+
+    reg = Registry()
+    reg.register("needspkg", NeedsPkg)
+    monkeypatch.setattr(probe, "REGISTRY", reg)
+    rc, out, _ = _run(capsys, "--verify", "--backend", "needspkg", "--json")
+    assert rc == 1
+    (res,) = _strict_json(out)["verify"]["results"]
+    assert res["status"] == "fail"
+    assert "usp-hal-no-such-dist not installed" in res["reason"]
+
+
+def test_unknown_backend_name_is_a_usage_error(capsys):
+    rc, _, err = _run(capsys, "--verify", "--backend", "nope")
+    assert rc == 2
+    assert "valid options are" in err and "sdpa" in err
+
+
+def test_backend_filter_needs_verify(capsys):
+    rc, _, err = _run(capsys, "--backend", "sdpa")
+    assert rc == 2 and "--verify" in err
+
+
+def test_features_come_from_not_supported_reasons():
+    base = probe.base_request(SDPABackend, "cpu", torch.float32)
+    feats = probe.supported_features(SDPABackend, base)
+    assert set(feats) == set(probe.FEATURES)
+    assert feats == {"fwd": True, "bwd": True, "ring": True, "causal": True, "window": True,
+                     "softcap": False, "gqa": True}
+    # device-specific rules (extra_reasons) are honoured: sdpa refuses fp64 off the cpu
+    cuda64 = probe.base_request(SDPABackend, "cuda", torch.float64, (9, 0))
+    assert SDPABackend.not_supported_reasons(cuda64)
+
+
+def test_base_request_picks_a_declared_head_dim():
+    class Only128(AttentionBackend):
+        NAME = "only128"
+        SUPPORTED_DEVICES = frozenset({"cpu"})
+        SUPPORTED_DTYPES = frozenset({torch.float32})
+        HEAD_DIM_MIN = 100
+        HEAD_DIM_MAX = 200
+        HEAD_DIM_MULTIPLE = 64
+
+    assert probe.base_request(Only128, "cpu", torch.float32).head_dim == 128
+    refused = probe.base_request(Only128, "cpu", torch.float16)
+    assert Only128.not_supported_reasons(refused)
