@@ -1,0 +1,131 @@
+"""Functions that run on every rank of a WorkerPool (see tests/mp.py)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import usp_hal
+from usp_hal.reference import reference_attention, tolerance
+
+_MESHES = {}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def get_mesh(U: int, R: int, low: bool = True):
+    key = (U, R, low)
+    if key not in _MESHES:
+        _MESHES[key] = usp_hal.init_sequence_parallel(U, R, use_ulysses_low=low, set_default=False)
+    return _MESHES[key]
+
+
+def _err(a: torch.Tensor, b: torch.Tensor, dtype, lse: bool = False) -> float:
+    """max |a-b| / (atol + rtol*|b|): <= 1 means within tolerance."""
+    atol, rtol = tolerance(dtype, lse=lse)
+    a, b = a.detach().double(), b.detach().double()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = (a - b).abs().masked_fill(both_inf, 0.0)
+    if diff.numel() == 0:
+        return 0.0
+    return float((diff / (atol + rtol * b.abs().masked_fill(torch.isinf(b), 0.0))).max())
+
+
+def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, dtype="fp32", B=1, S=16, H=4,
+             Hkv=None, D=8, window=(-1, -1), softcap=0.0, alibi=False, grad=True, return_lse=True, seed=0,
+             attn_type="sdpa", scale=None):
+    """Sharded USP attention vs the float64 single-process reference on this rank's part.
+    Returns {name: normalised error} (<= 1 passes)."""
+    mesh = get_mesh(U, R, low)
+    dt = DTYPES[dtype]
+    Hkv = Hkv or H
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g).to(dt)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dt)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(dt)
+    dout = torch.randn(B, S, H, D, generator=g).to(dt)
+    slopes = torch.rand(H, generator=g) * 0.5 if alibi else None
+    # reference on the same (rounded) inputs, float64
+    qr, kr, vr = (x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v))
+    kw = dict(softmax_scale=scale, causal=causal, window=tuple(window), softcap=softcap, alibi_slopes=slopes)
+    ro, rl = reference_attention(qr, kr, vr, **kw)
+    rg = torch.autograd.grad(ro, (qr, kr, vr), dout.double()) if grad else None
+
+    def sh(x, seq_dim=1):
+        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=seq_dim)
+
+    ql, kl, vl = (sh(x).requires_grad_(grad) for x in (q, k, v))
+    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh, rotation=rotation)
+    res = attn(ql, kl, vl, softmax_scale=scale, causal=causal, window_size=tuple(window), softcap=softcap,
+               alibi_slopes=slopes, return_attn_probs=return_lse)
+    out, lse = res if return_lse else (res, None)
+    errs = {"out": _err(out, sh(ro), dt)}
+    if lse is not None:
+        errs["lse"] = _err(lse, sh(rl, seq_dim=2), dt, lse=True)
+    if grad:
+        out.backward(sh(dout))
+        for name, t, r in zip(("dq", "dk", "dv"), (ql, kl, vl), rg):
+            errs[name] = _err(t.grad, sh(r), dt)
+    return errs
+
+
+def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=16, H=4, D=8, return_lse=False):
+    """Count the collectives one forward and one backward issue on this rank."""
+    mesh = get_mesh(U, R)
+    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0, "all_gather": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def wrap(name):
+        def f(*a, **k):
+            counts[name] += 1
+            return originals[name](*a, **k)
+        return f
+
+    g = torch.Generator().manual_seed(1)
+    x = [usp_hal.shard(torch.randn(1, S, H, D, generator=g), layout=layout, mesh=mesh).requires_grad_()
+         for _ in range(3)]
+    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation)
+    try:
+        for name in counts:
+            setattr(dist, name, wrap(name))
+        res = attn(*x, causal=causal, return_attn_probs=return_lse)
+        out = res[0] if return_lse else res
+        fwd = dict(counts)
+        for name in counts:
+            counts[name] = 0
+        out.sum().backward()
+        bwd = dict(counts)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def expect_error(U=2, R=1, bad_rank=0, what="heads", layout="basic", **_):
+    """One rank passes something different; every rank must raise (no hang)."""
+    mesh = get_mesh(U, R)
+    rank = dist.get_rank()
+    H, Hkv, S, D = 4, 4, 8, 8
+    dt = torch.float32
+    if rank == bad_rank:
+        if what == "heads":
+            H = Hkv = 2
+        elif what == "dtype":
+            dt = torch.float64
+        elif what == "causal":
+            pass
+        elif what == "dropout":
+            pass
+    q = torch.randn(1, S // mesh.sp_size, H, D, dtype=dt)
+    k = torch.randn(1, S // mesh.sp_size, Hkv, D, dtype=dt)
+    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh)
+    kw = {}
+    if what == "causal" and rank == bad_rank:
+        kw["causal"] = True
+    if what == "dropout" and rank == bad_rank:
+        kw["dropout_p"] = 0.1
+    attn(q, k, k.clone(), **kw)
+    return "no error"
+
+
+def fresh_call_after_error(U=2, R=1):
+    """After a refused call the group must still work."""
+    return usp_case(U=U, R=R, S=8, H=2, grad=False)

@@ -1,0 +1,68 @@
+"""USP core on real gloo process groups: every ulysses x ring split of 1, 2 and 4 ranks,
+each layout and rotation, causal and not, fp32/bf16/fp64, B > 1, forward and gradients,
+against float64 single-process attention (tests/dist_cases.usp_case)."""
+import pytest
+
+from tests import dist_cases
+
+pytestmark = pytest.mark.multirank
+
+# (world, ulysses, ring, ulysses ranks contiguous)
+SPLITS = [(1, 1, 1, True), (2, 2, 1, True), (2, 1, 2, True), (4, 4, 1, True), (4, 2, 2, True),
+          (4, 1, 4, True), (4, 2, 2, False)]
+LAYOUTS = ["basic", "zigzag", "stripe"]
+
+
+def _check(errs):
+    bad = {k: v for k, v in errs.items() if not v <= 1.0}
+    assert not bad, f"errors above tolerance (1.0 = limit): {bad} (all: {errs})"
+
+
+def _run(pools, world, **kw):
+    for errs in pools(world).run(dist_cases.usp_case, timeout=120, **kw):
+        _check(errs)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"w{s[0]}-u{s[1]}r{s[2]}{'' if s[3] else '-ringlow'}")
+def test_usp_matrix(pools, split, layout, causal, dtype):
+    world, U, R, low = split
+    _run(pools, world, U=U, R=R, low=low, layout=layout, causal=causal, dtype=dtype, B=2, S=24, H=4, D=8)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("split", [s for s in SPLITS if s[2] > 1], ids=lambda s: f"w{s[0]}-u{s[1]}r{s[2]}")
+def test_usp_allgather_rotation(pools, split, layout, causal):
+    world, U, R, low = split
+    _run(pools, world, U=U, R=R, low=low, layout=layout, causal=causal, rotation="allgather", S=24, H=4, D=8)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"w{s[0]}-u{s[1]}r{s[2]}{'' if s[3] else '-ringlow'}")
+def test_usp_fp64_exact(pools, split):
+    world, U, R, low = split
+    _run(pools, world, U=U, R=R, low=low, layout="zigzag", causal=True, dtype="fp64", S=32, H=4, D=16)
+
+
+def test_collective_counts_ulysses(pools):
+    for res in pools(2).run(dist_cases.count_collectives, U=2, R=1):
+        # q, k, v in and out back; backward: dout in, dq, dk, dv back; no ring traffic
+        assert res["fwd"]["all_to_all_single"] == 4, res
+        assert res["bwd"]["all_to_all_single"] == 4, res
+        assert res["fwd"]["batch_isend_irecv"] == 0 and res["bwd"]["batch_isend_irecv"] == 0, res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collective_counts_ring_p2p(pools, world):
+    R = world
+    for res in pools(world).run(dist_cases.count_collectives, U=1, R=R, layout="zigzag"):
+        assert res["fwd"]["batch_isend_irecv"] == R - 1, res       # R-1 rotations forward
+        assert res["bwd"]["batch_isend_irecv"] == (R - 1) + R, res  # K/V again, and dK/dV home
+        assert res["fwd"]["all_to_all_single"] == 0, res
+
+
+def test_collective_counts_lse_adds_one_all_to_all(pools):
+    for res in pools(2).run(dist_cases.count_collectives, U=2, R=1, return_lse=True):
+        assert res["fwd"]["all_to_all_single"] == 5, res

@@ -1,0 +1,171 @@
+"""Sequence layouts: which global positions each rank holds.
+
+A layout assigns each *ring* rank a shard of the global sequence; inside a ring rank's
+shard, the Ulysses ranks hold contiguous, as-even-as-possible parts (like
+``torch.tensor_split``).  After the Ulysses all-to-all every ring rank therefore holds its
+whole layout shard, in order.
+
+Layouts (R = ring degree, any global length S)::
+
+    basic   rank r holds chunk r of R contiguous chunks
+    zigzag  2R chunks; rank r holds chunks r and 2R-1-r (balanced causal work)
+    stripe  rank r holds positions r, r+R, r+2R, ... (balanced causal work)
+
+    causal work per rank, R = 2, S = 8 (x = computed score)
+    basic:  rank0 q0-3 x 10   rank1 q4-7 x 26
+    zigzag: rank0 {0,1,6,7}   rank1 {2,3,4,5}   -> 18 each
+    stripe: rank0 {0,2,4,6}   rank1 {1,3,5,7}   -> 16 / 20
+
+A shard is described by :class:`Segment` s (arithmetic progressions of positions); the
+ring plan (``usp_hal.ring.plan_blocks``) works on segments, so every layout and every
+uneven length is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+LAYOUTS = ("basic", "zigzag", "stripe")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Positions ``start + i * step`` for ``i in range(count)``."""
+
+    start: int
+    count: int
+    step: int = 1
+
+    def positions(self) -> List[int]:
+        return [self.start + i * self.step for i in range(self.count)]
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout / ring_impl_type {layout!r}; valid: {', '.join(LAYOUTS)}")
+    return layout
+
+
+def _split_sizes(n: int, parts: int) -> List[int]:
+    """Sizes of torch.tensor_split(range(n), parts): the first n % parts get one more."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _split_starts(n: int, parts: int) -> List[int]:
+    sizes = _split_sizes(n, parts)
+    return [sum(sizes[:i]) for i in range(parts)]
+
+
+def ring_segments(layout: str, seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
+    """The segments of global positions held by ``ring_rank`` (before the Ulysses split)."""
+    check_layout(layout)
+    if not 0 <= ring_rank < ring_size:
+        raise ValueError(f"ring_rank={ring_rank} outside 0..{ring_size - 1}")
+    if layout == "basic" or ring_size == 1:
+        starts, sizes = _split_starts(seqlen, ring_size), _split_sizes(seqlen, ring_size)
+        return [Segment(starts[ring_rank], sizes[ring_rank])]
+    if layout == "zigzag":
+        starts, sizes = _split_starts(seqlen, 2 * ring_size), _split_sizes(seqlen, 2 * ring_size)
+        a, b = ring_rank, 2 * ring_size - 1 - ring_rank
+        return [Segment(starts[a], sizes[a]), Segment(starts[b], sizes[b])]
+    # stripe
+    count = max(0, (seqlen - ring_rank + ring_size - 1) // ring_size)
+    return [Segment(ring_rank, count, ring_size)]
+
+
+def shard_lengths(layout: str, seqlen: int, ring_size: int) -> List[int]:
+    return [sum(s.count for s in ring_segments(layout, seqlen, ring_size, r)) for r in range(ring_size)]
+
+
+def local_lengths(layout: str, seqlen: int, ring_size: int, ulysses_size: int) -> List[List[int]]:
+    """``[ring_rank][ulysses_rank]`` -> number of tokens that rank holds."""
+    return [_split_sizes(n, ulysses_size) for n in shard_lengths(layout, seqlen, ring_size)]
+
+
+def segment_positions(segments: List[Segment]) -> torch.Tensor:
+    parts = [torch.arange(s.start, s.start + s.count * s.step, s.step, dtype=torch.long)
+             if s.count else torch.zeros(0, dtype=torch.long) for s in segments]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def local_positions(layout: str, seqlen: int, ring_size: int, ulysses_size: int,
+                    ring_rank: int, ulysses_rank: int) -> torch.Tensor:
+    """Global positions held by (ring_rank, ulysses_rank), in local order."""
+    pos = segment_positions(ring_segments(layout, seqlen, ring_size, ring_rank))
+    return torch.tensor_split(pos, ulysses_size)[ulysses_rank]
+
+
+def permutation(layout: str, seqlen: int, ring_size: int, ulysses_size: int = 1) -> torch.Tensor:
+    """Global positions in sequence-rank order (ring-major, then ulysses): the
+    concatenation of every rank's local positions.  ``x[:, perm]`` lays a global tensor
+    out rank after rank; ``argsort(perm)`` restores it."""
+    return torch.cat([local_positions(layout, seqlen, ring_size, ulysses_size, r, u)
+                      for r in range(ring_size) for u in range(ulysses_size)])
+
+
+# --------------------------------------------------------------------------- public helpers
+def _mesh_coords(mesh):
+    from .mesh import get_default_mesh
+    mesh = mesh if mesh is not None else get_default_mesh()
+    return mesh
+
+
+def shard(x: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's part of a global tensor (every rank passes the same global ``x``)."""
+    mesh = _mesh_coords(mesh)
+    pos = local_positions(check_layout(layout), x.shape[seq_dim], mesh.ring_degree, mesh.ulysses_degree,
+                          mesh.ring_rank, mesh.ulysses_rank).to(x.device)
+    return x.index_select(seq_dim, pos)
+
+
+def unshard(local: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1) -> torch.Tensor:
+    """Collective inverse of :func:`shard` over the mesh's sequence-parallel group:
+    every rank gets the global tensor back (uneven shards included)."""
+    import torch.distributed as dist
+    mesh = _mesh_coords(mesh)
+    check_layout(layout)
+    if mesh.sp_size == 1:
+        return local
+    n = torch.tensor([local.shape[seq_dim]], dtype=torch.long, device=local.device)
+    sizes = [torch.zeros_like(n) for _ in range(mesh.sp_size)]
+    dist.all_gather(sizes, n, group=mesh.sp_group)
+    sizes = [int(s) for s in sizes]
+    seqlen = sum(sizes)
+    expect = [local_lengths(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree)[mesh.ring_of(i)][mesh.ulysses_of(i)]
+              for i in range(mesh.sp_size)]
+    if sizes != expect:
+        raise ValueError(f"unshard: per-rank lengths {sizes} do not match layout {layout!r} for S={seqlen} "
+                         f"(expected {expect}); were the parts made with usp_hal.shard?")
+    width = max(sizes)
+    pad = list(local.shape)
+    pad[seq_dim] = width - local.shape[seq_dim]
+    padded = torch.cat([local, local.new_zeros(pad)], dim=seq_dim).contiguous()
+    gathered = [torch.empty_like(padded) for _ in range(mesh.sp_size)]
+    dist.all_gather(gathered, padded, group=mesh.sp_group)
+    out_shape = list(local.shape)
+    out_shape[seq_dim] = seqlen
+    out = local.new_empty(out_shape)
+    for i, part in enumerate(gathered):
+        pos = local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree,
+                              mesh.ring_of(i), mesh.ulysses_of(i)).to(local.device)
+        out.index_copy_(seq_dim, pos, part.narrow(seq_dim, 0, sizes[i]))
+    return out
+
+
+def _yunchang_extract(layout: str):
+    def extract(value, rank, world_size, rd, ud, *args, **kwargs):
+        """yunchang-compatible: ``value`` is global along dim 1; ``rank`` is the rank inside the
+        sequence-parallel group with Ulysses ranks contiguous (``use_ulysses_low=True``)."""
+        if rd * ud != world_size:
+            raise ValueError(f"ring degree {rd} x ulysses degree {ud} != world size {world_size}")
+        ring_rank, ulysses_rank = divmod(rank, ud)
+        pos = local_positions(layout, value.shape[1], rd, ud, ring_rank, ulysses_rank).to(value.device)
+        return value.index_select(1, pos).detach().clone()
+    extract.__name__ = f"{layout}_extract_local"
+    return extract
+
+
+EXTRACT_FUNC_DICT = {name: _yunchang_extract(name) for name in LAYOUTS}

@@ -1,0 +1,205 @@
+"""The 2-D sequence-parallel mesh (ulysses x ring), immutable.
+
+World ranks are split into data-parallel replicas of ``ulysses_degree * ring_degree``
+consecutive ranks.  Inside a replica, by default (``use_ulysses_low=True``) each Ulysses
+group is a run of consecutive ranks and ring groups go across them::
+
+    U=2, R=2 (one replica)        sp rank = ring_rank * U + ulysses_rank
+      ulysses groups: {0,1} {2,3}
+      ring groups:    {0,2} {1,3}
+
+With ``use_ulysses_low=False`` ring groups are the consecutive runs instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple
+
+import torch.distributed as dist
+
+_DEFAULT_MESH: "Optional[SequenceParallelMesh]" = None
+
+
+@dataclass(frozen=True)
+class SequenceParallelMesh:
+    ulysses_degree: int
+    ring_degree: int
+    rank: int                      # global rank
+    world_size: int
+    use_ulysses_low: bool = True
+    ulysses_ranks: Tuple[int, ...] = ()
+    ring_ranks: Tuple[int, ...] = ()
+    sp_ranks: Tuple[int, ...] = ()
+    ulysses_group: Any = field(default=None, compare=False, repr=False)
+    ring_group: Any = field(default=None, compare=False, repr=False)
+    sp_group: Any = field(default=None, compare=False, repr=False)
+    dp_group: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def sp_rank(self) -> int:
+        return self.sp_ranks.index(self.rank) if self.sp_ranks else 0
+
+    @property
+    def dp_degree(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.ulysses_of(self.sp_rank)
+
+    @property
+    def ring_rank(self) -> int:
+        return self.ring_of(self.sp_rank)
+
+    def ring_of(self, sp_rank: int) -> int:
+        """Ring rank of the process at position ``sp_rank`` in the sequence-parallel group."""
+        return sp_rank // self.ulysses_degree if self.use_ulysses_low else sp_rank % self.ring_degree
+
+    def ulysses_of(self, sp_rank: int) -> int:
+        return sp_rank % self.ulysses_degree if self.use_ulysses_low else sp_rank // self.ring_degree
+
+    def sp_index(self, ring_rank: int, ulysses_rank: int) -> int:
+        if self.use_ulysses_low:
+            return ring_rank * self.ulysses_degree + ulysses_rank
+        return ulysses_rank * self.ring_degree + ring_rank
+
+    def ring_peer(self, ring_rank: int) -> int:
+        """Global rank of the ring member with ring index ``ring_rank`` (this rank's ring)."""
+        return self.ring_ranks[ring_rank]
+
+
+def _check_degrees(ulysses_degree, ring_degree, world_size):
+    for name, val in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    sp = ulysses_degree * ring_degree
+    if world_size % sp:
+        raise ValueError(f"ulysses_degree x ring_degree = {ulysses_degree} x {ring_degree} = {sp} does not "
+                         f"divide the world size {world_size}; choose degrees whose product divides it")
+
+
+def _layout_ranks(ulysses_degree, ring_degree, world_size, use_ulysses_low):
+    """All groups of every kind, as lists of global ranks (same order on every rank)."""
+    sp = ulysses_degree * ring_degree
+    sp_groups, uly_groups, ring_groups = [], [], []
+    for base in range(0, world_size, sp):
+        sp_groups.append(list(range(base, base + sp)))
+        if use_ulysses_low:
+            uly_groups += [[base + r * ulysses_degree + u for u in range(ulysses_degree)] for r in range(ring_degree)]
+            ring_groups += [[base + r * ulysses_degree + u for r in range(ring_degree)] for u in range(ulysses_degree)]
+        else:
+            ring_groups += [[base + u * ring_degree + r for r in range(ring_degree)] for u in range(ulysses_degree)]
+            uly_groups += [[base + u * ring_degree + r for u in range(ulysses_degree)] for r in range(ring_degree)]
+    dp_groups = [[base + i for base in range(0, world_size, sp)] for i in range(sp)]
+    return sp_groups, uly_groups, ring_groups, dp_groups
+
+
+def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,
+                           use_ulysses_low: bool = True, device_mesh=None,
+                           set_default: bool = True) -> SequenceParallelMesh:
+    """Build the sequence-parallel mesh (call after ``torch.distributed.init_process_group``).
+
+    Every rank must call this with the same arguments (it creates process groups).
+    ``ulysses_degree``/``ring_degree`` default to a Ulysses-only mesh over the whole world.
+    Pass ``device_mesh`` (a 2-D torch DeviceMesh with dims named "ulysses" and "ring") to
+    reuse existing groups instead.  Without an initialised process group only the trivial
+    1 x 1 mesh is possible.
+    """
+    if device_mesh is not None:
+        return _from_device_mesh(device_mesh, set_default)
+    if not (dist.is_available() and dist.is_initialized()):
+        u, r = ulysses_degree or 1, ring_degree or 1
+        _check_degrees(u, r, 1)
+        mesh = SequenceParallelMesh(1, 1, 0, 1, use_ulysses_low, (0,), (0,), (0,))
+        if set_default:
+            _set_default(mesh)
+        return mesh
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ulysses_degree is None and ring_degree is None:
+        ulysses_degree, ring_degree = world, 1
+    elif ulysses_degree is None:
+        _check_degrees(1, ring_degree, world)
+        ulysses_degree = world // ring_degree
+    elif ring_degree is None:
+        _check_degrees(ulysses_degree, 1, world)
+        ring_degree = world // ulysses_degree
+    _check_degrees(ulysses_degree, ring_degree, world)
+    sp_groups, uly_groups, ring_groups, dp_groups = _layout_ranks(ulysses_degree, ring_degree, world, use_ulysses_low)
+    mine = {}
+    for kind, groups in (("sp", sp_groups), ("ulysses", uly_groups), ("ring", ring_groups), ("dp", dp_groups)):
+        for ranks in groups:
+            if len(ranks) == world:
+                grp = dist.group.WORLD
+            else:
+                grp = dist.new_group(ranks)   # every rank creates every group, in the same order
+            if rank in ranks:
+                mine[kind] = (tuple(ranks), grp)
+    mesh = SequenceParallelMesh(
+        ulysses_degree, ring_degree, rank, world, use_ulysses_low,
+        ulysses_ranks=mine["ulysses"][0], ring_ranks=mine["ring"][0], sp_ranks=mine["sp"][0],
+        ulysses_group=mine["ulysses"][1], ring_group=mine["ring"][1], sp_group=mine["sp"][1],
+        dp_group=mine["dp"][1])
+    if set_default:
+        _set_default(mesh)
+    return mesh
+
+
+def _from_device_mesh(dm, set_default: bool) -> SequenceParallelMesh:
+    names = tuple(dm.mesh_dim_names or ())
+    if dm.ndim != 2 or set(names) != {"ulysses", "ring"}:
+        raise ValueError(f"device_mesh must be 2-D with dims named 'ulysses' and 'ring', got "
+                         f"ndim={dm.ndim} names={names}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    coord = dm.get_coordinate()
+    if coord is None:
+        raise ValueError(f"rank {rank} is not part of the given device_mesh")
+    u_dim, r_dim = names.index("ulysses"), names.index("ring")
+    grid = dm.mesh
+    ulysses_ranks = tuple(int(x) for x in (grid[:, coord[r_dim]] if u_dim == 0 else grid[coord[r_dim], :]))
+    ring_ranks = tuple(int(x) for x in (grid[:, coord[u_dim]] if r_dim == 0 else grid[coord[u_dim], :]))
+    udeg, rdeg = len(ulysses_ranks), len(ring_ranks)
+    flat = [int(x) for x in grid.flatten()]
+    # sequence-parallel order: ring-major when ulysses varies fastest
+    low = u_dim == 1
+    if low:
+        sp_ranks = tuple(int(grid[r if r_dim == 0 else u, u if r_dim == 0 else r])
+                         for r in range(rdeg) for u in range(udeg))
+    else:
+        sp_ranks = tuple(int(grid[r if r_dim == 0 else u, u if r_dim == 0 else r])
+                         for u in range(udeg) for r in range(rdeg))
+    sp_group = dist.group.WORLD if len(flat) == world else dist.new_group(sorted(flat))
+    mesh = SequenceParallelMesh(udeg, rdeg, rank, len(flat), low, ulysses_ranks, ring_ranks, sp_ranks,
+                                ulysses_group=dm.get_group("ulysses"), ring_group=dm.get_group("ring"),
+                                sp_group=sp_group)
+    if set_default:
+        _set_default(mesh)
+    return mesh
+
+
+def _set_default(mesh: SequenceParallelMesh) -> None:
+    global _DEFAULT_MESH
+    _DEFAULT_MESH = mesh
+
+
+def get_default_mesh() -> SequenceParallelMesh:
+    if _DEFAULT_MESH is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError("no sequence-parallel mesh: call usp_hal.init_sequence_parallel(ulysses_degree, "
+                               "ring_degree) (or set_seq_parallel_pg) first, or pass mesh=")
+        return init_sequence_parallel(1, 1, set_default=True)
+    return _DEFAULT_MESH
+
+
+def set_seq_parallel_pg(sp_ulysses_degree: int, sp_ring_degree: int, rank: int, world_size: int,
+                        use_ulysses_low: bool = True) -> SequenceParallelMesh:
+    """yunchang-compatible: build the mesh and make it the default one."""
+    if dist.is_initialized():
+        if rank != dist.get_rank() or world_size != dist.get_world_size():
+            raise ValueError(f"set_seq_parallel_pg: rank/world_size ({rank}/{world_size}) differ from the "
+                             f"process group ({dist.get_rank()}/{dist.get_world_size()})")
+    return init_sequence_parallel(sp_ulysses_degree, sp_ring_degree, use_ulysses_low=use_ulysses_low,
+                                  set_default=True)
