@@ -129,3 +129,72 @@ def expect_error(U=2, R=1, bad_rank=0, what="heads", layout="basic", **_):
 def fresh_call_after_error(U=2, R=1):
     """After a refused call the group must still work."""
     return usp_case(U=U, R=R, S=8, H=2, grad=False)
+
+
+def wrong_lengths(U=1, R=2, causal=True):
+    """Shards that do not match the layout (basic split passed to a zigzag module)."""
+    mesh = get_mesh(U, R)
+    x = torch.randn(1, 12, 2, 8)
+    local = usp_hal.shard(x, layout="basic", mesh=mesh)
+    if dist.get_rank() == 0:
+        local = local[:, :-2]   # 4 + 6 tokens: zigzag for S=10 needs 5 + 5
+    attn = usp_hal.LongContextAttention(ring_impl_type="zigzag", attn_type="sdpa", mesh=mesh)
+    attn(local, local, local, causal=causal)
+    return "no error"
+
+
+def bad_rank_shape(U=2, R=1):
+    """One rank passes a 3-D tensor: every rank must raise."""
+    mesh = get_mesh(U, R)
+    x = torch.randn(1, 4, 2, 8)
+    if dist.get_rank() == 1:
+        x = x[0]
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    attn(x, x, x)
+    return "no error"
+
+
+def refused_before_communication(U=2, R=1, what="forward_only_grad"):
+    """A refusal must come before any data collective: count them while the call fails."""
+    from usp_hal.backends.sdpa import SDPABackend
+
+    class ForwardOnly(SDPABackend):
+        NAME = "test_fwd_only"
+        HAS_BACKWARD = False
+
+    class NoLse(SDPABackend):
+        NAME = "test_no_lse"
+        RETURNS_LSE = False
+
+    for cls in (ForwardOnly, NoLse):
+        if cls.NAME not in usp_hal.list_backends():
+            usp_hal.register_backend(cls.NAME, cls)
+    mesh = get_mesh(U, R)
+    name = {"forward_only_grad": "test_fwd_only", "no_lse_ring": "test_no_lse", "softcap": "sdpa"}[what]
+    x = torch.randn(1, 4, 2, 8, requires_grad=what == "forward_only_grad")
+    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0}
+    orig = {k: getattr(dist, k) for k in counts}
+    for k in counts:
+        setattr(dist, k, (lambda k: lambda *a, **kw: (counts.__setitem__(k, counts[k] + 1), orig[k](*a, **kw))[1])(k))
+    try:
+        attn = usp_hal.LongContextAttention(attn_type=name, mesh=mesh)
+        attn(x, x, x, softcap=30.0 if what == "softcap" else 0.0)
+        return {"error": None, "counts": counts}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "counts": dict(counts)}
+    finally:
+        for k, fn in orig.items():
+            setattr(dist, k, fn)
+
+
+def forward_only_without_grad(U=1, R=2):
+    """A forward-only backend that returns an lse serves the ring when no gradient is needed."""
+    from usp_hal.backends.sdpa import SDPABackend
+
+    class ForwardOnly(SDPABackend):
+        NAME = "test_fwd_only2"
+        HAS_BACKWARD = False
+
+    if ForwardOnly.NAME not in usp_hal.list_backends():
+        usp_hal.register_backend(ForwardOnly.NAME, ForwardOnly)
+    return usp_case(U=U, R=R, causal=True, grad=False, attn_type="test_fwd_only2", S=12)
