@@ -198,3 +198,47 @@ def forward_only_without_grad(U=1, R=2):
     if ForwardOnly.NAME not in usp_hal.list_backends():
         usp_hal.register_backend(ForwardOnly.NAME, ForwardOnly)
     return usp_case(U=U, R=R, causal=True, grad=False, attn_type="test_fwd_only2", S=12)
+
+
+def api_surface(U=2, R=1):
+    """The public names work as documented: set_seq_parallel_pg, shard/unshard, the 1-D classes,
+    QKV-packed input, and a torch DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {}
+    mesh = usp_hal.set_seq_parallel_pg(U, R, rank, world)
+    assert usp_hal.get_default_mesh() is mesh
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 11, 3, 8, generator=g)
+    for layout in ("basic", "zigzag", "stripe"):
+        back = usp_hal.unshard(usp_hal.shard(x, layout=layout), layout=layout)
+        report[f"roundtrip_{layout}"] = bool(torch.equal(back, x))
+    # default mesh + yunchang-style names
+    q = usp_hal.shard(x, layout="zigzag").requires_grad_()
+    cls = usp_hal.UlyssesAttention if R == 1 else usp_hal.RingAttention
+    out = cls(attn_type="TORCH", ring_impl_type="zigzag")(q, q, q, causal=True)
+    ref, _ = reference_attention(x.double(), x.double(), x.double(), causal=True)
+    report["one_dim_class"] = _err(out, usp_hal.shard(ref, layout="zigzag"), torch.float32)
+    qkv = torch.stack([q.detach()] * 3, dim=2)
+    packed = usp_hal.LongContextAttentionQKVPacked(attn_type="sdpa", ring_impl_type="zigzag")(qkv, causal=True)
+    report["packed"] = _err(packed, usp_hal.shard(ref, layout="zigzag"), torch.float32)
+    # a torch DeviceMesh with named dims
+    dm = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
+    m2 = usp_hal.init_sequence_parallel(device_mesh=dm, set_default=False)
+    report["device_mesh_degrees"] = (m2.ulysses_degree, m2.ring_degree)
+    out2 = usp_hal.LongContextAttention(attn_type="sdpa", mesh=m2)(usp_hal.shard(x, mesh=m2), usp_hal.shard(x, mesh=m2),
+                                                                  usp_hal.shard(x, mesh=m2), causal=True)
+    report["device_mesh"] = _err(out2, usp_hal.shard(ref, mesh=m2), torch.float32)
+    return report
+
+
+def bad_degrees():
+    errs = []
+    for u, r in [(3, 1), (0, 2), (2, 3)]:
+        try:
+            usp_hal.init_sequence_parallel(u, r, set_default=False)
+            errs.append(None)
+        except ValueError as exc:
+            errs.append(str(exc))
+    return errs

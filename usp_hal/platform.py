@@ -75,6 +75,7 @@ def device_count(device_type: str) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=None)
 def compute_capability(device_type: str, index: int = 0) -> Optional[tuple]:
     """(major, minor) for CUDA devices; None elsewhere (initialises CUDA when asked)."""
     if device_type == "cuda" and "cuda" in available_device_types():

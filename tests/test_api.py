@@ -1,0 +1,96 @@
+"""Public API: names, constructors, meshes, shard/unshard, single-process use."""
+import pytest
+import torch
+
+import usp_hal
+from tests import dist_cases
+from usp_hal.reference import reference_attention
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("U,R", [(2, 1), (1, 2)])
+def test_public_api_on_two_ranks(pools, U, R):
+    for rep in pools(2).run(dist_cases.api_surface, U=U, R=R):
+        assert all(rep[f"roundtrip_{k}"] for k in ("basic", "zigzag", "stripe")), rep
+        assert rep["one_dim_class"] <= 1 and rep["packed"] <= 1 and rep["device_mesh"] <= 1, rep
+        assert rep["device_mesh_degrees"] == (U, R)
+
+
+@pytest.mark.multirank
+def test_mesh_degree_errors(pools):
+    for errs in pools(2).run(dist_cases.bad_degrees):
+        assert all(e and "world size" in e or e and "positive integer" in e for e in errs), errs
+
+
+@pytest.mark.multirank
+def test_ring_low_and_dp_replicas(pools):
+    # world 4 with a 2-rank sequence-parallel mesh: two data-parallel replicas
+    for errs in pools(4).run(dist_cases.usp_case, U=1, R=2, causal=True, layout="zigzag", S=10):
+        assert all(v <= 1 for v in errs.values()), errs
+    for errs in pools(4).run(dist_cases.usp_case, U=2, R=1, causal=True, S=10):
+        assert all(v <= 1 for v in errs.values()), errs
+
+
+def test_single_process_without_process_group():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 9, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    attn = usp_hal.LongContextAttention(attn_type="auto")
+    out, lse = attn(q, k, k, causal=True, return_attn_probs=True)
+    ref, ref_lse = reference_attention(q, k, k, causal=True)
+    assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+    assert lse.dtype == torch.float64 and out.shape == q.shape
+    g1 = torch.autograd.grad(out.sum(), (q, k))
+    g2 = torch.autograd.grad(ref.sum(), (q, k))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g1, g2))
+    assert attn.last_backend.NAME == "sdpa"
+
+
+def test_forward_only_path_saves_nothing_and_matches():
+    q = torch.randn(1, 8, 2, 8)
+    with torch.no_grad():
+        out = usp_hal.LongContextAttention()(q, q, q, causal=True)
+    assert out.grad_fn is None
+    ref, _ = reference_attention(q, q, q, causal=True)
+    assert torch.allclose(out.double(), ref, atol=2e-6)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(scatter_idx=1), "scatter_idx"),
+    (dict(attn_type="nope"), "valid options"),
+    (dict(ring_impl_type="spiral"), "valid: basic, zigzag, stripe"),
+    (dict(rotation="ring"), "valid: p2p, allgather"),
+    (dict(attn_processor=object()), "register_backend"),
+])
+def test_constructor_errors(kwargs, needle):
+    with pytest.raises((ValueError, NotImplementedError), match=needle):
+        usp_hal.LongContextAttention(**kwargs)
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda a, q: a(q[0], q[0], q[0]), "batch, seq, heads, head_dim"),
+    (lambda a, q: a(q, q[:, :, :3], q[:, :, :3]), "multiple of key/value heads"),
+    (lambda a, q: a(q, q.double(), q), "dtypes differ"),
+    (lambda a, q: a(q, q, q, window_size=(-3, 0)), "window_size"),
+    (lambda a, q: a(q, q, q, dropout_p=0.1), "dropout"),
+    (lambda a, q: a(q, q, q, softcap=5.0), "softcap"),
+    (lambda a, q: a(q, q, q, alibi_slopes=torch.ones(3)), "alibi_slopes"),
+])
+def test_local_validation_errors(call, needle):
+    q = torch.randn(1, 4, 4, 8)
+    with pytest.raises((ValueError, NotImplementedError, TypeError), match=needle):
+        call(usp_hal.LongContextAttention(attn_type="sdpa"), q)
+
+
+def test_yunchang_names_accepted():
+    for name in ("TORCH", "TORCH_EFFICIENT", usp_hal.AttnType.SDPA, "sdpa", "auto"):
+        usp_hal.LongContextAttention(attn_type=name)
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+    code = ("import sys, usp_hal; bad=[m for m in sys.modules if m.split('.')[0] in "
+            "('flash_attn','flash_attn_interface','sageattention','flashinfer','torch_npu',"
+            "'intel_extension_for_pytorch','matplotlib')]; print(bad); sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
