@@ -12,6 +12,7 @@ from usp_hal.backend import AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.cli import main
 from usp_hal.cli import probe
+from usp_hal.reference import TOLERANCES
 from usp_hal.registry import AttnType, Registry
 
 DOCUMENTED = {t.value for t in AttnType} - {"auto"}   # the built-in names of the public API
@@ -149,7 +150,7 @@ def test_verify_passes_for_sdpa(capsys):
     res = v["results"]
     assert {r["backend"] for r in res} == {"sdpa"}
     assert {r["dtype"] for r in res} == {"fp64", "fp32", "bf16", "fp16"}
-    assert {r["case"] for r in res} == {"plain", "causal", "gqa-causal"}
+    assert {r["case"] for r in res} == {"plain", "causal", "gqa-causal"}   # window/softcap: CI matrix
     for r in res:
         assert r["status"] == "pass", r
         assert set(r["errors"]) == {"out", "lse", "dq", "dk", "dv"}
@@ -261,3 +262,40 @@ def test_base_request_picks_a_declared_head_dim():
     assert probe.base_request(Only128, "cpu", torch.float32).head_dim == 128
     refused = probe.base_request(Only128, "cpu", torch.float16)
     assert Only128.not_supported_reasons(refused)
+
+
+class _LeftWindowOnly(SDPABackend):
+    """Accepts a sliding window only as a causal left bound (like FlashInfer)."""
+    NAME = "leftwin"
+    SUPPORTED_DEVICES = frozenset({"cpu"})
+    SUPPORTED_DTYPES = frozenset({torch.float32})
+
+    @classmethod
+    def extra_reasons(cls, req):
+        return ["right window bound without causal"] if req.window[1] >= 0 and not req.causal else []
+
+
+def test_window_variant_falls_back_to_causal_left_bound():
+    base = probe.base_request(_LeftWindowOnly, "cpu", torch.float32)
+    assert probe.feature_change(_LeftWindowOnly, base, "window") == {"window": probe.VERIFY_LEFT_WINDOW,
+                                                                     "causal": True}
+    assert probe.feature_change(SDPABackend, base, "window") == {"window": probe.VERIFY_WINDOW}
+    rows = probe.verify_backend(_LeftWindowOnly, "cpu", features={"window": True, "bwd": True, "ring": True})
+    assert [(r["case"], r["status"]) for r in rows] == [("plain", "pass"), ("window-causal", "pass")]
+    with pytest.raises(ValueError, match="unknown feature"):
+        probe.feature_change(SDPABackend, base, "telepathy")
+
+
+class _Lossy(_WrongOut):
+    """A lossy kernel that declares its accuracy: verified against its own tolerances."""
+    NAME = "lossy"
+    LOSSY_TOLERANCES = {torch.float32: (0.2, 0.05)}
+
+
+def test_lossy_backend_is_verified_against_its_declared_tolerances():
+    assert probe.tolerances_for(SDPABackend, torch.bfloat16) == TOLERANCES[torch.bfloat16]
+    assert probe.tolerances_for(_Lossy, torch.float32) == (0.2, 0.05)
+    rows = probe.verify_backend(_Lossy, "cpu")
+    assert rows and all(r["status"] == "pass" and r["tolerance"] == [0.2, 0.05] for r in rows)
+    # the same error fails at the reference tolerances
+    assert all(r["status"] == "fail" for r in probe.verify_backend(_WrongOut, "cpu"))

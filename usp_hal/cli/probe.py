@@ -30,8 +30,7 @@ from ..reference import TOLERANCES, reference_attention
 from ..registry import REGISTRY
 
 # ----------------------------------------------------------------------------- features
-#: Feature flags a backend is tested for, in display order.  Each maps to one change of a
-#: base request; a feature is "supported" when ``not_supported_reasons`` accepts it.
+#: Feature flags a backend is tested for, in display order.
 FEATURES = ("fwd", "bwd", "ring", "causal", "window", "softcap", "gqa")
 
 VERIFY_BATCH = 2
@@ -39,28 +38,35 @@ VERIFY_SEQLEN = 32
 VERIFY_HEADS = 4
 VERIFY_KV_HEADS = 2          # the GQA case: two query heads per key/value head
 VERIFY_WINDOW = (6, 2)       # (left, right); narrower than the sequence on both sides
+VERIFY_LEFT_WINDOW = (6, 0)  # causal sliding window, for kernels with a left bound only
 VERIFY_SOFTCAP = 1.0         # small enough that the cap changes the scores noticeably
 # first head dim (in this order) that a backend's declarations accept is used for checks
 HEAD_DIM_CANDIDATES = (64, 128, 32, 96, 80, 16, 256, 8)
 
+#: feature -> request changes that exercise it, in order of preference.  A feature is
+#: supported when the backend's ``not_supported_reasons`` accepts one of them; the first
+#: accepted one is what gets verified.
+FEATURE_VARIANTS = {
+    "fwd": ({},),
+    "bwd": ({"needs_grad": True},),
+    "ring": ({"needs_lse": True},),
+    "causal": ({"causal": True},),
+    "window": ({"window": VERIFY_WINDOW}, {"window": VERIFY_LEFT_WINDOW, "causal": True}),
+    "softcap": ({"softcap": VERIFY_SOFTCAP},),
+    "gqa": ({"num_kv_heads": VERIFY_KV_HEADS},),
+}
 
-def feature_request(base: AttnRequest, feature: str) -> AttnRequest:
-    """``base`` changed to exercise one feature (see :data:`FEATURES`)."""
-    if feature == "fwd":
-        return base
-    if feature == "bwd":
-        return base.with_(needs_grad=True)
-    if feature == "ring":
-        return base.with_(needs_lse=True)
-    if feature == "causal":
-        return base.with_(causal=True)
-    if feature == "window":
-        return base.with_(window=VERIFY_WINDOW)
-    if feature == "softcap":
-        return base.with_(softcap=VERIFY_SOFTCAP)
-    if feature == "gqa":
-        return base.with_(num_heads=VERIFY_HEADS, num_kv_heads=VERIFY_KV_HEADS)
-    raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(FEATURES)}")
+
+def feature_change(backend, base: AttnRequest, feature: str) -> Optional[dict]:
+    """The first variant of ``feature`` that ``backend`` accepts on top of ``base``, or None."""
+    try:
+        variants = FEATURE_VARIANTS[feature]
+    except KeyError:
+        raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(FEATURES)}") from None
+    for change in variants:
+        if not backend.not_supported_reasons(base.with_(**change)):
+            return dict(change)
+    return None
 
 
 def base_request(backend, device_type: str, dtype: torch.dtype,
@@ -83,24 +89,33 @@ def base_request(backend, device_type: str, dtype: torch.dtype,
 
 def supported_features(backend, base: AttnRequest) -> dict:
     """{feature: bool} for ``base``, decided by the backend's own ``not_supported_reasons``."""
-    return {f: not backend.not_supported_reasons(feature_request(base, f)) for f in FEATURES}
+    return {f: feature_change(backend, base, f) is not None for f in FEATURES}
+
+
+def tolerances_for(backend, dtype: torch.dtype) -> tuple:
+    """(atol, rtol) for verifying ``backend`` in ``dtype``: the reference's per-dtype
+    tolerances, unless the backend declares its own for a lossy kernel
+    (``LOSSY_TOLERANCES = {dtype: (atol, rtol)}``)."""
+    own = getattr(backend, "LOSSY_TOLERANCES", None) or {}
+    return tuple(own.get(dtype, TOLERANCES[dtype]))
 
 
 # ----------------------------------------------------------------------------- verify
-def _cases(features: dict) -> list:
-    """(case name, request changes) for the enabled features.  Always a plain case."""
+def _cases(backend, base: AttnRequest, use: dict) -> list:
+    """(case name, request changes) for the enabled features; always a plain case first."""
     cases = [("plain", {})]
-    if features.get("causal"):
-        cases.append(("causal", {"causal": True}))
-    if features.get("gqa"):
-        change = {"num_kv_heads": VERIFY_KV_HEADS}
-        if features.get("causal"):
-            change["causal"] = True
-        cases.append(("gqa-causal" if change.get("causal") else "gqa", change))
-    if features.get("window"):
-        cases.append(("window", {"window": VERIFY_WINDOW}))
-    if features.get("softcap"):
-        cases.append(("softcap", {"softcap": VERIFY_SOFTCAP}))
+    causal = feature_change(backend, base, "causal") if use.get("causal") else None
+    if causal is not None:
+        cases.append(("causal", causal))
+    if use.get("gqa"):
+        gqa = feature_change(backend, base, "gqa")
+        if gqa is not None:
+            change = {**gqa, **(causal or {})}
+            cases.append(("gqa-causal" if change.get("causal") else "gqa", change))
+    for feature in ("window", "softcap"):
+        change = feature_change(backend, base, feature) if use.get(feature) else None
+        if change is not None:
+            cases.append((feature + ("-causal" if change.get("causal") else ""), change))
     return cases
 
 
@@ -126,13 +141,15 @@ def _expected_lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *, causal=False,
                 num_kv_heads: Optional[int] = None, window=(-1, -1), softcap=0.0,
-                check_lse: bool = True, check_grad: bool = True, seed: int = 0) -> dict:
+                check_lse: bool = True, check_grad: bool = True, seed: int = 0,
+                tolerance: Optional[tuple] = None) -> dict:
     """Run ``backend`` once on ``device_type`` and compare with the float64 reference.
 
     Returns ``{"errors": {name: max abs error}, "ok": bool, "problems": [text]}``; a kernel
-    that raises gives ``ok=False`` with the exception as the problem.
+    that raises gives ``ok=False`` with the exception as the problem.  ``tolerance``
+    defaults to :func:`tolerances_for` the backend.
     """
-    atol, rtol = TOLERANCES[dtype]
+    atol, rtol = tolerance if tolerance is not None else tolerances_for(backend, dtype)
     b, s, h = VERIFY_BATCH, VERIFY_SEQLEN, VERIFY_HEADS
     hkv = h if num_kv_heads is None else num_kv_heads
     gen = torch.Generator().manual_seed(seed)
@@ -201,7 +218,7 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
     for dtype in wanted:
         base = base_request(backend, device_type, dtype, cc)
         row0 = {"backend": backend.NAME, "device": device_type, "dtype": dtype_name(dtype),
-                "head_dim": base.head_dim, "tolerance": list(TOLERANCES[dtype])}
+                "head_dim": base.head_dim, "tolerance": list(tolerances_for(backend, dtype))}
         refused = backend.not_supported_reasons(base)
         if refused:
             rows.append({**row0, "case": "-", "status": "skip", "errors": {}, "reason": "; ".join(refused)})
@@ -211,8 +228,9 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
             use = {f: have[f] for f in ("bwd", "ring", "causal", "gqa")}
         else:
             use = {f: bool(features.get(f)) for f in FEATURES if f != "fwd"}
-        for case, change in _cases(use):
-            req = base.with_(needs_grad=use.get("bwd", False), needs_lse=use.get("ring", False), **change)
+        checked = base.with_(needs_grad=use.get("bwd", False), needs_lse=use.get("ring", False))
+        for case, change in _cases(backend, checked, use):
+            req = checked.with_(**change)
             why = backend.not_supported_reasons(req)
             if why:
                 rows.append({**row0, "case": case, "status": "skip", "errors": {}, "reason": "; ".join(why)})

@@ -1,0 +1,402 @@
+"""``usp-hal matrix``: per-device CI matrices and the backend docs table, from the declarations.
+
+Nothing here is written by hand per backend.  A *profile* is a CI device (a device type and,
+for CUDA, a compute capability).  For each profile and each backend shipped with usp-hal,
+every declared dtype is put to the backend's own ``not_supported_reasons``; the dtypes it
+accepts become matrix entries, each with the feature flags (``fwd``, ``bwd``, ``ring``,
+``causal``, ``window``, ``softcap``, ``gqa``) that the same function accepts for that dtype
+on that device.  Device-specific rules (``extra_reasons``) are therefore honoured too.
+
+Formats: ``json`` (default; a list usable as a GitHub Actions ``strategy.matrix.include``),
+``markdown``, and ``extras`` (the pip extras that install the profile's kernel packages).
+``--docs [PATH]`` writes ``docs/backends.md``; ``--docs --check`` only compares.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .. import platform as _platform
+from ..backend import installed_version
+from ..capabilities import capability_row, parse_dtype
+from ..registry import ENTRY_POINT_GROUP, REGISTRY
+from .probe import (FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features)
+
+DOCS_PATH = "docs/backends.md"
+DOCS_COMMAND = "usp-hal matrix --docs"
+_PROJECT_PACKAGE = "usp_hal.backends."
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A CI device: what a self-hosted runner labelled ``name`` provides."""
+
+    name: str
+    device_type: str
+    compute_capability: Optional[tuple] = None
+    hardware: str = ""
+
+
+PROFILES = {p.name: p for p in (
+    Profile("cpu", "cpu", None, "any x86-64 or aarch64 CPU (gloo)"),
+    Profile("cuda-sm80", "cuda", (8, 0), "NVIDIA Ampere, e.g. A100"),
+    Profile("cuda-sm90", "cuda", (9, 0), "NVIDIA Hopper, e.g. H100/H200"),
+    Profile("rocm", "rocm", None, "AMD Instinct, e.g. MI250/MI300"),
+    Profile("npu", "npu", None, "Ascend Atlas A2 (910B)"),
+    Profile("xpu", "xpu", None, "Intel GPU, e.g. Data Center GPU Max / Arc B-series"),
+)}
+
+
+def machine_profile() -> Profile:
+    """The profile this machine matches (its default device; for CUDA the highest
+    profile compute capability not above the device's)."""
+    dev = _platform.default_device_type()
+    cc = _platform.compute_capability(dev)
+    fits = [p for p in PROFILES.values() if p.device_type == dev
+            and (p.compute_capability is None or (cc is not None and tuple(cc) >= p.compute_capability))]
+    if not fits:
+        found = f"{dev}" + (f" sm{cc[0]}{cc[1]}" if cc else "")
+        raise ValueError(f"no CI profile matches this machine ({found}); profiles: {', '.join(PROFILES)}")
+    return max(fits, key=lambda p: p.compute_capability or (0, 0))
+
+
+def get_profile(name: str) -> Profile:
+    if name == "auto":
+        return machine_profile()
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; valid: {', '.join(PROFILES)}, auto") from None
+
+
+# ----------------------------------------------------------------------------- backends
+def _plugin_names() -> set:
+    try:
+        return {ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    except Exception:  # pragma: no cover - broken metadata is reported by the registry itself
+        return set()
+
+
+def project_backends(registry=None) -> list:
+    """Backend classes shipped with usp-hal (``usp_hal.backends.*``), in registry order.
+
+    Out-of-tree plugins are left out: they are not ours to document or test.  A shipped
+    adapter that fails to import is an error here; a matrix or doc that silently lacked a
+    backend would be wrong.
+    """
+    reg = registry if registry is not None else REGISTRY
+    plugins = _plugin_names()
+    out = []
+    for name in reg.names():
+        try:
+            cls = reg.get(name)
+        except Exception as exc:
+            if name in plugins:
+                continue
+            raise RuntimeError(f"backend {name!r} could not be imported ({type(exc).__name__}: {exc}); "
+                               "the matrix and docs are generated from its declarations") from exc
+        if cls.__module__.startswith(_PROJECT_PACKAGE):
+            out.append(cls)
+    return out
+
+
+def installed_kernel_packages(registry=None) -> list:
+    """Distributions of shipped backends that are installed here.  Rules that depend on an
+    installed version (``extra_reasons``) can then change the generated docs."""
+    found = []
+    for cls in project_backends(registry):
+        found += [f"{p.dist} {installed_version(p)}" for p in cls.REQUIRED_PACKAGES if installed_version(p)]
+    return sorted(set(found))
+
+
+def _extras(cls) -> list:
+    return sorted({p.extra for p in cls.REQUIRED_PACKAGES if p.extra})
+
+
+# ----------------------------------------------------------------------------- matrix
+def matrix_entries(profile: Profile, registry=None) -> list:
+    """One entry per (backend, dtype) that ``profile`` can run, with its feature flags."""
+    entries = []
+    cc = profile.compute_capability
+    for cls in project_backends(registry):
+        for dname in capability_row(cls)["dtypes"]:
+            base = base_request(cls, profile.device_type, parse_dtype(dname), cc)
+            if cls.not_supported_reasons(base):
+                continue
+            entries.append({
+                "profile": profile.name,
+                "device": profile.device_type,
+                "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
+                "backend": cls.NAME,
+                "dtype": dname,
+                "head_dim": base.head_dim,
+                **supported_features(cls, base),
+                "extra": ",".join(_extras(cls)),
+            })
+    return entries
+
+
+def profile_extras(entries: list) -> list:
+    return sorted({x for e in entries for x in e["extra"].split(",") if x})
+
+
+def _grouped(entries: list) -> list:
+    """Entries of one profile merged over dtypes when the flags agree: (backend, dtypes, flags)."""
+    groups: dict = {}
+    for e in entries:
+        key = (e["backend"], tuple(e[f] for f in FEATURES))
+        groups.setdefault(key, []).append(e["dtype"])
+    return [(b, dts, dict(zip(FEATURES, flags))) for (b, flags), dts in groups.items()]
+
+
+def _yes(flag) -> str:
+    return "yes" if flag else "no"
+
+
+def _md_table(headers: list, rows: list) -> list:
+    esc = [[str(c).replace("|", "\\|") for c in r] for r in rows]
+    return ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"] + \
+           ["| " + " | ".join(r) + " |" for r in esc]
+
+
+def matrix_markdown(profiles: list, registry=None) -> str:
+    lines = []
+    for p in profiles:
+        entries = matrix_entries(p, registry)
+        cc = f", compute capability {p.compute_capability[0]}.{p.compute_capability[1]}" if p.compute_capability else ""
+        lines += [f"### {p.name} ({p.device_type}{cc})", ""]
+        if not entries:
+            lines += ["No shipped backend declares this device.", ""]
+            continue
+        rows = [[b, ", ".join(dts)] + [_yes(flags[f]) for f in FEATURES] for b, dts, flags in _grouped(entries)]
+        lines += _md_table(["backend", "dtypes", *FEATURES], rows) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------- docs
+def _head_dims(cls) -> str:
+    hi = cls.HEAD_DIM_MAX if cls.HEAD_DIM_MAX is not None else "any"
+    text = f"{cls.HEAD_DIM_MIN}..{hi}"
+    if cls.HEAD_DIM_MULTIPLE > 1:
+        text += f", multiple of {cls.HEAD_DIM_MULTIPLE}"
+    if cls.SUPPORTS_DIFFERENT_V_DIM:
+        text += "; V may differ"
+    return text
+
+
+def _min_cc(cls) -> str:
+    mincc = cls.MIN_COMPUTE_CAPABILITY or {}
+    return ", ".join(f"{dev} {v[0]}.{v[1]}" for dev, v in sorted(mincc.items())) or "-"
+
+
+def _packages(cls) -> str:
+    if not cls.REQUIRED_PACKAGES:
+        return "torch only"
+    parts = []
+    for p in cls.REQUIRED_PACKAGES:
+        text = f"`{p.dist}`" + (f" >= {p.min_version}" if p.min_version else "")
+        if p.extra:
+            text += f" (`usp-hal[{p.extra}]`)"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+# ----- cells decided per device by the backend's own not_supported_reasons
+def _doc_base(cls, device_type: str):
+    """A plain request on ``device_type`` with the first dtype the backend accepts there."""
+    for dname in capability_row(cls)["dtypes"]:
+        base = base_request(cls, device_type, parse_dtype(dname))
+        if not cls.not_supported_reasons(base):
+            return base
+    return None
+
+
+def _by_device(cls, value) -> str:
+    """``value(base) -> str`` for each declared device; one value when all agree, otherwise
+    "value (devices); value (devices)"."""
+    per_dev: dict = {}
+    for dev in sorted(cls.SUPPORTED_DEVICES):
+        base = _doc_base(cls, dev)
+        per_dev.setdefault(value(base) if base is not None else "none", []).append(dev)
+    if len(per_dev) <= 1:
+        return next(iter(per_dev), "-")
+    return "; ".join(f"{v} ({', '.join(devs)})" for v, devs in per_dev.items())
+
+
+def _accepts(cls, base, **change) -> bool:
+    return not cls.not_supported_reasons(base.with_(**change))
+
+
+def _feature(name: str):
+    return lambda cls: _by_device(cls, lambda base: _yes(feature_change(cls, base, name) is not None))
+
+
+def _extra_flag(**change):
+    return lambda cls: _by_device(cls, lambda base: _yes(_accepts(cls, base, **change)))
+
+
+def _dtypes_cell(cls) -> str:
+    def accepted(base):
+        return ", ".join(d for d in capability_row(cls)["dtypes"]
+                         if _accepts(cls, base, dtype=parse_dtype(d)))
+    return _by_device(cls, accepted)
+
+
+def _across_blocks_cell(cls) -> str:
+    def value(base):
+        kinds = [feature_change(cls, base, "window"), dict(alibi=True)]
+        usable = [k for k in kinds if k is not None and _accepts(cls, base, **k)]
+        if not usable:
+            return "n/a"
+        return _yes(all(_accepts(cls, base, key_offset=True, **k) for k in usable))
+    return _by_device(cls, value)
+
+
+def _window_cell(cls) -> str:
+    two_sided, left_only = FEATURE_VARIANTS["window"]
+    def value(base):
+        if _accepts(cls, base, **two_sided):
+            return "yes"
+        if _accepts(cls, base, **left_only):
+            return "left bound only (causal)"
+        return "no"
+    return _by_device(cls, value)
+
+
+def _deterministic_cell(cls) -> str:
+    def value(base):
+        if not _accepts(cls, base, needs_grad=True):
+            return "n/a (no backward)"
+        if not _accepts(cls, base, needs_grad=True, deterministic=True):
+            return "no"
+        return "yes" if cls.IS_DETERMINISTIC else "on request (deterministic=True)"
+    return _by_device(cls, value)
+
+
+# (row label, cell for one backend class)
+_DOC_ROWS = (
+    ("devices", lambda c: ", ".join(sorted(c.SUPPORTED_DEVICES))),
+    ("dtypes", _dtypes_cell),
+    ("head dims", _head_dims),
+    ("forward", _feature("fwd")),
+    ("backward", _feature("bwd")),
+    ("ring (returns lse)", _feature("ring")),
+    ("Ulysses-only (ring degree 1)",
+     lambda c: _by_device(c, lambda b: "no" if feature_change(c, b, "ring") is not None else "yes (no lse)")),
+    ("causal", _feature("causal")),
+    ("sliding window", _window_cell),
+    ("window/alibi across ring blocks", _across_blocks_cell),
+    ("softcap", _feature("softcap")),
+    ("alibi", _extra_flag(alibi=True)),
+    ("dropout", _extra_flag(dropout_p=0.1)),
+    ("GQA/MQA", _feature("gqa")),
+    ("deterministic backward", _deterministic_cell),
+    ("min compute capability", _min_cc),
+    ("packages", _packages),
+)
+
+
+def generate_docs(registry=None) -> str:
+    """The text of docs/backends.md (deterministic: declarations only, no machine facts)."""
+    classes = project_backends(registry)
+    names = [c.NAME for c in classes]
+    lines = [
+        f"<!-- Generated by `{DOCS_COMMAND}` from the backend declarations. Do not edit by hand. -->",
+        "# Attention backends",
+        "",
+        f"Generated by `{DOCS_COMMAND}` from the capability declarations on each backend class "
+        "(`backends/*.py`). After changing a declaration, run the command again; the test suite "
+        "fails while this page is stale.",
+        "",
+        "`usp-hal probe` shows which of these are available on a given machine and why the others "
+        "are not; `usp-hal probe --verify` runs the available ones against the float64 reference.",
+        "",
+        "## What each backend supports",
+        "",
+    ]
+    rows = [[label] + [cell(c) for c in classes] for label, cell in _DOC_ROWS]
+    lines += _md_table(["", *names], rows)
+    lines += ["", "Notes:", ""]
+    lines += [
+        "- *ring (returns lse)*: ring degree > 1 merges partial results by their log-sum-exp; "
+        "a backend without one serves Ulysses-only meshes and is refused for ring degree > 1.",
+        "- *window/alibi across ring blocks*: the kernel takes the key position offset of an "
+        "off-diagonal ring block; without it, windowed or alibi attention is refused for ring degree > 1.",
+        "- Every cell is decided by the backend's own `not_supported_reasons`, per declared device; "
+        "where devices differ the cell reads `value (devices); value (devices)`. Compute-capability "
+        "limits are listed separately and applied per profile in the CI matrix below.",
+        "- Rules that depend on the installed version of a kernel package are evaluated here with "
+        "no kernel package installed; `usp-hal probe` and `usp-hal matrix` apply them on the machine "
+        "itself.",
+        "",
+    ]
+    for c in classes:
+        lines.append(f"- **{c.NAME}**: {c.DESCRIPTION or '(no description)'}")
+    lines += ["", "## Per-device CI matrix", "",
+              "What `usp-hal matrix --device PROFILE` generates for each CI profile: the dtypes each "
+              "backend runs there and the features tested.", ""]
+    lines.append(matrix_markdown(list(PROFILES.values()), registry).rstrip())
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "matrix", help="generate CI matrices and the backend docs table from the declarations",
+        description="Per-device CI matrices generated from the backend declarations "
+                    f"(profiles: {', '.join(PROFILES)}).")
+    p.add_argument("--device", default="all", metavar="PROFILE",
+                   help=f"one profile ({', '.join(PROFILES)}), 'auto' for this machine, or 'all' (default)")
+    p.add_argument("--format", choices=("json", "markdown", "extras"), default="json",
+                   help="json: a GitHub Actions matrix include list (default); markdown: tables; "
+                        "extras: the pip extras of the profile's backends, comma-separated")
+    p.add_argument("--docs", nargs="?", const=DOCS_PATH, metavar="PATH",
+                   help=f"write the backend docs page (default path: {DOCS_PATH})")
+    p.add_argument("--check", action="store_true",
+                   help="with --docs: do not write; exit 1 if the file differs from a fresh generation")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        if args.docs:
+            return _run_docs(Path(args.docs), args.check)
+        if args.check:
+            print("usp-hal matrix: --check only applies with --docs", file=sys.stderr)
+            return 2
+        profiles = list(PROFILES.values()) if args.device == "all" else [get_profile(args.device)]
+        if args.format == "markdown":
+            sys.stdout.write(matrix_markdown(profiles))
+            return 0
+        entries = [e for p in profiles for e in matrix_entries(p)]
+        if args.format == "extras":
+            print(",".join(profile_extras(entries)))
+        else:
+            print(json.dumps(entries, indent=2))
+        return 0
+    except (ValueError, RuntimeError) as exc:
+        print(f"usp-hal matrix: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_docs(path: Path, check: bool) -> int:
+    text = generate_docs()
+    present = installed_kernel_packages()
+    if present:
+        print(f"warning: kernel packages are installed here ({', '.join(present)}); version-dependent "
+              f"rules may make this differ from the page generated without them", file=sys.stderr)
+    if check:
+        current = path.read_text() if path.exists() else None
+        if current != text:
+            print(f"{path} is stale: run `{DOCS_COMMAND}`", file=sys.stderr)
+            return 1
+        print(f"{path} is up to date")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
+    return 0
