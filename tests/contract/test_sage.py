@@ -1,0 +1,182 @@
+"""Contract tests for the SageAttention adapter (``usp_hal.backends.sage``).
+
+They prove the *adapter*, not the kernel: a stand-in ``sageattention`` package with the
+real import path, the v1 (1.0.6, no ``return_lse``) or v2 (``return_lse=True``)
+signature and its head-dim rules computes exact attention on CPU tensors, and the
+adapter's output and lse are compared with the float64 reference.  The stand-in is not
+quantised, so these tests say nothing about Sage's accuracy; the per-device CI runs the
+real kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from usp_hal import AttnRequest, REGISTRY, get_backend
+from usp_hal import backend as backend_mod
+from usp_hal import platform
+from usp_hal.backends.sage import SageFP8Backend
+
+from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_matches, install, make_inputs,
+                            purge_modules, reference, sage_files)
+
+pytestmark = pytest.mark.contract
+
+V1, V2 = "1.0.6", "2.2.0"
+
+
+@pytest.fixture
+def sage(tmp_path, monkeypatch):
+    """Install a sageattention stand-in of the given version; returns the kernel module."""
+    def _install(version):
+        install(tmp_path / version, monkeypatch, "sageattention", version, sage_files(version))
+        import sageattention
+        return sageattention
+    yield _install
+    purge_modules(["sageattention"])
+
+
+def cuda_request(**kw):
+    kw.setdefault("dtype", torch.float16)
+    kw.setdefault("device_type", "cuda")
+    return AttnRequest(**kw)
+
+
+def test_contract_registry_entry_is_this_class():
+    assert get_backend("sage_fp8") is SageFP8Backend
+    caps = SageFP8Backend.capabilities()
+    assert caps["backward"] is False and "lossy" in caps["description"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,h,hkv,d,causal", [
+    (1, 4, 4, 64, False),
+    (2, 4, 2, 64, True),      # B > 1, GQA, causal
+    (2, 6, 3, 40, False),     # odd head dim, GQA
+])
+def test_contract_v2_forward_matches_reference(sage, dtype, b, h, hkv, d, causal):
+    kernel = sage(V2)
+    q, k, v, _ = make_inputs(b, 32, 32, h, hkv, d, dtype)
+    out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.21, causal=causal)
+    ref_out, ref_lse = reference(q, k, v, softmax_scale=0.21, causal=causal)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (b, h, 32)
+    assert_matches(out, ref_out, dtype, "out")
+    assert_lse_matches(lse, ref_lse)
+    call = kernel.CALLS[-1]
+    assert call["tensor_layout"] == "NHD" and call["return_lse"] is True and call["sm_scale"] == 0.21
+
+
+@pytest.mark.parametrize("version", [V1, V2])
+def test_contract_causal_reaches_the_kernel(sage, version):
+    """Peers drop ``causal`` on the way to Sage; here it must arrive and change the result."""
+    kernel = sage(version)
+    q, k, v, _ = make_inputs(1, 24, 24, 2, 2, 64, torch.float16, seed=3)
+    out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=None, causal=True)
+    assert kernel.CALLS[-1]["is_causal"] is True
+    causal_ref, _ = reference(q, k, v, causal=True)
+    full_ref, _ = reference(q, k, v, causal=False)
+    assert_matches(out, causal_ref, torch.float16, "causal out")
+    assert (out.double() - full_ref).abs().max() > 0.1, "output equals non-causal attention: causal was dropped"
+
+
+def test_contract_v1_pads_head_dim_and_returns_no_lse(sage):
+    kernel = sage(V1)
+    q, k, v, _ = make_inputs(2, 16, 16, 4, 2, 40, torch.bfloat16, seed=1)
+    out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.3, causal=False)
+    assert lse is None                       # v1 has no lse; only Ulysses-only calls reach here
+    assert kernel.CALLS[-1]["head_dim"] == 64 and kernel.CALLS[-1]["sm_scale"] == 0.3
+    ref_out, _ = reference(q, k, v, softmax_scale=0.3)
+    assert out.shape == q.shape
+    assert_matches(out, ref_out, torch.bfloat16, "out")
+
+
+def test_contract_v1_refuses_needs_lse_with_a_reason(sage):
+    sage(V1)
+    reasons = SageFP8Backend.not_supported_reasons(cuda_request(needs_lse=True))
+    assert len(reasons) == 1
+    assert "1.0.6 has no return_lse" in reasons[0] and "ring_degree=1" in reasons[0]
+    assert SageFP8Backend.not_supported_reasons(cuda_request(needs_lse=False)) == []
+
+
+def test_contract_v2_allows_needs_lse(sage):
+    sage(V2)
+    assert SageFP8Backend.not_supported_reasons(cuda_request(needs_lse=True)) == []
+
+
+def test_contract_registry_names_the_reason_for_an_explicit_choice(sage, monkeypatch):
+    sage(V1)
+    monkeypatch.setattr(platform, "available_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(platform, "compute_capability", lambda dev, index=0: (9, 0))
+    with pytest.raises(NotImplementedError, match="no return_lse"):
+        REGISTRY.select("sage_fp8", cuda_request(needs_lse=True))
+    assert REGISTRY.select("sage_fp8", cuda_request()) is SageFP8Backend
+
+
+@pytest.mark.parametrize("req,needle", [
+    (dict(needs_grad=True), "forward-only"),
+    (dict(window=(8, 0)), "sliding window"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi=True), "alibi"),
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(head_dim=256), "head_dim=256"),
+    (dict(dtype=torch.float32), "dtype=fp32"),
+    (dict(num_heads=6, num_kv_heads=4), "multiple of kv_heads"),
+    (dict(compute_capability=(7, 5)), "compute capability >= 8.0"),
+])
+def test_contract_refusal_reasons(sage, req, needle):
+    sage(V2)
+    reasons = SageFP8Backend.not_supported_reasons(cuda_request(**req))
+    assert any(needle in r for r in reasons), reasons
+
+
+def test_contract_v2_architecture_rule(sage):
+    sage(V2)
+    reasons = SageFP8Backend.not_supported_reasons(cuda_request(compute_capability=(10, 0)))
+    assert any("no kernel for sm100" in r for r in reasons), reasons
+    assert SageFP8Backend.not_supported_reasons(cuda_request(compute_capability=(8, 9))) == []
+
+
+def test_contract_forward_refuses_what_sage_cannot_do(sage):
+    sage(V2)
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 64, torch.float16)
+    backend = SageFP8Backend()
+    for kw in (dict(window=(4, -1)), dict(softcap=5.0), dict(dropout_p=0.1),
+               dict(alibi_slopes=torch.ones(2))):
+        with pytest.raises(NotImplementedError, match="sage_fp8"):
+            backend.forward(q, k, v, softmax_scale=None, **kw)
+    with pytest.raises(ValueError, match="Sq == Sk"):
+        backend.forward(q, k[:, :4], v[:, :4], softmax_scale=None, causal=True)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        backend.backward(q, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None)
+
+
+def test_contract_availability_not_installed(monkeypatch):
+    monkeypatch.setattr(backend_mod, "installed_version", lambda pkg: None)
+    avail = SageFP8Backend.availability()
+    assert not avail.ok and avail.reason == "sageattention not installed (pip install 'usp-hal[sage]')"
+
+
+def test_contract_availability_needs_a_cuda_device(sage, monkeypatch):
+    sage(V2)
+    monkeypatch.setattr(platform, "available_device_types", lambda: ("cpu",))
+    avail = SageFP8Backend.availability()
+    assert not avail.ok and "needs a cuda device, found cpu" in avail.reason and avail.version == V2
+
+
+def test_contract_availability_checks_the_gpu(sage, monkeypatch):
+    sage(V2)
+    monkeypatch.setattr(platform, "available_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(platform, "compute_capability", lambda dev, index=0: (7, 5))
+    assert "compute capability >= 8.0, found 7.5" in SageFP8Backend.availability().reason
+    monkeypatch.setattr(platform, "compute_capability", lambda dev, index=0: (10, 0))
+    assert "no kernel for sm100" in SageFP8Backend.availability().reason
+    monkeypatch.setattr(platform, "compute_capability", lambda dev, index=0: (9, 0))
+    assert SageFP8Backend.availability().ok
+
+
+def test_contract_import_does_not_load_sageattention(sage):
+    kernel = sage(V2)
+    site = kernel.__file__.rsplit("/sageattention/", 1)[0]
+    purge_modules(["sageattention"])
+    assert_import_is_clean(site, module="sage", name="sage_fp8", device="cuda", kernel="sageattention")
