@@ -1,0 +1,271 @@
+"""Every declared capability fact produces the right reason (and only then)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.contract.standin import install_standin, purge_modules
+from usp_hal import platform
+from usp_hal.backend import AttentionBackend, installed_version, parse_version
+from usp_hal.capabilities import (
+    AttnRequest, Package, capability_row, dtype_name, not_supported_reasons, parse_dtype,
+)
+
+
+class Minimal(AttentionBackend):
+    """Declares little: cpu, fp32, causal only (base defaults for the rest)."""
+    NAME = "minimal"
+    SUPPORTED_DEVICES = frozenset({"cpu"})
+    SUPPORTED_DTYPES = frozenset({torch.float32})
+    SUPPORTS_GQA = False
+    RETURNS_LSE = False
+    HAS_BACKWARD = False
+
+
+class Rich(AttentionBackend):
+    """Declares everything on."""
+    NAME = "rich"
+    SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
+    SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    HEAD_DIM_MIN = 16
+    HEAD_DIM_MAX = 256
+    HEAD_DIM_MULTIPLE = 8
+    SUPPORTS_DIFFERENT_V_DIM = True
+    SUPPORTS_WINDOW = True
+    SUPPORTS_SOFTCAP = True
+    SUPPORTS_ALIBI = True
+    SUPPORTS_DROPOUT = True
+    SUPPORTS_KEY_OFFSET = True
+    SUPPORTS_DETERMINISTIC = True
+    MIN_COMPUTE_CAPABILITY = {"cuda": (8, 0)}
+
+
+OK = AttnRequest(dtype=torch.float32, device_type="cpu", head_dim=64, num_heads=4)
+
+
+def reasons(cls, **change):
+    return not_supported_reasons(cls, OK.with_(**change))
+
+
+def one_reason(cls, **change) -> str:
+    got = reasons(cls, **change)
+    assert len(got) == 1, got
+    return got[0]
+
+
+def test_plain_request_is_supported_by_both():
+    assert reasons(Minimal) == [] and reasons(Rich) == []
+    assert Minimal.supports(OK) and Rich.supports(OK)
+    assert Minimal.not_supported_reasons(OK) == []
+
+
+def test_device():
+    r = one_reason(Minimal, device_type="cuda")
+    assert r == "device=cuda (supported: cpu)"
+    assert "device=npu (supported: cpu, cuda)" == one_reason(Rich, device_type="npu")
+
+
+def test_dtype():
+    assert one_reason(Minimal, dtype=torch.float16) == "dtype=fp16 (supported: fp32)"
+    assert one_reason(Rich, dtype=torch.float64) == "dtype=fp64 (supported: fp32, bf16, fp16)"
+
+
+@pytest.mark.parametrize("hd, expect", [
+    (8, "head_dim=8 (supported: 16..256)"),
+    (264, "head_dim=264 (supported: 16..256)"),
+    (60, "head_dim=60 is not a multiple of 8"),
+    (16, None), (256, None), (72, None),
+])
+def test_head_dim_range_and_multiple(hd, expect):
+    got = reasons(Rich, head_dim=hd)
+    assert got == ([] if expect is None else [expect])
+
+
+def test_head_dim_unbounded_above_by_default():
+    assert reasons(Minimal, head_dim=1000) == []
+    assert reasons(Minimal, head_dim=0) == ["head_dim=0 (supported: 1..any)"]
+
+
+def test_different_v_dim():
+    assert one_reason(Minimal, head_dim_v=32) == "value head_dim 32 differs from query head_dim 64"
+    assert reasons(Rich, head_dim_v=32) == []
+    assert reasons(Minimal, head_dim_v=64) == []            # equal is not "different"
+
+
+def test_gqa_and_mqa():
+    assert "GQA/MQA (heads=4, kv_heads=2) not supported" == one_reason(Minimal, num_kv_heads=2)
+    assert "GQA/MQA (heads=4, kv_heads=1) not supported" == one_reason(Minimal, num_kv_heads=1)
+    assert reasons(Minimal, num_kv_heads=4) == []
+    assert reasons(Rich, num_kv_heads=2) == [] and reasons(Rich, num_kv_heads=1) == []
+
+
+def test_gqa_heads_not_a_multiple():
+    assert one_reason(Rich, num_heads=6, num_kv_heads=4) == "heads=6 is not a multiple of kv_heads=4"
+    assert one_reason(Rich, num_kv_heads=0) == "heads=4 is not a multiple of kv_heads=0"
+
+
+def test_causal():
+    class NoCausal(Minimal):
+        SUPPORTS_CAUSAL = False
+    assert one_reason(NoCausal, causal=True) == "causal masking not supported"
+    assert reasons(Minimal, causal=True) == []
+
+
+def test_window():
+    assert one_reason(Minimal, window=(4, 0)) == "sliding window (4, 0) not supported"
+    assert one_reason(Minimal, window=(-1, 3)) == "sliding window (-1, 3) not supported"
+    assert reasons(Minimal, window=(-1, -1)) == []
+    assert reasons(Rich, window=(4, 0)) == []
+
+
+def test_softcap_alibi_dropout():
+    assert one_reason(Minimal, softcap=30.0) == "softcap=30.0 not supported"
+    assert one_reason(Minimal, alibi=True) == "alibi_slopes not supported"
+    assert one_reason(Minimal, dropout_p=0.1) == "dropout_p=0.1 not supported"
+    assert reasons(Rich, softcap=30.0, alibi=True, dropout_p=0.1) == []
+
+
+def test_key_offset_only_matters_with_window_or_alibi():
+    class NoOffset(Rich):
+        SUPPORTS_KEY_OFFSET = False
+    assert reasons(NoOffset, key_offset=True) == []                       # plain ring block
+    for change in (dict(window=(4, 0)), dict(alibi=True)):
+        r = one_reason(NoOffset, key_offset=True, **change)
+        assert "window/alibi across ring blocks" in r and "ring_degree=1" in r
+        assert reasons(NoOffset, **change) == []                          # diagonal block is fine
+        assert reasons(Rich, key_offset=True, **change) == []
+
+
+def test_needs_lse():
+    r = one_reason(Minimal, needs_lse=True)
+    assert "does not return a log-sum-exp" in r and "ring degree > 1" in r
+    assert reasons(Rich, needs_lse=True) == []
+
+
+def test_needs_grad():
+    assert one_reason(Minimal, needs_grad=True) == "forward-only kernel: no backward"
+    assert reasons(Rich, needs_grad=True) == []
+
+
+def test_deterministic():
+    class Nondet(Rich):
+        SUPPORTS_DETERMINISTIC = False
+
+    class AlwaysDet(Nondet):
+        IS_DETERMINISTIC = True
+    assert one_reason(Nondet, deterministic=True, needs_grad=True) == "backward is not deterministic"
+    assert reasons(Nondet, deterministic=True) == []                      # forward only: nothing to fix
+    assert reasons(Rich, deterministic=True, needs_grad=True) == []       # on request
+    assert reasons(AlwaysDet, deterministic=True, needs_grad=True) == []
+
+
+def test_compute_capability():
+    cuda = dict(device_type="cuda")
+    assert one_reason(Rich, compute_capability=(7, 5), **cuda) == "needs compute capability >= 8.0, found 7.5"
+    assert reasons(Rich, compute_capability=(8, 0), **cuda) == []
+    assert reasons(Rich, compute_capability=(9, 0), **cuda) == []
+    assert reasons(Rich, compute_capability=None, **cuda) == []            # unknown: not refused here
+    assert reasons(Rich, compute_capability=(7, 5)) == []                  # cpu has no minimum
+
+
+def test_all_reasons_are_listed_not_just_the_first():
+    got = reasons(Minimal, device_type="cuda", dtype=torch.float16, num_kv_heads=1, window=(2, 2),
+                  softcap=5.0, needs_lse=True, needs_grad=True)
+    assert len(got) == 7, got
+
+
+def test_extra_reasons_hook_extends_the_declared_rules():
+    class Picky(Rich):
+        @classmethod
+        def extra_reasons(cls, req):
+            return ["bf16 only on cuda"] if req.dtype == torch.bfloat16 and req.device_type == "cpu" else []
+    assert reasons(Picky, dtype=torch.bfloat16) == ["bf16 only on cuda"]
+    assert reasons(Picky, dtype=torch.bfloat16, device_type="cuda") == []
+    assert reasons(Picky, dtype=torch.float64) == ["dtype=fp64 (supported: fp32, bf16, fp16)"]
+
+
+def test_request_helpers():
+    r = OK.with_(num_kv_heads=None, head_dim_v=None)
+    assert r.kv_heads == 4 and r.v_dim == 64 and not r.has_window
+    text = OK.with_(window=(3, 0), softcap=2.0, alibi=True, deterministic=True).describe()
+    for part in ("dtype=fp32", "device=cpu", "heads=4/4", "window=(3, 0)", "softcap=2.0", "alibi", "deterministic"):
+        assert part in text
+    assert dtype_name(torch.bfloat16) == "bf16"
+    assert parse_dtype("float16") is torch.float16 and parse_dtype("BF16") is torch.bfloat16
+    assert parse_dtype(torch.float32) is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        parse_dtype("fp8")
+
+
+def test_capability_row_reads_the_declarations():
+    row = capability_row(Rich)
+    assert row["name"] == "rich"
+    assert row["devices"] == ["cpu", "cuda"]
+    assert row["dtypes"] == ["fp32", "bf16", "fp16"]                     # stable order
+    assert row["head_dim"] == [16, 256] and row["head_dim_multiple"] == 8
+    assert (row["backward"], row["lse"], row["ring"], row["window"], row["softcap"]) == (True,) * 5
+    assert row["deterministic"] is True and row["key_offset"] is True
+    assert row["min_compute_capability"] == {"cuda": [8, 0]}
+    assert row["comm"] == ["gloo", "nccl"]
+    m = capability_row(Minimal)
+    assert (m["backward"], m["lse"], m["gqa"], m["window"]) == (False, False, False, False)
+    assert Rich.capabilities() == row
+
+
+# ----------------------------------------------------------------------------- availability
+class NeedsKernel(Minimal):
+    NAME = "needskernel"
+    REQUIRED_PACKAGES = (Package("usp-hal-test-kernel", "usp_hal_test_kernel", min_version="2.1", extra="tk"),)
+
+
+@pytest.fixture
+def kernel_pkg(tmp_path, monkeypatch):
+    def install(version):
+        install_standin(tmp_path / version, monkeypatch, dist="usp-hal-test-kernel", version=version,
+                        files={"usp_hal_test_kernel/__init__.py": "X = 1\n"})
+    yield install
+    purge_modules(["usp_hal_test_kernel"])
+
+
+def test_availability_missing_package_names_the_extra():
+    avail = NeedsKernel.availability()
+    assert not avail.ok
+    assert avail.reason == "usp-hal-test-kernel not installed (pip install 'usp-hal[tk]')"
+
+
+def test_availability_too_old_is_compared_numerically(kernel_pkg):
+    kernel_pkg("2.0.9")
+    avail = NeedsKernel.availability()
+    assert not avail.ok and avail.reason == "usp-hal-test-kernel 2.0.9 too old (needs >= 2.1)"
+    assert avail.version == "2.0.9"
+
+
+def test_availability_new_enough(kernel_pkg):
+    kernel_pkg("2.10.0")                      # "2.10.0" < "2.1" as strings; not as versions
+    assert installed_version(NeedsKernel.REQUIRED_PACKAGES[0]) == "2.10.0"
+    avail = NeedsKernel.availability()
+    assert avail.ok, avail.reason
+    assert avail.version == "2.10.0" and avail.details["device"] == "cpu"
+
+
+def test_availability_needs_a_declared_device():
+    class CudaOnly(Minimal):
+        SUPPORTED_DEVICES = frozenset({"cuda"})
+    if "cuda" in platform.available_device_types():
+        pytest.skip("this machine has a CUDA device")
+    avail = CudaOnly.availability()
+    assert not avail.ok and avail.reason.startswith("needs a cuda device, found ")
+
+
+def test_extra_availability_hook():
+    class Refuses(Minimal):
+        @classmethod
+        def extra_availability(cls, device_type, version):
+            return f"driver too old on {device_type}"
+    avail = Refuses.availability()
+    assert not avail.ok and avail.reason == "driver too old on cpu"
+
+
+def test_parse_version_handles_local_builds():
+    assert parse_version("2.7.4.post1+cu12torch2.6") > parse_version("2.6.3")
+    assert parse_version("2.10.0") > parse_version("2.9.9")
