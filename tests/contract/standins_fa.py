@@ -1,0 +1,463 @@
+"""Stand-in sources for flash-attn 2.x and FlashAttention-3 (contract tests only).
+
+Each stand-in is installed under the real import paths with the real package metadata
+(see :mod:`tests.contract.standin`) and keeps the real Python signatures of its version:
+
+* FA2: ``flash_attn/__init__.py`` (``__version__``), ``flash_attn/flash_attn_interface.py``
+  (``_flash_attn_forward`` / ``_flash_attn_backward`` of that version; ``torch.library``
+  custom ops from 2.7 on) and the top-level extension ``flash_attn_2_cuda`` (``fwd`` /
+  ``bwd`` with the C++ argument order and return lists).
+* FA3: the top-level ``flash_attn_interface.py`` (old or new API) and the package
+  ``flash_attn_3`` (``__init__`` and the ``_C`` extension stand-in).
+
+The "kernels" compute attention on CPU tensors in float32 with the documented quirks:
+fp16/bf16 only; positions aligned to the bottom-right corner (causal, window, alibi);
+FA2's causal ALiBi path adds ``slope * key_index``; lse ``+inf`` (FA2) / ``-inf`` (FA3)
+for a row with no key and ``+inf`` when there are no keys at all; head dims that are not a
+multiple of 8 rejected by the FA2 >= 2.7 and FA3 forwards (<= 2.6 pads them itself) and by
+every backward; a ``-inf`` lse handed to a backward is read as 0 (the kernels' guard for
+an empty row max); the old APIs return gradients, the new ones write them in place.
+They prove the *adapter*, not the kernel.
+"""
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+from usp_hal.backend import parse_version
+
+FA2_DIST = "flash-attn"
+FA3_DIST = "flash_attn_3"
+FA2_TOP_LEVEL = ("flash_attn", "flash_attn_2_cuda")
+FA3_TOP_LEVEL = ("flash_attn_interface", "flash_attn_3", "flash_attn_config")
+
+
+# ---------------------------------------------------------------------------------- kernel math
+# These functions are copied verbatim into each stand-in extension module.
+
+def _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi):
+    """Scores [B, H, Sq, Sk] in float32 with the kernels' masking, plus tanh(x/softcap)."""
+    import torch
+    b, sq, h, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+    x = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(x / softcap)
+        x = softcap * t
+    # the kernels' own window normalisation
+    if causal:
+        right = 0
+    if left >= sk:
+        left = -1
+    if right >= sk:
+        right = -1
+    causal_path = left < 0 and right == 0
+    row = torch.arange(sq).view(sq, 1) + (sk - sq)     # bottom-right alignment
+    col = torch.arange(sk).view(1, sk)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= col >= row - left
+    if right >= 0:
+        keep &= col <= row + right
+    if alibi_slopes is not None:
+        sl = alibi_slopes.float()
+        sl = sl.view(1, h, 1, 1) if sl.dim() == 1 else sl.view(b, h, 1, 1)
+        if causal_path and additive_causal_alibi:
+            x = x + sl * col.float()
+        else:
+            x = x - sl * (row - col).abs().float()
+    x = x.masked_fill(~keep, float("-inf"))
+    return x, t
+
+
+def _standin_forward(q, k, v, scale, causal, left, right, softcap, alibi_slopes, empty_row_lse,
+                     additive_causal_alibi):
+    """(out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32)."""
+    import torch
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if sk == 0:
+        return torch.zeros_like(q), torch.full((b, h, sq), float("inf"))
+    s, _ = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi)
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - finite.unsqueeze(-1))
+    vf = v.float().transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+    out = torch.matmul(p, vf).transpose(1, 2).to(q.dtype)
+    lse = torch.where(lse == float("-inf"), torch.full_like(lse, empty_row_lse), lse)
+    return out, lse.contiguous()
+
+
+def _standin_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap, alibi_slopes,
+                      additive_causal_alibi):
+    """(dq, dk, dv) in float32 from the given out and lse (which may be the ring-merged ones)."""
+    import torch
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    s, t = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi)
+    lse = lse.float()
+    lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)   # empty-row-max guard
+    p = torch.exp(s - lse.unsqueeze(-1))
+    do = dout.float().transpose(1, 2)
+    o = out.float().transpose(1, 2)
+    qf = q.float().transpose(1, 2)
+    kf = k.float().transpose(1, 2).repeat_interleave(g, dim=1)
+    vf = v.float().transpose(1, 2).repeat_interleave(g, dim=1)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    if t is not None:
+        ds = ds * (1 - t * t)
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+
+    def per_kv_head(x):
+        return x.view(b, hkv, g, sk, d).sum(2).transpose(1, 2)
+    return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)
+
+
+def _standin_check_inputs(tensors, pad_ok, name):
+    import torch
+    q = tensors[0]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    for x in tensors:
+        if x.dtype != q.dtype:
+            raise RuntimeError(f"{name}: all tensors must have the same dtype")
+        if x.stride(-1) != 1:
+            raise RuntimeError("Input tensor must have contiguous last dimension")
+    if q.shape[-1] > 256:
+        raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+    if not pad_ok and q.shape[-1] % 8:
+        raise RuntimeError("head_size should be a multiple of 8")
+
+
+def _math_source() -> str:
+    funcs = (_standin_scores, _standin_forward, _standin_backward, _standin_check_inputs)
+    return "import torch\n\n" + "\n\n".join(inspect.getsource(f) for f in funcs) + "\n"
+
+
+# ---------------------------------------------------------------------------------- FA2
+def _fa2_ext(version: str) -> str:
+    """Top-level ``flash_attn_2_cuda``: mha_fwd / mha_bwd with the C++ argument order."""
+    v = parse_version(version)
+    softcap = v >= parse_version("2.6.0")
+    new = v >= parse_version("2.7.0")
+    sc_arg = "softcap, " if softcap else ""
+    sc_val = "softcap" if softcap else "0.0"
+    fwd_ret = ("[out, softmax_lse, p, rng_state]" if new
+               else "[out[..., :d_og], q, k, v, out, softmax_lse, p, rng_state]")
+    return _math_source() + textwrap.dedent(f'''
+        def _pad8(x):
+            d = x.shape[-1]
+            return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
+
+
+        def fwd(q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
+                window_size_right, {sc_arg}return_softmax, gen_):
+            _standin_check_inputs((q, k, v), pad_ok={not new}, name="mha_fwd")
+            if p_dropout > 0:
+                raise RuntimeError("stand-in: dropout is not modelled")
+            if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
+                raise RuntimeError("ALiBi slopes must have dtype fp32")
+            if q.shape[2] % k.shape[2]:
+                raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+            d_og = q.shape[-1]
+            q, k, v = _pad8(q), _pad8(k), _pad8(v)      # <= 2.6 pads inside mha_fwd
+            out, softmax_lse = _standin_forward(q, k, v, softmax_scale, is_causal, window_size_left,
+                                                window_size_right, {sc_val}, alibi_slopes,
+                                                float("inf"), True)
+            p = torch.empty(0)
+            rng_state = torch.zeros(2, dtype=torch.int64)
+            return {fwd_ret}
+
+
+        BWD_CALLS = []   # flags of each backward call, for the tests
+
+
+        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, p_dropout, softmax_scale,
+                is_causal, window_size_left, window_size_right, {sc_arg}deterministic, gen_, rng_state):
+            BWD_CALLS.append(dict(deterministic=deterministic, causal=is_causal,
+                                  window=(window_size_left, window_size_right)))
+            _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
+            if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
+                raise RuntimeError("softmax_lse must be float32 [B, H, Sq]")
+            for g, x in ((dq, q), (dk, k), (dv, v)):
+                if g is not None and g.shape != x.shape:
+                    raise RuntimeError("gradient buffers must match q/k/v")
+            gq, gk, gv = _standin_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,
+                                           window_size_left, window_size_right, {sc_val}, alibi_slopes, True)
+            dq = torch.empty_like(q) if dq is None else dq
+            dk = torch.empty_like(k) if dk is None else dk
+            dv = torch.empty_like(v) if dv is None else dv
+            dq.copy_(gq); dk.copy_(gk); dv.copy_(gv)
+            softmax_d = torch.zeros(q.shape[0], q.shape[2], (q.shape[1] + 127) // 128 * 128)
+            return [dq, dk, dv, softmax_d]
+    ''')
+
+
+def _fa2_iface(version: str) -> str:
+    v = parse_version(version)
+    if v >= parse_version("2.7.0"):
+        # custom ops as in >= 2.7 (a fresh namespace per install so re-installs do not clash)
+        return textwrap.dedent('''
+            import uuid
+            from typing import Optional, Tuple
+
+            import torch
+
+            import flash_attn_2_cuda as flash_attn_gpu
+
+            _NS = "standin_fa2_" + uuid.uuid4().hex[:12]
+
+
+            @torch.library.custom_op(_NS + "::_flash_attn_forward", mutates_args=(), device_types="cpu")
+            def _flash_attn_forward(
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                out, softmax_lse, S_dmask, rng_state = flash_attn_gpu.fwd(
+                    q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal,
+                    window_size_left, window_size_right, softcap, return_softmax, None)
+                return out, softmax_lse, S_dmask, rng_state
+
+
+            @torch.library.custom_op(_NS + "::_flash_attn_backward", mutates_args=("dq", "dk", "dv"),
+                                     device_types="cpu")
+            def _flash_attn_backward(
+                dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+                window_size_left: int, window_size_right: int, softcap: float,
+                alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                rng_state: Optional[torch.Tensor] = None,
+            ) -> torch.Tensor:
+                dq, dk, dv, softmax_d = flash_attn_gpu.bwd(
+                    dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale,
+                    causal, window_size_left, window_size_right, softcap, deterministic, None, rng_state)
+                return softmax_d
+        ''')
+    softcap = v >= parse_version("2.6.0")
+    sc_param = "softcap, " if softcap else ""
+    return textwrap.dedent(f'''
+        import flash_attn_2_cuda as flash_attn_cuda
+
+
+        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, {sc_param}alibi_slopes,
+                                return_softmax):
+            out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state = flash_attn_cuda.fwd(
+                q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal, window_size[0], window_size[1],
+                {sc_param}return_softmax, None)
+            return out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state
+
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size, {sc_param}alibi_slopes, deterministic, rng_state=None):
+            dq, dk, dv, softmax_d = flash_attn_cuda.bwd(
+                dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale, causal,
+                window_size[0], window_size[1], {sc_param}deterministic, None, rng_state)
+            return dq, dk, dv, softmax_d
+    ''')
+
+
+def fa2_files(version: str, *, with_extension: bool = True) -> dict:
+    files = {
+        "flash_attn/__init__.py": f'__version__ = "{version}"\n\n'
+                                  "from flash_attn.flash_attn_interface import _flash_attn_forward  # noqa: F401\n",
+        "flash_attn/flash_attn_interface.py": _fa2_iface(version),
+    }
+    if with_extension:
+        files["flash_attn_2_cuda.py"] = _fa2_ext(version)
+    return files
+
+
+# ---------------------------------------------------------------------------------- FA3
+_FA3_EXT = textwrap.dedent('''
+    # mha_fwd / mha_bwd of the extension (old builds return dq, dk, dv first; the custom-op
+    # builds mutate them and return softmax_d first)
+    _BWD_RETURNS_GRADS = {grads_first}
+    BWD_CALLS = []   # flags of each backward call, for the tests
+
+    def fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+            max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+            seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, is_causal, window_size_left,
+            window_size_right, attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits,
+            pack_gqa, sm_margin):
+        unused = (k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+                  page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, q_descale, k_descale, v_descale)
+        if any(x is not None for x in unused):
+            raise RuntimeError("stand-in: only dense q/k/v are modelled")
+        _standin_check_inputs((q, k, v), pad_ok=False, name="mha_fwd")
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** -0.5
+        out, softmax_lse = _standin_forward(q, k, v, softmax_scale, is_causal, window_size_left, window_size_right,
+                                            softcap, None, float("-inf"), False)
+        return out, softmax_lse, None, None
+
+
+    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+            deterministic, sm_margin):
+        BWD_CALLS.append(dict(deterministic=deterministic, causal=is_causal,
+                              window=(window_size_left, window_size_right)))
+        _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
+        if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
+            raise RuntimeError("softmax_lse must be float32 [B, H, Sq]")
+        gq, gk, gv = _standin_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,
+                                       window_size_left, window_size_right, softcap, None, False)
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        dq.copy_(gq); dk.copy_(gk); dv.copy_(gv)
+        softmax_d = torch.zeros(q.shape[0], q.shape[2], (q.shape[1] + 127) // 128 * 128)
+        if _BWD_RETURNS_GRADS:
+            return dq, dk, dv, softmax_d, None, None, None, None
+        return softmax_d, None, None, None, None
+''')
+
+_FA3_IFACE_NEW = textwrap.dedent('''
+    import uuid
+    from typing import Optional, Tuple
+
+    import torch
+
+    import flash_attn_3._C as flash_attn_3_gpu
+
+    _NS = "standin_fa3_" + uuid.uuid4().hex[:12]
+
+
+    @torch.library.custom_op(_NS + "::_flash_attn_forward", mutates_args=(), device_types="cpu")
+    def _flash_attn_forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
+        qv: Optional[torch.Tensor] = None, out_: Optional[torch.Tensor] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+        cu_seqlens_k_new: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
+        seqused_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+        max_seqlen_k: Optional[int] = None, page_table: Optional[torch.Tensor] = None,
+        kv_batch_idx: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+        rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+        seqlens_rotary: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
+        k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
+        softmax_scale: Optional[float] = None, causal: bool = False, window_size_left: int = -1,
+        window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0,
+        rotary_interleaved: bool = True, scheduler_metadata: Optional[torch.Tensor] = None,
+        num_splits: int = 1, pack_gqa: Optional[bool] = None, sm_margin: int = 0,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, softmax_lse, out_accum, softmax_lse_accum = flash_attn_3_gpu.fwd(
+            q, k, v, k_new, v_new, qv, out_, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+            seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos,
+            rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
+            window_size_left, window_size_right, attention_chunk, softcap, rotary_interleaved,
+            scheduler_metadata, num_splits, pack_gqa, sm_margin)
+        if out_accum is None:
+            out_accum = torch.tensor([])
+        if softmax_lse_accum is None:
+            softmax_lse_accum = torch.tensor([])
+        return out, softmax_lse, out_accum, softmax_lse_accum
+
+
+    @torch.library.custom_op(_NS + "::_flash_attn_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+    def _flash_attn_backward(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        softmax_lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_k: Optional[torch.Tensor] = None, sequed_q: Optional[torch.Tensor] = None,
+        sequed_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+        max_seqlen_k: Optional[int] = None, dq: Optional[torch.Tensor] = None,
+        dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+        softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
+        window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
+    ) -> torch.Tensor:
+        softmax_d, *rest = flash_attn_3_gpu.bwd(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+            max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, window_size_left, window_size_right,
+            softcap, deterministic, sm_margin)
+        return softmax_d
+''')
+
+_FA3_IFACE_OLD = textwrap.dedent('''
+    import torch
+
+    import flash_attn_3._C as flash_attn_3_cuda
+
+
+    def _flash_attn_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new,
+                            seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx,
+                            leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale,
+                            softmax_scale, causal, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                            rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None,
+                            sm_margin=0):
+        out, softmax_lse, *rest = flash_attn_3_cuda.fwd(
+            q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+            max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+            seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size[0],
+            window_size[1], attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits,
+            pack_gqa, sm_margin)
+        return out, softmax_lse, *rest
+
+
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                             max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
+                             softcap=0.0, deterministic=False, sm_margin=0):
+        dq, dk, dv, softmax_d, *rest = flash_attn_3_cuda.bwd(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size[0], window_size[1], softcap,
+            deterministic, sm_margin)
+        return dq, dk, dv, softmax_d
+''')
+
+
+def fa3_files(api: str, *, top_level: bool = True) -> dict:
+    """FA3 stand-in files for ``api`` "old" or "new".  ``top_level=False`` installs the
+    interface only as ``flash_attn_3.flash_attn_interface`` (the package re-export path)."""
+    iface = {"old": _FA3_IFACE_OLD, "new": _FA3_IFACE_NEW}[api]
+    files = {
+        "flash_attn_3/__init__.py": "",
+        "flash_attn_3/_C.py": _math_source() + _FA3_EXT.replace("{grads_first}", str(api == "old")),
+    }
+    if top_level:
+        files["flash_attn_interface.py"] = iface
+        files["flash_attn_3/flash_attn_interface.py"] = "from flash_attn_interface import *  # noqa: F401,F403\n" \
+                                                        "from flash_attn_interface import _flash_attn_forward, " \
+                                                        "_flash_attn_backward  # noqa: F401\n"
+    else:
+        files["flash_attn_3/flash_attn_interface.py"] = iface
+    return files
+
+
+# ---------------------------------------------------------------------------------- test helpers
+def make_inputs(*, b=2, sq=16, sk=16, h=4, hkv=4, d=64, dtype, seed=0):
+    """q, k, v, dout in ``dtype`` (the reference sees exactly these values, upcast)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def reference(q, k, v, dout, **kw):
+    """float64 reference (out, lse, dq, dk, dv) through autograd."""
+    import torch
+
+    from usp_hal.reference import reference_attention
+    qd, kd, vd = (x.to(torch.float64).requires_grad_() for x in (q, k, v))
+    out, lse = reference_attention(qd, kd, vd, **kw)
+    out.backward(dout.to(torch.float64))
+    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
+
+
+def assert_matches(actual, expected, dtype, what):
+    """Compare with the per-dtype tolerance of usp_hal.reference (infinities must match)."""
+    import torch
+
+    from usp_hal.reference import tolerance
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")

@@ -1,0 +1,333 @@
+"""Contract tests for the FlashAttention-2 adapter (``usp_hal.backends.fa2``).
+
+These prove the *adapter*, not the kernel: flash-attn is replaced by stand-in packages
+(tests/contract/standins_fa.py) installed under the real import paths with real package
+metadata and the real Python signatures of flash-attn 2.5.9, 2.6.3, 2.7.4, 2.8.3 and a
+hypothetical 2.10.0 (which must be read as newer than 2.6.3).  The stand-ins compute on
+CPU tensors with the kernel's documented quirks: 8-tuple vs 4-tuple forward returns,
+returned vs in-place gradients, no softcap before 2.6, head dims that are not a multiple
+of 8 rejected from 2.7 on, bottom-right position alignment, the causal ALiBi shift and
+lse ``+inf`` for rows without keys.  The adapter's forward/backward are called directly
+with CPU tensors (``availability()`` rightly reports that a cuda device is missing) and
+compared with the float64 reference of usp_hal.reference.  The real kernel runs in the
+per-device CI matrices.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+import usp_hal.platform
+from usp_hal.backend import BackendUnavailable, parse_version
+from usp_hal.capabilities import AttnRequest
+from usp_hal.backends.fa2 import FlashAttn2Backend
+
+from .standin import install_standin, purge_modules
+from .standins_fa import (
+    FA2_DIST, FA2_TOP_LEVEL, assert_matches, fa2_files, make_inputs, reference,
+)
+
+pytestmark = pytest.mark.contract
+
+VERSIONS = ["2.5.9", "2.6.3", "2.7.4", "2.8.3", "2.10.0"]
+DTYPES = [torch.float16, torch.bfloat16]
+
+# name -> (input shape kwargs, call kwargs)
+CASES = {
+    "plain": (dict(), dict()),
+    "gqa": (dict(h=4, hkv=2, d=32), dict()),
+    "mqa_causal": (dict(h=4, hkv=1, d=32), dict(causal=True)),
+    "causal": (dict(), dict(causal=True)),
+    "window": (dict(), dict(window=(3, 2))),
+    "causal_window": (dict(d=32), dict(causal=True, window=(4, -1))),
+    "softcap": (dict(d=32), dict(softcap=1.5, softmax_scale=0.5)),
+    "head_dim_20_gqa_causal": (dict(h=4, hkv=2, d=20), dict(causal=True)),
+    "head_dim_72": (dict(d=72), dict()),
+    "alibi": (dict(h=4, d=32), dict(alibi="heads")),
+    "alibi_causal": (dict(h=4, d=32), dict(alibi="batch_heads", causal=True)),
+    "alibi_window_causal": (dict(h=4, d=32), dict(alibi="heads", causal=True, window=(5, -1))),
+    "alibi_window_left_only": (dict(h=4, d=32), dict(alibi="heads", window=(-1, 0))),   # kernel's causal path
+    "rect_window": (dict(sq=12, sk=20, d=32), dict(window=(4, 10))),
+    "rect_causal": (dict(sq=20, sk=12, d=32), dict(causal=True)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tensors here are tiny: one intra-op thread avoids thread hand-off costs on busy CI hosts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fa2(tmp_path, monkeypatch):
+    """install(version, **files_kw) -> a fresh FlashAttn2Backend over that stand-in."""
+    def install(version, **kw):
+        install_standin(tmp_path, monkeypatch, dist=FA2_DIST, version=version, files=fa2_files(version, **kw))
+        return FlashAttn2Backend()
+    yield install
+    purge_modules(FA2_TOP_LEVEL)
+
+
+def _slopes(kind, b, h):
+    base = torch.tensor([0.5 ** (i + 1) for i in range(h)], dtype=torch.float32)
+    return base if kind == "heads" else torch.stack([base * (1 + 0.5 * i) for i in range(b)])
+
+
+def _call_kwargs(call, b, h, d):
+    kw = dict(call)
+    kw.setdefault("softmax_scale", d ** -0.5)
+    alibi = kw.pop("alibi", None)
+    kw["alibi_slopes"] = _slopes(alibi, b, h) if alibi else None
+    return kw
+
+
+# --------------------------------------------------------------------------- forward + backward
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("version", VERSIONS)
+def test_contract_fa2_matches_reference(fa2, version, case, dtype):
+    """contract: out, lse and dq/dk/dv of every API generation match the float64 reference."""
+    shape, call = CASES[case]
+    backend = fa2(version)
+    q, k, v, dout = make_inputs(dtype=dtype, **shape)
+    kw = _call_kwargs(call, q.shape[0], q.shape[2], q.shape[-1])
+    if kw.get("softcap") and version == "2.5.9":
+        with pytest.raises(NotImplementedError, match=r"softcap needs flash-attn >= 2\.6\.0"):
+            backend.forward(q, k, v, **kw)
+        return
+    out, lse = backend.forward(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, **kw)
+    assert_matches(out, ref_out, dtype, "out")
+    assert_matches(lse, ref_lse, dtype, "lse")
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, **kw)
+    for name, got, want, like in (("dq", dq, ref_dq, q), ("dk", dk, ref_dk, k), ("dv", dv, ref_dv, v)):
+        assert got.shape == like.shape and got.dtype == dtype, name
+        assert_matches(got, want, dtype, name)
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+def test_contract_fa2_ring_merged_out_lse_in_backward(fa2, version):
+    """contract: backward given the merged (global) out/lse of two key blocks sums to the reference grads."""
+    dtype = torch.float16
+    backend = fa2(version)
+    q, k, v, dout = make_inputs(sk=24, h=4, hkv=2, d=40, dtype=dtype, seed=3)
+    scale = 40 ** -0.5
+    blocks = [(k[:, :10], v[:, :10]), (k[:, 10:], v[:, 10:])]
+    parts = [backend.forward(q, kb, vb, softmax_scale=scale) for kb, vb in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
+    grads = [backend.backward(dout, q, kb, vb, out, lse, softmax_scale=scale) for kb, vb in blocks]
+    dq = grads[0][0].float() + grads[1][0].float()
+    dk = torch.cat([grads[0][1], grads[1][1]], dim=1)
+    dv = torch.cat([grads[0][2], grads[1][2]], dim=1)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, softmax_scale=scale)
+    assert_matches(out, ref_out, dtype, "merged out")
+    assert_matches(lse, ref_lse, dtype, "merged lse")
+    assert_matches(dq, ref_dq, dtype, "dq")
+    assert_matches(dk, ref_dk, dtype, "dk")
+    assert_matches(dv, ref_dv, dtype, "dv")
+
+
+@pytest.mark.parametrize("version", ["2.5.9", "2.8.3"])
+def test_contract_fa2_minus_inf_rows_contribute_nothing(fa2, version):
+    """contract: rows whose (global) lse is -inf give zero dq and add nothing to dk/dv."""
+    dtype = torch.float16
+    backend = fa2(version)
+    q, k, v, dout = make_inputs(d=32, dtype=dtype, seed=5)
+    scale = 32 ** -0.5
+    out, lse = backend.forward(q, k, v, softmax_scale=scale)
+    dead = torch.zeros(q.shape[1], dtype=torch.bool)
+    dead[[1, 6, 7]] = True
+    lse = lse.masked_fill(dead.view(1, 1, -1), float("-inf"))
+    out = out.masked_fill(dead.view(1, -1, 1, 1), 0)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=scale)
+    # the same rows with zero upstream gradient in the reference contribute nothing
+    _, _, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout.masked_fill(dead.view(1, -1, 1, 1), 0),
+                                             softmax_scale=scale)
+    assert torch.count_nonzero(dq[:, dead]) == 0
+    assert_matches(dq, ref_dq, dtype, "dq")
+    assert_matches(dk, ref_dk, dtype, "dk")
+    assert_matches(dv, ref_dv, dtype, "dv")
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+def test_contract_fa2_no_key_rows_lse_plus_inf_becomes_minus_inf(fa2, version):
+    """contract: the kernel's +inf lse for rows without keys comes back as -inf (out 0)."""
+    backend = fa2(version)
+    iface = importlib.import_module("flash_attn.flash_attn_interface")
+    q, k, v, _ = make_inputs(sq=8, sk=4, d=16, dtype=torch.float16)
+    # the stand-in really writes +inf: bottom-right causal with Sq > Sk leaves rows 0..3 keyless
+    split = parse_version(version) >= parse_version("2.7")
+    kw = dict(window_size_left=-1, window_size_right=-1) if split else dict(window_size=(-1, -1))
+    res = iface._flash_attn_forward(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=0.25, causal=True,
+                                    softcap=0.0, alibi_slopes=None, return_softmax=False, **kw)
+    raw_lse = res[1] if len(res) == 4 else res[5]
+    assert torch.isposinf(raw_lse[..., :4]).all() and torch.isfinite(raw_lse[..., 4:]).all()
+    # through the adapter: no keys at all -> every row keyless
+    empty_k, empty_v = k[:, :0], v[:, :0]
+    out, lse = backend.forward(q, empty_k, empty_v, softmax_scale=0.25)
+    ref_out, ref_lse, *_ = reference(q, empty_k, empty_v, torch.zeros_like(q), softmax_scale=0.25)
+    assert torch.isneginf(lse).all() and torch.isneginf(ref_lse).all()
+    assert torch.count_nonzero(out) == 0
+    assert_matches(out, ref_out, torch.float16, "out")
+
+
+@pytest.mark.parametrize("version", ["2.7.4", "2.10.0"])
+def test_contract_fa2_pads_head_dim_that_the_kernel_rejects(fa2, version):
+    """contract: >= 2.7 rejects head_dim % 8 != 0 at the low-level call; the adapter pads."""
+    backend = fa2(version)
+    iface = importlib.import_module("flash_attn.flash_attn_interface")
+    q, k, v, dout = make_inputs(d=20, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        iface._flash_attn_forward(q, k, v, 0.0, 0.2, False, -1, -1, 0.0, None, False)
+    out, lse = backend.forward(q, k, v, softmax_scale=None)          # default scale: 1/sqrt(20)
+    ref_out, ref_lse, *_ = reference(q, k, v, dout, softmax_scale=20 ** -0.5)
+    assert out.shape == q.shape
+    assert_matches(out, ref_out, torch.bfloat16, "out")
+    assert_matches(lse, ref_lse, torch.bfloat16, "lse")
+
+
+def test_contract_fa2_version_parsed_numerically(fa2):
+    """contract: "2.10.0" selects the >= 2.7 API (a string comparison would call it older than 2.6.3)."""
+    assert "2.10.0" < "2.6.3"        # why string comparison is wrong
+    backend = fa2("2.10.0")
+    assert backend._kernel().split_window
+    purge_modules(FA2_TOP_LEVEL)
+    backend = fa2("2.6.3")
+    assert not backend._kernel().split_window and backend._kernel().has_softcap
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+def test_contract_fa2_deterministic_reaches_the_kernel(fa2, version):
+    """contract: deterministic=True is passed to the backward kernel."""
+    backend = fa2(version)
+    q, k, v, dout = make_inputs(d=16, dtype=torch.float16)
+    out, lse = backend.forward(q, k, v, softmax_scale=0.25)
+    backend.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=True)
+    backend.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=False)
+    calls = importlib.import_module("flash_attn_2_cuda").BWD_CALLS
+    assert [c["deterministic"] for c in calls] == [True, False]
+
+
+# --------------------------------------------------------------------------- refusals
+def test_contract_fa2_refuses_what_it_cannot_do(fa2):
+    """contract: unsupported calls raise with the reason (read from the declarations), never run."""
+    backend = fa2("2.8.3")
+    q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
+    s = 32 ** -0.5
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
+        backend.forward(q, k, v, softmax_scale=s, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match=r"dtype=fp32[\s\S]*sdpa"):
+        backend.forward(q.float(), k.float(), v.float(), softmax_scale=s)
+    big = make_inputs(d=264, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="head_dim=264"):
+        backend.forward(*big[:3], softmax_scale=s)
+    with pytest.raises(NotImplementedError, match="window/alibi across ring blocks"):
+        backend.forward(q, k, v, softmax_scale=s, window=(4, 0), key_offset=16)
+    with pytest.raises(NotImplementedError, match="causal with key_offset"):
+        backend.forward(q, k, v, softmax_scale=s, causal=True, key_offset=16)
+    q2, k2, v2, _ = make_inputs(sq=12, sk=20, d=32, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="bottom-right"):
+        backend.forward(q2, k2, v2, softmax_scale=s, window=(4, 2))      # would need right = -6
+    with pytest.raises(NotImplementedError, match="alibi"):
+        backend.forward(q2, k2, v2, softmax_scale=s, alibi_slopes=torch.ones(4))
+    with pytest.raises(NotImplementedError, match="bottom-right"):
+        backend.forward(q2, k2, v2, softmax_scale=s, causal=True)        # top-left causal, Sk > Sq
+    with pytest.raises(ValueError, match=r"lse must be \[B, H, Sq\]"):
+        backend.backward(dout, q, k, v, q, torch.zeros(2, 16, 4), softmax_scale=s)
+    with pytest.raises(ValueError, match="alibi_slopes must be"):
+        backend.forward(q, k, v, softmax_scale=s, alibi_slopes=torch.ones(3))
+
+
+def test_contract_fa2_declared_rules_reach_the_core():
+    """contract: the core's ring request with a window is refused from the declarations alone."""
+    ring = AttnRequest(dtype=torch.float16, device_type="cuda", window=(128, 0), key_offset=True)
+    assert any("ring blocks" in r for r in FlashAttn2Backend.not_supported_reasons(ring))
+    assert not FlashAttn2Backend.not_supported_reasons(ring.with_(key_offset=False))
+    assert not FlashAttn2Backend.not_supported_reasons(ring.with_(device_type="rocm", key_offset=False))
+    assert FlashAttn2Backend.not_supported_reasons(ring.with_(key_offset=False, compute_capability=(7, 5)))
+
+
+def test_contract_fa2_softcap_reason_depends_on_installed_version(fa2):
+    """contract: softcap is refused for flash-attn 2.5.x (version-dependent reason), allowed from 2.6."""
+    req = AttnRequest(dtype=torch.bfloat16, device_type="cuda", softcap=30.0)
+    fa2("2.5.9")
+    assert FlashAttn2Backend.not_supported_reasons(req) == ["softcap needs flash-attn >= 2.6.0 (installed: 2.5.9)"]
+    purge_modules(FA2_TOP_LEVEL)
+    fa2("2.10.0")
+    assert FlashAttn2Backend.not_supported_reasons(req) == []
+
+
+# --------------------------------------------------------------------------- availability
+def _only_cpu(monkeypatch):
+    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("cpu",))
+
+
+def _cuda(monkeypatch, cc):
+    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(usp_hal.platform, "compute_capability", lambda dev, index=0: cc)
+
+
+def test_contract_fa2_availability_not_installed(monkeypatch):
+    """contract: without flash-attn, availability names the package and the extra to install."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version(FA2_DIST)
+        pytest.skip("a real flash-attn is installed here")
+    except PackageNotFoundError:
+        pass
+    _only_cpu(monkeypatch)
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok
+    assert avail.reason == "flash-attn not installed (pip install 'usp-hal[fa2]')"
+    with pytest.raises(BackendUnavailable, match="flash-attn not installed"):
+        q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
+        FlashAttn2Backend().forward(q, k, v, softmax_scale=0.25)
+
+
+def test_contract_fa2_availability_metadata_without_extension(fa2, monkeypatch):
+    """contract: metadata alone is not enough: the flash_attn_2_cuda extension must be there."""
+    fa2("2.8.3", with_extension=False)
+    _only_cpu(monkeypatch)
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and "flash-attn not installed" in avail.reason
+
+
+def test_contract_fa2_availability_too_old(fa2, monkeypatch):
+    """contract: versions older than the adapter's minimum are refused with the version."""
+    fa2("2.4.2")
+    _only_cpu(monkeypatch)
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and avail.reason == "flash-attn 2.4.2 too old (needs >= 2.5.0)"
+
+
+def test_contract_fa2_availability_needs_cuda_and_never_imports(fa2, monkeypatch):
+    """contract: installed but no cuda device -> that reason; detection imports no kernel package."""
+    fa2("2.8.3")
+    _only_cpu(monkeypatch)
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and avail.version == "2.8.3"
+    assert avail.reason == "needs a cuda/rocm device, found cpu"
+    req = AttnRequest(dtype=torch.float16, device_type="cuda", softcap=10.0)
+    FlashAttn2Backend.not_supported_reasons(req)
+    FlashAttn2Backend.capabilities()
+    assert not {"flash_attn", "flash_attn_2_cuda", "flash_attn.flash_attn_interface"} & set(sys.modules)
+
+
+def test_contract_fa2_availability_compute_capability(fa2, monkeypatch):
+    """contract: a cuda device below sm80 is refused with both capabilities named; sm80 is fine."""
+    fa2("2.8.3")
+    _cuda(monkeypatch, (7, 5))
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and avail.reason == "needs cuda compute capability >= 8.0, found 7.5"
+    _cuda(monkeypatch, (8, 0))
+    avail = FlashAttn2Backend.availability()
+    assert avail.ok and avail.version == "2.8.3" and avail.details == {"device": "cuda"}
