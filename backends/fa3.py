@@ -1,0 +1,198 @@
+"""FlashAttention-3 (the ``hopper/`` build of flash-attention; distribution ``flash_attn_3``).
+
+FA3 is not on PyPI: it is built from the ``hopper/`` directory of Dao-AILab/flash-attention.
+It installs the top-level module ``flash_attn_interface`` (recent builds also re-export it
+as ``flash_attn_3.flash_attn_interface``) and the package ``flash_attn_3`` with the compiled
+extension.  The adapter imports the top-level module, falling back to the package path.
+
+FA3 version numbers do not track its Python API, so the API generation is read from the
+signatures of ``_flash_attn_forward`` / ``_flash_attn_backward`` (through the wrapped
+function of a ``torch.library.custom_op``):
+
+* old (before the July 2025 torch.compile rework): the forward takes ``out`` and
+  ``window_size=(l, r)`` (many arguments without defaults) and returns
+  ``(out, softmax_lse, *rest)``; the backward takes ``causal=`` and ``window_size=`` and
+  returns ``(dq, dk, dv, softmax_d)``;
+* new (custom ops): the forward takes ``window_size_left/right`` and returns
+  ``(out, softmax_lse, out_accum, softmax_lse_accum)``; the backward takes ``is_causal=``
+  (and the misspelled ``sequed_q/sequed_k``), writes ``dq/dk/dv`` in place and returns
+  ``softmax_d``.
+
+Contract work shared with FA2 (see :mod:`usp_hal.backends.fa2`): head dims padded to a
+multiple of 8 and sliced back, an explicit scale from the unpadded head dim, bottom-right
+positions translated (or refused) for ``Sq != Sk``, lse normalised (FA3 already writes
+``-inf`` for a row with no key, but ``+inf`` when there are no keys at all), and
+``-inf`` rows turned into ``+inf`` before the backward so they contribute nothing.
+
+FA3 has no dropout and no alibi; softcap and sliding windows are supported (without a
+position offset between ring blocks).  The README asks for an H100/H800; the runtime also
+accepts sm8x for fp16/bf16, but this adapter declares only the documented sm90 requirement.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+
+import torch
+
+from usp_hal.backend import (
+    AttentionBackend, BackendUnavailable, installed_version, lse_for_backward, normalize_lse, pad_head_dim,
+)
+from usp_hal.capabilities import Availability, AttnRequest, Package
+from usp_hal.backends.fa2 import (
+    KERNEL_HEAD_DIM_MULTIPLE, check_call, check_lse, default_scale, kernel_window, unpad,
+)
+
+PACKAGE = Package(dist="flash_attn_3", module="flash_attn_interface", alt_dists=("flash-attn-3",))
+BUILD_HINT = "not on PyPI: build it from the hopper/ directory of Dao-AILab/flash-attention"
+
+# FA3 rounds head dims up to 64/96/128/192/256; its deterministic backward does not cover
+# the 256 kernel (backend-reference §3.1).
+DETERMINISTIC_MAX_HEAD_DIM = 192
+
+
+def _parameters(fn) -> dict:
+    """Parameters of ``fn``, looking through a torch.library custom op to its Python function."""
+    target = getattr(fn, "_init_fn", fn)
+    try:
+        return dict(inspect.signature(target).parameters)
+    except (TypeError, ValueError) as exc:
+        raise BackendUnavailable(f"fa3: cannot read the signature of {fn!r} to tell its API generation") from exc
+
+
+class _FA3Kernel:
+    """One imported ``flash_attn_interface`` and its API generation ("old" or "new")."""
+
+    def __init__(self, iface) -> None:
+        self.iface = iface
+        fwd = _parameters(iface._flash_attn_forward)
+        bwd = _parameters(iface._flash_attn_backward)
+        if {"window_size_left", "window_size_right"} <= fwd.keys() and "is_causal" in bwd:
+            self.api = "new"
+        elif "window_size" in fwd and "causal" in fwd and {"causal", "window_size"} <= bwd.keys():
+            self.api = "old"
+        else:
+            raise BackendUnavailable(
+                "fa3: unrecognised flash_attn_interface API (forward parameters: "
+                f"{', '.join(fwd)}; backward parameters: {', '.join(bwd)}); this adapter knows the "
+                "window_size=(l, r) API and the window_size_left/right custom-op API")
+        self._fwd_required = [n for n, p in fwd.items() if p.default is inspect.Parameter.empty]
+        self._bwd_required = [n for n, p in bwd.items() if p.default is inspect.Parameter.empty]
+
+    @staticmethod
+    def _fill(required, kw: dict) -> dict:
+        # the old API has many optional-feature arguments without defaults (k_new, page_table,
+        # descales...): None switches each of them off
+        return {**{n: None for n in required if n not in kw}, **kw}
+
+    def forward(self, q, k, v, scale, causal, left, right, softcap):
+        if self.api == "new":
+            res = self.iface._flash_attn_forward(q=q, k=k, v=v, softmax_scale=scale, causal=causal,
+                                                 window_size_left=left, window_size_right=right,
+                                                 softcap=float(softcap))
+        else:
+            res = self.iface._flash_attn_forward(**self._fill(self._fwd_required, dict(
+                q=q, k=k, v=v, softmax_scale=scale, causal=causal, window_size=(left, right),
+                softcap=float(softcap))))
+        if not isinstance(res, (tuple, list)) or len(res) < 2:
+            raise RuntimeError("fa3: _flash_attn_forward did not return (out, softmax_lse, ...)")
+        return res[0], res[1]
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                      softmax_scale=scale, softcap=float(softcap), deterministic=bool(deterministic))
+        if self.api == "new":
+            self.iface._flash_attn_backward(**common, is_causal=causal,
+                                            window_size_left=left, window_size_right=right)
+            return dq, dk, dv      # written in place; the call returns softmax_d
+        res = self.iface._flash_attn_backward(**self._fill(self._bwd_required, dict(
+            common, causal=causal, window_size=(left, right))))
+        if not isinstance(res, (tuple, list)) or len(res) != 4:
+            raise RuntimeError("fa3: the old-API _flash_attn_backward did not return (dq, dk, dv, softmax_d)")
+        return res[0], res[1], res[2]
+
+
+def _load_kernel() -> _FA3Kernel:
+    try:
+        iface = importlib.import_module("flash_attn_interface")
+    except ModuleNotFoundError as exc:
+        if exc.name != "flash_attn_interface":
+            raise BackendUnavailable(f"fa3: importing flash_attn_interface failed: {exc}") from exc
+        try:
+            iface = importlib.import_module("flash_attn_3.flash_attn_interface")
+        except ImportError as exc2:
+            why = FlashAttn3Backend.availability().reason or "import failed"
+            raise BackendUnavailable(f"fa3: cannot import flash_attn_interface nor "
+                                     f"flash_attn_3.flash_attn_interface ({exc2}); {why}") from exc2
+    except ImportError as exc:
+        raise BackendUnavailable(f"fa3: importing flash_attn_interface failed: {exc}") from exc
+    return _FA3Kernel(iface)
+
+
+class FlashAttn3Backend(AttentionBackend):
+    NAME = "fa3"
+    DESCRIPTION = "FlashAttention-3 (hopper build): low-level forward/backward with lse, both API generations"
+    SUPPORTED_DEVICES = frozenset({"cuda"})
+    SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
+    HEAD_DIM_MAX = 256
+    SUPPORTS_CAUSAL = True
+    SUPPORTS_WINDOW = True
+    SUPPORTS_SOFTCAP = True
+    SUPPORTS_ALIBI = False
+    SUPPORTS_DROPOUT = False          # the kernel has no dropout
+    SUPPORTS_GQA = True
+    SUPPORTS_KEY_OFFSET = False       # windows take no position offset between ring blocks
+    RETURNS_LSE = True
+    HAS_BACKWARD = True
+    SUPPORTS_DETERMINISTIC = True     # up to DETERMINISTIC_MAX_HEAD_DIM: see extra_reasons
+    MIN_COMPUTE_CAPABILITY = {"cuda": (9, 0)}
+    REQUIRED_PACKAGES = (PACKAGE,)
+
+    @classmethod
+    def extra_reasons(cls, request: AttnRequest) -> list:
+        if request.deterministic and request.needs_grad and request.head_dim > DETERMINISTIC_MAX_HEAD_DIM:
+            return [f"deterministic backward is not available for head_dim={request.head_dim} "
+                    f"(FA3's deterministic backward covers head_dim <= {DETERMINISTIC_MAX_HEAD_DIM})"]
+        return []
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if installed_version(PACKAGE) is None or importlib.util.find_spec(PACKAGE.module) is None:
+            return Availability(False, f"{PACKAGE.dist} not installed ({BUILD_HINT})")
+        return super().availability()
+
+    def _kernel(self) -> _FA3Kernel:
+        kernel = getattr(self, "_loaded_kernel", None)
+        if kernel is None:
+            kernel = self._loaded_kernel = _load_kernel()
+        return kernel
+
+    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, key_offset=0):
+        check_call(type(self), q, k, v, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, key_offset=key_offset)
+        kernel = self._kernel()
+        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+        k_causal, left, right = kernel_window(self.NAME, sq, sk, causal, window, False)
+        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE).contiguous() for x in (q, k, v))
+        out, lse = kernel.forward(qp, kp, vp, default_scale(softmax_scale, d), k_causal, left, right,
+                                  softcap or 0.0)
+        return unpad(out, d), normalize_lse(lse)
+
+    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
+        check_call(type(self), q, k, v, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, key_offset=key_offset,
+                   needs_grad=True, deterministic=deterministic)
+        check_lse(self.NAME, lse, q)
+        kernel = self._kernel()
+        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+        k_causal, left, right = kernel_window(self.NAME, sq, sk, causal, window, False)
+        lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
+        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE).contiguous()
+                               for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, default_scale(softmax_scale, d),
+                                     k_causal, left, right, softcap or 0.0, deterministic)
+        return unpad(dq, d), unpad(dk, d), unpad(dv, d)
