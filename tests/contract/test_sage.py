@@ -16,6 +16,7 @@ from usp_hal import AttnRequest, REGISTRY, get_backend
 from usp_hal import backend as backend_mod
 from usp_hal import platform
 from usp_hal.backends.sage import SageFP8Backend
+from usp_hal.reference import TOLERANCES
 
 from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_matches, install, make_inputs,
                             purge_modules, reference, sage_files)
@@ -46,6 +47,9 @@ def test_contract_registry_entry_is_this_class():
     assert get_backend("sage_fp8") is SageFP8Backend
     caps = SageFP8Backend.capabilities()
     assert caps["backward"] is False and "lossy" in caps["description"]
+    # a quantised kernel declares the error budget the probe verifies it against
+    for dtype in SageFP8Backend.SUPPORTED_DTYPES:
+        assert SageFP8Backend.LOSSY_TOLERANCES[dtype] > TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
