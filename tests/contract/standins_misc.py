@@ -364,8 +364,10 @@ class XPUFlashStandin:
 
     BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 
-    def __init__(self) -> None:
+    def __init__(self, sum_gqa_grads: bool = True) -> None:
         self.calls: list = []
+        # False models a release whose backward hands back dk/dv per query head
+        self.sum_gqa_grads = sum_gqa_grads
 
     @staticmethod
     def _check(name, *tensors):
@@ -425,6 +427,9 @@ class XPUFlashStandin:
         sc = scale if scale is not None else query.shape[-1] ** -0.5
         keep = self._keep(sq, key.shape[2], is_causal)
         dq, dk, dv = attend_grad(query, key, value, grad_out, out, logsumexp, torch.ones_like(logsumexp), sc, keep)
+        if not self.sum_gqa_grads:
+            group = query.shape[1] // key.shape[1]
+            dk, dv = (g.repeat_interleave(group, dim=1) / group for g in (dk, dv))
         return tuple(g.to(query.dtype) for g in (dq, dk, dv))
 
 
