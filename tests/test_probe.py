@@ -234,6 +234,11 @@ def test_unknown_backend_name_is_a_usage_error(capsys):
     assert "valid options are" in err and "sdpa" in err
 
 
+def test_auto_is_not_a_backend_to_verify(capsys):
+    rc, _, err = _run(capsys, "--verify", "--backend", "auto")
+    assert rc == 2 and "'auto' is not a backend" in err
+
+
 def test_backend_filter_needs_verify(capsys):
     rc, _, err = _run(capsys, "--backend", "sdpa")
     assert rc == 2 and "--verify" in err

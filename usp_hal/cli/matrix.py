@@ -169,6 +169,8 @@ def matrix_markdown(profiles: list, registry=None) -> str:
         entries = matrix_entries(p, registry)
         cc = f", compute capability {p.compute_capability[0]}.{p.compute_capability[1]}" if p.compute_capability else ""
         lines += [f"### {p.name} ({p.device_type}{cc})", ""]
+        if p.hardware:
+            lines += [f"Runner: {p.hardware}.", ""]
         if not entries:
             lines += ["No shipped backend declares this device.", ""]
             continue

@@ -171,7 +171,6 @@ def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *,
     def check(name, got):
         err, ok, problem = _max_error(got, refs[name], atol, rtol)
         result["errors"][name] = err if math.isfinite(err) else None  # JSON has no inf
-
         if not ok:
             result["ok"] = False
             result["problems"].append(f"{name}: {problem}")
@@ -292,6 +291,8 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
     }
     if verify:
         wanted = [reg.canonical_name(n) for n in only] if only else None
+        if wanted and "auto" in wanted:
+            raise ValueError("'auto' is not a backend; name backends to verify, or omit --backend for all")
         results = []
         for row in report["backends"]:
             if wanted is not None and row["name"] not in wanted:
@@ -336,14 +337,15 @@ def format_text(report: dict) -> str:
     t, p = report["torch"], report["platform"]
     builds = ", ".join(f"{k} {v}" for k, v in (("cuda", t["cuda"]), ("hip", t["hip"]), ("xpu", t["xpu"])) if v)
     cc = p["compute_capability"]
+    absent = ", ".join(n for n, ok in report["dist_backends"].items() if not ok)
     facts = [
         ("usp-hal", report["usp_hal"]),
         ("torch", t["version"] + (f" ({builds})" if builds else " (no accelerator build)")),
         ("device", f"{p['device_type']} x{p['device_count']} ({p['device_name']})"
                    + (f", compute capability {cc[0]}.{cc[1]}" if cc else "")),
         ("device types", ", ".join(p["device_types"])),
-        ("dist backends", ", ".join(n for n, ok in report["dist_backends"].items() if ok) or "none"),
-        ("not available", ", ".join(n for n, ok in report["dist_backends"].items() if not ok) or "-"),
+        ("dist backends", (", ".join(n for n, ok in report["dist_backends"].items() if ok) or "none")
+         + (f"  (unavailable: {absent})" if absent else "")),
     ]
     width = max(len(k) for k, _ in facts)
     out = [f"{k.ljust(width)}  {v}" for k, v in facts]
