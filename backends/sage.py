@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from usp_hal import platform as _platform
 from usp_hal.backend import AttentionBackend, installed_version, normalize_lse, pad_head_dim, parse_version
 from usp_hal.capabilities import Package
 
@@ -98,8 +99,7 @@ class SageFP8Backend(AttentionBackend):
     def extra_availability(cls, device_type, version):
         if device_type != "cuda":
             return ""
-        from usp_hal import platform
-        return _arch_reason(version, platform.compute_capability(device_type))
+        return _arch_reason(version, _platform.compute_capability(device_type))
 
     def __init__(self) -> None:
         self._version: Optional[str] = None
