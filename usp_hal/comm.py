@@ -129,28 +129,6 @@ def head_to_seq(y: torch.Tensor, spec: UlyssesSpec) -> torch.Tensor:
     return out
 
 
-class SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, spec):
-        ctx.spec = spec
-        return seq_to_head(x, spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return head_to_seq(grad, ctx.spec), None
-
-
-class HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, spec):
-        ctx.spec = spec
-        return head_to_seq(y, spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_head(grad, ctx.spec), None
-
-
 # ---------------------------------------------------------------------------------- ring
 class P2PRotator:
     """Pass blocks around the ring with ``batch_isend_irecv``: send to the next rank,
