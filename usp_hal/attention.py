@@ -252,8 +252,7 @@ class LongContextAttention(torch.nn.Module):
         rows = _gather_ints(mesh, meta)
         bad = [i for i, r in enumerate(rows) if r[0]]
         if bad:
-            msgs = [None] * n
-            dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}", group=mesh.sp_group)
+            msgs = _gather_text(mesh, "" if err is None else f"{type(err).__name__}: {err}")
             if err is not None:
                 raise err
             raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
@@ -321,6 +320,14 @@ def _gather_ints(mesh, values):
     out = [torch.empty_like(t) for _ in range(mesh.sp_size)]
     dist.all_gather(out, t, group=mesh.sp_group)
     return [o.tolist() for o in out]
+
+
+def _gather_text(mesh, text: str) -> list:
+    """Every rank's message (an error), as utf-8 bytes in integer tensors (no pickling)."""
+    data = list(text.encode("utf-8"))
+    width = max(r[0] for r in _gather_ints(mesh, [len(data)]))
+    rows = _gather_ints(mesh, data + [0] * (width - len(data)) if width else [0])
+    return [bytes(b for b in row if b).decode("utf-8", "replace") for row in rows]
 
 
 def _current_index():
