@@ -17,7 +17,10 @@ Measurement (inside a rank)
     :func:`time_backend` wraps one backend object's ``forward``/``backward`` to time the
     kernel calls; :class:`MemoryMeter` measures the peak memory growth of a region (CPU:
     ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` at the
-    start; accelerators: the platform's peak allocated bytes).
+    start, with malloc's cached free memory returned first; accelerators: the platform's
+    peak allocated bytes).  Timed iterations and the memory iteration are separate: the
+    memory reading needs freed memory handed back, which makes the next allocations fault
+    in fresh pages, a cost that would otherwise land in the timings.
 """
 from __future__ import annotations
 
@@ -34,12 +37,6 @@ import time
 import traceback
 from typing import Callable, List, Optional
 
-# Allocations of at least this size are served by mmap and given back to the system when
-# freed, so a process's resident size follows its live tensors and the peak-RSS reading
-# of one iteration is not hidden by memory that malloc kept from an earlier one.
-MMAP_THRESHOLD = 1 << 20
-
-
 class LaunchError(RuntimeError):
     """A spawned run failed: one or more ranks raised, died, or did not finish in time."""
 
@@ -55,12 +52,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def release_freed_memory() -> bool:
-    """Make glibc serve allocations >= MMAP_THRESHOLD with mmap (returned on free).
-    Returns False where that is not possible (not glibc)."""
+def trim_freed_memory() -> bool:
+    """Give the memory malloc keeps from freed blocks back to the system (glibc
+    ``malloc_trim(0)``), so the resident size is the live memory.  False where unavailable."""
     try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(-3, MMAP_THRESHOLD))      # -3 = M_MMAP_THRESHOLD
+        return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
 
@@ -70,7 +66,6 @@ def configure_process(threads: int, device_type: str, local_rank: int):
     import torch
 
     from .. import platform as _platform
-    release_freed_memory()
     torch.set_num_threads(threads)
     return _platform.set_device(device_type, local_rank)
 
@@ -373,6 +368,7 @@ class CommMeter:
 
     def install(self) -> "CommMeter":
         import torch.distributed as dist
+        ACTIVE["comm"] = self
         for n in self.NAMES:
             orig = getattr(dist, n, None)
             if orig is not None:
@@ -382,6 +378,7 @@ class CommMeter:
 
     def uninstall(self) -> None:
         import torch.distributed as dist
+        ACTIVE["comm"] = None
         for n, orig in self._orig.items():
             setattr(dist, n, orig)
         self._orig.clear()
@@ -394,14 +391,59 @@ class CommMeter:
 
 
 class KernelTimes:
-    """Seconds and call counts inside a backend's ``forward`` and ``backward``."""
+    """Seconds and call counts inside a backend's ``forward`` and ``backward``, plus the
+    core's merge (``merge_s``) and Ulysses re-layout (``layout_s``: the all-to-all
+    wrappers' time minus the collective itself) while :func:`instrument_core` is active."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.fwd_s = self.bwd_s = 0.0
+        self.fwd_s = self.bwd_s = self.merge_s = self.layout_s = 0.0
         self.fwd_calls = self.bwd_calls = 0
+
+
+# what the core wrappers below report to: set by the rank while it times an iteration
+ACTIVE = {"times": None, "comm": None}
+
+
+def _timed_core_function(fn, field: str, minus_comm: bool):
+    def wrapped(*args, **kwargs):
+        times, comm = ACTIVE["times"], ACTIVE["comm"]
+        if times is None:
+            return fn(*args, **kwargs)
+        c0 = comm.seconds if (minus_comm and comm is not None) else 0.0
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t
+            if minus_comm and comm is not None:
+                dt -= comm.seconds - c0
+            setattr(times, field, getattr(times, field) + dt)
+    wrapped.__wrapped__ = fn
+    return wrapped
+
+
+def instrument_core() -> list:
+    """Time the core's merge and Ulysses re-layout by wrapping the module-level functions the
+    core calls (``usp_hal.ring.merge_block``; ``seq_to_head``/``head_to_seq`` as imported by
+    ``usp_hal.attention``).  Idempotent; returns the names wrapped (missing ones are skipped)."""
+    import importlib as _il
+    done = []
+    for modname, name, field, minus in (("usp_hal.ring", "merge_block", "merge_s", False),
+                                        ("usp_hal.attention", "seq_to_head", "layout_s", True),
+                                        ("usp_hal.attention", "head_to_seq", "layout_s", True)):
+        mod = _il.import_module(modname)
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+        if not getattr(fn, "_usp_hal_instrumented", False):
+            w = _timed_core_function(fn, field, minus)
+            w._usp_hal_instrumented = True
+            setattr(mod, name, w)
+        done.append(f"{modname}.{name}")
+    return done
 
 
 def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]] = None) -> None:
@@ -463,9 +505,11 @@ def _reset_hwm() -> bool:
 class MemoryMeter:
     """Peak memory growth of a region on this process's device.
 
-    cpu: VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the start; where the
-    reset is refused, ru_maxrss minus VmRSS at the start (then only growth beyond the
-    process's earlier peak is seen).  Accelerators: ``platform.peak_memory_bytes`` minus
+    cpu: malloc's cached free memory is returned to the system (``malloc_trim``), then
+    VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the start.  Without the trim,
+    memory that an earlier iteration freed and this one reuses would not show as growth.
+    Where the reset is refused, ru_maxrss minus VmRSS at the start (then only growth
+    beyond the process's earlier peak is seen).  Accelerators: ``platform.peak_memory_bytes`` minus
     the bytes allocated at the start.
     """
 
@@ -482,9 +526,10 @@ class MemoryMeter:
             self._base = acc or 0
             self.method = "peak allocated - allocated at start" if acc is not None else "peak allocated"
             return
+        trimmed = trim_freed_memory()
         rss = _status_kib("VmRSS")
         if rss is not None and _reset_hwm():
-            self.method = "VmHWM - VmRSS at start"
+            self.method = "VmHWM - VmRSS at start" + (", after malloc_trim" if trimmed else "")
             self._base = rss * 1024
         else:
             self.method = "ru_maxrss - RSS at start"
@@ -495,7 +540,7 @@ class MemoryMeter:
         if self.device_type != "cpu":
             peak = _platform.peak_memory_bytes(self.device_type) or 0
             return max(0, peak - self._base)
-        if self.method == "VmHWM - VmRSS at start":
+        if self.method.startswith("VmHWM"):
             hwm = _status_kib("VmHWM") or 0
             return max(0, hwm * 1024 - self._base)
         import resource

@@ -190,7 +190,7 @@ def _dist_version(name: str):
         return None
 
 
-def rank_peer_steps(case: str, n: int) -> list:
+def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
     import torch
     import torch.distributed as dist
 
@@ -200,14 +200,15 @@ def rank_peer_steps(case: str, n: int) -> list:
     for _ in range(n):
         dist.barrier()
         _run._sync(st.cfg.device_type)
-        st.mem.start()
+        if memory:
+            st.mem.start()
         t0 = time.perf_counter()
         with torch.no_grad():
             out = st.attn(st.q, st.k, st.v, causal=st.cfg.causal)
         _run._sync(st.cfg.device_type)
         t = time.perf_counter() - t0
         del out
-        recs.append({"time": t, "mem": st.mem.stop()})
+        recs.append({"time": t, "mem": st.mem.stop() if memory else None})
     return recs
 
 
@@ -260,7 +261,7 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
                 notes.append(f"peer {name} skipped: {note}")
     per_group = [len(c) + (0 if args.no_baseline else len(_thread_counts(b))) +
                  (len([x for x in c if not x.bwd]) if peers else 0) for _, b, c in groups]
-    progress = Progress(sum(n * rounds for n in per_group), enabled=not args.quiet)
+    progress = Progress(sum(n * (rounds + 1) for n in per_group), enabled=not args.quiet)
     results, baselines, peer_rows = [], [], []
     pool = single = None
     try:
@@ -277,7 +278,8 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
             entries = [("dist", i) for i in range(len(cfgs))]
             if single is not None:
                 single.run(rank_clear, timeout=args.timeout)
-                single.run(single_prepare, timeout=args.timeout, cfg=asdict(base), case="single")
+                single_inputs = single.run(single_prepare, timeout=args.timeout, cfg=asdict(base),
+                                           case="single")[0]["input_bytes"]
                 entries += [("single", th) for th in _thread_counts(base)]
             peer_prep = {}
             if peers and not base.bwd:
@@ -309,20 +311,32 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
                     if rnd >= args.warmup:
                         recs[(kind, key)].append(out)
                     progress.step(f"{label} {text}")
+            # one untimed iteration per entry for the memory reading (see usp_hal.cli._launch)
+            mems = {}
+            for kind, key in entries:
+                if kind == "dist":
+                    mems[(kind, key)] = pool.run(rank_steps, timeout=args.timeout, case=f"c{key}", n=1, memory=True)
+                elif kind == "single" and key == 1:
+                    mems[(kind, key)] = single.run(single_steps, timeout=args.timeout, case="single", n=1, threads=1,
+                                                   memory=True)[0]
+                elif kind == "peer":
+                    mems[(kind, key)] = pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=1,
+                                                 memory=True)
+                progress.step(f"{label} memory")
             base_row = None
             if single is not None:
-                base_row = {"group": label, **_group_fields(base)}
+                base_row = {"group": label, **_group_fields(base), "input_bytes": single_inputs}
                 for th in _thread_counts(base):
                     rs = [r[0] for r in recs[("single", th)]]
                     base_row[f"t{th}"] = {"time": median([r["time"] for r in rs]),
                                           "fwd": median([r["fwd"] for r in rs]),
-                                          "bwd": median([r["bwd"] for r in rs]),
-                                          "mem": max(r["mem"] for r in rs)}
+                                          "bwd": median([r["bwd"] for r in rs])}
+                base_row["mem"] = mems[("single", 1)][0]["mem"]
                 baselines.append(base_row)
             for i, c in enumerate(cfgs):
                 # each round gave [rank][record]; regroup as rank -> its records over the rounds
                 per_rank = [[rnd[r][0] for rnd in recs[("dist", i)]] for r in range(c.nproc)]
-                summary = summarize(c, per_rank)
+                summary = summarize(c, per_rank, mems[("dist", i)])
                 check = merge_checks(pool.run(rank_check, timeout=args.timeout, case=f"c{i}"))
                 pool.run(rank_release, timeout=args.timeout, case=f"c{i}")
                 results.append(_result_row(label, c, prep[i], summary, check, base_row))
@@ -332,7 +346,7 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
                 row = {"group": label, **_group_fields(base), "config": config_label(cfgs[i]), "peer": "yunchang",
                        "status": "ok", "version": peer_prep[i][0]["version"],
                        "attn_type": peer_prep[i][0]["attn_type"], "time": median(it_max),
-                       "mem_per_rank": max(r["mem"] for per in rs for r in per)}
+                       "mem_per_rank": max(r[0]["mem"] for r in mems[("peer", i)])}
                 errs = [p["error"] for p in peer_prep[i] if p["error"] is not None]
                 if errs:
                     row["error_max_abs"] = max(e["max_abs"] for e in errs)
@@ -363,11 +377,12 @@ def _result_row(label, cfg: RunConfig, prep, s, check, base_row) -> dict:
            "ring": cfg.ring, "ring_impl": cfg.ring_impl if cfg.ring > 1 else None,
            "rotate": cfg.rotate if cfg.ring > 1 else None, "backend": prep[0]["backend"],
            "time": s["time"], "fwd": s["fwd"], "bwd": s["bwd"], "iter_times": s["iter_times"],
-           "per_rank": [{k: r[k] for k in ("rank", "time", "kernel_fwd", "kernel_bwd", "comm", "other", "sent",
-                                           "bytes", "mem")} for r in s["ranks"]],
+           "per_rank": [{k: r[k] for k in ("rank", "time", "kernel_fwd", "kernel_bwd", "comm", "merge", "layout",
+                                           "other", "sent", "bytes", "mem")} for r in s["ranks"]],
            "kernel_balance": s["kernel_balance"], "sent_per_rank": s["sent_per_rank"],
            "min_sent_per_rank": mc["total"], "sent_vs_min": (s["sent_per_rank"] / mc["total"]) if mc["total"] else None,
            "mem_per_rank": s["mem_per_rank"], "first_call_mem_per_rank": max(p["first_call_mem"] for p in prep),
+           "input_bytes_per_rank": max(p["input_bytes"] for p in prep),
            "check": {"mode": check["mode"], "ok": check.get("ok", True),
                      "worst": max((e["worst"] for e in check["errors"].values()), default=None),
                      "max_abs": {k: e["max_abs"] for k, e in check["errors"].items()}}}
@@ -378,7 +393,10 @@ def _result_row(label, cfg: RunConfig, prep, s, check, base_row) -> dict:
         same = base_row[f"t{cfg.nproc * cfg.threads_per_rank}"]["time"]
         row.update(floor=floor, single_same_threads=same, single_1_thread=base_row["t1"]["time"],
                    ratio_vs_floor=s["time"] / floor, ratio_vs_single_same_threads=s["time"] / same,
-                   single_mem=base_row["t1"]["mem"], mem_vs_single=s["mem_per_rank"] / max(base_row["t1"]["mem"], 1))
+                   single_mem=base_row["mem"], mem_vs_single=s["mem_per_rank"] / max(base_row["mem"], 1),
+                   single_input_bytes=base_row["input_bytes"],
+                   mem_with_inputs_vs_single=(s["mem_per_rank"] + row["input_bytes_per_rank"])
+                   / max(base_row["mem"] + base_row["input_bytes"], 1))
     return row
 
 
@@ -403,9 +421,11 @@ def format_results(rep: dict) -> str:
              "time = max over ranks per iteration; floor = single process at threads-per-rank threads / ranks; "
              "single = single process with all the ranks' threads",
              "kernel balance = max/min over ranks of the time inside the backend; comm = share of the "
-             "iteration spent in communication calls and waits (slowest rank)", ""]
+             "iteration spent in communication calls and waits (slowest rank)",
+             "mem = peak memory growth during one iteration; x single+in = (growth + the rank's inputs) / "
+             "(single-process growth + its inputs)", ""]
     headers = ["S", "mode", "mask", "config", "ms", "floor ms", "x floor", "single ms", "x single", "balance",
-               "comm", "sent/rank", "x min", "mem/rank", "single mem", "check"]
+               "comm", "sent/rank", "x min", "mem/rank", "single mem", "x single+in", "check"]
     rows = []
     for r in rep["results"]:
         rows.append([r["seqlen"], r["mode"], "causal" if r["causal"] else "full", r["config"], fmt_ms(r["time"]),
@@ -413,7 +433,7 @@ def format_results(rep: dict) -> str:
                      _x(r.get("ratio_vs_single_same_threads")), _x(r["kernel_balance"]),
                      "-" if r["comm_fraction"] is None else f"{100 * r['comm_fraction']:.0f}%",
                      fmt_bytes(r["sent_per_rank"]), _x(r["sent_vs_min"]), fmt_bytes(r["mem_per_rank"]),
-                     fmt_bytes(r.get("single_mem")),
+                     fmt_bytes(r.get("single_mem")), _x(r.get("mem_with_inputs_vs_single")),
                      "-" if r["check"]["mode"] == "none" else ("pass" if r["check"]["ok"] else "FAIL")])
     lines.append(_table(headers, rows))
     if rep["baselines"]:
@@ -424,12 +444,14 @@ def format_results(rep: dict) -> str:
         for b in rep["baselines"]:
             ts = [k for k in b if k.startswith("t")]
             brows.append([b["seqlen"], b["mode"], "causal" if b["causal"] else "full"] +
-                         [fmt_ms(b[k]["time"]) for k in ts] + [fmt_bytes(b["t1"]["mem"])])
+                         [fmt_ms(b[k]["time"]) for k in ts] + [fmt_bytes(b["mem"])])
         lines.append(_table(bh, brows))
-    lines += ["", "per-rank breakdown (ms per iteration: total / kernel fwd / kernel bwd / comm / other)"]
+    lines += ["", "per-rank breakdown (ms per iteration: total / kernel fwd / kernel bwd / comm / merge / layout / "
+                  "other)"]
     for r in rep["results"]:
         parts = "  ".join(f"r{p['rank']} {fmt_ms(p['time'])}/{fmt_ms(p['kernel_fwd'])}/{fmt_ms(p['kernel_bwd'])}/"
-                          f"{fmt_ms(p['comm'])}/{fmt_ms(p['other'])}" for p in r["per_rank"])
+                          f"{fmt_ms(p['comm'])}/{fmt_ms(p['merge'])}/{fmt_ms(p['layout'])}/{fmt_ms(p['other'])}"
+                          for p in r["per_rank"])
         lines.append(f"  S={r['seqlen']} {r['mode']} {'causal' if r['causal'] else 'full'} {r['config']}: {parts}")
     if rep["peers"]:
         lines += ["", "peers (forward; error = worst |err| / tolerance against the same reference, <= 1 passes)"]
@@ -560,9 +582,9 @@ def run(args) -> int:
                     "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
                     "command": "usp-hal " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
                     "wall_s": round(time.monotonic() - t0, 1),
-                    "memory_method": "peak RSS growth per iteration (VmHWM after clear_refs, minus VmRSS at the "
-                                     "start; allocations >= 1 MiB are returned to the system when freed)"
-                                     if device_type == "cpu" else "peak allocated bytes per iteration"},
+                    "memory_method": "peak RSS growth of one extra, untimed iteration (malloc_trim, then VmHWM "
+                                     "after clear_refs minus VmRSS at the start)" if device_type == "cpu"
+                    else "peak allocated bytes of one extra, untimed iteration"},
            **out}
     print(format_results(rep))
     if args.plot:

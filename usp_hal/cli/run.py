@@ -228,8 +228,7 @@ class _Case:
 
 
 def rank_prepare(cfg: dict, case: str) -> dict:
-    """Shard the inputs, run the checked first call (its memory growth measured), and
-    prepare the timers.  Keeps the state under ``case`` for rank_steps/rank_check."""
+    """Shard the inputs, run the checked first call, and prepare the timers.  Keeps the state under ``case`` for rank_steps/rank_check."""
     import torch
     import torch.distributed as dist
 
@@ -264,20 +263,25 @@ def rank_prepare(cfg: dict, case: str) -> dict:
     st.ktimes = _launch.KernelTimes()
     sync = None if cfg.device_type == "cpu" else (lambda: _sync(cfg.device_type))
     _launch.time_backend(backend, st.ktimes, sync)
+    _launch.instrument_core()
     st.comm = _launch.CommMeter()
     st.mem = mem
     _CASES[case] = st
+    inputs = sum(t.numel() * t.element_size() for t in (st.q, st.k, st.v, st.dout) if t is not None)
     return {"rank": dist.get_rank(), "backend": getattr(backend, "NAME", type(backend).__name__),
+            "input_bytes": inputs,
             "local_len": int(st.q.shape[1]), "first_call_mem": first_mem, "mem_method": mem.method,
             "ring_rank": mesh.ring_rank, "ulysses_rank": mesh.ulysses_rank}
 
 
-def rank_steps(case: str, n: int) -> list:
-    """``n`` timed iterations; one record per iteration."""
+def rank_steps(case: str, n: int, memory: bool = False) -> list:
+    """``n`` timed iterations; one record per iteration.  ``memory``: measure each
+    iteration's peak memory growth instead (its timing then includes page faults)."""
     import torch.distributed as dist
     st = _CASES[case]
     cfg = st.cfg
     recs = []
+    _launch.ACTIVE["times"] = st.ktimes
     with st.comm:
         for _ in range(n):
             for t in (st.q, st.k, st.v):
@@ -286,7 +290,8 @@ def rank_steps(case: str, n: int) -> list:
             _sync(cfg.device_type)
             st.ktimes.reset()
             st.comm.reset()
-            st.mem.start()
+            if memory:
+                st.mem.start()
             t0 = time.perf_counter()
             out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
             _sync(cfg.device_type)
@@ -295,13 +300,15 @@ def rank_steps(case: str, n: int) -> list:
                 out.backward(st.dout)
                 _sync(cfg.device_type)
             t2 = time.perf_counter()
-            mem = st.mem.stop()
+            mem = st.mem.stop() if memory else None
             del out
             recs.append({"time": t2 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "kernel_fwd": st.ktimes.fwd_s,
                          "kernel_bwd": st.ktimes.bwd_s, "kernel_calls": st.ktimes.fwd_calls + st.ktimes.bwd_calls,
                          "comm": st.comm.seconds, "bytes": dict(st.comm.bytes), "calls": dict(st.comm.calls),
-                         "metadata_bytes": st.comm.metadata_bytes,
+                         "metadata_bytes": st.comm.metadata_bytes, "merge": st.ktimes.merge_s,
+                         "layout": st.ktimes.layout_s,
                          "mem": mem})
+    _launch.ACTIVE["times"] = None
     return recs
 
 
@@ -441,10 +448,11 @@ def single_prepare(cfg: dict, case: str) -> dict:
     st.backend = REGISTRY.select(cfg.attn_type, req)()
     st.mem = _launch.MemoryMeter(cfg.device_type)
     _CASES[case] = st
-    return {"backend": st.backend.NAME}
+    return {"backend": st.backend.NAME,
+            "input_bytes": sum(t.numel() * t.element_size() for t in (q, k, v, dout) if t is not None)}
 
 
-def single_steps(case: str, n: int, threads: int) -> list:
+def single_steps(case: str, n: int, threads: int, memory: bool = False) -> list:
     import torch
     st = _CASES[case]
     cfg = st.cfg
@@ -454,7 +462,8 @@ def single_steps(case: str, n: int, threads: int) -> list:
     recs = []
     for _ in range(n):
         _sync(cfg.device_type)
-        st.mem.start()
+        if memory:
+            st.mem.start()
         t0 = time.perf_counter()
         out, lse = st.backend.forward(q, k, v, softmax_scale=scale, causal=cfg.causal)
         _sync(cfg.device_type)
@@ -464,13 +473,14 @@ def single_steps(case: str, n: int, threads: int) -> list:
             _sync(cfg.device_type)
         t2 = time.perf_counter()
         del out, lse
-        recs.append({"time": t2 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "mem": st.mem.stop()})
+        recs.append({"time": t2 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "mem": st.mem.stop() if memory else None})
     return recs
 
 
 # ----------------------------------------------------------------------------- summaries
-def summarize(cfg: RunConfig, per_rank_iters: list) -> dict:
-    """Per-iteration max over ranks -> median; per-rank medians of each part."""
+def summarize(cfg: RunConfig, per_rank_iters: list, per_rank_mem: list) -> dict:
+    """Per-iteration max over ranks -> median; per-rank medians of each part.
+    ``per_rank_mem``: each rank's records of the memory iteration(s)."""
     iters = list(zip(*per_rank_iters))          # iteration -> records of every rank
     it_max = [max(r["time"] for r in recs) for recs in iters]
     fwd_max = [max(r["fwd"] for r in recs) for recs in iters]
@@ -481,10 +491,14 @@ def summarize(cfg: RunConfig, per_rank_iters: list) -> dict:
         kf = median([r["kernel_fwd"] for r in recs])
         kb = median([r["kernel_bwd"] for r in recs])
         comm = median([r["comm"] for r in recs])
+        merge = median([r["merge"] for r in recs])
+        layout = median([r["layout"] for r in recs])
         ranks.append({"rank": rank, "time": total, "kernel_fwd": kf, "kernel_bwd": kb, "comm": comm,
-                      "other": total - kf - kb - comm, "bytes": recs[-1]["bytes"], "calls": recs[-1]["calls"],
+                      "merge": merge, "layout": layout, "other": total - kf - kb - comm - merge - layout,
+                      "bytes": recs[-1]["bytes"], "calls": recs[-1]["calls"],
                       "metadata_bytes": recs[-1]["metadata_bytes"],
-                      "sent": sum(recs[-1]["bytes"].values()), "mem": max(r["mem"] for r in recs)})
+                      "sent": sum(recs[-1]["bytes"].values()),
+                      "mem": max(r["mem"] for r in per_rank_mem[rank])})
     kernel = [r["kernel_fwd"] + r["kernel_bwd"] for r in ranks]
     return {"time": median(it_max), "fwd": median(fwd_max), "bwd": median(bwd_max), "iter_times": it_max,
             "ranks": ranks, "kernel_balance": (max(kernel) / min(kernel)) if min(kernel) > 0 else None,
@@ -520,12 +534,14 @@ def execute(cfg: RunConfig, executor, timeout: float) -> dict:
     if cfg.warmup:
         executor.run(rank_steps, timeout=left(), case="run", n=cfg.warmup)
     recs = executor.run(rank_steps, timeout=left(), case="run", n=cfg.iters)
+    mem = executor.run(rank_steps, timeout=left(), case="run", n=1, memory=True)
     check = merge_checks(executor.run(rank_check, timeout=left(), case="run"))
     executor.run(rank_release, timeout=left(), case="run")
-    summary = summarize(cfg, recs)
+    summary = summarize(cfg, recs, mem)
     return {"config": asdict(cfg), "backend": prep[0]["backend"], "prepare": prep, "check": check,
             "summary": summary, "min_comm": min_comm_bytes(cfg),
-            "first_call_mem_per_rank": max(p["first_call_mem"] for p in prep), "mem_method": prep[0]["mem_method"]}
+            "first_call_mem_per_rank": max(p["first_call_mem"] for p in prep), "mem_method": prep[0]["mem_method"],
+            "input_bytes_per_rank": max(p["input_bytes"] for p in prep)}
 
 
 def format_report(res: dict, launcher: str) -> str:
@@ -559,13 +575,15 @@ def format_report(res: dict, launcher: str) -> str:
     lines.append(f"time per iteration: {fmt_ms(s['time'])} ms (median over {cfg.iters} iterations of the max "
                  f"over ranks, after {cfg.warmup} warm-up)"
                  + (f"; forward {fmt_ms(s['fwd'])} ms, backward {fmt_ms(s['bwd'])} ms" if cfg.bwd else ""))
-    lines.append("per rank (medians per iteration; other = total - kernel - communication: merges, copies, "
-                 "layout, Python)")
-    lines.append("  rank  total ms  kernel fwd ms  kernel bwd ms  comm ms  other ms  sent       peak mem growth")
+    lines.append("per rank (medians per iteration): kernel = inside the backend; comm = in collectives and "
+                 "their waits; merge = ring out/lse merge; layout = Ulysses re-layout around the all-to-all; "
+                 "other = the rest (buffers, copies, gradient sums, Python)")
+    lines.append("  rank  total ms  kernel fwd  kernel bwd  comm   merge  layout  other  sent       peak mem growth")
     for r in s["ranks"]:
-        lines.append(f"  {r['rank']:<4}  {fmt_ms(r['time']):<8}  {fmt_ms(r['kernel_fwd']):<13}  "
-                     f"{fmt_ms(r['kernel_bwd']):<13}  {fmt_ms(r['comm']):<7}  {fmt_ms(r['other']):<8}  "
-                     f"{fmt_bytes(r['sent']):<9}  {fmt_bytes(r['mem'])}")
+        lines.append(f"  {r['rank']:<4}  {fmt_ms(r['time']):<8}  {fmt_ms(r['kernel_fwd']):<10}  "
+                     f"{fmt_ms(r['kernel_bwd']):<10}  {fmt_ms(r['comm']):<5}  {fmt_ms(r['merge']):<5}  "
+                     f"{fmt_ms(r['layout']):<6}  {fmt_ms(r['other']):<5}  {fmt_bytes(r['sent']):<9}  "
+                     f"{fmt_bytes(r['mem'])}")
     if s["kernel_balance"]:
         lines.append(f"  kernel time balance (max/min over ranks): {s['kernel_balance']:.3f}")
     mc = res["min_comm"]["total"]
@@ -575,8 +593,8 @@ def format_report(res: dict, launcher: str) -> str:
     lines.append(f"communication per rank and iteration: {fmt_bytes(s['sent_per_rank'])} sent"
                  + (f" (rank 0: {detail})" if detail else "") + f"; minimum for this split {fmt_bytes(mc)}{ratio}; "
                  f"plus {fmt_bytes(r0['metadata_bytes'])} of call metadata")
-    lines.append(f"peak memory growth per rank: {fmt_bytes(s['mem_per_rank'])} per timed iteration, "
-                 f"{fmt_bytes(res['first_call_mem_per_rank'])} on the first call, which includes one-time setup ({res['mem_method']})")
+    lines.append(f"peak memory growth per rank: {fmt_bytes(s['mem_per_rank'])} during one extra, untimed iteration "
+                 f"({res['mem_method']}); the rank's inputs: {fmt_bytes(res['input_bytes_per_rank'])}")
     if chk["mode"] != "none":
         lines.append("result: " + ("PASS" if chk["ok"] else "FAIL (error above tolerance)"))
     return "\n".join(lines)
@@ -595,6 +613,7 @@ def add_common_arguments(p, *, sweep: bool = False) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random global inputs (default 0)")
     p.add_argument("--device", default=None,
                    help="device type (default: the accelerator if present, else cpu; USP_HAL_DEVICE also works)")
+
 
 
 def add_parser(subparsers) -> None:
