@@ -276,19 +276,25 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
     else:
         rot = _rotator(ctx)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=mdt, device=k.device)
+        incoming = None   # (buffer, requests): the dK/dV partial of the block computed next
         for step in range(R):
             src = (me - step) % R
+            nxt_shape = _kv_shape(kv, ctx.lengths[(src - 1) % R])
             if step < R - 1:   # the next key block travels while this one computes
-                (nxt,), kv_reqs = rot.start([kv], [_kv_shape(kv, ctx.lengths[(src - 1) % R])])
-            compute(src, kv[0], kv[1], dkv)
-            # this block's partial dK/dV moves on with it; after the last step it reaches its owner
-            (dkv_next,), dkv_reqs = rot.start([dkv], [_kv_shape(dkv, ctx.lengths[(src - 1) % R])])
+                (nxt,), kv_reqs = rot.start([kv], [nxt_shape])
+            part = torch.zeros(kv.shape, dtype=mdt, device=k.device)
+            compute(src, kv[0], kv[1], part)
+            if incoming is not None:   # what earlier ranks added for this block arrived meanwhile
+                (dkv_in,), reqs = incoming
+                rot.wait(reqs)
+                part += dkv_in
+            # pass the block's partial on; after the last step it reaches the block's owner
+            incoming = rot.start([part], [nxt_shape])
             if step < R - 1:
                 rot.wait(kv_reqs)
                 kv = nxt
-            rot.wait(dkv_reqs)
-            dkv = dkv_next
+        (dkv,), reqs = incoming
+        rot.wait(reqs)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
