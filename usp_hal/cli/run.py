@@ -493,8 +493,10 @@ def summarize(cfg: RunConfig, per_rank_iters: list, per_rank_mem: list) -> dict:
         comm = median([r["comm"] for r in recs])
         merge = median([r["merge"] for r in recs])
         layout = median([r["layout"] for r in recs])
+        other = median([r["time"] - r["kernel_fwd"] - r["kernel_bwd"] - r["comm"] - r["merge"] - r["layout"]
+                        for r in recs])
         ranks.append({"rank": rank, "time": total, "kernel_fwd": kf, "kernel_bwd": kb, "comm": comm,
-                      "merge": merge, "layout": layout, "other": total - kf - kb - comm - merge - layout,
+                      "merge": merge, "layout": layout, "other": other,
                       "bytes": recs[-1]["bytes"], "calls": recs[-1]["calls"],
                       "metadata_bytes": recs[-1]["metadata_bytes"],
                       "sent": sum(recs[-1]["bytes"].values()),
