@@ -287,7 +287,7 @@ _DOC_ROWS = (
     ("forward", _feature("fwd")),
     ("backward", _feature("bwd")),
     ("ring (returns lse)", _feature("ring")),
-    ("Ulysses-only (ring degree 1)",
+    ("limited to Ulysses-only meshes",
      lambda c: _by_device(c, lambda b: "no" if feature_change(c, b, "ring") is not None else "yes (no lse)")),
     ("causal", _feature("causal")),
     ("sliding window", _window_cell),
