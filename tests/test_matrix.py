@@ -183,7 +183,7 @@ def test_docs_content(reg):
     assert rows["head dims"] == ["1..any", "1..256, multiple of 8"]
     assert rows["backward"] == ["yes", "no"]
     assert rows["ring (returns lse)"] == ["yes", "no"]
-    assert rows["Ulysses-only (ring degree 1)"] == ["no", "yes (no lse)"]
+    assert rows["limited to Ulysses-only meshes"] == ["no", "yes (no lse)"]
     assert rows["window/alibi across ring blocks"] == ["yes", "n/a"]
     assert rows["softcap"] == ["no", "yes"]
     assert rows["deterministic backward"] == ["yes (cpu); no (cuda, rocm)", "n/a (no backward)"]
