@@ -30,6 +30,10 @@ def test_run_small_two_ranks_passes(tmp_path, capsys):
     s = res["summary"]
     assert len(s["iter_times"]) == 2 and s["time"] > 0
     assert len(s["ranks"]) == 2 and all(r["kernel_fwd"] > 0 and r["kernel_bwd"] > 0 for r in s["ranks"])
+    # zigzag splits causal work exactly: each rank scores 32*33/2 (own block) + 16*32 (the other's) pairs
+    # per head, forward and backward
+    assert s["work_balance"] == 1.0
+    assert all(r["work"] == 2 * 4 * (32 * 33 // 2 + 16 * 32) for r in s["ranks"]), s["ranks"]
     # ring-2 p2p, fp32, B=1, 32 local tokens, 4 KV heads of 16: forward K/V block 2*32*4*16*4 bytes;
     # backward: the K/V block again and dK/dV; the core sends dK/dV twice (see docs/performance.md)
     kv = 2 * 32 * 4 * 16 * 4

@@ -52,6 +52,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc's own limit for its dynamic mmap threshold on 64-bit systems; a long-running
+# process converges to it (or below) once it has freed blocks that large
+_MMAP_THRESHOLD_STEADY = 32 << 20
+
+
+def malloc_release_mode(on: bool) -> bool:
+    """``on``: glibc serves every allocation of 1 MiB or more with mmap and unmaps it when
+    freed, so the resident size follows live tensors (used for the memory iteration only:
+    fresh pages cost page faults).  ``off``: a fixed 32 MiB threshold (trim threshold
+    64 MiB), the state glibc's dynamic threshold settles in for tensors of this size.
+    False where unavailable (not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        if on:
+            return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_STEADY)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_STEADY))
+    except (OSError, AttributeError):
+        return False
+
+
 def trim_freed_memory() -> bool:
     """Give the memory malloc keeps from freed blocks back to the system (glibc
     ``malloc_trim(0)``), so the resident size is the live memory.  False where unavailable."""
@@ -401,6 +423,7 @@ class KernelTimes:
     def reset(self) -> None:
         self.fwd_s = self.bwd_s = self.merge_s = self.layout_s = 0.0
         self.fwd_calls = self.bwd_calls = 0
+        self.work = 0          # attention score entries the kernels computed (causal squares count half)
 
 
 # what the core wrappers below report to: set by the rank while it times an iteration
@@ -446,6 +469,20 @@ def instrument_core() -> list:
     return done
 
 
+def score_entries(args, kwargs, first: int) -> int:
+    """Query-key pairs one kernel call scores: B*H*Sq*Sk, or B*H*S*(S+1)/2 for a causal
+    square (the contract only asks for causal on squares).  ``first``: index of q in args."""
+    try:
+        q, k = args[first], args[first + 1]
+        b, sq, h = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
+        sk = int(k.shape[1])
+    except (IndexError, AttributeError, TypeError):
+        return 0
+    if kwargs.get("causal") and sq == sk:
+        return b * h * sq * (sq + 1) // 2
+    return b * h * sq * sk
+
+
 def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]] = None) -> None:
     """Wrap ``backend.forward``/``backward`` (instance attributes shadow the class methods)
     so each call adds its wall time to ``times``.  ``sync`` (accelerators) is called before
@@ -456,6 +493,7 @@ def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]]
     fwd, bwd = backend.forward, backend.backward
 
     def forward(*args, **kwargs):
+        backend._usp_hal_times.work += score_entries(args, kwargs, 0)
         if sync:
             sync()
         t = time.perf_counter()
@@ -468,6 +506,7 @@ def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]]
             backend._usp_hal_times.fwd_calls += 1
 
     def backward(*args, **kwargs):
+        backend._usp_hal_times.work += score_entries(args, kwargs, 1)
         if sync:
             sync()
         t = time.perf_counter()
@@ -505,9 +544,11 @@ def _reset_hwm() -> bool:
 class MemoryMeter:
     """Peak memory growth of a region on this process's device.
 
-    cpu: malloc's cached free memory is returned to the system (``malloc_trim``), then
-    VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the start.  Without the trim,
-    memory that an earlier iteration freed and this one reuses would not show as growth.
+    cpu: blocks of 1 MiB or more are unmapped when freed during the region
+    (:func:`malloc_release_mode`) and malloc's cached free memory is returned first
+    (``malloc_trim``), then VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the
+    start.  Without that, memory an earlier iteration freed and this one reuses would not
+    show as growth, and freed blocks not reused (fragmentation) would.
     Where the reset is refused, ru_maxrss minus VmRSS at the start (then only growth
     beyond the process's earlier peak is seen).  Accelerators: ``platform.peak_memory_bytes`` minus
     the bytes allocated at the start.
@@ -526,10 +567,12 @@ class MemoryMeter:
             self._base = acc or 0
             self.method = "peak allocated - allocated at start" if acc is not None else "peak allocated"
             return
+        released = malloc_release_mode(True)
         trimmed = trim_freed_memory()
         rss = _status_kib("VmRSS")
         if rss is not None and _reset_hwm():
-            self.method = "VmHWM - VmRSS at start" + (", after malloc_trim" if trimmed else "")
+            self.method = "VmHWM - VmRSS at start" + (", freed blocks unmapped" if released else "") + \
+                (", after malloc_trim" if trimmed else "")
             self._base = rss * 1024
         else:
             self.method = "ru_maxrss - RSS at start"
@@ -541,10 +584,12 @@ class MemoryMeter:
             peak = _platform.peak_memory_bytes(self.device_type) or 0
             return max(0, peak - self._base)
         if self.method.startswith("VmHWM"):
-            hwm = _status_kib("VmHWM") or 0
-            return max(0, hwm * 1024 - self._base)
-        import resource
-        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self._base)
+            peak = (_status_kib("VmHWM") or 0) * 1024
+        else:
+            import resource
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        malloc_release_mode(False)
+        return max(0, peak - self._base)
 
 
 def _accelerator_allocated() -> Optional[int]:

@@ -378,8 +378,9 @@ def _result_row(label, cfg: RunConfig, prep, s, check, base_row) -> dict:
            "rotate": cfg.rotate if cfg.ring > 1 else None, "backend": prep[0]["backend"],
            "time": s["time"], "fwd": s["fwd"], "bwd": s["bwd"], "iter_times": s["iter_times"],
            "per_rank": [{k: r[k] for k in ("rank", "time", "kernel_fwd", "kernel_bwd", "comm", "merge", "layout",
-                                           "other", "sent", "bytes", "mem")} for r in s["ranks"]],
-           "kernel_balance": s["kernel_balance"], "sent_per_rank": s["sent_per_rank"],
+                                           "other", "sent", "bytes", "mem", "work")} for r in s["ranks"]],
+           "kernel_balance": s["kernel_balance"], "work_balance": s["work_balance"],
+           "sent_per_rank": s["sent_per_rank"],
            "min_sent_per_rank": mc["total"], "sent_vs_min": (s["sent_per_rank"] / mc["total"]) if mc["total"] else None,
            "mem_per_rank": s["mem_per_rank"], "first_call_mem_per_rank": max(p["first_call_mem"] for p in prep),
            "input_bytes_per_rank": max(p["input_bytes"] for p in prep),
@@ -420,17 +421,18 @@ def format_results(rep: dict) -> str:
              f"median of {meta['iters']} interleaved rounds after {meta['warmup']} warm-up",
              "time = max over ranks per iteration; floor = single process at threads-per-rank threads / ranks; "
              "single = single process with all the ranks' threads",
-             "kernel balance = max/min over ranks of the time inside the backend; comm = share of the "
-             "iteration spent in communication calls and waits (slowest rank)",
+             "balance = max/min over ranks of the time inside the backend; work bal = the same for the query-key "
+             "pairs the kernels scored; comm = share of the iteration in communication calls and waits "
+             "(slowest rank)",
              "mem = peak memory growth during one iteration; x single+in = (growth + the rank's inputs) / "
              "(single-process growth + its inputs)", ""]
     headers = ["S", "mode", "mask", "config", "ms", "floor ms", "x floor", "single ms", "x single", "balance",
-               "comm", "sent/rank", "x min", "mem/rank", "single mem", "x single+in", "check"]
+               "work bal", "comm", "sent/rank", "x min", "mem/rank", "single mem", "x single+in", "check"]
     rows = []
     for r in rep["results"]:
         rows.append([r["seqlen"], r["mode"], "causal" if r["causal"] else "full", r["config"], fmt_ms(r["time"]),
                      fmt_ms(r.get("floor")), _x(r.get("ratio_vs_floor")), fmt_ms(r.get("single_same_threads")),
-                     _x(r.get("ratio_vs_single_same_threads")), _x(r["kernel_balance"]),
+                     _x(r.get("ratio_vs_single_same_threads")), _x(r["kernel_balance"]), _x(r["work_balance"]),
                      "-" if r["comm_fraction"] is None else f"{100 * r['comm_fraction']:.0f}%",
                      fmt_bytes(r["sent_per_rank"]), _x(r["sent_vs_min"]), fmt_bytes(r["mem_per_rank"]),
                      fmt_bytes(r.get("single_mem")), _x(r.get("mem_with_inputs_vs_single")),
@@ -496,19 +498,22 @@ def write_plot(rep: dict, path: str) -> str:
         sub = [r for r in rep["results"] if r["mode"] == mode and r["causal"] == causal]
         axt, axm = axes[row]
         for cfg in dict.fromkeys(r["config"] for r in sub):
-            pts = sorted((r["seqlen"], r["time"], r["mem_per_rank"]) for r in sub if r["config"] == cfg)
+            pts = sorted((r["seqlen"], r["time"], r["mem_per_rank"] + r["input_bytes_per_rank"])
+                         for r in sub if r["config"] == cfg)
             xs = [p[0] for p in pts]
             axt.plot(xs, [p[1] * 1e3 for p in pts], marker="o", label=cfg)
             axm.plot(xs, [p[2] / 2 ** 20 for p in pts], marker="o", label=cfg)
-        base = sorted((r["seqlen"], r.get("floor"), r.get("single_same_threads"), r.get("single_mem"))
+        base = sorted((r["seqlen"], r.get("floor"), r.get("single_same_threads"),
+                       (r.get("single_mem") or 0) + (r.get("single_input_bytes") or 0))
                       for r in sub if r.get("floor"))
         base = list({b[0]: b for b in base}.values())
         if base:
             xs = [b[0] for b in base]
-            axt.plot(xs, [b[1] * 1e3 for b in base], "k--", label="floor: 1-thread single / ranks")
+            axt.plot(xs, [b[1] * 1e3 for b in base], "k--", label="floor: single process / ranks")
             axt.plot(xs, [b[2] * 1e3 for b in base], "k:", label="single process, all threads")
             axm.plot(xs, [b[3] / 2 ** 20 for b in base], "k:", label="single process")
-        for ax, what in ((axt, "time per iteration (ms)"), (axm, "peak memory growth per rank (MiB)")):
+        for ax, what in ((axt, "time per iteration (ms)"),
+                         (axm, "inputs + peak memory growth, per rank (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length S")
@@ -519,7 +524,7 @@ def write_plot(rep: dict, path: str) -> str:
     meta = rep["meta"]
     fig.suptitle(f"usp-hal bench: {meta['nproc']} ranks x {meta['threads_per_rank']} thread(s), {meta['device_type']}, "
                  f"B={meta['batch']} H={meta['heads']} D={meta['head_dim']} {meta['dtype']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"plot written to {path}"

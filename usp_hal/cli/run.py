@@ -306,6 +306,7 @@ def rank_steps(case: str, n: int, memory: bool = False) -> list:
                          "kernel_bwd": st.ktimes.bwd_s, "kernel_calls": st.ktimes.fwd_calls + st.ktimes.bwd_calls,
                          "comm": st.comm.seconds, "bytes": dict(st.comm.bytes), "calls": dict(st.comm.calls),
                          "metadata_bytes": st.comm.metadata_bytes, "merge": st.ktimes.merge_s,
+                         "work": st.ktimes.work,
                          "layout": st.ktimes.layout_s,
                          "mem": mem})
     _launch.ACTIVE["times"] = None
@@ -497,12 +498,13 @@ def summarize(cfg: RunConfig, per_rank_iters: list, per_rank_mem: list) -> dict:
                         for r in recs])
         ranks.append({"rank": rank, "time": total, "kernel_fwd": kf, "kernel_bwd": kb, "comm": comm,
                       "merge": merge, "layout": layout, "other": other,
-                      "bytes": recs[-1]["bytes"], "calls": recs[-1]["calls"],
+                      "bytes": recs[-1]["bytes"], "calls": recs[-1]["calls"], "work": recs[-1]["work"],
                       "metadata_bytes": recs[-1]["metadata_bytes"],
                       "sent": sum(recs[-1]["bytes"].values()),
                       "mem": max(r["mem"] for r in per_rank_mem[rank])})
     kernel = [r["kernel_fwd"] + r["kernel_bwd"] for r in ranks]
-    return {"time": median(it_max), "fwd": median(fwd_max), "bwd": median(bwd_max), "iter_times": it_max,
+    work = [r["work"] for r in ranks]
+    return {"work_balance": (max(work) / min(work)) if min(work) > 0 else None,"time": median(it_max), "fwd": median(fwd_max), "bwd": median(bwd_max), "iter_times": it_max,
             "ranks": ranks, "kernel_balance": (max(kernel) / min(kernel)) if min(kernel) > 0 else None,
             "sent_per_rank": max(r["sent"] for r in ranks), "mem_per_rank": max(r["mem"] for r in ranks)}
 
@@ -587,7 +589,8 @@ def format_report(res: dict, launcher: str) -> str:
                      f"{fmt_ms(r['layout']):<6}  {fmt_ms(r['other']):<5}  {fmt_bytes(r['sent']):<9}  "
                      f"{fmt_bytes(r['mem'])}")
     if s["kernel_balance"]:
-        lines.append(f"  kernel time balance (max/min over ranks): {s['kernel_balance']:.3f}")
+        lines.append(f"  balance, max/min over ranks: kernel time {s['kernel_balance']:.3f}, kernel work (query-key "
+                     f"pairs scored) {s['work_balance']:.3f}")
     mc = res["min_comm"]["total"]
     ratio = f" (x{s['sent_per_rank'] / mc:.2f})" if mc else ""
     r0 = s["ranks"][0]
