@@ -111,8 +111,14 @@ def _worker(rank: int, world: int, port: int, threads: int, device_type: str, in
                      traceback.format_exc()))
         return
     results.put((rank, "ready", None))
+    parent = mp.parent_process()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                break           # the launcher is gone (killed): do not linger
+            continue
         if task is None:
             break
         mod, fn, kwargs = task
