@@ -18,7 +18,7 @@ def test_run_small_two_ranks_passes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     for field in ("ulysses 1 x ring 2", "backend    sdpa", "max abs error", "time per iteration",
-                  "per rank", "kernel fwd", "peak memory growth per rank", "minimum for this split",
+                  "per rank", "kernel fwd", "peak memory per rank above its inputs", "minimum for this split",
                   "float64 usp_hal.reference.reference_attention", "result: PASS"):
         assert field in out, (field, out)
     for name in ("out", "dq", "dk", "dv"):

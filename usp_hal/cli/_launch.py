@@ -15,12 +15,12 @@ Measurement (inside a rank)
     :class:`CommMeter` wraps the ``torch.distributed`` collectives the core uses and counts
     the bytes this rank sends and the time spent in them (calls and waits);
     :func:`time_backend` wraps one backend object's ``forward``/``backward`` to time the
-    kernel calls; :class:`MemoryMeter` measures the peak memory growth of a region (CPU:
-    ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` at the
-    start, with malloc's cached free memory returned first; accelerators: the platform's
-    peak allocated bytes).  Timed iterations and the memory iteration are separate: the
-    memory reading needs freed memory handed back, which makes the next allocations fault
-    in fresh pages, a cost that would otherwise land in the timings.
+    kernel calls; :class:`MemoryMeter` measures the peak memory of a region above what was
+    live at its start (CPU: the peak of live tensor allocations from the torch profiler's
+    memory events; the resident-size growth, ``VmHWM`` after a reset through
+    ``/proc/self/clear_refs`` minus ``VmRSS`` at the start, is kept too; accelerators: the
+    platform's peak allocated bytes).  Timed iterations and the memory iteration are
+    separate (the profiler costs time).
 """
 from __future__ import annotations
 
@@ -50,28 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-# glibc's own limit for its dynamic mmap threshold on 64-bit systems; a long-running
-# process converges to it (or below) once it has freed blocks that large
-_MMAP_THRESHOLD_STEADY = 32 << 20
-
-
-def malloc_release_mode(on: bool) -> bool:
-    """``on``: glibc serves every allocation of 1 MiB or more with mmap and unmaps it when
-    freed, so the resident size follows live tensors (used for the memory iteration only:
-    fresh pages cost page faults).  ``off``: a fixed 32 MiB threshold (trim threshold
-    64 MiB), the state glibc's dynamic threshold settles in for tensors of this size.
-    False where unavailable (not glibc)."""
-    try:
-        libc = ctypes.CDLL(None)
-        if on:
-            return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20))
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_STEADY)
-                    and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_STEADY))
-    except (OSError, AttributeError):
-        return False
 
 
 def trim_freed_memory() -> bool:
@@ -146,9 +124,14 @@ class _spawnable_main:
     """``spawn`` children re-import the parent's main module unless told otherwise; the
     ranks only need this package, so hide the main module for the start.  That keeps a
     script without an ``if __name__ == "__main__"`` guard, ``python -`` and ``python -c``
-    from breaking (or re-running) in the children."""
+    from breaking (or re-running) in the children.  The children's environment also gets
+    KINETO_LOG_LEVEL=5 unless set (the memory meter's profiler is otherwise chatty)."""
 
     def __enter__(self):
+        # the children read this when torch loads: silence the memory profiler's start/stop lines
+        self._kineto = os.environ.get("KINETO_LOG_LEVEL")
+        if self._kineto is None:
+            os.environ["KINETO_LOG_LEVEL"] = "5"
         self._main = sys.modules.get("__main__")
         self._saved = {}
         for attr in ("__file__", "__spec__"):
@@ -163,6 +146,8 @@ class _spawnable_main:
     def __exit__(self, *exc):
         for attr, val in self._saved.items():
             setattr(self._main, attr, val)
+        if self._kineto is None:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 class RankPool:
@@ -548,22 +533,23 @@ def _reset_hwm() -> bool:
 
 
 class MemoryMeter:
-    """Peak memory growth of a region on this process's device.
+    """Peak memory of a region on this process's device, above what was live at its start.
 
-    cpu: blocks of 1 MiB or more are unmapped when freed during the region
-    (:func:`malloc_release_mode`) and malloc's cached free memory is returned first
-    (``malloc_trim``), then VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the
-    start.  Without that, memory an earlier iteration freed and this one reuses would not
-    show as growth, and freed blocks not reused (fragmentation) would.
-    Where the reset is refused, ru_maxrss minus VmRSS at the start (then only growth
-    beyond the process's earlier peak is seen).  Accelerators: ``platform.peak_memory_bytes`` minus
-    the bytes allocated at the start.
+    cpu: the peak of live torch allocations, from the torch profiler's memory events
+    (every tensor allocation and free, in order): exact and independent of how malloc
+    caches freed memory.  It counts tensors (inputs to collectives and receive buffers
+    included), not the communication library's own buffers.  Where the profiler is not
+    available: the growth of the resident size (VmHWM after a reset through
+    /proc/self/clear_refs, minus VmRSS at the start, malloc's free memory trimmed first),
+    which also sees allocator caching and fragmentation.
+    Accelerators: ``platform.peak_memory_bytes`` minus the bytes allocated at the start.
     """
 
     def __init__(self, device_type: str):
         self.device_type = device_type
         self.method = None
         self._base = 0
+        self._prof = None
 
     def start(self) -> None:
         from .. import platform as _platform
@@ -573,29 +559,48 @@ class MemoryMeter:
             self._base = acc or 0
             self.method = "peak allocated - allocated at start" if acc is not None else "peak allocated"
             return
-        released = malloc_release_mode(True)
-        trimmed = trim_freed_memory()
+        trim_freed_memory()
         rss = _status_kib("VmRSS")
-        if rss is not None and _reset_hwm():
-            self.method = "VmHWM - VmRSS at start" + (", freed blocks unmapped" if released else "") + \
-                (", after malloc_trim" if trimmed else "")
-            self._base = rss * 1024
-        else:
-            self.method = "ru_maxrss - RSS at start"
-            self._base = (rss or 0) * 1024
+        self._rss_base = rss * 1024 if (rss is not None and _reset_hwm()) else None
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+            self.method = "peak of live tensor allocations (torch profiler memory events)"
+        except Exception:               # no profiler: fall back to the resident size
+            self._prof = None
+            self.method = "VmHWM - VmRSS at start"
 
     def stop(self) -> int:
         from .. import platform as _platform
         if self.device_type != "cpu":
             peak = _platform.peak_memory_bytes(self.device_type) or 0
             return max(0, peak - self._base)
-        if self.method.startswith("VmHWM"):
-            peak = (_status_kib("VmHWM") or 0) * 1024
-        else:
-            import resource
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        malloc_release_mode(False)
-        return max(0, peak - self._base)
+        peak_live = None
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            peak_live = _peak_live_bytes(self._prof)
+            self._prof = None
+        if peak_live is None:
+            self.method = "VmHWM - VmRSS at start"
+            if self._rss_base is None:
+                return 0
+            return max(0, (_status_kib("VmHWM") or 0) * 1024 - self._rss_base)
+        return peak_live
+
+
+def _peak_live_bytes(prof) -> Optional[int]:
+    """Max over time of the running sum of allocation sizes (frees are negative)."""
+    try:
+        events = prof.profiler.kineto_results.events()
+        mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    except Exception:
+        return None
+    cur = peak = 0
+    for _, n in mem:
+        cur += n
+        peak = max(peak, cur)
+    return int(peak)
 
 
 def _accelerator_allocated() -> Optional[int]:

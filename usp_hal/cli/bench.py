@@ -378,11 +378,12 @@ def _result_row(label, cfg: RunConfig, prep, s, check, base_row) -> dict:
            "rotate": cfg.rotate if cfg.ring > 1 else None, "backend": prep[0]["backend"],
            "time": s["time"], "fwd": s["fwd"], "bwd": s["bwd"], "iter_times": s["iter_times"],
            "per_rank": [{k: r[k] for k in ("rank", "time", "kernel_fwd", "kernel_bwd", "comm", "merge", "layout",
-                                           "other", "sent", "bytes", "mem", "work")} for r in s["ranks"]],
+                                           "other", "sent", "bytes", "mem", "work")}
+                        for r in s["ranks"]],
            "kernel_balance": s["kernel_balance"], "work_balance": s["work_balance"],
            "sent_per_rank": s["sent_per_rank"],
            "min_sent_per_rank": mc["total"], "sent_vs_min": (s["sent_per_rank"] / mc["total"]) if mc["total"] else None,
-           "mem_per_rank": s["mem_per_rank"], "first_call_mem_per_rank": max(p["first_call_mem"] for p in prep),
+           "mem_per_rank": s["mem_per_rank"],
            "input_bytes_per_rank": max(p["input_bytes"] for p in prep),
            "check": {"mode": check["mode"], "ok": check.get("ok", True),
                      "worst": max((e["worst"] for e in check["errors"].values()), default=None),
@@ -424,8 +425,8 @@ def format_results(rep: dict) -> str:
              "balance = max/min over ranks of the time inside the backend; work bal = the same for the query-key "
              "pairs the kernels scored; comm = share of the iteration in communication calls and waits "
              "(slowest rank)",
-             "mem = peak memory growth during one iteration; x single+in = (growth + the rank's inputs) / "
-             "(single-process growth + its inputs)", ""]
+             "mem = peak of live tensor memory above the inputs during one iteration; x single+in = (mem + the "
+             "rank's inputs) / (single-process mem + its inputs)", ""]
     headers = ["S", "mode", "mask", "config", "ms", "floor ms", "x floor", "single ms", "x single", "balance",
                "work bal", "comm", "sent/rank", "x min", "mem/rank", "single mem", "x single+in", "check"]
     rows = []
@@ -587,9 +588,9 @@ def run(args) -> int:
                     "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
                     "command": "usp-hal " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
                     "wall_s": round(time.monotonic() - t0, 1),
-                    "memory_method": "peak RSS growth of one extra, untimed iteration (malloc_trim, then VmHWM "
-                                     "after clear_refs minus VmRSS at the start)" if device_type == "cpu"
-                    else "peak allocated bytes of one extra, untimed iteration"},
+                    "memory_method": "peak of live tensor allocations above the start of one extra, untimed "
+                                     "iteration (torch profiler memory events)" if device_type == "cpu"
+                    else "peak allocated bytes above the start of one extra, untimed iteration"},
            **out}
     print(format_results(rep))
     if args.plot:

@@ -246,14 +246,10 @@ def rank_prepare(cfg: dict, case: str) -> dict:
     st.dout = sh(dout) if cfg.bwd else None
     st.attn = usp_hal.LongContextAttention(ring_impl_type=cfg.ring_impl, attn_type=cfg.attn_type, mesh=mesh,
                                            rotation=cfg.rotate)
-    mem = _launch.MemoryMeter(cfg.device_type)
-    _sync(cfg.device_type)
-    mem.start()
     out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
     if cfg.bwd:
         out.backward(st.dout)
     _sync(cfg.device_type)
-    first_mem = mem.stop()
     st.result = {"out": out.detach()}
     if cfg.bwd:
         st.result.update(dq=st.q.grad, dk=st.k.grad, dv=st.v.grad)
@@ -265,12 +261,12 @@ def rank_prepare(cfg: dict, case: str) -> dict:
     _launch.time_backend(backend, st.ktimes, sync)
     _launch.instrument_core()
     st.comm = _launch.CommMeter()
-    st.mem = mem
+    st.mem = _launch.MemoryMeter(cfg.device_type)
     _CASES[case] = st
     inputs = sum(t.numel() * t.element_size() for t in (st.q, st.k, st.v, st.dout) if t is not None)
     return {"rank": dist.get_rank(), "backend": getattr(backend, "NAME", type(backend).__name__),
             "input_bytes": inputs,
-            "local_len": int(st.q.shape[1]), "first_call_mem": first_mem, "mem_method": mem.method,
+            "local_len": int(st.q.shape[1]),
             "ring_rank": mesh.ring_rank, "ulysses_rank": mesh.ulysses_rank}
 
 
@@ -421,6 +417,10 @@ def rank_check(case: str) -> dict:
     return {"mode": mode, "errors": errors, "tolerance": [atol, rtol]}
 
 
+def rank_mem_method(case: str) -> str:
+    return _CASES[case].mem.method
+
+
 def rank_release(case: str) -> None:
     _CASES.pop(case, None)
 
@@ -539,12 +539,12 @@ def execute(cfg: RunConfig, executor, timeout: float) -> dict:
         executor.run(rank_steps, timeout=left(), case="run", n=cfg.warmup)
     recs = executor.run(rank_steps, timeout=left(), case="run", n=cfg.iters)
     mem = executor.run(rank_steps, timeout=left(), case="run", n=1, memory=True)
+    mem_method = executor.run(rank_mem_method, timeout=left(), case="run")[0]
     check = merge_checks(executor.run(rank_check, timeout=left(), case="run"))
     executor.run(rank_release, timeout=left(), case="run")
     summary = summarize(cfg, recs, mem)
-    return {"config": asdict(cfg), "backend": prep[0]["backend"], "prepare": prep, "check": check,
+    return {"mem_method": mem_method, "config": asdict(cfg), "backend": prep[0]["backend"], "prepare": prep, "check": check,
             "summary": summary, "min_comm": min_comm_bytes(cfg),
-            "first_call_mem_per_rank": max(p["first_call_mem"] for p in prep), "mem_method": prep[0]["mem_method"],
             "input_bytes_per_rank": max(p["input_bytes"] for p in prep)}
 
 
@@ -582,7 +582,7 @@ def format_report(res: dict, launcher: str) -> str:
     lines.append("per rank (medians per iteration): kernel = inside the backend; comm = in collectives and "
                  "their waits; merge = ring out/lse merge; layout = Ulysses re-layout around the all-to-all; "
                  "other = the rest (buffers, copies, gradient sums, Python)")
-    lines.append("  rank  total ms  kernel fwd  kernel bwd  comm   merge  layout  other  sent       peak mem growth")
+    lines.append("  rank  total ms  kernel fwd  kernel bwd  comm   merge  layout  other  sent       peak memory")
     for r in s["ranks"]:
         lines.append(f"  {r['rank']:<4}  {fmt_ms(r['time']):<8}  {fmt_ms(r['kernel_fwd']):<10}  "
                      f"{fmt_ms(r['kernel_bwd']):<10}  {fmt_ms(r['comm']):<5}  {fmt_ms(r['merge']):<5}  "
@@ -598,8 +598,8 @@ def format_report(res: dict, launcher: str) -> str:
     lines.append(f"communication per rank and iteration: {fmt_bytes(s['sent_per_rank'])} sent"
                  + (f" (rank 0: {detail})" if detail else "") + f"; minimum for this split {fmt_bytes(mc)}{ratio}; "
                  f"plus {fmt_bytes(r0['metadata_bytes'])} of call metadata")
-    lines.append(f"peak memory growth per rank: {fmt_bytes(s['mem_per_rank'])} during one extra, untimed iteration "
-                 f"({res['mem_method']}); the rank's inputs: {fmt_bytes(res['input_bytes_per_rank'])}")
+    lines.append(f"peak memory per rank above its inputs: {fmt_bytes(s['mem_per_rank'])} during one extra, untimed "
+                 f"iteration ({res['mem_method']}); the rank's inputs: {fmt_bytes(res['input_bytes_per_rank'])}")
     if chk["mode"] != "none":
         lines.append("result: " + ("PASS" if chk["ok"] else "FAIL (error above tolerance)"))
     return "\n".join(lines)
