@@ -66,6 +66,8 @@ def configure_process(threads: int, device_type: str, local_rank: int):
     import torch
 
     from .. import platform as _platform
+    # the memory meter's profiler prints start/stop lines at kineto's level 5; read at first use
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     torch.set_num_threads(threads)
     return _platform.set_device(device_type, local_rank)
 
@@ -124,14 +126,9 @@ class _spawnable_main:
     """``spawn`` children re-import the parent's main module unless told otherwise; the
     ranks only need this package, so hide the main module for the start.  That keeps a
     script without an ``if __name__ == "__main__"`` guard, ``python -`` and ``python -c``
-    from breaking (or re-running) in the children.  The children's environment also gets
-    KINETO_LOG_LEVEL=5 unless set (the memory meter's profiler is otherwise chatty)."""
+    from breaking (or re-running) in the children."""
 
     def __enter__(self):
-        # the children read this when torch loads: silence the memory profiler's start/stop lines
-        self._kineto = os.environ.get("KINETO_LOG_LEVEL")
-        if self._kineto is None:
-            os.environ["KINETO_LOG_LEVEL"] = "5"
         self._main = sys.modules.get("__main__")
         self._saved = {}
         for attr in ("__file__", "__spec__"):
@@ -146,8 +143,6 @@ class _spawnable_main:
     def __exit__(self, *exc):
         for attr, val in self._saved.items():
             setattr(self._main, attr, val)
-        if self._kineto is None:
-            os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 class RankPool:
