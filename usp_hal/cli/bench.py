@@ -474,8 +474,9 @@ def format_results(rep: dict) -> str:
     for n in rep["notes"]:
         lines.append(f"note: {n}")
     failed = [r for r in rep["results"] if not r["check"]["ok"]]
+    checked = [r for r in rep["results"] if r["check"]["mode"] != "none"]
     lines.append("")
-    lines.append("checks: " + ("all passed" if not failed else
+    lines.append("checks: " + ("skipped (--check none)" if not checked else "all passed" if not failed else
                                f"{len(failed)} FAILED: " + ", ".join(f"S={r['seqlen']} {r['config']}" for r in failed)))
     return "\n".join(lines)
 
@@ -514,7 +515,7 @@ def write_plot(rep: dict, path: str) -> str:
             axt.plot(xs, [b[2] * 1e3 for b in base], "k:", label="single process, all threads")
             axm.plot(xs, [b[3] / 2 ** 20 for b in base], "k:", label="single process")
         for ax, what in ((axt, "time per iteration (ms)"),
-                         (axm, "inputs + peak memory growth, per rank (MiB)")):
+                         (axm, "inputs + peak tensor memory, per rank (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length S")
