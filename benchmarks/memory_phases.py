@@ -46,8 +46,6 @@ def _wrap(mod, name: str, label: str = None):
 
 
 def rank_timeline(cfg: dict) -> list:
-    import torch
-
     import usp_hal
     import usp_hal.attention as attention
     import usp_hal.ring as ring

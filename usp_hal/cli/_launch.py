@@ -224,7 +224,8 @@ class RankPool:
                 why = "did not finish within the grace period after another rank failed" if errors else \
                     f"did not finish within {timeout:.0f} s (raise --timeout for long runs)"
                 lines.append(f"rank(s) {', '.join(map(str, missing))} {why}; the processes were stopped")
-            err = LaunchError(f"{what} failed on {len(errors) + len(missing)} of {self.world} rank(s):\n  " + "\n  ".join(lines))
+            err = LaunchError(f"{what} failed on {len(errors) + len(missing)} of {self.world} rank(s):\n  "
+                              + "\n  ".join(lines))
             err.tracebacks = {r: tb for r, (_, tb) in errors.items()}
             err.messages = {r: m for r, (m, _) in errors.items()}
             raise err

@@ -544,7 +544,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rotations", default="p2p", help="ring rotations: p2p, allgather or both (default p2p)")
     p.add_argument("--seqlens", default="1024,2048,4096", help="sequence lengths (default 1024,2048,4096)")
     p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
-    p.add_argument("--causal", default="on", choices=tuple(CAUSAL_CHOICES), help="causal mask: on, off, both (default on)")
+    p.add_argument("--causal", default="on", choices=tuple(CAUSAL_CHOICES),
+                   help="causal mask: on, off, both (default on)")
     add_common_arguments(p)
     p.add_argument("--iters", type=int, default=3, help="measured rounds (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")

@@ -26,7 +26,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from . import _launch
@@ -228,8 +228,8 @@ class _Case:
 
 
 def rank_prepare(cfg: dict, case: str) -> dict:
-    """Shard the inputs, run the checked first call, and prepare the timers.  Keeps the state under ``case`` for rank_steps/rank_check."""
-    import torch
+    """Shard the inputs, run the first call (the one that is checked), and prepare the
+    timers.  Keeps the state under ``case`` for rank_steps/rank_check."""
     import torch.distributed as dist
 
     import usp_hal
@@ -436,8 +436,6 @@ def rank_clear() -> None:
 def single_prepare(cfg: dict, case: str) -> dict:
     """The backend the distributed run uses, called directly on the full sequence in one
     process: the baseline every configuration is compared with."""
-    import torch
-
     from ..capabilities import AttnRequest
     from ..registry import REGISTRY
     cfg = RunConfig(**cfg)
@@ -504,7 +502,8 @@ def summarize(cfg: RunConfig, per_rank_iters: list, per_rank_mem: list) -> dict:
                       "mem": max(r["mem"] for r in per_rank_mem[rank])})
     kernel = [r["kernel_fwd"] + r["kernel_bwd"] for r in ranks]
     work = [r["work"] for r in ranks]
-    return {"work_balance": (max(work) / min(work)) if min(work) > 0 else None,"time": median(it_max), "fwd": median(fwd_max), "bwd": median(bwd_max), "iter_times": it_max,
+    return {"time": median(it_max), "fwd": median(fwd_max), "bwd": median(bwd_max), "iter_times": it_max,
+            "work_balance": (max(work) / min(work)) if min(work) > 0 else None,
             "ranks": ranks, "kernel_balance": (max(kernel) / min(kernel)) if min(kernel) > 0 else None,
             "sent_per_rank": max(r["sent"] for r in ranks), "mem_per_rank": max(r["mem"] for r in ranks)}
 
@@ -543,7 +542,8 @@ def execute(cfg: RunConfig, executor, timeout: float) -> dict:
     check = merge_checks(executor.run(rank_check, timeout=left(), case="run"))
     executor.run(rank_release, timeout=left(), case="run")
     summary = summarize(cfg, recs, mem)
-    return {"mem_method": mem_method, "config": asdict(cfg), "backend": prep[0]["backend"], "prepare": prep, "check": check,
+    return {"mem_method": mem_method, "config": asdict(cfg), "backend": prep[0]["backend"], "prepare": prep,
+            "check": check,
             "summary": summary, "min_comm": min_comm_bytes(cfg),
             "input_bytes_per_rank": max(p["input_bytes"] for p in prep)}
 
