@@ -171,8 +171,7 @@ def rank_peer_prepare(cfg: dict, case: str) -> dict:
         bounds = torch.tensor_split(torch.arange(cfg.seqlen), world)[rank]
         lo, hi = int(bounds[0]), int(bounds[-1]) + 1
         ref_rows = _run._reference_rows(replace(cfg, bwd=False), mode, lo, hi)[0].to(q.dtype).contiguous()
-        parts = [None] * world
-        dist.all_gather_object(parts, ref_rows.cpu())
+        parts = _launch.gather_objects(ref_rows.cpu())
         ref = torch.cat(parts, dim=1).to(q.device)
         atol, rtol = _run.reference_tolerance(cfg, mode)
         err = _run._compare(out, ext(ref), atol, rtol)
