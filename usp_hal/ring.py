@@ -144,8 +144,7 @@ def merge_block(acc_out: torch.Tensor, acc_lse: torch.Tensor, rows: slice,
     safe = new.masked_fill(new == NEG_INF, 0.0)
     w_old = torch.exp(a_lse - safe).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    a_out = acc_out[:, rows]
-    a_out.mul_(w_old).add_(out.to(acc_out.dtype) * w_new)
+    acc_out[:, rows].mul_(w_old).addcmul_(out, w_new)
     acc_lse[:, :, rows] = new
 
 
@@ -191,33 +190,71 @@ def _rotator(ctx: RingContext):
     return P2PRotator(ctx.group, ctx.ring_ranks, ctx.ring_rank)
 
 
-def _kv_shape(kv: torch.Tensor, length: int) -> torch.Size:
-    shape = list(kv.shape)
-    shape[2] = length
+def _block_shape(t: torch.Tensor, length: int, seq_dim: int = 1) -> torch.Size:
+    shape = list(t.shape)
+    shape[seq_dim] = length
     return torch.Size(shape)
+
+
+class _Accumulator:
+    """Float32 (float64 for float64 inputs) out/lse accumulators for the local queries.
+
+    The first kernel result that covers every row *becomes* the accumulator (no zero
+    buffer, no merge); later blocks are merged into it in place."""
+
+    def __init__(self, q: torch.Tensor, dv: int):
+        self.q, self.dv = q, dv
+        self.mdt = merge_dtype(q.dtype)
+        self.out = self.lse = None
+
+    def add(self, call: BlockCall, out: torch.Tensor, lse: torch.Tensor) -> None:
+        b, l, h, _ = self.q.shape
+        if self.out is None:
+            if call.q_start == 0 and call.q_stop == l:
+                self.out, self.lse = out.to(self.mdt), lse.to(self.mdt)
+                return
+            self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
+            self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
+        merge_block(self.out, self.lse, call.rows, out, lse)
+
+    def result(self):
+        if self.out is None:   # no key visible to any row (e.g. an empty shard)
+            b, l, h, _ = self.q.shape
+            return (self.q.new_zeros(b, l, h, self.dv),
+                    torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device))
+        return self.out.to(self.q.dtype), self.lse
+
+
+def _single_call(ctx: RingContext, q) -> Optional[BlockCall]:
+    """With one ring rank and one kernel call over everything, the ring is just the kernel."""
+    if ctx.ring_size != 1:
+        return None
+    calls = ctx.calls(ctx.ring_rank)
+    if len(calls) == 1 and calls[0].q_start == 0 and calls[0].q_stop == q.shape[1]:
+        return calls[0]
+    return None
 
 
 def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """q [B, L, h, D], k/v [B, L, hk, D] (this ring rank's shard) -> (out, lse)."""
-    b, l, h, d = q.shape
-    mdt = merge_dtype(q.dtype)
-    acc_out = torch.zeros(b, l, h, v.shape[-1], dtype=mdt, device=q.device)
-    acc_lse = torch.full((b, h, l), NEG_INF, dtype=mdt, device=q.device)
     R, me = ctx.ring_size, ctx.ring_rank
-    if h == 0:   # more ulysses ranks than heads: every member of this ring has none
-        return acc_out.to(q.dtype), acc_lse
+    acc = _Accumulator(q, v.shape[-1])
+    if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
+        return acc.result()
+    one = _single_call(ctx, q)
+    if one is not None and one.k_start == 0 and one.k_stop == k.shape[1]:
+        out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
+        return out, lse.to(acc.mdt)
 
     def compute(src, kb, vb):
         for c in ctx.calls(src):
-            o, s = ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c))
-            merge_block(acc_out, acc_lse, c.rows, o, s)
+            acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c)))
 
     if R == 1:
         compute(me, k, v)
     elif ctx.rotation == "allgather":
         from .comm import all_gather_blocks
-        kv = torch.stack([k, v])
-        blocks, work = all_gather_blocks(kv, ctx.lengths, ctx.group, seq_dim=2, async_op=True)
+        blocks, work = all_gather_blocks(torch.stack([k, v]), ctx.lengths, ctx.group, seq_dim=2, async_op=True)
         compute(me, k, v)                       # own block while the gather is in flight
         work.wait()
         for step in range(1, R):
@@ -226,16 +263,17 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             compute(src, blk[0], blk[1])
     else:
         rot = _rotator(ctx)
-        kv = torch.stack([k, v])
+        kb, vb = k.contiguous(), v.contiguous()
         for step in range(R):
             src = (me - step) % R
-            if step < R - 1:
-                (nxt,), reqs = rot.start([kv], [_kv_shape(kv, ctx.lengths[(src - 1) % R])])
-            compute(src, kv[0], kv[1])
+            if step < R - 1:   # the next block travels while this one computes
+                n = ctx.lengths[(src - 1) % R]
+                (nk, nv), reqs = rot.start([kb, vb], [_block_shape(kb, n), _block_shape(vb, n)])
+            compute(src, kb, vb)
             if step < R - 1:
                 rot.wait(reqs)
-                kv = nxt
-    return acc_out.to(q.dtype), acc_lse
+                kb, vb = nk, nv
+    return acc.result()
 
 
 def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
@@ -245,72 +283,67 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
     mdt = merge_dtype(q.dtype)
     if q.shape[2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def kernel_backward(c, kb, vb):
+        return ctx.backend.backward(dout[:, c.rows], q[:, c.rows], kb[:, c.cols], vb[:, c.cols], out[:, c.rows],
+                                    lse[:, :, c.rows], deterministic=ctx.deterministic, dropout_p=0.0,
+                                    **ctx.kernel_kwargs(c))
+
+    one = _single_call(ctx, q)
+    if one is not None and one.k_start == 0 and one.k_stop == k.shape[1]:
+        return kernel_backward(one, k, v)
     dq = torch.zeros(q.shape, dtype=mdt, device=q.device)
+
+    def new_dkv(n):
+        return torch.zeros((2,) + tuple(_block_shape(k, n)), dtype=mdt, device=k.device)
 
     def compute(src, kb, vb, dkv):
         for c in ctx.calls(src):
-            gq, gk, gv = ctx.backend.backward(dout[:, c.rows], q[:, c.rows], kb[:, c.cols], vb[:, c.cols],
-                                              out[:, c.rows], lse[:, :, c.rows], deterministic=ctx.deterministic,
-                                              dropout_p=0.0, **ctx.kernel_kwargs(c))
+            gq, gk, gv = kernel_backward(c, kb, vb)
             dq[:, c.rows] += gq
             dkv[0][:, c.cols] += gk
             dkv[1][:, c.cols] += gv
 
+    own = new_dkv(k.shape[1])
     if R == 1:
-        dkv = torch.zeros((2,) + tuple(k.shape), dtype=mdt, device=k.device)
-        compute(me, k, v, dkv)
+        compute(me, k, v, own)
     elif ctx.rotation == "allgather":
         from .comm import all_gather_blocks, reduce_blocks_to_owners
-        kv = torch.stack([k, v])
-        blocks, work = all_gather_blocks(kv, ctx.lengths, ctx.group, seq_dim=2, async_op=True)
+        blocks, work = all_gather_blocks(torch.stack([k, v]), ctx.lengths, ctx.group, seq_dim=2, async_op=True)
         grads = [None] * R
-        grads[me] = torch.zeros((2,) + tuple(k.shape), dtype=mdt, device=k.device)
-        compute(me, k, v, grads[me])
+        grads[me] = own
+        compute(me, k, v, own)
         work.wait()
         for step in range(1, R):
             src = (me - step) % R
-            blk = blocks[src].narrow(2, 0, ctx.lengths[src])
-            grads[src] = torch.zeros(blk.shape, dtype=mdt, device=k.device)
-            compute(src, blk[0], blk[1], grads[src])
-        dkv = reduce_blocks_to_owners(grads, ctx.lengths, me, ctx.group, seq_dim=2)
+            grads[src] = new_dkv(ctx.lengths[src])
+            compute(src, blocks[src][0].narrow(1, 0, ctx.lengths[src]),
+                    blocks[src][1].narrow(1, 0, ctx.lengths[src]), grads[src])
+        own = reduce_blocks_to_owners(grads, ctx.lengths, me, ctx.group, seq_dim=2)
     else:
+        # Block b's dK/dV is summed along the chain b+1 -> b+2 -> ... -> b+R-1 -> b: each rank
+        # adds its part to what arrived from the previous rank and passes it on (R-1 hops); the
+        # owner keeps its own part locally.  Every transfer overlaps the next block's compute.
         rot = _rotator(ctx)
-        kv = torch.stack([k, v])
-        incoming = None   # (buffer, requests): the dK/dV partial of the block computed next
+        kb, vb = k.contiguous(), v.contiguous()
+        incoming = None
         for step in range(R):
             src = (me - step) % R
-            nxt_shape = _kv_shape(kv, ctx.lengths[(src - 1) % R])
-            if step < R - 1:   # the next key block travels while this one computes
-                (nxt,), kv_reqs = rot.start([kv], [nxt_shape])
-            part = torch.zeros(kv.shape, dtype=mdt, device=k.device)
-            compute(src, kv[0], kv[1], part)
-            if incoming is not None:   # what earlier ranks added for this block arrived meanwhile
-                (dkv_in,), reqs = incoming
-                rot.wait(reqs)
-                part += dkv_in
-            # pass the block's partial on; after the last step it reaches the block's owner
-            incoming = rot.start([part], [nxt_shape])
+            n_next = ctx.lengths[(src - 1) % R]
+            if step < R - 1:
+                (nk, nv), kv_reqs = rot.start([kb, vb], [_block_shape(kb, n_next), _block_shape(vb, n_next)])
+            part = own if step == 0 else new_dkv(ctx.lengths[src])
+            compute(src, kb, vb, part)
+            if step > 0:
+                if incoming is not None:   # earlier ranks' part of this block, arrived meanwhile
+                    (dkv_in,), reqs = incoming
+                    rot.wait(reqs)
+                    part += dkv_in
+                incoming = rot.start([part], [_block_shape(part, n_next, seq_dim=2)])
             if step < R - 1:
                 rot.wait(kv_reqs)
-                kv = nxt
-        (dkv,), reqs = incoming
+                kb, vb = nk, nv
+        (dkv_in,), reqs = incoming   # after the last step: every other rank's part of our block
         rot.wait(reqs)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves q/k/v/out/lse; backward runs :func:`ring_backward`."""
-
-    @staticmethod
-    def forward(fctx, q, k, v, ctx: RingContext):
-        out, lse = ring_forward(ctx, q, k, v)
-        fctx.save_for_backward(q, k, v, out, lse)
-        fctx.ring = ctx
-        fctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(fctx, dout, _dlse):
-        q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = ring_backward(fctx.ring, dout, q, k, v, out, lse)
-        return dq, dk, dv, None
+        own += dkv_in
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
