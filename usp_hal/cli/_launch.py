@@ -152,11 +152,21 @@ class RankPool:
     """
 
     def __init__(self, world: int, *, threads: int = 1, device_type: str = "cpu", init_dist: bool = True,
-                 start_timeout: float = 120.0, grace: float = 10.0):
+                 start_timeout: float = 120.0, grace: float = 10.0, wait: bool = True):
         self.world, self.threads, self.device_type = world, threads, device_type
         self.init_dist, self.grace = init_dist, grace
         self.procs: list = []
+        self._start_timeout = start_timeout
+        self._ready = False
         self._start(start_timeout)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started (``wait=False`` lets pools start together)."""
+        if not self._ready:
+            self._collect("start", self._start_timeout, expect="ready")
+            self._ready = True
 
     def _start(self, timeout: float) -> None:
         ctx = mp.get_context("spawn")
@@ -171,7 +181,6 @@ class RankPool:
         with _spawnable_main():
             for p in self.procs:
                 p.start()
-        self._collect("start", timeout, expect="ready")
 
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
@@ -179,6 +188,7 @@ class RankPool:
     def run(self, fn: Callable, timeout: float, **kwargs) -> list:
         """``fn(**kwargs)`` on every rank; returns the per-rank results in rank order.
         Raises LaunchError with every rank's message when any rank fails or time runs out."""
+        self.wait_ready()
         if not self.alive():
             raise LaunchError("the worker processes are gone (an earlier task killed the pool)")
         for q in self.tasks:

@@ -265,10 +265,12 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
     pool = single = None
     try:
         pool = _launch.RankPool(args.nproc, threads=args.threads_per_rank, device_type=device_type,
-                                start_timeout=min(args.timeout, 300.0))
+                                start_timeout=min(args.timeout, 300.0), wait=False)
         if not args.no_baseline:
             single = _launch.RankPool(1, threads=1, device_type=device_type, init_dist=False,
-                                      start_timeout=min(args.timeout, 300.0))
+                                      start_timeout=min(args.timeout, 300.0), wait=False)
+            single.wait_ready()
+        pool.wait_ready()
         for label, base, cfgs in groups:
             pool.run(rank_clear, timeout=args.timeout)
             prep = {}
