@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import platform as _platform
-from .capabilities import AttnRequest, dtype_name
-from .comm import UlyssesSpec, head_plan, head_to_seq, seq_to_head
+from .capabilities import AttnRequest
+from .comm import UlyssesSpec, all_gather_bytes, all_gather_ints, head_plan, head_to_seq, seq_to_head
 from .layout import LAYOUTS, Segment, check_layout, local_lengths, ring_segments
 from .mesh import SequenceParallelMesh, get_default_mesh
 from .registry import REGISTRY
@@ -311,32 +310,12 @@ def window_size_safe(window):
 
 
 def _gather_ints(mesh, values):
-    dev = torch.device("cpu")
-    backend = dist.get_backend(mesh.sp_group)
-    if "gloo" not in str(backend) and str(backend) != "undefined":
-        dev = torch.device(_platform.torch_device_name(_platform.default_device_type()),
-                           _current_index())
-    t = torch.tensor(values, dtype=torch.long, device=dev)
-    out = [torch.empty_like(t) for _ in range(mesh.sp_size)]
-    dist.all_gather(out, t, group=mesh.sp_group)
-    return [o.tolist() for o in out]
+    return all_gather_ints(values, mesh.sp_group)
 
 
 def _gather_text(mesh, text: str) -> list:
-    """Every rank's message (an error), as utf-8 bytes in integer tensors (no pickling)."""
-    data = list(text.encode("utf-8"))
-    width = max(r[0] for r in _gather_ints(mesh, [len(data)]))
-    rows = _gather_ints(mesh, data + [0] * (width - len(data)) if width else [0])
-    return [bytes(b for b in row if b).decode("utf-8", "replace") for row in rows]
-
-
-def _current_index():
-    import torch as _t
-    acc = getattr(_t, "accelerator", None)
-    try:
-        return acc.current_device_index() if acc is not None else 0
-    except Exception:
-        return 0
+    """Every rank's message (an error) as text."""
+    return [b.decode("utf-8", "replace") for b in all_gather_bytes(text.encode("utf-8"), mesh.sp_group)]
 
 
 class UlyssesAttention(LongContextAttention):

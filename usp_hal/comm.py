@@ -8,7 +8,7 @@ received buffer *is* the gathered sequence, with no reassembly copy; one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,41 @@ def head_to_seq(y: torch.Tensor, spec: UlyssesSpec) -> torch.Tensor:
         if len(hs):
             out.index_add_(2, torch.tensor(hs, dtype=torch.long, device=y.device), part)
     return out
+
+
+# ---------------------------------------------------------------------------------- metadata
+def _meta_device(group) -> torch.device:
+    """Small host-side exchanges go through gloo when the group has it, else the device."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or backend == "undefined":
+        return torch.device("cpu")
+    from . import platform as _platform
+    acc = getattr(torch, "accelerator", None)
+    index = acc.current_device_index() if acc is not None else 0
+    return torch.device(_platform.torch_device_name(_platform.default_device_type()), index)
+
+
+def all_gather_ints(values: Sequence[int], group=None) -> List[List[int]]:
+    """Every rank's list of integers (all the same length), in group-rank order."""
+    t = torch.tensor(list(values), dtype=torch.long, device=_meta_device(group))
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [o.tolist() for o in out]
+
+
+def all_gather_bytes(data: bytes, group=None) -> List[bytes]:
+    """Every rank's bytes (any lengths), in group-rank order; no pickling and no numpy."""
+    sizes = [r[0] for r in all_gather_ints([len(data)], group)]
+    width = max(sizes)
+    if width == 0:
+        return [b""] * len(sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(_meta_device(group))
+    parts = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(parts, buf, group=group)
+    return [bytes(p[:n].cpu().tolist()) for p, n in zip(parts, sizes)]
 
 
 # ---------------------------------------------------------------------------------- ring

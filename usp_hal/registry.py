@@ -11,7 +11,6 @@ import enum
 import importlib
 import importlib.metadata
 import logging
-from typing import Iterable, Optional
 
 from .backend import AttentionBackend
 from .capabilities import AttnRequest

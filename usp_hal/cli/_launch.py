@@ -283,43 +283,14 @@ class TorchrunExecutor:
 
 
 def gather_objects(obj, group=None) -> list:
-    """Every rank's picklable ``obj``, in rank order, on every rank of ``group``.
-
-    Like ``torch.distributed.all_gather_object`` but through a uint8 tensor built with
-    ``torch.frombuffer``, so it works where numpy is not installed (the object
-    collectives need it).  Uses the CPU (gloo) when the group has it, else the device.
-    """
+    """Every rank's picklable ``obj``, in rank order, on every rank of ``group``: like
+    ``torch.distributed.all_gather_object``, but without numpy (bytes through tensors)."""
     import pickle
 
-    import torch
-    import torch.distributed as dist
-    world = dist.get_world_size(group)
-    dev = torch.device("cpu")
-    backend = str(dist.get_backend(group))
-    if "gloo" not in backend:
-        from .. import platform as _platform
-        dtype = _platform.default_device_type()
-        idx = torch.accelerator.current_device_index() if hasattr(torch, "accelerator") else 0
-        dev = torch.device(_platform.torch_device_name(dtype), idx)
-    data = bytearray(pickle.dumps(obj))
-    payload = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.long, device=dev)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(x.item()) for x in sizes]
-    width = max(sizes)
-    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
-    buf[:payload.numel()] = payload.to(dev)
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(parts, buf, group=group)
-    out = []
-    for p, n in zip(parts, sizes):
-        host = p[:n].cpu().contiguous()
-        out.append(pickle.loads(ctypes.string_at(host.data_ptr(), n)) if n else None)
-    return out
+    from ..comm import all_gather_bytes
+    return [pickle.loads(b) if b else None for b in all_gather_bytes(pickle.dumps(obj), group)]
 
 
-# ----------------------------------------------------------------------------- meters
 def _nbytes(t) -> int:
     return int(t.numel()) * int(t.element_size())
 

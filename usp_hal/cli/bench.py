@@ -131,8 +131,9 @@ def _yunchang_attn_type(device_type: str):
     from yunchang.kernels import AttnType
     if device_type == "cpu":
         return AttnType.TORCH_MATH       # its flash/efficient torch paths call CUDA-only aten ops
-    import importlib.util
-    return AttnType.FA if importlib.util.find_spec("flash_attn") else AttnType.TORCH_EFFICIENT
+    from usp_hal.registry import get_backend
+    # the peer's flash path needs the same package our fa2 adapter does
+    return AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
 
 
 def rank_peer_prepare(cfg: dict, case: str) -> dict:
