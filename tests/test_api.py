@@ -94,3 +94,15 @@ def test_import_is_light():
             "('flash_attn','flash_attn_interface','sageattention','flashinfer','torch_npu',"
             "'intel_extension_for_pytorch','matplotlib')]; print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_documented_names_reachable_after_plain_import():
+    """Every module the docs name is an attribute of the package after ``import usp_hal``."""
+    import subprocess
+    import sys
+    code = ("import usp_hal\n"
+            "usp_hal.layout.local_positions; usp_hal.platform.default_device_type; usp_hal.mesh.SequenceParallelMesh\n"
+            "usp_hal.reference.reference_attention; usp_hal.SequenceParallelMesh.local_positions\n"
+            "usp_hal.shard; usp_hal.unshard; usp_hal.LongContextAttention\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

@@ -26,7 +26,6 @@ _LAZY = {
     "shard": "layout",
     "unshard": "layout",
     "EXTRACT_FUNC_DICT": "layout",
-    "platform": None,
 }
 
 __all__ = [
@@ -36,10 +35,14 @@ __all__ = [
 ]
 
 
+_SUBMODULES = ("attention", "backend", "capabilities", "comm", "layout", "mesh", "platform", "reference",
+               "registry", "ring")
+
+
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     if name in _LAZY:
         mod = _LAZY[name]
-        if mod is None:
-            return importlib.import_module(f".{name}", __name__)
         return getattr(importlib.import_module(f".{mod}", __name__), name)
     raise AttributeError(f"module 'usp_hal' has no attribute {name!r}")

@@ -130,6 +130,20 @@ def head_to_seq(y: torch.Tensor, spec: UlyssesSpec) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- metadata
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate((
+    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))) if dt is not None}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming ``dtype`` the same way on every rank (for metadata vectors)."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is not None:
+        return code
+    return 1000 + sum(str(dtype).encode())   # any other dtype: stable across processes
+
+
 def _meta_device(group) -> torch.device:
     """Small host-side exchanges go through gloo when the group has it, else the device."""
     backend = str(dist.get_backend(group))

@@ -121,38 +121,103 @@ def shard(x: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1) -
     return x.index_select(seq_dim, pos)
 
 
-def unshard(local: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1) -> torch.Tensor:
+def unshard(local: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1, *,
+            reduce_grad: bool = False) -> torch.Tensor:
     """Collective inverse of :func:`shard` over the mesh's sequence-parallel group:
-    every rank gets the global tensor back (uneven shards included)."""
-    import torch.distributed as dist
+    every rank gets the global tensor back (uneven shards included).
+
+    Every rank's shape (except along ``seq_dim``), dtype and length are checked against the
+    layout first, with one small metadata exchange, so a mismatch raises the same
+    ``ValueError`` on every rank instead of breaking the data collective.
+
+    Differentiable: the backward gives each rank its own slice (in the layout) of the
+    gradient of the global tensor.  That is the gradient when every rank computes the same
+    function of the gathered tensor (a loss on the full output, the usual case).  When ranks
+    compute different functions of it, pass ``reduce_grad=True``: the gradients of the global
+    tensor are summed over the group first (one all-reduce).
+    """
     mesh = _mesh_coords(mesh)
     check_layout(layout)
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"unshard: expected a tensor, got {type(local).__name__}")
     if mesh.sp_size == 1:
         return local
-    n = torch.tensor([local.shape[seq_dim]], dtype=torch.long, device=local.device)
-    sizes = [torch.zeros_like(n) for _ in range(mesh.sp_size)]
-    dist.all_gather(sizes, n, group=mesh.sp_group)
-    sizes = [int(s) for s in sizes]
+    return _Unshard.apply(local, layout, mesh, _normalize_dim(seq_dim, local.dim()), bool(reduce_grad))
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"seq_dim={dim} is out of range for a {ndim}-D tensor")
+    return dim % ndim
+
+
+_MAX_DIMS = 8
+
+
+def _unshard_check(local: torch.Tensor, layout: str, mesh, seq_dim: int) -> list:
+    """Per-rank lengths after checking every rank's dims/dtype against this rank's."""
+    from .comm import all_gather_ints, dtype_code
+    if local.dim() > _MAX_DIMS:
+        raise ValueError(f"unshard: at most {_MAX_DIMS} dims are supported, got {local.dim()}")
+    dims = [int(x) for x in local.shape] + [-1] * (_MAX_DIMS - local.dim())
+    meta = [int(local.shape[seq_dim]), local.dim(), seq_dim, dtype_code(local.dtype)] + dims
+    rows = all_gather_ints(meta, mesh.sp_group)
+    sizes = [r[0] for r in rows]
+    diffs = []
+    for label, idx in (("ndim", 1), ("seq_dim", 2), ("dtype", 3)):
+        vals = [r[idx] for r in rows]
+        if len(set(vals)) > 1:
+            diffs.append(f"{label}: " + ", ".join(f"rank {mesh.sp_ranks[i]}={v}" for i, v in enumerate(vals)))
+    if not diffs:
+        other = [tuple(x for j, x in enumerate(r[4:]) if j != seq_dim) for r in rows]
+        if len(set(other)) > 1:
+            diffs.append("shape (except seq_dim): " + ", ".join(
+                f"rank {mesh.sp_ranks[i]}={tuple(x for x in r[4:] if x >= 0)}" for i, r in enumerate(rows)))
+    if diffs:
+        raise ValueError("unshard: the ranks' parts do not fit together (every rank must pass its part of the "
+                         "same tensor):\n  " + "\n  ".join(diffs))
     seqlen = sum(sizes)
     expect = [local_lengths(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree)[mesh.ring_of(i)][mesh.ulysses_of(i)]
               for i in range(mesh.sp_size)]
     if sizes != expect:
         raise ValueError(f"unshard: per-rank lengths {sizes} do not match layout {layout!r} for S={seqlen} "
                          f"(expected {expect}); were the parts made with usp_hal.shard?")
-    width = max(sizes)
-    pad = list(local.shape)
-    pad[seq_dim] = width - local.shape[seq_dim]
-    padded = torch.cat([local, local.new_zeros(pad)], dim=seq_dim).contiguous()
-    gathered = [torch.empty_like(padded) for _ in range(mesh.sp_size)]
-    dist.all_gather(gathered, padded, group=mesh.sp_group)
-    out_shape = list(local.shape)
-    out_shape[seq_dim] = seqlen
-    out = local.new_empty(out_shape)
-    for i, part in enumerate(gathered):
-        pos = local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree,
-                              mesh.ring_of(i), mesh.ulysses_of(i)).to(local.device)
-        out.index_copy_(seq_dim, pos, part.narrow(seq_dim, 0, sizes[i]))
-    return out
+    return sizes
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, layout, mesh, seq_dim, reduce_grad):
+        import torch.distributed as dist
+        sizes = _unshard_check(local, layout, mesh, seq_dim)
+        seqlen = sum(sizes)
+        width = max(sizes)
+        pad = list(local.shape)
+        pad[seq_dim] = width - local.shape[seq_dim]
+        padded = torch.cat([local, local.new_zeros(pad)], dim=seq_dim).contiguous() if pad[seq_dim] else \
+            local.contiguous()
+        gathered = [torch.empty_like(padded) for _ in range(mesh.sp_size)]
+        dist.all_gather(gathered, padded, group=mesh.sp_group)
+        out_shape = list(local.shape)
+        out_shape[seq_dim] = seqlen
+        out = local.new_empty(out_shape)
+        for i, part in enumerate(gathered):
+            pos = local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree,
+                                  mesh.ring_of(i), mesh.ulysses_of(i)).to(local.device)
+            out.index_copy_(seq_dim, pos, part.narrow(seq_dim, 0, sizes[i]))
+        ctx.layout, ctx.mesh, ctx.seq_dim, ctx.reduce_grad, ctx.seqlen = layout, mesh, seq_dim, reduce_grad, seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        mesh = ctx.mesh
+        if ctx.reduce_grad:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=mesh.sp_group)
+        pos = local_positions(ctx.layout, ctx.seqlen, mesh.ring_degree, mesh.ulysses_degree,
+                              mesh.ring_rank, mesh.ulysses_rank).to(grad.device)
+        return grad.index_select(ctx.seq_dim, pos), None, None, None, None
 
 
 def _yunchang_extract(layout: str):

@@ -67,6 +67,15 @@ class SequenceParallelMesh:
             return ring_rank * self.ulysses_degree + ulysses_rank
         return ulysses_rank * self.ring_degree + ring_rank
 
+    def local_positions(self, seqlen: int, layout: str = "basic", device=None):
+        """Global positions (a LongTensor, in local order) of the tokens this rank holds when
+        a sequence of ``seqlen`` tokens is sharded with ``usp_hal.shard(x, layout=layout)``:
+        what rotary embeddings and other position-dependent parts of a model need."""
+        from .layout import check_layout, local_positions
+        pos = local_positions(check_layout(layout), int(seqlen), self.ring_degree, self.ulysses_degree,
+                              self.ring_rank, self.ulysses_rank)
+        return pos if device is None else pos.to(device)
+
     def ring_peer(self, ring_rank: int) -> int:
         """Global rank of the ring member with ring index ``ring_rank`` (this rank's ring)."""
         return self.ring_ranks[ring_rank]
