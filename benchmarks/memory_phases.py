@@ -2,7 +2,7 @@
 
 Runs one forward (and, with --bwd, backward) of LongContextAttention on N spawned CPU ranks
 and records, at the entry and exit of the core's phases (the Ulysses re-layout
-``seq_to_head``/``head_to_seq``, ``ring_forward``/``ring_backward``, each backend kernel
+``UlyssesExchange`` all-to-alls, ``ring_forward``/``ring_backward``, each backend kernel
 call, each ``merge_block``), the live resident memory and the peak since the previous
 mark, both relative to the start of the call.  malloc's cached free memory is returned
 to the system at every mark, so "live" is the memory in use there.
@@ -49,6 +49,7 @@ def rank_timeline(cfg: dict) -> list:
     import usp_hal
     import usp_hal.attention as attention
     import usp_hal.ring as ring
+    from usp_hal.ulysses import UlyssesExchange
     cfg = RunConfig(**cfg)
     mesh = usp_hal.init_sequence_parallel(cfg.ulysses, cfg.ring, set_default=False)
     q, k, v, dout = global_inputs(cfg)
@@ -74,7 +75,9 @@ def rank_timeline(cfg: dict) -> list:
             finally:
                 _mark(f"kernel {_name} <")
         setattr(backend, name, timed)
-    for name in ("seq_to_head", "head_to_seq", "ring_forward", "ring_backward"):
+    for name in ("qkv_to_heads", "out_to_seq", "dout_to_heads", "grads_to_seq"):
+        _wrap(UlyssesExchange, name)
+    for name in ("ring_forward", "ring_backward"):
         _wrap(attention, name)
     _wrap(ring, "merge_block")
     _MARKS.clear()

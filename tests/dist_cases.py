@@ -67,10 +67,12 @@ def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, d
     return errs
 
 
-def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=16, H=4, D=8, return_lse=False):
-    """Count the collectives one forward and one backward issue on this rank."""
+def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=16, H=4, D=8, return_lse=False,
+                      Hkv=None, static=False, calls=1):
+    """Count the collectives one forward and one backward issue on this rank (the last of
+    ``calls`` calls of one module)."""
     mesh = get_mesh(U, R)
-    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0, "all_gather": 0}
+    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0, "all_gather": 0, "all_gather_into_tensor": 0}
     originals = {name: getattr(dist, name) for name in counts}
 
     def wrap(name):
@@ -80,9 +82,12 @@ def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=1
         return f
 
     g = torch.Generator().manual_seed(1)
-    x = [usp_hal.shard(torch.randn(1, S, H, D, generator=g), layout=layout, mesh=mesh).requires_grad_()
-         for _ in range(3)]
-    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation)
+    x = [usp_hal.shard(torch.randn(1, S, h, D, generator=g), layout=layout, mesh=mesh).requires_grad_()
+         for h in (H, Hkv or H, Hkv or H)]
+    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation,
+                                        static_shapes=static)
+    for _ in range(calls - 1):
+        attn(*x, causal=causal, return_attn_probs=return_lse)
     try:
         for name in counts:
             setattr(dist, name, wrap(name))

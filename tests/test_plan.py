@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from usp_hal.comm import head_plan
+from usp_hal.ulysses import head_plan
 from usp_hal.layout import (EXTRACT_FUNC_DICT, LAYOUTS, local_lengths, local_positions, permutation,
                             ring_segments, segment_positions)
 from usp_hal.ring import merge_block, plan_blocks
@@ -119,17 +119,24 @@ def test_head_plan_is_consistent(H, Hkv, U):
     for u in range(U):
         a, b = plan.q[u]
         seen += list(range(a, b))
-        kv = plan.kv[u]
+        ka, kb = plan.kv[u]
         n = b - a
         if n == 0:
-            assert kv == ()
+            assert (ka, kb) == (0, 0) and plan.local_heads(u) == (0, 0)
             continue
-        assert n % len(kv) == 0, "local GQA needs whole groups"
-        gl = n // len(kv)
-        for i in range(n):   # local q head i must use the kv head its global head uses
-            assert kv[i // gl] == (a + i) // g
+        # exactly the distinct kv heads the local query heads use travel
+        assert list(range(ka, kb)) == sorted({h // g for h in range(a, b)})
+        exp = plan.kv_expand[u]
+        hq, hk = plan.local_heads(u)
+        assert hq == n
+        if exp is None:   # local GQA: each received kv head serves n / hk consecutive query heads
+            assert n % hk == 0
+            for i in range(n):
+                assert ka + i // (n // hk) == (a + i) // g
+        else:             # the rank repeats kv heads locally, one per query head
+            assert hk == n and all(ka + exp[i] == (a + i) // g for i in range(n))
     assert seen == list(range(H))
     counts = [b - a for a, b in plan.q]
     assert max(counts) - min(counts) <= 1
-    if Hkv % U == 0 and H % U == 0:   # aligned: only distinct kv heads travel
-        assert all(len(set(kv)) == len(kv) for kv in plan.kv)
+    # only the groups a split cuts travel to two ranks
+    assert plan.wire_kv_heads() <= Hkv + U - 1

@@ -2,61 +2,110 @@
 
 One call, on every rank of the sequence-parallel group:
 
-1. validate the local inputs and pick the backend (nothing communicated yet);
-2. one small all-gather of per-rank metadata: every rank learns every rank's lengths and
-   sees any rank's validation error or any cross-rank mismatch, so all ranks raise the
-   same error together instead of hanging in a data collective;
-3. Ulysses all-to-all (sequence -> heads), ring attention over the ring group,
-   all-to-all back (heads -> sequence), as one autograd Function (or a forward-only path).
+1. validate the local inputs into a :class:`~usp_hal.spec.CallSpec` and pick the backend
+   (nothing communicated yet);
+2. one small all-gather of the spec's metadata vector (over a CPU group, so it never
+   synchronises an accelerator): every rank learns every rank's length and sees any rank's
+   validation error or any cross-rank mismatch, so all ranks raise the same error together
+   instead of hanging in a data collective.  With ``static_shapes=True`` a call whose spec
+   equals the first checked one skips this exchange;
+3. one Ulysses all-to-all of q, k and v together (sequence -> heads), ring attention over
+   the ring group, one all-to-all back (heads -> sequence), as one autograd Function (or a
+   forward-only path that saves nothing).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from . import platform as _platform
 from .capabilities import AttnRequest
-from .comm import UlyssesSpec, all_gather_bytes, all_gather_ints, head_plan, head_to_seq, seq_to_head
-from .layout import LAYOUTS, Segment, check_layout, local_lengths, ring_segments
+from .codec import get_codec
+from .comm import CommError, all_gather_bytes, all_gather_ints
+from .layout import Segment, get_layout, local_lengths, local_positions, ring_segments
 from .mesh import SequenceParallelMesh, get_default_mesh
 from .registry import REGISTRY
-from .ring import RingContext, ring_backward, ring_forward
+from .ring import RingContext, merge_dtype, plan_blocks, ring_backward, ring_forward
+from .rotation import get_rotation
+from .spec import CallSpec, compare, digest_ints, digest_tensor, error_meta, field_index
+from .ulysses import HeadPlan, UlyssesExchange, head_plan
 
-ROTATIONS = ("p2p", "allgather")
-_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
-_DEVICE_CODES = {"cpu": 1, "cuda": 2, "rocm": 3, "npu": 4, "xpu": 5}
-_META_FIELDS = ("error", "seqlen", "batch", "heads", "kv_heads", "head_dim", "v_dim", "dtype", "device",
-                "causal", "window_left", "window_right", "softcap_x1e6", "alibi", "dropout_x1e6", "layout",
-                "rotation", "needs_grad", "return_lse", "deterministic", "scale_x1e9")
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 class USPError(ValueError):
     """A call that cannot run as asked (raised identically on every rank)."""
 
 
+# ------------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class _Shape:
+    """What a call's shapes and options fix (cached per spec, lengths and mesh)."""
+
+    heads: HeadPlan
+    per_rank: Tuple[Tuple[int, ...], ...]          # [ring rank][ulysses rank] -> local length
+    segments: Tuple[Tuple[Segment, ...], ...]      # per ring rank
+    ring_lengths: Tuple[int, ...]
+    calls: Dict[int, list]                         # per source ring rank: the block plan
+
+
 @dataclass
-class _Call:
-    """Per-call plan shared by forward and backward."""
+class CallPlan:
+    """Everything one call runs with (built once per call, shared by forward and backward)."""
 
+    spec: CallSpec
     backend: object
-    q_spec: UlyssesSpec
-    kv_spec: UlyssesSpec
+    exchange: UlyssesExchange
     ring: RingContext
-    return_lse: bool
+    dtype: torch.dtype
 
 
-def _positional_request(window, alibi_slopes) -> bool:
-    return tuple(window) != (-1, -1) or alibi_slopes is not None
+class _PlannedRing(RingContext):
+    """A RingContext whose block plans were computed once for this shape."""
+
+    def __init__(self, shape: _Shape, **kw):
+        super().__init__(**kw)
+        self._calls = shape.calls
+
+    def calls(self, src: int):
+        return self._calls[src]
+
+
+# ------------------------------------------------------------------------------- compute
+def _nan_guard(qh: torch.Tensor) -> torch.Tensor:
+    """``[B, S, h, 1]``: 0 for rows whose query is finite, NaN otherwise (some kernels return
+    a finite row for a non-finite query; adding this keeps single-device semantics)."""
+    return qh.sum(dim=-1, keepdim=True, dtype=torch.float32 if qh.dtype != torch.float64 else torch.float64) * 0
+
+
+def _forward(plan: CallPlan, q, k, v, keep: bool):
+    ex, spec = plan.exchange, plan.spec
+    qh, kh, vh = ex.qkv_to_heads(q, k, v)
+    guard = _nan_guard(qh)
+    out_acc, lse_h = ring_forward(plan.ring, qh, kh, vh)
+    if keep or spec.return_lse:
+        lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
+    out, lse, outh = ex.out_to_seq(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
+                                   keep_heads=keep)
+    return out, lse, (qh, kh, vh, outh, lse_h)
+
+
+def _backward(plan: CallPlan, dout, saved):
+    qh, kh, vh, outh, lse_h = saved
+    ex = plan.exchange
+    douth = ex.dout_to_heads(dout)
+    dq, dk, dv = ring_backward(plan.ring, douth, qh, kh, vh, outh, lse_h)
+    return ex.grads_to_seq(dq, dk, dv, plan.dtype)
 
 
 class _USPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, call: _Call):
-        out, lse, saved = _forward_impl(call, q, k, v)
-        fctx.call = call
+    def forward(fctx, q, k, v, plan: CallPlan):
+        out, lse, saved = _forward(plan, q, k, v, keep=True)
+        fctx.plan = plan
         fctx.save_for_backward(*saved)
         if lse is not None:
             fctx.mark_non_differentiable(lse)
@@ -64,29 +113,11 @@ class _USPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dout, _dlse):
-        call = fctx.call
-        qh, kh, vh, outh, lseh = fctx.saved_tensors
-        douth = seq_to_head(dout, call.q_spec)
-        dqh, dkh, dvh = ring_backward(call.ring, douth, qh, kh, vh, outh, lseh)
-        dq = head_to_seq(dqh, call.q_spec)
-        dk = head_to_seq(dkh, call.kv_spec)
-        dv = head_to_seq(dvh, call.kv_spec)
+        dq, dk, dv = _backward(fctx.plan, dout, fctx.saved_tensors)
         return dq, dk, dv, None
 
 
-def _forward_impl(call: _Call, q, k, v):
-    qh = seq_to_head(q, call.q_spec)
-    kh = seq_to_head(k, call.kv_spec)
-    vh = seq_to_head(v, call.kv_spec)
-    outh, lseh = ring_forward(call.ring, qh, kh, vh)
-    out = head_to_seq(outh, call.q_spec)
-    lse = None
-    if call.return_lse:
-        # [B, h, L] -> [B, L, h, 1] -> all-to-all -> [B, S_local, H]
-        lse = head_to_seq(lseh.transpose(1, 2).unsqueeze(-1), call.q_spec).squeeze(-1).transpose(1, 2).contiguous()
-    return out, lse, (qh, kh, vh, outh, lseh)
-
-
+# ------------------------------------------------------------------------------- the module
 class LongContextAttention(torch.nn.Module):
     """Unified Sequence Parallel attention: Ulysses over ``mesh.ulysses_group`` and Ring
     over ``mesh.ring_group``; equal to single-device attention in output and gradients.
@@ -97,17 +128,33 @@ class LongContextAttention(torch.nn.Module):
 
     ``attn_type``: "auto", a backend name, a :class:`usp_hal.AttnType` member, or one of
     yunchang's names.  An explicit choice is validated, never replaced.
-    ``ring_impl_type``: "basic" | "zigzag" | "stripe" (the layout; zigzag/stripe balance
-    causal work).  ``rotation``: "p2p" (next block in flight while this one computes) or
-    "allgather".  ``check_ranks``: exchange metadata each call so a cross-rank mismatch
-    ends in the same error on every rank (one tiny all-gather; keep it on).
+    ``ring_impl_type``: a registered layout ("basic", "zigzag", "stripe"; zigzag/stripe
+    balance causal work).  ``rotation``: "p2p" (next block in flight while this one
+    computes) or "allgather".
+
+    ``check_ranks`` (default on): every call exchanges a small metadata vector so that a
+    cross-rank mismatch ends in the same error on every rank.  ``static_shapes=True``:
+    after the first checked call, a call with the same spec runs no host-side collective
+    at all (CUDA-graph friendly); a call whose spec differs raises on the rank that sees it.
+
+    ``ulysses_float8=True``: q, v and the output travel through the Ulysses all-to-all as
+    float8_e4m3fn with a scale per token and head (``float8_key=True``: k too; the default
+    keeps k exact because softmax(q.k) is the sensitive part); ``ring_float8=True``: the
+    ring's V blocks (and K with ``float8_key``) travel as fp8.  Lossy, see docs.  With
+    gradients, the backward communicates at full precision and the gradient is the
+    straight-through gradient of the quantised forward.
+
+    Note on layouts: lengths alone cannot tell a zigzag shard from a basic one of the same
+    size.  Shard inputs with ``usp_hal.shard(x, layout=ring_impl_type)``; to have every call
+    verify it, pass ``positions=mesh.local_positions(S, layout)`` (a debugging aid).
     """
 
     def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic",
                  use_pack_qkv: bool = False, use_sync: bool = False, attn_type="auto",
                  attn_processor=None, *, mesh: Optional[SequenceParallelMesh] = None,
-                 rotation: str = "p2p", check_ranks: bool = True, q_descale=None, k_descale=None,
-                 v_descale=None):
+                 rotation: str = "p2p", check_ranks: bool = True, static_shapes: bool = False,
+                 ulysses_float8: bool = False, float8_key: bool = False, ring_float8: bool = False,
+                 q_descale=None, k_descale=None, v_descale=None):
         super().__init__()
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError(
@@ -117,47 +164,56 @@ class LongContextAttention(torch.nn.Module):
             raise NotImplementedError("attn_processor is not supported; register a backend with "
                                       "usp_hal.register_backend(name, cls) and pass attn_type=name")
         if any(x is not None for x in (q_descale, k_descale, v_descale)):
-            raise NotImplementedError("fp8 descale factors are not supported by the USP path")
-        check_layout(ring_impl_type)
-        if rotation not in ROTATIONS:
-            raise ValueError(f"rotation={rotation!r}; valid: {', '.join(ROTATIONS)}")
-        self.ring_impl_type = ring_impl_type
+            raise NotImplementedError("fp8 descale factors are not supported by the USP path "
+                                      "(use ulysses_float8=True for an fp8 wire format)")
+        self.layout = get_layout(ring_impl_type)
+        self.ring_impl_type = self.layout.name
+        self.rotation_cls = get_rotation(rotation)
+        self.rotation = self.rotation_cls.name
         self.attn_type = attn_type
         REGISTRY.canonical_name(attn_type)          # unknown names fail here, not mid-run
         self.mesh = mesh
-        self.rotation = rotation
         self.check_ranks = check_ranks
-        self.use_pack_qkv = use_pack_qkv              # accepted for compatibility; K/V already travel together in the ring
+        self.static_shapes = static_shapes
+        self.use_pack_qkv = use_pack_qkv              # accepted for compatibility; q/k/v always travel packed
         self.use_sync = use_sync
-        self._backends = {}
+        fp8 = "fp8" if ulysses_float8 else "identity"
+        self.wire = {"q": fp8, "k": "fp8" if (ulysses_float8 and float8_key) else "identity", "v": fp8, "out": fp8}
+        self.ring_wire = ("fp8" if (ring_float8 and float8_key) else "identity",
+                          "fp8" if ring_float8 else "identity")
+        self._wire_name = ",".join(f"{n}={c}" for n, c in self.wire.items()) + \
+            ("" if not ring_float8 else f",ring_k={self.ring_wire[0]},ring_v={self.ring_wire[1]}")
+        self._backends: dict = {}
+        self._shapes: dict = {}
+        self._frozen = None
         self.last_backend = None
 
     # ------------------------------------------------------------------ public call
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, *args):
+                return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None):
         mesh = self.mesh if self.mesh is not None else get_default_mesh()
-        call, err = None, None
+        spec, local, err = None, None, None
         try:
-            call = self._prepare_local(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size,
-                                       softcap, alibi_slopes, deterministic, return_attn_probs)
+            spec, local = self._local(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size,
+                                      softcap, alibi_slopes, deterministic, return_attn_probs, positions)
         except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
+            if isinstance(exc, CommError):
+                raise
             err = exc
-        meta = self._metadata(err, query, key, value, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, deterministic, return_attn_probs)
-        lengths = self._exchange(mesh, meta, err)
-        call = self._finish_plan(mesh, call, lengths, causal, window_size, alibi_slopes)
-        self.last_backend = call.backend
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-            out, lse = _USPFunction.apply(query, key, value, call)
+        lengths = self._agree(mesh, spec, err)
+        plan = self._plan(mesh, spec, lengths, local)
+        self.last_backend = plan.backend
+        if spec.needs_grad:
+            out, lse = _USPFunction.apply(query, key, value, plan)
         else:
             with torch.no_grad():
-                out, lse, _ = _forward_impl(call, query, key, value)
+                out, lse, _ = _forward(plan, query, key, value, keep=False)
         return (out, lse) if return_attn_probs else out
 
     # ------------------------------------------------------------------ validation
-    def _prepare_local(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-                       deterministic, return_lse):
+    def _local(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+               deterministic, return_lse, positions):
         for name, t in (("query", q), ("key", k), ("value", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -173,156 +229,198 @@ class LongContextAttention(torch.nn.Module):
             raise ValueError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
         if not (q.device == k.device == v.device):
             raise ValueError(f"query/key/value are on different devices: {q.device}, {k.device}, {v.device}")
-        if q.dtype not in _DTYPE_CODES:
+        if q.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype {q.dtype} is not supported (use fp64, fp32, bf16 or fp16)")
         hkv = k.shape[2]
         if h < 1 or hkv < 1 or h % hkv:
             raise ValueError(f"query heads ({h}) must be a positive multiple of key/value heads ({hkv})")
-        if d < 1:
+        if d < 1 or v.shape[3] < 1:
             raise ValueError("head_dim must be >= 1")
-        window_size = window
-        window = window_size_safe(window_size)
-        if len(window) != 2 or any(x < -1 for x in window):
-            raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window_size}")
-        if softcap < 0:
+        try:
+            win = tuple(int(x) for x in window)
+        except (TypeError, ValueError):
+            win = ()
+        if len(win) != 2 or any(x < -1 for x in win):
+            raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window}")
+        softcap = float(softcap)
+        if not softcap >= 0:
             raise ValueError(f"softcap must be >= 0, got {softcap}")
         if dropout_p:
             raise NotImplementedError(
                 f"dropout_p={dropout_p}: attention dropout inside sequence-parallel attention is refused, since "
                 "no kernel's dropout mask can be reproduced across Ulysses/ring blocks and the backward; "
                 "use dropout_p=0.0 (apply dropout to the attention output instead)")
+        alibi = 0
         if alibi_slopes is not None:
-            if alibi_slopes.shape not in ((h,), (b, h)):
-                raise ValueError(f"alibi_slopes must be ({h},) or ({b}, {h}), got {tuple(alibi_slopes.shape)}")
-        R = mesh.ring_degree
-        if R > 1 and self.ring_impl_type == "stripe" and _positional_request(window, alibi_slopes):
-            raise NotImplementedError("window_size/alibi_slopes with the stripe layout and ring_degree > 1 cannot be "
-                                      "exact (stripes are not contiguous); use ring_impl_type='basic' or 'zigzag'")
-        plan = head_plan(h, hkv, mesh.ulysses_degree)
+            if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape not in ((h,), (b, h)):
+                raise ValueError(f"alibi_slopes must be a tensor of shape ({h},) or ({b}, {h}), got "
+                                 f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
+            alibi = self._digest(alibi_slopes)
+        R, U = mesh.ring_degree, mesh.ulysses_degree
+        positional = win != (-1, -1) or alibi_slopes is not None
+        if R > 1 and not self.layout.contiguous and positional:
+            raise NotImplementedError(f"window_size/alibi_slopes with the {self.layout.name} layout and ring_degree > 1 "
+                                      "cannot be exact (its shards are not contiguous); use ring_impl_type='basic' or "
+                                      "'zigzag'")
+        pos_digest = 0
+        if positions is not None:
+            pos = torch.as_tensor(positions).reshape(-1)
+            if pos.numel() != s:
+                raise ValueError(f"positions has {pos.numel()} entries, the local sequence {s}")
+            pos_digest = digest_ints(pos.tolist())
+        plan = head_plan(h, hkv, U)
         hq_loc, hk_loc = plan.local_heads(mesh.ulysses_rank)
         device_type = _platform.device_type_of(q.device)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+        spec = CallSpec(batch=b, local_len=s, heads=h, kv_heads=hkv, head_dim=d, v_dim=int(v.shape[3]),
+                        dtype=q.dtype, device_type=device_type, causal=bool(causal), window=win, softcap=softcap,
+                        scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(deterministic),
+                        needs_grad=needs_grad, return_lse=bool(return_lse), layout=self.layout.name,
+                        rotation=self.rotation, ulysses=U, ring=R, wire=self._wire_name, positions=pos_digest)
         req = AttnRequest(
-            dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=v.shape[3],
-            num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=bool(causal), window=window,
-            softcap=float(softcap), alibi=alibi_slopes is not None, dropout_p=0.0, needs_grad=needs_grad,
+            dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
+            num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=bool(causal), window=win,
+            softcap=softcap, alibi=alibi_slopes is not None, dropout_p=0.0, needs_grad=needs_grad,
             needs_lse=R > 1 or bool(return_lse), deterministic=bool(deterministic), key_offset=R > 1,
             compute_capability=_platform.compute_capability(device_type, q.device.index or 0))
         backend = self._backend_for(req)
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         slopes = None
         if alibi_slopes is not None:
-            a, bnd = plan.q[mesh.ulysses_rank]
-            slopes = alibi_slopes[..., a:bnd].to(device=q.device, dtype=torch.float32)
-        return dict(backend=backend, plan=plan, scale=float(scale), window=window, softcap=float(softcap),
-                    slopes=slopes, deterministic=bool(deterministic), return_lse=bool(return_lse),
-                    batch=b, local_len=s)
+            a, c = plan.q[mesh.ulysses_rank]
+            slopes = alibi_slopes[..., a:c].to(device=q.device, dtype=torch.float32)
+        return spec, {"backend": backend, "heads": plan, "slopes": slopes, "positions": positions}
+
+    def _digest(self, t: torch.Tensor) -> int:
+        """Digest of small tensors (alibi slopes), cached per tensor object and version so a
+        reused tensor costs no device->host copy after its first call."""
+        key = (id(t), t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), t.dtype)
+        cache = self.__dict__.setdefault("_digests", {})
+        if key not in cache:
+            if len(cache) > 64:
+                cache.clear()
+            cache[key] = digest_tensor(t)
+        return cache[key]
 
     def _backend_for(self, req: AttnRequest):
-        key = req
-        if key not in self._backends:
-            self._backends[key] = REGISTRY.select(self.attn_type, req)()
-        return self._backends[key]
+        if req not in self._backends:
+            self._backends[req] = REGISTRY.select(self.attn_type, req)()
+        return self._backends[req]
 
-    def _metadata(self, err, q, k, v, dropout_p, scale, causal, window, softcap, alibi, deterministic, ret):
-        def dim(t, i):
-            return int(t.shape[i]) if isinstance(t, torch.Tensor) and t.dim() > i else -1
-        needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-        w = tuple(window_size_safe(window))
-        return [1 if err is not None else 0, dim(q, 1), dim(q, 0), dim(q, 2), dim(k, 2), dim(q, 3), dim(v, 3),
-                _DTYPE_CODES.get(getattr(q, "dtype", None), 0),
-                _DEVICE_CODES.get(_platform.device_type_of(q.device) if isinstance(q, torch.Tensor) else "", 0),
-                int(bool(causal)), w[0], w[1], int(round(float(softcap) * 1e6)), int(alibi is not None),
-                int(round(float(dropout_p) * 1e6)), LAYOUTS.index(self.ring_impl_type), ROTATIONS.index(self.rotation),
-                int(needs_grad), int(bool(ret)), int(bool(deterministic)),
-                int(round(float(scale) * 1e9)) if scale is not None else -1]
-
-    def _exchange(self, mesh, meta, err):
-        """All-gather metadata over the sequence-parallel group; raise on every rank alike."""
+    def _agree(self, mesh, spec: Optional[CallSpec], err) -> list:
+        """Every rank's local length, after making sure every rank can run this call and all
+        agree on it; raises the same error on every rank otherwise."""
         n = mesh.sp_size
-        if n == 1 or not self.check_ranks:
+        if n == 1:
             if err is not None:
                 raise err
-            if n == 1:
-                return [meta[1]]
-            # without the check, lengths still have to be known: gather just those
-            rows = _gather_ints(mesh, [meta[1]])
-            return [r[0] for r in rows]
-        rows = _gather_ints(mesh, meta)
+            return [spec.local_len]
+        if self.static_shapes and self._frozen is not None and err is None:
+            frozen, lengths = self._frozen
+            if spec == frozen:
+                return lengths
+            diffs = compare([frozen.meta(), spec.meta()], ["frozen", "this call"], spec)
+            raise USPError("static_shapes=True: this call differs from the first (checked) one, so it cannot "
+                           "run without a metadata exchange; use a module with static_shapes=False for "
+                           "changing shapes (this rank only; the other ranks stop at the group timeout):\n  "
+                           + "\n  ".join(diffs))
+        group = mesh.metadata_group
+        where = mesh.where("sequence-parallel")
+        if self.check_ranks:
+            meta = error_meta() if err is not None else spec.meta()
+        else:
+            meta = [1, 0] if err is not None else [0, spec.local_len]
+        rows = all_gather_ints(meta, group, what="metadata all-gather of the attention call", where=where)
         bad = [i for i, r in enumerate(rows) if r[0]]
         if bad:
-            msgs = _gather_text(mesh, "" if err is None else f"{type(err).__name__}: {err}")
+            msgs = [b.decode("utf-8", "replace") for b in all_gather_bytes(
+                ("" if err is None else f"{type(err).__name__}: {err}").encode("utf-8"), group,
+                what="error message all-gather", where=where)]
             if err is not None:
                 raise err
             raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
                            + "\n".join(f"  rank {mesh.sp_ranks[i]}: {msgs[i]}" for i in bad))
-        diffs = []
-        for j, field in enumerate(_META_FIELDS):
-            if field == "seqlen":
-                continue
-            vals = [r[j] for r in rows]
-            if len(set(vals)) > 1:
-                diffs.append(f"{field}: " + ", ".join(f"rank {mesh.sp_ranks[i]}={x}" for i, x in enumerate(vals)))
-        if diffs:
-            raise USPError("ranks of the sequence-parallel group disagree on this attention call "
-                           "(every rank must pass the same shapes and options):\n  " + "\n  ".join(diffs))
-        return [r[1] for r in rows]
+        if self.check_ranks:
+            diffs = compare(rows, mesh.sp_ranks, spec)
+            if diffs:
+                raise USPError("ranks of the sequence-parallel group disagree on this attention call "
+                               "(every rank must pass the same shapes and options):\n  " + "\n  ".join(diffs))
+            lengths = [r[field_index("local_len")] for r in rows]
+        else:
+            lengths = [r[1] for r in rows]
+        self._check_layout(mesh, spec, lengths, rows if self.check_ranks else None)
+        if self.static_shapes:
+            self._frozen = (spec, lengths)
+        return lengths
 
-    # ------------------------------------------------------------------ plan
-    def _finish_plan(self, mesh, local, lengths, causal, window, alibi_slopes) -> _Call:
+    def _check_layout(self, mesh, spec: CallSpec, lengths, rows) -> None:
         R, U = mesh.ring_degree, mesh.ulysses_degree
         seqlen = sum(lengths)
+        layout = self.layout.name
         per = [[lengths[mesh.sp_index(r, u)] for u in range(U)] for r in range(R)]
-        layout = self.ring_impl_type
-        positional = bool(causal) or _positional_request(window, alibi_slopes)
-        if positional:
+        if spec.causal or spec.positional:
             expect = local_lengths(layout, seqlen, R, U)
             if per != expect:
                 raise USPError(f"local sequence lengths {per} (ring x ulysses) do not match the {layout!r} layout "
                                f"for S={seqlen} (expected {expect}); shard inputs with "
                                f"usp_hal.shard(x, layout={layout!r}) (causal/window/alibi depend on positions)")
-            segments = tuple(tuple(ring_segments(layout, seqlen, R, r)) for r in range(R))
+        if rows is not None and spec.positions:
+            idx = field_index("positions")
+            wrong = []
+            for i, r in enumerate(rows):
+                pos = local_positions(layout, seqlen, R, U, mesh.ring_of(i), mesh.ulysses_of(i))
+                if r[idx] != digest_ints(pos.tolist()):
+                    wrong.append(mesh.sp_ranks[i])
+            if wrong:
+                raise USPError(f"rank(s) {wrong} hold other positions than the {layout!r} layout gives them for "
+                               f"S={seqlen} (checked because positions= was passed); shard inputs with "
+                               f"usp_hal.shard(x, layout={layout!r})")
+
+    # ------------------------------------------------------------------ plan
+    def _shape(self, mesh, spec: CallSpec, lengths, heads: HeadPlan) -> _Shape:
+        key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, tuple(lengths))
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape
+        R, U = mesh.ring_degree, mesh.ulysses_degree
+        seqlen = sum(lengths)
+        per = tuple(tuple(lengths[mesh.sp_index(r, u)] for u in range(U)) for r in range(R))
+        if spec.causal or spec.positional:
+            segments = tuple(tuple(ring_segments(self.layout, seqlen, R, r)) for r in range(R))
         else:   # positions do not matter: any split works
             starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
             segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
-        plan = local["plan"]
+        me = mesh.ring_rank
+        calls = {src: plan_blocks(segments[me], segments[src], causal=spec.causal, window=spec.window,
+                                  positional=spec.positional, diagonal=src == me) for src in range(R)}
+        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls)
+        if len(self._shapes) > 32:
+            self._shapes.clear()
+        self._shapes[key] = shape
+        return shape
+
+    def _plan(self, mesh, spec: CallSpec, lengths, local) -> CallPlan:
+        heads = local["heads"]
+        shape = self._shape(mesh, spec, lengths, heads)
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
-        q_spec = UlyssesSpec(mesh.ulysses_group, me_u, tuple(tuple(range(a, b)) for a, b in plan.q),
-                             tuple(per[me_r]), plan.num_heads)
-        kv_spec = UlyssesSpec(mesh.ulysses_group, me_u, plan.kv, tuple(per[me_r]), plan.num_kv_heads)
-        ring = RingContext(
-            backend=local["backend"], ring_size=R, ring_rank=me_r, group=mesh.ring_group,
-            ring_ranks=mesh.ring_ranks, segments=segments, lengths=tuple(sum(p) for p in per),
-            softmax_scale=local["scale"], causal=bool(causal), window=local["window"], softcap=local["softcap"],
-            alibi_slopes=local["slopes"], deterministic=local["deterministic"], rotation=self.rotation)
-        return _Call(local["backend"], q_spec, kv_spec, ring, local["return_lse"])
+        codecs = {n: get_codec(c) for n, c in self.wire.items()}
+        exchange = UlyssesExchange(heads, mesh.ulysses_group, me_u, shape.per_rank[me_r],
+                                   where=mesh.where("ulysses"), codecs=codecs)
+        rotation = self.rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
+                                     where=mesh.where("ring"),
+                                     codecs=tuple(get_codec(c) for c in self.ring_wire))
+        ring = _PlannedRing(shape, backend=local["backend"], ring_size=mesh.ring_degree, ring_rank=me_r,
+                            segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
+                            causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
+                            alibi_slopes=local["slopes"], deterministic=spec.deterministic)
+        return CallPlan(spec, local["backend"], exchange, ring, spec.dtype)
 
     def extra_repr(self) -> str:
         return f"attn_type={self.attn_type!r}, ring_impl_type={self.ring_impl_type!r}, rotation={self.rotation!r}"
 
 
-def window_size_safe(window):
-    try:
-        w = tuple(int(x) for x in window)
-        return w if len(w) == 2 else (-9, -9)
-    except Exception:
-        return (-9, -9)
-
-
-def _gather_ints(mesh, values):
-    return all_gather_ints(values, mesh.sp_group)
-
-
-def _gather_text(mesh, text: str) -> list:
-    """Every rank's message (an error) as text."""
-    return [b.decode("utf-8", "replace") for b in all_gather_bytes(text.encode("utf-8"), mesh.sp_group)]
-
-
 class UlyssesAttention(LongContextAttention):
     """Ulysses only (ring degree 1): all-to-all over the mesh's Ulysses group."""
-
-    def __init__(self, *args, mesh=None, **kw):
-        super().__init__(*args, mesh=mesh, **kw)
 
     def forward(self, *args, **kw):
         mesh = self.mesh if self.mesh is not None else get_default_mesh()
@@ -347,9 +445,13 @@ class LongContextAttentionQKVPacked(LongContextAttention):
     """Packed input ``qkv [B, S_local, 3, H, D]`` (yunchang-compatible)."""
 
     def forward(self, qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args):
-        if qkv.dim() != 5 or qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(qkv.shape)}")
+                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None):
+        if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+            raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
         q, k, v = qkv.unbind(2)
         return super().forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_attn_probs)
+                               deterministic, return_attn_probs, positions=positions)
+
+
+__all__ = ["LongContextAttention", "LongContextAttentionQKVPacked", "UlyssesAttention", "RingAttention", "USPError",
+           "CallPlan", "merge_dtype"]

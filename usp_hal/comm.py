@@ -1,132 +1,55 @@
-"""Communication: the Ulysses all-to-all (any heads, any lengths, GQA) and the ring
-rotation strategies (p2p and all-gather).
+"""Communication primitives shared by the Ulysses exchange (``usp_hal.ulysses``) and the
+ring rotations (``usp_hal.rotation``): collectives that name themselves when they fail, the
+small host-side metadata exchanges, and a stable integer code per dtype.
 
-Wire format: every all-to-all chunk is sent sequence-major (``[S, B, h, D]``) so the
-received buffer *is* the gathered sequence, with no reassembly copy; one
-``all_to_all_single`` per tensor with uneven split sizes.
+Every collective the core issues goes through :func:`collective` (or :func:`wait`), so a
+timeout or a dead peer surfaces as :class:`CommError` naming the call and the group (for
+example ``"Ulysses all-to-all of q/k/v (forward) on the ulysses group, ranks (0, 1)"``),
+raised within the group's timeout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+import datetime
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 
-# ---------------------------------------------------------------------------------- heads
-@dataclass(frozen=True)
-class HeadPlan:
-    """Which global heads each Ulysses rank computes.
-
-    ``q[u]`` is the contiguous query-head range ``(start, stop)`` of rank ``u`` (split as
-    evenly as possible; ranks beyond H get an empty range).  ``kv[u]`` lists the global
-    KV heads rank ``u`` receives, in local order: the distinct groups its query heads use
-    when they align with whole groups, else one KV head per query head (only as much
-    repetition as the split needs).
-    """
-
-    num_heads: int
-    num_kv_heads: int
-    q: Tuple[Tuple[int, int], ...]
-    kv: Tuple[Tuple[int, ...], ...]
-
-    def local_heads(self, u: int) -> Tuple[int, int]:
-        a, b = self.q[u]
-        return b - a, len(self.kv[u])
+class CommError(RuntimeError):
+    """A collective of the core failed (timeout, a peer that died or skipped the call)."""
 
 
-def head_plan(num_heads: int, num_kv_heads: int, ulysses: int) -> HeadPlan:
-    if num_heads % num_kv_heads:
-        raise ValueError(f"heads={num_heads} must be a multiple of kv_heads={num_kv_heads}")
-    g = num_heads // num_kv_heads
-    base, extra = divmod(num_heads, ulysses)
-    q, kv, start = [], [], 0
-    for u in range(ulysses):
-        n = base + (1 if u < extra else 0)
-        a, b = start, start + n
-        start = b
-        q.append((a, b))
-        groups = [h // g for h in range(a, b)]
-        uniq = sorted(set(groups))
-        # local GQA works when each distinct kv head serves the same number of local q heads
-        if groups and all(groups.count(x) == len(groups) // len(uniq) for x in uniq) and len(groups) % len(uniq) == 0:
-            kv.append(tuple(uniq))
-        else:
-            kv.append(tuple(groups))
-    return HeadPlan(num_heads, num_kv_heads, tuple(q), tuple(kv))
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """The timeout the process group ``group`` (None = WORLD) was created with, if readable."""
+    grp = group if group is not None else dist.group.WORLD
+    for dev in ("cpu", "cuda", "xpu", "npu"):
+        try:
+            backend = grp._get_backend(torch.device(dev))
+            return backend.options._timeout
+        except Exception:
+            continue
+    return None
 
 
-# ---------------------------------------------------------------------------------- ulysses
-@dataclass(frozen=True)
-class UlyssesSpec:
-    """One all-to-all: ``heads[u]`` = global head indices rank ``u`` computes;
-    ``seq_lens[u]`` = tokens rank ``u`` holds before the exchange."""
-
-    group: object
-    rank: int
-    heads: Tuple[Tuple[int, ...], ...]
-    seq_lens: Tuple[int, ...]
-    total_heads: int
-
-    @property
-    def size(self) -> int:
-        return len(self.seq_lens)
+def collective(what: str, where: str, fn: Callable, *args, **kwargs):
+    """Run one collective; any failure becomes a :class:`CommError` naming ``what`` and ``where``."""
+    try:
+        return fn(*args, **kwargs)
+    except CommError:
+        raise
+    except RuntimeError as exc:
+        raise CommError(f"{what} on the {where} failed: {exc}") from exc
 
 
-def _select_heads(x: torch.Tensor, heads: Sequence[int]) -> torch.Tensor:
-    if len(heads) == 0:
-        return x.narrow(2, 0, 0)
-    a = heads[0]
-    if list(heads) == list(range(a, a + len(heads))):
-        return x.narrow(2, a, len(heads))
-    return x.index_select(2, torch.tensor(heads, dtype=torch.long, device=x.device))
-
-
-def _all_to_all(send: List[torch.Tensor], recv_numels: List[int], group, like: torch.Tensor) -> torch.Tensor:
-    inp = torch.cat([c.reshape(-1) for c in send]) if len(send) > 1 else send[0].reshape(-1)
-    out = like.new_empty(sum(recv_numels))
-    dist.all_to_all_single(out, inp.contiguous(), recv_numels, [c.numel() for c in send], group=group)
-    return out
-
-
-def seq_to_head(x: torch.Tensor, spec: UlyssesSpec) -> torch.Tensor:
-    """[B, S_local, H, D] -> [B, S_gathered, h_me, D] (a sequence-major view)."""
-    b, _, _, d = x.shape
-    mine = spec.heads[spec.rank]
-    if spec.size == 1:
-        return _select_heads(x, mine)
-    send = [_select_heads(x, spec.heads[u]).permute(1, 0, 2, 3) for u in range(spec.size)]
-    recv = [n * b * len(mine) * d for n in spec.seq_lens]
-    out = _all_to_all(send, recv, spec.group, x)
-    return out.view(sum(spec.seq_lens), b, len(mine), d).permute(1, 0, 2, 3)
-
-
-def head_to_seq(y: torch.Tensor, spec: UlyssesSpec) -> torch.Tensor:
-    """Inverse of :func:`seq_to_head`: [B, S_gathered, h_me, D] -> [B, S_local, H, D].
-    Heads that several ranks computed (repeated KV heads) are summed (gradient of a copy)."""
-    b, _, _, d = y.shape
-    s_local = spec.seq_lens[spec.rank]
-    if spec.size == 1:
-        parts = [y]
-    else:
-        offs = [sum(spec.seq_lens[:u]) for u in range(spec.size)]
-        send = [y.narrow(1, offs[u], spec.seq_lens[u]).permute(1, 0, 2, 3) for u in range(spec.size)]
-        recv = [s_local * b * len(spec.heads[u]) * d for u in range(spec.size)]
-        flat = _all_to_all(send, recv, spec.group, y)
-        parts, o = [], 0
-        for u in range(spec.size):
-            n = recv[u]
-            parts.append(flat.narrow(0, o, n).view(s_local, b, len(spec.heads[u]), d).permute(1, 0, 2, 3))
-            o += n
-    order = [h for hs in spec.heads for h in hs]
-    if order == list(range(spec.total_heads)):
-        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].contiguous()
-    out = y.new_zeros(b, s_local, spec.total_heads, d)
-    for hs, part in zip(spec.heads, parts):
-        if len(hs):
-            out.index_add_(2, torch.tensor(hs, dtype=torch.long, device=y.device), part)
-    return out
+def wait(what: str, where: str, works) -> None:
+    """Wait on the work handle(s) of an asynchronous collective, naming it on failure."""
+    if works is None:
+        return
+    if not isinstance(works, (list, tuple)):
+        works = [works]
+    for w in works:
+        collective(what, where, w.wait)
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -155,17 +78,20 @@ def _meta_device(group) -> torch.device:
     return torch.device(_platform.torch_device_name(_platform.default_device_type()), index)
 
 
-def all_gather_ints(values: Sequence[int], group=None) -> List[List[int]]:
+def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata all-gather",
+                    where: str = "sequence-parallel group") -> List[List[int]]:
     """Every rank's list of integers (all the same length), in group-rank order."""
     t = torch.tensor(list(values), dtype=torch.long, device=_meta_device(group))
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return [o.tolist() for o in out]
+    n = dist.get_world_size(group)
+    out = torch.empty(n * t.numel(), dtype=torch.long, device=t.device)
+    collective(what, where, dist.all_gather_into_tensor, out, t, group=group)
+    return out.view(n, -1).tolist()
 
 
-def all_gather_bytes(data: bytes, group=None) -> List[bytes]:
+def all_gather_bytes(data: bytes, group=None, *, what: str = "message all-gather",
+                     where: str = "sequence-parallel group") -> List[bytes]:
     """Every rank's bytes (any lengths), in group-rank order; no pickling and no numpy."""
-    sizes = [r[0] for r in all_gather_ints([len(data)], group)]
+    sizes = [r[0] for r in all_gather_ints([len(data)], group, what=what, where=where)]
     width = max(sizes)
     if width == 0:
         return [b""] * len(sizes)
@@ -173,72 +99,9 @@ def all_gather_bytes(data: bytes, group=None) -> List[bytes]:
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(_meta_device(group))
-    parts = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(parts, buf, group=group)
-    return [bytes(p[:n].cpu().tolist()) for p, n in zip(parts, sizes)]
+    parts = torch.empty(len(sizes) * width, dtype=torch.uint8, device=buf.device)
+    collective(what, where, dist.all_gather_into_tensor, parts, buf, group=group)
+    parts = parts.view(len(sizes), width).cpu()
+    return [bytes(parts[i, :n].tolist()) for i, n in enumerate(sizes)]
 
 
-# ---------------------------------------------------------------------------------- ring
-class P2PRotator:
-    """Pass blocks around the ring with ``batch_isend_irecv``: send to the next rank,
-    receive from the previous one, so the next block is in flight while this one computes."""
-
-    name = "p2p"
-
-    def __init__(self, group, ring_ranks: Sequence[int], ring_rank: int):
-        self.group = group
-        self.size = len(ring_ranks)
-        self.next = ring_ranks[(ring_rank + 1) % self.size]
-        self.prev = ring_ranks[(ring_rank - 1) % self.size]
-
-    def start(self, sends: Sequence[torch.Tensor], recv_shapes: Sequence[torch.Size]):
-        """Post sends of ``sends`` and receives into fresh buffers (never aliasing a buffer
-        that is still being computed on).  Returns (recv buffers, requests)."""
-        recvs = [s.new_empty(shape) for s, shape in zip(sends, recv_shapes)]
-        ops = []
-        for s, r in zip(sends, recvs):
-            ops.append(dist.P2POp(dist.isend, s, self.next, self.group))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
-        reqs = dist.batch_isend_irecv(ops)
-        return recvs, reqs
-
-    @staticmethod
-    def wait(reqs) -> None:
-        for r in reqs:
-            r.wait()
-
-
-def all_gather_blocks(buf: torch.Tensor, lengths: Sequence[int], group, seq_dim: int, async_op: bool = False):
-    """All-gather one packed block per ring rank (uneven lengths padded to the longest).
-    Returns (padded list, work handle or None)."""
-    width = max(lengths)
-    pad = width - buf.shape[seq_dim]
-    if pad:
-        shape = list(buf.shape)
-        shape[seq_dim] = pad
-        buf = torch.cat([buf, buf.new_zeros(shape)], dim=seq_dim)
-    buf = buf.contiguous()
-    out = [torch.empty_like(buf) for _ in lengths]
-    work = dist.all_gather(out, buf, group=group, async_op=async_op)
-    return out, work
-
-
-def reduce_blocks_to_owners(blocks: Sequence[torch.Tensor], lengths: Sequence[int], ring_rank: int,
-                            group, seq_dim: int) -> torch.Tensor:
-    """Each rank holds a partial gradient for every ring rank's block; send each to its owner
-    (one all-to-all) and sum what arrives.  Returns this rank's summed block."""
-    width = max(lengths)
-    padded = []
-    for blk in blocks:
-        pad = width - blk.shape[seq_dim]
-        if pad:
-            shape = list(blk.shape)
-            shape[seq_dim] = pad
-            blk = torch.cat([blk, blk.new_zeros(shape)], dim=seq_dim)
-        padded.append(blk.contiguous())
-    n = padded[0].numel()
-    inp = torch.cat([p.reshape(-1) for p in padded])
-    out = torch.empty_like(inp)
-    dist.all_to_all_single(out, inp, [n] * len(padded), [n] * len(padded), group=group)
-    total = out.view(len(padded), *padded[0].shape).sum(0)
-    return total.narrow(seq_dim, 0, lengths[ring_rank])

@@ -23,11 +23,9 @@ uneven length is exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
-
-LAYOUTS = ("basic", "zigzag", "stripe")
 
 
 @dataclass(frozen=True)
@@ -42,12 +40,6 @@ class Segment:
         return [self.start + i * self.step for i in range(self.count)]
 
 
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout / ring_impl_type {layout!r}; valid: {', '.join(LAYOUTS)}")
-    return layout
-
-
 def _split_sizes(n: int, parts: int) -> List[int]:
     """Sizes of torch.tensor_split(range(n), parts): the first n % parts get one more."""
     base, extra = divmod(n, parts)
@@ -59,21 +51,85 @@ def _split_starts(n: int, parts: int) -> List[int]:
     return [sum(sizes[:i]) for i in range(parts)]
 
 
-def ring_segments(layout: str, seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
-    """The segments of global positions held by ``ring_rank`` (before the Ulysses split)."""
-    check_layout(layout)
-    if not 0 <= ring_rank < ring_size:
-        raise ValueError(f"ring_rank={ring_rank} outside 0..{ring_size - 1}")
-    if layout == "basic" or ring_size == 1:
-        starts, sizes = _split_starts(seqlen, ring_size), _split_sizes(seqlen, ring_size)
-        return [Segment(starts[ring_rank], sizes[ring_rank])]
-    if layout == "zigzag":
-        starts, sizes = _split_starts(seqlen, 2 * ring_size), _split_sizes(seqlen, 2 * ring_size)
-        a, b = ring_rank, 2 * ring_size - 1 - ring_rank
-        return [Segment(starts[a], sizes[a]), Segment(starts[b], sizes[b])]
-    # stripe
+def _basic(seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
+    starts, sizes = _split_starts(seqlen, ring_size), _split_sizes(seqlen, ring_size)
+    return [Segment(starts[ring_rank], sizes[ring_rank])]
+
+
+def _zigzag(seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
+    starts, sizes = _split_starts(seqlen, 2 * ring_size), _split_sizes(seqlen, 2 * ring_size)
+    a, b = ring_rank, 2 * ring_size - 1 - ring_rank
+    return [Segment(starts[a], sizes[a]), Segment(starts[b], sizes[b])]
+
+
+def _stripe(seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
     count = max(0, (seqlen - ring_rank + ring_size - 1) // ring_size)
     return [Segment(ring_rank, count, ring_size)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which global positions each ring rank holds: a named, pure function of
+    ``(seqlen, ring_size, ring_rank)`` returning :class:`Segment` s.
+
+    ``contiguous``: every segment has step 1, so window/alibi offsets between ring blocks
+    form a band and positional masks stay exact across blocks.  ``yunchang_name`` is the
+    ``ring_impl_type`` / ``EXTRACT_FUNC_DICT`` key yunchang uses for the same layout.
+    """
+
+    name: str
+    split: Callable[[int, int, int], List[Segment]]
+    contiguous: bool = True
+    balances_causal: bool = False
+    description: str = ""
+    yunchang_name: Optional[str] = None
+
+    def segments(self, seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
+        if not 0 <= ring_rank < ring_size:
+            raise ValueError(f"ring_rank={ring_rank} outside 0..{ring_size - 1}")
+        if ring_size == 1:
+            return [Segment(0, seqlen)]
+        return self.split(seqlen, ring_size, ring_rank)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+LAYOUTS: Dict[str, Layout] = {}
+"""Every registered layout by name (the CLI's choices and the module's validation read it)."""
+
+
+def register_layout(layout: Layout, *, override: bool = False) -> Layout:
+    """Add a layout to the table: ``LongContextAttention(ring_impl_type=name)``, ``shard``,
+    ``unshard``, ``EXTRACT_FUNC_DICT`` and the CLI accept it from then on."""
+    if layout.name in LAYOUTS and not override:
+        raise ValueError(f"layout {layout.name!r} is already registered (pass override=True to replace it)")
+    LAYOUTS[layout.name] = layout
+    EXTRACT_FUNC_DICT[layout.yunchang_name or layout.name] = _yunchang_extract(layout.name)
+    return layout
+
+
+def layout_names() -> List[str]:
+    return list(LAYOUTS)
+
+
+def get_layout(layout: "Union[str, Layout]") -> Layout:
+    """The :class:`Layout` for a name (or the object itself); ValueError listing the valid names."""
+    if isinstance(layout, Layout):
+        return layout
+    try:
+        return LAYOUTS[str(layout)]
+    except KeyError:
+        raise ValueError(f"unknown layout / ring_impl_type {layout!r}; valid: {', '.join(LAYOUTS)}") from None
+
+
+def check_layout(layout: "Union[str, Layout]") -> str:
+    return get_layout(layout).name
+
+
+def ring_segments(layout: "Union[str, Layout]", seqlen: int, ring_size: int, ring_rank: int) -> List[Segment]:
+    """The segments of global positions held by ``ring_rank`` (before the Ulysses split)."""
+    return get_layout(layout).segments(seqlen, ring_size, ring_rank)
 
 
 def shard_lengths(layout: str, seqlen: int, ring_size: int) -> List[int]:
@@ -233,4 +289,11 @@ def _yunchang_extract(layout: str):
     return extract
 
 
-EXTRACT_FUNC_DICT = {name: _yunchang_extract(name) for name in LAYOUTS}
+EXTRACT_FUNC_DICT: Dict[str, Callable] = {}
+
+register_layout(Layout("basic", _basic, contiguous=True, balances_causal=False,
+                       description="rank r holds chunk r of R contiguous chunks", yunchang_name="basic"))
+register_layout(Layout("zigzag", _zigzag, contiguous=True, balances_causal=True,
+                       description="2R chunks; rank r holds chunks r and 2R-1-r", yunchang_name="zigzag"))
+register_layout(Layout("stripe", _stripe, contiguous=False, balances_causal=True,
+                       description="rank r holds positions r, r+R, r+2R, ...", yunchang_name="stripe"))

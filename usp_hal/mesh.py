@@ -12,6 +12,7 @@ With ``use_ulysses_low=False`` ring groups are the consecutive runs instead.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
@@ -34,6 +35,19 @@ class SequenceParallelMesh:
     ring_group: Any = field(default=None, compare=False, repr=False)
     sp_group: Any = field(default=None, compare=False, repr=False)
     dp_group: Any = field(default=None, compare=False, repr=False)
+    meta_group: Any = field(default=None, compare=False, repr=False)
+    timeout: Optional[datetime.timedelta] = field(default=None, compare=False)
+
+    def where(self, kind: str) -> str:
+        """A group's name for messages, e.g. ``"ulysses group (ranks 0, 1)"``."""
+        ranks = {"ulysses": self.ulysses_ranks, "ring": self.ring_ranks, "sequence-parallel": self.sp_ranks}[kind]
+        return f"{kind} group (ranks {', '.join(map(str, ranks))})"
+
+    @property
+    def metadata_group(self):
+        """The group for the small per-call metadata exchange: a CPU (gloo) group over the
+        sequence-parallel ranks, so the check never synchronises an accelerator."""
+        return self.meta_group if self.meta_group is not None else self.sp_group
 
     @property
     def sp_size(self) -> int:
@@ -107,19 +121,49 @@ def _layout_ranks(ulysses_degree, ring_degree, world_size, use_ulysses_low):
     return sp_groups, uly_groups, ring_groups, dp_groups
 
 
+def _agree(values, what: str) -> None:
+    """Every rank must pass the same ``values``; otherwise every rank raises the same error
+    (checked with one small all-gather before any group is created)."""
+    from .comm import all_gather_ints
+    rows = all_gather_ints(list(values), None, what=f"{what} agreement check", where="default process group")
+    if any(r != rows[0] for r in rows):
+        raise ValueError(f"{what}: the ranks were called with different arguments (every rank must pass the same "
+                         f"ones): " + "; ".join(f"rank {i}: {tuple(r)}" for i, r in enumerate(rows)))
+
+
+def _resolve_timeout(timeout) -> Optional[datetime.timedelta]:
+    if timeout is None:
+        from .comm import group_timeout
+        return group_timeout(None)
+    if isinstance(timeout, (int, float)):
+        return datetime.timedelta(seconds=float(timeout))
+    return timeout
+
+
+def _needs_cpu_side_group(group) -> bool:
+    backend = str(dist.get_backend(group))
+    return "gloo" not in backend and backend != "undefined"
+
+
 def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,
                            use_ulysses_low: bool = True, device_mesh=None,
-                           set_default: bool = True) -> SequenceParallelMesh:
+                           set_default: bool = True, timeout=None) -> SequenceParallelMesh:
     """Build the sequence-parallel mesh (call after ``torch.distributed.init_process_group``).
 
-    Every rank must call this with the same arguments (it creates process groups).
-    ``ulysses_degree``/``ring_degree`` default to a Ulysses-only mesh over the whole world.
-    Pass ``device_mesh`` (a 2-D torch DeviceMesh with dims named "ulysses" and "ring") to
-    reuse existing groups instead.  Without an initialised process group only the trivial
-    1 x 1 mesh is possible.
+    Every rank must call this with the same arguments (it creates process groups); the
+    arguments are compared across ranks first, and a mismatch raises the same ValueError
+    on every rank.  ``ulysses_degree``/``ring_degree`` default to a Ulysses-only mesh over
+    the whole world.  Pass ``device_mesh`` (a 2-D torch DeviceMesh with dims named
+    "ulysses" and "ring") to reuse existing groups instead.  Without an initialised process
+    group only the trivial 1 x 1 mesh is possible.
+
+    ``timeout`` (seconds or a timedelta) applies to every group the mesh creates; by
+    default they inherit the timeout of the default process group.  When the default group
+    has no CPU transport (e.g. plain ``nccl``), a gloo side group over the same ranks is
+    created for the per-call metadata check, so that check never synchronises the device.
     """
     if device_mesh is not None:
-        return _from_device_mesh(device_mesh, set_default)
+        return _from_device_mesh(device_mesh, set_default, timeout)
     if not (dist.is_available() and dist.is_initialized()):
         u, r = ulysses_degree or 1, ring_degree or 1
         _check_degrees(u, r, 1)
@@ -128,6 +172,11 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
             _set_default(mesh)
         return mesh
     world, rank = dist.get_world_size(), dist.get_rank()
+    if world > 1:
+        _agree([-1 if ulysses_degree is None else int(ulysses_degree) if isinstance(ulysses_degree, int) else -2,
+                -1 if ring_degree is None else int(ring_degree) if isinstance(ring_degree, int) else -2,
+                int(bool(use_ulysses_low))], "init_sequence_parallel(ulysses_degree, ring_degree, use_ulysses_low)")
+    tmo = _resolve_timeout(timeout)
     if ulysses_degree is None and ring_degree is None:
         ulysses_degree, ring_degree = world, 1
     elif ulysses_degree is None:
@@ -139,25 +188,32 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     _check_degrees(ulysses_degree, ring_degree, world)
     sp_groups, uly_groups, ring_groups, dp_groups = _layout_ranks(ulysses_degree, ring_degree, world, use_ulysses_low)
     mine = {}
+    kw = {} if tmo is None else {"timeout": tmo}
     for kind, groups in (("sp", sp_groups), ("ulysses", uly_groups), ("ring", ring_groups), ("dp", dp_groups)):
         for ranks in groups:
-            if len(ranks) == world:
+            if len(ranks) == world and timeout is None:
                 grp = dist.group.WORLD
             else:
-                grp = dist.new_group(ranks)   # every rank creates every group, in the same order
+                grp = dist.new_group(ranks, **kw)   # every rank creates every group, in the same order
             if rank in ranks:
                 mine[kind] = (tuple(ranks), grp)
+    meta = None
+    if _needs_cpu_side_group(mine["sp"][1]) and dist.is_backend_available("gloo"):
+        for ranks in sp_groups:   # a CPU group for the metadata check (no device sync per call)
+            grp = dist.new_group(ranks, backend="gloo", **kw)
+            if rank in ranks:
+                meta = grp
     mesh = SequenceParallelMesh(
         ulysses_degree, ring_degree, rank, world, use_ulysses_low,
         ulysses_ranks=mine["ulysses"][0], ring_ranks=mine["ring"][0], sp_ranks=mine["sp"][0],
         ulysses_group=mine["ulysses"][1], ring_group=mine["ring"][1], sp_group=mine["sp"][1],
-        dp_group=mine["dp"][1])
+        dp_group=mine["dp"][1], meta_group=meta, timeout=tmo)
     if set_default:
         _set_default(mesh)
     return mesh
 
 
-def _from_device_mesh(dm, set_default: bool) -> SequenceParallelMesh:
+def _from_device_mesh(dm, set_default: bool, timeout=None) -> SequenceParallelMesh:
     names = tuple(dm.mesh_dim_names or ())
     if dm.ndim != 2 or set(names) != {"ulysses", "ring"}:
         raise ValueError(f"device_mesh must be 2-D with dims named 'ulysses' and 'ring', got "
@@ -180,10 +236,15 @@ def _from_device_mesh(dm, set_default: bool) -> SequenceParallelMesh:
     else:
         sp_ranks = tuple(int(grid[r if r_dim == 0 else u, u if r_dim == 0 else r])
                          for u in range(udeg) for r in range(rdeg))
-    sp_group = dist.group.WORLD if len(flat) == world else dist.new_group(sorted(flat))
+    tmo = _resolve_timeout(timeout)
+    kw = {} if tmo is None else {"timeout": tmo}
+    sp_group = dist.group.WORLD if len(flat) == world else dist.new_group(sorted(flat), **kw)
+    meta = None
+    if _needs_cpu_side_group(sp_group) and dist.is_backend_available("gloo"):
+        meta = dist.new_group(sorted(flat), backend="gloo", **kw)
     mesh = SequenceParallelMesh(udeg, rdeg, rank, len(flat), low, ulysses_ranks, ring_ranks, sp_ranks,
                                 ulysses_group=dm.get_group("ulysses"), ring_group=dm.get_group("ring"),
-                                sp_group=sp_group)
+                                sp_group=sp_group, meta_group=meta, timeout=tmo)
     if set_default:
         _set_default(mesh)
     return mesh

@@ -17,11 +17,14 @@ zigzag and stripe layouts with any (uneven) lengths are all exact::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
 from .layout import Segment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .rotation import Rotation
 
 NEG_INF = float("-inf")
 
@@ -160,17 +163,15 @@ class RingContext:
     backend: object
     ring_size: int
     ring_rank: int
-    group: object
-    ring_ranks: Tuple[int, ...]
     segments: Tuple[Tuple[Segment, ...], ...]   # per ring rank: its shard's segments
     lengths: Tuple[int, ...]                     # per ring rank: shard length
     softmax_scale: float
     causal: bool
+    rotation: "Rotation"
     window: Tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: Optional[torch.Tensor] = None
     deterministic: bool = False
-    rotation: str = "p2p"
 
     @property
     def positional(self) -> bool:
@@ -183,17 +184,6 @@ class RingContext:
     def kernel_kwargs(self, call: BlockCall) -> dict:
         return dict(softmax_scale=self.softmax_scale, causal=call.causal, window=tuple(self.window),
                     softcap=self.softcap, alibi_slopes=self.alibi_slopes, key_offset=call.key_offset)
-
-
-def _rotator(ctx: RingContext):
-    from .comm import P2PRotator
-    return P2PRotator(ctx.group, ctx.ring_ranks, ctx.ring_rank)
-
-
-def _block_shape(t: torch.Tensor, length: int, seq_dim: int = 1) -> torch.Size:
-    shape = list(t.shape)
-    shape[seq_dim] = length
-    return torch.Size(shape)
 
 
 class _Accumulator:
@@ -218,132 +208,72 @@ class _Accumulator:
         merge_block(self.out, self.lse, call.rows, out, lse)
 
     def result(self):
+        """(out, lse): out in the merge dtype, or the kernel's own output when one call
+        covered everything (the caller converts it once, into its destination)."""
         if self.out is None:   # no key visible to any row (e.g. an empty shard)
             b, l, h, _ = self.q.shape
-            return (self.q.new_zeros(b, l, h, self.dv),
+            return (torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device),
                     torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device))
-        return self.out.to(self.q.dtype), self.lse
+        return self.out, self.lse
 
 
-def _single_call(ctx: RingContext, q) -> Optional[BlockCall]:
+def _single_call(ctx: RingContext, q, k) -> Optional[BlockCall]:
     """With one ring rank and one kernel call over everything, the ring is just the kernel."""
     if ctx.ring_size != 1:
         return None
     calls = ctx.calls(ctx.ring_rank)
-    if len(calls) == 1 and calls[0].q_start == 0 and calls[0].q_stop == q.shape[1]:
+    if (len(calls) == 1 and calls[0].q_start == 0 and calls[0].q_stop == q.shape[1]
+            and calls[0].k_start == 0 and calls[0].k_stop == k.shape[1]):
         return calls[0]
     return None
 
 
 def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q [B, L, h, D], k/v [B, L, hk, D] (this ring rank's shard) -> (out, lse)."""
-    R, me = ctx.ring_size, ctx.ring_rank
+    """q [B, L, h, D], k/v [B, L, hk, D] (this ring rank's shard) -> (out, lse).
+
+    ``out`` is the merge-dtype accumulator (or the kernel's own output for a single call);
+    ``lse`` [B, h, L] in the merge dtype."""
     acc = _Accumulator(q, v.shape[-1])
     if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
         return acc.result()
-    one = _single_call(ctx, q)
-    if one is not None and one.k_start == 0 and one.k_stop == k.shape[1]:
+    one = _single_call(ctx, q, k)
+    if one is not None and ctx.rotation.codecs is None:
         out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
         return out, lse.to(acc.mdt)
-
-    def compute(src, kb, vb):
+    for src, kb, vb in ctx.rotation.blocks(k, v):
         for c in ctx.calls(src):
             acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c)))
-
-    if R == 1:
-        compute(me, k, v)
-    elif ctx.rotation == "allgather":
-        from .comm import all_gather_blocks
-        blocks, work = all_gather_blocks(torch.stack([k, v]), ctx.lengths, ctx.group, seq_dim=2, async_op=True)
-        compute(me, k, v)                       # own block while the gather is in flight
-        work.wait()
-        for step in range(1, R):
-            src = (me - step) % R
-            blk = blocks[src].narrow(2, 0, ctx.lengths[src])
-            compute(src, blk[0], blk[1])
-    else:
-        rot = _rotator(ctx)
-        kb, vb = k.contiguous(), v.contiguous()
-        for step in range(R):
-            src = (me - step) % R
-            if step < R - 1:   # the next block travels while this one computes
-                n = ctx.lengths[(src - 1) % R]
-                (nk, nv), reqs = rot.start([kb, vb], [_block_shape(kb, n), _block_shape(vb, n)])
-            compute(src, kb, vb)
-            if step < R - 1:
-                rot.wait(reqs)
-                kb, vb = nk, nv
     return acc.result()
 
 
 def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
     """Gradients of the ring: recompute every block against the global out/lse, sum dq
-    locally, and send each block's dK/dV home."""
-    R, me = ctx.ring_size, ctx.ring_rank
+    locally, and send each block's dK/dV home.  Returns float accumulators (merge dtype,
+    or the kernel's own gradients for a single call)."""
     mdt = merge_dtype(q.dtype)
     if q.shape[2] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return (torch.zeros(q.shape, dtype=mdt, device=q.device), torch.zeros(k.shape, dtype=mdt, device=k.device),
+                torch.zeros(v.shape, dtype=mdt, device=v.device))
 
     def kernel_backward(c, kb, vb):
         return ctx.backend.backward(dout[:, c.rows], q[:, c.rows], kb[:, c.cols], vb[:, c.cols], out[:, c.rows],
                                     lse[:, :, c.rows], deterministic=ctx.deterministic, dropout_p=0.0,
                                     **ctx.kernel_kwargs(c))
 
-    one = _single_call(ctx, q)
-    if one is not None and one.k_start == 0 and one.k_stop == k.shape[1]:
+    one = _single_call(ctx, q, k)
+    if one is not None and ctx.rotation.codecs is None:
         return kernel_backward(one, k, v)
     dq = torch.zeros(q.shape, dtype=mdt, device=q.device)
-
-    def new_dkv(n):
-        return torch.zeros((2,) + tuple(_block_shape(k, n)), dtype=mdt, device=k.device)
-
-    def compute(src, kb, vb, dkv):
+    rot = ctx.rotation
+    for step, (src, kb, vb) in enumerate(rot.blocks(k, v)):
+        part = rot.new_grad(src, k, v, mdt)
+        gk_acc, gv_acc = part.kv
         for c in ctx.calls(src):
             gq, gk, gv = kernel_backward(c, kb, vb)
             dq[:, c.rows] += gq
-            dkv[0][:, c.cols] += gk
-            dkv[1][:, c.cols] += gv
-
-    own = new_dkv(k.shape[1])
-    if R == 1:
-        compute(me, k, v, own)
-    elif ctx.rotation == "allgather":
-        from .comm import all_gather_blocks, reduce_blocks_to_owners
-        blocks, work = all_gather_blocks(torch.stack([k, v]), ctx.lengths, ctx.group, seq_dim=2, async_op=True)
-        grads = [None] * R
-        grads[me] = own
-        compute(me, k, v, own)
-        work.wait()
-        for step in range(1, R):
-            src = (me - step) % R
-            grads[src] = new_dkv(ctx.lengths[src])
-            compute(src, blocks[src][0].narrow(1, 0, ctx.lengths[src]),
-                    blocks[src][1].narrow(1, 0, ctx.lengths[src]), grads[src])
-        own = reduce_blocks_to_owners(grads, ctx.lengths, me, ctx.group, seq_dim=2)
-    else:
-        # Block b's dK/dV is summed along the chain b+1 -> b+2 -> ... -> b+R-1 -> b: each rank
-        # adds its part to what arrived from the previous rank and passes it on (R-1 hops); the
-        # owner keeps its own part locally.  Every transfer overlaps the next block's compute.
-        rot = _rotator(ctx)
-        kb, vb = k.contiguous(), v.contiguous()
-        incoming = None
-        for step in range(R):
-            src = (me - step) % R
-            n_next = ctx.lengths[(src - 1) % R]
-            if step < R - 1:
-                (nk, nv), kv_reqs = rot.start([kb, vb], [_block_shape(kb, n_next), _block_shape(vb, n_next)])
-            part = own if step == 0 else new_dkv(ctx.lengths[src])
-            compute(src, kb, vb, part)
-            if step > 0:
-                if incoming is not None:   # earlier ranks' part of this block, arrived meanwhile
-                    (dkv_in,), reqs = incoming
-                    rot.wait(reqs)
-                    part += dkv_in
-                incoming = rot.start([part], [_block_shape(part, n_next, seq_dim=2)])
-            if step < R - 1:
-                rot.wait(kv_reqs)
-                kb, vb = nk, nv
-        (dkv_in,), reqs = incoming   # after the last step: every other rank's part of our block
-        rot.wait(reqs)
-        own += dkv_in
-    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+            gk_acc[:, c.cols] += gk
+            gv_acc[:, c.cols] += gv
+        rot.add_grad(step, src, part)
+    own = rot.own_grad()
+    dk, dv = own.kv
+    return dq, dk, dv

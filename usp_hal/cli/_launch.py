@@ -450,15 +450,20 @@ def _timed_core_function(fn, field: str, minus_comm: bool):
 
 
 def instrument_core() -> list:
-    """Time the core's merge and Ulysses re-layout by wrapping the module-level functions the
-    core calls (``usp_hal.ring.merge_block``; ``seq_to_head``/``head_to_seq`` as imported by
-    ``usp_hal.attention``).  Idempotent; returns the names wrapped (missing ones are skipped)."""
+    """Time the core's merge and Ulysses re-layout by wrapping what the core calls
+    (``usp_hal.ring.merge_block``; the ``UlyssesExchange`` methods, minus the collective
+    inside).  Idempotent; returns the names wrapped (missing ones are skipped)."""
     import importlib as _il
     done = []
     for modname, name, field, minus in (("usp_hal.ring", "merge_block", "merge_s", False),
-                                        ("usp_hal.attention", "seq_to_head", "layout_s", True),
-                                        ("usp_hal.attention", "head_to_seq", "layout_s", True)):
-        mod = _il.import_module(modname)
+                                        ("usp_hal.ulysses:UlyssesExchange", "qkv_to_heads", "layout_s", True),
+                                        ("usp_hal.ulysses:UlyssesExchange", "out_to_seq", "layout_s", True),
+                                        ("usp_hal.ulysses:UlyssesExchange", "dout_to_heads", "layout_s", True),
+                                        ("usp_hal.ulysses:UlyssesExchange", "grads_to_seq", "layout_s", True)):
+        modpath, _, cls = modname.partition(":")
+        mod = _il.import_module(modpath)
+        if cls:
+            mod = getattr(mod, cls)
         fn = getattr(mod, name, None)
         if fn is None:
             continue

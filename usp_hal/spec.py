@@ -1,0 +1,178 @@
+"""The call spec: everything about one attention call that every rank of the
+sequence-parallel group must agree on, as one frozen, typed object.
+
+``LongContextAttention`` builds a :class:`CallSpec` from its arguments once per call (after
+validating them locally).  Its integer metadata vector (:meth:`CallSpec.meta`) is derived
+from the fields, one encoder per field type, and is what the ranks exchange: one small
+all-gather tells every rank every rank's local length and shows any disagreement, which
+:func:`compare` turns into one error naming each differing field and each rank's value.
+A rank that failed its local validation sends the error flag with zeros instead.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import dtype_code
+
+# fields that may differ between ranks (everything else must agree)
+PER_RANK = ("local_len",)
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One attention call, as seen by one rank (validated)."""
+
+    batch: int
+    local_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device_type: str
+    causal: bool
+    window: Tuple[int, int]
+    softcap: float
+    scale: float
+    alibi: int                 # 0: none; else a digest of the slope values
+    dropout_p: float
+    deterministic: bool
+    needs_grad: bool
+    return_lse: bool
+    layout: str
+    rotation: str
+    ulysses: int
+    ring: int
+    wire: str                  # wire codecs, e.g. "q=fp8,v=fp8,out=fp8"
+    positions: int = 0         # 0: not given; else a digest of this rank's global positions
+    docs: int = 0              # 0: one sequence; else a digest of the document boundaries
+    joint: str = ""            # "": none; else joint strategy and joint token count
+
+    @property
+    def positional(self) -> bool:
+        return tuple(self.window) != (-1, -1) or self.alibi != 0
+
+    def meta(self) -> List[int]:
+        """The metadata vector: error flag 0, then every field encoded as integers."""
+        out = [0]
+        for f in fields(self):
+            out += _encode(getattr(self, f.name))
+        return out
+
+
+def field_index(name: str) -> int:
+    """Index of field ``name`` in a metadata vector (after the error flag)."""
+    i = 1
+    for f in fields(CallSpec):
+        if f.name == name:
+            return i
+        i += _width(f.name)
+    raise KeyError(name)
+
+
+def meta_length() -> int:
+    """Length of every rank's metadata vector (the same for a rank that failed)."""
+    return 1 + sum(_width(f.name) for f in fields(CallSpec))
+
+
+def error_meta() -> List[int]:
+    return [1] + [0] * (meta_length() - 1)
+
+
+_WIDTH = {"window": 2}
+
+
+def _width(name: str) -> int:
+    return _WIDTH.get(name, 1)
+
+
+def _encode(value) -> List[int]:
+    if isinstance(value, bool):
+        return [int(value)]
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, float):
+        return [struct.unpack("<q", struct.pack("<d", value))[0]]
+    if isinstance(value, torch.dtype):
+        return [dtype_code(value)]
+    if isinstance(value, str):
+        return [zlib.crc32(value.encode()) if value else 0]
+    if isinstance(value, tuple):
+        return [int(x) for x in value]
+    raise TypeError(f"cannot encode {value!r} in the call metadata")
+
+
+def decode_rows(rows: Sequence[Sequence[int]]) -> List[Dict[str, int]]:
+    """Per rank: field name -> encoded value(s) (tuple for multi-int fields)."""
+    out = []
+    for row in rows:
+        i, d = 1, {}
+        for f in fields(CallSpec):
+            w = _width(f.name)
+            d[f.name] = tuple(row[i:i + w]) if w > 1 else row[i]
+            i += w
+        out.append(d)
+    return out
+
+
+def compare(rows: Sequence[Sequence[int]], ranks: Sequence[int], local: Optional[CallSpec] = None) -> List[str]:
+    """Human-readable differences between the ranks' specs (``local_len`` excepted)."""
+    decoded = decode_rows(rows)
+    diffs = []
+    for f in fields(CallSpec):
+        if f.name in PER_RANK:
+            continue
+        vals = [d[f.name] for d in decoded]
+        if len(set(vals)) > 1:
+            mine = getattr(local, f.name) if local is not None else None
+            shown = ", ".join(f"rank {r}={_show(f.name, v, mine, local, d)}" for r, v, d in zip(ranks, vals, decoded))
+            diffs.append(f"{f.name}: {shown}")
+    return diffs
+
+
+def _show(name: str, enc, mine, local, _row) -> str:
+    """Readable value of an encoded field (exact for numbers; names for known strings)."""
+    if name in ("softcap", "scale", "dropout_p"):
+        return repr(struct.unpack("<d", struct.pack("<q", enc))[0])
+    if name == "dtype":
+        for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            if dtype_code(dt) == enc:
+                return str(dt).replace("torch.", "")
+        return f"code {enc}"
+    if name in ("layout", "rotation", "device_type", "wire", "joint"):
+        for cand in _known_strings():
+            if (zlib.crc32(cand.encode()) if cand else 0) == enc:
+                return repr(cand)
+        if local is not None and _encode(mine) == [enc]:
+            return repr(mine)
+        return f"<{enc:#x}>"
+    if name in ("alibi", "positions", "docs"):
+        return "none" if enc == 0 else f"digest {enc & 0xffffffff:08x}"
+    return str(enc)
+
+
+def _known_strings() -> List[str]:
+    from .codec import CODECS
+    from .layout import LAYOUTS
+    from .rotation import ROTATIONS
+    names = list(LAYOUTS) + list(ROTATIONS) + ["cpu", "cuda", "rocm", "npu", "xpu", ""]
+    names += [f"q={c},k={d},v={c},out={c}" for c in CODECS for d in CODECS]
+    return names
+
+
+def digest_tensor(t: torch.Tensor) -> int:
+    """A non-zero 63-bit digest of a tensor's values (exact: any changed bit changes it)."""
+    data = t.detach().to("cpu", torch.float64).contiguous()
+    h = zlib.crc32(struct.pack("<q", data.numel()) + bytes(data.view(torch.uint8).tolist()))
+    h2 = zlib.adler32(bytes(data.view(torch.uint8).tolist()))
+    return ((h << 31) ^ h2) | 1
+
+
+def digest_ints(values: Sequence[int]) -> int:
+    raw = struct.pack(f"<{len(values)}q", *[int(v) for v in values]) if values else b""
+    return ((zlib.crc32(raw) << 31) ^ zlib.adler32(raw)) | 1

@@ -1,0 +1,500 @@
+"""The Ulysses exchange: one all-to-all from sequence shards to head shards and one back.
+
+Every tensor travels *sequence-major*: rank ``u`` sends each peer the heads that peer
+computes, for all of its own tokens, as ``[s_u, B, h, D]``.  The receive buffer is then
+``[S, B, h, D]`` with the sources in sequence order, which *is* the gathered sequence:
+no reassembly copy.
+
+**Packed.**  q, k and v (with their own head counts under GQA) travel in ONE all-to-all:
+per destination the three tensors' heads are concatenated along the head axis, so the
+received ``[S, B, hq + hk + hk, D]`` buffer holds all three and q, k, v are views of it.
+In backward, dq, dk and dv travel back the same way in one all-to-all.  When the tensors
+cannot share one buffer along heads (different head dims or dtypes, or a wire codec that
+turns a tensor into several), every part travels as bytes in one all-to-all instead.
+
+**Heads.**  :func:`head_plan` gives each Ulysses rank a contiguous range of query heads, as
+even as possible (ranks beyond ``H`` get none).  Only the distinct KV heads a rank's query
+heads use travel; when the range cuts a GQA group (e.g. ``H=6, Hkv=3, U=2``), the rank
+repeats the received KV heads locally (one per query head) instead of receiving copies, and
+sums their gradients back before sending them home.  ``Hkv % U == 0`` is never needed.
+
+**Codecs.**  Each tensor can go through a wire codec (``usp_hal.codec``): identity by
+default, FP8 with per-token, per-head scales when asked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .codec import IDENTITY, Codec
+from .comm import collective, wait
+
+_ALIGN = 16   # bytes: every part of a byte-packed buffer starts at a multiple of this
+
+
+# ------------------------------------------------------------------------------------ heads
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which global heads each Ulysses rank computes.
+
+    ``q[u]``: the contiguous query-head range ``(start, stop)`` of rank ``u``.  ``kv[u]``:
+    the contiguous range of distinct global KV heads its query heads use (what travels).
+    ``kv_expand[u]``: ``None`` when the kernel can run GQA locally (every received KV head
+    serves the same number of local query heads), else, per local query head, the index of
+    its KV head in ``kv[u]`` (the rank repeats KV heads locally).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    q: Tuple[Tuple[int, int], ...]
+    kv: Tuple[Tuple[int, int], ...]
+    kv_expand: Tuple[Optional[Tuple[int, ...]], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.q)
+
+    def local_heads(self, u: int) -> Tuple[int, int]:
+        """(query heads, KV heads) the kernel sees on Ulysses rank ``u``."""
+        a, b = self.q[u]
+        exp = self.kv_expand[u]
+        return b - a, (len(exp) if exp is not None else self.kv[u][1] - self.kv[u][0])
+
+    def q_heads(self, u: int) -> range:
+        return range(*self.q[u])
+
+    def kv_heads(self, u: int) -> range:
+        return range(*self.kv[u])
+
+    @property
+    def kv_shared(self) -> bool:
+        """Some KV head is received by more than one rank (its gradients must be summed)."""
+        seen = set()
+        for a, b in self.kv:
+            if any(h in seen for h in range(a, b)):
+                return True
+            seen.update(range(a, b))
+        return False
+
+    def wire_kv_heads(self) -> int:
+        """KV heads sent in total (summed over ranks): what the all-to-all moves for k and v."""
+        return sum(b - a for a, b in self.kv)
+
+
+def head_plan(num_heads: int, num_kv_heads: int, ulysses: int) -> HeadPlan:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"heads={num_heads} must be a positive multiple of kv_heads={num_kv_heads}")
+    g = num_heads // num_kv_heads
+    base, extra = divmod(num_heads, ulysses)
+    q, kv, expand, start = [], [], [], 0
+    for u in range(ulysses):
+        n = base + (1 if u < extra else 0)
+        a, b = start, start + n
+        start = b
+        q.append((a, b))
+        if n == 0:
+            kv.append((0, 0))
+            expand.append(None)
+            continue
+        ga, gb = a // g, (b - 1) // g + 1
+        kv.append((ga, gb))
+        counts = [min(b, (x + 1) * g) - max(a, x * g) for x in range(ga, gb)]
+        expand.append(None if len(set(counts)) == 1 else tuple(h // g - ga for h in range(a, b)))
+    return HeadPlan(num_heads, num_kv_heads, tuple(q), tuple(kv), tuple(expand))
+
+
+# ------------------------------------------------------------------------------- streams
+@dataclass
+class _Part:
+    """One tensor on the wire: ``data`` is ``[B, S, H, d]`` (sequence->heads side) or
+    ``[S, B, h, d]`` (heads->sequence side); ``heads[u]`` the head range for rank ``u``."""
+
+    data: torch.Tensor
+    heads: Sequence[Tuple[int, int]]
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _typed(buf: torch.Tensor, off: int, shape, dtype) -> torch.Tensor:
+    """A ``dtype`` view of ``shape`` into the uint8 buffer ``buf`` at byte offset ``off``."""
+    n = _nbytes(shape, dtype)
+    return buf.narrow(0, off, n).view(dtype).view(shape)
+
+
+class Pending:
+    """An all-to-all in flight: ``wait()`` returns the decoded tensors."""
+
+    def __init__(self, work, finish, what: str, where: str):
+        self._work, self._finish, self._what, self._where = work, finish, what, where
+
+    def wait(self):
+        wait(self._what, self._where, self._work)
+        return self._finish()
+
+
+class UlyssesExchange:
+    """Sequence <-> heads all-to-alls over one Ulysses group for one call's shapes.
+
+    ``seq_lens[u]``: tokens rank ``u`` holds (uneven allowed); ``plan``: the heads each
+    rank computes.  ``codecs`` maps ``"q"``, ``"k"``, ``"v"``, ``"out"`` to a wire codec.
+    """
+
+    def __init__(self, plan: HeadPlan, group, rank: int, seq_lens: Sequence[int], *,
+                 where: str = "ulysses group", codecs: Optional[dict] = None):
+        if plan.size != len(seq_lens):
+            raise ValueError(f"head plan for {plan.size} ranks, lengths for {len(seq_lens)}")
+        self.plan, self.group, self.rank = plan, group, rank
+        self.seq_lens = tuple(int(n) for n in seq_lens)
+        self.size = len(self.seq_lens)
+        self.total = sum(self.seq_lens)
+        self.offsets = tuple(sum(self.seq_lens[:u]) for u in range(self.size))
+        self.where = where
+        self.codecs = {name: IDENTITY for name in ("q", "k", "v", "out")}
+        self.codecs.update(codecs or {})
+
+    # ------------------------------------------------------------------ forward in
+    def qkv_to_heads(self, q, k, v):
+        return self.start_qkv(q, k, v).wait()
+
+    def start_qkv(self, q, k, v, *, async_op: bool = False, what: str = "forward") -> "Pending":
+        """Start sending q, k, v ([B, s, H|Hkv, D], this rank's tokens) to the ranks that
+        compute their heads; ``wait()`` gives ``(qh, kh, vh)`` ``[B, S, h, D]`` views."""
+        plan, me = self.plan, self.rank
+        if self.size == 1:
+            return _Done(self._local_qkv(q, k, v))
+        parts, names = [_Part(q, plan.q)], ["q"]
+        parts += [_Part(k, plan.kv), _Part(v, plan.kv)]
+        names += ["k", "v"]
+        label = f"Ulysses all-to-all of q/k/v ({what})"
+        enc = [self.codecs[n] for n in names]
+        if all(c.identity for c in enc) and _homogeneous([q, k, v]):
+            recv, work = self._heads_fast(parts, async_op, label)
+            hq, hk = plan.q[me][1] - plan.q[me][0], plan.kv[me][1] - plan.kv[me][0]
+
+            def finish():
+                buf = recv
+                qh = buf[:, :, :hq].permute(1, 0, 2, 3)
+                kh = buf[:, :, hq:hq + hk].permute(1, 0, 2, 3)
+                vh = buf[:, :, hq + hk:].permute(1, 0, 2, 3)
+                return self._expand(qh, kh, vh)
+            return Pending(work, finish, label, self.where)
+        wire, slots = [], []
+        for part, codec in zip(parts, enc):
+            pieces = codec.encode(part.data)
+            slots.append((codec, len(pieces), part.data.dtype))
+            wire += [_Part(p, part.heads) for p in pieces]
+        recv, work = self._heads_bytes(wire, async_op, label)
+
+        def finish_bytes():
+            got, i = [], 0
+            outs = recv()
+            for codec, n, dtype in slots:
+                got.append(codec.decode([o.permute(1, 0, 2, 3) for o in outs[i:i + n]], dtype))
+                i += n
+            return self._expand(*got)
+        return Pending(work, finish_bytes, label, self.where)
+
+    def _local_qkv(self, q, k, v):
+        # one Ulysses rank: nothing travels, so no codec applies
+        a, b = self.plan.kv[0]
+        if (a, b) != (0, k.shape[2]):
+            k, v = k.narrow(2, a, b - a), v.narrow(2, a, b - a)
+        return self._expand(q, k, v)
+
+    def _expand(self, qh, kh, vh):
+        exp = self.plan.kv_expand[self.rank]
+        if exp is not None:
+            idx = torch.tensor(exp, dtype=torch.long, device=kh.device)
+            kh, vh = kh.index_select(2, idx), vh.index_select(2, idx)
+        return qh, kh, vh
+
+    # ------------------------------------------------------------------ forward out
+    def out_to_seq(self, out: torch.Tensor, dtype: torch.dtype, lse: Optional[torch.Tensor] = None,
+                   q_guard: Optional[torch.Tensor] = None, *, keep_heads: bool = False):
+        """``out`` ``[B, S, h, Dv]`` (float32 accumulator or the kernel's own result) ->
+        ``[B, s, H, Dv]`` in ``dtype`` on the rank that holds those tokens; with ``lse``
+        ``[B, h, S]`` also the local ``[B, H, s]`` float lse.  ``q_guard`` (``[B, S, h, 1]``,
+        0 or NaN) is added on the way, so rows whose query was not finite come out NaN.
+        ``keep_heads``: also return the head-layout output in ``dtype`` (for the backward).
+
+        Returns ``(out, lse or None, out in head layout or None)``."""
+        if self.size == 1:   # nothing travels; the returned tensor is always a new one
+            return _convert(out, dtype, q_guard), lse, (out if keep_heads else None)
+        plan, me = self.plan, self.rank
+        label = "Ulysses all-to-all of the output (forward)"
+        b, _, h, dv = out.shape
+        codec = self.codecs["out"]
+        if lse is None and codec.identity:
+            # the converted output, sequence-major, is the send buffer: chunk u = rows of u
+            send = torch.empty((self.total, b, h, dv), dtype=dtype, device=out.device)
+            _convert(out, dtype, q_guard, into=send.permute(1, 0, 2, 3))
+            recv = self._seq_fast(send, [plan.q[u][1] - plan.q[u][0] for u in range(self.size)], label)
+            local = self._place_heads([recv], [plan.q], dv, dtype, out.device)[0]
+            return local, None, (send.permute(1, 0, 2, 3) if keep_heads else None)
+        conv = _convert(out, dtype, q_guard)
+        pieces = codec.encode(conv)
+        parts = [_Part(p.permute(1, 0, 2, 3), plan.q) for p in pieces]
+        if lse is not None:
+            parts.append(_Part(lse.permute(2, 0, 1).unsqueeze(-1), plan.q))
+        received = self._seq_bytes(parts, label)
+        res = torch.empty((b, self.seq_lens[me], plan.num_heads, dv), dtype=dtype, device=out.device)
+        for u in range(self.size):   # decode source by source into the full-width output
+            a, c = plan.q[u]
+            if c > a:
+                res[:, :, a:c] = codec.decode([received[i][u].permute(1, 0, 2, 3) for i in range(len(pieces))],
+                                              dtype)
+        lse_local = None
+        if lse is not None:
+            lse_local = torch.empty((b, plan.num_heads, self.seq_lens[me]), dtype=lse.dtype, device=lse.device)
+            for u in range(self.size):
+                a, c = plan.q[u]
+                if c > a:
+                    lse_local[:, a:c] = received[-1][u].squeeze(-1).permute(1, 2, 0)
+        return res, lse_local, (conv if keep_heads else None)
+
+    # ------------------------------------------------------------------ backward
+    def dout_to_heads(self, dout: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return dout
+        plan, me = self.plan, self.rank
+        label = "Ulysses all-to-all of the output gradient (backward)"
+        if dout.dtype.is_floating_point:
+            recv, work = self._heads_fast([_Part(dout, plan.q)], False, label)
+            wait(label, self.where, work)
+            return recv.permute(1, 0, 2, 3)
+        raise TypeError(f"dout must be a floating-point tensor, got {dout.dtype}")
+
+    def grads_to_seq(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype):
+        """``dq`` ``[B, S, h, D]``, ``dk``/``dv`` ``[B, S, hk_kernel, D]`` (float32
+        accumulators, head layout) -> this rank's ``[B, s, H|Hkv, D]`` gradients in
+        ``dtype``; gradients of KV heads several ranks used are summed."""
+        plan, me = self.plan, self.rank
+        exp = plan.kv_expand[me]
+        if exp is not None:   # repeated KV heads: sum their gradients back to the distinct ones
+            a, c = plan.kv[me]
+            idx = torch.tensor(exp, dtype=torch.long, device=dk.device)
+            dk = dk.new_zeros(dk.shape[0], dk.shape[1], c - a, dk.shape[3]).index_add_(2, idx, dk)
+            dv = dv.new_zeros(dv.shape[0], dv.shape[1], c - a, dv.shape[3]).index_add_(2, idx, dv)
+        if self.size == 1:
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+        label = "Ulysses all-to-all of dq/dk/dv (backward)"
+        b, _, hq, d = dq.shape
+        hk, dvd = dk.shape[2], dv.shape[3]
+        if dvd == d and dk.shape[3] == d:
+            send = torch.empty((self.total, b, hq + 2 * hk, d), dtype=dtype, device=dq.device)
+            send[:, :, :hq].copy_(dq.transpose(0, 1))
+            send[:, :, hq:hq + hk].copy_(dk.transpose(0, 1))
+            send[:, :, hq + hk:].copy_(dv.transpose(0, 1))
+            widths = [(plan.q[u][1] - plan.q[u][0]) + 2 * (plan.kv[u][1] - plan.kv[u][0])
+                      for u in range(self.size)]
+            recv = self._seq_fast(send, widths, label)
+            # split each source's chunk back into its dq, dk, dv heads
+            rq, rk, rv = [], [], []
+            for u, chunk in enumerate(recv):
+                nq, nk = plan.q[u][1] - plan.q[u][0], plan.kv[u][1] - plan.kv[u][0]
+                rq.append(chunk[:, :, :nq])
+                rk.append(chunk[:, :, nq:nq + nk])
+                rv.append(chunk[:, :, nq + nk:])
+            gq = self._place_heads([rq], [plan.q], d, dtype, dq.device)[0]
+            gk, gv = self._place_heads([rk, rv], [plan.kv, plan.kv], d, dtype, dq.device,
+                                       total=plan.num_kv_heads, reduce=plan.kv_shared)
+            return gq, gk, gv
+        parts = [_Part(x.to(dtype).permute(1, 0, 2, 3), plan.q if i == 0 else plan.kv)
+                 for i, x in enumerate((dq, dk, dv))]
+        got = self._seq_bytes(parts, label)
+        gq = self._place_heads([got[0]], [plan.q], d, dtype, dq.device)[0]
+        gk, gv = self._place_heads([got[1], got[2]], [plan.kv, plan.kv], None, dtype, dq.device,
+                                   total=plan.num_kv_heads, reduce=plan.kv_shared)
+        return gq, gk, gv
+
+    # ------------------------------------------------------------------ the collectives
+    def _heads_fast(self, parts: List[_Part], async_op: bool, label: str):
+        """Same dtype and head dim: per destination, the parts' heads side by side."""
+        x0 = parts[0].data
+        b, s_me, _, d = x0.shape
+        widths = [sum(p.heads[u][1] - p.heads[u][0] for p in parts) for u in range(self.size)]
+        send = torch.empty(sum(s_me * b * w * d for w in widths), dtype=x0.dtype, device=x0.device)
+        off = 0
+        for u in range(self.size):
+            n = s_me * b * widths[u] * d
+            if n:
+                blk = send.narrow(0, off, n).view(s_me, b, widths[u], d)
+                h0 = 0
+                for p in parts:
+                    a, c = p.heads[u]
+                    if c > a:
+                        blk[:, :, h0:h0 + c - a].copy_(p.data[:, :, a:c].transpose(0, 1))
+                        h0 += c - a
+            off += n
+        me_w = widths[self.rank]
+        recv = torch.empty((self.total, b, me_w, d), dtype=x0.dtype, device=x0.device)
+        work = collective(label, self.where, dist.all_to_all_single, recv.view(-1), send,
+                          [n * b * me_w * d for n in self.seq_lens], [s_me * b * w * d for w in widths],
+                          group=self.group, async_op=async_op)
+        return recv, work
+
+    def _heads_bytes(self, parts: List[_Part], async_op: bool, label: str):
+        """Any dtypes and head dims: every part of every destination as bytes, one buffer."""
+        me = self.rank
+        x0 = parts[0].data
+        b, s_me = x0.shape[0], x0.shape[1]
+        send_sizes, layout = [], []
+        for u in range(self.size):
+            size = 0
+            for p in parts:
+                a, c = p.heads[u]
+                size += _aligned(_nbytes((s_me, b, c - a, p.data.shape[3]), p.data.dtype))
+            send_sizes.append(size)
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=x0.device)
+        off = 0
+        for u in range(self.size):
+            for p in parts:
+                a, c = p.heads[u]
+                shape = (s_me, b, c - a, p.data.shape[3])
+                if c > a:
+                    _typed(send, off, shape, p.data.dtype).copy_(p.data[:, :, a:c].transpose(0, 1))
+                off += _aligned(_nbytes(shape, p.data.dtype))
+        recv_sizes = []
+        for u in range(self.size):
+            size = 0
+            for p in parts:
+                a, c = p.heads[me]
+                size += _aligned(_nbytes((self.seq_lens[u], b, c - a, p.data.shape[3]), p.data.dtype))
+            recv_sizes.append(size)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=x0.device)
+        work = collective(label, self.where, dist.all_to_all_single, recv, send, recv_sizes, send_sizes,
+                          group=self.group, async_op=async_op)
+
+        def unpack():
+            outs = []
+            for p in parts:
+                a, c = p.heads[me]
+                outs.append(torch.empty((self.total, b, c - a, p.data.shape[3]), dtype=p.data.dtype,
+                                        device=x0.device))
+            off = 0
+            for u in range(self.size):
+                rows = slice(self.offsets[u], self.offsets[u] + self.seq_lens[u])
+                for p, o in zip(parts, outs):
+                    shape = (self.seq_lens[u], b, o.shape[2], o.shape[3])
+                    if o.shape[2]:
+                        o[rows].copy_(_typed(recv, off, shape, o.dtype))
+                    off += _aligned(_nbytes(shape, o.dtype))
+            return outs
+        return unpack, work
+
+    def _seq_fast(self, send: torch.Tensor, widths: List[int], label: str) -> List[torch.Tensor]:
+        """``send`` ``[S, B, w, d]`` (sequence-major, contiguous): rows of rank ``u`` go to
+        ``u``; returns each source's ``[s_me, B, widths[u], d]`` chunk (views of one buffer)."""
+        me = self.rank
+        _, b, w_me, d = send.shape
+        s_me = self.seq_lens[me]
+        recv = torch.empty(sum(s_me * b * w * d for w in widths), dtype=send.dtype, device=send.device)
+        collective(label, self.where, dist.all_to_all_single, recv, send.view(-1),
+                   [s_me * b * w * d for w in widths], [n * b * w_me * d for n in self.seq_lens],
+                   group=self.group)
+        chunks, off = [], 0
+        for w in widths:
+            n = s_me * b * w * d
+            chunks.append(recv.narrow(0, off, n).view(s_me, b, w, d))
+            off += n
+        return chunks
+
+    def _seq_bytes(self, parts: List[_Part], label: str) -> List[List[torch.Tensor]]:
+        """Parts ``[S, B, h_me, d]`` (any dtypes; ``heads[u]``: the head range rank ``u``
+        holds of that part): rows of rank ``u`` go to ``u`` as bytes; returns, per part,
+        each source's ``[s_me, B, h_u, d]`` chunk."""
+        me = self.rank
+        s_me = self.seq_lens[me]
+        b = parts[0].data.shape[1]
+        send_sizes = []
+        for u in range(self.size):
+            send_sizes.append(sum(_aligned(_nbytes((self.seq_lens[u],) + tuple(p.data.shape[1:]), p.data.dtype))
+                                  for p in parts))
+        dev = parts[0].data.device
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=dev)
+        off = 0
+        for u in range(self.size):
+            rows = slice(self.offsets[u], self.offsets[u] + self.seq_lens[u])
+            for p in parts:
+                shape = (self.seq_lens[u],) + tuple(p.data.shape[1:])
+                if self.seq_lens[u]:
+                    _typed(send, off, shape, p.data.dtype).copy_(p.data[rows])
+                off += _aligned(_nbytes(shape, p.data.dtype))
+        recv_sizes, shapes = [], []
+        for u in range(self.size):
+            size, row = 0, []
+            for p in parts:
+                a, c = p.heads[u]
+                shape = (s_me, b, c - a, p.data.shape[3])
+                row.append(shape)
+                size += _aligned(_nbytes(shape, p.data.dtype))
+            recv_sizes.append(size)
+            shapes.append(row)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
+        collective(label, self.where, dist.all_to_all_single, recv, send, recv_sizes, send_sizes, group=self.group)
+        out = [[None] * self.size for _ in parts]
+        off = 0
+        for u in range(self.size):
+            for i, p in enumerate(parts):
+                out[i][u] = _typed(recv, off, shapes[u][i], p.data.dtype)
+                off += _aligned(_nbytes(shapes[u][i], p.data.dtype))
+        return out
+
+    def _place_heads(self, per_part_chunks, rows_per_part, d, dtype, device, *, total=None, reduce=False):
+        """Per part, put each source's ``[s, B, h_u, d]`` chunk at its global heads of a
+        ``[B, s, H, d]`` result (summing where several sources sent the same head)."""
+        me = self.rank
+        s_me = self.seq_lens[me]
+        results = []
+        for chunks, rows in zip(per_part_chunks, rows_per_part):
+            b = chunks[0].shape[1]
+            dd = chunks[0].shape[3] if d is None else d
+            n_heads = total if total is not None else self.plan.num_heads
+            res = (torch.zeros if reduce else torch.empty)((b, s_me, n_heads, dd), dtype=dtype, device=device)
+            for u, chunk in enumerate(chunks):
+                a, c = rows[u]
+                if c > a:
+                    if reduce:
+                        res[:, :, a:c] += chunk.permute(1, 0, 2, 3)
+                    else:
+                        res[:, :, a:c].copy_(chunk.permute(1, 0, 2, 3))
+            results.append(res)
+        return results
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+def _homogeneous(tensors) -> bool:
+    t0 = tensors[0]
+    return all(t.dtype == t0.dtype and t.shape[3] == t0.shape[3] and t.shape[0] == t0.shape[0] for t in tensors)
+
+
+def _convert(x: torch.Tensor, dtype: torch.dtype, guard: Optional[torch.Tensor], into=None) -> torch.Tensor:
+    """``x`` in ``dtype`` (a new tensor, or written into ``into``), plus ``guard`` if given."""
+    if guard is None:
+        if into is None:
+            return x.to(dtype, copy=True)
+        into.copy_(x)
+        return into
+    if into is None:
+        into = torch.empty(x.shape, dtype=dtype, device=x.device)
+    torch.add(x, guard, out=into)
+    return into
