@@ -72,8 +72,9 @@ def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=1
     """Count the collectives one forward and one backward issue on this rank (the last of
     ``calls`` calls of one module)."""
     mesh = get_mesh(U, R)
-    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0, "all_gather": 0, "all_gather_into_tensor": 0}
-    originals = {name: getattr(dist, name) for name in counts}
+    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0, "all_gather": 0, "all_gather_into_tensor": 0,
+              "all_gather_single": 0}
+    originals = {name: getattr(dist, name) for name in counts if hasattr(dist, name)}
 
     def wrap(name):
         def f(*a, **k):
@@ -89,7 +90,7 @@ def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=1
     for _ in range(calls - 1):
         attn(*x, causal=causal, return_attn_probs=return_lse)
     try:
-        for name in counts:
+        for name in originals:
             setattr(dist, name, wrap(name))
         res = attn(*x, causal=causal, return_attn_probs=return_lse)
         out = res[0] if return_lse else res
@@ -247,3 +248,11 @@ def bad_degrees():
         except ValueError as exc:
             errs.append(str(exc))
     return errs
+
+
+def property_case(**kw):
+    """usp_case, but a documented refusal is a result too: ("ok", errors) or ("refused", message)."""
+    try:
+        return ("ok", usp_case(**kw))
+    except (NotImplementedError, ValueError) as exc:
+        return ("refused", f"{type(exc).__name__}: {exc}")

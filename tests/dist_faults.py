@@ -69,3 +69,138 @@ def local_positions_match(U=2, R=2, layout="zigzag", S=11):
     mesh = get_mesh(U, R)
     x = torch.arange(S).view(1, S)
     return bool(torch.equal(usp_hal.shard(x, layout=layout, mesh=mesh)[0], mesh.local_positions(S, layout)))
+
+
+# ----------------------------------------------------------------------------- dying / skipping ranks
+def fault_call(U=2, R=2, plan=None, mesh_timeout=None):
+    """Every rank makes one good call, then ``plan`` ({rank: "exit" | "skip"}) makes ranks die
+    inside the next call or skip it.  Survivors report how long they took to raise, and what."""
+    import os
+
+    plan = {int(k): v for k, v in (plan or {}).items()}
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=mesh_timeout)
+    g = torch.Generator().manual_seed(0)
+    S, H, D = 32, 4, 8
+    q, k, v = (usp_hal.shard(torch.randn(1, S, H, D, generator=g), layout="zigzag", mesh=mesh).requires_grad_()
+               for _ in range(3))
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="zigzag", mesh=mesh)
+    attn(q, k, v, causal=True).sum().backward()              # the group works
+    me = dist.get_rank()
+    what = plan.get(me)
+    if what == "skip":
+        return {"skipped": True}
+    if what == "exit":
+        backend = attn.last_backend
+
+        def die(*a, **kw):
+            os._exit(3)
+        backend.forward = die
+    t0 = time.monotonic()
+    try:
+        attn(q, k, v, causal=True).sum().backward()          # forward and backward need every rank
+        return {"error": None, "elapsed": time.monotonic() - t0}
+    except Exception as exc:   # noqa: BLE001 - the point is what comes out
+        return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.monotonic() - t0}
+
+
+# ----------------------------------------------------------------------------- mismatches
+def mesh_degree_mismatch():
+    """Rank 0 asks for (2, 1), rank 1 for (1, 2): every rank raises, the group stays usable."""
+    u, r = (2, 1) if dist.get_rank() == 0 else (1, 2)
+    try:
+        usp_hal.init_sequence_parallel(u, r, set_default=False)
+        err = None
+    except ValueError as exc:
+        err = str(exc)
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return {"error": err, "after_ok": x.tolist() == [2.0, 2.0]}
+
+
+def alibi_values_differ(U=1, R=2):
+    mesh = get_mesh(U, R)
+    g = torch.Generator().manual_seed(0)
+    S, H, D = 16, 2, 8
+    q = usp_hal.shard(torch.randn(1, S, H, D, generator=g), layout="zigzag", mesh=mesh)
+    slopes = torch.tensor([0.25, 0.5])
+    if dist.get_rank() == 1:
+        slopes = slopes * 4
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="zigzag", mesh=mesh)
+    try:
+        attn(q, q, q, causal=True, alibi_slopes=slopes)
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+def positions_check(U=1, R=2, given="basic"):
+    """A zigzag module fed basic shards of the same lengths: with positions= it is refused."""
+    mesh = get_mesh(U, R)
+    S = 16
+    x = torch.randn(1, S, 2, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    local = usp_hal.shard(x, layout=given, mesh=mesh)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="zigzag", mesh=mesh)
+    try:
+        out = attn(local, local, local, causal=True, positions=mesh.local_positions(S, given))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    ref, _ = reference_attention(x, x, x, causal=True)
+    return {"error": None, "err": _err(out, usp_hal.shard(ref, layout="zigzag", mesh=mesh), torch.float64)}
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+def nan_input(U=1, R=2, which="q", row=3, S=16, causal=True, layout="zigzag"):
+    """A NaN in one element of q, k or v (head 0): the outputs that depend on it come out NaN
+    (q: exactly that query row; k: exactly the rows that see that key; v: at least those,
+    since kernels multiply masked zero probabilities by V as one device does), and every
+    finite entry equals single-device attention of the inputs without the NaN."""
+    mesh = get_mesh(U, R)
+    g = torch.Generator().manual_seed(2)
+    H, D = 2, 8
+    t = {n: torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for n in "qkv"}
+    ref, rlse = reference_attention(t["q"], t["k"], t["v"], causal=causal)
+    t[which][0, row, 0, 1] = float("nan")
+    pos = torch.arange(S)
+    if which == "q":
+        rows = pos == row
+    else:
+        rows = (pos >= row) if causal else torch.ones(S, dtype=torch.bool)
+    expect = torch.zeros(1, S, H, dtype=torch.bool)
+    expect[0, :, 0] = rows
+    sh = {n: usp_hal.shard(x, layout=layout, mesh=mesh) for n, x in t.items()}
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    out, lse = attn(sh["q"], sh["k"], sh["v"], causal=causal, return_attn_probs=True)
+    ro = usp_hal.shard(ref, layout=layout, mesh=mesh)
+    ex = usp_hal.shard(expect, layout=layout, mesh=mesh)
+    out_nan = out.isnan().any(-1)
+    if which == "v":   # kernels multiply masked (zero) probabilities by V too, like one device does: NaN
+        ok_out = bool((out_nan | ~ex).all())          # may spread further; it must never be hidden
+        ex = out_nan
+    else:
+        ok_out = bool(torch.equal(out_nan, ex))
+    ok_lse = True
+    if which == "q":     # lse: NaN for that row; K/V NaN may or may not reach the lse (V does not)
+        ok_lse = bool(torch.equal(lse.isnan(), ex.transpose(1, 2)))
+    fin = ~ex
+    err = _err(out[fin], ro[fin], torch.float64) if fin.any() else 0.0
+    return {"same_nan": ok_out and ok_lse, "nan_rows": int(ex.sum()), "err": err}
+
+
+# ----------------------------------------------------------------------------- the returned tensor
+def inplace_on_output(U=2, R=1, layout="zigzag"):
+    """``out.mul_(2)`` before backward works on every mesh and gives twice the gradients."""
+    mesh = get_mesh(U, R)
+    g = torch.Generator().manual_seed(4)
+    S, H, D = 12, 2, 8
+    x = [torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    ref = [t.clone().requires_grad_() for t in x]
+    ro, _ = reference_attention(*ref, causal=True)
+    (2 * ro).sum().backward()
+    loc = [usp_hal.shard(t, layout=layout, mesh=mesh).requires_grad_() for t in x]
+    out = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)(*loc, causal=True)
+    out.mul_(2)
+    out.sum().backward()
+    return {"contiguous": out.is_contiguous(), "out": _err(out, 2 * usp_hal.shard(ro, layout=layout, mesh=mesh),
+                                                           torch.float64),
+            **{n: _err(t.grad, usp_hal.shard(r.grad, layout=layout, mesh=mesh), torch.float64)
+               for n, t, r in zip(("dq", "dk", "dv"), loc, ref)}}

@@ -20,8 +20,8 @@ class RankError(AssertionError):
 
 
 class WorkerPool(RankPool):
-    def __init__(self, world: int):
-        super().__init__(world, threads=1)
+    def __init__(self, world: int, pg_timeout=None):
+        super().__init__(world, threads=1, pg_timeout=pg_timeout)
 
     def run_all(self, fn, timeout: float = 60.0, **kwargs) -> list:
         """Run ``fn(**kwargs)`` on every rank; returns per-rank tuples ("ok", value) or
@@ -52,3 +52,24 @@ class WorkerPool(RankPool):
         if errs:
             raise RankError("\n".join(f"--- rank {r}: {x[1]}\n{x[2]}" for r, x in errs))
         return [x[1] for x in res]
+
+    def run_expect(self, fn, ranks, timeout: float = 60.0, **kwargs) -> dict:
+        """Run ``fn(**kwargs)`` on every rank but collect only ``ranks`` (others may die);
+        returns {rank: ("ok", value) | ("err", message, traceback)}.  The pool is closed
+        afterwards (ranks may be dead or stuck): use a dedicated pool."""
+        self.wait_ready()
+        for q in self.tasks:
+            q.put((fn.__module__, fn.__name__, kwargs))
+        got = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while not set(ranks) <= set(got):
+                try:
+                    item = self.results.get(timeout=max(deadline - time.monotonic(), 0.01))
+                except queue.Empty:
+                    raise TimeoutError(f"{fn.__name__}{kwargs}: ranks {sorted(set(ranks) - set(got))} did not "
+                                       f"report within {timeout}s") from None
+                got[item[0]] = item[1:]
+        finally:
+            self.close()
+        return {r: got[r] for r in ranks}

@@ -30,3 +30,74 @@ def test_unshard_reduce_grad_for_rank_dependent_losses(pools):
 @pytest.mark.parametrize("layout", ["basic", "zigzag", "stripe"])
 def test_mesh_local_positions(pools, layout):
     assert all(pools(4).run(dist_faults.local_positions_match, timeout=60, layout=layout))
+
+
+# ----------------------------------------------------------------------------- dying / skipping ranks
+FAULT_TIMEOUT = 8.0     # seconds: the process groups' timeout in these cases
+
+
+def _survivors_raise(res, survivors, limit):
+    for r in survivors:
+        status, val = res[r][0], res[r][1]
+        assert status == "ok", res
+        assert val["error"], f"rank {r} did not raise: {res}"
+        assert val["elapsed"] <= limit, f"rank {r} took {val['elapsed']:.1f}s (limit {limit:.1f}s): {res}"
+        # the message names the call and the group
+        assert " on the " in val["error"] and "group (ranks " in val["error"], val["error"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["u2r2-exit", "u2r2-skip", "dp-replicas"])
+def test_survivors_raise_within_the_timeout(case):
+    from tests.mp import WorkerPool
+    if case == "u2r2-exit":       # a rank dies inside a call; the world group's timeout is inherited
+        pool, kw, survivors = WorkerPool(4, pg_timeout=FAULT_TIMEOUT), dict(U=2, R=2, plan={3: "exit"}), [0, 1, 2]
+    elif case == "u2r2-skip":     # a rank skips a call; the timeout is given to init_sequence_parallel
+        pool = WorkerPool(4)      # world group: the default (long) timeout
+        kw, survivors = dict(U=2, R=2, plan={1: "skip"}, mesh_timeout=FAULT_TIMEOUT), [0, 2, 3]
+    else:                         # two data-parallel replicas of a ring of 2: one rank dies, one skips
+        pool = WorkerPool(4, pg_timeout=FAULT_TIMEOUT)
+        kw, survivors = dict(U=1, R=2, plan={1: "exit", 3: "skip"}), [0, 2]
+    res = pool.run_expect(dist_faults.fault_call, survivors, timeout=90, **kw)
+    _survivors_raise(res, survivors, 1.5 * FAULT_TIMEOUT)
+
+
+# ----------------------------------------------------------------------------- mismatches
+def test_mesh_degree_mismatch_raises_on_every_rank(pools):
+    for r in pools(2).run(dist_faults.mesh_degree_mismatch, timeout=60):
+        assert r["error"] and "different arguments" in r["error"], r
+        assert r["after_ok"], r
+
+
+def test_alibi_slope_values_are_compared(pools):
+    for msg in pools(2).run(dist_faults.alibi_values_differ, timeout=60):
+        assert msg and "alibi" in msg and "disagree" in msg, msg
+
+
+def test_positions_reveal_a_wrong_layout(pools):
+    for r in pools(2).run(dist_faults.positions_check, timeout=60, given="basic"):
+        assert r["error"] and "positions" in r["error"], r
+    for r in pools(2).run(dist_faults.positions_check, timeout=60, given="zigzag"):
+        assert r["error"] is None and r["err"] <= 1, r
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+@pytest.mark.parametrize("which,row", [("q", 3), ("q", 12), ("k", 5), ("v", 9)])
+@pytest.mark.parametrize("U,R", [(1, 2), (2, 1)])
+def test_nan_inputs_come_out_as_on_one_device(pools, which, row, U, R):
+    res = pools(2).run(dist_faults.nan_input, timeout=60, U=U, R=R, which=which, row=row)
+    assert sum(r["nan_rows"] for r in res) > 0, res     # the reference has NaN rows: the check can fail
+    for r in res:
+        assert r["same_nan"] and r["err"] <= 1, r
+
+
+# ----------------------------------------------------------------------------- the returned tensor
+@pytest.mark.parametrize("U,R", [(1, 2), (2, 1)])
+def test_output_supports_inplace_use(pools, U, R):
+    for r in pools(2).run(dist_faults.inplace_on_output, timeout=60, U=U, R=R):
+        assert r["contiguous"] and all(v <= 1 for k, v in r.items() if k != "contiguous"), r
+
+
+def test_output_supports_inplace_use_single_process():
+    for r in [dist_faults.inplace_on_output(U=1, R=1)]:
+        assert r["contiguous"] and all(v <= 1 for k, v in r.items() if k != "contiguous"), r

@@ -78,13 +78,20 @@ def _meta_device(group) -> torch.device:
     return torch.device(_platform.torch_device_name(_platform.default_device_type()), index)
 
 
+def _all_gather_single(*args, **kwargs):
+    """``all_gather_single`` (torch >= 2.13), else ``all_gather_into_tensor``; looked up at
+    call time so wrappers installed on ``torch.distributed`` see it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
 def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata all-gather",
                     where: str = "sequence-parallel group") -> List[List[int]]:
     """Every rank's list of integers (all the same length), in group-rank order."""
     t = torch.tensor(list(values), dtype=torch.long, device=_meta_device(group))
     n = dist.get_world_size(group)
     out = torch.empty(n * t.numel(), dtype=torch.long, device=t.device)
-    collective(what, where, dist.all_gather_into_tensor, out, t, group=group)
+    collective(what, where, _all_gather_single, out, t, group=group)
     return out.view(n, -1).tolist()
 
 
@@ -100,7 +107,7 @@ def all_gather_bytes(data: bytes, group=None, *, what: str = "message all-gather
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(_meta_device(group))
     parts = torch.empty(len(sizes) * width, dtype=torch.uint8, device=buf.device)
-    collective(what, where, dist.all_gather_into_tensor, parts, buf, group=group)
+    collective(what, where, _all_gather_single, parts, buf, group=group)
     parts = parts.view(len(sizes), width).cpu()
     return [bytes(parts[i, :n].tolist()) for i, n in enumerate(sizes)]
 

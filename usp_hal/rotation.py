@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import IDENTITY, Codec
-from .comm import collective, wait
+from .comm import _all_gather_single, collective, wait
 
 
 class KVBlock:
@@ -225,8 +225,7 @@ class AllGatherRotation(Rotation):
         send = own.buf if own.buf.numel() == padded else self._pad(own, width)
         gathered = send.new_empty(R * padded)
         label = "ring all-gather of K/V"
-        work = collective(label, self.where, dist.all_gather_into_tensor, gathered, send, group=self.group,
-                          async_op=True)
+        work = collective(label, self.where, _all_gather_single, gathered, send, group=self.group, async_op=True)
         yield (me,) + tuple(self.local_kv(k, v))     # own block while the gather is in flight
         wait(label, self.where, work)
         for step in range(1, R):

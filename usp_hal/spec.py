@@ -20,7 +20,7 @@ import torch
 from .comm import dtype_code
 
 # fields that may differ between ranks (everything else must agree)
-PER_RANK = ("local_len",)
+PER_RANK = ("local_len", "positions")
 
 
 @dataclass(frozen=True)

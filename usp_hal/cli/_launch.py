@@ -152,11 +152,13 @@ class RankPool:
     """
 
     def __init__(self, world: int, *, threads: int = 1, device_type: str = "cpu", init_dist: bool = True,
-                 start_timeout: float = 120.0, grace: float = 10.0, wait: bool = True):
+                 start_timeout: float = 120.0, grace: float = 10.0, wait: bool = True,
+                 pg_timeout: Optional[float] = None):
         self.world, self.threads, self.device_type = world, threads, device_type
         self.init_dist, self.grace = init_dist, grace
         self.procs: list = []
         self._start_timeout = start_timeout
+        self._pg_timeout = pg_timeout     # the process group's timeout (default: start_timeout)
         self._ready = False
         self._start(start_timeout)
         if wait:
@@ -176,7 +178,8 @@ class RankPool:
         path = [os.getcwd()] + sys.path
         self.procs = [ctx.Process(target=_worker, name=f"usp-hal-rank{r}",
                                   args=(r, self.world, port, self.threads, self.device_type, self.init_dist,
-                                        timeout, self.tasks[r], self.results, path), daemon=True)
+                                        self._pg_timeout or timeout, self.tasks[r], self.results, path),
+                                  daemon=True)
                       for r in range(self.world)]
         with _spawnable_main():
             for p in self.procs:
@@ -324,13 +327,14 @@ class CommMeter:
 
     Bytes sent: ``all_to_all_single`` - the input minus the chunk this rank keeps;
     ``batch_isend_irecv`` - the tensors of its isend ops; ``all_gather`` /
-    ``all_gather_into_tensor`` - the input times (group size - 1) (every peer needs it).
+    ``all_gather_into_tensor`` / ``all_gather_single`` - the input times (group size - 1)
+    (every peer needs it).
     Integer tensors (the core's small per-call metadata exchange) are counted apart, in
     ``metadata_bytes``.  Time: the calls themselves plus the ``wait()`` of the work
     objects they return.
     """
 
-    NAMES = ("all_to_all_single", "batch_isend_irecv", "all_gather", "all_gather_into_tensor")
+    NAMES = ("all_to_all_single", "batch_isend_irecv", "all_gather", "all_gather_into_tensor", "all_gather_single")
 
     def __init__(self):
         self.bytes = {n: 0 for n in self.NAMES}
