@@ -109,7 +109,8 @@ class Rotation:
         self.size = len(ring_ranks)
         self.lengths = tuple(int(n) for n in lengths)
         self.where = where
-        self.codecs = codecs if codecs and not all(c.identity for c in codecs) else None
+        # nothing travels on a ring of one: no codec applies there
+        self.codecs = codecs if codecs and self.size > 1 and not all(c.identity for c in codecs) else None
         self.next = self.ring_ranks[(ring_rank + 1) % self.size]
         self.prev = self.ring_ranks[(ring_rank - 1) % self.size]
         self._own = None
