@@ -31,7 +31,7 @@ def _err(a: torch.Tensor, b: torch.Tensor, dtype, lse: bool = False) -> float:
 
 def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, dtype="fp32", B=1, S=16, H=4,
              Hkv=None, D=8, window=(-1, -1), softcap=0.0, alibi=False, grad=True, return_lse=True, seed=0,
-             attn_type="sdpa", scale=None):
+             attn_type="sdpa", scale=None, head_chunks=None):
     """Sharded USP attention vs the float64 single-process reference on this rank's part.
     Returns {name: normalised error} (<= 1 passes)."""
     mesh = get_mesh(U, R, low)
@@ -53,7 +53,11 @@ def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, d
         return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=seq_dim)
 
     ql, kl, vl = (sh(x).requires_grad_(grad) for x in (q, k, v))
-    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh, rotation=rotation)
+    if head_chunks is None:
+        attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh, rotation=rotation)
+    else:
+        attn = usp_hal.AsyncLongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh,
+                                                 rotation=rotation, head_chunks=head_chunks)
     res = attn(ql, kl, vl, softmax_scale=scale, causal=causal, window_size=tuple(window), softcap=softcap,
                alibi_slopes=slopes, return_attn_probs=return_lse)
     out, lse = res if return_lse else (res, None)

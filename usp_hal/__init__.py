@@ -20,6 +20,7 @@ _LAZY = {
     "SequenceParallelMesh": "mesh",
     "get_default_mesh": "mesh",
     "LongContextAttention": "attention",
+    "AsyncLongContextAttention": "attention",
     "LongContextAttentionQKVPacked": "attention",
     "UlyssesAttention": "attention",
     "RingAttention": "attention",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from .registry import REGISTRY
 from .ring import RingContext, merge_dtype, plan_blocks, ring_backward, ring_forward
 from .rotation import get_rotation
 from .spec import CallSpec, compare, digest_ints, digest_tensor, error_meta, field_index
-from .ulysses import HeadPlan, UlyssesExchange, head_plan
+from .ulysses import HeadPlan, UlyssesExchange, head_plan, split_plan
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,14 +53,31 @@ class _Shape:
 
 
 @dataclass
+class _Stage:
+    """One group of heads: its all-to-alls and its ring."""
+
+    exchange: UlyssesExchange
+    ring: RingContext
+
+
+@dataclass
 class CallPlan:
-    """Everything one call runs with (built once per call, shared by forward and backward)."""
+    """Everything one call runs with (built once per call, shared by forward and backward).
+    ``stages`` holds one stage, or several head groups whose all-to-alls are pipelined with
+    the kernels of their neighbours (:class:`AsyncLongContextAttention`)."""
 
     spec: CallSpec
     backend: object
-    exchange: UlyssesExchange
-    ring: RingContext
+    stages: List[_Stage]
     dtype: torch.dtype
+
+    @property
+    def exchange(self) -> UlyssesExchange:
+        return self.stages[0].exchange
+
+    @property
+    def ring(self) -> RingContext:
+        return self.stages[0].ring
 
 
 class _PlannedRing(RingContext):
@@ -82,23 +99,67 @@ def _nan_guard(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(plan: CallPlan, q, k, v, keep: bool):
-    ex, spec = plan.exchange, plan.spec
-    qh, kh, vh = ex.qkv_to_heads(q, k, v)
-    guard = _nan_guard(qh)
-    out_acc, lse_h = ring_forward(plan.ring, qh, kh, vh)
-    if keep or spec.return_lse:
-        lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
-    out, lse, outh = ex.out_to_seq(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
-                                   keep_heads=keep)
-    return out, lse, (qh, kh, vh, outh, lse_h)
+    """Forward of every stage.  With several stages, stage i+1's all-to-all is in flight
+    while stage i's kernels run, and stage i's output travels back during stage i+1."""
+    spec, stages = plan.spec, plan.stages
+    if len(stages) == 1:
+        st = stages[0]
+        qh, kh, vh = st.exchange.qkv_to_heads(q, k, v)
+        guard = _nan_guard(qh)
+        out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
+        if keep or spec.return_lse:
+            lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
+        out, lse, outh = st.exchange.out_to_seq(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
+                                                keep_heads=keep)
+        return out, lse, [(qh, kh, vh, outh, lse_h)]
+    b, s = q.shape[0], q.shape[1]
+    out = torch.empty((b, s, spec.heads, spec.v_dim), dtype=plan.dtype, device=q.device)
+    lse = torch.empty((b, spec.heads, s), dtype=merge_dtype(plan.dtype), device=q.device) \
+        if spec.return_lse else None
+    saved, sends = [], []
+    pending = stages[0].exchange.start_qkv(q, k, v, async_op=True)
+    for i, st in enumerate(stages):
+        qh, kh, vh = pending.wait()
+        if i + 1 < len(stages):
+            pending = stages[i + 1].exchange.start_qkv(q, k, v, async_op=True)
+        guard = _nan_guard(qh)
+        out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
+        if keep or spec.return_lse:
+            lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
+        sends.append(st.exchange.start_out(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
+                                           keep_heads=keep, into=out, lse_into=lse, async_op=True))
+        saved.append([qh, kh, vh, None, lse_h])
+    for i, p in enumerate(sends):
+        saved[i][3] = p.wait()[2]
+    return out, lse, [tuple(x) for x in saved]
 
 
 def _backward(plan: CallPlan, dout, saved):
-    qh, kh, vh, outh, lse_h = saved
-    ex = plan.exchange
-    douth = ex.dout_to_heads(dout)
-    dq, dk, dv = ring_backward(plan.ring, douth, qh, kh, vh, outh, lse_h)
-    return ex.grads_to_seq(dq, dk, dv, plan.dtype)
+    stages = plan.stages
+    if len(stages) == 1:
+        qh, kh, vh, outh, lse_h = saved[0]
+        ex = stages[0].exchange
+        douth = ex.dout_to_heads(dout)
+        dq, dk, dv = ring_backward(stages[0].ring, douth, qh, kh, vh, outh, lse_h)
+        return ex.grads_to_seq(dq, dk, dv, plan.dtype)
+    spec = plan.spec
+    b, s = dout.shape[0], dout.shape[1]
+    kw = dict(dtype=plan.dtype, device=dout.device)
+    into = (torch.zeros((b, s, spec.heads, spec.head_dim), **kw),
+            torch.zeros((b, s, spec.kv_heads, spec.head_dim), **kw),
+            torch.zeros((b, s, spec.kv_heads, spec.v_dim), **kw))
+    sends = []
+    pending = stages[0].exchange.start_dout(dout, async_op=True)
+    for i, st in enumerate(stages):
+        douth = pending.wait()
+        if i + 1 < len(stages):
+            pending = stages[i + 1].exchange.start_dout(dout, async_op=True)
+        qh, kh, vh, outh, lse_h = saved[i]
+        dq, dk, dv = ring_backward(st.ring, douth, qh, kh, vh, outh, lse_h)
+        sends.append(st.exchange.start_grads(dq, dk, dv, plan.dtype, into=into, async_op=True))
+    for p in sends:
+        p.wait()
+    return into
 
 
 class _USPFunction(torch.autograd.Function):
@@ -106,14 +167,17 @@ class _USPFunction(torch.autograd.Function):
     def forward(fctx, q, k, v, plan: CallPlan):
         out, lse, saved = _forward(plan, q, k, v, keep=True)
         fctx.plan = plan
-        fctx.save_for_backward(*saved)
+        fctx.n = len(saved)
+        fctx.save_for_backward(*[t for st in saved for t in st])
         if lse is not None:
             fctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(fctx, dout, _dlse):
-        dq, dk, dv = _backward(fctx.plan, dout, fctx.saved_tensors)
+        flat = fctx.saved_tensors
+        saved = [flat[5 * i:5 * i + 5] for i in range(fctx.n)]
+        dq, dk, dv = _backward(fctx.plan, dout, saved)
         return dq, dk, dv, None
 
 
@@ -285,11 +349,8 @@ class LongContextAttention(torch.nn.Module):
             needs_lse=R > 1 or bool(return_lse), deterministic=bool(deterministic), key_offset=R > 1,
             compute_capability=_platform.compute_capability(device_type, q.device.index or 0))
         backend = self._backend_for(req)
-        slopes = None
-        if alibi_slopes is not None:
-            a, c = plan.q[mesh.ulysses_rank]
-            slopes = alibi_slopes[..., a:c].to(device=q.device, dtype=torch.float32)
-        return spec, {"backend": backend, "heads": plan, "slopes": slopes, "positions": positions}
+        return spec, {"backend": backend, "heads": plan, "alibi": alibi_slopes, "device": q.device,
+                      "positions": positions}
 
     def _digest(self, t: torch.Tensor) -> int:
         """Digest of small tensors (alibi slopes), cached per tensor object and version so a
@@ -399,24 +460,56 @@ class LongContextAttention(torch.nn.Module):
         self._shapes[key] = shape
         return shape
 
+    def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
+        return [heads]
+
     def _plan(self, mesh, spec: CallSpec, lengths, local) -> CallPlan:
         heads = local["heads"]
         shape = self._shape(mesh, spec, lengths, heads)
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
         codecs = {n: get_codec(c) for n, c in self.wire.items()}
-        exchange = UlyssesExchange(heads, mesh.ulysses_group, me_u, shape.per_rank[me_r],
-                                   where=mesh.where("ulysses"), codecs=codecs)
-        rotation = self.rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
-                                     where=mesh.where("ring"),
-                                     codecs=tuple(get_codec(c) for c in self.ring_wire))
-        ring = _PlannedRing(shape, backend=local["backend"], ring_size=mesh.ring_degree, ring_rank=me_r,
-                            segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
-                            causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
-                            alibi_slopes=local["slopes"], deterministic=spec.deterministic)
-        return CallPlan(spec, local["backend"], exchange, ring, spec.dtype)
+        ring_codecs = tuple(get_codec(c) for c in self.ring_wire)
+        stages = []
+        for group in self._head_groups(heads):
+            exchange = UlyssesExchange(group, mesh.ulysses_group, me_u, shape.per_rank[me_r],
+                                       where=mesh.where("ulysses"), codecs=codecs)
+            rotation = self.rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
+                                         where=mesh.where("ring"), codecs=ring_codecs)
+            slopes = None
+            if local["alibi"] is not None:
+                a, c = group.q[me_u]
+                slopes = local["alibi"][..., a:c].to(device=local["device"], dtype=torch.float32)
+            ring = _PlannedRing(shape, backend=local["backend"], ring_size=mesh.ring_degree, ring_rank=me_r,
+                                segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
+                                causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
+                                alibi_slopes=slopes, deterministic=spec.deterministic)
+            stages.append(_Stage(exchange, ring))
+        return CallPlan(spec, local["backend"], stages, spec.dtype)
 
     def extra_repr(self) -> str:
         return f"attn_type={self.attn_type!r}, ring_impl_type={self.ring_impl_type!r}, rotation={self.rotation!r}"
+
+
+class AsyncLongContextAttention(LongContextAttention):
+    """:class:`LongContextAttention` with the Ulysses all-to-alls pipelined against the
+    kernels (same constructor and forward arguments, plus ``head_chunks``).
+
+    Each rank's heads are split into ``head_chunks`` groups (whole KV groups where GQA
+    runs locally).  The all-to-all of group i+1 is in flight while the ring runs group i,
+    and group i's output travels back while group i+1 computes; the backward pipelines
+    the output-gradient and dq/dk/dv exchanges the same way.  Results equal the
+    synchronous path's.  With one Ulysses rank there is nothing to overlap."""
+
+    def __init__(self, *args, head_chunks: int = 2, **kw):
+        super().__init__(*args, **kw)
+        if not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
+        self.head_chunks = head_chunks
+
+    def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
+        if heads.size == 1 or self.head_chunks == 1:
+            return [heads]
+        return split_plan(heads, self.head_chunks)
 
 
 class UlyssesAttention(LongContextAttention):
@@ -453,5 +546,5 @@ class LongContextAttentionQKVPacked(LongContextAttention):
                                deterministic, return_attn_probs, positions=positions)
 
 
-__all__ = ["LongContextAttention", "LongContextAttentionQKVPacked", "UlyssesAttention", "RingAttention", "USPError",
-           "CallPlan", "merge_dtype"]
+__all__ = ["LongContextAttention", "AsyncLongContextAttention", "LongContextAttentionQKVPacked", "UlyssesAttention",
+           "RingAttention", "USPError", "CallPlan", "merge_dtype"]

@@ -95,15 +95,56 @@ def head_plan(num_heads: int, num_kv_heads: int, ulysses: int) -> HeadPlan:
         a, b = start, start + n
         start = b
         q.append((a, b))
-        if n == 0:
-            kv.append((0, 0))
-            expand.append(None)
-            continue
-        ga, gb = a // g, (b - 1) // g + 1
-        kv.append((ga, gb))
-        counts = [min(b, (x + 1) * g) - max(a, x * g) for x in range(ga, gb)]
-        expand.append(None if len(set(counts)) == 1 else tuple(h // g - ga for h in range(a, b)))
+        r, e = _kv_for(a, b, g)
+        kv.append(r)
+        expand.append(e)
     return HeadPlan(num_heads, num_kv_heads, tuple(q), tuple(kv), tuple(expand))
+
+
+def _kv_for(a: int, b: int, g: int):
+    """KV range and local expansion for the query heads [a, b) (see :class:`HeadPlan`)."""
+    if b <= a:
+        return (0, 0), None
+    ga, gb = a // g, (b - 1) // g + 1
+    counts = [min(b, (x + 1) * g) - max(a, x * g) for x in range(ga, gb)]
+    return (ga, gb), (None if len(set(counts)) == 1 else tuple(h // g - ga for h in range(a, b)))
+
+
+def split_plan(plan: HeadPlan, chunks: int) -> List[HeadPlan]:
+    """Split every rank's heads into ``chunks`` consecutive groups (for pipelining the
+    all-to-all of one group with the kernel of another).  Where a rank runs GQA locally the
+    split follows whole KV groups, so no KV head travels twice; with fewer than two local KV
+    heads the query heads are split evenly and a KV head may travel with several groups.
+    Groups may be empty on some ranks (never on all)."""
+    g = plan.num_heads // plan.num_kv_heads
+    rows = []   # per rank: the chunks' query ranges
+    for u in range(plan.size):
+        a, b = plan.q[u]
+        ka, kb = plan.kv[u]
+        if plan.kv_expand[u] is None and kb - ka >= 2:   # whole KV groups per chunk
+            units, step = kb - ka, (b - a) // (kb - ka)
+        else:                                             # query heads (a KV head may travel twice)
+            units, step = b - a, 1
+        base, extra = divmod(units, chunks)
+        cur, mine = a, []
+        for c in range(chunks):
+            n = (base + (1 if c < extra else 0)) * step
+            mine.append((cur, cur + n))
+            cur += n
+        rows.append(mine)
+    out = []
+    for c in range(chunks):
+        if all(rows[u][c][0] == rows[u][c][1] for u in range(plan.size)):
+            continue   # empty on every rank
+        q, kv, exp = [], [], []
+        for u in range(plan.size):
+            a, b = rows[u][c]
+            r, e = _kv_for(a, b, g)
+            q.append((a, b))
+            kv.append(r)
+            exp.append(e)
+        out.append(HeadPlan(plan.num_heads, plan.num_kv_heads, tuple(q), tuple(kv), tuple(exp)))
+    return out
 
 
 # ------------------------------------------------------------------------------- streams
@@ -220,66 +261,129 @@ class UlyssesExchange:
             kh, vh = kh.index_select(2, idx), vh.index_select(2, idx)
         return qh, kh, vh
 
+    # ------------------------------------------------------------------ one tensor
+    def start_heads(self, x: torch.Tensor, kind: str, *, async_op: bool = False,
+                    what: str = "forward") -> "Pending":
+        """One tensor, sequence -> heads (``kind`` "q" or "kv": which heads travel where);
+        ``wait()`` gives ``[B, S, h, D]`` (KV heads not yet repeated for cut groups)."""
+        rows = self.plan.q if kind == "q" else self.plan.kv
+        if self.size == 1:
+            a, c = rows[0]
+            return _Done(x if (a, c) == (0, x.shape[2]) else x.narrow(2, a, c - a))
+        label = f"Ulysses all-to-all of {kind} ({what})"
+        recv, work = self._heads_fast([_Part(x, rows)], async_op, label)
+        return Pending(work, lambda: recv.permute(1, 0, 2, 3), label, self.where)
+
+    def heads_to_seq(self, g: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """The inverse of :meth:`start_heads` for a gradient: ``[B, S, h, D]`` -> this rank's
+        ``[B, s, H|Hkv, D]`` in ``dtype`` (KV heads that several ranks used are summed)."""
+        plan = self.plan
+        rows, total = (plan.q, plan.num_heads) if kind == "q" else (plan.kv, plan.num_kv_heads)
+        reduce = kind != "q" and plan.kv_shared
+        if self.size == 1:
+            a, c = rows[0]
+            if (a, c) == (0, total):
+                return g.to(dtype)
+            out = g.new_zeros(g.shape[0], g.shape[1], total, g.shape[3], dtype=dtype)
+            out[:, :, a:c] = g
+            return out
+        label = f"Ulysses all-to-all of d{kind} (backward)"
+        send = _convert(g.transpose(0, 1), dtype, None).contiguous()
+        chunks, work = self._seq_fast(send, [c - a for a, c in rows], label, False)
+        wait(label, self.where, work)
+        return self._place_heads([chunks], [rows], g.shape[3], dtype, g.device, total=total, reduce=reduce)[0]
+
     # ------------------------------------------------------------------ forward out
     def out_to_seq(self, out: torch.Tensor, dtype: torch.dtype, lse: Optional[torch.Tensor] = None,
                    q_guard: Optional[torch.Tensor] = None, *, keep_heads: bool = False):
+        return self.start_out(out, dtype, lse, q_guard, keep_heads=keep_heads).wait()
+
+    def start_out(self, out: torch.Tensor, dtype: torch.dtype, lse: Optional[torch.Tensor] = None,
+                  q_guard: Optional[torch.Tensor] = None, *, keep_heads: bool = False, into=None,
+                  lse_into=None, async_op: bool = False) -> "Pending":
         """``out`` ``[B, S, h, Dv]`` (float32 accumulator or the kernel's own result) ->
         ``[B, s, H, Dv]`` in ``dtype`` on the rank that holds those tokens; with ``lse``
         ``[B, h, S]`` also the local ``[B, H, s]`` float lse.  ``q_guard`` (``[B, S, h, 1]``,
         0 or NaN) is added on the way, so rows whose query was not finite come out NaN.
         ``keep_heads``: also return the head-layout output in ``dtype`` (for the backward).
+        ``into``/``lse_into``: write this plan's heads into these full-width tensors.
 
-        Returns ``(out, lse or None, out in head layout or None)``."""
-        if self.size == 1:   # nothing travels; the returned tensor is always a new one
-            return _convert(out, dtype, q_guard), lse, (out if keep_heads else None)
+        ``wait()`` returns ``(out, lse or None, out in head layout or None)``."""
         plan, me = self.plan, self.rank
-        label = "Ulysses all-to-all of the output (forward)"
         b, _, h, dv = out.shape
+        if self.size == 1:   # nothing travels; the returned tensor is always a new one
+            local = _convert(out, dtype, q_guard)
+            if into is not None:
+                a, c = plan.q[0]
+                into[:, :, a:c] = local
+                local = into
+                if lse is not None and lse_into is not None:
+                    lse_into[:, a:c] = lse
+                    lse = lse_into
+            return _Done((local, lse, out if keep_heads else None))
+        label = "Ulysses all-to-all of the output (forward)"
         codec = self.codecs["out"]
         if lse is None and codec.identity:
             # the converted output, sequence-major, is the send buffer: chunk u = rows of u
             send = torch.empty((self.total, b, h, dv), dtype=dtype, device=out.device)
             _convert(out, dtype, q_guard, into=send.permute(1, 0, 2, 3))
-            recv = self._seq_fast(send, [plan.q[u][1] - plan.q[u][0] for u in range(self.size)], label)
-            local = self._place_heads([recv], [plan.q], dv, dtype, out.device)[0]
-            return local, None, (send.permute(1, 0, 2, 3) if keep_heads else None)
+            chunks, work = self._seq_fast(send, [plan.q[u][1] - plan.q[u][0] for u in range(self.size)], label,
+                                          async_op)
+
+            def finish():
+                local = self._place_heads([chunks], [plan.q], dv, dtype, out.device,
+                                          into=None if into is None else [into])[0]
+                return local, None, (send.permute(1, 0, 2, 3) if keep_heads else None)
+            return Pending(work, finish, label, self.where)
         conv = _convert(out, dtype, q_guard)
         pieces = codec.encode(conv)
         parts = [_Part(p.permute(1, 0, 2, 3), plan.q) for p in pieces]
         if lse is not None:
             parts.append(_Part(lse.permute(2, 0, 1).unsqueeze(-1), plan.q))
-        received = self._seq_bytes(parts, label)
-        res = torch.empty((b, self.seq_lens[me], plan.num_heads, dv), dtype=dtype, device=out.device)
-        for u in range(self.size):   # decode source by source into the full-width output
-            a, c = plan.q[u]
-            if c > a:
-                res[:, :, a:c] = codec.decode([received[i][u].permute(1, 0, 2, 3) for i in range(len(pieces))],
-                                              dtype)
-        lse_local = None
-        if lse is not None:
-            lse_local = torch.empty((b, plan.num_heads, self.seq_lens[me]), dtype=lse.dtype, device=lse.device)
-            for u in range(self.size):
+        received, work = self._seq_bytes(parts, label, async_op)
+
+        def finish_bytes():
+            got = received()
+            res = into if into is not None else \
+                torch.empty((b, self.seq_lens[me], plan.num_heads, dv), dtype=dtype, device=out.device)
+            for u in range(self.size):   # decode source by source into the full-width output
                 a, c = plan.q[u]
                 if c > a:
-                    lse_local[:, a:c] = received[-1][u].squeeze(-1).permute(1, 2, 0)
-        return res, lse_local, (conv if keep_heads else None)
+                    res[:, :, a:c] = codec.decode([got[i][u].permute(1, 0, 2, 3) for i in range(len(pieces))], dtype)
+            lse_local = None
+            if lse is not None:
+                lse_local = lse_into if lse_into is not None else \
+                    torch.empty((b, plan.num_heads, self.seq_lens[me]), dtype=lse.dtype, device=lse.device)
+                for u in range(self.size):
+                    a, c = plan.q[u]
+                    if c > a:
+                        lse_local[:, a:c] = got[-1][u].squeeze(-1).permute(1, 2, 0)
+            return res, lse_local, (conv if keep_heads else None)
+        return Pending(work, finish_bytes, label, self.where)
 
     # ------------------------------------------------------------------ backward
     def dout_to_heads(self, dout: torch.Tensor) -> torch.Tensor:
+        return self.start_dout(dout).wait()
+
+    def start_dout(self, dout: torch.Tensor, *, async_op: bool = False) -> "Pending":
+        """The output gradient, sequence -> heads (full precision whatever the codecs)."""
+        plan = self.plan
         if self.size == 1:
-            return dout
-        plan, me = self.plan, self.rank
+            a, c = plan.q[0]
+            return _Done(dout if (a, c) == (0, dout.shape[2]) else dout.narrow(2, a, c - a))
         label = "Ulysses all-to-all of the output gradient (backward)"
-        if dout.dtype.is_floating_point:
-            recv, work = self._heads_fast([_Part(dout, plan.q)], False, label)
-            wait(label, self.where, work)
-            return recv.permute(1, 0, 2, 3)
-        raise TypeError(f"dout must be a floating-point tensor, got {dout.dtype}")
+        recv, work = self._heads_fast([_Part(dout, plan.q)], async_op, label)
+        return Pending(work, lambda: recv.permute(1, 0, 2, 3), label, self.where)
 
     def grads_to_seq(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype):
+        return self.start_grads(dq, dk, dv, dtype).wait()
+
+    def start_grads(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype, *,
+                    into=None, async_op: bool = False) -> "Pending":
         """``dq`` ``[B, S, h, D]``, ``dk``/``dv`` ``[B, S, hk_kernel, D]`` (float32
         accumulators, head layout) -> this rank's ``[B, s, H|Hkv, D]`` gradients in
-        ``dtype``; gradients of KV heads several ranks used are summed."""
+        ``dtype``; gradients of KV heads several ranks used are summed.  ``into``: add this
+        plan's heads into these (zero-initialised) full-size tensors instead."""
         plan, me = self.plan, self.rank
         exp = plan.kv_expand[me]
         if exp is not None:   # repeated KV heads: sum their gradients back to the distinct ones
@@ -288,10 +392,22 @@ class UlyssesExchange:
             dk = dk.new_zeros(dk.shape[0], dk.shape[1], c - a, dk.shape[3]).index_add_(2, idx, dk)
             dv = dv.new_zeros(dv.shape[0], dv.shape[1], c - a, dv.shape[3]).index_add_(2, idx, dv)
         if self.size == 1:
-            return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+            if into is None and plan.q[0] == (0, plan.num_heads) and plan.kv[0] == (0, plan.num_kv_heads):
+                return _Done((dq.to(dtype), dk.to(dtype), dv.to(dtype)))
+            b, s = dq.shape[0], dq.shape[1]
+            res = into if into is not None else (
+                torch.zeros(b, s, plan.num_heads, dq.shape[3], dtype=dtype, device=dq.device),
+                torch.zeros(b, s, plan.num_kv_heads, dk.shape[3], dtype=dtype, device=dq.device),
+                torch.zeros(b, s, plan.num_kv_heads, dv.shape[3], dtype=dtype, device=dq.device))
+            (qa, qc), (ka, kc) = plan.q[0], plan.kv[0]
+            res[0][:, :, qa:qc] += dq
+            res[1][:, :, ka:kc] += dk
+            res[2][:, :, ka:kc] += dv
+            return _Done(tuple(res))
         label = "Ulysses all-to-all of dq/dk/dv (backward)"
         b, _, hq, d = dq.shape
         hk, dvd = dk.shape[2], dv.shape[3]
+        reduce_kv = plan.kv_shared or into is not None
         if dvd == d and dk.shape[3] == d:
             send = torch.empty((self.total, b, hq + 2 * hk, d), dtype=dtype, device=dq.device)
             send[:, :, :hq].copy_(dq.transpose(0, 1))
@@ -299,25 +415,35 @@ class UlyssesExchange:
             send[:, :, hq + hk:].copy_(dv.transpose(0, 1))
             widths = [(plan.q[u][1] - plan.q[u][0]) + 2 * (plan.kv[u][1] - plan.kv[u][0])
                       for u in range(self.size)]
-            recv = self._seq_fast(send, widths, label)
-            # split each source's chunk back into its dq, dk, dv heads
-            rq, rk, rv = [], [], []
-            for u, chunk in enumerate(recv):
-                nq, nk = plan.q[u][1] - plan.q[u][0], plan.kv[u][1] - plan.kv[u][0]
-                rq.append(chunk[:, :, :nq])
-                rk.append(chunk[:, :, nq:nq + nk])
-                rv.append(chunk[:, :, nq + nk:])
-            gq = self._place_heads([rq], [plan.q], d, dtype, dq.device)[0]
-            gk, gv = self._place_heads([rk, rv], [plan.kv, plan.kv], d, dtype, dq.device,
-                                       total=plan.num_kv_heads, reduce=plan.kv_shared)
-            return gq, gk, gv
+            recv, work = self._seq_fast(send, widths, label, async_op)
+
+            def finish():
+                rq, rk, rv = [], [], []   # split each source's chunk back into its dq, dk, dv heads
+                for u, chunk in enumerate(recv):
+                    nq, nk = plan.q[u][1] - plan.q[u][0], plan.kv[u][1] - plan.kv[u][0]
+                    rq.append(chunk[:, :, :nq])
+                    rk.append(chunk[:, :, nq:nq + nk])
+                    rv.append(chunk[:, :, nq + nk:])
+                gq = self._place_heads([rq], [plan.q], d, dtype, dq.device,
+                                       into=None if into is None else [into[0]])[0]
+                gk, gv = self._place_heads([rk, rv], [plan.kv, plan.kv], d, dtype, dq.device,
+                                           total=plan.num_kv_heads, reduce=reduce_kv,
+                                           into=None if into is None else [into[1], into[2]])
+                return gq, gk, gv
+            return Pending(work, finish, label, self.where)
         parts = [_Part(x.to(dtype).permute(1, 0, 2, 3), plan.q if i == 0 else plan.kv)
                  for i, x in enumerate((dq, dk, dv))]
-        got = self._seq_bytes(parts, label)
-        gq = self._place_heads([got[0]], [plan.q], d, dtype, dq.device)[0]
-        gk, gv = self._place_heads([got[1], got[2]], [plan.kv, plan.kv], None, dtype, dq.device,
-                                   total=plan.num_kv_heads, reduce=plan.kv_shared)
-        return gq, gk, gv
+        got, work = self._seq_bytes(parts, label, async_op)
+
+        def finish_bytes():
+            g = got()
+            gq = self._place_heads([g[0]], [plan.q], d, dtype, dq.device,
+                                   into=None if into is None else [into[0]])[0]
+            gk, gv = self._place_heads([g[1], g[2]], [plan.kv, plan.kv], None, dtype, dq.device,
+                                       total=plan.num_kv_heads, reduce=reduce_kv,
+                                       into=None if into is None else [into[1], into[2]])
+            return gq, gk, gv
+        return Pending(work, finish_bytes, label, self.where)
 
     # ------------------------------------------------------------------ the collectives
     def _heads_fast(self, parts: List[_Part], async_op: bool, label: str):
@@ -394,27 +520,28 @@ class UlyssesExchange:
             return outs
         return unpack, work
 
-    def _seq_fast(self, send: torch.Tensor, widths: List[int], label: str) -> List[torch.Tensor]:
+    def _seq_fast(self, send: torch.Tensor, widths: List[int], label: str, async_op: bool = False):
         """``send`` ``[S, B, w, d]`` (sequence-major, contiguous): rows of rank ``u`` go to
-        ``u``; returns each source's ``[s_me, B, widths[u], d]`` chunk (views of one buffer)."""
+        ``u``; returns (each source's ``[s_me, B, widths[u], d]`` chunk as views of one
+        buffer, the work handle or None)."""
         me = self.rank
         _, b, w_me, d = send.shape
         s_me = self.seq_lens[me]
         recv = torch.empty(sum(s_me * b * w * d for w in widths), dtype=send.dtype, device=send.device)
-        collective(label, self.where, dist.all_to_all_single, recv, send.view(-1),
-                   [s_me * b * w * d for w in widths], [n * b * w_me * d for n in self.seq_lens],
-                   group=self.group)
+        work = collective(label, self.where, dist.all_to_all_single, recv, send.view(-1),
+                          [s_me * b * w * d for w in widths], [n * b * w_me * d for n in self.seq_lens],
+                          group=self.group, async_op=async_op)
         chunks, off = [], 0
         for w in widths:
             n = s_me * b * w * d
             chunks.append(recv.narrow(0, off, n).view(s_me, b, w, d))
             off += n
-        return chunks
+        return chunks, work
 
-    def _seq_bytes(self, parts: List[_Part], label: str) -> List[List[torch.Tensor]]:
+    def _seq_bytes(self, parts: List[_Part], label: str, async_op: bool = False):
         """Parts ``[S, B, h_me, d]`` (any dtypes; ``heads[u]``: the head range rank ``u``
-        holds of that part): rows of rank ``u`` go to ``u`` as bytes; returns, per part,
-        each source's ``[s_me, B, h_u, d]`` chunk."""
+        holds of that part): rows of rank ``u`` go to ``u`` as bytes.  Returns (a function
+        giving, per part, each source's ``[s_me, B, h_u, d]`` chunk; the work handle)."""
         me = self.rank
         s_me = self.seq_lens[me]
         b = parts[0].data.shape[1]
@@ -443,26 +570,35 @@ class UlyssesExchange:
             recv_sizes.append(size)
             shapes.append(row)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
-        collective(label, self.where, dist.all_to_all_single, recv, send, recv_sizes, send_sizes, group=self.group)
-        out = [[None] * self.size for _ in parts]
-        off = 0
-        for u in range(self.size):
-            for i, p in enumerate(parts):
-                out[i][u] = _typed(recv, off, shapes[u][i], p.data.dtype)
-                off += _aligned(_nbytes(shapes[u][i], p.data.dtype))
-        return out
+        work = collective(label, self.where, dist.all_to_all_single, recv, send, recv_sizes, send_sizes,
+                          group=self.group, async_op=async_op)
 
-    def _place_heads(self, per_part_chunks, rows_per_part, d, dtype, device, *, total=None, reduce=False):
+        def unpack():
+            out = [[None] * self.size for _ in parts]
+            o = 0
+            for u in range(self.size):
+                for i, p in enumerate(parts):
+                    out[i][u] = _typed(recv, o, shapes[u][i], p.data.dtype)
+                    o += _aligned(_nbytes(shapes[u][i], p.data.dtype))
+            return out
+        return unpack, work
+
+    def _place_heads(self, per_part_chunks, rows_per_part, d, dtype, device, *, total=None, reduce=False,
+                     into=None):
         """Per part, put each source's ``[s, B, h_u, d]`` chunk at its global heads of a
-        ``[B, s, H, d]`` result (summing where several sources sent the same head)."""
+        ``[B, s, H, d]`` result (summing where several sources sent the same head, and
+        always summing into ``into`` tensors when given with ``reduce``)."""
         me = self.rank
         s_me = self.seq_lens[me]
         results = []
-        for chunks, rows in zip(per_part_chunks, rows_per_part):
+        for i, (chunks, rows) in enumerate(zip(per_part_chunks, rows_per_part)):
             b = chunks[0].shape[1]
             dd = chunks[0].shape[3] if d is None else d
             n_heads = total if total is not None else self.plan.num_heads
-            res = (torch.zeros if reduce else torch.empty)((b, s_me, n_heads, dd), dtype=dtype, device=device)
+            if into is not None:
+                res = into[i]
+            else:
+                res = (torch.zeros if reduce else torch.empty)((b, s_me, n_heads, dd), dtype=dtype, device=device)
             for u, chunk in enumerate(chunks):
                 a, c = rows[u]
                 if c > a:

@@ -1,0 +1,32 @@
+"""AsyncLongContextAttention (head groups pipelined: the all-to-all of one group overlaps the
+kernels of another) gives the synchronous path's results: forward and gradients vs float64,
+any head count, GQA, uneven lengths, Ulysses x Ring."""
+import pytest
+
+from tests import dist_cases
+
+pytestmark = pytest.mark.multirank
+
+
+def _ok(res):
+    for errs in res:
+        bad = {k: v for k, v in errs.items() if not v <= 1.0}
+        assert not bad, f"{bad} (all {errs})"
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2), (6, 3), (5, 5), (3, 1), (1, 1)])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_async_ulysses_any_heads(pools, H, Hkv, chunks):
+    _ok(pools(2).run(dist_cases.usp_case, timeout=60, U=2, R=1, H=H, Hkv=Hkv, S=13, causal=True, head_chunks=chunks))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "basic"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_async_ulysses_by_ring(pools, layout, dtype):
+    _ok(pools(4).run(dist_cases.usp_case, timeout=90, U=2, R=2, H=6, Hkv=2, S=22, causal=True, layout=layout,
+                     dtype=dtype, head_chunks=2))
+
+
+def test_async_with_alibi_window_and_lse(pools):
+    _ok(pools(2).run(dist_cases.usp_case, timeout=60, U=2, R=1, H=4, S=16, causal=True, window=(5, 0),
+                     alibi=True, head_chunks=2, dtype="fp64"))
