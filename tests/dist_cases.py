@@ -260,3 +260,44 @@ def property_case(**kw):
         return ("ok", usp_case(**kw))
     except (NotImplementedError, ValueError) as exc:
         return ("refused", f"{type(exc).__name__}: {exc}")
+
+
+def qkv_overlap_case(U=2, R=1, H=4, Hkv=2, D=8, S=14, causal=True, layout="zigzag", flat=True, grad=True):
+    """async_qkv_attention (projections overlapped with the all-to-alls) vs projecting first and
+    calling the module: same output, same gradients for the hidden states and the weights."""
+    mesh = get_mesh(U, R)
+    g = torch.Generator().manual_seed(11)
+    E = 16
+    hidden = torch.randn(1, S, E, generator=g, dtype=torch.float64)
+    lin = [torch.nn.Linear(E, h * D, bias=True).double() for h in (H, Hkv, Hkv)]
+    for m in lin:
+        for p in m.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    hl = usp_hal.shard(hidden, layout=layout, mesh=mesh).requires_grad_(grad)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+
+    def projs():
+        if flat:
+            return lin
+        return [lambda x, m=m, h=h: m(x).view(x.shape[0], x.shape[1], h, D) for m, h in zip(lin, (H, Hkv, Hkv))]
+
+    def grads():
+        res = [hl.grad.clone()] + [p.grad.clone() for m in lin for p in m.parameters()]
+        hl.grad = None
+        for m in lin:
+            m.zero_grad(set_to_none=True)
+        return res
+
+    q, k, v = (m(hl).view(1, hl.shape[1], h, D) for m, h in zip(lin, (H, Hkv, Hkv)))
+    ref = attn(q, k, v, causal=causal)
+    if grad:
+        ref.sum().backward()
+        ref_g = grads()
+    out = usp_hal.async_qkv_attention(attn, hl, *projs(), heads=H, kv_heads=Hkv, head_dim=D, causal=causal)
+    errs = {"out": _err(out, ref.detach(), torch.float64)}
+    if grad:
+        out.sum().backward()
+        for i, (a, b) in enumerate(zip(grads(), ref_g)):
+            errs[f"g{i}"] = _err(a, b, torch.float64)
+    return errs

@@ -30,3 +30,13 @@ def test_async_ulysses_by_ring(pools, layout, dtype):
 def test_async_with_alibi_window_and_lse(pools):
     _ok(pools(2).run(dist_cases.usp_case, timeout=60, U=2, R=1, H=4, S=16, causal=True, window=(5, 0),
                      alibi=True, head_chunks=2, dtype="fp64"))
+
+
+@pytest.mark.parametrize("U,R,H,Hkv", [(2, 1, 4, 2), (2, 1, 6, 3), (2, 1, 3, 1), (2, 2, 4, 4), (1, 2, 4, 2)])
+@pytest.mark.parametrize("flat", [True, False])
+def test_qkv_projection_overlap_equals_projecting_first(pools, U, R, H, Hkv, flat):
+    _ok(pools(U * R).run(dist_cases.qkv_overlap_case, timeout=60, U=U, R=R, H=H, Hkv=Hkv, flat=flat))
+
+
+def test_qkv_projection_overlap_inference(pools):
+    _ok(pools(2).run(dist_cases.qkv_overlap_case, timeout=60, U=2, R=1, grad=False))

@@ -21,6 +21,7 @@ _LAZY = {
     "get_default_mesh": "mesh",
     "LongContextAttention": "attention",
     "AsyncLongContextAttention": "attention",
+    "async_qkv_attention": "overlap",
     "LongContextAttentionQKVPacked": "attention",
     "UlyssesAttention": "attention",
     "RingAttention": "attention",
@@ -36,8 +37,8 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("attention", "backend", "capabilities", "comm", "layout", "mesh", "platform", "reference",
-               "registry", "ring")
+_SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "platform",
+               "reference", "registry", "ring", "rotation", "spec", "ulysses")
 
 
 def __getattr__(name):
