@@ -40,3 +40,7 @@ def test_qkv_projection_overlap_equals_projecting_first(pools, U, R, H, Hkv, fla
 
 def test_qkv_projection_overlap_inference(pools):
     _ok(pools(2).run(dist_cases.qkv_overlap_case, timeout=60, U=2, R=1, grad=False))
+
+
+def test_qkv_projection_overlap_codes_like_the_packed_path(pools):
+    assert all(d <= 1e-6 for d in pools(2).run(dist_cases.qkv_overlap_fp8_case, timeout=60))

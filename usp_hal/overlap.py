@@ -44,12 +44,12 @@ class _ToHeads(torch.autograd.Function):
     the handle appended to ``pending`` is waited on.  Backward: heads->sequence."""
 
     @staticmethod
-    def forward(ctx, x, exchange: UlyssesExchange, kind: str, pending: list):
-        p = exchange.start_heads(x, kind, async_op=True, what="forward, overlapped with the projections")
-        buf = p._finish() if hasattr(p, "_finish") else p.wait()
+    def forward(ctx, x, exchange: UlyssesExchange, name: str, pending: list):
+        kind = "q" if name == "q" else "kv"
+        p = exchange.start_heads(x, kind, async_op=True, what="forward, overlapped with the projections", name=name)
         pending.append(p)
         ctx.exchange, ctx.kind, ctx.dtype = exchange, kind, x.dtype
-        return buf
+        return p.result
 
     @staticmethod
     def backward(ctx, g):
@@ -139,10 +139,10 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     qh = _ToHeads.apply(q, ex, "q", pending)
     k = _as_heads(k_proj(hidden), kvh, d, "k_proj")
     _check_like(k, (b, s, kvh, d), q, "k_proj")
-    kh = _ToHeads.apply(k, ex, "kv", pending)
+    kh = _ToHeads.apply(k, ex, "k", pending)
     v = _as_heads(v_proj(hidden), kvh, dv, "v_proj")
     _check_like(v, (b, s, kvh, dv), q, "v_proj")
-    vh = _ToHeads.apply(v, ex, "kv", pending)
+    vh = _ToHeads.apply(v, ex, "v", pending)
     for p in pending:
         p.wait()
     out, lse = _HeadsAttention.apply(qh, kh, vh, plan)

@@ -263,16 +263,35 @@ class UlyssesExchange:
 
     # ------------------------------------------------------------------ one tensor
     def start_heads(self, x: torch.Tensor, kind: str, *, async_op: bool = False,
-                    what: str = "forward") -> "Pending":
-        """One tensor, sequence -> heads (``kind`` "q" or "kv": which heads travel where);
-        ``wait()`` gives ``[B, S, h, D]`` (KV heads not yet repeated for cut groups)."""
+                    what: str = "forward", name: Optional[str] = None) -> "Pending":
+        """One tensor, sequence -> heads (``kind`` "q" or "kv": which heads travel where;
+        ``name`` "q", "k" or "v": which wire codec applies).  ``wait()`` gives ``[B, S, h,
+        D]`` (KV heads not yet repeated for cut groups); the Pending's ``result`` is that
+        tensor already (filled once ``wait()`` returns)."""
         rows = self.plan.q if kind == "q" else self.plan.kv
         if self.size == 1:
             a, c = rows[0]
-            return _Done(x if (a, c) == (0, x.shape[2]) else x.narrow(2, a, c - a))
-        label = f"Ulysses all-to-all of {kind} ({what})"
-        recv, work = self._heads_fast([_Part(x, rows)], async_op, label)
-        return Pending(work, lambda: recv.permute(1, 0, 2, 3), label, self.where)
+            done = _Done(x if (a, c) == (0, x.shape[2]) else x.narrow(2, a, c - a))
+            done.result = done.value
+            return done
+        label = f"Ulysses all-to-all of {name or kind} ({what})"
+        codec = self.codecs[name or ("q" if kind == "q" else "k")]
+        if codec.identity:
+            recv, work = self._heads_fast([_Part(x, rows)], async_op, label)
+            p = Pending(work, lambda: recv.permute(1, 0, 2, 3), label, self.where)
+            p.result = recv.permute(1, 0, 2, 3)
+            return p
+        pieces = codec.encode(x)
+        unpack, work = self._heads_bytes([_Part(t, rows) for t in pieces], async_op, label)
+        a, c = rows[self.rank]
+        result = torch.empty((x.shape[0], self.total, c - a, x.shape[3]), dtype=x.dtype, device=x.device)
+
+        def finish():
+            result.copy_(codec.decode([o.permute(1, 0, 2, 3) for o in unpack()], x.dtype))
+            return result
+        p = Pending(work, finish, label, self.where)
+        p.result = result
+        return p
 
     def heads_to_seq(self, g: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The inverse of :meth:`start_heads` for a gradient: ``[B, S, h, D]`` -> this rank's

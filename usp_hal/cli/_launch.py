@@ -316,10 +316,13 @@ class _TimedWork:
 
 
 def _is_integer_payload(name, args, kwargs) -> bool:
-    if name == "batch_isend_irecv":
+    """The core's per-call metadata exchange: an all-gather of int64 values.  Everything
+    else (all-to-alls, p2p, all-gathers of data, coded payloads sent as bytes) is data."""
+    if not name.startswith("all_gather"):
         return False
     t = args[1] if len(args) > 1 else kwargs.get("tensor", kwargs.get("input", kwargs.get("input_tensor")))
-    return t is not None and hasattr(t, "is_floating_point") and not t.is_floating_point() and not t.is_complex()
+    import torch
+    return t is not None and getattr(t, "dtype", None) == torch.int64
 
 
 class CommMeter:
@@ -329,8 +332,8 @@ class CommMeter:
     ``batch_isend_irecv`` - the tensors of its isend ops; ``all_gather`` /
     ``all_gather_into_tensor`` / ``all_gather_single`` - the input times (group size - 1)
     (every peer needs it).
-    Integer tensors (the core's small per-call metadata exchange) are counted apart, in
-    ``metadata_bytes``.  Time: the calls themselves plus the ``wait()`` of the work
+    The core's small per-call metadata exchange (int64 all-gathers) is counted apart, in
+    ``metadata_bytes``; coded payloads (fp8 sent as bytes) are data.  Time: the calls themselves plus the ``wait()`` of the work
     objects they return.
     """
 

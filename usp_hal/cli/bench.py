@@ -32,7 +32,7 @@ from dataclasses import asdict, replace
 
 from . import _launch
 from ._launch import fmt_bytes, fmt_ms, median
-from .run import (CHECKS, LAYOUTS, ROTATIONS, RunConfig, add_common_arguments, device_type_from, merge_checks,
+from .run import (CHECKS, FP8_CHOICES, LAYOUTS, PROJ_CHOICES, ROTATIONS, RunConfig, add_common_arguments, device_type_from, merge_checks,
                   min_comm_bytes, rank_check, rank_clear, rank_prepare, rank_release, rank_steps, single_prepare,
                   single_steps, summarize, validate)
 
@@ -94,11 +94,11 @@ def build_groups(args, device_type: str) -> list:
                 cfgs = []
                 for u, r in splits:
                     if r == 1:   # layout and rotation do not exist without a ring
-                        cfgs.append(replace(base, ulysses=u, ring=r))
+                        cfgs += _variants(replace(base, ulysses=u, ring=r), args)
                         continue
                     for impl in impls:
                         for rot in rots:
-                            cfgs.append(replace(base, ulysses=u, ring=r, ring_impl=impl, rotate=rot))
+                            cfgs += _variants(replace(base, ulysses=u, ring=r, ring_impl=impl, rotate=rot), args)
                 for c in cfgs:
                     validate(c)
                 label = f"S={S} {'fwd+bwd' if MODES[mode] else 'fwd'} {'causal' if causal else 'full'}"
@@ -106,11 +106,32 @@ def build_groups(args, device_type: str) -> list:
     return groups
 
 
+def _variants(cfg: RunConfig, args) -> list:
+    """The wire-format / pipelining / projection variants of one split to sweep (each only
+    where it changes something: fp8 and pipelining need a Ulysses group, ring fp8 a ring)."""
+    out = []
+    for fp8 in _csv(getattr(args, "fp8", "none"), FP8_CHOICES, "--fp8"):
+        for pipe in [int(x) for x in str(getattr(args, "pipelines", "0")).split(",") if x.strip()]:
+            for proj in _csv(getattr(args, "proj", "none"), PROJ_CHOICES, "--proj"):
+                if cfg.ulysses == 1 and (pipe or (fp8 != "none" and not getattr(args, "ring_fp8", False))
+                                         or proj == "overlap"):
+                    continue
+                if pipe and proj == "overlap":
+                    continue
+                out.append(replace(cfg, fp8=fp8, ring_fp8=bool(getattr(args, "ring_fp8", False)) and cfg.ring > 1
+                                   and fp8 != "none", pipeline=pipe, proj=proj))
+    return out or [cfg]
+
+
 def config_label(cfg: RunConfig) -> str:
     if cfg.ring == 1:
-        return f"ulysses{cfg.ulysses}"
-    name = f"ring{cfg.ring}" if cfg.ulysses == 1 else f"usp{cfg.ulysses}x{cfg.ring}"
-    return f"{name} {cfg.ring_impl} {cfg.rotate}"
+        name = f"ulysses{cfg.ulysses}"
+    else:
+        name = f"ring{cfg.ring}" if cfg.ulysses == 1 else f"usp{cfg.ulysses}x{cfg.ring}"
+        name = f"{name} {cfg.ring_impl} {cfg.rotate}"
+    extra = [f"fp8:{cfg.fp8}" if cfg.fp8 != "none" else "", "ringfp8" if cfg.ring_fp8 else "",
+             f"pipe{cfg.pipeline}" if cfg.pipeline else "", f"proj:{cfg.proj}" if cfg.proj != "none" else ""]
+    return " ".join([name] + [e for e in extra if e])
 
 
 # ----------------------------------------------------------------------------- peers
@@ -548,6 +569,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
     p.add_argument("--causal", default="on", choices=tuple(CAUSAL_CHOICES),
                    help="causal mask: on, off, both (default on)")
+    p.add_argument("--fp8", default="none",
+                   help="Ulysses wire formats to sweep: none, qvo, qkvo, comma-separated (default none)")
+    p.add_argument("--ring-fp8", action="store_true", help="with --fp8 other than none: the ring's blocks in fp8 too")
+    p.add_argument("--pipelines", default="0",
+                   help="head groups of AsyncLongContextAttention to sweep, e.g. 0,2 (0: synchronous; default 0)")
+    p.add_argument("--proj", default="none",
+                   help="q/k/v projections in the timed call: none, sync, overlap, comma-separated (default none)")
     add_common_arguments(p)
     p.add_argument("--iters", type=int, default=3, help="measured rounds (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")

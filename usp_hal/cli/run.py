@@ -29,12 +29,17 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..layout import layout_names
+from ..rotation import rotation_names
 from . import _launch
 from ._launch import fmt_bytes, fmt_ms, median
 
+LAYOUTS = tuple(layout_names())
+ROTATIONS = tuple(rotation_names())
+
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
-LAYOUTS = ("basic", "zigzag", "stripe")
-ROTATIONS = ("p2p", "allgather")
+FP8_CHOICES = ("none", "qvo", "qkvo")
+PROJ_CHOICES = ("none", "sync", "overlap")
 CHECKS = ("auto", "fp64", "sdpa", "none")
 FP64_LIMIT = 1 << 25            # auto check: float64 reference while B*H*S^2 is at most this
 FP64_BLOCK_BYTES = 64 << 20     # float64 reference: score block per query-row chunk
@@ -66,6 +71,10 @@ class RunConfig:
     seed: int = 0
     check: str = "auto"
     device_type: str = "cpu"
+    fp8: str = "none"            # Ulysses wire: none | qvo (q, v, out in fp8) | qkvo (k too)
+    ring_fp8: bool = False       # the ring's V blocks (and K with qkvo) in fp8
+    pipeline: int = 0            # >0: AsyncLongContextAttention with this many head groups
+    proj: str = "none"           # none | sync (project, then attend) | overlap (async_qkv_attention)
 
     @property
     def split(self) -> str:
@@ -78,7 +87,16 @@ class RunConfig:
 
     def input_key(self) -> tuple:
         return (self.seed, self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim, self.dtype,
-                self.bwd, self.device_type)
+                self.bwd, self.device_type, self.proj != "none")
+
+    @property
+    def lossy(self) -> bool:
+        """The fp8 wire format: checked against an error budget, not the dtype's tolerance."""
+        return self.fp8 != "none" or self.ring_fp8
+
+    def module_kwargs(self) -> dict:
+        return dict(ring_impl_type=self.ring_impl, attn_type=self.attn_type, rotation=self.rotate,
+                    ulysses_float8=self.fp8 != "none", float8_key=self.fp8 == "qkvo", ring_float8=self.ring_fp8)
 
 
 def resolve_split(nproc: Optional[int], ulysses: Optional[int], ring: Optional[int]):
@@ -118,6 +136,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("--iters must be >= 1 and --warmup >= 0")
     if cfg.threads_per_rank < 1:
         raise ValueError("--threads-per-rank must be >= 1")
+    if cfg.pipeline < 0:
+        raise ValueError("--pipeline must be >= 0")
     if cfg.seqlen < cfg.nproc:
         raise ValueError(f"--seqlen {cfg.seqlen} is shorter than the number of ranks ({cfg.nproc}); "
                          "every rank needs at least one token")
@@ -215,12 +235,32 @@ def global_inputs(cfg: RunConfig):
         dt, dev = _torch_dtype(cfg.dtype), _device(cfg.device_type)
         shape_q = (cfg.batch, cfg.seqlen, cfg.heads, cfg.head_dim)
         shape_kv = (cfg.batch, cfg.seqlen, cfg.kv_heads, cfg.head_dim)
-        q = torch.randn(shape_q, generator=g).to(dt).to(dev)
-        k = torch.randn(shape_kv, generator=g).to(dt).to(dev)
-        v = torch.randn(shape_kv, generator=g).to(dt).to(dev)
+        if cfg.proj != "none":    # q, k, v = hidden @ W^T (what the ranks compute from their hidden part)
+            hidden, weights = projection_inputs(cfg)
+            with torch.no_grad():
+                q, k, v = (torch.nn.functional.linear(hidden, w).view(cfg.batch, cfg.seqlen, h, cfg.head_dim)
+                           for w, h in zip(weights, (cfg.heads, cfg.kv_heads, cfg.kv_heads)))
+            g.manual_seed(cfg.seed + 1)
+        else:
+            q = torch.randn(shape_q, generator=g).to(dt).to(dev)
+            k = torch.randn(shape_kv, generator=g).to(dt).to(dev)
+            v = torch.randn(shape_kv, generator=g).to(dt).to(dev)
         dout = torch.randn(shape_q, generator=g).to(dt).to(dev) if cfg.bwd else None
         _INPUTS[key] = (q, k, v, dout)
     return _INPUTS[key]
+
+
+def projection_inputs(cfg: RunConfig):
+    """(hidden [B, S, E], (W_q, W_k, W_v)) for ``--proj``: E = heads * head_dim, weights
+    scaled so q, k, v have unit variance."""
+    import torch
+    g = torch.Generator().manual_seed(cfg.seed + 7)
+    dt, dev = _torch_dtype(cfg.dtype), _device(cfg.device_type)
+    e = cfg.heads * cfg.head_dim
+    hidden = torch.randn(cfg.batch, cfg.seqlen, e, generator=g).to(dt).to(dev)
+    weights = tuple((torch.randn(h * cfg.head_dim, e, generator=g) / math.sqrt(e)).to(dt).to(dev)
+                    for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads))
+    return hidden, weights
 
 
 class _Case:
@@ -244,16 +284,23 @@ def rank_prepare(cfg: dict, case: str) -> dict:
 
     st.q, st.k, st.v = (sh(x).requires_grad_(cfg.bwd) for x in (q, k, v))
     st.dout = sh(dout) if cfg.bwd else None
-    st.attn = usp_hal.LongContextAttention(ring_impl_type=cfg.ring_impl, attn_type=cfg.attn_type, mesh=mesh,
-                                           rotation=cfg.rotate)
-    out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
+    if cfg.pipeline:
+        st.attn = usp_hal.AsyncLongContextAttention(mesh=mesh, head_chunks=cfg.pipeline, **cfg.module_kwargs())
+    else:
+        st.attn = usp_hal.LongContextAttention(mesh=mesh, **cfg.module_kwargs())
+    st.leaves = [st.q, st.k, st.v]
+    st.call = lambda: st.attn(st.q, st.k, st.v, causal=cfg.causal)
+    if cfg.proj != "none":
+        _projection_call(st, cfg, sh)
+    out = st.call()
     if cfg.bwd:
         out.backward(st.dout)
     _sync(cfg.device_type)
     st.result = {"out": out.detach()}
-    if cfg.bwd:
+    if cfg.bwd and cfg.proj == "none":
         st.result.update(dq=st.q.grad, dk=st.k.grad, dv=st.v.grad)
-        st.q.grad = st.k.grad = st.v.grad = None
+    for t in st.leaves:
+        t.grad = None
     del out
     backend = st.attn.last_backend
     st.ktimes = _launch.KernelTimes()
@@ -270,6 +317,30 @@ def rank_prepare(cfg: dict, case: str) -> dict:
             "ring_rank": mesh.ring_rank, "ulysses_rank": mesh.ulysses_rank}
 
 
+def _projection_call(st, cfg: RunConfig, sh) -> None:
+    """``--proj``: the timed call projects q, k, v from this rank's hidden states first
+    (``sync``), or overlaps each projection with the previous tensor's all-to-all
+    (``overlap``, usp_hal.async_qkv_attention).  Only the output is checked."""
+    import torch
+
+    import usp_hal
+    hidden, weights = projection_inputs(cfg)
+    st.hidden = sh(hidden).requires_grad_(cfg.bwd)
+    st.weights = [w.clone().requires_grad_(cfg.bwd) for w in weights]
+    st.leaves = [st.hidden] + st.weights
+    heads = (cfg.heads, cfg.kv_heads, cfg.kv_heads)
+    projs = [lambda x, w=w: torch.nn.functional.linear(x, w) for w in st.weights]
+
+    def sync_call():
+        q, k, v = (p(st.hidden).view(cfg.batch, st.hidden.shape[1], h, cfg.head_dim) for p, h in zip(projs, heads))
+        return st.attn(q, k, v, causal=cfg.causal)
+
+    def overlap_call():
+        return usp_hal.async_qkv_attention(st.attn, st.hidden, *projs, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                           head_dim=cfg.head_dim, causal=cfg.causal)
+    st.call = overlap_call if cfg.proj == "overlap" else sync_call
+
+
 def rank_steps(case: str, n: int, memory: bool = False) -> list:
     """``n`` timed iterations; one record per iteration.  ``memory``: measure each
     iteration's peak memory growth instead (its timing then includes page faults)."""
@@ -280,7 +351,7 @@ def rank_steps(case: str, n: int, memory: bool = False) -> list:
     _launch.ACTIVE["times"] = st.ktimes
     with st.comm:
         for _ in range(n):
-            for t in (st.q, st.k, st.v):
+            for t in st.leaves:
                 t.grad = None
             dist.barrier(group=st.mesh.sp_group)
             _sync(cfg.device_type)
@@ -289,7 +360,7 @@ def rank_steps(case: str, n: int, memory: bool = False) -> list:
             if memory:
                 st.mem.start()
             t0 = time.perf_counter()
-            out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
+            out = st.call()
             _sync(cfg.device_type)
             t1 = time.perf_counter()
             if cfg.bwd:
@@ -362,7 +433,13 @@ def _reference_rows(cfg: RunConfig, mode: str, lo: int, hi: int):
     return out, dq, dk, dv
 
 
-def _compare(got, ref, atol: float, rtol: float) -> dict:
+FP8_RMS_BUDGET = 0.05   # the fp8 wire format's error budget: RMS error <= 5% of RMS(reference)
+
+
+def _compare(got, ref, atol: float, rtol: float, lossy: bool = False) -> dict:
+    """Max error against the tolerance (``worst`` <= 1 passes); for the lossy fp8 wire
+    format ``worst`` is the RMS error over the budget instead.  ``rms_rel``/``max_rel``:
+    RMS(err)/RMS(ref) and max|err|/max|ref|."""
     import torch
     g = got.detach().to(ref.device, torch.float64)
     r = ref.detach().to(torch.float64)
@@ -370,9 +447,12 @@ def _compare(got, ref, atol: float, rtol: float) -> dict:
         return {"max_abs": None, "worst": math.inf, "problem": f"shape {tuple(g.shape)} != {tuple(r.shape)}"}
     diff = torch.nan_to_num((g - r).abs(), nan=math.inf)
     if not diff.numel():
-        return {"max_abs": 0.0, "worst": 0.0}
-    worst = float((diff / (atol + rtol * r.abs())).max())
-    return {"max_abs": float(diff.max()), "worst": worst}
+        return {"max_abs": 0.0, "worst": 0.0, "rms_rel": 0.0, "max_rel": 0.0}
+    rms_ref = float(r.pow(2).mean().sqrt()) or 1.0
+    rms_rel = float(diff.pow(2).mean().sqrt()) / rms_ref
+    max_rel = float(diff.max()) / (float(r.abs().max()) or 1.0)
+    worst = rms_rel / FP8_RMS_BUDGET if lossy else float((diff / (atol + rtol * r.abs())).max())
+    return {"max_abs": float(diff.max()), "worst": worst, "rms_rel": rms_rel, "max_rel": max_rel}
 
 
 def reference_tolerance(cfg: RunConfig, mode: str) -> tuple:
@@ -409,12 +489,13 @@ def rank_check(case: str) -> dict:
         _REFS[rkey] = (lo, hi, out, dq, dk, dv)
     lo, hi, out, dq, dk, dv = _REFS[rkey]
     atol, rtol = reference_tolerance(cfg, mode)
-    errors = {"out": _compare(full["out"][:, lo:hi], out, atol, rtol)}
-    if cfg.bwd:
-        errors["dq"] = _compare(full["dq"][:, lo:hi], dq, atol, rtol)
-        errors["dk"] = _compare(full["dk"], dk, atol, rtol)
-        errors["dv"] = _compare(full["dv"], dv, atol, rtol)
-    return {"mode": mode, "errors": errors, "tolerance": [atol, rtol]}
+    lossy = cfg.lossy
+    errors = {"out": _compare(full["out"][:, lo:hi], out, atol, rtol, lossy)}
+    if cfg.bwd and "dq" in full:
+        errors["dq"] = _compare(full["dq"][:, lo:hi], dq, atol, rtol, lossy)
+        errors["dk"] = _compare(full["dk"], dk, atol, rtol, lossy)
+        errors["dv"] = _compare(full["dv"], dv, atol, rtol, lossy)
+    return {"mode": mode, "errors": errors, "tolerance": [atol, rtol], "lossy": lossy}
 
 
 def rank_mem_method(case: str) -> str:
@@ -517,7 +598,8 @@ def merge_checks(checks: list) -> dict:
             if cur is None or (e["worst"] > cur["worst"]):
                 errors[name] = e
     ok = all(e["worst"] <= 1.0 for e in errors.values())
-    return {"mode": mode, "errors": errors, "tolerance": checks[0].get("tolerance"), "ok": ok}
+    return {"mode": mode, "errors": errors, "tolerance": checks[0].get("tolerance"), "ok": ok,
+            "lossy": checks[0].get("lossy", False)}
 
 
 REFERENCE_TEXT = {
@@ -562,7 +644,9 @@ def format_report(res: dict, launcher: str) -> str:
         f"({dist_backend}), {cfg.threads_per_rank} thread(s) per rank, {launcher}",
         f"  inputs     B={cfg.batch} S={cfg.seqlen} H={cfg.heads} Hkv={cfg.kv_heads} D={cfg.head_dim} {cfg.dtype}, "
         f"{mode}, seed {cfg.seed}",
-        f"  layout     {cfg.ring_impl}, rotation {cfg.rotate}",
+        f"  layout     {cfg.ring_impl}, rotation {cfg.rotate}" + "".join(
+            f", {k} {v}" for k, v in (("fp8", cfg.fp8), ("ring fp8", cfg.ring_fp8), ("pipeline", cfg.pipeline),
+                                      ("projections", cfg.proj)) if v not in ("none", False, 0)),
         f"  backend    {res['backend']} (attn-type {cfg.attn_type})",
     ]
     if chk["mode"] == "none":
@@ -571,11 +655,17 @@ def format_report(res: dict, launcher: str) -> str:
         atol, rtol = chk["tolerance"]
         lines.append(f"check against {REFERENCE_TEXT[chk['mode']]} on the same global inputs "
                      f"(query-row blocks split over the ranks)")
-        lines.append(f"  tolerance  |err| <= {atol:g} + {rtol:g} * |ref|")
-        lines.append("  tensor  max abs error  worst / tolerance  result")
+        if chk.get("lossy"):
+            lines.append(f"  tolerance  fp8 wire format: RMS(err) <= {FP8_RMS_BUDGET:g} * RMS(ref) (lossy; the gradient "
+                         "is the straight-through gradient of the quantised forward)")
+        else:
+            lines.append(f"  tolerance  |err| <= {atol:g} + {rtol:g} * |ref|")
+        lines.append("  tensor  max abs error  rms err/rms ref  worst / tolerance  result")
         for name, e in chk["errors"].items():
             mabs = "nan" if e["max_abs"] is None else f"{e['max_abs']:.2e}"
-            lines.append(f"  {name:<6}  {mabs:<13}  {e['worst']:<17.3g}  {'pass' if e['worst'] <= 1 else 'FAIL'}")
+            rms = "-" if e.get("rms_rel") is None else f"{e['rms_rel']:.2e}"
+            lines.append(f"  {name:<6}  {mabs:<13}  {rms:<15}  {e['worst']:<17.3g}  "
+                         f"{'pass' if e['worst'] <= 1 else 'FAIL'}")
     lines.append(f"time per iteration: {fmt_ms(s['time'])} ms (median over {cfg.iters} iterations of the max "
                  f"over ranks, after {cfg.warmup} warm-up)"
                  + (f"; forward {fmt_ms(s['fwd'])} ms, backward {fmt_ms(s['bwd'])} ms" if cfg.bwd else ""))
@@ -634,8 +724,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask (default on)")
     p.add_argument("--bwd", action=argparse.BooleanOptionalAction, default=True,
                    help="also run and check the backward (default on)")
-    p.add_argument("--ring-impl", default="zigzag", choices=LAYOUTS, help="sequence layout (default zigzag)")
-    p.add_argument("--rotate", default="p2p", choices=ROTATIONS, help="ring rotation (default p2p)")
+    p.add_argument("--ring-impl", default="zigzag", choices=layout_names(), help="sequence layout (default zigzag)")
+    p.add_argument("--rotate", default="p2p", choices=rotation_names(), help="ring rotation (default p2p)")
+    p.add_argument("--fp8", default="none", choices=FP8_CHOICES,
+                   help="Ulysses wire format: none, qvo (q, v and the output in fp8), qkvo (k too)")
+    p.add_argument("--ring-fp8", action="store_true", help="the ring's V blocks (K too with --fp8 qkvo) in fp8")
+    p.add_argument("--pipeline", type=int, default=0, metavar="N",
+                   help="AsyncLongContextAttention with N head groups (0: the synchronous module)")
+    p.add_argument("--proj", default="none", choices=PROJ_CHOICES,
+                   help="also project q/k/v from hidden states in the timed call: sync, or overlap (each projection "
+                        "overlapped with the previous all-to-all); only the output is checked")
     p.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up iterations (default 1)")
     p.add_argument("--check", default="auto", choices=CHECKS,
@@ -668,7 +766,8 @@ def config_from_args(args) -> RunConfig:
                     bwd=args.bwd, attn_type=args.attn_type, ring_impl=args.ring_impl, rotate=args.rotate,
                     dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                     threads_per_rank=args.threads_per_rank, seed=args.seed, check=args.check,
-                    device_type=device_type_from(args))
+                    device_type=device_type_from(args), fp8=args.fp8, ring_fp8=args.ring_fp8,
+                    pipeline=args.pipeline, proj=args.proj)
     validate(cfg)
     return cfg
 
