@@ -1,0 +1,264 @@
+"""Functions that run on every rank of a WorkerPool for the transformers and diffusers
+integrations (see tests/mp.py).  Each builds a tiny randomly initialised model from a config
+(no downloads), runs it sequence-parallel, and computes the single-process reference in the
+same worker (on sequence-parallel rank 0 only, so that 4 ranks on 2 cores stay fast)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import usp_hal
+from tests.dist_cases import get_mesh
+
+VOCAB = 256
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+# ----------------------------------------------------------------------------- transformers
+def tiny_llama(seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+               intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=256, attention_dropout=0.0)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _batches(steps: int, B: int, S: int, seed: int):
+    """The same random batch every step: the model memorises it, so the loss falls by a lot
+    over 20 steps and a wrong gradient cannot hide in noise."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return [torch.randint(0, VOCAB, (B, S), generator=g)] * steps
+
+
+def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e-3):
+    """Logits and 20 AdamW steps of a tiny GQA Llama, sequence-parallel vs single-process.
+    Returns (on every rank) the global losses; rank 0 adds the differences to the reference."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    ref = tiny_llama(seed)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    data = _batches(steps, B, S, seed)
+
+    with torch.no_grad():
+        local = model(**usp.shard_batch({"input_ids": data[0]}, mesh, layout)).logits
+        logits = usp_hal.unshard(local, layout=layout, mesh=mesh)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for ids in data:
+        out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
+        out.loss.backward()
+        losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
+        opt.step()
+        opt.zero_grad()
+    res = {"losses": losses}
+    if mesh.sp_rank != 0:
+        return res
+
+    with torch.no_grad():
+        ref_logits = ref(input_ids=data[0]).logits
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses = []
+    for ids in data:
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+        ref_losses.append(out.loss.item())
+        ropt.step()
+        ropt.zero_grad()
+    res.update(ref_losses=ref_losses, logits_diff=_max_diff(logits, ref_logits),
+               logits_scale=float(ref_logits.abs().max()),
+               loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+               param_diff=max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())),
+               loss_change=ref_losses[0] - ref_losses[-1])
+    return res
+
+
+def llama_label_control(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
+    """The loss with shard_batch's globally shifted labels, and with labels sharded first and
+    shifted inside each shard (what a model does with a plain ``labels`` shard): the second
+    must differ from single-process, proving the loss comparison can fail."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    model = tiny_llama(seed)
+    ref_loss = model(input_ids=_batches(1, B, S, seed)[0], labels=_batches(1, B, S, seed)[0]).loss.item()
+    model.set_attn_implementation(name)
+    ids = _batches(1, B, S, seed)[0]
+    batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout)
+    with torch.no_grad():
+        right = model(**batch).loss
+        wrong = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                      labels=usp_hal.shard(ids, layout=layout, mesh=mesh),
+                      num_items_in_batch=batch["num_items_in_batch"]).loss
+    both = torch.stack([right, wrong])
+    dist.all_reduce(both, group=mesh.sp_group)
+    return {"right_diff": abs(float(both[0]) - ref_loss), "wrong_diff": abs(float(both[1]) - ref_loss)}
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as exc:      # the refusals under test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def llama_refusals(U=1, R=2, B=2, S=24, seed=0):
+    """Calls the transformers integration must refuse, each on every rank together (a rank that
+    went on alone would hang the next collective, and the case would time out)."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    rank = mesh.sp_rank
+    name = usp.register(f"usp_hal_test_u{U}r{R}_zigzag", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    model = tiny_llama(seed, num_hidden_layers=2)
+    model.set_attn_implementation(name)
+    model.eval()
+    ids = _batches(1, B, S, seed)[0]
+    batch = usp.shard_batch({"input_ids": ids}, mesh, "zigzag")
+    local_len = batch["input_ids"].shape[1]
+    res = {}
+    with torch.no_grad():
+        res["no_position_ids"] = _error_of(lambda: model(input_ids=batch["input_ids"]))
+        mask = torch.ones(B, local_len, dtype=torch.long)
+        if rank == 1:
+            mask[0, 0] = 0       # padding on one rank only
+        res["padding_mask_one_rank"] = _error_of(lambda: model(**batch, attention_mask=mask))
+        res["ones_mask_ok"] = _error_of(lambda: model(**batch, attention_mask=torch.ones(B, local_len)))
+        mask4 = torch.ones(B, 1, local_len, local_len, dtype=torch.bool).tril()
+        res["mask_4d"] = _error_of(lambda: model(**batch, attention_mask=mask4))
+        padded = torch.ones(B, S, dtype=torch.long)
+        padded[1, -3:] = 0
+        res["shard_batch_padding"] = _error_of(
+            lambda: usp.shard_batch({"input_ids": ids, "attention_mask": padded}, mesh, "zigzag"))
+        basic = usp.shard_batch({"input_ids": ids}, mesh, "basic")
+        res["layout_mismatch"] = _error_of(lambda: model(**basic))
+        own = ids + rank
+        res["different_batches"] = _error_of(lambda: usp.shard_batch({"input_ids": own}, mesh, "zigzag"))
+
+        def generate_step():
+            out = model(**batch, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            model(input_ids=nxt, position_ids=torch.full((B, 1), S), past_key_values=out.past_key_values,
+                  use_cache=True)
+        res["kv_cache"] = _error_of(generate_step)
+        res["attentions"] = _error_of(lambda: model(**batch, output_attentions=True))
+    res["unknown_attn_type"] = _error_of(lambda: usp.register("usp_hal_test_bad", attn_type="no_such_kernel"))
+    drop = tiny_llama(seed, num_hidden_layers=2, attention_dropout=0.1)
+    drop.set_attn_implementation(name)
+    drop.train()
+    res["dropout"] = _error_of(lambda: drop(**batch))
+    with torch.no_grad():     # the group still works after every refusal
+        local = model(**batch).logits
+        ref = tiny_llama(seed, num_hidden_layers=2).eval()(input_ids=ids).logits
+    res["after_refusals_diff"] = _max_diff(usp_hal.unshard(local, layout="zigzag", mesh=mesh), ref)
+    return res
+
+
+def llama_dp_training(U=2, R=1, steps=5, B=2, S=32, seed=0, lr=1e-3):
+    """Two data-parallel replicas of a sequence-parallel group (4 ranks, U=2): each replica trains
+    on its own batch; sync_gradients sums over the group and averages over replicas.  The
+    reference trains on both batches at once (equal token counts, so the mean loss is the same)."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    replica = dist.get_rank() // mesh.sp_size
+    name = usp.register(f"usp_hal_test_u{U}r{R}_zigzag", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    data = [_batches(1, B, S, seed + i)[0] for i in range(mesh.dp_degree)]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = model(**usp.shard_batch({"input_ids": data[replica], "labels": data[replica]}, mesh, "zigzag"))
+        out.loss.backward()
+        losses.append(usp.sync_gradients(model, mesh, out.loss).item())
+        opt.step()
+        opt.zero_grad()
+    if dist.get_rank() != 0:
+        return {"losses": losses}
+    both = torch.cat(data)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses = []
+    for _ in range(steps):
+        out = ref(input_ids=both, labels=both)
+        out.loss.backward()
+        ref_losses.append(out.loss.item())
+        ropt.step()
+        ropt.zero_grad()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_diff": max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters()))}
+
+
+def mistral_window(U=1, R=2, layout="zigzag", B=2, S=40, window=8, seed=0):
+    """A tiny Mistral with a causal sliding window shorter than the sequence: logits and input
+    gradients against single-process, plus the difference the window makes (must be large)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, sliding_window=window)
+    torch.manual_seed(seed)
+    ref = MistralForCausalLM(MistralConfig(**cfg))
+    ref.set_attn_implementation("sdpa")
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    ids = _batches(1, B, S, seed)[0]
+    batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout)
+    out = model(**batch)
+    out.loss.backward()
+    loss = usp.sync_gradients(model, mesh, out.loss)
+    logits = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh)
+    if mesh.sp_rank != 0:
+        return {}
+    rout = ref(input_ids=ids, labels=ids)
+    rout.loss.backward()
+    with torch.no_grad():
+        full = copy.deepcopy(ref)
+        full.config.sliding_window = None
+        for layer in full.model.layers:
+            layer.self_attn.config.sliding_window = None
+        no_window = full(input_ids=ids).logits
+    return {"logits_diff": _max_diff(logits, rout.logits), "loss_diff": abs(loss.item() - rout.loss.item()),
+            "grad_diff": max(_max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+            "window_effect": _max_diff(no_window, rout.logits)}
+
+
+def run_example(name: str, **kwargs):
+    """Load examples/<name>.py and call its main() (under the pool's process group)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(**kwargs)
+
+
+def example_pair(sp: str, single: str):
+    """The sequence-parallel example on every rank; its single-process twin on rank 0."""
+    got = run_example(sp)
+    if dist.get_rank() != 0:
+        return {}
+    want = run_example(single)
+    if isinstance(got, list):
+        return {"max_diff": max(abs(a - b) for a, b in zip(got, want)), "first": want[0], "last": want[-1]}
+    return {"max_diff": _max_diff(got, want), "scale": float(want.abs().max())}
+
