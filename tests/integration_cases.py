@@ -262,3 +262,126 @@ def example_pair(sp: str, single: str):
         return {"max_diff": max(abs(a - b) for a, b in zip(got, want)), "first": want[0], "last": want[-1]}
     return {"max_diff": _max_diff(got, want), "scale": float(want.abs().max())}
 
+
+# ----------------------------------------------------------------------------- diffusers
+def tiny_flux(seed: int = 0):
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2,
+                                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                  pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+
+
+def flux_inputs(text_len: int, B: int = 2, side: int = 6, seed: int = 0):
+    """Random Flux inputs: side x side image tokens, text_len text tokens.  The text ids are
+    distinct positions (pipelines use zeros) so that a wrong text split would show."""
+    g = torch.Generator().manual_seed(seed + 7)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+    txt_ids = torch.stack([torch.arange(text_len)] * 3, dim=-1).float() + 0.5
+    return dict(hidden_states=torch.randn(B, side * side, 8, generator=g),
+                encoder_hidden_states=torch.randn(B, text_len, 32, generator=g),
+                pooled_projections=torch.randn(B, 16, generator=g),
+                timestep=torch.rand(B, generator=g), img_ids=img_ids, txt_ids=txt_ids)
+
+
+def _flux_loss_grads(model, inputs, weight, mesh=None):
+    """Output, and gradients of sum(output * weight) w.r.t. the parameters and the two hidden-state inputs."""
+    x = {k: v.clone().requires_grad_(k in ("hidden_states", "encoder_hidden_states")) for k, v in inputs.items()}
+    out = model(**x).sample
+    (out * weight).sum().backward()
+    grads = {"hidden_states": x["hidden_states"].grad, "encoder_hidden_states": x["encoder_hidden_states"].grad}
+    if mesh is not None:    # each rank holds the input gradient of its own tokens: sum them
+        for g in grads.values():
+            dist.all_reduce(g, group=mesh.sp_group)
+    params = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads, params
+
+
+def flux_case(U=2, R=1, text_len=16, control=None, checkpointing=False, seed=0):
+    """Tiny Flux (2 double + 2 single blocks) under parallelize(), vs single-process, output and
+    gradients.  ``control`` runs a deliberately broken variant whose error must be large:
+    "img_ids" gives each rank the image RoPE ids of other tokens, "local" skips usp-hal
+    attention (each rank attends to its own tokens only)."""
+    from usp_hal.integrations import diffusers as usp
+
+    mesh = get_mesh(U, R)
+    ref = tiny_flux(seed)
+    model = copy.deepcopy(ref)
+    inputs = flux_inputs(text_len, seed=seed)
+    weight = torch.randn(2, inputs["hidden_states"].shape[1], 8, generator=torch.Generator().manual_seed(seed + 3))
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    if control is None:
+        handle = usp.parallelize(model, mesh, attn_type="sdpa")
+        try:
+            out, grads, params = _flux_loss_grads(model, inputs, weight, mesh)
+            usp.sync_gradients(model, mesh)
+            params = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        finally:
+            handle.remove()
+    else:
+        out = _flux_control(model, inputs, mesh, control, usp)
+        grads = params = None
+    if mesh.sp_rank != 0:
+        return {}
+    rout, rgrads, rparams = _flux_loss_grads(ref, inputs, weight)
+    res = {"out_diff": _max_diff(out, rout), "out_scale": float(rout.abs().max())}
+    if grads is not None:
+        res["input_grad_diff"] = max(_max_diff(grads[k], rgrads[k]) for k in grads)
+        res["param_grad_diff"] = max(_max_diff(params[n], rparams[n]) for n in rparams)
+        res["param_grad_scale"] = max(float(g.abs().max()) for g in rparams.values())
+        res["params_compared"] = len(rparams)
+    return res
+
+
+def _flux_control(model, inputs, mesh, control, usp):
+    sh = {k: v for k, v in inputs.items()}
+    for k, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
+        sh[k] = usp_hal.shard(inputs[k], mesh=mesh, seq_dim=dim)
+    if control == "img_ids":            # the right number of ids, but another rank's tokens' ids
+        sh["img_ids"] = usp_hal.shard(inputs["img_ids"].flip(0), mesh=mesh, seq_dim=0)
+    handle = usp.enable_attention(model, mesh, attn_type="sdpa") if control != "local" else None
+    try:
+        with torch.no_grad():
+            local = model(**sh).sample
+    finally:
+        if handle is not None:
+            handle.remove()
+    return usp_hal.unshard(local, mesh=mesh)
+
+
+def flux_refusals(U=1, R=2, text_len=7, seed=0):
+    """What parallelize() must refuse on every rank, and that remove() restores the model."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    from usp_hal.integrations import diffusers as usp
+
+    mesh = get_mesh(U, R)
+    before = _AttentionBackendRegistry._active_backend
+    ref = tiny_flux(seed)
+    model = copy.deepcopy(ref)
+    inputs = flux_inputs(text_len, seed=seed)
+    with torch.no_grad():
+        want = ref(**inputs).sample
+    res = {}
+    handle = usp.parallelize(model, mesh, attn_type="sdpa")
+    with torch.no_grad():
+        mask = torch.ones(2, text_len + inputs["hidden_states"].shape[1], dtype=torch.bool)
+        res["attention_mask"] = _error_of(lambda: model(**inputs, joint_attention_kwargs={"attention_mask": mask}))
+        block = model.single_transformer_blocks[0].attn
+        original = block.processor
+
+        def bypass(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+            return hidden_states          # attention that never calls dispatch_attention_fn
+        block.processor = bypass
+        res["bypassing_processor"] = _error_of(lambda: model(**inputs))
+        block.processor = original
+        res["twice"] = _error_of(lambda: usp.parallelize(model, mesh))
+        res["ids_3d"] = _error_of(lambda: model(**{**inputs, "txt_ids": inputs["txt_ids"][None]}))
+        res["after_refusals_diff"] = _max_diff(model(**inputs).sample, want)
+    handle.remove()
+    with torch.no_grad():
+        res["after_remove_diff"] = _max_diff(model(**inputs).sample, want)
+    res["active_backend_restored"] = _AttentionBackendRegistry._active_backend == before
+    return res
