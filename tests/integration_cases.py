@@ -87,7 +87,8 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
 def llama_label_control(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
     """The loss with shard_batch's globally shifted labels, and with labels sharded first and
     shifted inside each shard (what a model does with a plain ``labels`` shard): the second
-    must differ from single-process, proving the loss comparison can fail."""
+    must differ from single-process, proving the loss comparison can fail.  Also: a right-padded
+    batch without mask (pads labelled -100) against single-process with the padding mask."""
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
@@ -102,9 +103,22 @@ def llama_label_control(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
         wrong = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                       labels=usp_hal.shard(ids, layout=layout, mesh=mesh),
                       num_items_in_batch=batch["num_items_in_batch"]).loss
-    both = torch.stack([right, wrong])
+    # right padding: no attention_mask and labels -100 on the pads, against single-process
+    # attention with the padding mask (causal: real tokens never see the pads after them)
+    padded = ids.clone()
+    padded[1, -7:] = 0
+    labels = padded.clone()
+    labels[1, -7:] = -100
+    mask = torch.ones_like(padded)
+    mask[1, -7:] = 0
+    with torch.no_grad():
+        padded_loss = model(**usp.shard_batch({"input_ids": padded, "labels": labels}, mesh, layout)).loss
+    ref_model = tiny_llama(seed)
+    ref_padded = ref_model(input_ids=padded, labels=labels, attention_mask=mask).loss.item()
+    both = torch.stack([right, wrong, padded_loss])
     dist.all_reduce(both, group=mesh.sp_group)
-    return {"right_diff": abs(float(both[0]) - ref_loss), "wrong_diff": abs(float(both[1]) - ref_loss)}
+    return {"right_diff": abs(float(both[0]) - ref_loss), "wrong_diff": abs(float(both[1]) - ref_loss),
+            "right_padding_diff": abs(float(both[2]) - ref_padded)}
 
 
 def _error_of(fn):

@@ -45,6 +45,7 @@ def test_labels_shifted_before_sharding_negative_control(pools):
     for r in pools(2).run(cases.llama_label_control, timeout=120, U=1, R=2):
         assert r["right_diff"] <= LOSS_TOL, r
         assert r["wrong_diff"] > 100 * LOSS_TOL, r
+        assert r["right_padding_diff"] <= LOSS_TOL, r
 
 
 EXPECTED_REFUSALS = {
