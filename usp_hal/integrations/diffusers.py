@@ -196,8 +196,15 @@ def parallelize(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation
     Every rank calls the model with the same full inputs and gets the same full output; each
     computes its share of the tokens.  The split follows ``plan`` (default: the model's
     ``_cp_plan``).  Returns a handle whose ``remove()`` restores the model.  For training, call
-    :func:`sync_gradients` after ``backward()`` (every rank computes the same loss on the
-    gathered output; the gradients of each rank cover its own tokens)."""
+    :func:`sync_gradients` after ``backward()`` without ``loss`` (every rank computes the same
+    loss on the gathered output; the gradients of each rank cover its own tokens).  That sum is
+    right for parameters used before the plan's gathered output, which is all of them when
+    the plan gathers the model's last projection (Flux); a parameter applied after the gather
+    would be counted once per rank.
+
+    While the model runs, ``"usp_hal"`` is diffusers' active attention backend (process-wide
+    state in diffusers' registry, restored afterwards): do not run other diffusers models
+    concurrently in other threads of the same process."""
     _check_version()
     plan = plan if plan is not None else getattr(type(model), "_cp_plan", None)
     if not plan:
