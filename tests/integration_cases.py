@@ -84,6 +84,31 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
     return res
 
 
+def llama_checkpointing(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
+    """Activation checkpointing recomputes the attention in backward (more collectives inside
+    backward, same on every rank): loss and gradients against single-process."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    ref = tiny_llama(seed)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    ids = _batches(1, B, S, seed)[0]
+    out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
+    out.loss.backward()
+    loss = usp.sync_gradients(model, mesh, out.loss).item()
+    if mesh.sp_rank != 0:
+        return {}
+    rout = ref(input_ids=ids, labels=ids)
+    rout.loss.backward()
+    return {"loss_diff": abs(loss - rout.loss.item()), "checkpointing": bool(model.model.gradient_checkpointing),
+            "grad_diff": max(_max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))}
+
+
 def llama_label_control(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
     """The loss with shard_batch's globally shifted labels, and with labels sharded first and
     shifted inside each shard (what a model does with a plain ``labels`` shard): the second

@@ -39,6 +39,13 @@ def test_llama_logits_and_20_adamw_steps_match_single_process(pools, split):
         assert r["losses"] == r0["losses"]
 
 
+def test_llama_with_activation_checkpointing(pools):
+    r = pools(2).run(cases.llama_checkpointing, timeout=120, U=1, R=2)[0]
+    assert r["checkpointing"], r
+    assert r["loss_diff"] <= LOSS_TOL, r
+    assert r["grad_diff"] <= LOGITS_TOL, r
+
+
 def test_labels_shifted_before_sharding_negative_control(pools):
     """shard_batch's loss equals single-process; shifting inside each shard (labels sharded
     first) does not: the loss comparison can fail."""
