@@ -4,7 +4,10 @@ integrations (see tests/mp.py).  Each builds a tiny randomly initialised model f
 same worker (on sequence-parallel rank 0 only, so that 4 ranks on 2 cores stay fast)."""
 from __future__ import annotations
 
+import ast
 import copy
+import difflib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +16,7 @@ import usp_hal
 from tests.dist_cases import get_mesh
 
 VOCAB = 256
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -283,8 +287,7 @@ def mistral_window(U=1, R=2, layout="zigzag", B=2, S=40, window=8, seed=0):
 def run_example(name: str, **kwargs):
     """Load examples/<name>.py and call its main() (under the pool's process group)."""
     import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    path = EXAMPLES / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -424,3 +427,22 @@ def flux_refusals(U=1, R=2, text_len=7, seed=0):
         res["after_remove_diff"] = _max_diff(model(**inputs).sample, want)
     res["active_backend_restored"] = _AttentionBackendRegistry._active_backend == before
     return res
+
+
+# ----------------------------------------------------------------------------- examples (no ranks)
+def _code_lines(path: Path):
+    """The script's lines without its module docstring."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    lines = src.splitlines()
+    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) and \
+        isinstance(getattr(tree.body[0], "value", None), ast.Constant) else None
+    if doc is not None:
+        lines = lines[:doc.lineno - 1] + lines[doc.end_lineno:]
+    return [ln for ln in lines if ln.strip()]
+
+
+def added_lines(single: str, sp: str):
+    a, b = _code_lines(EXAMPLES / single), _code_lines(EXAMPLES / sp)
+    return [ln[1:] for ln in difflib.unified_diff(a, b, lineterm="", n=0)
+            if ln.startswith("+") and not ln.startswith("+++")]

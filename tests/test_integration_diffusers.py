@@ -6,7 +6,6 @@ import pytest
 pytest.importorskip("diffusers")
 
 from tests import integration_cases as cases  # noqa: E402
-from tests.test_integration_transformers import added_lines  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -65,7 +64,7 @@ def test_untested_diffusers_version_is_refused(monkeypatch):
 
 
 def test_example_adds_at_most_five_lines():
-    added = added_lines("flux_single.py", "flux_sp.py")
+    added = cases.added_lines("flux_single.py", "flux_sp.py")
     assert len(added) <= 5, added
     assert all("# usp-hal" in ln for ln in added), added
 

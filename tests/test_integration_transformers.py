@@ -1,8 +1,6 @@
 """usp_hal.integrations.transformers on real gloo ranks: a tiny GQA Llama (hidden 128, 4 layers,
 8 heads, 2 KV heads) from a config, sequence-parallel vs single-process in the same worker:
 logits, 20 AdamW steps, refusals on every rank, and the runnable example."""
-import ast
-import difflib
 import os
 import re
 import subprocess
@@ -108,26 +106,8 @@ def test_data_parallel_replicas_of_a_sequence_parallel_group(pools):
 
 
 # ----------------------------------------------------------------------------- the example
-def _code_lines(path: Path):
-    """The script's lines without its module docstring."""
-    src = path.read_text()
-    tree = ast.parse(src)
-    lines = src.splitlines()
-    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) and \
-        isinstance(getattr(tree.body[0], "value", None), ast.Constant) else None
-    if doc is not None:
-        lines = lines[:doc.lineno - 1] + lines[doc.end_lineno:]
-    return [ln for ln in lines if ln.strip()]
-
-
-def added_lines(single: str, sp: str):
-    a, b = _code_lines(ROOT / "examples" / single), _code_lines(ROOT / "examples" / sp)
-    return [ln[1:] for ln in difflib.unified_diff(a, b, lineterm="", n=0)
-            if ln.startswith("+") and not ln.startswith("+++")]
-
-
 def test_example_adds_at_most_five_lines():
-    added = added_lines("llama_single.py", "llama_sp.py")
+    added = cases.added_lines("llama_single.py", "llama_sp.py")
     assert len(added) <= 5, added
     assert all("# usp-hal" in ln for ln in added), added
 
