@@ -1,0 +1,334 @@
+"""usp-hal for diffusers models: one call makes a model sequence-parallel.
+
+::
+
+    import usp_hal.integrations.diffusers as usp
+    mesh = usp.init_distributed(ulysses_degree=2, ring_degree=1)
+    usp.parallelize(pipe.transformer, mesh)      # or any model with a context-parallel plan
+    image = pipe(prompt).images[0]               # every rank passes the same inputs, gets the same output
+
+:func:`parallelize` does two things:
+
+1. **Attention.**  It registers a ``"usp_hal"`` attention backend with diffusers'
+   ``dispatch_attention_fn`` and routes every attention module of the model to it while the
+   model (or the module, when gradient checkpointing recomputes it) runs.  The backend calls
+   :class:`usp_hal.LongContextAttention` on diffusers' ``[B, S_local, H, D]`` tensors.  It
+   refuses attention masks, ``is_causal`` and dropout; a module whose processor does not call
+   ``dispatch_attention_fn`` raises instead of attending to this rank's tokens only.
+2. **Sharding.**  It follows the model's declared context-parallel plan (``_cp_plan``): the
+   inputs it names are split along their sequence dimension with :func:`usp_hal.shard` (the
+   "basic" layout, any length: no divisibility needed) and the outputs it names are gathered
+   back with :func:`usp_hal.unshard`, which is differentiable.  For Flux that is the image
+   tokens, the text tokens and both RoPE id tensors, each split the same way, so every rank
+   holds its share of the text tokens and its share of the image tokens with their own
+   position ids.  Attention here is not causal, so the order of the keys does not matter and
+   the concatenation ``[text share; image share]`` on each rank is a valid shard of the joint
+   sequence.
+
+The backend registry and the plans are diffusers internals: this module checks the installed
+diffusers version against the tested ones and refuses to run on others.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+import usp_hal
+
+from . import init_distributed, sync_gradients
+
+__all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "parallelize", "enable_attention", "usp_attention",
+           "init_distributed", "sync_gradients"]
+
+BACKEND_NAME = "usp_hal"
+TESTED_VERSIONS = ("0.42.1",)
+LAYOUT = "basic"
+
+
+def _check_version():
+    import diffusers
+    if diffusers.__version__ not in TESTED_VERSIONS:
+        raise RuntimeError(
+            f"usp_hal.integrations.diffusers hooks into diffusers' attention backend registry and context-parallel "
+            f"plans, which are internal and change between releases; it is tested with diffusers "
+            f"{', '.join(TESTED_VERSIONS)} and found {diffusers.__version__}. Install a tested version "
+            f"(pip install 'diffusers=={TESTED_VERSIONS[-1]}'), or shard the inputs yourself with usp_hal.shard and "
+            "call usp_hal.LongContextAttention from your own attention processor")
+
+
+# ----------------------------------------------------------------------------- the backend
+@dataclass
+class _Context:
+    mesh: Any
+    attn: Any
+    calls: int = 0
+
+
+_STACK: List[_Context] = []
+
+
+def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                  enable_gqa: bool = False, _parallel_config=None) -> torch.Tensor:
+    """The ``"usp_hal"`` attention backend: ``[B, S_local, H, D]`` in and out, like diffusers'
+    other backends.  Active only inside a model prepared by :func:`parallelize` or
+    :func:`enable_attention`."""
+    if not _STACK:
+        raise RuntimeError("the usp_hal attention backend ran outside a model prepared with "
+                           "usp_hal.integrations.diffusers.parallelize / enable_attention")
+    ctx = _STACK[-1]
+    if attn_mask is not None:
+        raise ValueError("usp_hal attention (diffusers): attention masks are not supported (a mask over the "
+                         "joint sequence cannot be split with it); run the model without attention_mask")
+    if is_causal:
+        raise ValueError("usp_hal attention (diffusers): is_causal=True is not supported: the shards of the "
+                         "joint sequence are not in causal order")
+    if _parallel_config is not None:
+        raise ValueError("usp_hal attention (diffusers): diffusers' own context parallelism is enabled on this "
+                         "model; use one of the two, not both")
+    ctx.calls += 1
+    return ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
+
+
+def _register_backend():
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    if _AttentionBackendRegistry._backends.get(BACKEND_NAME) is not usp_attention:
+        _AttentionBackendRegistry.register(BACKEND_NAME)(usp_attention)
+    return _AttentionBackendRegistry
+
+
+def _attention_modules(model: torch.nn.Module):
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (AttentionModuleMixin, Attention))]
+
+
+# ----------------------------------------------------------------------------- hooks
+@dataclass
+class Handle:
+    """What :func:`parallelize` / :func:`enable_attention` installed; ``remove()`` undoes it."""
+
+    model: torch.nn.Module
+    hooks: list = field(default_factory=list)
+    processors: list = field(default_factory=list)
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        for proc, backend in self.processors:
+            proc._attention_backend = backend
+        self.processors.clear()
+        if getattr(self.model, "_usp_hal_handle", None) is self:
+            del self.model._usp_hal_handle
+
+
+class _Activate:
+    """Forward pre/post hooks that make ``"usp_hal"`` diffusers' active backend while a module runs."""
+
+    def __init__(self, registry, ctx: _Context, check_calls_of: Optional[str] = None):
+        self.registry = registry
+        self.ctx = ctx
+        self.check = check_calls_of
+        self.saved = []
+
+    def pre(self, module, args, kwargs=None):
+        self.saved.append((self.registry._active_backend, self.ctx.calls))
+        self.registry.set_active_backend(BACKEND_NAME)
+        _STACK.append(self.ctx)
+
+    def post(self, module, args, *rest):
+        output = rest[-1] if rest else None
+        previous, calls = self.saved.pop()
+        _STACK.pop()
+        self.registry.set_active_backend(previous)
+        if self.check is not None and output is not None and self.ctx.calls == calls:
+            raise RuntimeError(
+                f"attention module {self.check!r} ({type(module).__name__}, processor "
+                f"{type(getattr(module, 'processor', None)).__name__}) ran without calling dispatch_attention_fn, so "
+                "its attention covered this rank's tokens only; give it a processor that calls "
+                "diffusers' dispatch_attention_fn")
+
+
+def enable_attention(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation: str = "p2p") -> Handle:
+    """Route every attention module of ``model`` to usp-hal attention (no input sharding:
+    the caller passes this rank's share of the sequence).  :func:`parallelize` calls this."""
+    _check_version()
+    if getattr(model, "_usp_hal_handle", None) is not None:
+        raise ValueError("this model is already prepared by usp_hal; call handle.remove() first")
+    registry = _register_backend()
+    mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    attn = usp_hal.LongContextAttention(attn_type=attn_type, ring_impl_type=LAYOUT, mesh=mesh, rotation=rotation)
+    ctx = _Context(mesh, attn)
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no diffusers attention modules (Attention / "
+                         "AttentionModuleMixin) to route to usp-hal")
+    handle = Handle(model)
+    seen = set()
+    for name, m in modules:
+        proc = getattr(m, "processor", None)
+        if getattr(proc, "_parallel_config", None) is not None:
+            raise ValueError(f"attention module {name!r} has diffusers' context parallelism enabled; use one of "
+                             "the two, not both")
+        if proc is not None and id(proc) not in seen and hasattr(proc, "_attention_backend"):
+            seen.add(id(proc))
+            # a processor with an explicit backend would bypass the active one
+            handle.processors.append((proc, proc._attention_backend))
+            proc._attention_backend = None
+        act = _Activate(registry, ctx, check_calls_of=name)
+        handle.hooks.append(m.register_forward_pre_hook(act.pre, with_kwargs=True))
+        handle.hooks.append(m.register_forward_hook(act.post, always_call=True))
+    top = _Activate(registry, ctx)
+    handle.hooks.append(model.register_forward_pre_hook(top.pre, with_kwargs=True))
+    handle.hooks.append(model.register_forward_hook(top.post, always_call=True))
+    model._usp_hal_handle = handle
+    return handle
+
+
+def parallelize(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation: str = "p2p",
+                plan: Optional[dict] = None) -> Handle:
+    """Make ``model`` sequence-parallel over ``mesh`` (default: the default mesh).
+
+    Every rank calls the model with the same full inputs and gets the same full output; each
+    computes its share of the tokens.  The split follows ``plan`` (default: the model's
+    ``_cp_plan``).  Returns a handle whose ``remove()`` restores the model.  For training, call
+    :func:`sync_gradients` after ``backward()`` without ``loss`` (every rank computes the same
+    loss on the gathered output; the gradients of each rank cover its own tokens).  That sum is
+    right for parameters used before the plan's gathered output, which is all of them when
+    the plan gathers the model's last projection (Flux); a parameter applied after the gather
+    would be counted once per rank.
+
+    While the model runs, ``"usp_hal"`` is diffusers' active attention backend (process-wide
+    state in diffusers' registry, restored afterwards): do not run other diffusers models
+    concurrently in other threads of the same process."""
+    _check_version()
+    plan = plan if plan is not None else getattr(type(model), "_cp_plan", None)
+    if not plan:
+        raise ValueError(f"{type(model).__name__} declares no context-parallel plan (_cp_plan); shard its inputs "
+                         "yourself with usp_hal.shard, call enable_attention(model, mesh), and gather the output "
+                         "with usp_hal.unshard")
+    mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    handle = enable_attention(model, mesh, attn_type=attn_type, rotation=rotation)
+    try:
+        for path, spec in plan.items():
+            for m in _submodules(model, path):
+                handle.hooks.extend(_plan_hooks(m, path, spec, mesh))
+    except Exception:
+        handle.remove()
+        raise
+    return handle
+
+
+def _submodules(model, path: str):
+    if path == "":
+        return [model]
+    mods = [model]
+    for atom in path.split("."):
+        nxt = []
+        for m in mods:
+            if atom == "*":
+                if not isinstance(m, torch.nn.ModuleList):
+                    raise ValueError(f"plan path {path!r}: '*' must follow a ModuleList")
+                nxt.extend(m)
+            elif hasattr(m, atom):
+                nxt.append(getattr(m, atom))
+            else:
+                raise ValueError(f"plan path {path!r}: {type(m).__name__} has no submodule {atom!r}")
+        mods = nxt
+    return mods
+
+
+def _plan_hooks(module, path, spec, mesh):
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+    if isinstance(spec, dict):
+        inputs = {k: v for k, v in spec.items() if not _split_output(v, ContextParallelInput)}
+        outputs = {k: v for k, v in spec.items() if _split_output(v, ContextParallelInput)}
+        hooks = []
+        if inputs:
+            hooks.append(module.register_forward_pre_hook(_SplitInputs(module, path, inputs, mesh), with_kwargs=True))
+        if outputs:
+            hooks.append(module.register_forward_hook(_SplitOutputs(path, outputs, mesh)))
+        return hooks
+    specs = [spec] if isinstance(spec, ContextParallelOutput) else list(spec)
+    if not all(s is None or isinstance(s, ContextParallelOutput) for s in specs):
+        raise ValueError(f"plan entry {path!r}: expected ContextParallelOutput(s), got {spec!r}")
+    return [module.register_forward_hook(_GatherOutputs(path, specs, mesh))]
+
+
+def _split_output(v, cls) -> bool:
+    items = v if isinstance(v, (list, tuple)) else [v]
+    if not all(isinstance(x, cls) for x in items):
+        raise ValueError(f"unsupported context-parallel plan entry {v!r} (expected ContextParallelInput)")
+    return isinstance(v, cls) and v.split_output
+
+
+def _shard(x, cpi, what: str, mesh):
+    if not isinstance(x, torch.Tensor):
+        return x
+    if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
+        raise ValueError(f"{what}: expected a {cpi.expected_dims}-D tensor to split along dim {cpi.split_dim}, got "
+                         f"shape {tuple(x.shape)} (the model's context-parallel plan cannot split it; pass it in the "
+                         "documented shape, e.g. Flux's txt_ids/img_ids without a batch dimension)")
+    return usp_hal.shard(x, layout=LAYOUT, mesh=mesh, seq_dim=cpi.split_dim)
+
+
+class _SplitInputs:
+    def __init__(self, module, path, spec, mesh):
+        self.spec, self.mesh, self.path = spec, mesh, path
+        self.params = list(inspect.signature(module.forward).parameters)
+
+    def __call__(self, module, args, kwargs):
+        args = list(args)
+        for name, cpi in self.spec.items():
+            if name in kwargs:
+                kwargs[name] = self._apply(kwargs[name], cpi, name)
+            elif name in self.params and self.params.index(name) < len(args):
+                i = self.params.index(name)
+                args[i] = self._apply(args[i], cpi, name)
+        return tuple(args), kwargs
+
+    def _apply(self, val, cpi, name):
+        what = f"{self.path or 'model'}.{name}"
+        if isinstance(val, (list, tuple)):
+            cpis = cpi if isinstance(cpi, (list, tuple)) else [cpi] * len(val)
+            if len(cpis) != len(val):
+                raise ValueError(f"{what}: the plan has {len(cpis)} entries for {len(val)} inputs")
+            return type(val)(_shard(x, c, f"{what}[{i}]", self.mesh) if not c.split_output else x
+                             for i, (x, c) in enumerate(zip(val, cpis)))
+        return _shard(val, cpi, what, self.mesh)
+
+
+class _SplitOutputs:
+    def __init__(self, path, spec, mesh):
+        self.spec, self.mesh, self.path = spec, mesh, path
+
+    def __call__(self, module, args, output):
+        single = isinstance(output, torch.Tensor)
+        outs = [output] if single else list(output)
+        for index, cpi in self.spec.items():
+            if not isinstance(index, int) or index >= len(outs):
+                raise ValueError(f"plan entry {self.path!r}: output index {index!r} is out of range")
+            outs[index] = _shard(outs[index], cpi, f"{self.path} output {index}", self.mesh)
+        return outs[0] if single else type(output)(outs)
+
+
+class _GatherOutputs:
+    def __init__(self, path, specs, mesh):
+        self.specs, self.mesh, self.path = specs, mesh, path
+
+    def __call__(self, module, args, output):
+        single = isinstance(output, torch.Tensor)
+        outs = [output] if single else list(output)
+        if len(outs) != len(self.specs):
+            raise ValueError(f"plan entry {self.path!r}: {len(self.specs)} gather entries for {len(outs)} outputs")
+        for i, cpo in enumerate(self.specs):
+            if cpo is None:
+                continue
+            if cpo.expected_dims is not None and outs[i].dim() != cpo.expected_dims:
+                raise ValueError(f"{self.path} output {i}: expected {cpo.expected_dims} dims, got {tuple(outs[i].shape)}")
+            outs[i] = usp_hal.unshard(outs[i], layout=LAYOUT, mesh=self.mesh, seq_dim=cpo.gather_dim)
+        return outs[0] if single else type(output)(outs)

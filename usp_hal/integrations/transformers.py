@@ -1,0 +1,449 @@
+"""usp-hal as a transformers attention implementation.
+
+Importing this module registers ``"usp_hal"`` in transformers' ``AttentionInterface`` (and its
+mask counterpart), so a model whose attention goes through that interface runs
+sequence-parallel (tested: Llama with GQA, Mistral with a sliding window) with::
+
+    import usp_hal.integrations.transformers as usp
+    mesh = usp.init_distributed(ulysses_degree=2, ring_degree=1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="usp_hal")
+    out = model(**usp.shard_batch(batch, mesh))          # batch: the global input_ids, labels
+    out.loss.backward()
+    loss = usp.sync_gradients(model, mesh, out.loss)     # gradients and loss of the whole sequence
+
+What the attention function does with each call (``query`` ``[B, H, S_local, D]``, key/value
+``[B, Hkv, S_local, D]``): transposes to usp-hal's ``[B, S_local, H, D]`` and calls
+:class:`usp_hal.LongContextAttention` with transformers' ``scaling``, ``dropout``, causality
+and sliding window; GQA is handled by the core, without repeating KV heads.
+
+What it refuses, on every rank together and before any data is exchanged: padding masks
+(2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
+and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
+match the layout (missing ones, packed sequences), a KV cache holding more tokens than the
+query (generation), attention sinks, position biases and ``output_attentions``.
+Transformers drops a 2-D mask silently for an attention implementation without a mask
+function, so one is registered too: it never builds a mask, it reports what it was asked for.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+import usp_hal
+from usp_hal.comm import all_gather_bytes, all_gather_ints
+
+from . import init_distributed, sync_gradients
+
+__all__ = ["ATTN_IMPLEMENTATION", "register", "shard_batch", "init_distributed", "sync_gradients",
+           "usp_attention_forward", "usp_mask"]
+
+ATTN_IMPLEMENTATION = "usp_hal"
+TESTED_VERSIONS = ("5.23.0",)
+DEFAULT_LAYOUT = "zigzag"
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------- the mask function
+@dataclass(frozen=True)
+class MaskInfo:
+    """What the model's mask creation asked for, handed to the attention function in place
+    of a mask tensor: causal or not, a sliding window, or the reason it cannot be honoured."""
+
+    causal: bool = True
+    sliding_window: Optional[int] = None
+    refused: Optional[str] = None
+
+
+_CAUSAL, _BIDIRECTIONAL = "causal_mask_function", "bidirectional_mask_function"
+_WINDOW_CAUSAL = "sliding_window_overlay.<locals>.inner_mask"
+_WINDOW_BIDIRECTIONAL = "sliding_window_bidirectional_overlay.<locals>.inner_mask"
+# transformers wraps the mask function when position_ids are not 0, 1, 2, ... ("packed
+# sequences"); sharded positions look like that.  Real packing is refused by the position check.
+_PACKED = ("packed_sequence_mask_function.<locals>.inner_mask",
+           "remap_positions_for_packed_sequence.<locals>.inner_mask")
+_AND = "and_masks.<locals>.and_mask"
+
+
+def _closure(fn) -> Dict[str, Any]:
+    cells = getattr(fn, "__closure__", None) or ()
+    return {name: c.cell_contents for name, c in zip(fn.__code__.co_freevars, cells)}
+
+
+def _describe_mask_function(fn, found: dict) -> Optional[str]:
+    """Walk a transformers mask function; return why it cannot be honoured, or None.
+    Only patterns known to be plain causal / bidirectional / sliding window are accepted:
+    anything else (an unknown name, a union, chunked or block masks) is refused."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if name == _CAUSAL:
+        found.setdefault("causal", set()).add(True)
+        return None
+    if name == _BIDIRECTIONAL:
+        found.setdefault("causal", set()).add(False)
+        return None
+    if name in (_WINDOW_CAUSAL, _WINDOW_BIDIRECTIONAL):
+        w = _closure(fn).get("sliding_window")
+        if not isinstance(w, int):
+            return f"a sliding window of unknown size ({name})"
+        if name == _WINDOW_BIDIRECTIONAL:
+            return ("a bidirectional sliding window (transformers' masks and kernels count it differently; "
+                    "use a causal sliding window or full attention)")
+        found.setdefault("window", set()).add(w)
+        return None
+    if name in _PACKED:
+        inner = _closure(fn).get("mask_function")
+        return None if inner is None else _describe_mask_function(inner, found)
+    if name == _AND:
+        for sub in _closure(fn).get("mask_functions", ()):
+            why = _describe_mask_function(sub, found)
+            if why:
+                return why
+        return None
+    return f"the custom mask pattern {name!r} (only causal, bidirectional and causal sliding-window masks)"
+
+
+def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+             attention_mask=None, use_vmap=False, **kwargs) -> MaskInfo:
+    """The mask function registered with transformers' ``AttentionMaskInterface``.
+
+    It builds no mask: the attention function applies causality and windows itself.  It
+    returns a :class:`MaskInfo` saying what was asked for; refusals are raised by the
+    attention function, on every rank together."""
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+        return MaskInfo(refused="a padding mask (attention_mask with zeros): sequence-parallel attention "
+                                "attends every token; pass batches without padding (for causal models, "
+                                "right padding with labels -100 and no attention_mask gives the same loss)")
+    if use_vmap:
+        return MaskInfo(refused="a custom mask pattern (or_mask_function/and_mask_function overlays)")
+    found: dict = {}
+    why = _describe_mask_function(mask_function, found) if mask_function is not None else None
+    if why:
+        return MaskInfo(refused=why)
+    causal = found.get("causal", {True})
+    windows = found.get("window", set())
+    if len(causal) > 1 or len(windows) > 1:
+        return MaskInfo(refused="a mask combining several patterns")
+    return MaskInfo(causal=next(iter(causal)), sliding_window=next(iter(windows)) if windows else None)
+
+
+# ----------------------------------------------------------------------------- the attention function
+_REFUSED_KWARGS = {
+    "s_aux": "attention sinks (s_aux)",
+    "position_bias": "a position bias",
+    "cu_seq_lens_q": "packed varlen sequences (cu_seq_lens_q)",
+    "cu_seq_lens_k": "packed varlen sequences (cu_seq_lens_k)",
+    "cache": "a paged KV cache",
+}
+
+
+class _Validated:
+    """Per-forward cache of the cross-rank check: the first layer of a forward exchanges, the
+    other layers (same position_ids and mask objects) reuse the verdict."""
+
+    def __init__(self):
+        self.key = None
+
+    @staticmethod
+    def _ref(t):
+        if isinstance(t, torch.Tensor):
+            return (weakref.ref(t), t._version)
+        if t is None or isinstance(t, MaskInfo):
+            return (t, None)
+        return (id(t), None)
+
+    def make_key(self, mesh, q, position_ids, attention_mask):
+        return (id(mesh), tuple(q.shape), self._ref(position_ids), self._ref(attention_mask))
+
+    def hit(self, key) -> bool:
+        if self.key is None or len(self.key) != len(key):
+            return False
+        for a, b in zip(self.key, key):
+            if isinstance(a, tuple) and a and isinstance(a[0], weakref.ref):
+                if not (isinstance(b, tuple) and isinstance(b[0], weakref.ref) and a[0]() is not None
+                        and a[0]() is b[0]() and a[1] == b[1]):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+class USPAttentionFunction:
+    """The function registered in transformers' ``AttentionInterface`` (see :func:`register`)."""
+
+    def __init__(self, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto", rotation: str = "p2p"):
+        from usp_hal.layout import check_layout
+        self.mesh = mesh
+        self.layout = check_layout(layout)
+        self.attn_type = attn_type
+        self.rotation = rotation
+        usp_hal.REGISTRY.canonical_name(attn_type)     # unknown names fail at registration
+        self._attn = {}
+        self._validated = _Validated()
+
+    def _module_for(self, mesh):
+        key = id(mesh)
+        if key not in self._attn:
+            self._attn[key] = (mesh, usp_hal.LongContextAttention(
+                attn_type=self.attn_type, ring_impl_type=self.layout, mesh=mesh, rotation=self.rotation))
+        return self._attn[key][1]
+
+    # -- checks that depend only on the call (the same on every rank of a SPMD program)
+    def _local_problem(self, query, key, attention_mask, kwargs) -> Optional[str]:
+        if isinstance(attention_mask, MaskInfo):
+            if attention_mask.refused:
+                return attention_mask.refused
+        elif isinstance(attention_mask, torch.Tensor):
+            if attention_mask.dim() == 2 and bool(attention_mask.bool().all()):
+                pass
+            else:
+                return (f"a {attention_mask.dim()}-D attention mask tensor (custom masks cannot be applied across "
+                        "sequence shards); pass no mask")
+        elif attention_mask is not None:
+            return f"an attention mask of type {type(attention_mask).__name__}"
+        for name, what in _REFUSED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                return what
+        if kwargs.get("output_attentions"):
+            return "output_attentions=True (sequence-parallel attention never forms the attention weights)"
+        if query.shape[2] != key.shape[2]:
+            return (f"keys/values of {key.shape[2]} tokens for {query.shape[2]} queries: cross-attention and KV "
+                    "caches (generation) are not supported; run self-attention without a cache (use_cache=False)")
+        pos = kwargs.get("position_ids")
+        if pos is not None and (not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2)):
+            return ("position_ids of shape "
+                    f"{tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__}: only [S] or "
+                    "[B, S] position ids are supported (not multi-dimensional RoPE)")
+        return None
+
+    def _position_problem(self, mesh, position_ids, seqlen: int) -> Optional[str]:
+        if position_ids is None:
+            return None
+        expect = mesh.local_positions(seqlen, self.layout, device=position_ids.device)
+        rows = position_ids.reshape(-1, position_ids.shape[-1])
+        if rows.shape[-1] != expect.numel() or not bool((rows == expect).all()):
+            first = rows[0].tolist()
+            return (f"position_ids {_brief(first)} are not this rank's global positions in the {self.layout!r} "
+                    f"layout of the {seqlen}-token sequence ({_brief(expect.tolist())}); pass the position_ids "
+                    f"from shard_batch(batch, mesh, layout={self.layout!r}) (packed sequences are not supported)")
+        return None
+
+    def _agree(self, mesh, problem: Optional[str], extra: list) -> list:
+        """One small all-gather: every rank's error flag and ``extra`` ints; raise on every rank
+        (with every rank's reason) if any rank has a problem."""
+        rows = all_gather_ints([1 if problem else 0] + list(extra), mesh.sp_group)
+        if any(r[0] for r in rows):
+            texts = all_gather_bytes((problem or "").encode("utf-8"), mesh.sp_group)
+            bad = [(mesh.sp_ranks[i], t.decode("utf-8", "replace")) for i, t in enumerate(texts) if rows[i][0]]
+            raise ValueError("usp_hal attention (transformers) cannot run this call: "
+                             + "; ".join(f"rank {r}: {msg}" for r, msg in bad))
+        return rows
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask=None, dropout: float = 0.0, scaling: Optional[float] = None,
+                 is_causal: Optional[bool] = None, **kwargs):
+        mesh = self.mesh if self.mesh is not None else usp_hal.get_default_mesh()
+        position_ids = kwargs.get("position_ids")
+        problem = self._local_problem(query, key, attention_mask, kwargs)
+        vkey = self._validated.make_key(mesh, query, position_ids, attention_mask)
+        if mesh.sp_size > 1 and not self._validated.hit(vkey):
+            self._validated.key = None
+            rows = self._agree(mesh, problem, [int(query.shape[2])])
+            seqlen = sum(r[1] for r in rows)
+            self._agree(mesh, self._position_problem(mesh, position_ids, seqlen), [])
+            self._validated.key = vkey
+        elif problem:
+            raise ValueError(f"usp_hal attention (transformers) cannot run this call: {problem}")
+
+        info = attention_mask if isinstance(attention_mask, MaskInfo) else None
+        if info is not None:
+            causal = info.causal
+        else:
+            causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
+        window = _window(kwargs.get("sliding_window"), info, causal)
+        softcap = kwargs.get("softcap")
+        attn = self._module_for(mesh)
+        out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=float(dropout),
+                   softmax_scale=scaling, causal=causal, window_size=window,
+                   softcap=float(softcap) if softcap is not None else 0.0)
+        return out, None
+
+
+def _window(sliding_window, info: Optional[MaskInfo], causal: bool):
+    """transformers' causal sliding window W lets a query see itself and the W-1 keys before it."""
+    mask_w = info.sliding_window if info is not None else None
+    if sliding_window is not None and mask_w is not None and int(sliding_window) != mask_w:
+        raise ValueError(f"usp_hal attention (transformers): the layer's sliding_window={sliding_window} differs "
+                         f"from its mask's window {mask_w}")
+    if mask_w is not None and sliding_window is None:
+        raise ValueError(f"usp_hal attention (transformers): the model built a sliding-window mask (window {mask_w}) "
+                         "but its attention layer passed no sliding_window; refusing rather than attending to "
+                         "everything")
+    w = sliding_window if sliding_window is not None else None
+    if w is None:
+        return (-1, -1)
+    if not causal:
+        raise ValueError("usp_hal attention (transformers): a bidirectional sliding window is not supported")
+    if int(w) < 1:
+        raise ValueError(f"usp_hal attention (transformers): sliding_window={w} must be >= 1")
+    return (int(w) - 1, 0)
+
+
+def _brief(xs: list) -> str:
+    if len(xs) <= 8:
+        return str(xs)
+    return "[" + ", ".join(map(str, xs[:4])) + ", ..., " + ", ".join(map(str, xs[-2:])) + "]"
+
+
+_DEFAULT: Optional[USPAttentionFunction] = None
+
+
+def usp_attention_forward(module, query, key, value, attention_mask=None, **kwargs):
+    """The attention function behind ``attn_implementation="usp_hal"`` with the settings of the
+    last :func:`register` call (default: the default mesh, the zigzag layout, ``attn_type="auto"``)."""
+    return _DEFAULT(module, query, key, value, attention_mask, **kwargs)
+
+
+def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto",
+             rotation: str = "p2p") -> str:
+    """Register usp-hal attention with transformers under ``name`` and return the name.
+
+    ``mesh``: the sequence-parallel mesh (default: the default mesh at call time);
+    ``layout``: how the sequence is sharded ("zigzag" balances causal work over a ring;
+    ``shard_batch`` must use the same one, which every forward checks through position_ids);
+    ``attn_type``/``rotation``: as for :class:`usp_hal.LongContextAttention`.
+    Importing this module already registers ``"usp_hal"`` with the defaults.
+    """
+    global _DEFAULT
+    _check_version()
+    from transformers import AttentionInterface, AttentionMaskInterface
+    fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation)
+    if name == ATTN_IMPLEMENTATION:
+        _DEFAULT = fn
+        AttentionInterface.register(name, usp_attention_forward)
+    else:
+        AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, usp_mask)
+    return name
+
+
+def _check_version():
+    import transformers
+    from packaging.version import Version
+    if Version(transformers.__version__) < Version("5.0"):
+        raise ImportError(f"usp_hal.integrations.transformers needs transformers >= 5.0 (its mask interface); "
+                          f"found {transformers.__version__}; tested with {', '.join(TESTED_VERSIONS)}")
+
+
+# ----------------------------------------------------------------------------- batches
+_SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
+
+
+def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, *,
+                ignore_index: int = IGNORE_INDEX, check: bool = True) -> Dict[str, Any]:
+    """This rank's share of a global batch, ready for ``model(**batch)``.
+
+    Every rank of the sequence-parallel group passes the same global batch (``[B, S]`` tensors).
+    Returns ``input_ids`` (or ``inputs_embeds``, ``token_type_ids``) sharded in ``layout``;
+    ``position_ids``: this rank's global positions, for RoPE; ``labels`` and ``shift_labels``:
+    the labels shifted by one over the *global* sequence (then sharded), so the last token of
+    each shard predicts the first token of the next one; ``num_items_in_batch``: the global
+    number of labels that count (not ``ignore_index``), so that each rank's loss is its share
+    of the loss of the whole sequence (sum them with :func:`sync_gradients`).
+
+    An ``attention_mask`` of all ones is dropped; one with padding is refused.  Other tensors
+    are refused rather than passed through unsharded.  ``check`` (one small all-gather)
+    verifies that every rank passed the same batch.
+    """
+    from usp_hal.layout import check_layout
+    mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    check_layout(layout)
+    if not isinstance(batch, dict) and hasattr(batch, "keys"):
+        batch = dict(batch)
+    if not isinstance(batch, dict):
+        raise TypeError(f"shard_batch: expected a dict of tensors, got {type(batch).__name__}")
+    seq_keys = [k for k in _SEQ_KEYS if batch.get(k) is not None]
+    main = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
+    if batch.get(main) is None:
+        raise ValueError("shard_batch: the batch has neither input_ids nor inputs_embeds")
+    ref = batch[main]
+    if ref.dim() < 2:
+        raise ValueError(f"shard_batch: {main} must be [batch, seq{', hidden' if main == 'inputs_embeds' else ''}], "
+                         f"got shape {tuple(ref.shape)}")
+    bsz, seqlen = int(ref.shape[0]), int(ref.shape[1])
+    out: Dict[str, Any] = {}
+    for k, v in batch.items():
+        if k in seq_keys or k in ("labels", "shift_labels", "attention_mask", "position_ids"):
+            continue
+        if isinstance(v, torch.Tensor):
+            raise ValueError(f"shard_batch: don't know how to shard the tensor {k!r} {tuple(v.shape)}; shard it "
+                             "yourself with usp_hal.shard(x, layout, mesh, seq_dim=...) or leave it out")
+        out[k] = v
+    for k in seq_keys:
+        v = batch[k]
+        if tuple(v.shape[:2]) != (bsz, seqlen):
+            raise ValueError(f"shard_batch: {k} has shape {tuple(v.shape)}, expected [{bsz}, {seqlen}, ...]")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (bsz, seqlen):
+            raise ValueError("shard_batch: attention_mask must be a [batch, seq] tensor; custom masks are not "
+                             "supported by sequence-parallel attention")
+        if not bool(mask.bool().all()):
+            raise ValueError("shard_batch: the attention_mask has padding (zeros); sequence-parallel attention "
+                             "attends every token. Pass batches without padding (for causal models, right padding "
+                             "with labels -100 and no attention_mask gives the same loss)")
+    pos = batch.get("position_ids")
+    if pos is not None:
+        expect = torch.arange(seqlen, device=pos.device)
+        if not bool((pos.reshape(-1, pos.shape[-1]) == expect).all()):
+            raise ValueError("shard_batch: position_ids other than 0..S-1 (packed sequences, offsets) are not "
+                             "supported; leave position_ids out and shard_batch makes the global ones")
+    if check and mesh.sp_size > 1:
+        _check_same_batch(mesh, batch, seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None])
+
+    def sh(x):
+        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=1)
+
+    for k in seq_keys:
+        out[k] = sh(batch[k])
+    positions = mesh.local_positions(seqlen, layout, device=ref.device)
+    out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
+    shifted = batch.get("shift_labels")
+    if shifted is None and batch.get("labels") is not None:
+        labels = batch["labels"]
+        if tuple(labels.shape) != (bsz, seqlen):
+            raise ValueError(f"shard_batch: labels have shape {tuple(labels.shape)}, expected [{bsz}, {seqlen}] "
+                             "(token labels of a causal LM)")
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    if shifted is not None:
+        if tuple(shifted.shape) != (bsz, seqlen):
+            raise ValueError(f"shard_batch: shift_labels have shape {tuple(shifted.shape)}, expected [{bsz}, {seqlen}]")
+        local = sh(shifted)
+        out["labels"] = local           # the model computes a loss only when labels are given ...
+        out["shift_labels"] = local     # ... and uses these as they are (already shifted)
+        out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+    return out
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    x = t.detach()
+    if x.is_floating_point():
+        x = x.to(torch.float64).view(torch.int64)
+    x = x.reshape(-1).to(torch.int64).cpu()
+    if x.numel() == 0:
+        return 0
+    w = torch.arange(1, x.numel() + 1, dtype=torch.int64) * 1000003 + 12345
+    return int((x * w).sum()) ^ int(x.sum())       # int64 arithmetic wraps: a hash, not a number
+
+
+def _check_same_batch(mesh, batch, keys):
+    prints = [len(keys)] + [_fingerprint(batch[k]) for k in keys]
+    rows = all_gather_ints(prints, mesh.sp_group)
+    if len({tuple(r) for r in rows}) > 1:
+        raise ValueError("shard_batch: the ranks of the sequence-parallel group passed different batches "
+                         f"({', '.join(keys)} differ); every rank of the group must pass the same global batch "
+                         "(give data loaders one shard per data-parallel replica, not per rank)")
+
+
+register()
