@@ -25,7 +25,7 @@ from . import platform as _platform
 from .capabilities import AttnRequest
 from .codec import get_codec
 from .comm import CommError, all_gather_bytes, all_gather_ints
-from .layout import Segment, get_layout, local_lengths, local_positions, ring_segments
+from .layout import Segment, get_layout, local_lengths, local_positions, ring_segments, segments_from_positions
 from .mesh import SequenceParallelMesh, get_default_mesh
 from .registry import REGISTRY
 from .ring import RingContext, merge_dtype, plan_blocks, ring_backward, ring_forward
@@ -38,6 +38,37 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 class USPError(ValueError):
     """A call that cannot run as asked (raised identically on every rank)."""
+
+
+def _share(total: int, parts: int, i: int) -> Tuple[int, int]:
+    """(start, count) of part ``i`` when ``total`` items are split like torch.tensor_split."""
+    base, extra = divmod(total, parts)
+    return i * base + min(i, extra), base + (1 if i < extra else 0)
+
+
+def _joint_total(spec: CallSpec) -> int:
+    return int(spec.joint.split(":")[1])
+
+
+@dataclass
+class _Joint:
+    """Joint (MMDiT) tokens of one call: this rank's share joins its main tokens."""
+
+    strategy: str
+    total: int
+    start: int
+    count: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def extend(self, q, k, v):
+        """This rank's rows: its joint share and its main tokens, joint first for "front"."""
+        jk = self.k.narrow(1, self.start, self.count)
+        jv = self.v.narrow(1, self.start, self.count)
+        if self.strategy == "front":
+            return torch.cat([self.q, q], 1), torch.cat([jk, k], 1), torch.cat([jv, v], 1)
+        return torch.cat([q, self.q], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1)
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -255,12 +286,30 @@ class LongContextAttention(torch.nn.Module):
     # ------------------------------------------------------------------ public call
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None):
+                return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None,
+                joint_tensor_query: Optional[torch.Tensor] = None, joint_tensor_key: Optional[torch.Tensor] = None,
+                joint_tensor_value: Optional[torch.Tensor] = None, joint_strategy: str = "none"):
+        """Attention over this rank's part of the sequence (see the class doc).
+
+        Joint (MMDiT) tokens: with ``joint_strategy`` "front" or "rear", the global sequence is
+        the joint tokens followed by the main ones ("front") or the main ones followed by the
+        joint ones ("rear").  ``joint_tensor_query`` ``[B, J_local, H, D]`` is this rank's
+        share of the joint queries (the J joint tokens split over the sequence-parallel ranks
+        in rank order, as ``torch.tensor_split`` does); ``joint_tensor_key``/``_value``
+        ``[B, J, Hkv, D]`` hold every joint token on every rank.  Each joint token joins the
+        attention once.  The output holds this rank's joint rows and its main rows, joint
+        rows first ("front") or last ("rear").  Gradients of ``joint_tensor_key``/``_value``
+        are this rank's part (its queries' contribution): sum them over the
+        sequence-parallel group, as for any tensor every rank holds in full.
+        """
         mesh = self.mesh if self.mesh is not None else get_default_mesh()
         spec, local, err = None, None, None
         try:
+            joint = self._joint(mesh, query, joint_tensor_query, joint_tensor_key, joint_tensor_value, joint_strategy)
+            if joint is not None:
+                query, key, value = joint.extend(query, key, value)
             spec, local = self._local(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size,
-                                      softcap, alibi_slopes, deterministic, return_attn_probs, positions)
+                                      softcap, alibi_slopes, deterministic, return_attn_probs, positions, joint)
         except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
             if isinstance(exc, CommError):
                 raise
@@ -276,8 +325,33 @@ class LongContextAttention(torch.nn.Module):
         return (out, lse) if return_attn_probs else out
 
     # ------------------------------------------------------------------ validation
+    def _joint(self, mesh, q, jq, jk, jv, strategy) -> "Optional[_Joint]":
+        if strategy in (None, "none"):
+            if any(t is not None for t in (jq, jk, jv)):
+                raise ValueError("joint_tensor_query/key/value were given with joint_strategy='none'; pass "
+                                 "joint_strategy='front' or 'rear'")
+            return None
+        if strategy not in ("front", "rear"):
+            raise ValueError(f"joint_strategy={strategy!r}; valid: 'none', 'front', 'rear'")
+        for name, t in (("joint_tensor_query", jq), ("joint_tensor_key", jk), ("joint_tensor_value", jv)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"joint_strategy={strategy!r} needs {name} as a [B, S, H, D] tensor, got "
+                                 f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}")
+        J = int(jk.shape[1])
+        if jv.shape[:3] != jk.shape[:3]:
+            raise ValueError(f"joint_tensor_key {tuple(jk.shape)} and joint_tensor_value {tuple(jv.shape)} differ")
+        if not (jq.shape[0] == jk.shape[0] == q.shape[0]) or jq.shape[2:] != q.shape[2:]:
+            raise ValueError(f"joint_tensor_query {tuple(jq.shape)} must be [B, J_local, H, D] like the query "
+                             f"{tuple(q.shape)}")
+        start, count = _share(J, mesh.sp_size, mesh.sp_rank)
+        if jq.shape[1] != count:
+            raise ValueError(f"joint_tensor_query has {jq.shape[1]} tokens on sequence-parallel rank {mesh.sp_rank}, "
+                             f"but the {J} joint tokens split over {mesh.sp_size} ranks in rank order give it {count} "
+                             f"(tokens {start}..{start + count - 1}): pass joint queries split like torch.tensor_split")
+        return _Joint(strategy, J, start, count, jq, jk, jv)
+
     def _local(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-               deterministic, return_lse, positions):
+               deterministic, return_lse, positions, joint=None):
         for name, t in (("query", q), ("key", k), ("value", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -322,6 +396,10 @@ class LongContextAttention(torch.nn.Module):
             alibi = self._digest(alibi_slopes)
         R, U = mesh.ring_degree, mesh.ulysses_degree
         positional = win != (-1, -1) or alibi_slopes is not None
+        if joint is not None and R > 1 and not self.layout.contiguous and (positional or causal):
+            raise NotImplementedError(f"joint tokens with causal/window/alibi and the {self.layout.name} layout on "
+                                      "a ring are not supported (its shards are not contiguous); use "
+                                      "ring_impl_type='basic' or 'zigzag', or causal=False")
         if R > 1 and not self.layout.contiguous and positional:
             raise NotImplementedError(f"window_size/alibi_slopes with the {self.layout.name} layout and ring_degree > 1 "
                                       "cannot be exact (its shards are not contiguous); use ring_impl_type='basic' or "
@@ -329,6 +407,8 @@ class LongContextAttention(torch.nn.Module):
         pos_digest = 0
         if positions is not None:
             pos = torch.as_tensor(positions).reshape(-1)
+            if joint is not None:
+                raise ValueError("positions= is not checked together with joint tokens; drop one of them")
             if pos.numel() != s:
                 raise ValueError(f"positions has {pos.numel()} entries, the local sequence {s}")
             pos_digest = digest_ints(pos.tolist())
@@ -341,7 +421,8 @@ class LongContextAttention(torch.nn.Module):
                         dtype=q.dtype, device_type=device_type, causal=bool(causal), window=win, softcap=softcap,
                         scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(deterministic),
                         needs_grad=needs_grad, return_lse=bool(return_lse), layout=self.layout.name,
-                        rotation=self.rotation, ulysses=U, ring=R, wire=self._wire_name, positions=pos_digest)
+                        rotation=self.rotation, ulysses=U, ring=R, wire=self._wire_name, positions=pos_digest,
+                        joint="" if joint is None else f"{joint.strategy}:{joint.total}")
         req = AttnRequest(
             dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
             num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=bool(causal), window=win,
@@ -416,6 +497,9 @@ class LongContextAttention(torch.nn.Module):
 
     def _check_layout(self, mesh, spec: CallSpec, lengths, rows) -> None:
         R, U = mesh.ring_degree, mesh.ulysses_degree
+        if spec.joint:   # the main tokens' lengths follow the layout; the joint shares were checked locally
+            total = _joint_total(spec)
+            lengths = [n - _share(total, mesh.sp_size, i)[1] for i, n in enumerate(lengths)]
         seqlen = sum(lengths)
         layout = self.layout.name
         per = [[lengths[mesh.sp_index(r, u)] for u in range(U)] for r in range(R)]
@@ -439,26 +523,52 @@ class LongContextAttention(torch.nn.Module):
 
     # ------------------------------------------------------------------ plan
     def _shape(self, mesh, spec: CallSpec, lengths, heads: HeadPlan) -> _Shape:
-        key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, tuple(lengths))
+        key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, spec.joint,
+               tuple(lengths))
         shape = self._shapes.get(key)
         if shape is not None:
             return shape
         R, U = mesh.ring_degree, mesh.ulysses_degree
         seqlen = sum(lengths)
         per = tuple(tuple(lengths[mesh.sp_index(r, u)] for u in range(U)) for r in range(R))
-        if spec.causal or spec.positional:
+        sorted_ = True
+        if (spec.causal or spec.positional) and spec.joint:
+            segments, sorted_ = self._joint_segments(mesh, spec, lengths)
+        elif spec.causal or spec.positional:
             segments = tuple(tuple(ring_segments(self.layout, seqlen, R, r)) for r in range(R))
         else:   # positions do not matter: any split works
             starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
             segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
         me = mesh.ring_rank
         calls = {src: plan_blocks(segments[me], segments[src], causal=spec.causal, window=spec.window,
-                                  positional=spec.positional, diagonal=src == me) for src in range(R)}
+                                  positional=spec.positional, diagonal=src == me and sorted_) for src in range(R)}
         shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls)
         if len(self._shapes) > 32:
             self._shapes.clear()
         self._shapes[key] = shape
         return shape
+
+    def _joint_segments(self, mesh, spec: CallSpec, lengths):
+        """Per ring rank, the global positions its rows hold (joint and main tokens, in local
+        order) as segments, and whether every rank's positions are increasing."""
+        R, U = mesh.ring_degree, mesh.ulysses_degree
+        total = _joint_total(spec)
+        front = spec.joint.startswith("front")
+        main = [n - _share(total, mesh.sp_size, i)[1] for i, n in enumerate(lengths)]
+        S = sum(main)
+        segs, ordered = [], True
+        for r in range(R):
+            rows = []
+            for u in range(U):
+                i = mesh.sp_index(r, u)
+                js, jn = _share(total, mesh.sp_size, i)
+                mpos = local_positions(self.layout, S, R, U, r, u)
+                jpos = torch.arange(js, js + jn)
+                rows += ([jpos, mpos + total] if front else [mpos, jpos + S])
+            pos = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+            ordered = ordered and bool((pos[1:] > pos[:-1]).all())
+            segs.append(tuple(segments_from_positions(pos)))
+        return tuple(segs), ordered
 
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
         return [heads]

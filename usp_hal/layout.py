@@ -141,6 +141,20 @@ def local_lengths(layout: str, seqlen: int, ring_size: int, ulysses_size: int) -
     return [_split_sizes(n, ulysses_size) for n in shard_lengths(layout, seqlen, ring_size)]
 
 
+def segments_from_positions(pos: torch.Tensor) -> List[Segment]:
+    """``pos`` (global positions in local order) as maximal runs of consecutive positions."""
+    p = [int(x) for x in pos.tolist()]
+    out: List[Segment] = []
+    i = 0
+    while i < len(p):
+        j = i
+        while j + 1 < len(p) and p[j + 1] == p[j] + 1:
+            j += 1
+        out.append(Segment(p[i], j - i + 1))
+        i = j + 1
+    return out
+
+
 def segment_positions(segments: List[Segment]) -> torch.Tensor:
     parts = [torch.arange(s.start, s.start + s.count * s.step, s.step, dtype=torch.long)
              if s.count else torch.zeros(0, dtype=torch.long) for s in segments]
