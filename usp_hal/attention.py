@@ -101,6 +101,7 @@ class CallPlan:
     backend: object
     stages: List[_Stage]
     dtype: torch.dtype
+    spec_lengths: Tuple[int, ...] = ()     # every rank's local length (sequence-parallel order)
 
     @property
     def exchange(self) -> UlyssesExchange:
@@ -282,6 +283,8 @@ class LongContextAttention(torch.nn.Module):
         self._shapes: dict = {}
         self._frozen = None
         self.last_backend = None
+        from .compiled import register_module
+        self._handle = register_module(self)   # how a compiled graph finds this module
 
     # ------------------------------------------------------------------ public call
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -302,27 +305,49 @@ class LongContextAttention(torch.nn.Module):
         are this rank's part (its queries' contribution): sum them over the
         sequence-parallel group, as for any tensor every rank holds in full.
         """
+        if torch.compiler.is_compiling():
+            from .compiled import compiled_forward
+            return compiled_forward(self, query, key, value, dropout_p, softmax_scale, causal, window_size, softcap,
+                                    alibi_slopes, deterministic, return_attn_probs, positions, joint_tensor_query,
+                                    joint_tensor_key, joint_tensor_value, joint_strategy)
         mesh = self.mesh if self.mesh is not None else get_default_mesh()
-        spec, local, err = None, None, None
+        joint, err = None, None
         try:
             joint = self._joint(mesh, query, joint_tensor_query, joint_tensor_key, joint_tensor_value, joint_strategy)
             if joint is not None:
                 query, key, value = joint.extend(query, key, value)
-            spec, local = self._local(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size,
-                                      softcap, alibi_slopes, deterministic, return_attn_probs, positions, joint)
-        except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
-            if isinstance(exc, CommError):
-                raise
+        except (ValueError, NotImplementedError, TypeError) as exc:
             err = exc
-        lengths = self._agree(mesh, spec, err)
-        plan = self._plan(mesh, spec, lengths, local)
-        self.last_backend = plan.backend
+        spec, plan = self._prepare(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes, deterministic, return_attn_probs, positions, joint, err=err)
         if spec.needs_grad:
             out, lse = _USPFunction.apply(query, key, value, plan)
         else:
             with torch.no_grad():
                 out, lse, _ = _forward(plan, query, key, value, keep=False)
         return (out, lse) if return_attn_probs else out
+
+    def _prepare(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                 deterministic, return_lse, positions, joint, *, err=None, needs_grad=None, lengths=None,
+                 head_groups=None):
+        """Validate locally, agree across ranks (unless ``lengths`` are given: a plan is
+        rebuilt), and build the call's plan; raises the same error on every rank."""
+        spec, local = None, None
+        if err is None:
+            try:
+                spec, local = self._local(mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap,
+                                          alibi_slopes, deterministic, return_lse, positions, joint, needs_grad)
+            except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
+                if isinstance(exc, CommError):
+                    raise
+                err = exc
+        if lengths is None:
+            lengths = self._agree(mesh, spec, err)
+        elif err is not None:
+            raise err
+        plan = self._plan(mesh, spec, lengths, local, head_groups)
+        self.last_backend = plan.backend
+        return spec, plan
 
     # ------------------------------------------------------------------ validation
     def _joint(self, mesh, q, jq, jk, jv, strategy) -> "Optional[_Joint]":
@@ -351,7 +376,7 @@ class LongContextAttention(torch.nn.Module):
         return _Joint(strategy, J, start, count, jq, jk, jv)
 
     def _local(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-               deterministic, return_lse, positions, joint=None):
+               deterministic, return_lse, positions, joint=None, needs_grad=None):
         for name, t in (("query", q), ("key", k), ("value", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -415,7 +440,8 @@ class LongContextAttention(torch.nn.Module):
         plan = head_plan(h, hkv, U)
         hq_loc, hk_loc = plan.local_heads(mesh.ulysses_rank)
         device_type = _platform.device_type_of(q.device)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if needs_grad is None:
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
         spec = CallSpec(batch=b, local_len=s, heads=h, kv_heads=hkv, head_dim=d, v_dim=int(v.shape[3]),
                         dtype=q.dtype, device_type=device_type, causal=bool(causal), window=win, softcap=softcap,
@@ -573,14 +599,15 @@ class LongContextAttention(torch.nn.Module):
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
         return [heads]
 
-    def _plan(self, mesh, spec: CallSpec, lengths, local) -> CallPlan:
+    def _plan(self, mesh, spec: CallSpec, lengths, local, head_groups=None) -> CallPlan:
         heads = local["heads"]
         shape = self._shape(mesh, spec, lengths, heads)
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
         codecs = {n: get_codec(c) for n, c in self.wire.items()}
         ring_codecs = tuple(get_codec(c) for c in self.ring_wire)
         stages = []
-        for group in self._head_groups(heads):
+        groups = (head_groups or type(self)._head_groups)(self, heads)
+        for group in groups:
             exchange = UlyssesExchange(group, mesh.ulysses_group, me_u, shape.per_rank[me_r],
                                        where=mesh.where("ulysses"), codecs=codecs)
             rotation = self.rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
@@ -594,7 +621,7 @@ class LongContextAttention(torch.nn.Module):
                                 causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
                                 alibi_slopes=slopes, deterministic=spec.deterministic)
             stages.append(_Stage(exchange, ring))
-        return CallPlan(spec, local["backend"], stages, spec.dtype)
+        return CallPlan(spec, local["backend"], stages, spec.dtype, tuple(lengths))
 
     def extra_repr(self) -> str:
         return f"attn_type={self.attn_type!r}, ring_impl_type={self.ring_impl_type!r}, rotation={self.rotation!r}"

@@ -312,6 +312,24 @@ class UlyssesExchange:
         wait(label, self.where, work)
         return self._place_heads([chunks], [rows], g.shape[3], dtype, g.device, total=total, reduce=reduce)[0]
 
+    def saved_to_heads(self, q, k, v, out, dout, lse):
+        """Everything a backward needs, in the head layout, in one all-to-all: ``(qh, kh, vh,
+        outh, douth, lse_h)`` with KV heads repeated for cut groups and ``lse_h`` ``[B, h, S]``
+        (``lse`` is the local ``[B, H, s]``)."""
+        plan = self.plan
+        lse4 = lse.transpose(1, 2).unsqueeze(-1)            # [B, s, H, 1]
+        if self.size == 1:
+            kh, vh = self._local_qkv(q, k, v)[1:]
+            return q, kh, vh, out, dout, lse
+        label = "Ulysses all-to-all of q/k/v/out/dout/lse (compiled backward)"
+        parts = [_Part(q, plan.q), _Part(k, plan.kv), _Part(v, plan.kv), _Part(out, plan.q), _Part(dout, plan.q),
+                 _Part(lse4, plan.q)]
+        unpack, work = self._heads_bytes(parts, False, label)
+        wait(label, self.where, work)
+        qh, kh, vh, oh, dh, lh = (t.permute(1, 0, 2, 3) for t in unpack())
+        qh, kh, vh = self._expand(qh, kh, vh)
+        return qh, kh, vh, oh, dh, lh.squeeze(-1).transpose(1, 2).contiguous()
+
     # ------------------------------------------------------------------ forward out
     def out_to_seq(self, out: torch.Tensor, dtype: torch.dtype, lse: Optional[torch.Tensor] = None,
                    q_guard: Optional[torch.Tensor] = None, *, keep_heads: bool = False):

@@ -1,0 +1,64 @@
+"""Rank-side functions for the torch.compile tests (tests/test_compile.py)."""
+from __future__ import annotations
+
+import torch
+
+import usp_hal
+from tests.dist_cases import _err, get_mesh
+
+
+class Block(torch.nn.Module):
+    """qkv projection -> USP attention -> output projection, as a model layer would."""
+
+    def __init__(self, attn, E=32, H=4, Hkv=2, D=8, packed=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.H, self.Hkv, self.D, self.packed = H, Hkv, D, packed
+        self.qkv = torch.nn.Linear(E, (H + 2 * Hkv) * D, bias=False)
+        self.proj = torch.nn.Linear(H * D, E, bias=False)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.randn(self.qkv.weight.shape, generator=g) * 0.2)
+            self.proj.weight.copy_(torch.randn(self.proj.weight.shape, generator=g) * 0.2)
+        self.attn = attn
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        if self.packed:
+            out = self.attn(qkv.view(b, s, 3, self.H, self.D), causal=True)
+        else:
+            q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+            out = self.attn(q.view(b, s, self.H, self.D), k.view(b, s, self.Hkv, self.D),
+                            v.view(b, s, self.Hkv, self.D), causal=True)
+        return self.proj(out.reshape(b, s, -1))
+
+
+def compile_case(U=2, R=1, layout="zigzag", packed=False, backend="aot_eager", module="sync", S=24):
+    """Graph breaks under torch._dynamo.explain, and compiled vs eager output and gradients."""
+    torch._dynamo.reset()
+    mesh = get_mesh(U, R)
+    kw = dict(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    if packed:
+        attn = usp_hal.LongContextAttentionQKVPacked(**kw)
+    elif module == "async":
+        attn = usp_hal.AsyncLongContextAttention(head_chunks=2, **kw)
+    else:
+        attn = usp_hal.LongContextAttention(**kw)
+    H = Hkv = 4 if packed else None
+    block = Block(attn, H=H or 4, Hkv=Hkv or 2, packed=packed).double()
+    g = torch.Generator().manual_seed(9)
+    x = usp_hal.shard(torch.randn(1, S, 32, generator=g, dtype=torch.float64), layout=layout, mesh=mesh)
+    x.requires_grad_()
+    ref = block(x)
+    ref_g = torch.autograd.grad(ref.sum(), [x] + list(block.parameters()))
+    explain = torch._dynamo.explain(block)(x)
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    out = compiled(x)
+    got = torch.autograd.grad(out.sum(), [x] + list(compiled.parameters()))
+    with torch.no_grad():
+        inf = compiled(x)
+    errs = {"out": _err(out, ref, torch.float64), "no_grad_out": _err(inf, ref, torch.float64)}
+    for i, (a, b) in enumerate(zip(got, ref_g)):
+        errs[f"g{i}"] = _err(a, b, torch.float64)
+    return {"breaks": explain.graph_break_count, "reasons": [str(r.reason) for r in explain.break_reasons],
+            "graphs": explain.graph_count, "errs": errs}

@@ -1,0 +1,32 @@
+"""torch.compile: a block qkv -> LongContextAttention -> out compiles with fullgraph=True
+and zero graph breaks (torch._dynamo.explain), on 2 gloo ranks; compiled outputs and
+gradients equal eager ones."""
+import pytest
+
+from tests import dist_compile
+
+pytestmark = pytest.mark.multirank
+
+
+def _check(res):
+    for r in res:
+        assert r["breaks"] == 0 and r["graphs"] == 1, r
+        bad = {k: v for k, v in r["errs"].items() if not v <= 1.0}
+        assert not bad, r
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("U,R,layout", [(2, 1, "basic"), (1, 2, "zigzag")])
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "packed"])
+def test_compile_fullgraph_zero_breaks(pools, U, R, layout, packed):
+    _check(pools(2).run(dist_compile.compile_case, timeout=300, U=U, R=R, layout=layout, packed=packed))
+
+
+@pytest.mark.timeout(600)
+def test_compile_async_module(pools):
+    _check(pools(2).run(dist_compile.compile_case, timeout=300, U=2, R=1, module="async"))
+
+
+@pytest.mark.timeout(900)
+def test_compile_inductor(pools):
+    _check(pools(2).run(dist_compile.compile_case, timeout=600, U=2, R=1, backend="inductor"))
