@@ -317,3 +317,34 @@ def qkv_overlap_fp8_case(U=2):
         ref = attn(q, k, v)
         out = usp_hal.async_qkv_attention(attn, hl, *lin, heads=4, head_dim=8)
     return float((out - ref).abs().max())
+
+
+def cpu_side_group_case(U=2, R=1):
+    """A mesh whose groups have no CPU transport (as with plain nccl) gets a gloo side group
+    with the same timeout, and the per-call metadata exchange uses it."""
+    import datetime
+
+    import usp_hal.mesh as mesh_mod
+    orig = mesh_mod._needs_cpu_side_group
+    mesh_mod._needs_cpu_side_group = lambda group: True      # pretend the groups are accelerator-only
+    try:
+        mesh = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=datetime.timedelta(seconds=77))
+    finally:
+        mesh_mod._needs_cpu_side_group = orig
+    from usp_hal.comm import group_timeout
+    used = []
+    orig_ag = dist.all_gather_single
+
+    def spy(out, inp, group=None, **kw):
+        used.append(group)
+        return orig_ag(out, inp, group=group, **kw)
+    x = usp_hal.shard(torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(0)), mesh=mesh)
+    dist.all_gather_single = spy
+    try:
+        usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)(x, x, x)
+    finally:
+        dist.all_gather_single = orig_ag
+    return {"side": mesh.meta_group is not None and mesh.meta_group is not mesh.sp_group,
+            "backend": str(dist.get_backend(mesh.meta_group)),
+            "timeout": group_timeout(mesh.meta_group).total_seconds(),
+            "metadata_on_side_group": bool(used) and all(g is mesh.meta_group for g in used)}

@@ -78,3 +78,9 @@ def test_collective_counts_ring_p2p(pools, world):
 def test_lse_travels_with_the_output(pools):
     for res in pools(2).run(dist_cases.count_collectives, U=2, R=1, return_lse=True):
         assert res["fwd"]["all_to_all_single"] == 2, res
+
+
+def test_metadata_uses_a_cpu_side_group_when_the_groups_have_none(pools):
+    for r in pools(2).run(dist_cases.cpu_side_group_case, timeout=60):
+        assert r["side"] and r["backend"] == "gloo" and r["timeout"] == 77.0, r
+        assert r["metadata_on_side_group"], r
