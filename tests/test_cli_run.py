@@ -101,3 +101,22 @@ def test_min_comm_formulas():
     # MQA on Ulysses-2: each rank needs the single KV head, so K and V cross once each
     c = RunConfig(nproc=2, ulysses=2, ring=1, seqlen=1024, heads=8, kv_heads=1, head_dim=64, bwd=False)
     assert min_comm_bytes(c)["fwd"] == pytest.approx(0.5 * (2 * 512 * 8 * 64 * 4 + 2 * 2 * 512 * 64 * 4))
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_runs_exit_cleanly_ten_times():
+    """``torchrun --nproc_per_node=2 -m usp_hal run --ulysses 2``: every one of 10 consecutive
+    runs prints PASS and exits 0 (the ranks tear the process group down together)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for i in range(10):
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              "--master_port", str(29700 + i), "-m", "usp_hal", "run", "--ulysses", "2",
+                              "--seqlen", "128", "--iters", "1", "--warmup", "0"],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, f"run {i}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+        assert "result: PASS" in res.stdout, res.stdout[-2000:]
+        assert "terminate called" not in res.stderr, res.stderr[-2000:]

@@ -275,14 +275,25 @@ class TorchrunExecutor:
         self.rank = int(os.environ["RANK"])
         local = int(os.environ.get("LOCAL_RANK", self.rank))
         configure_process(threads, device_type, _local_index(device_type, local) if device_type != "cpu" else 0)
-        if not dist.is_initialized():
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
             dist.init_process_group(_platform.dist_backend_string(device_type))
 
     def run(self, fn: Callable, timeout: float, **kwargs) -> list:
         return gather_objects(fn(**kwargs))
 
-    def close(self) -> None:
-        pass
+    def close(self, ok: bool = True) -> None:
+        """Tear the ranks down together: wait for every rank, then destroy the process
+        groups, so no rank exits with the communication threads still running (which
+        aborts the process with "terminate called without an active exception")."""
+        import torch.distributed as dist
+        if not (self._owns_group and dist.is_initialized()):
+            return
+        try:
+            if ok:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def gather_objects(obj, group=None) -> list:

@@ -759,8 +759,9 @@ def config_from_args(args) -> RunConfig:
         if args.nproc is None and args.ulysses is None and args.ring is None:
             nproc, U, R = resolve_split(world, None, None)
         elif nproc != world:
-            raise ValueError(f"under torchrun the world size is {world}, but the options ask for {nproc} ranks; "
-                             f"drop --nproc or make ulysses x ring = {world}")
+            raise ValueError(f"under torchrun the world size is {world} (torchrun --nproc_per_node x --nnodes), but "
+                             f"the options ask for {nproc} ranks; drop --nproc, make --ulysses x --ring = {world}, or "
+                             f"start torchrun with --nproc_per_node={nproc}")
     cfg = RunConfig(nproc=nproc, ulysses=U, ring=R, seqlen=args.seqlen, batch=args.batch, heads=args.heads,
                     kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim, causal=args.causal,
                     bwd=args.bwd, attn_type=args.attn_type, ring_impl=args.ring_impl, rotate=args.rotate,
@@ -779,7 +780,7 @@ def run(args) -> int:
         print(f"usp-hal run: {exc}", file=sys.stderr)
         return 2
     torchrun = _launch.in_torchrun()
-    executor = None
+    executor, finished = None, False
     try:
         if torchrun:
             executor = _launch.TorchrunExecutor(cfg.threads_per_rank, cfg.device_type)
@@ -789,6 +790,7 @@ def run(args) -> int:
                                         start_timeout=min(args.timeout, 300.0))
             launcher = "spawned on 127.0.0.1"
         res = execute(cfg, executor, args.timeout)
+        finished = True
     except _launch.LaunchError as exc:
         print(f"usp-hal run: {exc}", file=sys.stderr)
         return 1
@@ -801,7 +803,10 @@ def run(args) -> int:
         return 1
     finally:
         if executor is not None:
-            executor.close()
+            if torchrun:   # every rank finished: wait for all, then tear the groups down together
+                executor.close(ok=finished)
+            else:
+                executor.close()
     if torchrun and executor.rank != 0:
         return 0 if res["check"].get("ok", True) else 1
     print(format_report(res, launcher))
