@@ -148,6 +148,8 @@ class SDPABackend(AttentionBackend):
         bias, empty = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt)
         res = efficient(qt, kt, vt, bias, True, 0.0, bool(causal) and bias is None, scale=scale)
         out = res[0].transpose(1, 2)[..., :d].to(q.dtype)
+        if empty is not None:     # rows that see no key: out 0 whatever the kernel left there
+            out = out.masked_fill(empty.view(1, sq, 1, 1), 0)
         return out, normalize_lse(normalize_cuda_lse(res[1], sq), empty)
 
     def _bias(self, q, k, causal, window, key_offset, alibi_slopes, dtype):
