@@ -298,8 +298,8 @@ class Positions:
       then translates the contract's bounds, which :func:`kernel_window` does and refuses
       when it cannot.
     * ``causal_any_lengths``: False when the kernel defines causal only for ``Sq == Sk``.
-    * ``window``: ``"two-sided"``, ``"left-only"`` (a right bound is accepted only where causal
-      makes it moot) or ``"none"``.
+    * ``window``: ``"two-sided"``, ``"left-only"`` or ``"none"`` (documentation; what a kernel
+      refuses is declared once, as flags or a :class:`Limit`).
     * ``alibi_any_lengths``: False when alibi distances are only the contract's for ``Sq == Sk``.
     * ``right_unbounded_from``: ``"seqlen_k"`` when the kernel treats a (translated) right
       bound ``>= Sk`` as unbounded, which is wrong for ``Sq >= Sk + 2`` (FlashAttention-2's
@@ -349,9 +349,7 @@ def kernel_window(pos: Positions, sq: int, sk: int, causal: bool, window, alibi:
     if (pos.right_unbounded_from == "seqlen_k" and right >= 0 and sk <= k_right < sq - 1):
         raise Unsupported(f"{what} with Sq={sq}, Sk={sk}: the kernel's right bound would be {k_right} >= Sk, "
                           "which the kernel treats as unbounded although it still excludes keys here")
-    if pos.window == "left-only" and k_right >= 0 and not causal:
-        raise Unsupported(f"window right bound {right}: the kernel's windows are left-only")
-    return False if (k_left >= 0 or k_right >= 0 or not causal) else True, k_left, k_right
+    return False, k_left, k_right
 
 
 def position_reasons(pos: Positions, sq: int, sk: int, causal: bool, window, alibi: bool) -> list:
