@@ -49,7 +49,7 @@ import torch
 from . import platform as _platform
 from .capabilities import (
     TOP_LEFT, Availability, AttnRequest, Package, Positions, RuleContext, Unsupported, capability_row,
-    declared_reasons, position_reasons, sorted_dtypes,
+    declared_reasons, sorted_dtypes,
 )
 
 __all__ = ["AttentionBackend", "BackendUnavailable", "Unsupported", "installed_version", "parse_version",
@@ -204,38 +204,27 @@ class AttentionBackend:
         return ""
 
     # ---------------------------------------------------------------- per-call admission
-    def _admitted(self) -> set:
-        seen = self.__dict__.get("_admitted_calls")
-        if seen is None:
-            seen = self.__dict__["_admitted_calls"] = set()
-        return seen
+    _admitted_calls: ClassVar[Optional[set]] = None    # per instance once used
 
     def _admit(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset):
         """Validate one call against the declarations: the first call of each signature
-        builds the request and asks ``not_supported_reasons``; later ones are a tuple
-        lookup (plus a few integer comparisons when Sq != Sk and positions matter)."""
+        (shapes, dtypes, device, options) builds the request and asks
+        ``not_supported_reasons``; a repeated signature is one tuple lookup.  Lengths are
+        part of the signature, so the rules on Sq/Sk are cached with the rest."""
         try:
-            sig = (q.dtype, q.device, q.dim(), k.dim(), v.dim(), q.shape[-1], k.shape[-1], v.shape[-1],
-                   q.shape[-2], k.shape[-2], v.shape[-2], k.dtype, v.dtype, bool(causal), window, softcap,
-                   alibi_slopes is not None, dropout_p, bool(key_offset), grad, deterministic)
-        except (AttributeError, IndexError):
+            sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, causal, window, softcap,
+                   alibi_slopes is None, dropout_p, not key_offset, grad, deterministic)
+            seen = self._admitted_calls
+            if seen is not None and sig in seen:
+                return
+        except (AttributeError, TypeError):
             sig = None
-        seen = self._admitted()
-        if sig is None or sig not in seen:
-            self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
-                             key_offset)
-            if sig is not None:
-                if len(seen) > 512:
-                    seen.clear()
-                seen.add(sig)
-        sq, sk = q.shape[1], k.shape[1]
-        if sq != sk and (causal or alibi_slopes is not None or window != (-1, -1)):
-            pos = type(self).POSITIONS
-            if pos is not TOP_LEFT:
-                why = position_reasons(pos, sq, sk, causal, window, alibi_slopes is not None)
-                if why:
-                    raise self._refusal(self._request(q, k, v, causal, window, softcap, alibi_slopes, dropout_p,
-                                                      grad, deterministic, key_offset), why)
+        self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset)
+        if sig is not None:
+            seen = self._admitted_calls
+            if seen is None or len(seen) > 1024:
+                seen = self._admitted_calls = set()
+            seen.add(sig)
 
     def _request(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset):
         dev = _platform.device_type_of(q.device)
@@ -267,7 +256,7 @@ class AttentionBackend:
                              f"got {tuple(alibi_slopes.shape)}")
         req = self._request(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
                             key_offset)
-        reasons = list(type(self).not_supported_reasons(req))
+        reasons = list(type(self).not_supported_reasons(req))     # includes the Sq/Sk rules (POSITIONS)
         if reasons:
             raise self._refusal(req, reasons)
 
@@ -279,11 +268,17 @@ class AttentionBackend:
                            + "\n  - ".join(reasons) + hint)
 
     def _conform(self, *xs):
+        """The inputs in a layout the kernel takes (``INPUT_LAYOUT``), copying only those that
+        are not; the common case (nothing to copy) returns ``xs`` itself."""
         layout = type(self).INPUT_LAYOUT
         if layout == "strided":
             return xs
         if layout == "contiguous":
+            if all(x.is_contiguous() for x in xs):
+                return xs
             return tuple(x.contiguous() for x in xs)
+        if all(x.stride(-1) == 1 for x in xs):
+            return xs
         return tuple(x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous() for x in xs)
 
     # ---------------------------------------------------------------- kernel contract
@@ -292,7 +287,11 @@ class AttentionBackend:
         if type(window) is not tuple:
             window = tuple(window)
         self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, False, False, key_offset)
-        q, k, v = self._conform(q, k, v)
+        layout = type(self).INPUT_LAYOUT
+        if layout != "strided" and not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+                                        and (layout != "contiguous" or (q.is_contiguous() and k.is_contiguous()
+                                                                        and v.is_contiguous()))):
+            q, k, v = self._conform(q, k, v)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = self.kernel_forward(q, k, v, softmax_scale=scale, causal=bool(causal), window=window,
                                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
