@@ -95,7 +95,7 @@ def test_cpu_matrix(reg):
 def test_device_rules_and_compute_capability_decide_entries(reg):
     sm80 = _entries(reg, "cuda-sm80")
     sm90 = _entries(reg, "cuda-sm90")
-    # sdpa refuses fp64 off the cpu (its extra_reasons), on every CUDA profile
+    # sdpa refuses fp64 off the cpu (a declared Limit), on every CUDA profile
     assert [e["dtype"] for e in sm80 if e["backend"] == "sdpa"] == ["fp32", "bf16", "fp16"]
     assert "tinyhopper" not in {e["backend"] for e in sm80}          # needs sm90
     hopper = [e for e in sm90 if e["backend"] == "tinyhopper"]

@@ -256,7 +256,7 @@ def test_features_come_from_not_supported_reasons():
     assert set(feats) == set(probe.FEATURES)
     assert feats == {"fwd": True, "bwd": True, "ring": True, "causal": True, "window": True,
                      "softcap": False, "gqa": True}
-    # device-specific rules (extra_reasons) are honoured: sdpa refuses fp64 off the cpu
+    # device-specific rules (declared Limits) are honoured: sdpa refuses fp64 off the cpu
     cuda64 = probe.base_request(SDPABackend, "cuda", torch.float64, (9, 0))
     assert SDPABackend.not_supported_reasons(cuda64)
 

@@ -5,7 +5,7 @@ for CUDA, a compute capability).  For each profile and each backend shipped with
 every declared dtype is put to the backend's own ``not_supported_reasons``; the dtypes it
 accepts become matrix entries, each with the feature flags (``fwd``, ``bwd``, ``ring``,
 ``causal``, ``window``, ``softcap``, ``gqa``) that the same function accepts for that dtype
-on that device.  Device-specific rules (``extra_reasons``) are therefore honoured too.
+on that device.  Per-version and per-device rules (``LIMITS``) are therefore honoured too.
 
 Formats: ``json`` (default; a list usable as a GitHub Actions ``strategy.matrix.include``),
 ``markdown``, and ``extras`` (the pip extras that install the profile's kernel packages).
@@ -92,7 +92,7 @@ def project_backends(registry=None) -> list:
 
 def installed_kernel_packages(registry=None) -> list:
     """Distributions of shipped backends that are installed here.  Rules that depend on an
-    installed version (``extra_reasons``) can then change the generated docs."""
+    installed version (``LIMITS``) can then change the generated docs."""
     found = []
     for cls in project_backends(registry):
         found += [f"{p.dist} {installed_version(p)}" for p in cls.REQUIRED_PACKAGES if installed_version(p)]
