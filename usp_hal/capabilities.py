@@ -432,7 +432,6 @@ def sorted_dtypes(dtypes) -> list:
     return sorted(dtypes, key=lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else 99)
 
 
-_sorted_dtypes = sorted_dtypes
 
 
 def capability_row(backend) -> dict:
