@@ -20,43 +20,61 @@ What the adapter adds so that the kernel keeps the contract of :mod:`usp_hal.bac
 
 * Head dims are zero-padded to a multiple of 8 before every call and sliced back
   (>= 2.7 rejects other head dims; zero columns add nothing to ``q.k`` and give zero
-  output columns, so this is exact).  The scale is always passed explicitly, from the
-  *unpadded* head dim when the caller gives none.
+  output columns, so this is exact).  The scale is always passed explicitly.
 * The kernel writes lse ``+inf`` for a row that sees no key; it is returned as ``-inf``.
   Before the backward, ``-inf`` rows become ``+inf`` again (:func:`lse_for_backward`),
   so they contribute nothing even when ``out``/``lse`` are the ring-merged ones.
 * The kernel aligns causal/window/alibi positions to the bottom-right corner, the contract
-  to the top-left.  With ``Sq == Sk`` they agree.  Otherwise the window (and causal,
-  folded into it) is shifted by ``Sk - Sq`` when the result is expressible, and refused
-  with a reason when it is not; alibi is refused for ``Sq != Sk``.
+  to the top-left (``POSITIONS``).  With ``Sq == Sk`` they agree.  Otherwise the window (and
+  causal, folded into it) is shifted by ``Sk - Sq`` when the result is expressible, and
+  refused when it is not, including the case the kernel itself breaks: ``mha_fwd`` treats a
+  right bound ``>= Sk`` as unbounded, which drops a bound that still excludes keys when
+  ``Sq >= Sk + 2``.  Alibi is refused for ``Sq != Sk``.
 * On its causal path (``causal``, or a window ``(-1, 0)``) the kernel adds ALiBi as
   ``+slope * key_index`` instead of ``-slope * |query_index - key_index|``: the same
   softmax, but the lse is larger by ``slope * query_index``.  The adapter subtracts that
   from the lse it returns and adds it back before the backward.
+* Per-version and per-device facts are declared in ``LIMITS`` (softcap from 2.6.0; the ROCm
+  CK backend ignores softcap; the ROCm Triton backend ignores windows; architectures per
+  version; backward head dims per architecture in 2.5.0-2.6.1).
 
 Dropout is declared unsupported on purpose: the contract's backward receives no RNG state
 from the forward, so the kernel could not replay the forward's dropout mask.
+
+Builds of FlashAttention-3 from 2025-07-16 to 2025-08-19 register their ops under the same
+names as flash-attn >= 2.7 (``flash_attn::_flash_attn_forward``); with both imported, the
+later import replaces the earlier one's op.  The loader checks that the op it gets is its
+own and reports the backend unavailable otherwise.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import math
+import os
+import re
 from typing import Optional
 
 import torch
 
 from usp_hal.backend import (
-    AttentionBackend, BackendUnavailable, installed_version, lse_for_backward, normalize_lse,
-    pad_head_dim, parse_version,
+    AttentionBackend, BackendUnavailable, installed_version, lse_for_backward, normalize_lse, pad_head_dim,
+    parse_version,
 )
-from usp_hal.capabilities import AttnRequest, Package
-from usp_hal.platform import device_type_of
+from usp_hal.capabilities import Limit, Package, Positions, kernel_window
 
-PACKAGE = Package(dist="flash-attn", module="flash_attn_2_cuda", min_version="2.5.0", extra="fa2")
+PACKAGE = Package(dist="flash-attn", module="flash_attn_2_cuda", min_version="2.5.0", extra="fa2", wheel=False)
+SRC = "Dao-AILab/flash-attention"
 
 SOFTCAP_SINCE = "2.6.0"        # _flash_attn_forward/_backward gained ``softcap``
 SPLIT_WINDOW_SINCE = "2.7.0"   # window_size_left/right, 4-tuple forward, in-place backward
 KERNEL_HEAD_DIM_MULTIPLE = 8   # what the C++ kernels accept; the adapter pads to it
+
+POSITIONS = Positions(alignment="bottom-right", causal_any_lengths=True, window="two-sided",
+                      alibi_any_lengths=False, right_unbounded_from="seqlen_k",
+                      source=f"{SRC} v2.8.3 csrc/flash_attn/flash_api.cpp mha_fwd "
+                             "(if (window_size_right >= seqlen_k) window_size_right = -1)")
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -67,98 +85,48 @@ def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
-def kernel_window(name: str, sq: int, sk: int, causal: bool, window, has_alibi: bool) -> tuple:
-    """Translate the contract's top-left positions into the kernel's bottom-right ones.
-
-    Returns ``(causal, left, right)`` to pass to the kernel.  The kernel keeps key ``n`` for
-    query ``m`` when ``m + (Sk - Sq) - left <= n <= m + (Sk - Sq) + right``, with a negative
-    bound meaning unbounded, so a contract bound that would need a negative kernel bound
-    cannot be expressed and is refused.
-    """
-    left, right = int(window[0]), int(window[1])
-    if sq == sk:
-        return bool(causal), left, right
-    if has_alibi:
-        raise NotImplementedError(
-            f"{name}: the kernel measures alibi distances from the bottom-right corner, which "
-            f"differs from the contract when Sq != Sk (Sq={sq}, Sk={sk}); use attn_type='sdpa'")
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    shift = sk - sq
-    k_left = left + shift if left >= 0 else -1
-    k_right = right - shift if right >= 0 else -1
-    if (left >= 0 and k_left < 0) or (right >= 0 and k_right < 0):
-        what = f"causal with window={tuple(window)}" if causal else f"window={tuple(window)}"
-        raise NotImplementedError(
-            f"{name}: {what} with Sq={sq}, Sk={sk} cannot be expressed in the kernel's "
-            f"bottom-right aligned window (it would need a negative bound); use attn_type='sdpa'")
-    return False, k_left, k_right
-
-
-def check_call(backend, q, k, v, *, causal, window, softcap, alibi_slopes, dropout_p, key_offset,
-               needs_grad=False, deterministic=False) -> None:
-    """Refuse, with every reason, a call the backend's declared capabilities do not cover.
-
-    The device itself is the dispatcher's business (``availability`` and the registry); the
-    kernel rejects foreign tensors on its own.  Here the shapes, dtypes and features of this
-    one call are checked against the class attributes, through ``not_supported_reasons``.
-    """
-    name = backend.NAME
-    for label, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name}: {label} must be [B, S, H, D], got shape {tuple(x.shape)}")
-    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
-        raise ValueError(f"{name}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)} (expected q [B, Sq, H, D], k/v [B, Sk, Hkv, D])")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
-        raise ValueError(f"{name}: alibi_slopes must be (H,) or (B, H) = {(q.shape[0], q.shape[2])}, "
-                         f"got {tuple(alibi_slopes.shape)}")
-    dev = device_type_of(q.device)
-    if dev not in backend.SUPPORTED_DEVICES:
-        dev = sorted(backend.SUPPORTED_DEVICES)[0]
-    req = AttnRequest(dtype=q.dtype, device_type=dev, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                      num_heads=q.shape[2], num_kv_heads=k.shape[2], causal=bool(causal),
-                      window=tuple(int(w) for w in window), softcap=float(softcap or 0.0),
-                      alibi=alibi_slopes is not None, dropout_p=float(dropout_p or 0.0),
-                      needs_grad=needs_grad, needs_lse=True, deterministic=bool(deterministic),
-                      key_offset=bool(key_offset))
-    reasons = list(backend.not_supported_reasons(req))
-    if key_offset and causal and not backend.SUPPORTS_KEY_OFFSET:
-        reasons.append(f"causal with key_offset={key_offset} (the core only asks for causal on square "
-                       f"diagonal blocks)")
-    if reasons:
-        alts = _alternatives(req, name)
-        hint = (f"; backends whose declarations cover it: {', '.join(alts)}" if alts
-                else "; run `usp-hal probe` to see what each backend supports")
-        raise NotImplementedError(f"attn_type={name!r} cannot run this call ({req.describe()}):\n  - "
-                                  + "\n  - ".join(reasons) + hint)
-
-
-def _alternatives(req: AttnRequest, exclude: str) -> list:
-    from usp_hal.registry import REGISTRY
-    names = []
-    for cand in REGISTRY.priority(req.device_type):
-        if cand == exclude:
-            continue
-        try:
-            cls = REGISTRY.get(cand)
-        except ImportError:  # a registered adapter module that is not present in this install
-            continue
-        if not cls.not_supported_reasons(req):
-            names.append(cand)
-    return names
-
-
 def unpad(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x if x.shape[-1] == head_dim else x[..., :head_dim].contiguous()
 
 
-def check_lse(name: str, lse: torch.Tensor, q: torch.Tensor) -> None:
-    want = (q.shape[0], q.shape[2], q.shape[1])
-    if tuple(lse.shape) != want:
-        raise ValueError(f"{name}: lse must be [B, H, Sq] = {want}, got {tuple(lse.shape)}")
+_OP_RE = re.compile(r"""custom_op\(\s*["']([A-Za-z_][\w]*)::_flash_attn_forward["']""")
+
+
+def custom_op_namespace(path: Optional[str]) -> Optional[str]:
+    """The namespace a Python interface file registers ``_flash_attn_forward`` under (read as
+    text: nothing is imported), or None."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            found = _OP_RE.search(fh.read())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def fa2_interface_path() -> Optional[str]:
+    """``flash_attn/flash_attn_interface.py`` of the installed flash-attn, found without importing it."""
+    spec = importlib.util.find_spec("flash_attn")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(loc, "flash_attn_interface.py")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def foreign_op(fn) -> Optional[str]:
+    """For a ``torch.library`` custom op: its qualified name when the operator registered under
+    that name now has another function's parameters (a later import replaced it), else None."""
+    qual, init = getattr(fn, "_qualname", None), getattr(fn, "_init_fn", None)
+    if qual is None or init is None:
+        return None
+    ns, _, name = qual.partition("::")
+    try:
+        schema = getattr(getattr(torch.ops, ns), name).default._schema
+    except Exception:
+        return qual
+    return None if [a.name for a in schema.arguments] == list(inspect.signature(init).parameters) else qual
 
 
 # ---------------------------------------------------------------------------- the kernel
@@ -179,9 +147,6 @@ class _FA2Kernel:
             kw["window_size"] = (left, right)
         if self.has_softcap:
             kw["softcap"] = float(softcap)
-        elif softcap:
-            raise NotImplementedError(f"fa2: softcap needs flash-attn >= {SOFTCAP_SINCE} "
-                                      f"(installed: {self.version})")
         kw["causal"] = causal
         return kw
 
@@ -214,9 +179,10 @@ class _FA2Kernel:
 def _load_kernel() -> _FA2Kernel:
     try:
         iface = importlib.import_module("flash_attn.flash_attn_interface")
-    except ImportError as exc:
+    except Exception as exc:
         why = FlashAttn2Backend.availability().reason or "import failed"
-        raise BackendUnavailable(f"fa2: cannot import flash_attn.flash_attn_interface ({exc}); {why}") from exc
+        raise BackendUnavailable(f"fa2: cannot import flash_attn.flash_attn_interface "
+                                 f"({type(exc).__name__}: {exc}); {why}") from exc
     version = installed_version(PACKAGE)
     if version is None:
         version = getattr(importlib.import_module("flash_attn"), "__version__", None)
@@ -225,6 +191,13 @@ def _load_kernel() -> _FA2Kernel:
                                  "metadata, no flash_attn.__version__), so its API generation is unknown")
     if parse_version(version) < parse_version(PACKAGE.min_version):
         raise BackendUnavailable(f"fa2: flash-attn {version} too old (needs >= {PACKAGE.min_version})")
+    for fn in (iface._flash_attn_forward, iface._flash_attn_backward):
+        qual = foreign_op(fn)
+        if qual is not None:
+            raise BackendUnavailable(
+                f"fa2: the operator {qual} now belongs to another package imported in this process (a "
+                "FlashAttention-3 build from 2025-07-16..2025-08-19 registers the same name); calling it "
+                "would run that package's kernel: do not import both, or rebuild FlashAttention-3")
     return _FA2Kernel(iface, version)
 
 
@@ -256,6 +229,31 @@ def _slopes(alibi_slopes, q):
 
 
 # ---------------------------------------------------------------------------- the backend
+_V = f"{SRC} "
+LIMITS = (
+    Limit("softcap needs flash-attn >= 2.6.0 (installed: {version})", uses=("softcap",), version="<2.6.0",
+          source=_V + "v2.6.0 flash_attn/flash_attn_interface.py _flash_attn_forward (softcap added)"),
+    Limit("softcap on rocm: flash-attn's CK backend takes softcap and ignores it", uses=("softcap",),
+          devices=("rocm",), source=_V + "v2.8.3 csrc/flash_attn_ck/mha_fwd.cpp mha_fwd, mha_bwd.cpp mha_bwd "
+                                        "(softcap parameter unused)"),
+    Limit("sliding window on rocm with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE: flash-attn's Triton AMD "
+          "backend takes the window and ignores it", uses=("window",), devices=("rocm",),
+          env=("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE"),
+          source=_V + "v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py fwd/bwd (window unused)"),
+    Limit("flash-attn {version} runs on sm8x and sm90 only (found {cc}); sm100/sm120 need flash-attn >= 2.7.3",
+          devices=("cuda",), version="<2.7.3", archs=("sm8x", "sm90"),
+          source=_V + "v2.7.2 csrc/flash_attn/flash_api.cpp mha_fwd (is_sm8x || is_sm90)"),
+    Limit("backward with head_dim {head_dim} (> 192 after padding to 8) needs sm80 or sm90 in flash-attn "
+          "{version} (found {cc})", uses=("backward",), devices=("cuda",), version=">=2.5.0,<2.5.5",
+          head_dims=(193, 256), pad_to=KERNEL_HEAD_DIM_MULTIPLE, archs=("sm80", "sm90"),
+          source=_V + "v2.5.0 csrc/flash_attn/flash_api.cpp mha_bwd (head_size > 192)"),
+    Limit("backward with head_dim {head_dim} (193..224 after padding to 8) needs sm80 or sm90 in flash-attn "
+          "{version} (found {cc})", uses=("backward",), devices=("cuda",), version=">=2.5.5,<2.6.2",
+          head_dims=(193, 224), pad_to=KERNEL_HEAD_DIM_MULTIPLE, archs=("sm80", "sm90"),
+          source=_V + "v2.6.1 csrc/flash_attn/flash_api.cpp mha_bwd (head_size > 192 && head_size <= 224)"),
+)
+
+
 class FlashAttn2Backend(AttentionBackend):
     NAME = "fa2"
     DESCRIPTION = "FlashAttention-2 (flash-attn): low-level forward/backward with lse, both API generations"
@@ -264,7 +262,7 @@ class FlashAttn2Backend(AttentionBackend):
     HEAD_DIM_MAX = 256
     SUPPORTS_CAUSAL = True
     SUPPORTS_WINDOW = True
-    SUPPORTS_SOFTCAP = True           # from 2.6.0: see extra_reasons
+    SUPPORTS_SOFTCAP = True           # per version and device: LIMITS
     SUPPORTS_ALIBI = True
     SUPPORTS_DROPOUT = False          # the contract carries no RNG state into the backward
     SUPPORTS_GQA = True
@@ -274,15 +272,17 @@ class FlashAttn2Backend(AttentionBackend):
     SUPPORTS_DETERMINISTIC = True     # ``deterministic`` is passed to the backward kernel
     MIN_COMPUTE_CAPABILITY = {"cuda": (8, 0)}
     REQUIRED_PACKAGES = (PACKAGE,)
-
-    @classmethod
-    def extra_reasons(cls, request: AttnRequest) -> list:
-        reasons = []
-        if request.softcap:
-            ver = installed_version(PACKAGE)
-            if ver is not None and parse_version(ver) < parse_version(SOFTCAP_SINCE):
-                reasons.append(f"softcap needs flash-attn >= {SOFTCAP_SINCE} (installed: {ver})")
-        return reasons
+    INPUT_LAYOUT = "last-dim-contiguous"
+    POSITIONS = POSITIONS
+    LIMITS = LIMITS
+    UPSTREAM_CHECKED = (
+        ("API generations, return arity, softcap from 2.6.0, head dims padded by the caller from 2.7",
+         f"{SRC} v2.5.9, v2.6.3, v2.7.0, v2.8.3 flash_attn/flash_attn_interface.py"),
+        ("window normalisation (right >= Sk -> unbounded), sm8x/sm90 check before 2.7.3, backward head dims "
+         "per architecture", f"{SRC} v2.5.0-v2.8.3 csrc/flash_attn/flash_api.cpp mha_fwd/mha_bwd"),
+        ("ROCm: CK ignores softcap; Triton AMD ignores window/softcap",
+         f"{SRC} v2.8.3 csrc/flash_attn_ck/, flash_attn/flash_attn_triton_amd/interface_fa.py"),
+    )
 
     def _kernel(self) -> _FA2Kernel:
         kernel = getattr(self, "_loaded_kernel", None)
@@ -290,39 +290,32 @@ class FlashAttn2Backend(AttentionBackend):
             kernel = self._loaded_kernel = _load_kernel()
         return kernel
 
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        check_call(type(self), q, k, v, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, key_offset=key_offset)
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
         kernel = self._kernel()
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(self.NAME, sq, sk, causal, window, alibi_slopes is not None)
+        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window, alibi_slopes is not None)
         slopes = _slopes(alibi_slopes, q)
-        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE).contiguous() for x in (q, k, v))
-        out, lse = kernel.forward(qp, kp, vp, default_scale(softmax_scale, d), k_causal, left, right,
-                                  softcap or 0.0, slopes)
+        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
+        out, lse = kernel.forward(qp, kp, vp, softmax_scale, k_causal, left, right, softcap or 0.0, slopes)
         lse = normalize_lse(lse)
         shift = _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
         if shift is not None:
             lse = lse - shift
         return unpad(out, d), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
-        check_call(type(self), q, k, v, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, key_offset=key_offset,
-                   needs_grad=True, deterministic=deterministic)
-        check_lse(self.NAME, lse, q)
+    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
+                        dropout_p, deterministic, key_offset):
         kernel = self._kernel()
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(self.NAME, sq, sk, causal, window, alibi_slopes is not None)
+        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window, alibi_slopes is not None)
         slopes = _slopes(alibi_slopes, q)
         lse_k = lse_for_backward(lse).to(torch.float32)
         shift = _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
         if shift is not None:
             lse_k = lse_k + shift
-        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE).contiguous()
+        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k.contiguous(), default_scale(softmax_scale, d),
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k.contiguous(), softmax_scale,
                                      k_causal, left, right, softcap or 0.0, slopes, deterministic)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

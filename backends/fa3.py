@@ -25,31 +25,71 @@ positions translated (or refused) for ``Sq != Sk``, lse normalised (FA3 already 
 ``-inf`` rows turned into ``+inf`` before the backward so they contribute nothing.
 
 FA3 has no dropout and no alibi; softcap and sliding windows are supported (without a
-position offset between ring blocks).  The README asks for an H100/H800; the runtime also
-accepts sm8x for fp16/bf16, but this adapter declares only the documented sm90 requirement.
+position offset between ring blocks).  Its kernels are compiled for ``sm_90a`` (plus sm80
+kernels unless built without them, ``hopper/setup.py``); this adapter declares sm90 only,
+with an upper bound, since sm_90a code does not run on sm100/sm120.  FA3's own window
+normalisation (a right bound ``>= Sq - 1`` is unbounded) is exact, so windows with
+``Sq != Sk`` are translated whenever they are expressible.  Builds from before the
+2025-01-07 refactor (no ``softcap`` argument; they still dropped right bounds ``>= Sk``) are
+not recognised and reported unavailable.
+
+Builds from 2025-07-16 to 2025-08-19 register ``flash_attn::_flash_attn_forward``, the name
+flash-attn >= 2.7 registers too: with both imported, the later import replaces the other's
+operator.  Availability reads both interface files (nothing is imported) and reports that
+combination as unavailable; the loader also checks the operator it gets is its own.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import inspect
+import os
 
 import torch
 
 from usp_hal.backend import (
     AttentionBackend, BackendUnavailable, installed_version, lse_for_backward, normalize_lse, pad_head_dim,
 )
-from usp_hal.capabilities import Availability, AttnRequest, Package
+from usp_hal.capabilities import Availability, Limit, Package, Positions, kernel_window
 from usp_hal.backends.fa2 import (
-    KERNEL_HEAD_DIM_MULTIPLE, check_call, check_lse, default_scale, kernel_window, unpad,
+    KERNEL_HEAD_DIM_MULTIPLE, PACKAGE as FA2_PACKAGE, custom_op_namespace, fa2_interface_path, foreign_op, unpad,
 )
 
-PACKAGE = Package(dist="flash_attn_3", module="flash_attn_interface", alt_dists=("flash-attn-3",))
+PACKAGE = Package(dist="flash_attn_3", module="flash_attn_interface", alt_dists=("flash-attn-3",), wheel=False)
 BUILD_HINT = "not on PyPI: build it from the hopper/ directory of Dao-AILab/flash-attention"
+SRC = "Dao-AILab/flash-attention"
 
-# FA3 rounds head dims up to 64/96/128/192/256; its deterministic backward does not cover
-# the 256 kernel (backend-reference §3.1).
-DETERMINISTIC_MAX_HEAD_DIM = 192
+POSITIONS = Positions(alignment="bottom-right", causal_any_lengths=True, window="two-sided",
+                      right_unbounded_from="seqlen_q",
+                      source=f"{SRC} hopper/flash_api.cpp mha_fwd (since 7a802796, 2025-01-07: "
+                             "if (window_size_right >= seqlen_q - 1) window_size_right = -1)")
+
+
+def fa3_interface_path() -> "str | None":
+    """The FA3 ``flash_attn_interface.py`` (top-level, else the package copy), found without importing it."""
+    spec = importlib.util.find_spec("flash_attn_interface")
+    if spec is not None and spec.origin and spec.origin.endswith(".py"):
+        return spec.origin
+    spec = importlib.util.find_spec("flash_attn_3")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(loc, "flash_attn_interface.py")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def op_clash() -> str:
+    """Why FA3 and the installed flash-attn cannot share a process, or ''."""
+    ns3 = custom_op_namespace(fa3_interface_path())
+    if ns3 is None or installed_version(FA2_PACKAGE) is None:
+        return ""
+    ns2 = custom_op_namespace(fa2_interface_path())
+    if ns2 != ns3:
+        return ""
+    return (f"this FlashAttention-3 build registers {ns3}::_flash_attn_forward, the operator name "
+            f"flash-attn {installed_version(FA2_PACKAGE)} registers too (FA3 builds of 2025-07-16..2025-08-19): "
+            "in one process the later import replaces the other's operator; rebuild FlashAttention-3 from a "
+            "later commit (namespace flash_attn_3::) or uninstall flash-attn")
 
 
 def _parameters(fn) -> dict:
@@ -70,7 +110,7 @@ class _FA3Kernel:
         bwd = _parameters(iface._flash_attn_backward)
         if {"window_size_left", "window_size_right"} <= fwd.keys() and "is_causal" in bwd:
             self.api = "new"
-        elif "window_size" in fwd and "causal" in fwd and {"causal", "window_size"} <= bwd.keys():
+        elif {"window_size", "causal", "softcap"} <= fwd.keys() and {"causal", "window_size"} <= bwd.keys():
             self.api = "old"
         else:
             raise BackendUnavailable(
@@ -115,6 +155,9 @@ class _FA3Kernel:
 
 
 def _load_kernel() -> _FA3Kernel:
+    clash = op_clash()
+    if clash:
+        raise BackendUnavailable(f"fa3: {clash}")
     try:
         iface = importlib.import_module("flash_attn_interface")
     except ModuleNotFoundError as exc:
@@ -122,12 +165,19 @@ def _load_kernel() -> _FA3Kernel:
             raise BackendUnavailable(f"fa3: importing flash_attn_interface failed: {exc}") from exc
         try:
             iface = importlib.import_module("flash_attn_3.flash_attn_interface")
-        except ImportError as exc2:
+        except Exception as exc2:
             why = FlashAttn3Backend.availability().reason or "import failed"
             raise BackendUnavailable(f"fa3: cannot import flash_attn_interface nor "
-                                     f"flash_attn_3.flash_attn_interface ({exc2}); {why}") from exc2
-    except ImportError as exc:
-        raise BackendUnavailable(f"fa3: importing flash_attn_interface failed: {exc}") from exc
+                                     f"flash_attn_3.flash_attn_interface ({type(exc2).__name__}: {exc2}); "
+                                     f"{why}") from exc2
+    except Exception as exc:   # an operator registration that fails raises RuntimeError, not ImportError
+        raise BackendUnavailable(f"fa3: importing flash_attn_interface failed ({type(exc).__name__}: {exc})") from exc
+    for fn in (iface._flash_attn_forward, iface._flash_attn_backward):
+        qual = foreign_op(fn)
+        if qual is not None:
+            raise BackendUnavailable(f"fa3: the operator {qual} now belongs to another package imported in this "
+                                     "process (flash-attn >= 2.7 registers the same name); calling it would run "
+                                     "that package's kernel")
     return _FA3Kernel(iface)
 
 
@@ -146,16 +196,24 @@ class FlashAttn3Backend(AttentionBackend):
     SUPPORTS_KEY_OFFSET = False       # windows take no position offset between ring blocks
     RETURNS_LSE = True
     HAS_BACKWARD = True
-    SUPPORTS_DETERMINISTIC = True     # up to DETERMINISTIC_MAX_HEAD_DIM: see extra_reasons
+    SUPPORTS_DETERMINISTIC = True     # not for the head-dim-256 kernel: LIMITS
     MIN_COMPUTE_CAPABILITY = {"cuda": (9, 0)}
+    MAX_COMPUTE_CAPABILITY = {"cuda": (9, 0)}
     REQUIRED_PACKAGES = (PACKAGE,)
-
-    @classmethod
-    def extra_reasons(cls, request: AttnRequest) -> list:
-        if request.deterministic and request.needs_grad and request.head_dim > DETERMINISTIC_MAX_HEAD_DIM:
-            return [f"deterministic backward is not available for head_dim={request.head_dim} "
-                    f"(FA3's deterministic backward covers head_dim <= {DETERMINISTIC_MAX_HEAD_DIM})"]
-        return []
+    INPUT_LAYOUT = "last-dim-contiguous"
+    POSITIONS = POSITIONS
+    LIMITS = (
+        Limit("deterministic backward is not available for head_dim={head_dim} (FA3 rounds it up to 256 and its "
+              "deterministic backward covers head dims below 256)", uses=("deterministic",), head_dims=(193, 256),
+              source=f"{SRC} hopper/flash_api.cpp mha_bwd (Deterministic backward not supported for hdim 256)"),
+    )
+    UPSTREAM_CHECKED = (
+        ("old (window_size=(l, r)) and custom-op (window_size_left/right, is_causal) APIs; op namespace "
+         "flash_attn:: from 2025-07-16 to 2025-08-19", f"{SRC} hopper/flash_attn_interface.py at 7a802796, "
+                                                      "c7697bbf, fde4bc0c"),
+        ("sm_90a kernels (plus sm80 unless disabled); window normalisation; deterministic backward below 256",
+         f"{SRC} hopper/setup.py, hopper/flash_api.cpp"),
+    )
 
     @classmethod
     def availability(cls) -> Availability:
@@ -163,36 +221,33 @@ class FlashAttn3Backend(AttentionBackend):
             return Availability(False, f"{PACKAGE.dist} not installed ({BUILD_HINT})")
         return super().availability()
 
+    @classmethod
+    def extra_availability(cls, device_type, version):
+        return op_clash()
+
     def _kernel(self) -> _FA3Kernel:
         kernel = getattr(self, "_loaded_kernel", None)
         if kernel is None:
             kernel = self._loaded_kernel = _load_kernel()
         return kernel
 
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        check_call(type(self), q, k, v, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, key_offset=key_offset)
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
         kernel = self._kernel()
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(self.NAME, sq, sk, causal, window, False)
-        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE).contiguous() for x in (q, k, v))
-        out, lse = kernel.forward(qp, kp, vp, default_scale(softmax_scale, d), k_causal, left, right,
-                                  softcap or 0.0)
+        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window)
+        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
+        out, lse = kernel.forward(qp, kp, vp, softmax_scale, k_causal, left, right, softcap or 0.0)
         return unpad(out, d), normalize_lse(lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
-        check_call(type(self), q, k, v, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, key_offset=key_offset,
-                   needs_grad=True, deterministic=deterministic)
-        check_lse(self.NAME, lse, q)
+    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
+                        dropout_p, deterministic, key_offset):
         kernel = self._kernel()
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(self.NAME, sq, sk, causal, window, False)
+        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window)
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
-        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE).contiguous()
+        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, default_scale(softmax_scale, d),
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale,
                                      k_causal, left, right, softcap or 0.0, deterministic)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

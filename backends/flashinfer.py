@@ -25,20 +25,25 @@ What the adapter does to meet the contract:
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import shutil
 
 import torch
 
-from usp_hal.backend import AttentionBackend, installed_version, normalize_lse, pad_head_dim, parse_version
-from usp_hal.capabilities import Package
+from usp_hal.backend import AttentionBackend, normalize_lse, pad_to
+from usp_hal.capabilities import Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flashinfer-python", module="flashinfer", min_version="0.2.0",
                   alt_dists=("flashinfer",), extra="flashinfer")
+SRC = "flashinfer-ai/flashinfer"
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 LN2 = math.log(2.0)
-# On sm75 the 256 head-dim prefill kernel exceeded shared memory until this release.
-SM75_HEAD_DIM_256_FROM = "0.6.16"
+POSITIONS = Positions(alignment="bottom-right", causal_any_lengths=False, window="left-only",
+                      source=f"{SRC} v0.6.18 flashinfer/prefill.py single_prefill_with_kv_cache "
+                             "(causal mask and window_left aligned to the bottom-right corner)")
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -49,6 +54,24 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"flashinfer: head_dim={head_dim} > {KERNEL_HEAD_DIMS[-1]} is not supported")
 
 
+def jit_reason() -> str:
+    """Why FlashInfer cannot build its kernels here, or ''.  It compiles them on first use
+    with nvcc (found through CUDA_HOME/CUDA_PATH, ``nvcc`` on PATH, or /usr/local/cuda) unless
+    the ``flashinfer_jit_cache`` package provides them prebuilt."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return ""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
+    which = shutil.which("nvcc")
+    if which:
+        candidates.append(which)
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    if any(os.path.isfile(c) and os.access(c, os.X_OK) for c in candidates):
+        return ""
+    return ("flashinfer compiles its kernels on first use and needs nvcc (a CUDA toolkit: set CUDA_HOME) or the "
+            "prebuilt kernels of flashinfer-jit-cache; neither was found")
+
+
 class FlashInferBackend(AttentionBackend):
     NAME = "flashinfer"
     DESCRIPTION = "FlashInfer single-request prefill (forward-only; base-2 lse converted to natural log)"
@@ -57,7 +80,7 @@ class FlashInferBackend(AttentionBackend):
     HEAD_DIM_MIN = 1
     HEAD_DIM_MAX = 256
     SUPPORTS_CAUSAL = True
-    SUPPORTS_WINDOW = True      # left bound only: see extra_reasons
+    SUPPORTS_WINDOW = True      # left bound only: LIMITS and POSITIONS
     SUPPORTS_SOFTCAP = True
     SUPPORTS_ALIBI = False
     SUPPORTS_DROPOUT = False
@@ -66,61 +89,44 @@ class FlashInferBackend(AttentionBackend):
     HAS_BACKWARD = False
     MIN_COMPUTE_CAPABILITY = {"cuda": (7, 5)}
     REQUIRED_PACKAGES = (PACKAGE,)
+    INPUT_LAYOUT = "contiguous"
+    POSITIONS = POSITIONS
+    LIMITS = (
+        Limit("sliding window right bound without causal: FlashInfer windows are left-only (window_left); use "
+              "window=(left, -1), or causal=True", uses=("right_window",), unless=("causal",),
+              source=f"{SRC} v0.6.18 flashinfer/prefill.py single_prefill_with_kv_cache (window_left only)"),
+        Limit("bf16 needs compute capability >= 8.0 (FlashInfer has no bf16 prefill kernels for {cc}); use fp16",
+              uses=("bf16",), devices=("cuda",), archs=("sm80+",),
+              source=f"{SRC} README (GPU support table); not re-checked against the kernels"),
+        Limit("head_dim={head_dim} on {cc} needs flashinfer-python >= 0.6.16 (found {version})", devices=("cuda",),
+              head_dims=(129, 256), version="<0.6.16", archs=("sm80+",),
+              source="carried from the adapter's earlier reading of the release notes; not re-checked"),
+    )
+    UPSTREAM_CHECKED = (
+        ("single_prefill_with_kv_cache signature, no batch dim, lse base 2 [S, H], bottom-right causal and "
+         "window_left", f"{SRC} v0.6.18 flashinfer/prefill.py; include/flashinfer/attention/prefill.cuh"),
+        ("JIT build needs nvcc or flashinfer-jit-cache", f"{SRC} v0.6.18 flashinfer/jit/cpp_ext.py get_cuda_path, "
+                                                         "flashinfer/jit/env.py has_flashinfer_jit_cache"),
+    )
 
     @classmethod
-    def extra_reasons(cls, request):
-        reasons = []
-        right = tuple(request.window)[1]
-        if right >= 0 and not request.causal:
-            reasons.append(f"sliding window right bound {right} without causal: FlashInfer windows are "
-                           "left-only (window_left); use window=(left, -1), or causal=True")
-        cc = request.compute_capability
-        if cc is not None and tuple(cc) < (8, 0):
-            if request.dtype == torch.bfloat16:
-                reasons.append(f"bf16 needs compute capability >= 8.0 (FlashInfer has no bf16 prefill "
-                               f"kernels for sm{cc[0]}{cc[1]}); use fp16")
-            version = installed_version(PACKAGE)
-            if (request.head_dim > 128 and version is not None
-                    and parse_version(version) < parse_version(SM75_HEAD_DIM_256_FROM)):
-                reasons.append(f"head_dim={request.head_dim} on sm{cc[0]}{cc[1]} needs flashinfer-python >= "
-                               f"{SM75_HEAD_DIM_256_FROM} (found {version})")
-        return reasons
+    def extra_availability(cls, device_type, version):
+        return jit_reason()
 
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        if alibi_slopes is not None or dropout_p:
-            raise NotImplementedError("flashinfer: alibi_slopes and dropout are not supported "
-                                      f"(alibi={alibi_slopes is not None}, dropout_p={dropout_p})")
-        left, right = (int(w) for w in window)
-        if key_offset and (left >= 0 or right >= 0):
-            raise NotImplementedError("flashinfer: a window across ring blocks (key_offset="
-                                      f"{key_offset}) cannot be expressed; use ring_degree=1")
-        if right >= 0 and not causal:
-            raise NotImplementedError(f"flashinfer: window right bound {right} needs causal=True "
-                                      "(FlashInfer windows are left-only)")
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
         b, sq, h, d = q.shape
         sk = k.shape[1]
-        if causal and sq != sk:
-            raise ValueError(f"flashinfer: causal attention needs Sq == Sk (got Sq={sq}, Sk={sk}); "
-                             "FlashInfer aligns its causal mask bottom-right")
-        window_left = -1
-        if left >= 0:
-            # FlashInfer keeps key n for query m when n >= m - window_left + (Sk - Sq).
-            window_left = left + sk - sq
-            if window_left < 0:
-                raise ValueError(f"flashinfer: window left={left} with Sq={sq} > Sk={sk} + left gives rows "
-                                 "no key, which FlashInfer's bottom-right window cannot express; use equal "
-                                 "lengths or a backend that takes any window (e.g. sdpa)")
-        scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+        k_causal, window_left, _ = kernel_window(POSITIONS, sq, sk, causal, window)
         target = kernel_head_dim(d)
-        qp, kp, vp = (pad_head_dim(x, target).contiguous() for x in (q, k, v))
+        qp, kp, vp = (pad_to(x, target) for x in (q, k, v))
 
         import flashinfer
 
         outs, lses = [], []
         for i in range(b):
             o, lse2 = flashinfer.single_prefill_with_kv_cache(
-                qp[i], kp[i], vp[i], causal=bool(causal), kv_layout="NHD", sm_scale=scale,
+                qp[i], kp[i], vp[i], causal=bool(k_causal), kv_layout="NHD", sm_scale=softmax_scale,
                 window_left=window_left, logits_soft_cap=float(softcap) if softcap else None,
                 return_lse=True)
             outs.append(o)

@@ -28,6 +28,11 @@ What the adapter does to meet the contract:
 * **Dropout** is refused: the kernel's dropout needs its forward ``seed/offset/numels``
   again in backward, and the contract carries no RNG state from forward to backward.
   Window, softcap and alibi (``pse``) are not mapped and are refused.
+* Limits from the op's documentation (Ascend/op-plugin ``docs/context/
+  torch_npu-npu_fusion_attention.md``): head dim 1..768 (``Dq == Dk >= Dv``), at most 256
+  query heads, Atlas A2 training products.  The signatures used here are those of
+  op-plugin 5.0.0 (``op_plugin_functions.yaml``), which torch-npu 2.1.0 ships: the oldest
+  release on PyPI, and the minimum declared.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ from usp_hal import platform as _platform
 from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse
 from usp_hal.capabilities import Availability, Package
 
-PACKAGE = Package(dist="torch-npu", module="torch_npu", extra="npu")
+PACKAGE = Package(dist="torch-npu", module="torch_npu", min_version="2.1.0", extra="npu")
+DOC = "Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md (0d8f401d, 3ec6c1fc)"
 
 LAYOUT = "BSND"
 SPARSE_NONE = 0
@@ -75,12 +81,20 @@ class NPUBackend(AttentionBackend):
     RETURNS_LSE = True
     HAS_BACKWARD = True
     REQUIRED_PACKAGES = (PACKAGE,)
+    INPUT_LAYOUT = "contiguous"
+    UPSTREAM_CHECKED = (
+        ("head dim 1..768, Nq <= 256, GQA, sparse_mode 2 = top-left causal with the compressed 2048x2048 mask, "
+         "softmax_max/sum [B, N, S, 8], scale vs scale_value", DOC),
+        ("signatures of npu_fusion_attention / npu_fusion_attention_grad",
+         "Ascend/op-plugin 5.0.0 op_plugin/config/v2r1/op_plugin_functions.yaml"),
+    )
 
     @classmethod
-    def extra_reasons(cls, request):
+    def not_supported_reasons(cls, request):
+        reasons = super().not_supported_reasons(request)
         if request.num_heads > MAX_HEADS:
-            return [f"heads={request.num_heads} > {MAX_HEADS} (npu_fusion_attention limit)"]
-        return []
+            reasons.append(f"heads={request.num_heads} > {MAX_HEADS} (npu_fusion_attention limit)")
+        return reasons
 
     @classmethod
     def availability(cls) -> Availability:
@@ -93,43 +107,30 @@ class NPUBackend(AttentionBackend):
         return avail
 
     @staticmethod
-    def _check_call(window, softcap, alibi_slopes, dropout_p):
-        if tuple(window) != (-1, -1) or softcap or alibi_slopes is not None or dropout_p:
-            raise NotImplementedError(
-                "npu: window, softcap, alibi and dropout are not supported by this adapter "
-                f"(got window={tuple(window)}, softcap={softcap}, alibi={alibi_slopes is not None}, "
-                f"dropout_p={dropout_p}); dropout would need RNG state the contract does not carry")
-
-    @staticmethod
     def _mask_args(q, causal) -> dict:
         if causal:
             return {"atten_mask": causal_mask(q.device), "sparse_mode": SPARSE_LEFT_UP_CAUSAL}
         return {"atten_mask": None, "sparse_mode": SPARSE_NONE}
 
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        self._check_call(window, softcap, alibi_slopes, dropout_p)
-        scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
         import torch_npu
 
         res = torch_npu.npu_fusion_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), q.shape[2], LAYOUT,
-            scale=scale, keep_prob=1.0, **self._mask_args(q, causal))
+            q, k, v, q.shape[2], LAYOUT, scale=softmax_scale, keep_prob=1.0, **self._mask_args(q, causal))
         out, smax, ssum = res[0], res[1], res[2]
         lse = smax[..., 0].float() + torch.log(ssum[..., 0].float())
         return out, normalize_lse(lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
-        self._check_call(window, softcap, alibi_slopes, dropout_p)
-        scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
+                        dropout_p, deterministic, key_offset):
         b, sq, h, _ = q.shape
         row_max = lse_for_backward(lse).float().unsqueeze(-1).expand(b, h, sq, 8).contiguous()
         row_sum = torch.ones_like(row_max)
         import torch_npu
 
         res = torch_npu.npu_fusion_attention_grad(
-            q.contiguous(), k.contiguous(), v.contiguous(), dout.to(q.dtype).contiguous(), h, LAYOUT,
+            q, k, v, dout.to(q.dtype).contiguous(), h, LAYOUT,
             softmax_max=row_max, softmax_sum=row_sum, attention_in=out.to(q.dtype).contiguous(),
-            scale_value=scale, keep_prob=1.0, **self._mask_args(q, causal))
+            scale_value=softmax_scale, keep_prob=1.0, **self._mask_args(q, causal))
         return res[0], res[1], res[2]

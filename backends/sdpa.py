@@ -3,20 +3,48 @@
 CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (natural-log lse,
 memory order [B, S, H], 0 for fully masked rows: normalised here).  Window, alibi and ring
 position offsets are applied through a float mask, so they stay exact across ring blocks.
+The CPU op ignores a non-unit stride of the last dim (it reads the head dim as if it were
+contiguous), so the inputs are declared ``last-dim-contiguous`` and copied only then.
 
-CUDA/ROCm: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16, no mask) or
-``aten._scaled_dot_product_efficient_attention`` (with a bias for window/alibi), with the
-efficient kernel's lse padding (a multiple of 32 on CUDA) and cuDNN's trailing dim removed
-by :func:`normalize_cuda_lse`.
+CUDA/ROCm (the aten ops called directly, without the public SDPA's own preparation):
+
+* ``aten._scaled_dot_product_flash_attention`` (vendored FlashAttention-2) takes fp16/bf16,
+  a head dim that is a multiple of 8 and at most 256, compute capability 8.0 or newer, no
+  mask, and aligns causal bottom-right.  The public SDPA pads the head dim first
+  (``pad_last_dim<8>``); this adapter pads it too, passes the scale of the unpadded head dim
+  and slices the output.  It is used only for fp16/bf16 calls without window/alibi, with
+  ``Sq == Sk`` when causal, on compute capability >= 8.0 (when known).
+* ``aten._scaled_dot_product_efficient_attention`` takes every other call: the window,
+  alibi and ring offsets go in as an additive bias, which must be in q's dtype and whose
+  strides must be multiples of 16 bytes (the public SDPA pads it in ``preprocess_mask``);
+  the bias is built with its last dim padded to a multiple of 16 and sliced, and ALiBi in
+  fp16/bf16 runs the whole call in fp32 so the integer distances are not rounded (as on the
+  CPU).  Its ``is_causal`` is top-left.  Its lse is padded to a multiple of 32 on CUDA
+  (compact on ROCm), and its backward takes the same layout.
+
+The CUDA ops are looked up through :func:`cuda_ops`, which a contract test replaces with CPU
+stand-ins that enforce the real ops' checks.
 """
 from __future__ import annotations
 
 import torch
 
-from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, position_mask
-from usp_hal.platform import device_type_of
+from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_head_dim, position_mask
+from usp_hal.capabilities import Limit
+from usp_hal.platform import compute_capability, device_type_of
 
 _HALF = (torch.float16, torch.bfloat16)
+FLASH_HEAD_DIM_MULTIPLE = 8
+FLASH_HEAD_DIM_MAX = 256
+BIAS_ALIGN_ELEMENTS = 16        # the public SDPA pads the bias' last dim to 8; 16 keeps 16-byte strides for fp32 too
+CUDA_LSE_ALIGN = {"cuda": 32, "rocm": 1}
+
+
+def cuda_ops():
+    """``(flash, efficient, efficient_backward)``: the aten ops, looked up at call time."""
+    aten = torch.ops.aten
+    return (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_efficient_attention_backward)
 
 
 def normalize_cuda_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
@@ -37,22 +65,39 @@ class SDPABackend(AttentionBackend):
     SUPPORTS_GQA = True
     RETURNS_LSE = True
     HAS_BACKWARD = True
-    IS_DETERMINISTIC = True   # on CPU; see extra_reasons for CUDA
-
-    @classmethod
-    def extra_reasons(cls, req):
-        reasons = []
-        if req.device_type != "cpu":
-            if req.dtype == torch.float64:
-                reasons.append(f"fp64 is only supported on cpu (device={req.device_type})")
-            if req.deterministic and req.needs_grad:
-                reasons.append("the CUDA efficient-attention backward is not deterministic")
-        return reasons
+    IS_DETERMINISTIC = True   # on CPU; the CUDA efficient backward is refused below
+    INPUT_LAYOUT = "last-dim-contiguous"
+    LIMITS = (
+        Limit("fp64 is only supported on cpu (the CUDA attention ops take fp16/bf16/fp32)",
+              uses=("fp64",), devices=("cuda", "rocm"),
+              source="pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp can_use_mem_efficient_attention"),
+        Limit("the CUDA efficient-attention backward is not deterministic", uses=("deterministic",),
+              devices=("cuda", "rocm"),
+              source="pytorch aten/src/ATen/native/transformers/cuda/attention_backward.cu (atomic dq)"),
+        Limit("bf16 on cuda needs compute capability >= 8.0 (found {cc}); the efficient kernel has no "
+              "bf16 kernels below sm80: use fp16 or fp32", uses=("bf16",), devices=("cuda",), archs=("sm80+",),
+              source="pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp "
+                     "less_than_sm80_mem_efficient_dtypes"),
+    )
+    UPSTREAM_CHECKED = (
+        ("CPU op: lse natural log, memory [B, S, H], 0 for masked rows; a non-unit last-dim stride is read "
+         "as contiguous", "torch 2.13.0 (run here)"),
+        ("flash op: head dim multiple of 8 and <= 256, sm80+, fp16/bf16, bottom-right causal",
+         "pytorch aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp mha_fwd/mha_bwd"),
+        ("efficient op: bias in q's dtype, bias strides aligned; lse padded to 32 on CUDA",
+         "pytorch aten/src/ATen/native/transformers/cuda/attention.cu, mem_eff_attention/kernel_forward.h "
+         "check_supported; attention.cpp preprocess_mask"),
+    )
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _needs_mask(window, alibi_slopes, key_offset) -> bool:
+    def _needs_mask(window, alibi_slopes) -> bool:
         return tuple(window) != (-1, -1) or alibi_slopes is not None
+
+    @staticmethod
+    def _compute_dtype(q, alibi_slopes):
+        # an alibi bias in bf16/fp16 loses integer distances; compute those calls in fp32
+        return torch.float32 if (alibi_slopes is not None and q.dtype in _HALF) else q.dtype
 
     def _mask(self, q, k, causal, window, key_offset, alibi_slopes, dtype):
         return position_mask(q.shape[1], k.shape[1], causal=causal, window=window, key_offset=key_offset,
@@ -60,26 +105,18 @@ class SDPABackend(AttentionBackend):
                              dtype=dtype, device=q.device)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        if softcap:
-            raise NotImplementedError("sdpa: softcap is not supported (use fa2/fa3)")
-        if dropout_p:
-            raise NotImplementedError("sdpa: dropout_p > 0 is not supported by the lse-returning ops")
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
         dev = device_type_of(q.device)
         if dev == "cpu":
             return self._forward_cpu(q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset)
-        return self._forward_cuda(q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset)
-
-    def _compute_dtype(self, q, alibi_slopes):
-        # an alibi bias in bf16/fp16 loses integer distances; compute those calls in fp32
-        return torch.float32 if (alibi_slopes is not None and q.dtype in _HALF) else q.dtype
+        return self._forward_cuda(dev, q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset)
 
     def _forward_cpu(self, q, k, v, scale, causal, window, alibi_slopes, key_offset):
         cdt = self._compute_dtype(q, alibi_slopes)
         qt, kt, vt = (x.to(cdt).transpose(1, 2) for x in (q, k, v))
         empty = None
-        if self._needs_mask(window, alibi_slopes, key_offset):
+        if self._needs_mask(window, alibi_slopes):
             mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, False, attn_mask=mask, scale=scale)
@@ -88,57 +125,81 @@ class SDPABackend(AttentionBackend):
                 qt, kt, vt, 0.0, causal, scale=scale)
         return out.transpose(1, 2).to(q.dtype), normalize_lse(lse, empty)
 
-    def _forward_cuda(self, q, k, v, scale, causal, window, alibi_slopes, key_offset):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        kt, vt = _repeat_kv(kt, qt.shape[1]), _repeat_kv(vt, qt.shape[1])
-        sq = q.shape[1]
-        if not self._needs_mask(window, alibi_slopes, key_offset) and q.dtype in _HALF:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
-            return res[0].transpose(1, 2), normalize_lse(normalize_cuda_lse(res[1], sq))
-        bias, empty = (None, None)
-        if self._needs_mask(window, alibi_slopes, key_offset):
-            bias, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, q.dtype)
-            bias = bias.expand(q.shape[0], q.shape[2], sq, k.shape[1])
-            causal = False
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, bias, True, 0.0, causal, scale=scale)
-        return res[0].transpose(1, 2), normalize_lse(normalize_cuda_lse(res[1], sq), empty)
+    def _use_flash(self, dev, q, k, causal, window, alibi_slopes) -> bool:
+        if q.dtype not in _HALF or self._needs_mask(window, alibi_slopes) or dev != "cuda":
+            return False
+        if causal and q.shape[1] != k.shape[1]:
+            return False        # the flash op aligns causal bottom-right
+        if q.shape[-1] > FLASH_HEAD_DIM_MAX:
+            return False
+        cc = compute_capability(dev, q.device.index or 0)
+        return cc is None or tuple(cc) >= (8, 0)
+
+    def _forward_cuda(self, dev, q, k, v, scale, causal, window, alibi_slopes, key_offset):
+        flash, efficient, _ = cuda_ops()
+        d, sq, h = q.shape[-1], q.shape[1], q.shape[2]
+        if self._use_flash(dev, q, k, causal, window, alibi_slopes):
+            qt, kt, vt = (pad_head_dim(x, FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, k, v))
+            res = flash(qt, kt, vt, 0.0, bool(causal), False, scale=scale)
+            return res[0].transpose(1, 2)[..., :d], normalize_lse(normalize_cuda_lse(res[1], sq))
+        cdt = self._compute_dtype(q, alibi_slopes)
+        qt, kt, vt = (pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, k, v))
+        kt, vt = _repeat_kv(kt, h), _repeat_kv(vt, h)
+        bias, empty = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt)
+        res = efficient(qt, kt, vt, bias, True, 0.0, bool(causal) and bias is None, scale=scale)
+        out = res[0].transpose(1, 2)[..., :d].to(q.dtype)
+        if empty is not None:     # rows that see no key: out 0 whatever the kernel left there
+            out = out.masked_fill(empty.view(1, sq, 1, 1), 0)
+        return out, normalize_lse(normalize_cuda_lse(res[1], sq), empty)
+
+    def _bias(self, q, k, causal, window, key_offset, alibi_slopes, dtype):
+        """The additive bias [B, H, Sq, Sk] for window/alibi (causal folded in), or (None, None).
+        Built with its last dim padded to a multiple of 16 elements, then sliced, so every
+        stride the kernel checks is aligned."""
+        if not self._needs_mask(window, alibi_slopes):
+            return None, None
+        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+        sk = k.shape[1]
+        mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, dtype)
+        padded = -(-sk // BIAS_ALIGN_ELEMENTS) * BIAS_ALIGN_ELEMENTS
+        bias = torch.empty(*mask.shape[:-1], padded, dtype=dtype, device=q.device)[..., :sk]
+        bias.copy_(mask)
+        return bias.expand(b, h, sq, sk), empty      # broadcast dims have stride 0: aligned
 
     # ------------------------------------------------------------------ backward
-    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
-        if softcap or dropout_p:
-            raise NotImplementedError("sdpa: softcap/dropout are not supported")
+    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
+                        dropout_p, deterministic, key_offset):
         lse = lse_for_backward(lse)
-        if device_type_of(q.device) == "cpu":
+        dev = device_type_of(q.device)
+        if dev == "cpu":
             cdt = self._compute_dtype(q, alibi_slopes)
             qt, kt, vt, ot, dot = (x.to(cdt).transpose(1, 2) for x in (q, k, v, out, dout))
             kw = {"scale": softmax_scale}
-            if self._needs_mask(window, alibi_slopes, key_offset):
+            if self._needs_mask(window, alibi_slopes):
                 kw["attn_mask"] = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt)[0]
                 causal = False
             lse = lse.to(torch.float64 if cdt == torch.float64 else torch.float32)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, causal, **kw)
             return tuple(g.transpose(1, 2).to(q.dtype) for g in (dq, dk, dv))
-        return self._backward_cuda(dout, q, k, v, out, lse, softmax_scale, causal, window, alibi_slopes, key_offset)
+        return self._backward_cuda(dev, dout, q, k, v, out, lse, softmax_scale, causal, window, alibi_slopes,
+                                   key_offset)
 
-    def _backward_cuda(self, dout, q, k, v, out, lse, scale, causal, window, alibi_slopes, key_offset):
-        hkv = k.shape[2]
-        qt, ot, dot = (x.transpose(1, 2) for x in (q, out, dout))
-        kt, vt = _repeat_kv(k.transpose(1, 2), q.shape[2]), _repeat_kv(v.transpose(1, 2), q.shape[2])
-        bias = None
-        if self._needs_mask(window, alibi_slopes, key_offset):
-            bias = self._mask(q, k, causal, window, key_offset, alibi_slopes, q.dtype)[0]
-            bias = bias.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-            causal = False
-        # the efficient backward wants its own padded lse layout
-        pad = (-lse.shape[-1]) % 32
-        lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    def _backward_cuda(self, dev, dout, q, k, v, out, lse, scale, causal, window, alibi_slopes, key_offset):
+        _, _, efficient_backward = cuda_ops()
+        d, h, hkv = q.shape[-1], q.shape[2], k.shape[2]
+        cdt = self._compute_dtype(q, alibi_slopes)
+        qt, ot, dot = (pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, out, dout))
+        kt, vt = (_repeat_kv(pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2), h) for x in (k, v))
+        bias, _ = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt)
+        align = CUDA_LSE_ALIGN.get(dev, 32)
+        pad = (-lse.shape[-1]) % align
+        lse_p = torch.nn.functional.pad(lse.float(), (0, pad)) if pad else lse.float().contiguous()
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dot, qt, kt, vt, bias, ot, lse_p, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+        dq, dk, dv, _ = efficient_backward(dot, qt, kt, vt, bias, ot, lse_p, seed, seed, 0.0,
+                                           [True, True, True, False], bool(causal) and bias is None, scale=scale)
         dk, dv = _sum_kv(dk, hkv), _sum_kv(dv, hkv)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return tuple(g.transpose(1, 2)[..., :d].to(q.dtype) for g in (dq, dk, dv))
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -149,4 +210,4 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _sum_kv(g: torch.Tensor, hkv: int) -> torch.Tensor:
     b, h, s, d = g.shape
-    return g if h == hkv else g.view(b, hkv, h // hkv, s, d).sum(2)
+    return g if h == hkv else g.reshape(b, hkv, h // hkv, s, d).sum(2)

@@ -10,12 +10,18 @@ Kernel entry points (torch >= 2.10 XPU builds; torch-xpu-ops "SYCL-TLA" flash ke
         logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
         philox_seed, philox_offset, *, scale) -> (dq, dk, dv)
 
-What the adapter does to meet the contract:
+What the adapter does to meet the contract (facts from intel/torch-xpu-ops
+``src/ATen/native/transformers/xpu/flash_attn/sycltla/``, branches release/2.10 to 2.14):
 
-* Layout: the contract's ``[B, S, H, D]`` is passed as transposed ``[B, H, S, D]`` views.
-* Head dims: the backward kernels exist for 64, 96, 128, 192 and 256 only, so Q/K/V are
-  zero-padded to the next of those (exact, with the scale passed explicitly) for both
-  directions and the results sliced back.
+* Layout: the contract's ``[B, S, H, D]`` is passed as transposed ``[B, H, S, D]`` views of
+  contiguous tensors (the forward accepts BSHD or BHSD memory only).
+* Head dims: up to torch 2.12 the forward has kernels for 64, 96, 128 and 192 only ("only
+  support headdim 64,96,128,192") and the backward for 64..256, so Q/K/V are zero-padded to
+  the next of 64/96/128/192 (exact, with the scale passed explicitly) and the results
+  sliced back; head dims above 192 are refused there.  From 2.13 both directions take any
+  head dim up to 256 (the kernels round up themselves).
+* Device models: PVC, PVC-VG and BMG-G21 up to 2.11; BMG-G31 from 2.12.  Other Intel GPUs
+  are refused by the op and here.
 * GQA is native in both ops (the backward sums dk/dv over the group itself); if a
   release hands back per-query-head dk/dv the adapter sums them.
 * lse is natural log; the kernel writes 0 for a fully masked row, but no call this
@@ -26,7 +32,9 @@ What the adapter does to meet the contract:
   dropout, ignore the RNG state: the backward passes zero placeholders as
   ``philox_seed/offset`` (the contract carries no RNG state, hence no dropout).
 * No window, softcap or alibi in these ops: refused, never dropped.  The kernels also
-  need a torch build with ``USE_SYCLTLA`` and a PVC or BMG GPU; the op raises otherwise.
+  need a torch build with ``USE_SYCLTLA``; the op raises otherwise.
+* Before torch 2.10 there is no XPU flash kernel at all (torch-xpu-ops has no
+  ``flash_attn`` before release/2.10; the oneDNN SDPA of those builds is not used here).
 
 The op lookup goes through :func:`flash_ops` so a contract test can substitute a CPU
 stand-in with the same signatures.
@@ -36,11 +44,16 @@ from __future__ import annotations
 import torch
 
 from usp_hal import platform as _platform
-from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_head_dim, parse_version
-from usp_hal.capabilities import Availability
+from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_to, parse_version
+from usp_hal.capabilities import Availability, Limit, Positions
 
 MIN_TORCH = "2.10"
-KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
+SRC = "intel/torch-xpu-ops"
+# forward head dims of the SYCL-TLA kernels before torch 2.13 (2.13+: any head dim up to 256)
+FORWARD_HEAD_DIMS_BEFORE_2_13 = (64, 96, 128, 192)
+ANY_HEAD_DIM_FROM = "2.13"
+MODELS_2_10 = ("intel_gpu_pvc", "intel_gpu_pvc_vg", "intel_gpu_bmg_g21")
+MODELS_2_12 = MODELS_2_10 + ("intel_gpu_bmg_g31",)
 
 
 def flash_ops():
@@ -50,14 +63,38 @@ def flash_ops():
 
 
 def torch_version() -> str:
-    return torch.__version__
+    return _platform.torch_version()
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    for size in KERNEL_HEAD_DIMS:
+def kernel_head_dim(head_dim: int, version: "str | None" = None) -> int:
+    """The head dim the forward kernel runs with for this torch version (after padding)."""
+    version = version or torch_version()
+    if parse_version(version) >= parse_version(ANY_HEAD_DIM_FROM):
+        if head_dim > 256:
+            raise ValueError(f"xpu: head_dim={head_dim} > 256 is not supported")
+        return head_dim
+    for size in FORWARD_HEAD_DIMS_BEFORE_2_13:
         if head_dim <= size:
             return size
-    raise ValueError(f"xpu: head_dim={head_dim} > {KERNEL_HEAD_DIMS[-1]} is not supported")
+    raise ValueError(f"xpu: head_dim={head_dim} > {FORWARD_HEAD_DIMS_BEFORE_2_13[-1]} is not supported by "
+                     f"torch {version} (its XPU forward has head dims {FORWARD_HEAD_DIMS_BEFORE_2_13})")
+
+
+LIMITS = (
+    Limit("torch {torch} has no XPU flash-attention kernel: intel/torch-xpu-ops ships its SYCL-TLA flash "
+          "kernels from torch 2.10 on (install torch >= 2.10 for XPU)", devices=("xpu",), torch=f"<{MIN_TORCH}",
+          source=f"{SRC} release/2.9 vs release/2.10 (src/ATen/native/transformers/xpu/flash_attn/)"),
+    Limit("head_dim={head_dim}: torch {torch}'s XPU flash forward has kernels for head dims 64, 96, 128 and "
+          "192 only (256 arrives in torch 2.13)", devices=("xpu",), torch=f">={MIN_TORCH},<{ANY_HEAD_DIM_FROM}",
+          head_dims=(193, 256),
+          source=f"{SRC} release/2.10-2.12 sycltla/mha_fwd.cpp (only support headdim 64,96,128,192)"),
+    Limit("device model {model}: the XPU flash kernels of torch {torch} run on " + ", ".join(MODELS_2_10) + " only",
+          devices=("xpu",), torch=f">={MIN_TORCH},<2.12", models=MODELS_2_10,
+          source=f"{SRC} release/2.10-2.11 sycltla/mha_fwd.cpp, mha_bwd.cpp (supported_architectures)"),
+    Limit("device model {model}: the XPU flash kernels of torch {torch} run on " + ", ".join(MODELS_2_12) + " only",
+          devices=("xpu",), torch=">=2.12", models=MODELS_2_12,
+          source=f"{SRC} release/2.12-2.14 sycltla/mha_fwd.cpp, mha_bwd.cpp (supported_architectures)"),
+)
 
 
 class XPUBackend(AttentionBackend):
@@ -76,18 +113,16 @@ class XPUBackend(AttentionBackend):
     RETURNS_LSE = True
     HAS_BACKWARD = True
     IS_DETERMINISTIC = False        # dq is accumulated with atomics
-
-    @classmethod
-    def _torch_reason(cls) -> str:
-        found = torch_version()
-        if parse_version(found) < parse_version(MIN_TORCH):
-            return (f"torch {found} has no XPU flash-attention op with an lse (torch >= {MIN_TORCH} needed; "
-                    "older torch needed intel-extension-for-pytorch for XPU, which is discontinued)")
-        return ""
-
-    @classmethod
-    def extra_availability(cls, device_type, version):
-        return cls._torch_reason()
+    INPUT_LAYOUT = "contiguous"
+    POSITIONS = Positions(alignment="bottom-right", causal_any_lengths=False, window="none",
+                          source=f"{SRC} sycltla/mha_fwd.cpp (lower-right causal mask when seqlen_qo > seqlen_kv)")
+    LIMITS = LIMITS
+    UPSTREAM_CHECKED = (
+        ("forward head dims per torch version, device models per version, BSHD/BHSD layouts, lse 0 for "
+         "masked rows, bottom-right causal", f"{SRC} release/2.10-2.14 sycltla/mha_fwd.cpp, mha_bwd.cpp"),
+        ("backward head dims 64..256", f"{SRC} release/2.10-2.12 sycltla/mha_bwd.cpp (unsupported head dimension)"),
+        ("device architecture ids", "intel/llvm sycl/include/sycl/ext/oneapi/experimental/device_architecture.def"),
+    )
 
     @classmethod
     def availability(cls) -> Availability:
@@ -97,44 +132,29 @@ class XPUBackend(AttentionBackend):
                                        f"XPU build of torch >= {MIN_TORCH})", avail.version)
         return avail
 
-    @staticmethod
-    def _check_call(q, k, causal, window, softcap, alibi_slopes, dropout_p):
-        if tuple(window) != (-1, -1) or softcap or alibi_slopes is not None or dropout_p:
-            raise NotImplementedError(
-                "xpu: the XPU flash op has no window, softcap, alibi or dropout "
-                f"(got window={tuple(window)}, softcap={softcap}, alibi={alibi_slopes is not None}, "
-                f"dropout_p={dropout_p})")
-        if causal and q.shape[1] != k.shape[1]:
-            raise ValueError(f"xpu: causal attention needs Sq == Sk (got Sq={q.shape[1]}, Sk={k.shape[1]}); "
-                             "the XPU kernel aligns causal bottom-right")
-
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        self._check_call(q, k, causal, window, softcap, alibi_slopes, dropout_p)
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
         d = q.shape[-1]
-        scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
         target = kernel_head_dim(d)
-        qt, kt, vt = (pad_head_dim(x, target).transpose(1, 2) for x in (q, k, v))
+        qt, kt, vt = (pad_to(x, target).transpose(1, 2) for x in (q, k, v))
         fwd, _ = flash_ops()
-        res = fwd(qt, kt, vt, 0.0, bool(causal), False, scale=scale)
+        res = fwd(qt, kt, vt, 0.0, bool(causal), False, scale=softmax_scale)
         out = res[0].transpose(1, 2)[..., :d].contiguous()
         return out, normalize_lse(res[1])
 
-    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
-        self._check_call(q, k, causal, window, softcap, alibi_slopes, dropout_p)
+    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
+                        dropout_p, deterministic, key_offset):
         d = q.shape[-1]
         sq, sk, hkv = q.shape[1], k.shape[1], k.shape[2]
-        scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
         target = kernel_head_dim(d)
-        qt, kt, vt, ot, dot = (pad_head_dim(x.to(q.dtype), target).transpose(1, 2)
+        qt, kt, vt, ot, dot = (pad_to(x.to(q.dtype), target).contiguous().transpose(1, 2)
                                for x in (q, k, v, out, dout))
         lse = lse_for_backward(lse).float().contiguous()
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
         _, bwd = flash_ops()
         dq, dk, dv = bwd(dot, qt, kt, vt, ot, lse, None, None, sq, sk, 0.0, bool(causal), seed, offset,
-                         scale=scale)[:3]
+                         scale=softmax_scale)[:3]
         dk, dv = _sum_groups(dk, hkv), _sum_groups(dv, hkv)
         return tuple(g.transpose(1, 2)[..., :d].contiguous() for g in (dq, dk, dv))
 
@@ -142,4 +162,4 @@ class XPUBackend(AttentionBackend):
 def _sum_groups(g: torch.Tensor, hkv: int) -> torch.Tensor:
     """[B, H, S, D] per-query-head gradient -> [B, Hkv, S, D] (no-op when already Hkv heads)."""
     b, h, s, d = g.shape
-    return g if h == hkv else g.view(b, hkv, h // hkv, s, d).sum(2)
+    return g if h == hkv else g.reshape(b, hkv, h // hkv, s, d).sum(2)

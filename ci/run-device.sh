@@ -7,19 +7,25 @@
 # STEPS (default: probe test):
 #   install  install the device's torch (only when TORCH_SPEC or TORCH_INDEX_URL is set;
 #            otherwise the torch already on the runner is kept), then usp-hal with its
-#            [test] extra and the extras of every backend the profile's matrix lists
+#            [test] extra and the extras of the profile's backends that pip installs from
+#            wheels (USP_HAL_ALL_EXTRAS=1: also those that build from source, e.g. flash-attn);
+#            flashinfer only where its JIT has a compiler (nvcc) or flashinfer-jit-cache
 #   probe    check the machine matches PROFILE, print `usp-hal probe`, save it as JSON,
-#            then `usp-hal probe --verify` (every available backend vs the float64 reference)
+#            then `usp-hal probe --verify`: every available backend vs the float64 reference,
+#            each in its own process for at most USP_HAL_VERIFY_TIMEOUT seconds (default 240),
+#            ending with one line per backend: verified, refused (why), unavailable (why),
+#            failed or timeout
 #   test     write the profile's matrix (`usp-hal matrix --device PROFILE`) and run pytest
 #            with it (USP_HAL_MATRIX): one verification per matrix entry plus the whole suite
 #
 # Environment: PYTHON (default python), TORCH_SPEC (e.g. "torch==2.13.0"), TORCH_INDEX_URL
 # (the wheel index of the device's torch build), USP_HAL_CI_OUT (default ci/out/PROFILE),
 # USP_HAL_MATRIX_OPTIONAL (backends this runner may lack; their entries are skipped, not
-# failed), PYTEST_ADDOPTS (extra pytest options).
+# failed; default when unset: the profile's backends whose package builds from source, plus
+# flashinfer where no compiler is found), PYTEST_ADDOPTS (extra pytest options).
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 1 ]] || usage
 case "$1" in -h|--help) usage ;; esac
 
@@ -46,6 +52,27 @@ except ValueError as exc:
 PY
 }
 
+# FlashInfer compiles its kernels on first use: it needs nvcc, or flashinfer-jit-cache
+jit_compiler_present() {
+    command -v nvcc >/dev/null 2>&1 && return 0
+    local home=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}
+    [[ -x "$home/bin/nvcc" ]] && return 0
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('flashinfer_jit_cache') is None)" 2>/dev/null
+}
+
+optional_backends() {
+    if [[ -n "${USP_HAL_MATRIX_OPTIONAL+set}" ]]; then
+        echo "$USP_HAL_MATRIX_OPTIONAL"
+        return
+    fi
+    local opt
+    opt=$("$PY" -m usp_hal matrix --device "$PROFILE" --format source-built)
+    if ! jit_compiler_present; then
+        opt="${opt:+$opt,}flashinfer"
+    fi
+    echo "$opt"
+}
+
 step_install() {
     if [[ -n "${TORCH_SPEC:-}" || -n "${TORCH_INDEX_URL:-}" ]]; then
         log "installing ${TORCH_SPEC:-torch}${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
@@ -58,7 +85,11 @@ step_install() {
     "$PY" -m pip install -e ".[test]"
     check_profile
     local extras
-    extras=$("$PY" -m usp_hal matrix --device "$PROFILE" --format extras)
+    extras=$("$PY" -m usp_hal matrix --device "$PROFILE" --format extras ${USP_HAL_ALL_EXTRAS:+--all-extras})
+    if [[ ",$extras," == *",flashinfer,"* ]] && ! jit_compiler_present; then
+        log "skipping flashinfer: no nvcc and no flashinfer-jit-cache for its first-use kernel compilation"
+        extras=$(echo ",$extras," | sed 's/,flashinfer,/,/; s/^,//; s/,$//')
+    fi
     if [[ -n "$extras" ]]; then
         log "installing usp-hal[test,$extras]"
         "$PY" -m pip install -e ".[test,$extras]"
@@ -80,7 +111,15 @@ step_probe() {
     "$PY" -m usp_hal probe
     "$PY" -m usp_hal probe --json > "$OUT/probe.json"
     log "probe --verify"
-    "$PY" -m usp_hal probe --verify
+    "$PY" -m usp_hal probe --verify --timeout "${USP_HAL_VERIFY_TIMEOUT:-240}" --json > "$OUT/verify.json" || true
+    "$PY" - "$OUT/verify.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+print("per backend:")
+for row in report["summary"]:
+    print(f"  {row['backend']:<11} {row['status']}" + (f": {row['detail']}" if row["detail"] else ""))
+sys.exit(0 if report["verify"]["ok"] else 1)
+PY
 }
 
 step_test() {
@@ -90,7 +129,11 @@ step_test() {
     "$PY" -m usp_hal matrix --device "$PROFILE" > "$OUT/matrix.json"
     "$PY" -m usp_hal matrix --device "$PROFILE" --format markdown
     log "pytest"
-    USP_HAL_MATRIX="$OUT/matrix.json" "$PY" -m pytest tests -q -p no:cacheprovider --junitxml="$OUT/junit.xml"
+    local optional
+    optional=$(optional_backends)
+    log "backends this runner may lack: ${optional:-none}"
+    USP_HAL_MATRIX_OPTIONAL="$optional" USP_HAL_MATRIX="$OUT/matrix.json" \
+        "$PY" -m pytest tests -q -p no:cacheprovider --junitxml="$OUT/junit.xml"
 }
 
 for step in "${STEPS[@]}"; do

@@ -269,3 +269,195 @@ def test_extra_availability_hook():
 def test_parse_version_handles_local_builds():
     assert parse_version("2.7.4.post1+cu12torch2.6") > parse_version("2.6.3")
     assert parse_version("2.10.0") > parse_version("2.9.9")
+
+
+# ----------------------------------------------------------------------------- declared limits
+from usp_hal.capabilities import (  # noqa: E402
+    Limit, Positions, RuleContext, Unsupported, declared_reasons, kernel_window,
+)
+
+
+def _fires(limit, ctx=RuleContext(version="2.5.0", torch_version="2.12.0"), **change):
+    return limit.fires(OK.with_(**change), ctx)
+
+
+def test_limit_conditions_all_have_to_hold():
+    lim = Limit("no softcap on rocm below 3", uses=("softcap",), devices=("rocm",), version="<3")
+    assert _fires(lim, device_type="rocm", softcap=2.0) == "no softcap on rocm below 3"
+    assert _fires(lim, device_type="cuda", softcap=2.0) is None                  # other device
+    assert _fires(lim, device_type="rocm") is None                               # feature not used
+    assert _fires(lim, RuleContext(version="3.1"), device_type="rocm", softcap=2.0) is None   # newer version
+    assert _fires(lim, RuleContext(version=None), device_type="rocm", softcap=2.0) is None    # unknown version
+
+
+def test_limit_allowed_architectures_models_head_dims_env_and_unless(monkeypatch):
+    arch = Limit("{cc} not built", archs=("sm8x", "sm90"))
+    assert _fires(arch, compute_capability=(10, 0)) == "sm100 not built"
+    assert _fires(arch, compute_capability=(8, 6)) is None and _fires(arch, compute_capability=(9, 0)) is None
+    assert _fires(arch) is None                                                  # unknown capability
+    plus = Limit("old gpu", archs=("sm80+",))
+    assert _fires(plus, compute_capability=(7, 5)) == "old gpu" and _fires(plus, compute_capability=(12, 0)) is None
+    model = Limit("model {model}", models=("a", "b"))
+    assert _fires(model, device_model="c") == "model c" and _fires(model, device_model="a") is None
+    assert _fires(model) is None
+    hd = Limit("hd {head_dim}", head_dims=(193, 224), pad_to=8)
+    assert _fires(hd, head_dim=190) is None          # rounds up to 192
+    assert _fires(hd, head_dim=193) == "hd 193" and _fires(hd, head_dim=225) is None
+    env = Limit("env", env=("USP_HAL_TEST_FLAG", "TRUE"))
+    monkeypatch.delenv("USP_HAL_TEST_FLAG", raising=False)
+    assert _fires(env) is None
+    monkeypatch.setenv("USP_HAL_TEST_FLAG", "TRUE")
+    assert _fires(env) == "env"
+    unless = Limit("right bound", uses=("right_window",), unless=("causal",))
+    assert _fires(unless, window=(4, 2)) == "right bound" and _fires(unless, window=(4, 2), causal=True) is None
+    tv = Limit("torch {torch}", torch="<2.13")
+    assert _fires(tv) == "torch 2.12.0" and _fires(tv, RuleContext(torch_version="2.13.0+xpu")) is None
+    with pytest.raises(ValueError, match="unknown feature 'sofcap'"):
+        Limit("typo", uses=("sofcap",))
+    assert "with softcap" in Limit("x", uses=("softcap",)).condition()
+
+
+def test_limits_reach_not_supported_reasons_and_subclasses_extend_it_with_super():
+    class Versioned(Rich):
+        LIMITS = (Limit("no softcap before 2", uses=("softcap",), version="<2"),)
+
+        @classmethod
+        def kernel_version(cls):
+            return "1.5"
+
+        @classmethod
+        def not_supported_reasons(cls, request):
+            return super().not_supported_reasons(request) + (["odd heads"] if request.num_heads % 2 else [])
+
+    assert Versioned.not_supported_reasons(OK.with_(softcap=1.0)) == ["no softcap before 2"]
+    assert Versioned.not_supported_reasons(OK.with_(num_heads=3)) == ["odd heads"]
+    assert Versioned.not_supported_reasons(OK) == []
+
+
+def test_max_compute_capability():
+    class Hopper(Rich):
+        MAX_COMPUTE_CAPABILITY = {"cuda": (9, 0)}
+    cuda = dict(device_type="cuda")
+    assert reasons(Hopper, compute_capability=(9, 0), **cuda) == []
+    assert one_reason(Hopper, compute_capability=(10, 0), **cuda) == \
+        "built for compute capability <= 9.0 only, found 10.0"
+
+
+# ----------------------------------------------------------------------------- positions
+BR = Positions(alignment="bottom-right")
+FA2_LIKE = Positions(alignment="bottom-right", right_unbounded_from="seqlen_k", alibi_any_lengths=False)
+
+
+def _kept(sq, sk, causal, left, right):
+    """Keys the bottom-right kernel keeps (after FA2's own normalisation), as a bool matrix."""
+    if causal:
+        right = 0
+    if left >= sk:
+        left = -1
+    if right >= sk:
+        right = -1
+    m = torch.arange(sq).view(-1, 1) + (sk - sq)
+    n = torch.arange(sk).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= n >= m - left
+    if right >= 0:
+        keep &= n <= m + right
+    return keep
+
+
+def _contract(sq, sk, causal, left, right):
+    m, n = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= n <= m
+    if left >= 0:
+        keep &= n >= m - left
+    if right >= 0:
+        keep &= n <= m + right
+    return keep
+
+
+@pytest.mark.parametrize("sq,sk", [(12, 12), (20, 12), (12, 20), (24, 12), (13, 12), (5, 9), (30, 7)])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (3, 2)), (True, (4, -1)), (False, (-1, 0)),
+                                           (False, (6, -1)), (False, (-1, 5)), (True, (2, 3))])
+def test_kernel_window_is_exact_or_refused(sq, sk, causal, window):
+    """Brute force: whenever kernel_window answers, a bottom-right kernel with FA2's own
+    normalisation keeps exactly the contract's keys; when it refuses, it could not."""
+    try:
+        k_causal, left, right = kernel_window(FA2_LIKE, sq, sk, causal, window)
+    except Unsupported:
+        expressible = any(torch.equal(_kept(sq, sk, False, lft, rgt), _contract(sq, sk, causal, *window))
+                          for lft in range(-1, sq + sk) for rgt in range(-1, sq + sk))
+        assert not expressible or sq >= sk + 2, (sq, sk, causal, window)
+        return
+    assert torch.equal(_kept(sq, sk, k_causal, left, right), _contract(sq, sk, causal, *window)), \
+        (sq, sk, causal, window, (k_causal, left, right))
+
+
+def test_kernel_window_refusals_name_the_reason():
+    with pytest.raises(Unsupported, match="treats as unbounded"):
+        kernel_window(FA2_LIKE, 24, 12, True, (-1, -1))
+    assert kernel_window(BR, 24, 12, True, (-1, -1)) == (False, -1, 12)        # exact where Sq - 1 is the rule
+    with pytest.raises(Unsupported, match="negative bound"):
+        kernel_window(BR, 12, 20, True, (-1, -1))
+    with pytest.raises(Unsupported, match="alibi"):
+        kernel_window(FA2_LIKE, 12, 20, False, (-1, -1), alibi=True)
+    with pytest.raises(Unsupported, match="Sq == Sk"):
+        kernel_window(Positions(causal_any_lengths=False), 12, 20, True, (-1, -1))
+    assert kernel_window(Positions(), 12, 20, True, (3, -1)) == (True, 3, -1)   # top-left: as it is
+
+
+def test_lengths_in_the_request_let_dispatch_apply_positions():
+    class Bottom(Rich):
+        POSITIONS = FA2_LIKE
+    req = OK.with_(causal=True, seqlen_q=24, seqlen_k=12)
+    assert any("treats as unbounded" in r for r in declared_reasons(Bottom, req))
+    assert declared_reasons(Bottom, req.with_(seqlen_q=12)) == []
+    assert declared_reasons(Bottom, req.with_(seqlen_q=None, seqlen_k=None)) == []
+
+
+def test_capabilities_module_does_not_import_the_backend_module():
+    import ast
+
+    import usp_hal.capabilities as caps
+    tree = ast.parse(open(caps.__file__).read())
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.endswith("backend") or ".backend" in m}, imported
+
+
+# ----------------------------------------------------------------------------- per-call admission
+class Counting(AttentionBackend):
+    NAME = "counting"
+    SUPPORTED_DEVICES = frozenset({"cpu"})
+    SUPPORTED_DTYPES = frozenset({torch.float32})
+    SUPPORTS_WINDOW = True
+    POSITIONS = FA2_LIKE
+    asked = 0
+
+    @classmethod
+    def not_supported_reasons(cls, request):
+        cls.asked += 1
+        return super().not_supported_reasons(request)
+
+    def kernel_forward(self, q, k, v, *, softmax_scale, **kw):
+        return q.clone(), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+
+def test_each_call_signature_is_validated_once_and_refusals_come_before_the_kernel():
+    b = Counting()
+    Counting.asked = 0
+    q = torch.randn(1, 8, 2, 4)
+    for _ in range(5):
+        b.forward(q, q, q, softmax_scale=0.5, causal=True)
+    assert Counting.asked == 1
+    b.forward(q, q, q, softmax_scale=0.5, window=(2, 0))
+    assert Counting.asked == 2
+    with pytest.raises(NotImplementedError, match="dtype=fp64"):
+        b.forward(q.double(), q.double(), q.double(), softmax_scale=0.5)
+    with pytest.raises(NotImplementedError, match="treats as unbounded"):    # lengths: checked on every call
+        b.forward(torch.randn(1, 24, 2, 4), torch.randn(1, 12, 2, 4), torch.randn(1, 12, 2, 4),
+                  softmax_scale=0.5, causal=True)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        b.backward(q, q, q, q, q, torch.zeros(1, 2, 8), softmax_scale=0.5)

@@ -95,7 +95,7 @@ def test_cpu_matrix(reg):
 def test_device_rules_and_compute_capability_decide_entries(reg):
     sm80 = _entries(reg, "cuda-sm80")
     sm90 = _entries(reg, "cuda-sm90")
-    # sdpa refuses fp64 off the cpu (its extra_reasons), on every CUDA profile
+    # sdpa refuses fp64 off the cpu (a declared Limit), on every CUDA profile
     assert [e["dtype"] for e in sm80 if e["backend"] == "sdpa"] == ["fp32", "bf16", "fp16"]
     assert "tinyhopper" not in {e["backend"] for e in sm80}          # needs sm90
     hopper = [e for e in sm90 if e["backend"] == "tinyhopper"]
@@ -150,6 +150,8 @@ def test_cli_json_markdown_extras(capsys, monkeypatch, reg):
     assert "| tinyhopper | bf16, fp16 | yes | no | no | yes | no | yes | yes |" in md
     assert main(["matrix", "--device", "cuda-sm90", "--format", "extras"]) == 0
     assert capsys.readouterr().out.strip() == "tiny"
+    assert main(["matrix", "--device", "cuda-sm90", "--format", "source-built"]) == 0
+    assert capsys.readouterr().out.strip() == ""
     assert main(["matrix", "--device", "cpu", "--format", "extras"]) == 0
     assert capsys.readouterr().out.strip() == ""
 
@@ -187,9 +189,28 @@ def test_docs_content(reg):
     assert rows["window/alibi across ring blocks"] == ["yes", "n/a"]
     assert rows["softcap"] == ["no", "yes"]
     assert rows["deterministic backward"] == ["yes (cpu); no (cuda, rocm)", "n/a (no backward)"]
-    assert rows["min compute capability"] == ["-", "cuda 9.0"]
+    assert rows["compute capability"] == ["-", "cuda 9.0"]
+    assert rows["input strides taken as they are"] == ["last-dim-contiguous", "strided"]
     assert rows["packages"] == ["torch only", "`tiny-hopper-kernels` (`usp-hal[tiny]`)"]
     assert "- **tinyhopper**: a test kernel | with a pipe" in text
+
+
+def test_docs_list_every_declared_limit_with_its_source():
+    text = matrix.generate_docs()
+    for cls in matrix.project_backends():
+        for lim in cls.LIMITS:
+            assert lim.source, f"{cls.NAME}: a declared limit without its source: {lim.reason}"
+            assert matrix._reason_text(lim.reason).replace("|", "\\|") in text
+        for fact, src in cls.UPSTREAM_CHECKED:
+            assert src.replace("|", "\\|") in text
+    assert "## What was checked against which upstream source" in text
+
+
+def test_source_built_packages_are_not_in_the_default_extras():
+    entries = matrix.matrix_entries(matrix.PROFILES["cuda-sm90"])
+    assert matrix.profile_extras(entries, wheels_only=True) == ["flashinfer", "sage"]
+    assert "fa2" in matrix.profile_extras(entries)
+    assert matrix.source_built_backends(entries) == ["fa2", "fa3"]
 
 
 def test_docs_backends_md_is_up_to_date():

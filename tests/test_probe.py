@@ -151,7 +151,8 @@ def test_verify_passes_for_sdpa(capsys):
     assert {r["backend"] for r in res} == {"sdpa"}
     assert {r["dtype"] for r in res} == {"fp64", "fp32", "bf16", "fp16"}
     ran = [r for r in res if r["status"] != "skip"]
-    assert {r["case"] for r in ran} == {"plain", "causal", "gqa-causal"}   # window/softcap: CI matrix
+    # every feature the declarations accept (the CI matrix entries run the same cases)
+    assert {r["case"] for r in ran} == {"plain", "causal", "gqa-causal", "window"}
     for r in res:
         if r["status"] == "skip":     # only on an accelerator: sdpa runs fp64 on the cpu alone
             assert not CPU_ONLY and r["dtype"] == "fp64" and r["reason"], r
@@ -211,7 +212,7 @@ def test_verify_skips_refused_dtypes_and_undeclared_features():
     (fp64,) = by_dtype["fp64"]
     assert fp64["status"] == "skip" and "fp64 disabled" in fp64["reason"]
     fp32 = by_dtype["fp32"]
-    assert {r["case"] for r in fp32} == {"plain", "causal"}      # no GQA declared
+    assert {r["case"] for r in fp32} == {"plain", "causal", "window"}      # no GQA declared
     for r in fp32:
         assert r["status"] == "pass"
         assert set(r["errors"]) == {"out", "lse"}                 # forward-only: no grads checked
@@ -255,7 +256,7 @@ def test_features_come_from_not_supported_reasons():
     assert set(feats) == set(probe.FEATURES)
     assert feats == {"fwd": True, "bwd": True, "ring": True, "causal": True, "window": True,
                      "softcap": False, "gqa": True}
-    # device-specific rules (extra_reasons) are honoured: sdpa refuses fp64 off the cpu
+    # device-specific rules (declared Limits) are honoured: sdpa refuses fp64 off the cpu
     cuda64 = probe.base_request(SDPABackend, "cuda", torch.float64, (9, 0))
     assert SDPABackend.not_supported_reasons(cuda64)
 
@@ -309,3 +310,49 @@ def test_lossy_backend_is_verified_against_its_declared_tolerances():
     assert rows and all(r["status"] == "pass" and r["tolerance"] == [0.2, 0.05] for r in rows)
     # the same error fails at the reference tolerances
     assert all(r["status"] == "fail" for r in probe.verify_backend(_WrongOut, "cpu"))
+
+
+# ----------------------------------------------------------------------------- per-backend summary
+def _report(rows, results):
+    return {"backends": rows, "verify": {"ok": True, "results": results}}
+
+
+def _row(name, available=True, reason=""):
+    return {"name": name, "available": available, "reason": reason}
+
+
+def _res(name, status, reason="", case="plain", dtype="fp16"):
+    return {"backend": name, "status": status, "reason": reason, "case": case, "dtype": dtype}
+
+
+def test_summary_says_verified_refused_unavailable_failed_or_timeout():
+    report = _report(
+        [_row("a"), _row("b"), _row("c", False, "kernel not installed"), _row("d"), _row("e")],
+        [_res("a", "pass"), _res("a", "skip", "no window here", case="window"),
+         _res("b", "skip", "device model x not supported"),
+         _res("d", "pass"), _res("d", "fail", "out: exceeds tolerance", case="causal"),
+         _res("e", "timeout", "verification did not finish within 5 s")])
+    got = {r["backend"]: (r["status"], r["detail"]) for r in probe.summarize(report)}
+    assert got["a"][0] == "verified" and "1 case(s) pass" in got["a"][1] and "no window here" in got["a"][1]
+    assert got["b"] == ("refused", "device model x not supported")
+    assert got["c"] == ("unavailable", "kernel not installed")
+    assert got["d"][0] == "failed" and "causal: out: exceeds tolerance" in got["d"][1]
+    assert got["e"][0] == "timeout"
+
+
+def test_verify_with_a_time_limit_runs_each_backend_in_its_own_process(capsys):
+    report = probe.collect(verify=True, only=["sdpa"], dtypes=[torch.float32], timeout=120)
+    summary = {r["backend"]: r["status"] for r in report["summary"]}
+    assert summary["sdpa"] == "verified" and report["verify"]["ok"]
+    assert all(r["backend"] == "sdpa" and r["status"] == "pass" for r in report["verify"]["results"])
+    report = probe.collect(verify=True, only=["sdpa"], dtypes=[torch.float32], timeout=0.01)
+    assert [r["status"] for r in report["verify"]["results"]] == ["timeout"]
+    assert not report["verify"]["ok"]
+    assert {r["backend"]: r["status"] for r in report["summary"]}["sdpa"] == "timeout"
+
+
+def test_text_output_ends_with_the_per_backend_lines(capsys):
+    rc, out, _ = _run(capsys, "--verify", "--backend", "sdpa", "--dtype", "fp32")
+    assert rc == 0
+    assert "Per backend (verified, refused, unavailable, failed, timeout):" in out
+    assert re.search(r"^\s+sdpa\s+verified: \d+ case\(s\) pass", out, re.M)

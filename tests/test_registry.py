@@ -198,3 +198,19 @@ def test_broken_plugin_fails_with_its_name(plugin):
 
 def test_plugin_is_invisible_without_its_distribution():
     assert "myplugin" not in Registry().names()
+
+
+def test_auto_priority_is_read_from_the_platform_entries():
+    from usp_hal.platform import PLATFORMS
+    assert AUTO_PRIORITY == {name: list(p.auto_priority) for name, p in PLATFORMS.items()}
+
+
+def test_dispatch_fills_in_the_device_model_the_caller_did_not_pass(reg):
+    """Rules on device models apply even when the core's request carries none."""
+    from usp_hal.backends.xpu import XPUBackend
+    req = AttnRequest(dtype=torch.float16, device_type="xpu", head_dim=64, num_heads=4)
+    with platform.emulate("xpu", device_model="intel_gpu_acm_g10", torch_version="2.13.0+xpu"):
+        reasons = reg.reasons("xpu", req)
+        assert any("device model intel_gpu_acm_g10" in r for r in reasons), reasons
+    with platform.emulate("xpu", device_model="intel_gpu_pvc", torch_version="2.13.0+xpu"):
+        assert reg.reasons("xpu", req) == [] and reg.select("xpu", req) is XPUBackend

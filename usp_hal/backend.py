@@ -8,36 +8,55 @@ Contract (what the USP core relies on, whichever kernel runs underneath)::
              softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
              key_offset=0) -> (dq, dk, dv)
 
-* ``q`` is ``[B, Sq, H, D]``, ``k``/``v`` are ``[B, Sk, Hkv, D]`` (``H % Hkv == 0``).
+* ``q`` is ``[B, Sq, H, D]``, ``k``/``v`` are ``[B, Sk, Hkv, D]`` (``H % Hkv == 0``), with any
+  strides: the base class makes them acceptable to the kernel (``INPUT_LAYOUT``), copying
+  only when the kernel needs it.
 * ``out`` is ``[B, Sq, H, D]`` in the input dtype; ``lse`` is ``[B, H, Sq]`` float32
-  (float64 for float64 inputs),
-  natural log of the sum over keys of ``exp(scale * q.k)``, and ``-inf`` for a row that
-  sees no key (whatever the kernel itself writes there).
-* ``causal`` is only requested with ``Sq == Sk`` (the core splits every causal block into
-  square diagonal blocks and full rectangles), so top-left vs bottom-right alignment never
-  matters to the core.
+  (float64 for float64 inputs), natural log of the sum over keys of ``exp(scale * q.k)``,
+  and ``-inf`` for a row that sees no key (whatever the kernel itself writes there).  A
+  kernel without an lse (``RETURNS_LSE`` False, or a version-dependent :class:`Limit` on
+  ``"lse"``) gives an lse of NaN: dispatch never hands such a backend a call that needs one,
+  and any use of it would show as NaN rather than as a plausible number.
+* ``causal`` on ``Sq != Sk`` means top-left alignment (key ``n`` visible to query ``m`` when
+  ``n <= m``); the core only asks for causal on square diagonal blocks, and a backend whose
+  kernel aligns differently declares it in ``POSITIONS`` (translated or refused per call).
 * ``window=(left, right)`` keeps key ``n`` for query ``m`` when
   ``m - left <= n + key_offset <= m + right`` (``-1`` = unbounded on that side);
   ``alibi_slopes`` adds ``-slope * |n + key_offset - m|``.  ``key_offset`` (global key
-  position minus global query position of the two blocks) is non-zero only for backends
-  that declare ``SUPPORTS_KEY_OFFSET``.
+  position minus global query position of the two blocks) matters only with window/alibi,
+  and only backends that declare ``SUPPORTS_KEY_OFFSET`` get a non-zero one there.
 * ``backward`` may be given the *global* (ring-merged) ``out``/``lse``; rows whose lse is
   ``-inf`` (they saw no key at all) must contribute nothing (see ``lse_for_backward``).
 * ``dk``/``dv`` come back with ``Hkv`` heads; all grads in the input dtype.
 
-Capabilities are class attributes (data).  ``not_supported_reasons`` and the probe read
-them; nothing else restates them.
+Capabilities are class attributes (data), plus per-version and per-device :class:`Limit`
+entries and the :class:`Positions` of the kernel's masks.  ``not_supported_reasons`` reads
+them (subclasses extend it with ``super()`` for anything that is not data); dispatch, the
+probe, the docs, the CI matrices and the per-call check of ``forward``/``backward`` all go
+through it.  An adapter implements ``kernel_forward``/``kernel_backward`` and never repeats
+a check: ``forward``/``backward`` validate each distinct call signature once (then a tuple
+lookup per call) and only then run the kernel.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 from typing import ClassVar, Optional
 
 import torch
 
 from . import platform as _platform
-from .capabilities import Availability, AttnRequest, Package, capability_row, not_supported_reasons
+from .capabilities import (
+    TOP_LEFT, Availability, AttnRequest, Package, Positions, RuleContext, Unsupported, capability_row,
+    declared_reasons, sorted_dtypes,
+)
+
+__all__ = ["AttentionBackend", "BackendUnavailable", "Unsupported", "installed_version", "parse_version",
+           "normalize_lse", "lse_for_backward", "pad_head_dim", "position_mask", "no_lse"]
+
+#: INPUT_LAYOUT values: what strides the kernel accepts for q/k/v (and dout/out in backward).
+INPUT_LAYOUTS = ("strided", "last-dim-contiguous", "contiguous")
 
 
 class BackendUnavailable(RuntimeError):
@@ -66,7 +85,7 @@ def parse_version(text: str):
 
 
 class AttentionBackend:
-    """Base class: declare capabilities as data, implement forward/backward."""
+    """Base class: declare capabilities as data, implement ``kernel_forward``/``kernel_backward``."""
 
     NAME: ClassVar[str] = "base"
     DESCRIPTION: ClassVar[str] = ""
@@ -88,12 +107,34 @@ class AttentionBackend:
     IS_DETERMINISTIC: ClassVar[bool] = False
     SUPPORTS_DETERMINISTIC: ClassVar[bool] = False
     MIN_COMPUTE_CAPABILITY: ClassVar[dict] = {}
+    MAX_COMPUTE_CAPABILITY: ClassVar[dict] = {}
     REQUIRED_PACKAGES: ClassVar[tuple] = ()
+    #: per-version / per-device limits (:class:`usp_hal.capabilities.Limit`)
+    LIMITS: ClassVar[tuple] = ()
+    #: where the kernel anchors causal/window masks when Sq != Sk
+    POSITIONS: ClassVar[Positions] = TOP_LEFT
+    #: "strided" | "last-dim-contiguous" | "contiguous": what the kernel takes without a copy
+    INPUT_LAYOUT: ClassVar[str] = "strided"
+    #: which facts were checked against which upstream source: (fact, source) pairs (docs)
+    UPSTREAM_CHECKED: ClassVar[tuple] = ()
 
     # ---------------------------------------------------------------- declarations
     @classmethod
+    def kernel_version(cls) -> Optional[str]:
+        """Installed version of the kernel package (the first required package), or None."""
+        for pkg in cls.REQUIRED_PACKAGES:
+            return installed_version(pkg)
+        return None
+
+    @classmethod
+    def rule_context(cls) -> RuleContext:
+        return RuleContext(version=cls.kernel_version(), torch_version=_platform.torch_version())
+
+    @classmethod
     def not_supported_reasons(cls, request: AttnRequest) -> list:
-        return not_supported_reasons(cls, request)
+        """Every reason this backend refuses ``request`` (empty: supported).  Subclasses
+        extend it with ``super().not_supported_reasons(request) + [...]``."""
+        return declared_reasons(cls, request, cls.rule_context()) + list(cls.extra_reasons(request))
 
     @classmethod
     def supports(cls, request: AttnRequest) -> bool:
@@ -101,7 +142,8 @@ class AttentionBackend:
 
     @classmethod
     def extra_reasons(cls, request: AttnRequest) -> list:
-        """Rules that are not plain capability flags (version-dependent features...)."""
+        """Kept for out-of-tree backends written against the first API; prefer overriding
+        ``not_supported_reasons`` with ``super()`` or declaring a :class:`Limit`."""
         return []
 
     @classmethod
@@ -130,12 +172,27 @@ class AttentionBackend:
             found = ", ".join(_platform.available_device_types())
             return Availability(False, f"needs a {'/'.join(sorted(cls.SUPPORTED_DEVICES))} device, found {found}", version)
         dev = present[0]
-        mincc = cls.MIN_COMPUTE_CAPABILITY.get(dev)
-        if mincc is not None:
-            cc = _platform.compute_capability(dev)
-            if cc is not None and tuple(cc) < tuple(mincc):
-                return Availability(False, f"needs {dev} compute capability >= {mincc[0]}.{mincc[1]}, "
+        cc = _platform.compute_capability(dev)
+        if cc is not None:
+            lo = cls.MIN_COMPUTE_CAPABILITY.get(dev)
+            if lo is not None and tuple(cc) < tuple(lo):
+                return Availability(False, f"needs {dev} compute capability >= {lo[0]}.{lo[1]}, "
                                            f"found {cc[0]}.{cc[1]}", version)
+            hi = cls.MAX_COMPUTE_CAPABILITY.get(dev)
+            if hi is not None and tuple(cc) > tuple(hi):
+                return Availability(False, f"built for {dev} compute capability <= {hi[0]}.{hi[1]} only, "
+                                           f"found {cc[0]}.{cc[1]}", version)
+        # declared limits that hold for the device itself (no feature, no head dim): e.g. the
+        # architectures of the installed version
+        plain = AttnRequest(dtype=sorted_dtypes(cls.SUPPORTED_DTYPES)[0] if cls.SUPPORTED_DTYPES else torch.float32,
+                            device_type=dev, compute_capability=tuple(cc) if cc else None,
+                            device_model=_platform.device_model(dev))
+        ctx = RuleContext(version=version, torch_version=_platform.torch_version())
+        for limit in cls.LIMITS:
+            if not limit.uses and limit.head_dims is None:
+                why = limit.fires(plain, ctx)
+                if why:
+                    return Availability(False, why, version)
         extra = cls.extra_availability(dev, version)
         if extra:
             return Availability(False, extra, version)
@@ -146,17 +203,154 @@ class AttentionBackend:
         """Backend-specific availability check; return a reason or ''."""
         return ""
 
+    # ---------------------------------------------------------------- per-call admission
+    _admitted_calls: ClassVar[Optional[set]] = None    # per instance once used
+
+    def _admit(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset):
+        """Validate one call against the declarations: the first call of each signature
+        (shapes, dtypes, device, options) builds the request and asks
+        ``not_supported_reasons``; a repeated signature is one tuple lookup.  Lengths are
+        part of the signature, so the rules on Sq/Sk are cached with the rest."""
+        try:
+            sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, causal, window, softcap,
+                   alibi_slopes is None, dropout_p, not key_offset, grad, deterministic)
+            seen = self._admitted_calls
+            if seen is not None and sig in seen:
+                return
+        except (AttributeError, TypeError):
+            sig = None
+        self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset)
+        if sig is not None:
+            seen = self._admitted_calls
+            if seen is None or len(seen) > 1024:
+                seen = self._admitted_calls = set()
+            seen.add(sig)
+
+    def _request(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset):
+        dev = _platform.device_type_of(q.device)
+        index = q.device.index or 0
+        return AttnRequest(
+            dtype=q.dtype, device_type=dev, head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
+            num_kv_heads=k.shape[2], causal=bool(causal), window=tuple(int(w) for w in window),
+            softcap=float(softcap or 0.0), alibi=alibi_slopes is not None, dropout_p=float(dropout_p or 0.0),
+            needs_grad=grad, needs_lse=False, deterministic=bool(deterministic), key_offset=bool(key_offset),
+            compute_capability=_platform.compute_capability(dev, index), seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+            device_model=_platform.device_model(dev, index))
+
+    def _admit_slow(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
+                    key_offset):
+        name = self.NAME
+        for label, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name}: {label} must be a [B, S, H, D] tensor, got {shape}")
+        if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"{name}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)} (expected q [B, Sq, H, D], k/v [B, Sk, Hkv, D])")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if len(tuple(window)) != 2:
+            raise ValueError(f"{name}: window must be (left, right), got {window!r}")
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
+            raise ValueError(f"{name}: alibi_slopes must be (H,) or (B, H) = {(q.shape[0], q.shape[2])}, "
+                             f"got {tuple(alibi_slopes.shape)}")
+        req = self._request(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
+                            key_offset)
+        reasons = list(type(self).not_supported_reasons(req))     # includes the Sq/Sk rules (POSITIONS)
+        if reasons:
+            raise self._refusal(req, reasons)
+
+    def _refusal(self, req: AttnRequest, reasons: list) -> Unsupported:
+        alts = _alternatives(req, self.NAME)
+        hint = (f"; backends whose declarations cover it: {', '.join(alts)}" if alts
+                else "; run `usp-hal probe` to see what each backend supports")
+        return Unsupported(f"attn_type={self.NAME!r} cannot run this call ({req.describe()}):\n  - "
+                           + "\n  - ".join(reasons) + hint)
+
+    def _conform(self, *xs):
+        """The inputs in a layout the kernel takes (``INPUT_LAYOUT``), copying only those that
+        are not; the common case (nothing to copy) returns ``xs`` itself."""
+        layout = type(self).INPUT_LAYOUT
+        if layout == "strided":
+            return xs
+        if layout == "contiguous":
+            if all(x.is_contiguous() for x in xs):
+                return xs
+            return tuple(x.contiguous() for x in xs)
+        if all(x.stride(-1) == 1 for x in xs):
+            return xs
+        return tuple(x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous() for x in xs)
+
     # ---------------------------------------------------------------- kernel contract
     def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
                 alibi_slopes=None, dropout_p=0.0, key_offset=0):
-        raise NotImplementedError(f"{self.NAME}: forward not implemented")
+        if type(window) is not tuple:
+            window = tuple(window)
+        self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, False, False, key_offset)
+        layout = type(self).INPUT_LAYOUT
+        if layout != "strided" and not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+                                        and (layout != "contiguous" or (q.is_contiguous() and k.is_contiguous()
+                                                                        and v.is_contiguous()))):
+            q, k, v = self._conform(q, k, v)
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, lse = self.kernel_forward(q, k, v, softmax_scale=scale, causal=bool(causal), window=window,
+                                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                       key_offset=key_offset)
+        if lse is None:
+            lse = no_lse(q)
+        return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
-        raise NotImplementedError(f"{self.NAME} is forward-only: it has no backward")
+        if not type(self).HAS_BACKWARD:
+            raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
+        if type(window) is not tuple:
+            window = tuple(window)
+        self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, True, bool(deterministic),
+                    key_offset)
+        want = (q.shape[0], q.shape[2], q.shape[1])
+        if tuple(lse.shape) != want:
+            raise ValueError(f"{self.NAME}: lse must be [B, H, Sq] = {want}, got {tuple(lse.shape)}")
+        dout, q, k, v, out = self._conform(dout, q, k, v, out)
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return self.kernel_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
+                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    dropout_p=dropout_p, deterministic=bool(deterministic), key_offset=key_offset)
+
+    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                       key_offset):
+        """The kernel call alone: inputs are validated and laid out as ``INPUT_LAYOUT`` says,
+        ``softmax_scale`` is a float.  Return ``(out, lse)`` (lse None when the kernel has none)."""
+        raise NotImplementedError(f"{self.NAME}: kernel_forward not implemented")
+
+    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
+                        dropout_p, deterministic, key_offset):
+        raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.NAME!r}>"
+
+
+def _alternatives(req: AttnRequest, exclude: str) -> list:
+    """Backends whose declarations accept ``req`` (for error messages)."""
+    from .registry import REGISTRY    # the registry imports this module; resolve it only when refusing
+    names = []
+    for cand in REGISTRY.priority(req.device_type):
+        if cand == exclude:
+            continue
+        try:
+            cls = REGISTRY.get(cand)
+        except Exception:  # a registered adapter module that is not present in this install
+            continue
+        if not cls.not_supported_reasons(req):
+            names.append(cand)
+    return names
+
+
+def no_lse(q: torch.Tensor) -> torch.Tensor:
+    """The lse a kernel without one returns: NaN, ``[B, H, Sq]`` (see the module docstring)."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=dt, device=q.device)
 
 
 def normalize_lse(lse: torch.Tensor, empty_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -176,6 +370,12 @@ def pad_head_dim(x: torch.Tensor, multiple: int) -> torch.Tensor:
     if pad == 0:
         return x
     return torch.nn.functional.pad(x, (0, pad))
+
+
+def pad_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the last dim to exactly ``size`` (a no-op when it already is)."""
+    d = x.shape[-1]
+    return x if d == size else torch.nn.functional.pad(x, (0, size - d))
 
 
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:

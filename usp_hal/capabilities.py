@@ -1,21 +1,25 @@
 """What a backend can do (declared as data) and what one attention call asks for.
 
 A backend class declares its capabilities as class attributes (see
-:class:`usp_hal.backend.AttentionBackend`).  One call is described by an
-:class:`AttnRequest`.  :func:`not_supported_reasons` compares the two and returns
-human-readable reasons; an empty list means "supported".  The same function serves
-dispatch, the probe CLI, the docs table, the test parametrisation and the CI matrices, so
-every rule is written exactly once, here.
+:class:`usp_hal.backend.AttentionBackend`): flags and ranges, per-version and per-device
+:class:`Limit` entries, and the :class:`Positions` of its causal/window masks.  One call is
+described by an :class:`AttnRequest`.  :func:`declared_reasons` compares the two and returns
+human-readable reasons; an empty list means "supported".  The backend's
+``not_supported_reasons`` classmethod starts from it, and that one method serves dispatch,
+the probe CLI, the docs table, the test parametrisation, the CI matrices and the per-call
+check in the backend's ``forward``/``backward``, so every rule is written once.
+
+This module imports nothing else of the package but the platform layer (device facts).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .backend import AttentionBackend
+from . import platform as _platform
 
 DTYPE_NAMES = {
     torch.float64: "fp64",
@@ -46,9 +50,12 @@ class AttnRequest:
     """Everything about one attention call that decides whether a backend can serve it.
 
     ``head_dim``/``num_heads`` describe what the *kernel* sees (after the Ulysses split).
-    ``ring`` is True when the call is one block of a ring (the kernel must return an lse
-    that is merged across blocks), ``key_offset`` when window/alibi must be applied with
-    a position offset between the query and key block (ring blocks off the diagonal).
+    ``needs_lse`` is True when the call's lse is merged across ring blocks or returned,
+    ``key_offset`` when window/alibi must be applied with a position offset between the
+    query and key block (ring blocks off the diagonal).  ``seqlen_q``/``seqlen_k`` (optional)
+    let rules that depend on the two lengths decide at dispatch time; without them those
+    rules are checked per kernel call.  ``device_model`` (optional) is what
+    :func:`usp_hal.platform.device_model` reports for the device.
     """
 
     dtype: torch.dtype = torch.float32
@@ -67,6 +74,9 @@ class AttnRequest:
     deterministic: bool = False
     key_offset: bool = False
     compute_capability: Optional[tuple] = None
+    seqlen_q: Optional[int] = None
+    seqlen_k: Optional[int] = None
+    device_model: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:
@@ -91,6 +101,8 @@ class AttnRequest:
             f"heads={self.num_heads}/{self.kv_heads}",
             f"causal={self.causal}",
         ]
+        if self.seqlen_q is not None and self.seqlen_k is not None:
+            parts.append(f"Sq={self.seqlen_q}, Sk={self.seqlen_k}")
         if self.has_window:
             parts.append(f"window={tuple(self.window)}")
         if self.softcap:
@@ -115,6 +127,7 @@ class Package:
     min_version: Optional[str] = None
     alt_dists: tuple = ()          # other distribution names that provide the same module
     extra: Optional[str] = None    # the usp-hal extra that installs it
+    wheel: bool = True             # pip installs it from a prebuilt wheel (no compiler, minutes at most)
 
 
 @dataclass(frozen=True)
@@ -128,17 +141,238 @@ class Availability:
         return self.ok
 
 
-def not_supported_reasons(backend: "type[AttentionBackend] | AttentionBackend", req: AttnRequest) -> list:
-    """Every reason the declared capabilities of ``backend`` refuse ``req``."""
-    b = backend
+# ----------------------------------------------------------------------------- declared rules
+#: Request features a :class:`Limit` can name in ``uses``/``unless``.
+FEATURES = {
+    "causal": lambda r: bool(r.causal),
+    "window": lambda r: r.has_window,
+    "left_window": lambda r: int(tuple(r.window)[0]) >= 0,
+    "right_window": lambda r: int(tuple(r.window)[1]) >= 0,
+    "softcap": lambda r: bool(r.softcap),
+    "alibi": lambda r: bool(r.alibi),
+    "dropout": lambda r: bool(r.dropout_p),
+    "backward": lambda r: bool(r.needs_grad),
+    "lse": lambda r: bool(r.needs_lse),
+    "deterministic": lambda r: bool(r.deterministic and r.needs_grad),
+    "gqa": lambda r: r.kv_heads != r.num_heads,
+    "key_offset": lambda r: bool(r.key_offset),
+    "fp16": lambda r: r.dtype == torch.float16,
+    "bf16": lambda r: r.dtype == torch.bfloat16,
+    "fp32": lambda r: r.dtype == torch.float32,
+    "fp64": lambda r: r.dtype == torch.float64,
+}
+
+
+def _arch_matches(cc: tuple, pattern: str) -> bool:
+    """``sm90`` is exactly 9.0, ``sm8x`` any 8.y, ``sm100+`` 10.0 and above."""
+    text = pattern[2:] if pattern.startswith("sm") else pattern
+    if text.endswith("+"):
+        base = text[:-1]
+        return tuple(cc) >= (int(base[:-1]), int(base[-1]))
+    if text.endswith("x"):
+        return int(cc[0]) == int(text[:-1])
+    return tuple(cc) == (int(text[:-1]), int(text[-1]))
+
+
+def sm(cc) -> str:
+    return f"sm{cc[0]}{cc[1]}"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One declared limit of a backend: it refuses a request when *every* condition given holds.
+
+    * ``uses``: request features (keys of :data:`FEATURES`) the call must use; ``unless``:
+      features whose use lifts the limit.
+    * ``devices``: device types it applies to (empty: all).
+    * ``version``: a PEP 440 specifier (e.g. ``"<2.6.0"``) the installed version of the
+      backend's kernel package must match; ``torch``: the same for the torch version.  An
+      unknown version never matches (the limit does not fire).
+    * ``archs``: compute capabilities that *are* supported (``"sm90"``, ``"sm8x"``,
+      ``"sm100+"``); the limit fires when the capability is known and matches none of them.
+      ``models``: the same for device models (e.g. ``"intel_gpu_pvc"``).
+    * ``head_dims``: ``(lo, hi)``, inclusive, on the head dim rounded up to ``pad_to``.
+    * ``env``: ``(name, value)``: fires only while that environment variable has that value.
+
+    ``reason`` is formatted with ``version``, ``torch``, ``cc`` (``smXY``), ``model`` and
+    ``head_dim``; ``source`` names where the fact was read (repository, tag, file, function).
+    """
+
+    reason: str
+    uses: tuple = ()
+    unless: tuple = ()
+    devices: tuple = ()
+    version: Optional[str] = None
+    torch: Optional[str] = None
+    archs: tuple = ()
+    models: tuple = ()
+    head_dims: Optional[tuple] = None
+    pad_to: int = 1
+    env: Optional[tuple] = None
+    source: str = ""
+
+    def __post_init__(self):
+        for name in tuple(self.uses) + tuple(self.unless):
+            if name not in FEATURES:
+                raise ValueError(f"Limit: unknown feature {name!r}; valid: {', '.join(FEATURES)}")
+
+    def fires(self, req: AttnRequest, ctx: "RuleContext") -> Optional[str]:
+        """The reason when this limit refuses ``req``, else None."""
+        if self.devices and req.device_type not in self.devices:
+            return None
+        if any(not FEATURES[f](req) for f in self.uses) or any(FEATURES[f](req) for f in self.unless):
+            return None
+        if self.head_dims is not None:
+            d = -(-req.head_dim // self.pad_to) * self.pad_to
+            if not self.head_dims[0] <= d <= self.head_dims[1]:
+                return None
+        if self.env is not None and os.environ.get(self.env[0]) != self.env[1]:
+            return None
+        if self.version is not None and not _version_in(ctx.version, self.version):
+            return None
+        if self.torch is not None and not _version_in(ctx.torch_version, self.torch):
+            return None
+        cc = req.compute_capability
+        if self.archs:
+            if cc is None or any(_arch_matches(cc, a) for a in self.archs):
+                return None
+        if self.models:
+            if req.device_model is None or req.device_model in self.models:
+                return None
+        return self.reason.format(version=ctx.version, torch=ctx.torch_version, cc=sm(cc) if cc else "?",
+                                  model=req.device_model, head_dim=req.head_dim)
+
+    def condition(self) -> str:
+        """The condition in words (docs)."""
+        parts = []
+        if self.devices:
+            parts.append("on " + "/".join(self.devices))
+        if self.uses:
+            parts.append("with " + " + ".join(self.uses))
+        if self.unless:
+            parts.append("without " + " or ".join(self.unless))
+        if self.version:
+            parts.append(f"package {self.version}")
+        if self.torch:
+            parts.append(f"torch {self.torch}")
+        if self.archs:
+            parts.append("outside " + ", ".join(self.archs))
+        if self.models:
+            parts.append("other than " + ", ".join(self.models))
+        if self.head_dims:
+            parts.append(f"head dim {self.head_dims[0]}..{self.head_dims[1]}")
+        if self.env:
+            parts.append(f"{self.env[0]}={self.env[1]}")
+        return ", ".join(parts) or "always"
+
+
+def _version_in(version: Optional[str], spec: str) -> bool:
+    if version is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        import re
+        nums = re.findall(r"\d+", version)
+        v = Version(".".join(nums[:3]) if nums else "0")
+    # local builds ("2.10.0+xpu") compare by their public part
+    return Version(v.public) in SpecifierSet(spec, prereleases=True)
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What rules besides the request depend on: installed kernel version and torch version."""
+
+    version: Optional[str] = None
+    torch_version: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Positions:
+    """How the kernel places causal/window/alibi masks when ``Sq != Sk`` (declared data).
+
+    * ``alignment``: ``"top-left"`` (the contract's own convention) or ``"bottom-right"``
+      (the kernel keeps key ``n`` for query ``m`` relative to ``m + Sk - Sq``); the adapter
+      then translates the contract's bounds, which :func:`kernel_window` does and refuses
+      when it cannot.
+    * ``causal_any_lengths``: False when the kernel defines causal only for ``Sq == Sk``.
+    * ``window``: ``"two-sided"``, ``"left-only"`` or ``"none"`` (documentation; what a kernel
+      refuses is declared once, as flags or a :class:`Limit`).
+    * ``alibi_any_lengths``: False when alibi distances are only the contract's for ``Sq == Sk``.
+    * ``right_unbounded_from``: ``"seqlen_k"`` when the kernel treats a (translated) right
+      bound ``>= Sk`` as unbounded, which is wrong for ``Sq >= Sk + 2`` (FlashAttention-2's
+      ``mha_fwd``); ``"seqlen_q"`` when it does so from ``Sq - 1`` (always exact).
+    """
+
+    alignment: str = "top-left"
+    causal_any_lengths: bool = True
+    window: str = "two-sided"
+    alibi_any_lengths: bool = True
+    right_unbounded_from: Optional[str] = None
+    source: str = ""
+
+
+TOP_LEFT = Positions()
+
+
+class Unsupported(NotImplementedError):
+    """A call that a backend's declared capabilities refuse (the message has every reason)."""
+
+
+def kernel_window(pos: Positions, sq: int, sk: int, causal: bool, window, alibi: bool = False) -> tuple:
+    """``(causal, left, right)`` to hand the kernel so that it keeps exactly the contract's
+    keys (top-left: key ``n`` for query ``m`` when ``m - left <= n <= m + right``, causal
+    ``n <= m``), or :class:`Unsupported` with the reason when the kernel cannot express it."""
+    left, right = int(window[0]), int(window[1])
+    if sq == sk or pos.alignment == "top-left":
+        if causal and sq != sk and not pos.causal_any_lengths:
+            raise Unsupported(f"causal attention needs Sq == Sk (got Sq={sq}, Sk={sk})")
+        return bool(causal), left, right
+    if causal and not pos.causal_any_lengths:
+        raise Unsupported(f"causal attention needs Sq == Sk (got Sq={sq}, Sk={sk}); the kernel aligns its "
+                          "causal mask bottom-right")
+    if alibi and not pos.alibi_any_lengths:
+        raise Unsupported(f"alibi with Sq != Sk (Sq={sq}, Sk={sk}): the kernel measures alibi distances from "
+                          "the bottom-right corner")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    shift = sk - sq
+    k_left = left + shift if left >= 0 else -1
+    k_right = right - shift if right >= 0 else -1
+    what = (f"causal with window={tuple(window)}" if causal and tuple(window) != (-1, -1)
+            else "causal" if causal else f"window={tuple(window)}")
+    if (left >= 0 and k_left < 0) or (right >= 0 and k_right < 0):
+        raise Unsupported(f"{what} with Sq={sq}, Sk={sk} cannot be expressed in the kernel's bottom-right "
+                          "aligned window (it would need a negative bound)")
+    if (pos.right_unbounded_from == "seqlen_k" and right >= 0 and sk <= k_right < sq - 1):
+        raise Unsupported(f"{what} with Sq={sq}, Sk={sk}: the kernel's right bound would be {k_right} >= Sk, "
+                          "which the kernel treats as unbounded although it still excludes keys here")
+    return False, k_left, k_right
+
+
+def position_reasons(pos: Positions, sq: int, sk: int, causal: bool, window, alibi: bool) -> list:
+    try:
+        kernel_window(pos, sq, sk, causal, window, alibi)
+    except Unsupported as exc:
+        return [str(exc)]
+    return []
+
+
+# ----------------------------------------------------------------------------- the flag rules
+def declared_reasons(b: Any, req: AttnRequest, ctx: Optional[RuleContext] = None) -> list:
+    """Every reason the declared capabilities of backend class ``b`` refuse ``req``: the
+    flags and ranges, the compute-capability bounds, the :class:`Limit` entries, and (when
+    the request carries both lengths) the :class:`Positions`."""
     reasons = []
     if req.device_type not in b.SUPPORTED_DEVICES:
         reasons.append(f"device={req.device_type} (supported: {', '.join(sorted(b.SUPPORTED_DEVICES))})")
     if req.dtype not in b.SUPPORTED_DTYPES:
-        reasons.append(f"dtype={dtype_name(req.dtype)} (supported: {', '.join(dtype_name(d) for d in _sorted_dtypes(b.SUPPORTED_DTYPES))})")
-    if req.head_dim < b.HEAD_DIM_MIN or (b.HEAD_DIM_MAX is not None and req.head_dim > b.HEAD_DIM_MAX):
-        hi = b.HEAD_DIM_MAX if b.HEAD_DIM_MAX is not None else "any"
-        reasons.append(f"head_dim={req.head_dim} (supported: {b.HEAD_DIM_MIN}..{hi})")
+        reasons.append(f"dtype={dtype_name(req.dtype)} (supported: {', '.join(dtype_name(d) for d in sorted_dtypes(b.SUPPORTED_DTYPES))})")
+    hi = b.HEAD_DIM_MAX
+    if req.head_dim < b.HEAD_DIM_MIN or (hi is not None and req.head_dim > hi):
+        reasons.append(f"head_dim={req.head_dim} (supported: {b.HEAD_DIM_MIN}..{hi if hi is not None else 'any'})")
     if b.HEAD_DIM_MULTIPLE > 1 and req.head_dim % b.HEAD_DIM_MULTIPLE:
         reasons.append(f"head_dim={req.head_dim} is not a multiple of {b.HEAD_DIM_MULTIPLE}")
     if req.v_dim != req.head_dim and not b.SUPPORTS_DIFFERENT_V_DIM:
@@ -167,19 +401,37 @@ def not_supported_reasons(backend: "type[AttentionBackend] | AttentionBackend", 
         reasons.append("forward-only kernel: no backward")
     if req.deterministic and req.needs_grad and not (b.IS_DETERMINISTIC or b.SUPPORTS_DETERMINISTIC):
         reasons.append("backward is not deterministic")
-    mincc = b.MIN_COMPUTE_CAPABILITY.get(req.device_type) if b.MIN_COMPUTE_CAPABILITY else None
-    if mincc is not None and req.compute_capability is not None and tuple(req.compute_capability) < tuple(mincc):
-        reasons.append(f"needs compute capability >= {mincc[0]}.{mincc[1]}, found "
-                       f"{req.compute_capability[0]}.{req.compute_capability[1]}")
-    reasons.extend(b.extra_reasons(req))
+    cc = req.compute_capability
+    if cc is not None:
+        lo = (b.MIN_COMPUTE_CAPABILITY or {}).get(req.device_type)
+        if lo is not None and tuple(cc) < tuple(lo):
+            reasons.append(f"needs compute capability >= {lo[0]}.{lo[1]}, found {cc[0]}.{cc[1]}")
+        hi_cc = (b.MAX_COMPUTE_CAPABILITY or {}).get(req.device_type)
+        if hi_cc is not None and tuple(cc) > tuple(hi_cc):
+            reasons.append(f"built for compute capability <= {hi_cc[0]}.{hi_cc[1]} only, found {cc[0]}.{cc[1]}")
+    ctx = ctx if ctx is not None else RuleContext()
+    for limit in b.LIMITS:
+        why = limit.fires(req, ctx)
+        if why:
+            reasons.append(why)
+    if req.seqlen_q is not None and req.seqlen_k is not None and req.seqlen_q != req.seqlen_k:
+        reasons.extend(position_reasons(b.POSITIONS, req.seqlen_q, req.seqlen_k, req.causal, req.window, req.alibi))
     return reasons
+
+
+def not_supported_reasons(backend, req: AttnRequest) -> list:
+    """Every reason ``backend`` (a class or an instance) refuses ``req``: its own
+    ``not_supported_reasons`` classmethod."""
+    return backend.not_supported_reasons(req)
 
 
 _DTYPE_ORDER = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
-def _sorted_dtypes(dtypes) -> list:
+def sorted_dtypes(dtypes) -> list:
     return sorted(dtypes, key=lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else 99)
+
+
 
 
 def capability_row(backend) -> dict:
@@ -189,7 +441,7 @@ def capability_row(backend) -> dict:
         "name": b.NAME,
         "description": b.DESCRIPTION,
         "devices": sorted(b.SUPPORTED_DEVICES),
-        "dtypes": [dtype_name(d) for d in _sorted_dtypes(b.SUPPORTED_DTYPES)],
+        "dtypes": [dtype_name(d) for d in sorted_dtypes(b.SUPPORTED_DTYPES)],
         "head_dim": [b.HEAD_DIM_MIN, b.HEAD_DIM_MAX],
         "head_dim_multiple": b.HEAD_DIM_MULTIPLE,
         "forward": True,
@@ -205,9 +457,10 @@ def capability_row(backend) -> dict:
         "deterministic": bool(b.IS_DETERMINISTIC or b.SUPPORTS_DETERMINISTIC),
         "ring": b.RETURNS_LSE,
         "min_compute_capability": {k: list(v) for k, v in (b.MIN_COMPUTE_CAPABILITY or {}).items()},
+        "max_compute_capability": {k: list(v) for k, v in (b.MAX_COMPUTE_CAPABILITY or {}).items()},
+        "input_layout": b.INPUT_LAYOUT,
+        "limits": [{"reason": lim.reason, "when": lim.condition(), "source": lim.source} for lim in b.LIMITS],
         "packages": [p.dist for p in b.REQUIRED_PACKAGES],
-        "comm": sorted({_COMM.get(d, "gloo") for d in b.SUPPORTED_DEVICES}),
+        "comm": sorted({_platform.dist_backend_for(d) if d in _platform.PLATFORMS else "gloo"
+                        for d in b.SUPPORTED_DEVICES}),
     }
-
-
-_COMM = {"cpu": "gloo", "cuda": "nccl", "rocm": "nccl", "npu": "hccl", "xpu": "xccl"}

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import logging
 
+from . import platform as _platform
 from .backend import AttentionBackend
 from .capabilities import AttnRequest
 
@@ -54,14 +55,9 @@ _BUILTIN = {
     "xpu": "usp_hal.backends.xpu:XPUBackend",
 }
 
-# `auto` tries these in order; lossy (quantised) kernels are never picked automatically.
-AUTO_PRIORITY = {
-    "cuda": ["fa3", "fa2", "sdpa", "flashinfer"],
-    "rocm": ["fa2", "sdpa"],
-    "npu": ["npu"],
-    "xpu": ["xpu"],
-    "cpu": ["sdpa"],
-}
+# `auto` tries these in order (each platform entry declares its list); lossy (quantised)
+# kernels are never picked automatically.
+AUTO_PRIORITY = {name: list(p.auto_priority) for name, p in _platform.PLATFORMS.items()}
 
 
 class Registry:
@@ -69,7 +65,6 @@ class Registry:
         self._entries: dict = dict(_BUILTIN)
         self._loaded: dict = {}
         self._plugins_loaded = False
-        self._plugin_errors: dict = {}
 
     # ------------------------------------------------------------ registration
     def register(self, name: str, backend, *, override: bool = False) -> None:
@@ -163,9 +158,19 @@ class Registry:
                     base.append(name)
         return base
 
+    @staticmethod
+    def _complete(request: AttnRequest) -> AttnRequest:
+        """Fill in the device model when the caller did not (rules on device models need it)."""
+        if request.device_model is None and request.device_type in _platform.PLATFORMS:
+            model = _platform.device_model(request.device_type)
+            if model is not None:
+                return request.with_(device_model=model)
+        return request
+
     def reasons(self, name: str, request: AttnRequest) -> list:
         """Availability problem (if any) then every capability reason."""
         cls = self.get(name)
+        request = self._complete(request)
         out = []
         avail = cls.availability()
         if not avail.ok:
@@ -176,6 +181,7 @@ class Registry:
     def select(self, attn_type, request: AttnRequest) -> "type[AttentionBackend]":
         """Validate an explicit choice, or pick the first fitting backend for 'auto'."""
         name = self.canonical_name(attn_type)
+        request = self._complete(request)
         if name != "auto":
             why = self.reasons(name, request)
             if why:

@@ -10,14 +10,19 @@ Each stand-in is installed under the real import paths with the real package met
 * FA3: the top-level ``flash_attn_interface.py`` (old or new API) and the package
   ``flash_attn_3`` (``__init__`` and the ``_C`` extension stand-in).
 
-The "kernels" compute attention on CPU tensors in float32 with the documented quirks:
-fp16/bf16 only; positions aligned to the bottom-right corner (causal, window, alibi);
-FA2's causal ALiBi path adds ``slope * key_index``; lse ``+inf`` (FA2) / ``-inf`` (FA3)
-for a row with no key and ``+inf`` when there are no keys at all; head dims that are not a
-multiple of 8 rejected by the FA2 >= 2.7 and FA3 forwards (<= 2.6 pads them itself) and by
-every backward; a ``-inf`` lse handed to a backward is read as 0 (the kernels' guard for
-an empty row max); the old APIs return gradients, the new ones write them in place.
-They prove the *adapter*, not the kernel.
+The "kernels" compute attention on CPU tensors in float32 and copy the real packages'
+behaviour, each quirk with the upstream source it was read from (at the line that models
+it): fp16/bf16 only; positions aligned to the bottom-right corner (causal, window, alibi);
+FA2 treats a right bound ``>= Sk`` as unbounded, FA3 one ``>= Sq - 1``; FA2's causal ALiBi
+path adds ``slope * key_index``; lse ``+inf`` (FA2) / ``-inf`` (FA3) for a row with no key
+and ``+inf`` when there are no keys at all; head dims that are not a multiple of 8 rejected
+by the FA2 >= 2.7 and FA3 forwards (<= 2.6 pads them itself) and by every backward; the
+architectures each FA2 version accepts and its backward head-dim rules per architecture;
+on ROCm the CK backend ignores softcap and the Triton backend ignores window and softcap;
+a ``-inf`` lse handed to a backward is read as 0 (the kernels' guard for an empty row max);
+the old APIs return gradients, the new ones write them in place.  The device the stand-in
+"runs on" is the one :func:`usp_hal.platform.emulate` reports.  They prove the *adapter*,
+not the kernel.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ FA3_TOP_LEVEL = ("flash_attn_interface", "flash_attn_3", "flash_attn_config")
 # ---------------------------------------------------------------------------------- kernel math
 # These functions are copied verbatim into each stand-in extension module.
 
-def _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi):
+def _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi,
+                    fa3_normalisation=False):
     """Scores [B, H, Sq, Sk] in float32 with the kernels' masking, plus tanh(x/softcap)."""
     import torch
     b, sq, h, _ = q.shape
@@ -48,12 +54,23 @@ def _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, add
         t = torch.tanh(x / softcap)
         x = softcap * t
     # the kernels' own window normalisation
-    if causal:
-        right = 0
-    if left >= sk:
-        left = -1
-    if right >= sk:
-        right = -1
+    if fa3_normalisation:
+        # Dao-AILab/flash-attention hopper/flash_api.cpp mha_fwd/mha_bwd (since 7a802796)
+        if left >= sk - 1:
+            left = -1
+        if right >= sq - 1:
+            right = -1
+        if causal:
+            right = 0
+    else:
+        # Dao-AILab/flash-attention v2.8.3 csrc/flash_attn/flash_api.cpp mha_fwd/mha_bwd: the right
+        # bound is dropped from Sk on, which is wrong once Sq >= Sk + 2
+        if left >= sk:
+            left = -1
+        if right >= sk:
+            right = -1
+        if causal:
+            right = 0
     causal_path = left < 0 and right == 0
     row = torch.arange(sq).view(sq, 1) + (sk - sq)     # bottom-right alignment
     col = torch.arange(sk).view(1, sk)
@@ -74,14 +91,15 @@ def _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, add
 
 
 def _standin_forward(q, k, v, scale, causal, left, right, softcap, alibi_slopes, empty_row_lse,
-                     additive_causal_alibi):
+                     additive_causal_alibi, fa3_normalisation=False):
     """(out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32)."""
     import torch
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if sk == 0:
         return torch.zeros_like(q), torch.full((b, h, sq), float("inf"))
-    s, _ = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi)
+    s, _ = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi,
+                           fa3_normalisation)
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - finite.unsqueeze(-1))
@@ -92,13 +110,14 @@ def _standin_forward(q, k, v, scale, causal, left, right, softcap, alibi_slopes,
 
 
 def _standin_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap, alibi_slopes,
-                      additive_causal_alibi):
+                      additive_causal_alibi, fa3_normalisation=False):
     """(dq, dk, dv) in float32 from the given out and lse (which may be the ring-merged ones)."""
     import torch
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
-    s, t = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi)
+    s, t = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi,
+                           fa3_normalisation)
     lse = lse.float()
     lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)   # empty-row-max guard
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -136,8 +155,40 @@ def _standin_check_inputs(tensors, pad_ok, name):
         raise RuntimeError("head_size should be a multiple of 8")
 
 
+def _standin_device():
+    """(device type, compute capability) the stand-in runs on: the emulated device."""
+    from usp_hal import platform
+    em = platform.emulated()
+    if em is None:
+        raise RuntimeError("stand-in kernel called outside usp_hal.platform.emulate(): no device to run on")
+    return em.device_type, em.compute_capability
+
+
+def _standin_fa2_arch_check(version, cc, backward, head_size):
+    """The architecture checks of FA2's mha_fwd/mha_bwd for this version (CUDA only)."""
+    from packaging.version import Version
+    v = Version(version)
+    if v < Version("2.7.3"):
+        # v2.5.0..v2.7.2 csrc/flash_attn/flash_api.cpp: is_sm8x = major == 8; is_sm90 = cc == 9.0
+        if not (cc[0] == 8 or tuple(cc) == (9, 0)):
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+    elif cc[0] < 8:
+        # v2.7.3+ csrc/flash_attn/flash_api.cpp: is_sm8x_min = major >= 8
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+    sm80_or_90 = tuple(cc) in ((8, 0), (9, 0))
+    if backward and not sm80_or_90:
+        # v2.5.0..v2.5.4 mha_bwd: head_size > 192 needs A100/H100;
+        # v2.5.5..v2.6.1 mha_bwd: head_size > 192 && head_size <= 224 (without dropout)
+        if Version("2.5.0") <= v < Version("2.5.5") and head_size > 192:
+            raise RuntimeError("FlashAttention backward for head dim > 192 requires A100/A800 or H100/H800")
+        if Version("2.5.5") <= v < Version("2.6.2") and 192 < head_size <= 224:
+            raise RuntimeError("FlashAttention backward for head dim 256 with dropout, or head dim 224 "
+                               "with/without dropout requires A100/A800 or H100/H800")
+
+
 def _math_source() -> str:
-    funcs = (_standin_scores, _standin_forward, _standin_backward, _standin_check_inputs)
+    funcs = (_standin_scores, _standin_forward, _standin_backward, _standin_check_inputs, _standin_device,
+             _standin_fa2_arch_check)
     return "import torch\n\n" + "\n\n".join(inspect.getsource(f) for f in funcs) + "\n"
 
 
@@ -157,9 +208,30 @@ def _fa2_ext(version: str) -> str:
             return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
 
 
+        VERSION = "{version}"
+
+
+        def _rocm_ignores(window_size_left, window_size_right, softcap):
+            """What the ROCm builds drop: the CK backend ignores softcap (v2.8.3
+            csrc/flash_attn_ck/mha_fwd.cpp, mha_bwd.cpp); the Triton AMD backend ignores softcap and the
+            window (v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py)."""
+            import os
+            device, _ = _standin_device()
+            if device != "rocm":
+                return window_size_left, window_size_right, softcap
+            if os.environ.get("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE") == "TRUE":
+                return -1, -1, 0.0
+            return window_size_left, window_size_right, 0.0
+
+
         def fwd(q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
                 window_size_right, {sc_arg}return_softmax, gen_):
+            device, cc = _standin_device()
+            if device == "cuda":
+                _standin_fa2_arch_check(VERSION, cc, False, q.shape[-1])
             _standin_check_inputs((q, k, v), pad_ok={not new}, name="mha_fwd")
+            window_size_left, window_size_right, _cap = _rocm_ignores(window_size_left, window_size_right,
+                                                                      {sc_val})
             if p_dropout > 0:
                 raise RuntimeError("stand-in: dropout is not modelled")
             if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
@@ -169,7 +241,7 @@ def _fa2_ext(version: str) -> str:
             d_og = q.shape[-1]
             q, k, v = _pad8(q), _pad8(k), _pad8(v)      # <= 2.6 pads inside mha_fwd
             out, softmax_lse = _standin_forward(q, k, v, softmax_scale, is_causal, window_size_left,
-                                                window_size_right, {sc_val}, alibi_slopes,
+                                                window_size_right, _cap, alibi_slopes,
                                                 float("inf"), True)
             p = torch.empty(0)
             rng_state = torch.zeros(2, dtype=torch.int64)
@@ -183,14 +255,19 @@ def _fa2_ext(version: str) -> str:
                 is_causal, window_size_left, window_size_right, {sc_arg}deterministic, gen_, rng_state):
             BWD_CALLS.append(dict(deterministic=deterministic, causal=is_causal,
                                   window=(window_size_left, window_size_right)))
+            device, cc = _standin_device()
+            if device == "cuda":
+                _standin_fa2_arch_check(VERSION, cc, True, q.shape[-1])
             _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
+            window_size_left, window_size_right, _cap = _rocm_ignores(window_size_left, window_size_right,
+                                                                      {sc_val})
             if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
                 raise RuntimeError("softmax_lse must be float32 [B, H, Sq]")
             for g, x in ((dq, q), (dk, k), (dv, v)):
                 if g is not None and g.shape != x.shape:
                     raise RuntimeError("gradient buffers must match q/k/v")
             gq, gk, gv = _standin_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,
-                                           window_size_left, window_size_right, {sc_val}, alibi_slopes, True)
+                                           window_size_left, window_size_right, _cap, alibi_slopes, True)
             dq = torch.empty_like(q) if dq is None else dq
             dk = torch.empty_like(k) if dk is None else dk
             dv = torch.empty_like(v) if dv is None else dv
@@ -265,11 +342,23 @@ def _fa2_iface(version: str) -> str:
     ''')
 
 
-def fa2_files(version: str, *, with_extension: bool = True) -> dict:
+def _literal_namespace(src: str, namespace: str) -> str:
+    """Register the custom ops under a literal ``namespace::`` name, written the way the real
+    interface files write it (so it can be read from the file, as the adapters do)."""
+    return (src.replace('_NS + "::_flash_attn_forward"', f'"{namespace}::_flash_attn_forward"')
+               .replace('_NS + "::_flash_attn_backward"', f'"{namespace}::_flash_attn_backward"'))
+
+
+def fa2_files(version: str, *, with_extension: bool = True, op_namespace: "str | None" = None) -> dict:
+    """FA2 stand-in files.  ``op_namespace`` writes the >= 2.7 custom ops under that literal
+    namespace (the real package uses ``flash_attn``); by default a fresh one per install."""
+    iface = _fa2_iface(version)
+    if op_namespace:
+        iface = _literal_namespace(iface, op_namespace)
     files = {
         "flash_attn/__init__.py": f'__version__ = "{version}"\n\n'
                                   "from flash_attn.flash_attn_interface import _flash_attn_forward  # noqa: F401\n",
-        "flash_attn/flash_attn_interface.py": _fa2_iface(version),
+        "flash_attn/flash_attn_interface.py": iface,
     }
     if with_extension:
         files["flash_attn_2_cuda.py"] = _fa2_ext(version)
@@ -283,6 +372,14 @@ _FA3_EXT = textwrap.dedent('''
     _BWD_RETURNS_GRADS = {grads_first}
     BWD_CALLS = []   # flags of each backward call, for the tests
 
+
+    def _fa3_arch_check():
+        # hopper/setup.py compiles sm_90a kernels (plus sm_80 ones); sm_90a code does not run on
+        # other architectures, and hopper/flash_api.cpp refuses anything below sm80
+        device, cc = _standin_device()
+        if device != "cuda" or not (cc[0] == 8 or tuple(cc) == (9, 0)):
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
     def fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
             max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
             seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, is_causal, window_size_left,
@@ -292,11 +389,12 @@ _FA3_EXT = textwrap.dedent('''
                   page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, q_descale, k_descale, v_descale)
         if any(x is not None for x in unused):
             raise RuntimeError("stand-in: only dense q/k/v are modelled")
+        _fa3_arch_check()
         _standin_check_inputs((q, k, v), pad_ok=False, name="mha_fwd")
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         out, softmax_lse = _standin_forward(q, k, v, softmax_scale, is_causal, window_size_left, window_size_right,
-                                            softcap, None, float("-inf"), False)
+                                            softcap, None, float("-inf"), False, True)
         return out, softmax_lse, None, None
 
 
@@ -305,11 +403,15 @@ _FA3_EXT = textwrap.dedent('''
             deterministic, sm_margin):
         BWD_CALLS.append(dict(deterministic=deterministic, causal=is_causal,
                               window=(window_size_left, window_size_right)))
+        _fa3_arch_check()
         _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
         if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
             raise RuntimeError("softmax_lse must be float32 [B, H, Sq]")
+        if deterministic and -(-q.shape[-1] // 64) * 64 >= 256 and q.shape[-1] > 192:
+            # hopper/flash_api.cpp mha_bwd: !deterministic || head_size_rounded < 256
+            raise RuntimeError("Deterministic backward not supported for hdim 256.")
         gq, gk, gv = _standin_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,
-                                       window_size_left, window_size_right, softcap, None, False)
+                                       window_size_left, window_size_right, softcap, None, False, True)
         dq = torch.empty_like(q) if dq is None else dq
         dk = torch.empty_like(k) if dk is None else dk
         dv = torch.empty_like(v) if dv is None else dv
@@ -412,10 +514,15 @@ _FA3_IFACE_OLD = textwrap.dedent('''
 ''')
 
 
-def fa3_files(api: str, *, top_level: bool = True) -> dict:
+def fa3_files(api: str, *, top_level: bool = True, op_namespace: "str | None" = None) -> dict:
     """FA3 stand-in files for ``api`` "old" or "new".  ``top_level=False`` installs the
-    interface only as ``flash_attn_3.flash_attn_interface`` (the package re-export path)."""
+    interface only as ``flash_attn_3.flash_attn_interface`` (the package re-export path).
+    ``op_namespace`` writes the custom ops (new API) under that literal namespace: builds
+    from 2025-07-16 to 2025-08-19 used ``flash_attn``, later ones ``flash_attn_3``
+    (Dao-AILab/flash-attention c7697bbf, fde4bc0c hopper/flash_attn_interface.py)."""
     iface = {"old": _FA3_IFACE_OLD, "new": _FA3_IFACE_NEW}[api]
+    if op_namespace:
+        iface = _literal_namespace(iface, op_namespace)
     files = {
         "flash_attn_3/__init__.py": "",
         "flash_attn_3/_C.py": _math_source() + _FA3_EXT.replace("{grads_first}", str(api == "old")),

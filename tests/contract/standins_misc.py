@@ -1,24 +1,30 @@
 """Stand-ins for the SageAttention, FlashInfer, Ascend NPU and Intel XPU contract tests.
 
-Each stand-in keeps the real package's import path, signature and documented quirks, and
-computes plain float32 attention on CPU tensors in the *kernel's* own conventions (its
-layout, lse base and shape, causal/window alignment, masked-row values, output arity),
-so an adapter that maps an argument wrongly fails against the float64 reference:
+Each stand-in keeps the real package's import path, signature and behaviour, read from the
+real sources (each quirk carries its source at the line that models it), and computes
+plain float32 attention on CPU tensors in the *kernel's* own conventions (its layout, lse
+base and shape, causal/window alignment, masked-row values, output arity), so an adapter
+that maps an argument wrongly fails against the float64 reference.  The device the
+stand-in runs on is the one :func:`usp_hal.platform.emulate` reports:
 
-* ``sageattention`` 1.0.6: ``sageattn`` without ``return_lse``; head dims 64/96/128 only.
-* ``sageattention`` 2.x: ``sageattn(..., return_lse=False, **kwargs)``; lse ``[B, H, Sq]``.
-* ``flashinfer``: ``single_prefill_with_kv_cache`` on ``[S, H, D]`` (no batch dim), lse
-  base 2 ``[S, H]``, causal and ``window_left`` aligned bottom-right, kernels for head
-  dims 64/128/256 only.
-* ``torch_npu``: ``npu_fusion_attention`` / ``npu_fusion_attention_grad`` with
-  ``softmax_max/softmax_sum`` ``[B, N, S, 8]``, ``sparse_mode`` semantics (2/3 need the
-  compressed 2048x2048 mask; no mask means full attention whatever the mode), the
-  misspelled ``pre_tockens/next_tockens``, ``scale`` vs ``scale_value``, and a grad op
-  whose output count depends on the release.
-* XPU: CPU functions with the signatures of ``aten._scaled_dot_product_flash_attention``
-  and its backward (bottom-right causal, lse 0 for fully masked rows, backward head dims
-  64/96/128/192/256 only, undefined ``cum_seq``), substituted through
-  ``usp_hal.backends.xpu.flash_ops``.
+* ``sageattention`` 1.0.6 (the wheel): ``sageattn`` without ``return_lse``; head dims
+  64/96/128 only; causal only for equal lengths; ``k -= km`` in place on the caller's k.
+* ``sageattention`` 2.x (thu-ml/SageAttention v2.0.1, 2.1.1, v2.2.0, main): architecture
+  dispatch per version; ``return_lse``; lse ``[B, H, Sq]`` natural log; the smoothing
+  correction's GQA errors of the releases before 2.2.0 (and of 2.2.0's sm86 path).
+* ``flashinfer`` (flashinfer-ai/flashinfer v0.6.18): ``single_prefill_with_kv_cache`` on
+  ``[S, H, D]`` (no batch dim), lse base 2 ``[S, H]``, causal and ``window_left`` aligned
+  bottom-right, kernels for head dims 64/128/256 here; optionally ``flashinfer_jit_cache``.
+* ``torch_npu`` (Ascend/op-plugin docs and op_plugin_functions.yaml): ``npu_fusion_attention``
+  / ``npu_fusion_attention_grad`` with ``softmax_max/softmax_sum`` ``[B, N, S, 8]``,
+  ``sparse_mode`` semantics (2/3 need the compressed 2048x2048 mask; no mask means full
+  attention whatever the mode), the misspelled ``pre_tockens/next_tockens``, ``scale`` vs
+  ``scale_value``, and a grad op whose output count depends on the release.
+* XPU (intel/torch-xpu-ops release/2.10-2.14 sycltla/mha_fwd.cpp, mha_bwd.cpp): CPU
+  functions with the signatures of ``aten._scaled_dot_product_flash_attention`` and its
+  backward: head dims and device models per torch version, BSHD/BHSD layouts only,
+  bottom-right causal, lse 0 for fully masked rows, undefined ``cum_seq``; substituted
+  through ``usp_hal.backends.xpu.flash_ops``.
 
 Every stand-in records its calls in a module-level ``CALLS`` list so a test can check
 what reached the kernel.  The lower half of this file holds small helpers the four test
@@ -96,59 +102,106 @@ MATH_SOURCE = "import math\nimport torch\n\n\n" + "\n\n".join(
 
 
 # ----------------------------------------------------------------------------- sageattention
-SAGE_V1 = '''
+SAGE_V1 = """
 import torch
 from ._standin_math import attend, positions
 
 CALLS = []
 
 
-def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True):
-    """sageattention 1.0.6 (Triton): returns only the output; no return_lse."""
+def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True, **kwargs):
+    # sageattention 1.0.6 wheel, sageattention/core.py sageattn: returns only o (no return_lse)
     CALLS.append(dict(tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
-                      head_dim=q.size(-1)))
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError("Input tensors must be in dtype of torch.float16 or torch.bfloat16.")
+                      head_dim=q.size(-1), k_ptr=k.data_ptr()))
+    dtype = q.dtype
+    # core.py sageattn: fp16, bf16 and fp32 are accepted (v is converted to fp16)
+    assert dtype in [torch.float16, torch.bfloat16, torch.float32], \\
+        "Input tensors must be in dtype of torch.float16, torch.bfloat16, or torch.float32."
+    assert q.dtype == k.dtype == v.dtype, "All tensors must have the same dtype."
     headdim = q.size(-1)
-    if headdim not in (64, 96, 128):
-        raise AssertionError("headdim should be in [64, 96, 128].")
+    # core.py sageattn: assert headdim in [64, 96, 128]
+    assert headdim in [64, 96, 128], "headdim should be in [64, 96, 128]."
+    # core.py sageattn: assert last dim is contiguous
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "Last dim of qkv must be contiguous."
+    seq_dim = 1 if tensor_layout == "NHD" else 2
+    if smooth_k:
+        # core.py sageattn: km = k.mean(dim=seq_dim, keepdim=True); k -= km  (in place, on the caller's k)
+        km = k.mean(dim=seq_dim, keepdim=True)
+        k -= km
     if tensor_layout == "NHD":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     elif tensor_layout != "HND":
-        raise ValueError(f"tensor_layout {tensor_layout} not supported")
+        raise ValueError(f"Unknown tensor layout: {tensor_layout}")
     sq, sk = q.shape[2], k.shape[2]
     keep = None
     if is_causal:
-        if sq != sk:
-            raise ValueError("stand-in: is_causal is only defined for qo_len == kv_len")
+        # attn_qk_int8_per_block_causal.py forward: assert qo_len == kv_len
+        assert sq == sk, "qo_len and kv_len must be equal for causal attention"
         m, n = positions(sq, sk)
         keep = n <= m
+    # quant_per_block.py per_block_int8: sm_scale defaults to head_dim ** -0.5 of the given tensors
     scale = sm_scale if sm_scale is not None else headdim ** -0.5
+    # subtracting K's mean along the sequence changes every score of a row by the same amount:
+    # the softmax, and so the output, is the same as without smoothing
     out, _ = attend(q, k, v, scale, keep)
-    out = out.to(q.dtype)
+    out = out.to(dtype)
     return out.transpose(1, 2) if tensor_layout == "NHD" else out
-'''
+"""
 
-SAGE_V2 = '''
+SAGE_V2 = """
 import torch
 from ._standin_math import attend, positions
+from packaging.version import Version
 
 CALLS = []
+VERSION = "{version}"
+
+
+def _arch():
+    from usp_hal import platform
+    em = platform.emulated()
+    if em is None or em.device_type != "cuda":
+        raise AssertionError("Input tensors must be on cuda.")
+    return "sm%d%d" % em.compute_capability
+
+
+def _dispatches():
+    # thu-ml/SageAttention sageattention/core.py sageattn: v2.0.1 sm80/86/89/90; sm120 from 2.1.1
+    # (4b0824d); sm121 only after the v2.2.0 tag (still "2.2.0")
+    archs = ["sm80", "sm86", "sm89", "sm90"]
+    if Version(VERSION) >= Version("2.1.1"):
+        archs.append("sm120")
+    if Version(VERSION) > Version("2.2.0"):
+        archs.append("sm121")
+    return archs
 
 
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kwargs):
-    """sageattention 2.x: lse [B, H, Sq] float32, natural log (already smoothing-corrected)."""
     CALLS.append(dict(tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
-                      return_lse=return_lse, head_dim=q.size(-1), kwargs=dict(kwargs)))
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError("Input tensors must be in dtype of torch.float16 or torch.bfloat16.")
+                      return_lse=return_lse, head_dim=q.size(-1), kwargs=dict(kwargs),
+                      heads=(q.size(2), k.size(2)) if tensor_layout == "NHD" else (q.size(1), k.size(1))))
+    arch = _arch()
+    if arch not in _dispatches():
+        raise ValueError(f"Unsupported CUDA architecture: {arch}")
+    # core.py sageattn_qk_int8_pv_*: fp16/bf16 only
+    assert q.dtype in [torch.float16, torch.bfloat16], "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
     headdim = q.size(-1)
+    # core.py: head dims < 64 padded to 64, (64, 128) padded to 128, > 128 rejected
     if headdim > 128:
-        raise ValueError("Unsupported head_dim")
+        raise ValueError(f"Unsupported head_dim: {headdim}")
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "Last dim of qkv must be contiguous."
     if tensor_layout == "NHD":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     elif tensor_layout != "HND":
         raise ValueError(f"tensor_layout {tensor_layout} not supported")
+    h, hkv = q.shape[1], k.shape[1]
+    if return_lse and h != hkv:
+        # core.py lse_correction = q @ km: before v2.2.0 km is not repeated for GQA (9cd0915 "fix gqa
+        # case"), a shape error for 1 < Hkv < H; in v2.2.0 the sm86 (Triton) path repeats km along
+        # the sequence axis for NHD (nh_dim = 2 if tensor_layout == 0 else 1), also a shape error
+        if (Version(VERSION) < Version("2.2.0") and hkv > 1) or (
+                Version(VERSION) == Version("2.2.0") and arch == "sm86" and tensor_layout == "NHD"):
+            raise RuntimeError("The size of tensor a must match the size of tensor b at non-singleton dimension 1")
     sq, sk = q.shape[2], k.shape[2]
     keep = None
     if is_causal:
@@ -161,12 +214,13 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     out = out.to(q.dtype)
     if tensor_layout == "NHD":
         out = out.transpose(1, 2)
+    # core.py: the kernel's base-2 lse is returned as lse / log2(e) + smoothing correction: natural log
     return (out, lse.float()) if return_lse else out
-'''
+"""
 
 
 def sage_files(version: str) -> dict:
-    body = SAGE_V1 if int(version.split(".")[0]) < 2 else SAGE_V2
+    body = SAGE_V1 if int(version.split(".")[0]) < 2 else SAGE_V2.replace("{version}", version)
     return {
         "sageattention/__init__.py": "from .core import CALLS, sageattn\n",
         "sageattention/core.py": body,
@@ -191,7 +245,10 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                  window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
                                  backend="auto", return_lse=False, kv_cache_sf=None, k_scale=None, v_scale=None):
     """One request: q [qo_len, H, D], k/v [kv_len, Hkv, D] (NHD) -> out [qo_len, H, D],
-    lse [qo_len, H] float32 in BASE 2.  Causal and window_left are aligned bottom-right."""
+    lse [qo_len, H] float32 in BASE 2.  Causal and window_left are aligned bottom-right.
+    flashinfer v0.6.18 flashinfer/prefill.py single_prefill_with_kv_cache (signature);
+    include/flashinfer/attention/prefill.cuh (lse = log2(d) + m, base 2; mask positions
+    relative to kv_len - qo_len)."""
     CALLS.append(dict(shape=tuple(q.shape), causal=causal, kv_layout=kv_layout, sm_scale=sm_scale,
                       window_left=window_left, logits_soft_cap=logits_soft_cap, return_lse=return_lse))
     if q.dim() != 3:
@@ -225,13 +282,19 @@ single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_
 '''
 
 
-def flashinfer_files() -> dict:
-    return {
+def flashinfer_files(jit_cache: bool = True) -> dict:
+    """``jit_cache`` also installs a ``flashinfer_jit_cache`` module: the prebuilt kernels that
+    spare FlashInfer's JIT a CUDA compiler (flashinfer v0.6.18 flashinfer/jit/env.py
+    has_flashinfer_jit_cache)."""
+    files = {
         "flashinfer/__init__.py": ("from .prefill import (CALLS, single_prefill_with_kv_cache,\n"
                                    "                      single_prefill_with_kv_cache_return_lse)\n"),
         "flashinfer/prefill.py": FLASHINFER_PREFILL,
         "flashinfer/_standin_math.py": MATH_SOURCE,
     }
+    if jit_cache:
+        files["flashinfer_jit_cache/__init__.py"] = "__version__ = '0.0.0'\n"
+    return files
 
 
 # ----------------------------------------------------------------------------- torch_npu
@@ -244,7 +307,10 @@ COMPRESSED = 2048
 
 
 def _keep(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens):
-    """Visible keys for a BSND call, following the documented sparse_mode rules."""
+    """Visible keys for a BSND call, following the documented sparse_mode rules
+    (Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md: atten_mask None ignores
+    sparse_mode/pre/next; modes 2/3 take the compressed 2048x2048 upper-triangular mask,
+    2 = leftUpCausal, 3 = rightDownCausal)."""
     if atten_mask is None:
         return None                      # no mask: sparse_mode and pre/next are ignored
     if atten_mask.dtype not in (torch.bool, torch.uint8):
@@ -264,6 +330,11 @@ def _keep(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens):
 
 
 def _check(query, key, value, head_num, input_layout, keep_prob):
+    # docs/context/torch_npu-npu_fusion_attention.md: D in 1..768 with Dq == Dk >= Dv; Nq in 1..256
+    if not 1 <= query.shape[-1] <= 768 or query.shape[-1] != key.shape[-1] or value.shape[-1] > key.shape[-1]:
+        raise ValueError(f"head dim {query.shape[-1]} outside 1..768 (Dq == Dk >= Dv)")
+    if not 1 <= query.shape[2] <= 256:
+        raise ValueError(f"Nq={query.shape[2]} outside 1..256")
     if input_layout != "BSND":
         raise NotImplementedError(f"stand-in models input_layout='BSND' only, got {input_layout!r}")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -360,9 +431,10 @@ def npu_files(grad_outputs: int) -> dict:
 
 # ----------------------------------------------------------------------------- XPU aten ops
 class XPUFlashStandin:
-    """CPU functions with the signatures of the XPU aten flash ops (see module docstring)."""
-
-    BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
+    """CPU functions with the signatures of the XPU aten flash ops, following
+    intel/torch-xpu-ops src/ATen/native/transformers/xpu/flash_attn/sycltla/ (mha_fwd.cpp,
+    mha_bwd.cpp) of the torch version and device model that ``usp_hal.platform.emulate``
+    reports."""
 
     def __init__(self, sum_gqa_grads: bool = True) -> None:
         self.calls: list = []
@@ -370,15 +442,41 @@ class XPUFlashStandin:
         self.sum_gqa_grads = sum_gqa_grads
 
     @staticmethod
+    def _env():
+        from packaging.version import Version
+
+        from usp_hal import platform
+        em = platform.emulated()
+        if em is None or em.device_type != "xpu":
+            raise RuntimeError("stand-in XPU op called outside platform.emulate('xpu')")
+        return Version(Version(platform.torch_version()).public), em.device_model
+
+    @classmethod
+    def _check_arch(cls, name):
+        from packaging.version import Version
+        version, model = cls._env()
+        # release/2.10-2.11 mha_fwd.cpp/mha_bwd.cpp: pvc, pvc_vg, bmg_g21; release/2.12+: + bmg_g31
+        archs = ["intel_gpu_pvc", "intel_gpu_pvc_vg", "intel_gpu_bmg_g21"]
+        if version >= Version("2.12"):
+            archs.append("intel_gpu_bmg_g31")
+        if model not in archs:
+            raise RuntimeError(f"XPU device architecture does not support flash attention{name}. Supported "
+                               f"architectures are: {', '.join(archs)}.")
+        return version
+
+    @staticmethod
     def _check(name, *tensors):
         dtype = tensors[0].dtype
         if dtype not in (torch.float16, torch.bfloat16):
-            raise RuntimeError(f"{name}: only fp16 and bf16 are supported, got {dtype}")
+            raise RuntimeError(f"{name} only support fp16 and bf16 data type")
         for t in tensors:
             if t.dim() != 4 or t.dtype != dtype:
                 raise RuntimeError(f"{name}: 4-D inputs of one dtype expected")
             if t.stride(-1) != 1:
                 raise RuntimeError(f"{name}: input tensor must have contiguous last dimension")
+            # mha_fwd.cpp get_attn_tensor_layout: only BHSD or BSHD memory layouts
+            if not (t.is_contiguous() or t.transpose(1, 2).is_contiguous()):
+                raise RuntimeError(f"{name}: only support BHSD or BSHD layout, got stride {t.stride()}")
 
     @staticmethod
     def _keep(sq, sk, is_causal):
@@ -391,11 +489,19 @@ class XPUFlashStandin:
                 scale=None):
         self.calls.append(dict(op="fwd", is_causal=is_causal, scale=scale, head_dim=query.shape[-1],
                                heads=(query.shape[1], key.shape[1])))
-        self._check("mha_fwd", query, key, value)
+        from packaging.version import Version
+        version = self._check_arch("")
+        self._check("FlashAttentionForwardXPU", query, key, value)
         if dropout_p != 0.0:
-            raise RuntimeError("mha_fwd on xpu does not support p_dropout > 0.0 yet")
-        if query.shape[-1] != value.shape[-1] or query.shape[-1] > 256:
-            raise RuntimeError("mha_fwd on xpu: head dims must be equal and at most 256")
+            raise RuntimeError("FlashAttentionForwardXPU does not only support dropout > 0.0 yet")
+        d = query.shape[-1]
+        if version < Version("2.13"):
+            # release/2.10-2.12 sycltla/mha_fwd.cpp run_mha_fwd: kernels for 64, 96, 128, 192 only
+            if d not in (64, 96, 128, 192):
+                raise RuntimeError("FlashAttentionForwardXPU only support headdim 64,96,128,192")
+        elif d > 256 or d != value.shape[-1]:
+            # release/2.13+ mha_fwd.cpp: rounds up to 32/64/96/128/192/256, rejects > 256 and Dqk != Dv
+            raise RuntimeError(f"FlashAttentionForwardXPU only support headdim up to 256, got {d}")
         sq, sk = query.shape[2], key.shape[2]
         sc = scale if scale is not None else query.shape[-1] ** -0.5
         keep = self._keep(sq, sk, is_causal)
@@ -408,13 +514,17 @@ class XPUFlashStandin:
                  dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
         self.calls.append(dict(op="bwd", is_causal=is_causal, scale=scale, head_dim=query.shape[-1],
                                heads=(query.shape[1], key.shape[1])))
+        from packaging.version import Version
+        version = self._check_arch(" backward")
         self._check("FlashAttentionBackwardXPU", grad_out, query, key, value, out)
         if cum_seq_q is not None or cum_seq_k is not None:
             raise RuntimeError("varlen (nested tensor) backward is not supported on XPU; cum_seq must be undefined")
         if dropout_p != 0.0:
             raise RuntimeError("FlashAttentionBackwardXPU does not support dropout > 0.0 yet")
-        if query.shape[-1] not in self.BACKWARD_HEAD_DIMS:
-            raise RuntimeError(f"FlashAttentionBackwardXPU: unsupported head dimension: {query.shape[-1]}")
+        d = query.shape[-1]
+        # release/2.10-2.12 sycltla/mha_bwd.cpp: head dims 64, 96, 128, 192, 256; release/2.13+: up to 256
+        if (version < Version("2.13") and d not in (64, 96, 128, 192, 256)) or d > 256:
+            raise RuntimeError(f"FlashAttentionBackwardXPU: unsupported head dimension: {d}")
         b, h, sq, _ = query.shape
         if (logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, h, sq)
                 or not logsumexp.is_contiguous()):

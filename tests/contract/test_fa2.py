@@ -1,5 +1,10 @@
 """Contract tests for the FlashAttention-2 adapter (``usp_hal.backends.fa2``).
 
+The stand-in follows the real flash-attn sources per version (see standins_fa.py): the
+window normalisation of ``mha_fwd`` (right bound ``>= Sk`` -> unbounded), the architecture
+checks per version, the backward head-dim rules per architecture, and on ROCm the CK
+backend's ignored softcap and the Triton backend's ignored window.
+
 These prove the *adapter*, not the kernel: flash-attn is replaced by stand-in packages
 (tests/contract/standins_fa.py) installed under the real import paths with real package
 metadata and the real Python signatures of flash-attn 2.5.9, 2.6.3, 2.7.4, 2.8.3 and a
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import uuid
 
 import pytest
 import torch
@@ -27,10 +33,11 @@ from usp_hal.backends.fa2 import FlashAttn2Backend
 
 from .standin import install_standin, purge_modules
 from .standins_fa import (
-    FA2_DIST, FA2_TOP_LEVEL, assert_matches, fa2_files, make_inputs, reference,
+    FA2_DIST, FA2_TOP_LEVEL, FA3_DIST, FA3_TOP_LEVEL, assert_matches, fa2_files, fa3_files, make_inputs, reference,
 )
 
 pytestmark = pytest.mark.contract
+EMULATE = dict(device_type="cuda", compute_capability=(9, 0))
 
 VERSIONS = ["2.5.9", "2.6.3", "2.7.4", "2.8.3", "2.10.0"]
 DTYPES = [torch.float16, torch.bfloat16]
@@ -232,8 +239,9 @@ def test_contract_fa2_refuses_what_it_cannot_do(fa2):
         backend.forward(*big[:3], softmax_scale=s)
     with pytest.raises(NotImplementedError, match="window/alibi across ring blocks"):
         backend.forward(q, k, v, softmax_scale=s, window=(4, 0), key_offset=16)
-    with pytest.raises(NotImplementedError, match="causal with key_offset"):
-        backend.forward(q, k, v, softmax_scale=s, causal=True, key_offset=16)
+    # causal with a key offset is the contract's block-local causal: key_offset only moves windows/alibi
+    out, _ = backend.forward(q, k, v, softmax_scale=s, causal=True, key_offset=16)
+    assert_matches(out, reference(q, k, v, dout, softmax_scale=s, causal=True)[0], torch.float16, "out")
     q2, k2, v2, _ = make_inputs(sq=12, sk=20, d=32, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="bottom-right"):
         backend.forward(q2, k2, v2, softmax_scale=s, window=(4, 2))      # would need right = -6
@@ -331,3 +339,129 @@ def test_contract_fa2_availability_compute_capability(fa2, monkeypatch):
     _cuda(monkeypatch, (8, 0))
     avail = FlashAttn2Backend.availability()
     assert avail.ok and avail.version == "2.8.3" and avail.details == {"device": "cuda"}
+
+
+# --------------------------------------------------------------------------- the real kernel's quirks
+def test_contract_fa2_right_bound_dropped_by_the_kernel_is_refused(fa2):
+    """mha_fwd turns a right bound >= Sk into "unbounded": for Sq=24, Sk=12 causal, the
+    bottom-right translation needs right bound 12 = Sk, so the kernel would attend to keys
+    causal excludes.  The stand-in does exactly that; the adapter refuses instead."""
+    backend = fa2("2.8.3")
+    q, k, v, dout = make_inputs(sq=24, sk=12, d=32, dtype=torch.float16)
+    iface = importlib.import_module("flash_attn.flash_attn_interface")
+    raw_out = iface._flash_attn_forward(q, k, v, 0.0, 0.25, False, -1, 12, 0.0, None, False)[0]
+    ref_out = reference(q, k, v, dout, softmax_scale=0.25, causal=True)[0]
+    assert (raw_out.double() - ref_out).abs().max() > 0.5, "the stand-in must reproduce the dropped bound"
+    with pytest.raises(NotImplementedError, match="treats as unbounded"):
+        backend.forward(q, k, v, softmax_scale=0.25, causal=True)
+    with pytest.raises(NotImplementedError, match="treats as unbounded"):
+        backend.forward(q, k, v, softmax_scale=0.25, window=(-1, 2))       # right' = 14 >= Sk, < Sq - 1
+    # expressible neighbours still run exactly: Sq = Sk + 1 (the bound only excludes the last key
+    # from the first row, which the kernel's bound would do too), and a right bound below Sk
+    q1, k1, v1, d1 = make_inputs(sq=13, sk=12, d=32, dtype=torch.float16)
+    out, _ = backend.forward(q1, k1, v1, softmax_scale=0.25, causal=True)
+    assert_matches(out, reference(q1, k1, v1, d1, softmax_scale=0.25, causal=True)[0], torch.float16, "out")
+    out, _ = backend.forward(q, k, v, softmax_scale=0.25, window=(-1, -10))
+
+
+def test_contract_fa2_right_bound_rule_is_declared_for_dispatch():
+    req = AttnRequest(dtype=torch.float16, device_type="cuda", causal=True, seqlen_q=24, seqlen_k=12)
+    assert any("treats as unbounded" in r for r in FlashAttn2Backend.not_supported_reasons(req))
+    assert not FlashAttn2Backend.not_supported_reasons(req.with_(seqlen_q=12))
+
+
+def test_contract_fa2_rocm_ck_ignores_softcap(fa2):
+    """flash-attn's CK backend (ROCm) takes softcap and drops it: softcap is refused on rocm."""
+    fa2("2.8.3")
+    with usp_hal.platform.emulate("rocm"):
+        q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
+        iface = importlib.import_module("flash_attn.flash_attn_interface")
+        raw = iface._flash_attn_forward(q, k, v, 0.0, 0.5, False, -1, -1, 1.5, None, False)[0]
+        plain = reference(q, k, v, dout, softmax_scale=0.5)[0]
+        assert_matches(raw, plain, torch.float16, "CK output equals the output without softcap")
+        req = AttnRequest(dtype=torch.float16, device_type="rocm", softcap=1.5)
+        assert any("CK backend takes softcap and ignores it" in r for r in FlashAttn2Backend.not_supported_reasons(req))
+        with pytest.raises(NotImplementedError, match="ignores it"):
+            FlashAttn2Backend().forward(q, k, v, softmax_scale=0.5, softcap=1.5)
+        out, _ = FlashAttn2Backend().forward(q, k, v, softmax_scale=0.5)        # the rest runs on ROCm
+        assert_matches(out, plain, torch.float16, "out")
+    cuda = AttnRequest(dtype=torch.float16, device_type="cuda", softcap=1.5)
+    assert FlashAttn2Backend.not_supported_reasons(cuda) == []
+
+
+def test_contract_fa2_rocm_triton_ignores_the_window(fa2, monkeypatch):
+    fa2("2.8.3")
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+    req = AttnRequest(dtype=torch.bfloat16, device_type="rocm", window=(4, 0))
+    assert any("Triton AMD backend takes the window and ignores it" in r
+               for r in FlashAttn2Backend.not_supported_reasons(req))
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE")
+    assert FlashAttn2Backend.not_supported_reasons(req) == []
+
+
+@pytest.mark.parametrize("version,cc,ok", [
+    ("2.7.2", (10, 0), False), ("2.7.2", (12, 0), False), ("2.7.2", (8, 9), True), ("2.7.2", (9, 0), True),
+    ("2.7.4", (10, 0), True), ("2.8.3", (12, 0), True),
+])
+def test_contract_fa2_architectures_per_version(fa2, version, cc, ok):
+    """flash-attn <= 2.7.2 runs on sm8x and sm90 only; 2.7.3 accepts any major >= 8."""
+    backend = fa2(version)
+    with usp_hal.platform.emulate("cuda", compute_capability=cc):
+        q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
+        req = AttnRequest(dtype=torch.float16, device_type="cuda", compute_capability=cc)
+        reasons = FlashAttn2Backend.not_supported_reasons(req)
+        iface = importlib.import_module("flash_attn.flash_attn_interface")
+        if ok:
+            assert reasons == [] and FlashAttn2Backend.availability().ok
+            backend.forward(q, k, v, softmax_scale=0.2)
+            return
+        assert any("runs on sm8x and sm90 only" in r for r in reasons), reasons
+        assert "runs on sm8x and sm90 only" in FlashAttn2Backend.availability().reason
+        with pytest.raises(RuntimeError, match="only supports Ampere GPUs or newer"):
+            iface._flash_attn_forward(q, k, v, 0.0, 0.2, False, -1, -1, 0.0, None, False)
+        with pytest.raises(NotImplementedError, match="sm8x and sm90 only"):
+            backend.forward(q, k, v, softmax_scale=0.2)
+
+
+@pytest.mark.parametrize("version,head_dim,cc,ok", [
+    ("2.5.0", 200, (8, 6), False), ("2.5.0", 192, (8, 6), True), ("2.5.0", 200, (8, 0), True),
+    ("2.6.1", 216, (8, 9), False), ("2.6.1", 240, (8, 9), True), ("2.6.3", 216, (8, 9), True),
+])
+def test_contract_fa2_backward_head_dims_per_architecture(fa2, version, head_dim, cc, ok):
+    """2.5.0-2.5.4: backward with head dim > 192 needs sm80/sm90; 2.5.5-2.6.1: 193..224 does."""
+    backend = fa2(version)
+    with usp_hal.platform.emulate("cuda", compute_capability=cc):
+        q, k, v, dout = make_inputs(sq=8, sk=8, h=2, hkv=2, d=head_dim, dtype=torch.float16)
+        out, lse = backend.forward(q, k, v, softmax_scale=0.1)
+        req = AttnRequest(dtype=torch.float16, device_type="cuda", head_dim=head_dim, needs_grad=True,
+                          compute_capability=cc)
+        reasons = FlashAttn2Backend.not_supported_reasons(req)
+        if ok:
+            assert reasons == []
+            backend.backward(dout, q, k, v, out, lse, softmax_scale=0.1)
+            return
+        assert any("needs sm80 or sm90" in r for r in reasons), reasons
+        with pytest.raises(NotImplementedError, match="needs sm80 or sm90"):
+            backend.backward(dout, q, k, v, out, lse, softmax_scale=0.1)
+        ext = importlib.import_module("flash_attn_2_cuda")
+        with pytest.raises(RuntimeError, match="requires A100/A800 or H100/H800"):
+            ext.bwd(*(x.contiguous() for x in (dout, q, k, v, out)), lse, None, None, None, None, 0.0, 0.1,
+                    False, -1, -1, *((0.0,) if parse_version(version) >= parse_version("2.6.0") else ()), False, None, None)
+
+
+def test_contract_fa2_refuses_an_operator_another_package_replaced(tmp_path, monkeypatch, fa2):
+    """With a FlashAttention-3 build that registers the same operator name imported after
+    flash-attn >= 2.7, the name runs FA3's kernel: the loader detects it and refuses."""
+    ns = "clash_" + uuid.uuid4().hex[:8]
+    install_standin(tmp_path / "fa2", monkeypatch, dist=FA2_DIST, version="2.8.3",
+                    files=fa2_files("2.8.3", op_namespace=ns))
+    importlib.import_module("flash_attn.flash_attn_interface")
+    install_standin(tmp_path / "fa3", monkeypatch, dist=FA3_DIST, version="3.0.0b1",
+                    files=fa3_files("new", op_namespace=ns))
+    try:
+        importlib.import_module("flash_attn_interface")        # FA3 replaces the operator
+        q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
+        with pytest.raises(BackendUnavailable, match="now belongs to another package"):
+            FlashAttn2Backend().forward(q, k, v, softmax_scale=0.2)
+    finally:
+        purge_modules(FA3_TOP_LEVEL)

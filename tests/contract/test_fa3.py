@@ -22,14 +22,18 @@ import pytest
 import torch
 
 import usp_hal.platform
+import usp_hal.registry
 from usp_hal.backend import BackendUnavailable
 from usp_hal.capabilities import AttnRequest
 from usp_hal.backends.fa3 import FlashAttn3Backend
 
 from .standin import install_standin, purge_modules
-from .standins_fa import FA3_DIST, FA3_TOP_LEVEL, assert_matches, fa3_files, make_inputs, reference
+from .standins_fa import (
+    FA2_DIST, FA2_TOP_LEVEL, FA3_DIST, FA3_TOP_LEVEL, assert_matches, fa2_files, fa3_files, make_inputs, reference,
+)
 
 pytestmark = pytest.mark.contract
+EMULATE = dict(device_type="cuda", compute_capability=(9, 0))
 
 APIS = ["old", "new"]
 DTYPES = [torch.float16, torch.bfloat16]
@@ -271,3 +275,79 @@ def test_contract_fa3_availability_needs_sm90(fa3, monkeypatch):
     _cuda(monkeypatch, (9, 0))
     avail = FlashAttn3Backend.availability()
     assert avail.ok and avail.details == {"device": "cuda"}
+
+
+# --------------------------------------------------------------------------- the real builds' quirks
+def test_contract_fa3_sm90_only_with_an_upper_bound(fa3):
+    """The kernels are compiled for sm_90a: sm100/sm120 are refused (declared upper bound),
+    where the stand-in's extension has no kernel image."""
+    backend = fa3("new")
+    for cc in ((10, 0), (12, 0)):
+        with usp_hal.platform.emulate("cuda", compute_capability=cc):
+            avail = FlashAttn3Backend.availability()
+            assert not avail.ok and f"<= 9.0 only, found {cc[0]}.{cc[1]}" in avail.reason
+            q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
+            with pytest.raises(NotImplementedError, match="compute capability <= 9.0"):
+                backend.forward(q, k, v, softmax_scale=0.2)
+            c_ext = importlib.import_module("flash_attn_3._C")
+            args = [q, k, v] + [None] * 20 + [0.25, False, -1, -1, 0, 0.0, True, None, 1, None, 0]
+            with pytest.raises(RuntimeError, match="no kernel image"):
+                c_ext.fwd(*args)
+
+
+def test_contract_fa3_window_normalisation_is_exact_for_long_queries(fa3):
+    """FA3 drops a right bound only from Sq - 1 on (exact), unlike FA2's Sk: Sq=24, Sk=12
+    causal is expressible and correct."""
+    backend = fa3("new")
+    q, k, v, dout = make_inputs(sq=24, sk=12, d=32, dtype=torch.float16)
+    _check_against_reference(backend, torch.float16, dict(sq=24, sk=12, d=32), dict(causal=True))
+    req = AttnRequest(dtype=torch.float16, device_type="cuda", causal=True, seqlen_q=24, seqlen_k=12)
+    assert FlashAttn3Backend.not_supported_reasons(req) == []
+
+
+def test_contract_fa3_pre_2025_builds_are_not_recognised(tmp_path, monkeypatch):
+    """Builds before the 2025-01-07 refactor took no softcap (and dropped right bounds from
+    Sk, like FA2): their window_size=(l, r) API is refused as unrecognised, never guessed."""
+    files = fa3_files("old")
+    files["flash_attn_interface.py"] = (
+        "def _flash_attn_forward(q, k, v, softmax_scale, causal, window_size, descale_q=None):\n"
+        "    raise AssertionError('must not be called')\n\n\n"
+        "def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,\n"
+        "                         window_size, deterministic=False):\n"
+        "    raise AssertionError('must not be called')\n")
+    install_standin(tmp_path, monkeypatch, dist=FA3_DIST, version="3.0.0b1", files=files)
+    try:
+        q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
+        with pytest.raises(BackendUnavailable, match="unrecognised flash_attn_interface API"):
+            FlashAttn3Backend().forward(q, k, v, softmax_scale=0.25)
+    finally:
+        purge_modules(FA3_TOP_LEVEL)
+
+
+def test_contract_fa3_op_name_clash_is_unavailable_with_the_reason(tmp_path, monkeypatch):
+    """FA3 builds from 2025-07-16 to 2025-08-19 register flash_attn::_flash_attn_forward, like
+    flash-attn >= 2.7: availability reads both interface files (nothing imported) and says
+    why; a later build (flash_attn_3::) is fine next to flash-attn."""
+    install_standin(tmp_path / "fa2", monkeypatch, dist=FA2_DIST, version="2.8.3",
+                    files=fa2_files("2.8.3", op_namespace="flash_attn"))
+    install_standin(tmp_path / "fa3", monkeypatch, dist=FA3_DIST, version="3.0.0b1",
+                    files=fa3_files("new", op_namespace="flash_attn"))
+    try:
+        avail = FlashAttn3Backend.availability()
+        assert not avail.ok and "registers flash_attn::_flash_attn_forward" in avail.reason
+        assert "flash-attn 2.8.3" in avail.reason
+        assert not {"flash_attn", "flash_attn_interface", "flash_attn_3"} & set(sys.modules)
+        q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
+        with pytest.raises(BackendUnavailable, match="registers flash_attn::_flash_attn_forward"):
+            FlashAttn3Backend().forward(q, k, v, softmax_scale=0.25)
+        assert usp_hal.registry.REGISTRY.reasons("fa3", AttnRequest(dtype=torch.float16, device_type="cuda",
+                                                                    compute_capability=(9, 0)))[0].startswith(
+            "unavailable: this FlashAttention-3 build registers")
+    finally:
+        purge_modules(FA3_TOP_LEVEL + FA2_TOP_LEVEL)
+    install_standin(tmp_path / "fa3b", monkeypatch, dist=FA3_DIST, version="3.0.0b1",
+                    files=fa3_files("new", op_namespace="flash_attn_3"))
+    try:
+        assert FlashAttn3Backend.availability().ok
+    finally:
+        purge_modules(FA3_TOP_LEVEL + FA2_TOP_LEVEL)

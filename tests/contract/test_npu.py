@@ -25,6 +25,7 @@ from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_m
                             merge_blocks, npu_files, purge_modules, reference, reference_grads)
 
 pytestmark = pytest.mark.contract
+EMULATE = dict(device_type="npu")
 
 VERSION = "2.14.0"
 
@@ -168,8 +169,29 @@ def test_contract_forward_and_backward_refuse_dropout_and_masks(npu):
             backend.forward(q, k, v, softmax_scale=None, **kw)
         with pytest.raises(NotImplementedError, match="npu"):
             backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None, **kw)
-    with pytest.raises(NotImplementedError, match="RNG"):
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
         backend.forward(q, k, v, softmax_scale=None, dropout_p=0.1)
+
+
+def test_contract_declared_limits_match_the_op_documentation(npu):
+    """Head dim 1..768 and at most 256 query heads (the op's documentation): the declarations
+    refuse exactly where the stand-in's op raises."""
+    kernel = npu()
+    assert NPUBackend.not_supported_reasons(npu_request(head_dim=768)) == []
+    assert NPUBackend.not_supported_reasons(npu_request(head_dim=769))
+    assert NPUBackend.not_supported_reasons(npu_request(num_heads=256, num_kv_heads=256)) == []
+    q, k, v, _ = make_inputs(1, 4, 4, 1, 1, 776, torch.float16)
+    with pytest.raises(ValueError, match="outside 1..768"):
+        kernel.npu_fusion_attention(q, k, v, 1, "BSND")
+    with pytest.raises(NotImplementedError, match="head_dim=776"):
+        NPUBackend().forward(q, k, v, softmax_scale=None)
+    assert NPUBackend.REQUIRED_PACKAGES[0].min_version == "2.1.0"
+
+
+def test_contract_availability_too_old(npu):
+    npu(version="2.0.1")
+    avail = NPUBackend.availability()
+    assert not avail.ok and "torch-npu 2.0.1 too old (needs >= 2.1.0)" == avail.reason
 
 
 def test_contract_availability_not_installed(monkeypatch):

@@ -1,11 +1,12 @@
 """Contract tests for the SageAttention adapter (``usp_hal.backends.sage``).
 
 They prove the *adapter*, not the kernel: a stand-in ``sageattention`` package with the
-real import path, the v1 (1.0.6, no ``return_lse``) or v2 (``return_lse=True``)
-signature and its head-dim rules computes exact attention on CPU tensors, and the
-adapter's output and lse are compared with the float64 reference.  The stand-in is not
-quantised, so these tests say nothing about Sage's accuracy; the per-device CI runs the
-real kernel.
+real import path and the behaviour of the real releases (1.0.6 from its wheel: no
+``return_lse``, head dims 64/96/128, ``k -= km`` in place; 2.x: ``return_lse``,
+architectures per version, the lse smoothing correction's GQA errors before 2.2.0)
+computes exact attention on CPU tensors, and the adapter's output and lse are compared
+with the float64 reference.  The stand-in is not quantised, so these tests say nothing
+about Sage's accuracy; the per-device CI runs the real kernel.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_m
                             purge_modules, reference, sage_files)
 
 pytestmark = pytest.mark.contract
+EMULATE = dict(device_type="cuda", compute_capability=(9, 0))
 
 V1, V2 = "1.0.6", "2.2.0"
+V2_0, V2_1_1 = "2.0.1", "2.1.1"
 
 
 @pytest.fixture
@@ -88,7 +91,8 @@ def test_contract_v1_pads_head_dim_and_returns_no_lse(sage):
     kernel = sage(V1)
     q, k, v, _ = make_inputs(2, 16, 16, 4, 2, 40, torch.bfloat16, seed=1)
     out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.3, causal=False)
-    assert lse is None                       # v1 has no lse; only Ulysses-only calls reach here
+    # v1 has no lse: the contract's stand-in for it is NaN (never merged: dispatch refuses lse calls)
+    assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32 and torch.isnan(lse).all()
     assert kernel.CALLS[-1]["head_dim"] == 64 and kernel.CALLS[-1]["sm_scale"] == 0.3
     ref_out, _ = reference(q, k, v, softmax_scale=0.3)
     assert out.shape == q.shape
@@ -149,7 +153,7 @@ def test_contract_forward_refuses_what_sage_cannot_do(sage):
                dict(alibi_slopes=torch.ones(2))):
         with pytest.raises(NotImplementedError, match="sage_fp8"):
             backend.forward(q, k, v, softmax_scale=None, **kw)
-    with pytest.raises(ValueError, match="Sq == Sk"):
+    with pytest.raises(NotImplementedError, match="Sq == Sk"):
         backend.forward(q, k[:, :4], v[:, :4], softmax_scale=None, causal=True)
     with pytest.raises(NotImplementedError, match="forward-only"):
         backend.backward(q, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None)
@@ -184,3 +188,57 @@ def test_contract_import_does_not_load_sageattention(sage):
     site = kernel.__file__.rsplit("/sageattention/", 1)[0]
     purge_modules(["sageattention"])
     assert_import_is_clean(site, module="sage", name="sage_fp8", device="cuda", kernel="sageattention")
+
+
+def test_contract_v1_never_modifies_the_callers_k(sage):
+    """sageattention 1.0.6 subtracts K's mean from the K it is given (``k -= km``): the
+    stand-in does, and the adapter hands it a copy whenever no padded copy was made."""
+    kernel = sage(V1)
+    q, k, v, _ = make_inputs(1, 16, 16, 2, 2, 64, torch.float16, seed=2)
+    raw = k.clone()
+    kernel.sageattn(q, raw, v, tensor_layout="NHD", sm_scale=0.125)
+    assert not torch.equal(raw, k), "the stand-in must mutate k like the real 1.0.6"
+    before = k.clone()
+    out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=0.125)
+    assert torch.equal(k, before), "the adapter let sageattention modify the caller's k"
+    assert kernel.CALLS[-1]["k_ptr"] != k.data_ptr()
+    ref, _ = reference(q, k, v, softmax_scale=0.125)
+    assert_matches(out, ref, torch.float16, "out")
+
+
+@pytest.mark.parametrize("version,cc,ok", [
+    (V2_0, (8, 6), True), (V2_0, (12, 0), False), (V2_1_1, (12, 0), True), (V2, (12, 1), False),
+    ("2.2.1", (12, 1), True), (V2, (10, 0), False),
+])
+def test_contract_v2_architectures_follow_the_release(sage, version, cc, ok):
+    """Declared per version (LIMITS) and what the stand-in's sageattn() dispatches agree."""
+    kernel = sage(version)
+    req = cuda_request(compute_capability=cc)
+    reasons = SageFP8Backend.not_supported_reasons(req)
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 64, torch.float16)
+    with platform.emulate("cuda", compute_capability=cc):
+        if ok:
+            assert reasons == []
+            kernel.sageattn(q, k, v, tensor_layout="NHD", return_lse=True)
+        else:
+            assert any(f"no kernel for sm{cc[0]}{cc[1]}" in r for r in reasons), reasons
+            with pytest.raises(ValueError, match="Unsupported CUDA architecture"):
+                kernel.sageattn(q, k, v, tensor_layout="NHD", return_lse=True)
+            with pytest.raises(NotImplementedError, match=f"no kernel for sm{cc[0]}{cc[1]}"):
+                SageFP8Backend().forward(q, k, v, softmax_scale=None)
+
+
+@pytest.mark.parametrize("version", [V2_0, V2_1_1, V2])
+def test_contract_v2_gqa_lse_is_exact_despite_the_smoothing_bug(sage, version):
+    """Before 2.2.0 sageattn(return_lse=True) fails for 1 < Hkv < H (its smoothing correction
+    ignores GQA): the adapter repeats K/V heads, which is exact."""
+    kernel = sage(version)
+    q, k, v, _ = make_inputs(2, 16, 16, 4, 2, 64, torch.bfloat16, seed=4)
+    if version != V2:
+        with pytest.raises(RuntimeError, match="must match"):
+            kernel.sageattn(q, k, v, tensor_layout="NHD", return_lse=True)
+    out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.2, causal=True)
+    ref_out, ref_lse = reference(q, k, v, softmax_scale=0.2, causal=True)
+    assert_matches(out, ref_out, torch.bfloat16, "out")
+    assert_lse_matches(lse, ref_lse)
+    assert kernel.CALLS[-1]["heads"] == (4, 4)

@@ -2,11 +2,12 @@
 
 They prove the *adapter*, not the kernel: ``usp_hal.backends.xpu.flash_ops`` is replaced
 by CPU functions with the signatures of ``aten._scaled_dot_product_flash_attention`` and
-its backward, keeping the XPU kernels' documented behaviour (``[B, H, S, D]`` layout,
-bottom-right causal, lse 0 for fully masked rows, backward kernels for head dims
-64/96/128/192/256 only, ``cum_seq`` undefined for dense calls, native GQA).  Out, lse and
-gradients are compared with the float64 reference.  The per-device CI runs the real ops
-on Intel GPUs.
+its backward, keeping the XPU kernels' behaviour per torch version and device model as
+read from intel/torch-xpu-ops release/2.10-2.14 (forward head dims 64/96/128/192 before
+2.13, any up to 256 from 2.13; BMG-G31 from 2.12; BSHD/BHSD layouts; bottom-right causal;
+lse 0 for fully masked rows; ``cum_seq`` undefined for dense calls; native GQA).  Out, lse
+and gradients are compared with the float64 reference.  The per-device CI runs the real
+ops on Intel GPUs.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .standins_misc import (XPUFlashStandin, assert_lse_matches, assert_matches,
                             reference, reference_grads)
 
 pytestmark = pytest.mark.contract
+EMULATE = dict(device_type="xpu", device_model="intel_gpu_pvc", torch_version="2.13.0+xpu")
 
 
 @pytest.fixture
@@ -49,6 +51,7 @@ def test_contract_real_ops_exist_in_this_torch():
     assert "rng_state" in str(fwd.default._schema) and "philox_seed" in str(bwd.default._schema)
 
 
+@pytest.mark.parametrize("torch_version", ["2.12.1+xpu", "2.13.0+xpu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("b,h,hkv,d,causal", [
     (1, 4, 4, 64, False),
@@ -56,7 +59,15 @@ def test_contract_real_ops_exist_in_this_torch():
     (2, 3, 1, 40, True),      # MQA, head dim padded to 64
     (1, 2, 2, 80, False),     # padded to 96
 ])
-def test_contract_forward_backward_match_reference(ops, dtype, b, h, hkv, d, causal):
+def test_contract_forward_backward_match_reference(ops, dtype, b, h, hkv, d, causal, torch_version):
+    with platform.emulate("xpu", device_model="intel_gpu_bmg_g21", torch_version=torch_version):
+        _check_forward_backward(ops, dtype, b, h, hkv, d, causal)
+    padded = torch_version.startswith("2.12")
+    want = {40: 64, 80: 96}.get(d, d) if padded else d
+    assert {c["head_dim"] for c in ops.calls} == {want}
+
+
+def _check_forward_backward(ops, dtype, b, h, hkv, d, causal):
     q, k, v, dout = make_inputs(b, 20, 20, h, hkv, d, dtype, seed=d + b)
     backend = XPUBackend()
     out, lse = backend.forward(q, k, v, softmax_scale=0.2, causal=causal)
@@ -130,7 +141,7 @@ def test_contract_standin_writes_zero_lse_for_masked_rows_and_adapter_never_send
     q, k, v, _ = make_inputs(1, 8, 4, 2, 2, 64, torch.float16)
     res = ops.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False)
     assert (res[1][..., :4] == 0).all()
-    with pytest.raises(ValueError, match="Sq == Sk"):
+    with pytest.raises(NotImplementedError, match="Sq == Sk"):
         XPUBackend().forward(q, k, v, softmax_scale=None, causal=True)
 
 
@@ -163,7 +174,7 @@ def test_contract_forward_and_backward_refuse_unsupported_arguments(ops):
             backend.forward(q, k, v, softmax_scale=None, **kw)
         with pytest.raises(NotImplementedError, match="xpu"):
             backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None, **kw)
-    with pytest.raises(ValueError, match="head_dim=300"):
+    with pytest.raises(NotImplementedError, match="head_dim=300"):
         qq, kk, vv, _ = make_inputs(1, 4, 4, 1, 1, 300, torch.float16)
         backend.forward(qq, kk, vv, softmax_scale=None)
     assert ops.calls == []
@@ -177,11 +188,57 @@ def test_contract_availability_on_a_build_without_xpu(monkeypatch):
     assert "no XPU support" in avail.reason and ">= 2.10" in avail.reason
 
 
-def test_contract_availability_needs_torch_2_10(monkeypatch):
-    monkeypatch.setattr(platform, "available_device_types", lambda: ("xpu", "cpu"))
-    monkeypatch.setattr(xpu_mod, "torch_version", lambda: "2.9.1+xpu")
-    avail = XPUBackend.availability()
-    assert not avail.ok and "torch 2.9.1+xpu" in avail.reason and "torch >= 2.10 needed" in avail.reason
-    assert "intel-extension-for-pytorch" in avail.reason
-    monkeypatch.setattr(xpu_mod, "torch_version", lambda: "2.10.0+xpu")
-    assert XPUBackend.availability().ok
+def test_contract_availability_needs_torch_2_10():
+    with platform.emulate("xpu", device_model="intel_gpu_pvc", torch_version="2.9.1+xpu"):
+        avail = XPUBackend.availability()
+        assert not avail.ok and "torch 2.9.1+xpu has no XPU flash-attention kernel" in avail.reason
+        assert "torch >= 2.10" in avail.reason
+    with platform.emulate("xpu", device_model="intel_gpu_pvc", torch_version="2.10.0+xpu"):
+        assert XPUBackend.availability().ok
+
+
+@pytest.mark.parametrize("torch_version,head_dim,ok", [
+    ("2.10.0+xpu", 192, True), ("2.12.1+xpu", 200, False), ("2.12.1+xpu", 256, False),
+    ("2.13.0+xpu", 200, True), ("2.13.0+xpu", 256, True),
+])
+def test_contract_head_dims_follow_the_torch_version(ops, torch_version, head_dim, ok):
+    """Before 2.13 the XPU forward has kernels for 64/96/128/192 only: padding (192, 256] up
+    to 256 would crash there, so those head dims are refused; from 2.13 they run."""
+    with platform.emulate("xpu", device_model="intel_gpu_pvc", torch_version=torch_version):
+        q, k, v, dout = make_inputs(1, 8, 8, 2, 2, head_dim, torch.float16, seed=head_dim)
+        reasons = XPUBackend.not_supported_reasons(xpu_request(head_dim=head_dim, needs_grad=True))
+        if not ok:
+            assert any("head dims 64, 96, 128 and 192 only" in r for r in reasons), reasons
+            with pytest.raises(RuntimeError, match="only support headdim 64,96,128,192"):
+                ops.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.1)
+            with pytest.raises(NotImplementedError, match=f"head_dim={head_dim}"):
+                XPUBackend().forward(q, k, v, softmax_scale=None)
+            return
+        assert reasons == []
+        out, lse = XPUBackend().forward(q, k, v, softmax_scale=None)
+        dq, dk, dv = XPUBackend().backward(dout, q, k, v, out, lse, softmax_scale=None)
+        ref_out, _ = reference(q, k, v)
+        assert_matches(out, ref_out, torch.float16, "out")
+        for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), reference_grads(q, k, v, dout)):
+            assert_matches(got, want, torch.float16, name)
+
+
+@pytest.mark.parametrize("torch_version,model,ok", [
+    ("2.11.0+xpu", "intel_gpu_bmg_g21", True), ("2.11.0+xpu", "intel_gpu_bmg_g31", False),
+    ("2.12.0+xpu", "intel_gpu_bmg_g31", True), ("2.13.0+xpu", "intel_gpu_acm_g10", False),
+])
+def test_contract_device_models_follow_the_torch_version(ops, torch_version, model, ok):
+    with platform.emulate("xpu", device_model=model, torch_version=torch_version):
+        q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 64, torch.float16)
+        avail = XPUBackend.availability()
+        reasons = XPUBackend.not_supported_reasons(xpu_request(device_model=model))
+        if ok:
+            assert avail.ok and reasons == []
+            XPUBackend().forward(q, k, v, softmax_scale=None)
+            return
+        assert not avail.ok and f"device model {model}" in avail.reason
+        assert any(f"device model {model}" in r for r in reasons)
+        with pytest.raises(RuntimeError, match="does not support flash attention"):
+            ops.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        with pytest.raises(NotImplementedError, match=f"device model {model}"):
+            XPUBackend().forward(q, k, v, softmax_scale=None)

@@ -5,7 +5,7 @@ for CUDA, a compute capability).  For each profile and each backend shipped with
 every declared dtype is put to the backend's own ``not_supported_reasons``; the dtypes it
 accepts become matrix entries, each with the feature flags (``fwd``, ``bwd``, ``ring``,
 ``causal``, ``window``, ``softcap``, ``gqa``) that the same function accepts for that dtype
-on that device.  Device-specific rules (``extra_reasons``) are therefore honoured too.
+on that device.  Per-version and per-device rules (``LIMITS``) are therefore honoured too.
 
 Formats: ``json`` (default; a list usable as a GitHub Actions ``strategy.matrix.include``),
 ``markdown``, and ``extras`` (the pip extras that install the profile's kernel packages).
@@ -31,24 +31,10 @@ DOCS_COMMAND = "usp-hal matrix --docs"
 _PROJECT_PACKAGE = "usp_hal.backends."
 
 
-@dataclass(frozen=True)
-class Profile:
-    """A CI device: what a self-hosted runner labelled ``name`` provides."""
-
-    name: str
-    device_type: str
-    compute_capability: Optional[tuple] = None
-    hardware: str = ""
-
-
-PROFILES = {p.name: p for p in (
-    Profile("cpu", "cpu", None, "any x86-64 or aarch64 CPU (gloo)"),
-    Profile("cuda-sm80", "cuda", (8, 0), "NVIDIA Ampere, e.g. A100"),
-    Profile("cuda-sm90", "cuda", (9, 0), "NVIDIA Hopper, e.g. H100/H200"),
-    Profile("rocm", "rocm", None, "AMD Instinct, e.g. MI250/MI300"),
-    Profile("npu", "npu", None, "Ascend Atlas A2 (910B)"),
-    Profile("xpu", "xpu", None, "Intel GPU, e.g. Data Center GPU Max / Arc B-series"),
-)}
+# A CI device (what a self-hosted runner labelled ``name`` provides) is declared by its
+# platform entry; the profiles are read from there.
+Profile = _platform.CIProfile
+PROFILES = {prof.name: prof for p in _platform.PLATFORMS.values() for prof in p.ci_profiles}
 
 
 def machine_profile() -> Profile:
@@ -106,15 +92,15 @@ def project_backends(registry=None) -> list:
 
 def installed_kernel_packages(registry=None) -> list:
     """Distributions of shipped backends that are installed here.  Rules that depend on an
-    installed version (``extra_reasons``) can then change the generated docs."""
+    installed version (``LIMITS``) can then change the generated docs."""
     found = []
     for cls in project_backends(registry):
         found += [f"{p.dist} {installed_version(p)}" for p in cls.REQUIRED_PACKAGES if installed_version(p)]
     return sorted(set(found))
 
 
-def _extras(cls) -> list:
-    return sorted({p.extra for p in cls.REQUIRED_PACKAGES if p.extra})
+def _extras(cls, wheels_only: bool = False) -> list:
+    return sorted({p.extra for p in cls.REQUIRED_PACKAGES if p.extra and (p.wheel or not wheels_only)})
 
 
 # ----------------------------------------------------------------------------- matrix
@@ -136,12 +122,29 @@ def matrix_entries(profile: Profile, registry=None) -> list:
                 "head_dim": base.head_dim,
                 **supported_features(cls, base),
                 "extra": ",".join(_extras(cls)),
+                "wheel_extra": ",".join(_extras(cls, wheels_only=True)),
             })
     return entries
 
 
-def profile_extras(entries: list) -> list:
-    return sorted({x for e in entries for x in e["extra"].split(",") if x})
+def profile_extras(entries: list, wheels_only: bool = False) -> list:
+    key = "wheel_extra" if wheels_only else "extra"
+    return sorted({x for e in entries for x in e.get(key, e["extra"]).split(",") if x})
+
+
+def source_built_backends(entries: list) -> list:
+    """Backends of these entries whose kernel package pip cannot install from a wheel (a
+    source build): a runner that only has wheels lacks them, and says so."""
+    return sorted({e["backend"] for e in entries if e["extra"] != e.get("wheel_extra", e["extra"])
+                   or e["backend"] in _unextra_source_backends()})
+
+
+def _unextra_source_backends() -> set:
+    out = set()
+    for cls in project_backends():
+        if any(not p.wheel for p in cls.REQUIRED_PACKAGES):
+            out.add(cls.NAME)
+    return out
 
 
 def _grouped(entries: list) -> list:
@@ -191,8 +194,13 @@ def _head_dims(cls) -> str:
 
 
 def _min_cc(cls) -> str:
-    mincc = cls.MIN_COMPUTE_CAPABILITY or {}
-    return ", ".join(f"{dev} {v[0]}.{v[1]}" for dev, v in sorted(mincc.items())) or "-"
+    lo, hi = cls.MIN_COMPUTE_CAPABILITY or {}, cls.MAX_COMPUTE_CAPABILITY or {}
+    parts = []
+    for dev in sorted(set(lo) | set(hi)):
+        a = f"{lo[dev][0]}.{lo[dev][1]}" if dev in lo else "any"
+        b = f"{hi[dev][0]}.{hi[dev][1]}" if dev in hi else None
+        parts.append(f"{dev} {a}" + ("" if b is None else " only" if b == a else f" to {b}"))
+    return ", ".join(parts) or "-"
 
 
 def _packages(cls) -> str:
@@ -297,9 +305,18 @@ _DOC_ROWS = (
     ("dropout", _extra_flag(dropout_p=0.1)),
     ("GQA/MQA", _feature("gqa")),
     ("deterministic backward", _deterministic_cell),
-    ("min compute capability", _min_cc),
+    ("compute capability", _min_cc),
+    ("input strides taken as they are", lambda c: c.INPUT_LAYOUT),
     ("packages", _packages),
 )
+
+
+def _reason_text(reason: str) -> str:
+    """A limit's reason with its placeholders spelled out for the docs."""
+    for key, word in (("{version}", "<version>"), ("{torch}", "<torch>"), ("{cc}", "<smXY>"),
+                      ("{model}", "<model>"), ("{head_dim}", "<D>")):
+        reason = reason.replace(key, word)
+    return reason
 
 
 def generate_docs(registry=None) -> str:
@@ -338,6 +355,30 @@ def generate_docs(registry=None) -> str:
     ]
     for c in classes:
         lines.append(f"- **{c.NAME}**: {c.DESCRIPTION or '(no description)'}")
+    lines += ["", "## Limits that depend on the version, the device or the lengths", "",
+              "Declared on each backend class (`LIMITS`, `POSITIONS`) and applied by dispatch, by "
+              "`usp-hal probe`, by the CI matrices and by every kernel call. Each names where the fact "
+              "was read.", ""]
+    rows = []
+    for c in classes:
+        for lim in c.LIMITS:
+            rows.append([c.NAME, lim.condition(), _reason_text(lim.reason), lim.source or "-"])
+        pos = c.POSITIONS
+        if pos.alignment != "top-left" or not pos.causal_any_lengths:
+            what = (f"masks aligned {pos.alignment}"
+                    + ("; causal only for Sq == Sk" if not pos.causal_any_lengths else
+                       "; windows translated to the contract's top-left positions, refused when inexpressible")
+                    + ("; alibi only for Sq == Sk" if not pos.alibi_any_lengths else "")
+                    + ("; the kernel drops a right bound >= Sk (refused where that is wrong)"
+                       if pos.right_unbounded_from == "seqlen_k" else ""))
+            rows.append([c.NAME, "Sq != Sk", what, pos.source or "-"])
+    lines += _md_table(["backend", "when", "what", "source"], rows) if rows else ["(none)"]
+    lines += ["", "## What was checked against which upstream source", "",
+              "Contract tests (`tests/contract/`) run each adapter against a stand-in package that copies "
+              "these facts, on the CPU, including through `LongContextAttention` on gloo ranks. They prove "
+              "the adapter, not the kernel; the per-device CI runs the real kernels.", ""]
+    rows = [[c.NAME, fact, src] for c in classes for fact, src in c.UPSTREAM_CHECKED]
+    lines += _md_table(["backend", "facts", "checked against"], rows) if rows else ["(none)"]
     lines += ["", "## Per-device CI matrix", "",
               "What `usp-hal matrix --device PROFILE` generates for each CI profile: the dtypes each "
               "backend runs there and the features tested.", ""]
@@ -353,9 +394,13 @@ def add_parser(subparsers) -> None:
                     f"(profiles: {', '.join(PROFILES)}).")
     p.add_argument("--device", default="all", metavar="PROFILE",
                    help=f"one profile ({', '.join(PROFILES)}), 'auto' for this machine, or 'all' (default)")
-    p.add_argument("--format", choices=("json", "markdown", "extras"), default="json",
+    p.add_argument("--format", choices=("json", "markdown", "extras", "source-built"), default="json",
                    help="json: a GitHub Actions matrix include list (default); markdown: tables; "
-                        "extras: the pip extras of the profile's backends, comma-separated")
+                        "extras: the pip extras of the profile's backends that install from wheels, "
+                        "comma-separated (with --all-extras: every extra); source-built: the profile's "
+                        "backends whose kernel package needs a source build")
+    p.add_argument("--all-extras", action="store_true",
+                   help="with --format extras: include extras whose package builds from source (slow)")
     p.add_argument("--docs", nargs="?", const=DOCS_PATH, metavar="PATH",
                    help=f"write the backend docs page (default path: {DOCS_PATH})")
     p.add_argument("--check", action="store_true",
@@ -376,7 +421,9 @@ def run(args) -> int:
             return 0
         entries = [e for p in profiles for e in matrix_entries(p)]
         if args.format == "extras":
-            print(",".join(profile_extras(entries)))
+            print(",".join(profile_extras(entries, wheels_only=not args.all_extras)))
+        elif args.format == "source-built":
+            print(",".join(source_built_backends(entries)))
         else:
             print(json.dumps(entries, indent=2))
         return 0

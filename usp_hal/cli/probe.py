@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from typing import Iterable, Optional
 
 import torch
@@ -205,8 +206,8 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
                    features: Optional[dict] = None, seed: int = 0) -> list:
     """Verify ``backend`` on ``device_type`` for each declared dtype (or ``dtypes``).
 
-    ``features`` ({feature: bool}) narrows what is exercised; by default every feature of
-    ``causal``/``gqa`` plus ``bwd``/``ring`` that the declarations accept for the dtype.
+    ``features`` ({feature: bool}) narrows what is exercised; by default every feature the
+    declarations accept for the dtype (the same cases a CI matrix entry runs).
     A dtype or case the declarations refuse on this device is reported as ``skip`` with the
     reasons.  Returns one result dict per (dtype, case).
     """
@@ -223,8 +224,8 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
             rows.append({**row0, "case": "-", "status": "skip", "errors": {}, "reason": "; ".join(refused)})
             continue
         have = supported_features(backend, base)
-        if features is None:
-            use = {f: have[f] for f in ("bwd", "ring", "causal", "gqa")}
+        if features is None:     # every feature the declarations accept (what the CI matrix entry runs too)
+            use = {f: have[f] for f in FEATURES if f != "fwd"}
         else:
             use = {f: bool(features.get(f)) for f in FEATURES if f != "fwd"}
         checked = base.with_(needs_grad=use.get("bwd", False), needs_lse=use.get("ring", False))
@@ -270,9 +271,64 @@ def backend_rows(registry=None) -> list:
     return rows
 
 
+def _verify_in_child(name: str, dtypes: Optional[list], timeout: float) -> list:
+    """Verify one backend in a separate interpreter under a time limit (first-use JIT
+    compilation can be slow); a backend that does not finish gets one ``timeout`` row."""
+    import subprocess
+    cmd = [sys.executable, "-m", "usp_hal", "probe", "--verify", "--json", "--backend", name]
+    for d in dtypes or []:
+        cmd += ["--dtype", dtype_name(d)]
+    row0 = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
+            "errors": {}}
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{**row0, "status": "timeout",
+                 "reason": f"verification did not finish within {timeout:g} s (first-use kernel compilation?)"}]
+    try:
+        return json.loads(res.stdout)["verify"]["results"]
+    except Exception:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return [{**row0, "status": "fail", "reason": f"verification process failed (exit {res.returncode}): "
+                                                     + " | ".join(tail)}]
+
+
+def summarize(report: dict) -> list:
+    """One line per backend: verified, refused (why), unavailable (why), failed or timeout."""
+    results = (report.get("verify") or {}).get("results", [])
+    seconds = (report.get("verify") or {}).get("seconds", {})
+    out = []
+    for row in report["backends"]:
+        name = row["name"]
+        if not row["available"]:
+            out.append({"backend": name, "status": "unavailable", "detail": row["reason"]})
+            continue
+        mine = [r for r in results if r["backend"] == name]
+        if not mine:
+            out.append({"backend": name, "status": "available", "detail": "not verified in this run"})
+            continue
+        bad = [r for r in mine if r["status"] in ("fail", "timeout")]
+        passed = [r for r in mine if r["status"] == "pass"]
+        skipped = [r for r in mine if r["status"] == "skip"]
+        if bad:
+            status = "timeout" if all(r["status"] == "timeout" for r in bad) else "failed"
+            out.append({"backend": name, "status": status,
+                        "detail": "; ".join(f"{r['dtype']} {r['case']}: {r['reason']}" for r in bad)})
+        elif passed:
+            note = f"{len(passed)} case(s) pass" + (f" in {seconds[name]:g} s" if name in seconds else "")
+            if skipped:
+                note += "; refused here: " + "; ".join(f"{r['dtype']} {r['case']}: {r['reason']}" for r in skipped)
+            out.append({"backend": name, "status": "verified", "detail": note})
+        else:
+            out.append({"backend": name, "status": "refused",
+                        "detail": "; ".join(sorted({r["reason"] for r in skipped}))})
+    return out
+
+
 def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
-            dtypes: Optional[list] = None) -> dict:
-    """Everything the probe reports, as plain data (what ``--json`` prints)."""
+            dtypes: Optional[list] = None, timeout: Optional[float] = None) -> dict:
+    """Everything the probe reports, as plain data (what ``--json`` prints).  With
+    ``timeout``, each backend is verified in its own process under that limit (seconds)."""
     reg = registry if registry is not None else REGISTRY
     info = _platform.info()
     report = {
@@ -294,6 +350,7 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
         if wanted and "auto" in wanted:
             raise ValueError("'auto' is not a backend; name backends to verify, or omit --backend for all")
         results = []
+        seconds: dict = {}
         for row in report["backends"]:
             if wanted is not None and row["name"] not in wanted:
                 continue
@@ -303,8 +360,15 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
                                     "head_dim": None, "tolerance": None, "status": "fail", "errors": {},
                                     "reason": f"unavailable: {row['reason']}"})
                 continue
-            results.extend(verify_backend(reg.get(row["name"]), row["device"], dtypes=dtypes))
-        report["verify"] = {"ok": all(r["status"] != "fail" for r in results), "results": results}
+            start = time.monotonic()
+            if timeout:
+                results.extend(_verify_in_child(row["name"], dtypes, timeout))
+            else:
+                results.extend(verify_backend(reg.get(row["name"]), row["device"], dtypes=dtypes))
+            seconds[row["name"]] = round(time.monotonic() - start, 1)
+        report["verify"] = {"ok": all(r["status"] not in ("fail", "timeout") for r in results), "results": results}
+        report["verify"]["seconds"] = seconds
+        report["summary"] = summarize(report)
     return report
 
 
@@ -381,6 +445,12 @@ def format_text(report: dict) -> str:
         notes = [r for r in v["results"] if r["reason"]]
         if notes:
             out += [""] + [f"  {r['backend']} {r['dtype']} {r['case']}: {r['status']}: {r['reason']}" for r in notes]
+        summary = report.get("summary") or []
+        if summary:
+            width = max(len(r["backend"]) for r in summary)
+            out += ["", "Per backend (verified, refused, unavailable, failed, timeout):"]
+            out += [f"  {r['backend'].ljust(width)}  {r['status']}" + (f": {r['detail']}" if r["detail"] else "")
+                    for r in summary]
         out += ["", "verification: " + ("PASSED" if v["ok"] else "FAILED")]
     return "\n".join(out)
 
@@ -398,16 +468,18 @@ def add_parser(subparsers) -> None:
                    help="with --verify: only these backends (repeatable); an unavailable one fails")
     p.add_argument("--dtype", action="append", metavar="DTYPE",
                    help="with --verify: only these dtypes (repeatable: fp64, fp32, bf16, fp16)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with --verify: verify each backend in its own process, at most this long")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    if (args.backend or args.dtype) and not args.verify:
-        print("usp-hal probe: --backend/--dtype only apply with --verify", file=sys.stderr)
+    if (args.backend or args.dtype or args.timeout) and not args.verify:
+        print("usp-hal probe: --backend/--dtype/--timeout only apply with --verify", file=sys.stderr)
         return 2
     try:
         dtypes = [parse_dtype(d) for d in args.dtype] if args.dtype else None
-        report = collect(verify=args.verify, only=args.backend, dtypes=dtypes)
+        report = collect(verify=args.verify, only=args.backend, dtypes=dtypes, timeout=args.timeout)
     except ValueError as exc:  # unknown backend or dtype name
         print(f"usp-hal probe: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,166 @@
+"""Functions that run on every rank of a WorkerPool (tests/mp.py) for the adapter tests
+through ``usp_hal.LongContextAttention``.
+
+Each function installs a stand-in kernel *inside the rank process* (a package written to a
+temporary site directory, or a substituted op table), emulates the adapter's device with
+``usp_hal.platform.emulate`` and runs the whole USP core on CPU tensors and gloo, comparing
+with the float64 single-process reference.  Everything is undone before it returns, so
+the reused rank processes stay clean.  ``standin`` is a small picklable spec:
+``{"kind": "fa2", "arg": "2.8.3"}``, ``{"kind": "xpu"}``, ... (see :func:`installed`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import usp_hal
+from tests import dist_cases
+from usp_hal import platform
+from usp_hal.reference import reference_attention
+
+from .standin import standin_installed
+
+
+def _package(kind: str, arg):
+    from . import standins_fa as fa
+    from . import standins_misc as misc
+    if kind == "fa2":
+        return dict(dist=fa.FA2_DIST, version=arg, files=fa.fa2_files(arg))
+    if kind == "fa3":
+        return dict(dist=fa.FA3_DIST, version="3.0.0b1", files=fa.fa3_files(arg))
+    if kind == "sage":
+        return dict(dist="sageattention", version=arg, files=misc.sage_files(arg))
+    if kind == "flashinfer":
+        return dict(dist="flashinfer-python", version=arg, files=misc.flashinfer_files())
+    if kind == "npu":
+        return dict(dist="torch-npu", version=arg, files=misc.npu_files(5))
+    return None
+
+
+@contextlib.contextmanager
+def _ops(module, attr, table):
+    old = getattr(module, attr)
+    setattr(module, attr, lambda: table)
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
+
+
+@contextlib.contextmanager
+def installed(standin: dict):
+    """The stand-in kernel of ``standin`` for the duration of the block."""
+    kind = standin["kind"]
+    pkg = _package(kind, standin.get("arg"))
+    if pkg is not None:
+        with standin_installed(**pkg):
+            yield
+    elif kind == "xpu":
+        from usp_hal.backends import xpu
+
+        from .standins_misc import XPUFlashStandin
+        s = XPUFlashStandin()
+        with _ops(xpu, "flash_ops", (s.forward, s.backward)):
+            yield
+    elif kind == "sdpa-cuda":
+        from usp_hal.backends import sdpa
+
+        from .standins_sdpa import CudaSDPAStandin
+        s = CudaSDPAStandin()
+        with _ops(sdpa, "cuda_ops", (s.flash, s.efficient, s.efficient_backward)):
+            yield
+    else:
+        raise ValueError(f"unknown stand-in {kind!r}")
+
+
+def adapter_case(standin: dict, emulate: dict, attn_type: str, **case):
+    """``tests.dist_cases.usp_case`` (sharded USP attention vs the float64 reference, forward
+    and optionally gradients) with ``attn_type`` running on its stand-in.  Returns the
+    normalised errors (<= 1 passes) and the backend that ran."""
+    with installed(standin), platform.emulate(**emulate):
+        errs = dist_cases.usp_case(attn_type=attn_type, **case)
+    return errs
+
+
+_COLLECTIVES = ("all_to_all_single", "batch_isend_irecv", "all_gather_into_tensor", "broadcast")
+
+
+def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1, R=1, grad=False,
+                               return_lse=False, S=8, H=2, D=64, dtype=torch.float16):
+    """A call the backend cannot serve must fail on every rank before any data collective
+    (the metadata all-gather is the only exchange allowed).  Returns the error text (or None)
+    and the count of data collectives issued."""
+    counts = {name: 0 for name in _COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def wrap(name):
+        def counted(*a, **kw):
+            counts[name] += 1
+            return originals[name](*a, **kw)
+        return counted
+
+    with installed(standin), platform.emulate(**emulate):
+        mesh = dist_cases.get_mesh(U, R)
+        n = mesh.sp_size
+        g = torch.Generator().manual_seed(0)
+        x = [torch.randn(1, S // n, H, D, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
+        attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
+        try:
+            for name in _COLLECTIVES:
+                setattr(dist, name, wrap(name))
+            attn(*x, causal=True, return_attn_probs=return_lse)
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+    return {"error": error, "counts": counts}
+
+
+def strided_query_case(U=1, R=2, attn_type="sdpa", standin=None, emulate=None, dtype="fp32", causal=True,
+                       B=2, S=16, H=2, D=8, seed=0):
+    """Each rank's query is a view with head-dim stride 2 (``buf[..., ::2]``), key/value a
+    permuted (non-contiguous) view: forward and gradients through LongContextAttention must
+    equal the float64 reference (the gradient lands in the strided buffer)."""
+    ctx = contextlib.ExitStack()
+    with ctx:
+        if standin is not None:
+            ctx.enter_context(installed(standin))
+        if emulate is not None:
+            ctx.enter_context(platform.emulate(**emulate))
+        mesh = dist_cases.get_mesh(U, R)
+        dt = dist_cases.DTYPES[dtype]
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(B, S, H, D, generator=g).to(dt)
+        k = torch.randn(B, S, H, D, generator=g).to(dt)
+        v = torch.randn(B, S, H, D, generator=g).to(dt)
+        dout = torch.randn(B, S, H, D, generator=g).to(dt)
+        qr, kr, vr = (x.to(torch.float64).requires_grad_() for x in (q, k, v))
+        ro, _ = reference_attention(qr, kr, vr, causal=causal)
+        rq, rk, rv = torch.autograd.grad(ro, (qr, kr, vr), dout.double())
+
+        def sh(x):
+            return usp_hal.shard(x, layout="basic", mesh=mesh)
+
+        ql = sh(q)
+        buf = torch.zeros(*ql.shape[:-1], 2 * D, dtype=dt)
+        buf[..., ::2] = ql
+        buf.requires_grad_()
+        q_view = buf[..., ::2]
+        assert q_view.stride(-1) == 2
+        k_base = sh(k).permute(1, 0, 2, 3).contiguous().requires_grad_()   # sequence-major memory
+        v_base = sh(v).permute(1, 0, 2, 3).contiguous().requires_grad_()
+        k_view, v_view = k_base.permute(1, 0, 2, 3), v_base.permute(1, 0, 2, 3)
+        assert not k_view.is_contiguous()
+        attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
+        out = attn(q_view, k_view, v_view, causal=causal)
+        out.backward(sh(dout))
+        errs = {"out": dist_cases._err(out, sh(ro), dt),
+                "dq": dist_cases._err(buf.grad[..., ::2], sh(rq), dt),
+                "dk": dist_cases._err(k_base.grad.permute(1, 0, 2, 3), sh(rk), dt),
+                "dv": dist_cases._err(v_base.grad.permute(1, 0, 2, 3), sh(rv), dt)}
+        errs["unused_columns_grad"] = float(buf.grad[..., 1::2].abs().max())
+    return errs
