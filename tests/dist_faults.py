@@ -204,3 +204,33 @@ def inplace_on_output(U=2, R=1, layout="zigzag"):
                                                            torch.float64),
             **{n: _err(t.grad, usp_hal.shard(r.grad, layout=layout, mesh=mesh), torch.float64)
                for n, t, r in zip(("dq", "dk", "dv"), loc, ref)}}
+
+
+def block_refused_before_data(U=1, R=2):
+    """A backend whose rules refuse some ring block shapes (here: alibi with Sq != Sk, as a
+    bottom-right kernel declares) is refused on every rank before any data collective."""
+    from usp_hal.backends.sdpa import SDPABackend
+    from usp_hal.capabilities import Positions
+
+    class BottomRight(SDPABackend):
+        NAME = "test_bottom_right"
+        POSITIONS = Positions(alignment="bottom-right", alibi_any_lengths=False)
+
+    if BottomRight.NAME not in usp_hal.list_backends():
+        usp_hal.register_backend(BottomRight.NAME, BottomRight)
+    mesh = get_mesh(U, R)
+    x = usp_hal.shard(torch.randn(1, 14, 2, 8, generator=torch.Generator().manual_seed(0)), layout="zigzag",
+                      mesh=mesh)
+    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0}
+    orig = {k: getattr(dist, k) for k in counts}
+    for k in counts:
+        setattr(dist, k, (lambda k: lambda *a, **kw: (counts.__setitem__(k, counts[k] + 1), orig[k](*a, **kw))[1])(k))
+    try:
+        attn = usp_hal.LongContextAttention(attn_type="test_bottom_right", ring_impl_type="zigzag", mesh=mesh)
+        attn(x, x, x, causal=True, alibi_slopes=torch.tensor([0.5, 0.25]))
+        return {"error": None, "counts": counts}
+    except ValueError as exc:
+        return {"error": str(exc), "counts": dict(counts)}
+    finally:
+        for k, fn in orig.items():
+            setattr(dist, k, fn)

@@ -101,3 +101,9 @@ def test_output_supports_inplace_use(pools, U, R):
 def test_output_supports_inplace_use_single_process():
     for r in [dist_faults.inplace_on_output(U=1, R=1)]:
         assert r["contiguous"] and all(v <= 1 for k, v in r.items() if k != "contiguous"), r
+
+
+def test_a_refused_ring_block_is_refused_before_any_data_moves(pools):
+    for r in pools(2).run(dist_faults.block_refused_before_data, timeout=60):
+        assert r["error"] and "ring block" in r["error"], r
+        assert sum(r["counts"].values()) == 0, r

@@ -81,6 +81,7 @@ class _Shape:
     segments: Tuple[Tuple[Segment, ...], ...]      # per ring rank
     ring_lengths: Tuple[int, ...]
     calls: Dict[int, list]                         # per source ring rank: the block plan
+    blocks: frozenset = frozenset()                # (Sq, Sk, causal) of every rank's kernel calls
 
 
 @dataclass
@@ -453,11 +454,13 @@ class LongContextAttention(torch.nn.Module):
             dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
             num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=bool(causal), window=win,
             softcap=softcap, alibi=alibi_slopes is not None, dropout_p=0.0, needs_grad=needs_grad,
-            needs_lse=R > 1 or bool(return_lse), deterministic=bool(deterministic), key_offset=R > 1,
-            compute_capability=_platform.compute_capability(device_type, q.device.index or 0))
+            needs_lse=R > 1 or bool(return_lse), deterministic=bool(deterministic),
+            key_offset=R > 1 or joint is not None,
+            compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
+            device_model=_platform.device_model(device_type, q.device.index or 0))
         backend = self._backend_for(req)
         return spec, {"backend": backend, "heads": plan, "alibi": alibi_slopes, "device": q.device,
-                      "positions": positions}
+                      "positions": positions, "request": req}
 
     def _digest(self, t: torch.Tensor) -> int:
         """Digest of small tensors (alibi slopes), cached per tensor object and version so a
@@ -566,9 +569,12 @@ class LongContextAttention(torch.nn.Module):
             starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
             segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
         me = mesh.ring_rank
-        calls = {src: plan_blocks(segments[me], segments[src], causal=spec.causal, window=spec.window,
-                                  positional=spec.positional, diagonal=src == me and sorted_) for src in range(R)}
-        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls)
+        every = {(a, src): plan_blocks(segments[a], segments[src], causal=spec.causal, window=spec.window,
+                                       positional=spec.positional, diagonal=src == a and sorted_)
+                 for a in range(R) for src in range(R)}
+        calls = {src: every[(me, src)] for src in range(R)}
+        blocks = frozenset((c.q_stop - c.q_start, c.k_stop - c.k_start, c.causal) for cs in every.values() for c in cs)
+        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls, blocks)
         if len(self._shapes) > 32:
             self._shapes.clear()
         self._shapes[key] = shape
@@ -599,9 +605,31 @@ class LongContextAttention(torch.nn.Module):
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
         return [heads]
 
+    def _check_blocks(self, shape: _Shape, local) -> None:
+        """Every kernel call of every rank's plan must be one the backend accepts (its rules on
+        Sq/Sk, e.g. bottom-right windows): checked before any data moves, on every rank
+        alike, since every rank plans every rank's blocks."""
+        req, backend = local["request"], local["backend"]
+        key = (id(shape), type(backend).__name__)
+        done = self.__dict__.setdefault("_checked_blocks", set())
+        if key in done:
+            return
+        reasons = []
+        for sq, sk, causal in sorted(shape.blocks):
+            if sq != sk:
+                why = type(backend).not_supported_reasons(req.with_(seqlen_q=sq, seqlen_k=sk, causal=causal))
+                reasons += [f"a ring block of {sq} queries x {sk} keys: {w}" for w in why if w not in reasons]
+        if reasons:
+            raise USPError(f"attn_type={backend.NAME!r} cannot run every block this call needs:\n  - "
+                           + "\n  - ".join(dict.fromkeys(reasons)) + "\nuse attn_type='sdpa' or another layout")
+        if len(done) > 64:
+            done.clear()
+        done.add(key)
+
     def _plan(self, mesh, spec: CallSpec, lengths, local, head_groups=None) -> CallPlan:
         heads = local["heads"]
         shape = self._shape(mesh, spec, lengths, heads)
+        self._check_blocks(shape, local)
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
         codecs = {n: get_codec(c) for n, c in self.wire.items()}
         ring_codecs = tuple(get_codec(c) for c in self.ring_wire)
