@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -283,7 +283,7 @@ class LongContextAttention(torch.nn.Module):
         self._backends: dict = {}
         self._shapes: dict = {}
         self._frozen = None
-        self.last_backend = None
+        self.last_backend: Any = None
         from .compiled import register_module
         self._handle = register_module(self)   # how a compiled graph finds this module
 

@@ -62,17 +62,18 @@ class Float8Codec(Codec):
     def __init__(self) -> None:
         if FP8_DTYPE is None:  # pragma: no cover - torch < 2.1
             raise RuntimeError("this torch has no float8_e4m3fn dtype; the fp8 wire format needs torch >= 2.1")
+        self.fp8: torch.dtype = FP8_DTYPE
 
     def encode(self, x: torch.Tensor) -> List[torch.Tensor]:
         xf = x.float()
         amax = xf.abs().amax(dim=-1, keepdim=True)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = (xf / scale).to(FP8_DTYPE)
+        q = (xf / scale).to(self.fp8)
         return [q.view(torch.uint8), scale]
 
     def decode(self, parts: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q, scale = parts
-        return (q.view(FP8_DTYPE).float() * scale).to(dtype)
+        return (q.view(self.fp8).float() * scale).to(dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x), x.dtype)

@@ -10,7 +10,7 @@ raised within the group's timeout.
 from __future__ import annotations
 
 import datetime
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ class CommError(RuntimeError):
 
 def group_timeout(group) -> Optional[datetime.timedelta]:
     """The timeout the process group ``group`` (None = WORLD) was created with, if readable."""
-    grp = group if group is not None else dist.group.WORLD
+    grp: Any = group if group is not None else dist.group.WORLD
     for dev in ("cpu", "cuda", "xpu", "npu"):
         try:
             backend = grp._get_backend(torch.device(dev))

@@ -24,6 +24,7 @@ import torch
 from .attention import LongContextAttention, _nan_guard
 from .mesh import get_default_mesh
 from .ring import ring_backward, ring_forward
+from .spec import CallSpec
 from .ulysses import UlyssesExchange
 
 
@@ -125,13 +126,15 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
                                         or _params_need_grad(v_proj))
     kp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, d)     # declared shapes, no memory
     vp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, dv)
-    spec, local, err = None, None, None
+    spec: Optional[CallSpec] = None
+    local, err = None, None
     try:
         spec, local = attn._local(mesh, q, kp, vp, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, None)
     except (ValueError, NotImplementedError, TypeError) as exc:
         err = exc
     lengths = attn._agree(mesh, spec, err)
+    assert spec is not None          # _agree raised otherwise
     plan = attn._plan(mesh, spec, lengths, local)
     attn.last_backend = plan.backend
     ex = plan.stages[0].exchange

@@ -83,7 +83,7 @@ class Platform:
         if fn is None:
             return None
         try:
-            current = acc.current_accelerator()
+            current = acc.current_accelerator()  # type: ignore[union-attr]
         except Exception:
             return None
         return fn if current is not None and current.type == self.torch_device else None

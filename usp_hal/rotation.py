@@ -34,7 +34,7 @@ class KVBlock:
     def __init__(self, buf: torch.Tensor, k_shape, v_shape, dtype, codecs=None):
         self.buf, self.k_shape, self.v_shape, self.dtype = buf, tuple(k_shape), tuple(v_shape), dtype
         self.codecs = codecs
-        self._kv = None
+        self._kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def kv(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +113,7 @@ class Rotation:
         self.codecs = codecs if codecs and self.size > 1 and not all(c.identity for c in codecs) else None
         self.next = self.ring_ranks[(ring_rank + 1) % self.size]
         self.prev = self.ring_ranks[(ring_rank - 1) % self.size]
-        self._own = None
+        self._own: Optional[KVBlock] = None
 
     # ------------------------------------------------------------------ blocks
     def own_block(self, k, v) -> KVBlock:
@@ -150,6 +150,7 @@ class Rotation:
 
     def own_grad(self) -> KVBlock:
         """After the loop: this rank's block's dK/dV summed over every ring rank."""
+        assert self._own is not None, "own_grad() before add_grad()"
         return self._own
 
 
@@ -244,7 +245,6 @@ class AllGatherRotation(Rotation):
         return _numel(ks) + _numel(vs)
 
     def _pad(self, blk: KVBlock, width: int) -> torch.Tensor:
-        k, v = blk.kv if blk.codecs is None else (None, None)
         ks, vs = _with_len(blk.k_shape, width), _with_len(blk.v_shape, width)
         if blk.codecs is not None:   # code the zero-padded K/V again
             kk, vv = _decode_bytes(blk.buf, blk.k_shape, blk.v_shape, blk.dtype, blk.codecs)
@@ -253,6 +253,7 @@ class AllGatherRotation(Rotation):
             kz[:, :kk.shape[1]] = kk
             vz[:, :vv.shape[1]] = vv
             return _encode_bytes(kz, vz, blk.codecs)
+        k, v = blk.kv
         buf = blk.buf.new_zeros(_numel(ks) + _numel(vs))
         buf.narrow(0, 0, _numel(ks)).view(ks)[:, :k.shape[1]] = k
         buf.narrow(0, _numel(ks), _numel(vs)).view(vs)[:, :v.shape[1]] = v

@@ -111,7 +111,8 @@ def decode_rows(rows: Sequence[Sequence[int]]) -> List[Dict[str, int]]:
     """Per rank: field name -> encoded value(s) (tuple for multi-int fields)."""
     out = []
     for row in rows:
-        i, d = 1, {}
+        i = 1
+        d: dict = {}
         for f in fields(CallSpec):
             w = _width(f.name)
             d[f.name] = tuple(row[i:i + w]) if w > 1 else row[i]

@@ -72,7 +72,7 @@ class HeadPlan:
     @property
     def kv_shared(self) -> bool:
         """Some KV head is received by more than one rank (its gradients must be summed)."""
-        seen = set()
+        seen: set = set()
         for a, b in self.kv:
             if any(h in seen for h in range(a, b)):
                 return True
@@ -175,7 +175,10 @@ def _typed(buf: torch.Tensor, off: int, shape, dtype) -> torch.Tensor:
 
 
 class Pending:
-    """An all-to-all in flight: ``wait()`` returns the decoded tensors."""
+    """An all-to-all in flight: ``wait()`` returns the decoded tensors; ``result`` (for a
+    single-tensor exchange) is the tensor that ``wait()`` fills."""
+
+    result: Optional[torch.Tensor] = None
 
     def __init__(self, work, finish, what: str, where: str):
         self._work, self._finish, self._what, self._where = work, finish, what, where
@@ -513,7 +516,7 @@ class UlyssesExchange:
         me = self.rank
         x0 = parts[0].data
         b, s_me = x0.shape[0], x0.shape[1]
-        send_sizes, layout = [], []
+        send_sizes: List[int] = []
         for u in range(self.size):
             size = 0
             for p in parts:
@@ -549,7 +552,7 @@ class UlyssesExchange:
             off = 0
             for u in range(self.size):
                 rows = slice(self.offsets[u], self.offsets[u] + self.seq_lens[u])
-                for p, o in zip(parts, outs):
+                for o in outs:
                     shape = (self.seq_lens[u], b, o.shape[2], o.shape[3])
                     if o.shape[2]:
                         o[rows].copy_(_typed(recv, off, shape, o.dtype))
@@ -647,7 +650,9 @@ class UlyssesExchange:
         return results
 
 
-class _Done:
+class _Done(Pending):
+    """An exchange that needed no communication (a group of one)."""
+
     def __init__(self, value):
         self.value = value
 

@@ -18,7 +18,7 @@ helpers here are shared by both:
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional, Union
+from typing import Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
 
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
-    with_grad = [p for p in params if p.grad is not None]
+    grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"sync_gradients: loss must be a tensor, got {type(loss).__name__}")
     if mesh.sp_size == 1 and mesh.dp_degree == 1:
@@ -75,24 +75,24 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
     for i, p in enumerate(params):
         if p.grad is not None:
             pattern = (pattern * 1000003 + i + 1) % (2 ** 61 - 1)
-    numel = sum(p.grad.numel() for p in with_grad)
-    rows = all_gather_ints([len(params), len(with_grad), numel, pattern], mesh.sp_group)
+    numel = sum(g.numel() for g in grads)
+    rows = all_gather_ints([len(params), len(grads), numel, pattern], mesh.sp_group)
     if len({tuple(r) for r in rows}) > 1:
         raise ValueError("sync_gradients: the ranks of the sequence-parallel group hold gradients for different "
                          "parameters (parameters, with gradient, elements, pattern per rank: "
                          f"{[tuple(r[:3]) for r in rows]}); every rank must run the same model on its "
                          "share of the same batch")
-    groups = {}
-    for p in with_grad:
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.dtype, g.device), []).append(g)
     total = None
     if loss is not None:
         key = (loss.dtype, loss.device)
         groups.setdefault(key, [])
-    for (dtype, device), ps in groups.items():
-        parts = [p.grad.reshape(-1) for p in ps]
+    for (dtype, device), gs in groups.items():
+        parts = [g.reshape(-1) for g in gs]
         carry_loss = loss is not None and (dtype, device) == (loss.dtype, loss.device)
-        if carry_loss:
+        if loss is not None and carry_loss:
             parts.append(loss.detach().reshape(1))
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
         dist.all_reduce(flat, group=mesh.sp_group)
@@ -100,9 +100,9 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
             dist.all_reduce(flat, group=mesh.dp_group)
             flat /= mesh.dp_degree
         offset = 0
-        for p in ps:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        for g in gs:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
         if carry_loss:
             total = flat[offset].clone()

@@ -133,7 +133,7 @@ class _Activate:
         self.registry = registry
         self.ctx = ctx
         self.check = check_calls_of
-        self.saved = []
+        self.saved: list = []
 
     def pre(self, module, args, kwargs=None):
         self.saved.append((self.registry._active_backend, self.ctx.calls))
@@ -185,7 +185,7 @@ def enable_attention(model: torch.nn.Module, mesh=None, *, attn_type="auto", rot
     top = _Activate(registry, ctx)
     handle.hooks.append(model.register_forward_pre_hook(top.pre, with_kwargs=True))
     handle.hooks.append(model.register_forward_hook(top.post, always_call=True))
-    model._usp_hal_handle = handle
+    setattr(model, "_usp_hal_handle", handle)
     return handle
 
 
@@ -228,7 +228,7 @@ def _submodules(model, path: str):
         return [model]
     mods = [model]
     for atom in path.split("."):
-        nxt = []
+        nxt: list = []
         for m in mods:
             if atom == "*":
                 if not isinstance(m, torch.nn.ModuleList):

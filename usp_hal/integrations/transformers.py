@@ -179,7 +179,7 @@ class USPAttentionFunction:
         self.attn_type = attn_type
         self.rotation = rotation
         usp_hal.REGISTRY.canonical_name(attn_type)     # unknown names fail at registration
-        self._attn = {}
+        self._attn: dict = {}
         self._validated = _Validated()
 
     def _module_for(self, mesh):
