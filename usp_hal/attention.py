@@ -239,7 +239,9 @@ class LongContextAttention(torch.nn.Module):
     keeps k exact because softmax(q.k) is the sensitive part); ``ring_float8=True``: the
     ring's V blocks (and K with ``float8_key``) travel as fp8.  Lossy, see docs.  With
     gradients, the backward communicates at full precision and the gradient is the
-    straight-through gradient of the quantised forward.
+    straight-through gradient of the quantised forward.  ``wire_codecs`` picks any
+    registered codec (``usp_hal.codec.register_codec``) per tensor: keys ``q``, ``k``, ``v``,
+    ``out`` (Ulysses) and ``ring_k``, ``ring_v`` (ring blocks), values codec names.
 
     Note on layouts: lengths alone cannot tell a zigzag shard from a basic one of the same
     size.  Shard inputs with ``usp_hal.shard(x, layout=ring_impl_type)``; to have every call
@@ -251,7 +253,7 @@ class LongContextAttention(torch.nn.Module):
                  attn_processor=None, *, mesh: Optional[SequenceParallelMesh] = None,
                  rotation: str = "p2p", check_ranks: bool = True, static_shapes: bool = False,
                  ulysses_float8: bool = False, float8_key: bool = False, ring_float8: bool = False,
-                 q_descale=None, k_descale=None, v_descale=None):
+                 q_descale=None, k_descale=None, v_descale=None, wire_codecs: Optional[Dict[str, str]] = None):
         super().__init__()
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError(
@@ -276,10 +278,17 @@ class LongContextAttention(torch.nn.Module):
         self.use_sync = use_sync
         fp8 = "fp8" if ulysses_float8 else "identity"
         self.wire = {"q": fp8, "k": "fp8" if (ulysses_float8 and float8_key) else "identity", "v": fp8, "out": fp8}
-        self.ring_wire = ("fp8" if (ring_float8 and float8_key) else "identity",
-                          "fp8" if ring_float8 else "identity")
-        self._wire_name = ",".join(f"{n}={c}" for n, c in self.wire.items()) + \
-            ("" if not ring_float8 else f",ring_k={self.ring_wire[0]},ring_v={self.ring_wire[1]}")
+        ring_wire = {"ring_k": "fp8" if (ring_float8 and float8_key) else "identity",
+                     "ring_v": "fp8" if ring_float8 else "identity"}
+        for name, codec in (wire_codecs or {}).items():
+            if name not in self.wire and name not in ring_wire:
+                raise ValueError(f"wire_codecs key {name!r}; valid: {', '.join([*self.wire, *ring_wire])}")
+            codec_name = get_codec(codec).name            # unknown codec names fail here, not mid-run
+            (self.wire if name in self.wire else ring_wire)[name] = codec_name
+        self.ring_wire = (ring_wire["ring_k"], ring_wire["ring_v"])
+        self._wire_name = ",".join(f"{n}={c}" for n, c in self.wire.items())
+        if self.ring_wire != ("identity", "identity"):
+            self._wire_name += f",ring_k={self.ring_wire[0]},ring_v={self.ring_wire[1]}"
         self._backends: dict = {}
         self._shapes: dict = {}
         self._frozen = None

@@ -11,7 +11,7 @@ with one float32 scale per token and head::
     x'    = float(wire) * scale                (in the input dtype)
 
 At head dim 64 that is 64 + 4 bytes per token and head instead of 128 for bf16 (0.53x).
-A new codec is one subclass registered in :data:`CODECS`.
+A new codec is one subclass registered with :func:`register_codec`.
 """
 from __future__ import annotations
 
@@ -99,3 +99,15 @@ def get_codec(name) -> Codec:
     except KeyError:
         raise ValueError(f"unknown wire codec {name!r}; valid: {', '.join(CODECS)}") from None
     return IDENTITY if cls is Codec else cls()
+
+
+def register_codec(cls: type, *, override: bool = False) -> type:
+    """Add a :class:`Codec` subclass to :data:`CODECS` under its ``name``; from then on
+    ``LongContextAttention(wire_codecs={...: name})`` accepts it."""
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"register_codec needs a Codec subclass, got {cls!r}")
+    name = str(cls.name)
+    if name in CODECS and CODECS[name] is not cls and not override:
+        raise ValueError(f"wire codec {name!r} is already registered (pass override=True to replace it)")
+    CODECS[name] = cls
+    return cls
