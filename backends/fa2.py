@@ -189,7 +189,7 @@ def _load_kernel() -> _FA2Kernel:
     if version is None:
         raise BackendUnavailable("fa2: cannot tell which flash-attn version is installed (no package "
                                  "metadata, no flash_attn.__version__), so its API generation is unknown")
-    if parse_version(version) < parse_version(PACKAGE.min_version):
+    if parse_version(version) < parse_version(PACKAGE.min_version or "0"):
         raise BackendUnavailable(f"fa2: flash-attn {version} too old (needs >= {PACKAGE.min_version})")
     for fn in (iface._flash_attn_forward, iface._flash_attn_backward):
         qual = foreign_op(fn)

@@ -185,7 +185,7 @@ def enable_attention(model: torch.nn.Module, mesh=None, *, attn_type="auto", rot
     top = _Activate(registry, ctx)
     handle.hooks.append(model.register_forward_pre_hook(top.pre, with_kwargs=True))
     handle.hooks.append(model.register_forward_hook(top.post, always_call=True))
-    setattr(model, "_usp_hal_handle", handle)
+    model._usp_hal_handle = handle  # type: ignore[assignment]
     return handle
 
 
