@@ -14,12 +14,13 @@ rank's own q+k+v bytes.
 """
 import argparse
 import os
-import tempfile
+import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import run_on_ranks  # noqa: E402
 
 COPY_OPS = {"copy_", "clone", "_to_copy", "cat", "index_select", "index", "gather", "constant_pad_nd",
             "stack", "repeat", "repeat_interleave", "expand_copy", "permute_copy", "transpose_copy"}
@@ -52,35 +53,32 @@ CASES = [  # label, ulysses, ring, layout, heads, kv heads, backward
 ]
 
 
-def _worker(rank, world, init, seqlen, dim, queue):
-    import usp_hal
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        rows = []
-        for label, u, r, layout, h, hkv, bwd in CASES:
-            mesh = usp_hal.init_sequence_parallel(u, r, set_default=False)
-            attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
-            g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(1, seqlen, n, dim, generator=g) for n in (h, hkv, hkv))
-            q, k, v = (usp_hal.shard(t, layout=layout, mesh=mesh).contiguous().requires_grad_(bwd)
-                       for t in (q, k, v))
-            dout = torch.randn(q.shape, generator=g)
-            inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
+def _call(attn, q, k, v, dout, bwd):
+    out = attn(q, k, v, causal=True)
+    if bwd:
+        out.backward(dout)
 
-            def call():
-                out = attn(q, k, v, causal=True)
-                if bwd:
-                    out.backward(dout)
-            for _ in range(2):            # warm caches (plans, buffers) as in steady state
-                call()
-            meter = CopyMeter()
-            with meter:
-                call()
-            rows.append((label, meter.bytes, inputs, dict(meter.by_op)))
-        queue.put((rank, rows))
-    finally:
-        dist.destroy_process_group()
+
+def measure(seqlen, dim):
+    import usp_hal
+    rows = []
+    for label, u, r, layout, h, hkv, bwd in CASES:
+        mesh = usp_hal.init_sequence_parallel(u, r, set_default=False)
+        attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, seqlen, n, dim, generator=g) for n in (h, hkv, hkv))
+        q, k, v = (usp_hal.shard(t, layout=layout, mesh=mesh).contiguous().requires_grad_(bwd)
+                   for t in (q, k, v))
+        dout = torch.randn(q.shape, generator=g)
+        inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
+
+        for _ in range(2):            # warm caches (plans, buffers) as in steady state
+            _call(attn, q, k, v, dout, bwd)
+        meter = CopyMeter()
+        with meter:
+            _call(attn, q, k, v, dout, bwd)
+        rows.append((label, meter.bytes, inputs, dict(meter.by_op)))
+    return rows
 
 
 def main():
@@ -88,21 +86,12 @@ def main():
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--head-dim", type=int, default=64)
     a = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init = "file://" + os.path.join(d, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, 2, init, a.seqlen, a.head_dim, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(60)
+    results = run_on_ranks(measure, 2, seqlen=a.seqlen, dim=a.head_dim)
     print(f"bytes copied per call outside the kernels (max over 2 ranks), S={a.seqlen}, D={a.head_dim}, fp32")
     print(f"{'case':28s} {'MiB':>8s} {'x q+k+v':>8s}  largest ops")
-    for i, (label, *_rest) in enumerate(results[0]):
-        worst = max((results[r][i] for r in results), key=lambda row: row[1])
-        _, nbytes, inputs, by_op = worst
+    for i in range(len(CASES)):
+        worst = max((res[i] for res in results), key=lambda row: row[1])
+        label, nbytes, inputs, by_op = worst
         top = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:4])
         print(f"{label:28s} {nbytes / 2**20:8.2f} {nbytes / inputs:8.2f}  {top}")
 

@@ -26,9 +26,11 @@ def main():
     print(f"sdpa.forward tiny block:  {best(lambda: b.forward(q, k, v, softmax_scale=0.3)):.1f} us")
     print(f"sdpa.forward tiny causal: {best(lambda: b.forward(q, k, v, softmax_scale=0.3, causal=True)):.1f} us")
     out, lse = b.forward(q, k, v, softmax_scale=0.3)
-    print(f"sdpa.backward tiny block: {best(lambda: b.backward(q, q, k, v, out, lse, softmax_scale=0.3), n=1000):.1f} us")
+    bwd = best(lambda: b.backward(q, q, k, v, out, lse, softmax_scale=0.3), n=1000)
+    print(f"sdpa.backward tiny block: {bwd:.1f} us")
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    print(f"raw aten cpu flash op:    {best(lambda: op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False, scale=0.3)):.1f} us")
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    print(f"raw aten cpu flash op:    {best(lambda: op(qt, kt, vt, 0.0, False, scale=0.3)):.1f} us")
     with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
         try:
