@@ -89,6 +89,9 @@ class AttentionBackend:
     SUPPORTS_DETERMINISTIC: ClassVar[bool] = False
     MIN_COMPUTE_CAPABILITY: ClassVar[dict] = {}
     REQUIRED_PACKAGES: ClassVar[tuple] = ()
+    # packed documents (cu_seqlens): the block plan cuts every call at document boundaries, so
+    # a kernel that honours the contract on dense blocks serves them; False refuses them
+    SUPPORTS_VARLEN: ClassVar[bool] = True
 
     # ---------------------------------------------------------------- declarations
     @classmethod

@@ -67,6 +67,8 @@ class AttnRequest:
     deterministic: bool = False
     key_offset: bool = False
     compute_capability: Optional[tuple] = None
+    # packed documents (cu_seqlens): the core cuts every kernel call at document boundaries
+    varlen: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -103,6 +105,8 @@ class AttnRequest:
         parts.append(f"lse={self.needs_lse}")
         if self.deterministic:
             parts.append("deterministic")
+        if self.varlen:
+            parts.append("varlen")
         return ", ".join(parts)
 
 
@@ -167,6 +171,9 @@ def not_supported_reasons(backend: "type[AttentionBackend] | AttentionBackend", 
         reasons.append("forward-only kernel: no backward")
     if req.deterministic and req.needs_grad and not (b.IS_DETERMINISTIC or b.SUPPORTS_DETERMINISTIC):
         reasons.append("backward is not deterministic")
+    if req.varlen and not getattr(b, "SUPPORTS_VARLEN", True):
+        reasons.append("packed documents (cu_seqlens) not supported: the kernel cannot take the per-document "
+                       "calls of the block plan; call it per document, or use a backend that declares SUPPORTS_VARLEN")
     mincc = b.MIN_COMPUTE_CAPABILITY.get(req.device_type) if b.MIN_COMPUTE_CAPABILITY else None
     if mincc is not None and req.compute_capability is not None and tuple(req.compute_capability) < tuple(mincc):
         reasons.append(f"needs compute capability >= {mincc[0]}.{mincc[1]}, found "
