@@ -29,9 +29,10 @@ from .layout import Segment, get_layout, local_lengths, local_positions, ring_se
 from .mesh import SequenceParallelMesh, get_default_mesh
 from .registry import REGISTRY
 from .ring import RingContext, merge_dtype, plan_blocks, ring_backward, ring_forward
-from .rotation import get_rotation
+from .rotation import Rotation, get_rotation
 from .spec import CallSpec, compare, digest_ints, digest_tensor, error_meta, field_index
 from .ulysses import HeadPlan, UlyssesExchange, head_plan, split_plan
+from .varlen import as_cu_seqlens, ring_is_local
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,6 +51,8 @@ class _Shape:
     segments: Tuple[Tuple[Segment, ...], ...]      # per ring rank
     ring_lengths: Tuple[int, ...]
     calls: Dict[int, list]                         # per source ring rank: the block plan
+    local_only: bool = False                       # packed documents, none across ring ranks: no K/V exchange
+    cu: Optional[Tuple[int, ...]] = None           # the document boundaries the plan was made for
 
 
 @dataclass
@@ -211,6 +214,14 @@ class LongContextAttention(torch.nn.Module):
     Note on layouts: lengths alone cannot tell a zigzag shard from a basic one of the same
     size.  Shard inputs with ``usp_hal.shard(x, layout=ring_impl_type)``; to have every call
     verify it, pass ``positions=mesh.local_positions(S, layout)`` (a debugging aid).
+
+    Packed sequences: ``forward(..., cu_seqlens=[0, l1, l1+l2, ..., S])`` (the global
+    document boundaries, an integer tensor or list, the same on every rank) keeps attention
+    inside each document, causal or not, with window/softcap/alibi/GQA applied per document.
+    Shard with ``usp_hal.shard(x, layout=ring_impl_type, cu_seqlens=cu_seqlens)``;
+    ``ring_impl_type="varlen_zigzag"`` balances causal work per document.  The boundaries
+    are part of the cross-rank check (a digest), so with ``static_shapes=True`` a call with
+    other boundaries than the first counts as a different call.  See ``usp_hal.varlen``.
     """
 
     def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic",
@@ -255,17 +266,18 @@ class LongContextAttention(torch.nn.Module):
     # ------------------------------------------------------------------ public call
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None):
+                return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None, cu_seqlens=None):
         mesh = self.mesh if self.mesh is not None else get_default_mesh()
         spec, local, err = None, None, None
         try:
             spec, local = self._local(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size,
-                                      softcap, alibi_slopes, deterministic, return_attn_probs, positions)
+                                      softcap, alibi_slopes, deterministic, return_attn_probs, positions,
+                                      cu_seqlens=cu_seqlens)
         except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
             if isinstance(exc, CommError):
                 raise
             err = exc
-        lengths = self._agree(mesh, spec, err)
+        lengths = self._agree(mesh, spec, err, local["cu_seqlens"] if local else None)
         plan = self._plan(mesh, spec, lengths, local)
         self.last_backend = plan.backend
         if spec.needs_grad:
@@ -277,7 +289,7 @@ class LongContextAttention(torch.nn.Module):
 
     # ------------------------------------------------------------------ validation
     def _local(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-               deterministic, return_lse, positions):
+               deterministic, return_lse, positions, cu_seqlens=None):
         for name, t in (("query", q), ("key", k), ("value", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -332,6 +344,9 @@ class LongContextAttention(torch.nn.Module):
             if pos.numel() != s:
                 raise ValueError(f"positions has {pos.numel()} entries, the local sequence {s}")
             pos_digest = digest_ints(pos.tolist())
+        # packed documents: the boundaries, checked here; their total against S once the ranks' lengths are known
+        cu = as_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+        docs = digest_ints(cu) if cu is not None else 0
         plan = head_plan(h, hkv, U)
         hq_loc, hk_loc = plan.local_heads(mesh.ulysses_rank)
         device_type = _platform.device_type_of(q.device)
@@ -341,16 +356,19 @@ class LongContextAttention(torch.nn.Module):
                         dtype=q.dtype, device_type=device_type, causal=bool(causal), window=win, softcap=softcap,
                         scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(deterministic),
                         needs_grad=needs_grad, return_lse=bool(return_lse), layout=self.layout.name,
-                        rotation=self.rotation, ulysses=U, ring=R, wire=self._wire_name, positions=pos_digest)
+                        rotation=self.rotation, ulysses=U, ring=R, wire=self._wire_name, positions=pos_digest,
+                        docs=docs)
         req = AttnRequest(
             dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
             num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=bool(causal), window=win,
             softcap=softcap, alibi=alibi_slopes is not None, dropout_p=0.0, needs_grad=needs_grad,
             needs_lse=R > 1 or bool(return_lse), deterministic=bool(deterministic), key_offset=R > 1,
             compute_capability=_platform.compute_capability(device_type, q.device.index or 0))
+        if cu is not None:
+            req = req.with_(varlen=True)
         backend = self._backend_for(req)
         return spec, {"backend": backend, "heads": plan, "alibi": alibi_slopes, "device": q.device,
-                      "positions": positions}
+                      "positions": positions, "cu_seqlens": cu}
 
     def _digest(self, t: torch.Tensor) -> int:
         """Digest of small tensors (alibi slopes), cached per tensor object and version so a
@@ -368,13 +386,16 @@ class LongContextAttention(torch.nn.Module):
             self._backends[req] = REGISTRY.select(self.attn_type, req)()
         return self._backends[req]
 
-    def _agree(self, mesh, spec: Optional[CallSpec], err) -> list:
+    def _agree(self, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> list:
         """Every rank's local length, after making sure every rank can run this call and all
-        agree on it; raises the same error on every rank otherwise."""
+        agree on it; raises the same error on every rank otherwise.  ``cu_seqlens``: the
+        validated document boundaries of a packed call (their digest is in the spec)."""
         n = mesh.sp_size
         if n == 1:
             if err is not None:
                 raise err
+            if cu_seqlens is not None:
+                self._check_layout(mesh, spec, [spec.local_len], None, cu_seqlens)
             return [spec.local_len]
         if self.static_shapes and self._frozen is not None and err is None:
             frozen, lengths = self._frozen
@@ -409,27 +430,32 @@ class LongContextAttention(torch.nn.Module):
             lengths = [r[field_index("local_len")] for r in rows]
         else:
             lengths = [r[1] for r in rows]
-        self._check_layout(mesh, spec, lengths, rows if self.check_ranks else None)
+        self._check_layout(mesh, spec, lengths, rows if self.check_ranks else None, cu_seqlens)
         if self.static_shapes:
             self._frozen = (spec, lengths)
         return lengths
 
-    def _check_layout(self, mesh, spec: CallSpec, lengths, rows) -> None:
+    def _check_layout(self, mesh, spec: CallSpec, lengths, rows, cu=None) -> None:
         R, U = mesh.ring_degree, mesh.ulysses_degree
         seqlen = sum(lengths)
         layout = self.layout.name
         per = [[lengths[mesh.sp_index(r, u)] for u in range(U)] for r in range(R)]
-        if spec.causal or spec.positional:
-            expect = local_lengths(layout, seqlen, R, U)
+        if cu is not None and cu[-1] != seqlen:
+            raise USPError(f"cu_seqlens ends at {cu[-1]}, but the ranks hold {seqlen} tokens in all "
+                           f"(local lengths {per}, ring x ulysses); the last boundary must be the global length S")
+        if spec.causal or spec.positional or cu is not None:
+            expect = local_lengths(layout, seqlen, R, U, cu_seqlens=cu)
             if per != expect:
+                how = f"layout={layout!r}" + (", cu_seqlens=cu_seqlens" if cu is not None else "")
                 raise USPError(f"local sequence lengths {per} (ring x ulysses) do not match the {layout!r} layout "
-                               f"for S={seqlen} (expected {expect}); shard inputs with "
-                               f"usp_hal.shard(x, layout={layout!r}) (causal/window/alibi depend on positions)")
+                               f"for S={seqlen}{' and these documents' if cu is not None else ''} (expected "
+                               f"{expect}); shard inputs with usp_hal.shard(x, {how}) (causal/window/alibi and "
+                               f"document boundaries depend on positions)")
         if rows is not None and spec.positions:
             idx = field_index("positions")
             wrong = []
             for i, r in enumerate(rows):
-                pos = local_positions(layout, seqlen, R, U, mesh.ring_of(i), mesh.ulysses_of(i))
+                pos = local_positions(layout, seqlen, R, U, mesh.ring_of(i), mesh.ulysses_of(i), cu_seqlens=cu)
                 if r[idx] != digest_ints(pos.tolist()):
                     wrong.append(mesh.sp_ranks[i])
             if wrong:
@@ -438,23 +464,26 @@ class LongContextAttention(torch.nn.Module):
                                f"usp_hal.shard(x, layout={layout!r})")
 
     # ------------------------------------------------------------------ plan
-    def _shape(self, mesh, spec: CallSpec, lengths, heads: HeadPlan) -> _Shape:
-        key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, tuple(lengths))
+    def _shape(self, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None) -> _Shape:
+        key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, tuple(lengths),
+               spec.docs)
         shape = self._shapes.get(key)
-        if shape is not None:
+        if shape is not None and (cu is None or shape.cu == cu):
             return shape
         R, U = mesh.ring_degree, mesh.ulysses_degree
         seqlen = sum(lengths)
         per = tuple(tuple(lengths[mesh.sp_index(r, u)] for u in range(U)) for r in range(R))
-        if spec.causal or spec.positional:
-            segments = tuple(tuple(ring_segments(self.layout, seqlen, R, r)) for r in range(R))
+        if spec.causal or spec.positional or cu is not None:
+            segments = tuple(tuple(ring_segments(self.layout, seqlen, R, r, cu_seqlens=cu)) for r in range(R))
         else:   # positions do not matter: any split works
             starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
             segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
         me = mesh.ring_rank
         calls = {src: plan_blocks(segments[me], segments[src], causal=spec.causal, window=spec.window,
-                                  positional=spec.positional, diagonal=src == me) for src in range(R)}
-        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls)
+                                  positional=spec.positional, diagonal=src == me, cu_seqlens=cu)
+                 for src in range(R)}
+        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls,
+                       local_only=ring_is_local(segments, cu), cu=cu)
         if len(self._shapes) > 32:
             self._shapes.clear()
         self._shapes[key] = shape
@@ -465,7 +494,7 @@ class LongContextAttention(torch.nn.Module):
 
     def _plan(self, mesh, spec: CallSpec, lengths, local) -> CallPlan:
         heads = local["heads"]
-        shape = self._shape(mesh, spec, lengths, heads)
+        shape = self._shape(mesh, spec, lengths, heads, local.get("cu_seqlens"))
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
         codecs = {n: get_codec(c) for n, c in self.wire.items()}
         ring_codecs = tuple(get_codec(c) for c in self.ring_wire)
@@ -473,8 +502,10 @@ class LongContextAttention(torch.nn.Module):
         for group in self._head_groups(heads):
             exchange = UlyssesExchange(group, mesh.ulysses_group, me_u, shape.per_rank[me_r],
                                        where=mesh.where("ulysses"), codecs=codecs)
-            rotation = self.rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
-                                         where=mesh.where("ring"), codecs=ring_codecs)
+            # packed documents that no two ring ranks share: every rank only needs its own keys
+            rotation_cls = Rotation if shape.local_only else self.rotation_cls
+            rotation = rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
+                                    where=mesh.where("ring"), codecs=ring_codecs)
             slopes = None
             if local["alibi"] is not None:
                 a, c = group.q[me_u]
@@ -538,12 +569,13 @@ class LongContextAttentionQKVPacked(LongContextAttention):
     """Packed input ``qkv [B, S_local, 3, H, D]`` (yunchang-compatible)."""
 
     def forward(self, qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None):
+                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None,
+                cu_seqlens=None):
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
         q, k, v = qkv.unbind(2)
         return super().forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_attn_probs, positions=positions)
+                               deterministic, return_attn_probs, positions=positions, cu_seqlens=cu_seqlens)
 
 
 __all__ = ["LongContextAttention", "AsyncLongContextAttention", "LongContextAttentionQKVPacked", "UlyssesAttention",
