@@ -274,3 +274,30 @@ def static_shapes_docs(U=1, R=2):
     except Exception as exc:
         other = f"{type(exc).__name__}: {exc}"
     return {"first_call_host_collectives": counts[0], "same_docs_host_collectives": counts[1], "other_docs": other}
+
+
+def overlap_case(U=2, R=1, layout="varlen_zigzag", causal=True, lengths=(9, 1, 2, 12), H=4, Hkv=2, D=8):
+    """async_qkv_attention (projections overlapped with the all-to-alls) on packed documents:
+    output and the hidden states' gradient against float64 attention of each document alone
+    on the projected q, k, v."""
+    mesh = get_mesh(U, R)
+    cu = cu_seqlens_from_lengths(lengths)
+    S, E = cu[-1], 16
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, S, E, generator=g, dtype=torch.float64)
+    weights = [torch.randn(h * D, E, generator=g, dtype=torch.float64) * 0.3 for h in (H, Hkv, Hkv)]
+    dout = torch.randn(1, S, H, D, generator=g, dtype=torch.float64)
+    hr = hidden.clone().requires_grad_()
+    q, k, v = (torch.nn.functional.linear(hr, w).view(1, S, h, D) for w, h in zip(weights, (H, Hkv, Hkv)))
+    ro, _ = reference_packed_attention(q, k, v, cu, causal=causal)
+    (rg,) = torch.autograd.grad(ro, (hr,), dout)
+    hl = usp_hal.shard(hidden, layout=layout, mesh=mesh, cu_seqlens=cu).requires_grad_()
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    projs = [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
+    out = usp_hal.async_qkv_attention(attn, hl, *projs, heads=H, kv_heads=Hkv, head_dim=D, causal=causal,
+                                      cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    out.backward(usp_hal.shard(dout, layout=layout, mesh=mesh, cu_seqlens=cu))
+
+    def sh(x):
+        return usp_hal.shard(x, layout=layout, mesh=mesh, cu_seqlens=cu)
+    return {"out": _err(out, sh(ro), torch.float64), "dhidden": _err(hl.grad, sh(rg), torch.float64)}

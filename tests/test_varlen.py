@@ -136,3 +136,10 @@ def test_static_shapes_with_documents(pools):
         assert r["first_call_host_collectives"] >= 1, r
         assert r["same_docs_host_collectives"] == 0, r
         assert r["other_docs"] is not None and "static_shapes" in r["other_docs"] and "docs" in r["other_docs"], r
+
+
+@pytest.mark.parametrize("split", [(2, 2, 1), (4, 2, 2)], ids=["u2", "u2r2"])
+def test_packed_projections_overlapped(pools, split):
+    world, U, R = split
+    for errs in pools(world).run(dist_varlen.overlap_case, timeout=60, U=U, R=R):
+        assert max(errs.values()) <= 1.0, errs
