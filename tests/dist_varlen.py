@@ -164,6 +164,8 @@ def refusal(U=1, R=2, what="no_varlen"):
         attn_type = NoVarlenSDPA.NAME
     elif what == "mismatch" and rank == 0:
         cu = [0, 6, 12]
+    elif what == "missing" and rank == 0:
+        cu = None
     elif what == "total":
         cu = [0, 5, 13]
     elif what == "decreasing" and rank == dist.get_world_size() - 1:

@@ -106,7 +106,8 @@ def test_kernels_score_exactly_the_visible_pairs(pools, layout, lengths, split, 
 
 
 @pytest.mark.parametrize("what,needle", [
-    ("no_varlen", "packed documents (cu_seqlens) not supported"), ("mismatch", "docs:"),
+    ("no_varlen", "packed documents (cu_seqlens) not supported"), ("mismatch", "docs: rank 0=cu_seqlens digest"),
+    ("missing", "docs: rank 0=none (no cu_seqlens)"),
     ("total", "cu_seqlens ends at 13"), ("decreasing", "non-decreasing"), ("float", "integer tensor"),
 ])
 @pytest.mark.parametrize("split", [(2, 1, 2), (4, 2, 2)], ids=["r2", "u2r2"])
