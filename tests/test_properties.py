@@ -1,6 +1,7 @@
 """Property-based: random meshes, splits, layouts, rotations, shapes, dtypes and options.
 Every drawn call either equals float64 single-device attention (forward and gradients) on
-every rank, or is refused with the same documented reason on every rank.
+every rank, or is refused with the same documented reason on every rank.  Packed calls
+(random document boundaries) are compared with attention of each document alone.
 
 CI runs the fixed, derandomised "ci" profile; ``HYPOTHESIS_PROFILE=long`` runs many more."""
 import os
@@ -44,8 +45,32 @@ def calls(draw):
 
 @given(case=calls())
 def test_any_call_is_exact_or_refused_everywhere(pools, case):
+    _check_case(pools, case, dist_cases.property_case)
+
+
+# ---------------------------------------------------------------- packed documents (cu_seqlens)
+@st.composite
+def packed_calls(draw):
+    """calls(), plus the per-document layout and document boundaries: any number of cuts
+    in [0, S] (empty documents, length 1, shorter than the world, one spanning all)."""
+    case = draw(calls())
+    case["layout"] = draw(st.sampled_from(["basic", "zigzag", "stripe", "varlen_zigzag", "varlen_zigzag"]))
+    S = case.pop("S")
+    cuts = draw(st.lists(st.integers(0, S), max_size=6))
+    case["cu_seqlens"] = (0, *sorted(cuts), S)
+    return case
+
+
+@settings(max_examples=max(15, settings().max_examples // 2))
+@given(case=packed_calls())
+def test_any_packed_call_is_exact_or_refused_everywhere(pools, case):
+    from tests import dist_varlen
+    _check_case(pools, case, dist_varlen.property_case)
+
+
+def _check_case(pools, case, fn):
     world = case.pop("world")
-    res = pools(world).run(dist_cases.property_case, timeout=120, **case)
+    res = pools(world).run(fn, timeout=120, **case)
     kinds = {r[0] for r in res}
     assert len(kinds) == 1, f"ranks disagree: {res}"
     if kinds == {"refused"}:

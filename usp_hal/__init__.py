@@ -38,7 +38,7 @@ __all__ = [
 
 
 _SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "platform",
-               "reference", "registry", "ring", "rotation", "spec", "ulysses")
+               "reference", "registry", "ring", "rotation", "spec", "ulysses", "varlen")
 
 
 def __getattr__(name):

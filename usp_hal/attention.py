@@ -29,9 +29,10 @@ from .layout import Segment, get_layout, local_lengths, local_positions, ring_se
 from .mesh import SequenceParallelMesh, get_default_mesh
 from .registry import REGISTRY
 from .ring import RingContext, merge_dtype, plan_blocks, ring_backward, ring_forward
-from .rotation import get_rotation
+from .rotation import Rotation, get_rotation
 from .spec import CallSpec, compare, digest_ints, digest_tensor, error_meta, field_index
 from .ulysses import HeadPlan, UlyssesExchange, head_plan, split_plan
+from .varlen import as_cu_seqlens, ring_is_local
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -82,6 +83,8 @@ class _Shape:
     ring_lengths: Tuple[int, ...]
     calls: Dict[int, list]                         # per source ring rank: the block plan
     blocks: frozenset = frozenset()                # (Sq, Sk, causal) of every rank's kernel calls
+    local_only: bool = False                       # packed documents, none across ring ranks: no K/V exchange
+    cu: Optional[Tuple[int, ...]] = None           # the document boundaries the plan was made for
 
 
 @dataclass
@@ -246,6 +249,14 @@ class LongContextAttention(torch.nn.Module):
     Note on layouts: lengths alone cannot tell a zigzag shard from a basic one of the same
     size.  Shard inputs with ``usp_hal.shard(x, layout=ring_impl_type)``; to have every call
     verify it, pass ``positions=mesh.local_positions(S, layout)`` (a debugging aid).
+
+    Packed sequences: ``forward(..., cu_seqlens=[0, l1, l1+l2, ..., S])`` (the global
+    document boundaries, an integer tensor or list, the same on every rank) keeps attention
+    inside each document, causal or not, with window/softcap/alibi/GQA applied per document.
+    Shard with ``usp_hal.shard(x, layout=ring_impl_type, cu_seqlens=cu_seqlens)``;
+    ``ring_impl_type="varlen_zigzag"`` balances causal work per document.  The boundaries
+    are part of the cross-rank check (a digest), so with ``static_shapes=True`` a call with
+    other boundaries than the first counts as a different call.  See ``usp_hal.varlen``.
     """
 
     def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic",
@@ -301,7 +312,7 @@ class LongContextAttention(torch.nn.Module):
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                 return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None,
                 joint_tensor_query: Optional[torch.Tensor] = None, joint_tensor_key: Optional[torch.Tensor] = None,
-                joint_tensor_value: Optional[torch.Tensor] = None, joint_strategy: str = "none"):
+                joint_tensor_value: Optional[torch.Tensor] = None, joint_strategy: str = "none", cu_seqlens=None):
         """Attention over this rank's part of the sequence (see the class doc).
 
         Joint (MMDiT) tokens: with ``joint_strategy`` "front" or "rear", the global sequence is
@@ -316,6 +327,9 @@ class LongContextAttention(torch.nn.Module):
         sequence-parallel group, as for any tensor every rank holds in full.
         """
         if torch.compiler.is_compiling():
+            if cu_seqlens is not None:
+                raise NotImplementedError("cu_seqlens under torch.compile: packed documents run eagerly only; wrap "
+                                          "the attention call in torch.compiler.disable or compile without them")
             from .compiled import compiled_forward
             return compiled_forward(self, query, key, value, dropout_p, softmax_scale, causal, window_size, softcap,
                                     alibi_slopes, deterministic, return_attn_probs, positions, joint_tensor_query,
@@ -324,12 +338,16 @@ class LongContextAttention(torch.nn.Module):
         joint, err = None, None
         try:
             joint = self._joint(mesh, query, joint_tensor_query, joint_tensor_key, joint_tensor_value, joint_strategy)
+            if joint is not None and cu_seqlens is not None:
+                raise NotImplementedError("cu_seqlens together with joint tokens is not supported; pack the joint "
+                                          "tokens into the documents (cu_seqlens) or drop cu_seqlens")
             if joint is not None:
                 query, key, value = joint.extend(query, key, value)
         except (ValueError, NotImplementedError, TypeError) as exc:
             err = exc
         spec, plan = self._prepare(mesh, query, key, value, dropout_p, softmax_scale, causal, window_size, softcap,
-                                   alibi_slopes, deterministic, return_attn_probs, positions, joint, err=err)
+                                   alibi_slopes, deterministic, return_attn_probs, positions, joint, err=err,
+                                   cu_seqlens=cu_seqlens)
         if spec.needs_grad:
             out, lse = _USPFunction.apply(query, key, value, plan)
         else:
@@ -339,20 +357,21 @@ class LongContextAttention(torch.nn.Module):
 
     def _prepare(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
                  deterministic, return_lse, positions, joint, *, err=None, needs_grad=None, lengths=None,
-                 head_groups=None):
+                 head_groups=None, cu_seqlens=None):
         """Validate locally, agree across ranks (unless ``lengths`` are given: a plan is
         rebuilt), and build the call's plan; raises the same error on every rank."""
         spec, local = None, None
         if err is None:
             try:
                 spec, local = self._local(mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap,
-                                          alibi_slopes, deterministic, return_lse, positions, joint, needs_grad)
+                                          alibi_slopes, deterministic, return_lse, positions, joint, needs_grad,
+                                          cu_seqlens=cu_seqlens)
             except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
                 if isinstance(exc, CommError):
                     raise
                 err = exc
         if lengths is None:
-            lengths = self._agree(mesh, spec, err)
+            lengths = self._agree(mesh, spec, err, local["cu_seqlens"] if local else None)
         elif err is not None:
             raise err
         plan = self._plan(mesh, spec, lengths, local, head_groups)
@@ -386,7 +405,7 @@ class LongContextAttention(torch.nn.Module):
         return _Joint(strategy, J, start, count, jq, jk, jv)
 
     def _local(self, mesh, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-               deterministic, return_lse, positions, joint=None, needs_grad=None):
+               deterministic, return_lse, positions, joint=None, needs_grad=None, cu_seqlens=None):
         for name, t in (("query", q), ("key", k), ("value", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -447,6 +466,9 @@ class LongContextAttention(torch.nn.Module):
             if pos.numel() != s:
                 raise ValueError(f"positions has {pos.numel()} entries, the local sequence {s}")
             pos_digest = digest_ints(pos.tolist())
+        # packed documents: the boundaries, checked here; their total against S once the ranks' lengths are known
+        cu = as_cu_seqlens(cu_seqlens) if cu_seqlens is not None else None
+        docs = digest_ints(cu) if cu is not None else 0
         plan = head_plan(h, hkv, U)
         hq_loc, hk_loc = plan.local_heads(mesh.ulysses_rank)
         device_type = _platform.device_type_of(q.device)
@@ -458,7 +480,7 @@ class LongContextAttention(torch.nn.Module):
                         scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(deterministic),
                         needs_grad=needs_grad, return_lse=bool(return_lse), layout=self.layout.name,
                         rotation=self.rotation, ulysses=U, ring=R, wire=self._wire_name, positions=pos_digest,
-                        joint="" if joint is None else f"{joint.strategy}:{joint.total}")
+                        joint="" if joint is None else f"{joint.strategy}:{joint.total}", docs=docs)
         req = AttnRequest(
             dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
             num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=bool(causal), window=win,
@@ -466,10 +488,10 @@ class LongContextAttention(torch.nn.Module):
             needs_lse=R > 1 or bool(return_lse), deterministic=bool(deterministic),
             key_offset=R > 1 or joint is not None,
             compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
-            device_model=_platform.device_model(device_type, q.device.index or 0))
+            device_model=_platform.device_model(device_type, q.device.index or 0), varlen=cu is not None)
         backend = self._backend_for(req)
         return spec, {"backend": backend, "heads": plan, "alibi": alibi_slopes, "device": q.device,
-                      "positions": positions, "request": req}
+                      "positions": positions, "request": req, "cu_seqlens": cu}
 
     def _digest(self, t: torch.Tensor) -> int:
         """Digest of small tensors (alibi slopes), cached per tensor object and version so a
@@ -487,13 +509,17 @@ class LongContextAttention(torch.nn.Module):
             self._backends[req] = REGISTRY.select(self.attn_type, req)()
         return self._backends[req]
 
-    def _agree(self, mesh, spec: Optional[CallSpec], err) -> list:
+    def _agree(self, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> list:
         """Every rank's local length, after making sure every rank can run this call and all
-        agree on it; raises the same error on every rank otherwise."""
+        agree on it; raises the same error on every rank otherwise.  ``cu_seqlens``: the
+        validated document boundaries of a packed call (their digest is in the spec)."""
         n = mesh.sp_size
         if n == 1:
             if err is not None:
                 raise err
+            assert spec is not None
+            if cu_seqlens is not None:
+                self._check_layout(mesh, spec, [spec.local_len], None, cu_seqlens)
             return [spec.local_len]
         if self.static_shapes and self._frozen is not None and err is None:
             frozen, lengths = self._frozen
@@ -528,12 +554,12 @@ class LongContextAttention(torch.nn.Module):
             lengths = [r[field_index("local_len")] for r in rows]
         else:
             lengths = [r[1] for r in rows]
-        self._check_layout(mesh, spec, lengths, rows if self.check_ranks else None)
+        self._check_layout(mesh, spec, lengths, rows if self.check_ranks else None, cu_seqlens)
         if self.static_shapes:
             self._frozen = (spec, lengths)
         return lengths
 
-    def _check_layout(self, mesh, spec: CallSpec, lengths, rows) -> None:
+    def _check_layout(self, mesh, spec: CallSpec, lengths, rows, cu=None) -> None:
         R, U = mesh.ring_degree, mesh.ulysses_degree
         if spec.joint:   # the main tokens' lengths follow the layout; the joint shares were checked locally
             total = _joint_total(spec)
@@ -541,17 +567,22 @@ class LongContextAttention(torch.nn.Module):
         seqlen = sum(lengths)
         layout = self.layout.name
         per = [[lengths[mesh.sp_index(r, u)] for u in range(U)] for r in range(R)]
-        if spec.causal or spec.positional:
-            expect = local_lengths(layout, seqlen, R, U)
+        if cu is not None and cu[-1] != seqlen:
+            raise USPError(f"cu_seqlens ends at {cu[-1]}, but the ranks hold {seqlen} tokens in all "
+                           f"(local lengths {per}, ring x ulysses); the last boundary must be the global length S")
+        if spec.causal or spec.positional or cu is not None:
+            expect = local_lengths(layout, seqlen, R, U, cu_seqlens=cu)
             if per != expect:
+                how = f"layout={layout!r}" + (", cu_seqlens=cu_seqlens" if cu is not None else "")
                 raise USPError(f"local sequence lengths {per} (ring x ulysses) do not match the {layout!r} layout "
-                               f"for S={seqlen} (expected {expect}); shard inputs with "
-                               f"usp_hal.shard(x, layout={layout!r}) (causal/window/alibi depend on positions)")
+                               f"for S={seqlen}{' and these documents' if cu is not None else ''} (expected "
+                               f"{expect}); shard inputs with usp_hal.shard(x, {how}) (causal/window/alibi and "
+                               f"document boundaries depend on positions)")
         if rows is not None and spec.positions:
             idx = field_index("positions")
             wrong = []
             for i, r in enumerate(rows):
-                pos = local_positions(layout, seqlen, R, U, mesh.ring_of(i), mesh.ulysses_of(i))
+                pos = local_positions(layout, seqlen, R, U, mesh.ring_of(i), mesh.ulysses_of(i), cu_seqlens=cu)
                 if r[idx] != digest_ints(pos.tolist()):
                     wrong.append(mesh.sp_ranks[i])
             if wrong:
@@ -560,11 +591,11 @@ class LongContextAttention(torch.nn.Module):
                                f"usp_hal.shard(x, layout={layout!r})")
 
     # ------------------------------------------------------------------ plan
-    def _shape(self, mesh, spec: CallSpec, lengths, heads: HeadPlan) -> _Shape:
+    def _shape(self, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None) -> _Shape:
         key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, spec.joint,
-               tuple(lengths))
+               tuple(lengths), spec.docs)
         shape = self._shapes.get(key)
-        if shape is not None:
+        if shape is not None and (cu is None or shape.cu == cu):
             return shape
         R, U = mesh.ring_degree, mesh.ulysses_degree
         seqlen = sum(lengths)
@@ -572,18 +603,19 @@ class LongContextAttention(torch.nn.Module):
         sorted_ = True
         if (spec.causal or spec.positional) and spec.joint:
             segments, sorted_ = self._joint_segments(mesh, spec, lengths)
-        elif spec.causal or spec.positional:
-            segments = tuple(tuple(ring_segments(self.layout, seqlen, R, r)) for r in range(R))
+        elif spec.causal or spec.positional or cu is not None:
+            segments = tuple(tuple(ring_segments(self.layout, seqlen, R, r, cu_seqlens=cu)) for r in range(R))
         else:   # positions do not matter: any split works
             starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
             segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
         me = mesh.ring_rank
         every = {(a, src): plan_blocks(segments[a], segments[src], causal=spec.causal, window=spec.window,
-                                       positional=spec.positional, diagonal=src == a and sorted_)
+                                       positional=spec.positional, diagonal=src == a and sorted_, cu_seqlens=cu)
                  for a in range(R) for src in range(R)}
         calls = {src: every[(me, src)] for src in range(R)}
         blocks = frozenset((c.q_stop - c.q_start, c.k_stop - c.k_start, c.causal) for cs in every.values() for c in cs)
-        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls, blocks)
+        shape = _Shape(heads, per, segments, tuple(sum(p) for p in per), calls, blocks,
+                       local_only=ring_is_local(segments, cu), cu=cu)
         if len(self._shapes) > 32:
             self._shapes.clear()
         self._shapes[key] = shape
@@ -637,7 +669,7 @@ class LongContextAttention(torch.nn.Module):
 
     def _plan(self, mesh, spec: CallSpec, lengths, local, head_groups=None) -> CallPlan:
         heads = local["heads"]
-        shape = self._shape(mesh, spec, lengths, heads)
+        shape = self._shape(mesh, spec, lengths, heads, local.get("cu_seqlens"))
         self._check_blocks(shape, local)
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
         codecs = {n: get_codec(c) for n, c in self.wire.items()}
@@ -647,8 +679,10 @@ class LongContextAttention(torch.nn.Module):
         for group in groups:
             exchange = UlyssesExchange(group, mesh.ulysses_group, me_u, shape.per_rank[me_r],
                                        where=mesh.where("ulysses"), codecs=codecs)
-            rotation = self.rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
-                                         where=mesh.where("ring"), codecs=ring_codecs)
+            # packed documents that no two ring ranks share: every rank only needs its own keys
+            rotation_cls = Rotation if shape.local_only else self.rotation_cls
+            rotation = rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
+                                    where=mesh.where("ring"), codecs=ring_codecs)
             slopes = None
             if local["alibi"] is not None:
                 a, c = group.q[me_u]
@@ -712,12 +746,13 @@ class LongContextAttentionQKVPacked(LongContextAttention):
     """Packed input ``qkv [B, S_local, 3, H, D]`` (yunchang-compatible)."""
 
     def forward(self, qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None):
+                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None,
+                cu_seqlens=None):
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
         q, k, v = qkv.unbind(2)
         return super().forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_attn_probs, positions=positions)
+                               deterministic, return_attn_probs, positions=positions, cu_seqlens=cu_seqlens)
 
 
 __all__ = ["LongContextAttention", "AsyncLongContextAttention", "LongContextAttentionQKVPacked", "UlyssesAttention",

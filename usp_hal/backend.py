@@ -117,6 +117,9 @@ class AttentionBackend:
     INPUT_LAYOUT: ClassVar[str] = "strided"
     #: which facts were checked against which upstream source: (fact, source) pairs (docs)
     UPSTREAM_CHECKED: ClassVar[tuple] = ()
+    # packed documents (cu_seqlens): the block plan cuts every call at document boundaries, so
+    # a kernel that honours the contract on dense blocks serves them; False refuses them
+    SUPPORTS_VARLEN: ClassVar[bool] = True
 
     # ---------------------------------------------------------------- declarations
     @classmethod

@@ -77,6 +77,8 @@ class AttnRequest:
     seqlen_q: Optional[int] = None
     seqlen_k: Optional[int] = None
     device_model: Optional[str] = None
+    # packed documents (cu_seqlens): the core cuts every kernel call at document boundaries
+    varlen: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -115,6 +117,8 @@ class AttnRequest:
         parts.append(f"lse={self.needs_lse}")
         if self.deterministic:
             parts.append("deterministic")
+        if self.varlen:
+            parts.append("varlen")
         return ", ".join(parts)
 
 
@@ -416,6 +420,9 @@ def declared_reasons(b: Any, req: AttnRequest, ctx: Optional[RuleContext] = None
             reasons.append(why)
     if req.seqlen_q is not None and req.seqlen_k is not None and req.seqlen_q != req.seqlen_k:
         reasons.extend(position_reasons(b.POSITIONS, req.seqlen_q, req.seqlen_k, req.causal, req.window, req.alibi))
+    if req.varlen and not getattr(b, "SUPPORTS_VARLEN", True):
+        reasons.append("packed documents (cu_seqlens) not supported: the kernel cannot take the per-document "
+                       "calls of the block plan; call it per document, or use a backend that declares SUPPORTS_VARLEN")
     return reasons
 
 

@@ -81,14 +81,36 @@ class SequenceParallelMesh:
             return ring_rank * self.ulysses_degree + ulysses_rank
         return ulysses_rank * self.ring_degree + ring_rank
 
-    def local_positions(self, seqlen: int, layout: str = "basic", device=None):
+    def local_positions(self, seqlen: int, layout: str = "basic", device=None, *, cu_seqlens=None):
         """Global positions (a LongTensor, in local order) of the tokens this rank holds when
         a sequence of ``seqlen`` tokens is sharded with ``usp_hal.shard(x, layout=layout)``:
-        what rotary embeddings and other position-dependent parts of a model need."""
+        what rotary embeddings and other position-dependent parts of a model need.
+
+        For a packed batch pass its ``cu_seqlens`` (as to ``shard``): the result is then the
+        positions in the packed stream; for RoPE, which restarts at every document, use
+        :meth:`local_position_ids`."""
         from .layout import check_layout, local_positions
         pos = local_positions(check_layout(layout), int(seqlen), self.ring_degree, self.ulysses_degree,
-                              self.ring_rank, self.ulysses_rank)
+                              self.ring_rank, self.ulysses_rank, cu_seqlens=cu_seqlens)
         return pos if device is None else pos.to(device)
+
+    # packed sequences ------------------------------------------------------------------
+    def local_position_ids(self, seqlen: int, layout: str = "basic", device=None, *, cu_seqlens=None):
+        """Position ids (a LongTensor, in local order) of the tokens this rank holds: each
+        token's position inside its own document, restarting at 0 at every boundary of
+        ``cu_seqlens`` (what rotary embeddings of a packed batch need; equal to
+        :meth:`local_positions` without ``cu_seqlens``)."""
+        pos = self.local_positions(seqlen, layout, cu_seqlens=cu_seqlens)
+        if cu_seqlens is not None:
+            from .varlen import document_positions
+            pos = document_positions(pos, cu_seqlens)
+        return pos if device is None else pos.to(device)
+
+    def local_document_ids(self, seqlen: int, layout: str = "basic", device=None, *, cu_seqlens):
+        """Index of the document each local token belongs to (a LongTensor, in local order)."""
+        from .varlen import document_ids
+        ids = document_ids(self.local_positions(seqlen, layout, cu_seqlens=cu_seqlens), cu_seqlens)
+        return ids if device is None else ids.to(device)
 
     def ring_peer(self, ring_rank: int) -> int:
         """Global rank of the ring member with ring index ``ring_rank`` (this rank's ring)."""

@@ -103,15 +103,16 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
                         v_proj: Callable, *, heads: int, kv_heads: Optional[int] = None,
                         head_dim: Optional[int] = None, v_head_dim: Optional[int] = None, causal: bool = False,
                         softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                        deterministic: bool = False, return_attn_probs: bool = False):
+                        deterministic: bool = False, return_attn_probs: bool = False, cu_seqlens=None):
     """Project q, k, v from ``hidden`` and run ``attn`` on them, each all-to-all in flight
     while the next projection computes (see the module doc).  Returns what
-    ``attn(q, k, v, ...)`` returns."""
+    ``attn(q, k, v, ...)`` returns; ``cu_seqlens``: packed documents, as for ``attn``."""
     if not isinstance(attn, LongContextAttention):
         raise TypeError(f"attn must be a usp_hal.LongContextAttention, got {type(attn).__name__}")
     mesh = attn.mesh if attn.mesh is not None else get_default_mesh()
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-              alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs)
+              alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+              cu_seqlens=cu_seqlens)
     q = _as_heads(q_proj(hidden), heads, head_dim, "q_proj")
     kvh = kv_heads or heads
     d = q.shape[-1]
@@ -130,10 +131,10 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     local, err = None, None
     try:
         spec, local = attn._local(mesh, q, kp, vp, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, None)
+                                  deterministic, return_attn_probs, None, cu_seqlens=cu_seqlens)
     except (ValueError, NotImplementedError, TypeError) as exc:
         err = exc
-    lengths = attn._agree(mesh, spec, err)
+    lengths = attn._agree(mesh, spec, err, local["cu_seqlens"] if local else None)
     assert spec is not None          # _agree raised otherwise
     plan = attn._plan(mesh, spec, lengths, local)
     attn.last_backend = plan.backend

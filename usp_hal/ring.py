@@ -13,6 +13,18 @@ zigzag and stripe layouts with any (uneven) lengths are all exact::
                                                   q1   x x . .
       d > 0          -> full rectangle + diagonal q2   x x x .
       d < 0          -> skip rows m < -d, ...     q3   x x x x
+
+Packed documents (``cu_seqlens``): both blocks' segments are cut at the document
+boundaries and only pieces of the same document are paired, so calls never cross a
+boundary and pairs of pieces from different documents are skipped::
+
+    two documents [0,3) [3,6), one rank, causal     k: 0 1 2 3 4 5
+                                                q0   x . . . . .
+                                                q1   x x . . . .     two square causal calls;
+                                                q2   x x x . . .     the off-diagonal blocks
+                                                q3   . . . x . .     are never computed
+                                                q4   . . . x x .
+                                                q5   . . . x x x
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import torch
 
 from .layout import Segment
+from .varlen import split_documents
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rotation import Rotation
@@ -71,17 +84,22 @@ def _window_excludes(qpos: int, nq: int, kpos: int, nk: int, window) -> bool:
 
 
 def plan_blocks(q_segs: Sequence[Segment], k_segs: Sequence[Segment], *, causal: bool,
-                window=(-1, -1), positional: bool = False, diagonal: bool = False) -> List[BlockCall]:
+                window=(-1, -1), positional: bool = False, diagonal: bool = False,
+                cu_seqlens: Optional[Sequence[int]] = None) -> List[BlockCall]:
     """Kernel calls for local queries (``q_segs``) against one key block (``k_segs``).
 
     ``positional``: window/alibi are in use, so every call needs the true key offset (the
     segments must then be contiguous, step 1).  ``diagonal``: the two blocks are the same
     rank's shard, so causal on local indices *is* global causal (positions are sorted):
     one square causal call covers it when nothing positional is involved.
+    ``cu_seqlens``: document boundaries (a validated tuple); queries see only keys of their
+    own document.
     """
     nq, nk = sum(s.count for s in q_segs), sum(s.count for s in k_segs)
     if nq == 0 or nk == 0:
         return []
+    if cu_seqlens is not None and len(cu_seqlens) > 2:
+        return _document_calls(q_segs, k_segs, tuple(cu_seqlens), causal, window, positional)
     if not causal and not positional:
         return [BlockCall(0, nq, 0, nk, False, 0)]
     if causal and diagonal and not positional:
@@ -95,6 +113,18 @@ def plan_blocks(q_segs: Sequence[Segment], k_segs: Sequence[Segment], *, causal:
                 calls += _pair_calls(qs, qo, ks, ko, causal, window, positional)
             ko += ks.count
         qo += qs.count
+    return _merge_calls(calls) if not positional else calls
+
+
+def _document_calls(q_segs, k_segs, cu, causal: bool, window, positional: bool) -> List[BlockCall]:
+    """Calls for packed documents: pieces of the two blocks paired within each document."""
+    keys: dict = {}
+    for doc, ks, ko in split_documents(k_segs, cu):
+        keys.setdefault(doc, []).append((ks, ko))
+    calls: List[BlockCall] = []
+    for doc, qs, qo in split_documents(q_segs, cu):
+        for ks, ko in keys.get(doc, ()):
+            calls += _pair_calls(qs, qo, ks, ko, causal, window, positional)
     return _merge_calls(calls) if not positional else calls
 
 
@@ -190,12 +220,15 @@ class _Accumulator:
     """Float32 (float64 for float64 inputs) out/lse accumulators for the local queries.
 
     The first kernel result that covers every row *becomes* the accumulator (no zero
-    buffer, no merge); later blocks are merged into it in place."""
+    buffer, no merge); later blocks are merged into it in place.  A result for rows that
+    no earlier call touched is copied, not merged (packed documents: most calls cover
+    fresh rows)."""
 
     def __init__(self, q: torch.Tensor, dv: int):
         self.q, self.dv = q, dv
         self.mdt = merge_dtype(q.dtype)
         self.out = self.lse = None
+        self.touched: Optional[bytearray] = None    # per local row: 1 once a call covered it
 
     def add(self, call: BlockCall, out: torch.Tensor, lse: torch.Tensor) -> None:
         b, l, h, _ = self.q.shape
@@ -205,6 +238,16 @@ class _Accumulator:
                 return
             self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
             self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
+            self.touched = bytearray(l)
+        if self.touched is not None:
+            a, z = call.q_start, call.q_stop
+            if self.touched.find(1, a, z) < 0:     # fresh rows: merging into (0, -inf) is a copy
+                self.touched[a:z] = b"\x01" * (z - a)
+                empty = (lse == NEG_INF).transpose(1, 2).unsqueeze(-1)    # rows that saw no key: out 0
+                self.out[:, a:z] = out.masked_fill(empty, 0.0)
+                self.lse[:, :, a:z] = lse
+                return
+            self.touched[a:z] = b"\x01" * (z - a)
         merge_block(self.out, self.lse, call.rows, out, lse)
 
     def result(self):

@@ -152,7 +152,9 @@ def _show(name: str, enc, mine, local, _row) -> str:
         if local is not None and _encode(mine) == [enc]:
             return repr(mine)
         return f"<{enc:#x}>"
-    if name in ("alibi", "positions", "docs"):
+    if name == "docs":     # the document boundaries of a packed call
+        return "none (no cu_seqlens)" if enc == 0 else f"cu_seqlens digest {enc & 0xffffffff:08x}"
+    if name in ("alibi", "positions"):
         return "none" if enc == 0 else f"digest {enc & 0xffffffff:08x}"
     return str(enc)
 

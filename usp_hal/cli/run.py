@@ -16,6 +16,10 @@ Both run on blocks of query rows against the full keys (bounded memory); the row
 are divided among the ranks, the partial key/value gradients are summed over them, and
 the distributed results are gathered with :func:`usp_hal.unshard` before comparing.
 
+Packed documents (``--cu-seqlens 0,300,1024`` or ``--docs N``): the global inputs are one
+packed sequence with those document boundaries, sharded and attended with ``cu_seqlens``;
+the reference attends within each document only (row blocks never cross a boundary).
+
 The functions named ``rank_*`` and ``single_*`` run inside the ranks / the single-process
 baseline worker; ``usp-hal bench`` drives the same functions.
 """
@@ -75,6 +79,7 @@ class RunConfig:
     ring_fp8: bool = False       # the ring's V blocks (and K with qkvo) in fp8
     pipeline: int = 0            # >0: AsyncLongContextAttention with this many head groups
     proj: str = "none"           # none | sync (project, then attend) | overlap (async_qkv_attention)
+    cu_seqlens: str = ""         # packed documents: "0,l1,l1+l2,...,S" ("" = one sequence)
 
     @property
     def split(self) -> str:
@@ -93,6 +98,18 @@ class RunConfig:
     def lossy(self) -> bool:
         """The fp8 wire format: checked against an error budget, not the dtype's tolerance."""
         return self.fp8 != "none" or self.ring_fp8
+
+    def documents(self):
+        """The document boundaries as a tuple of ints, or None for one sequence."""
+        if not self.cu_seqlens:
+            return None
+        from ..varlen import as_cu_seqlens
+        try:
+            values = [int(x) for x in str(self.cu_seqlens).split(",")]
+        except ValueError:
+            raise ValueError(f"--cu-seqlens {self.cu_seqlens!r}: write the boundaries as integers, "
+                             f"e.g. 0,300,1024") from None
+        return as_cu_seqlens(values, self.seqlen)
 
     def module_kwargs(self) -> dict:
         return dict(ring_impl_type=self.ring_impl, attn_type=self.attn_type, rotation=self.rotate,
@@ -141,6 +158,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.seqlen < cfg.nproc:
         raise ValueError(f"--seqlen {cfg.seqlen} is shorter than the number of ranks ({cfg.nproc}); "
                          "every rank needs at least one token")
+    if cfg.cu_seqlens:
+        try:
+            cfg.documents()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--cu-seqlens: {exc}") from None
     if cfg.device_type != "cpu":
         from .. import platform as _platform
         n = _platform.device_count(cfg.device_type)
@@ -279,8 +301,10 @@ def rank_prepare(cfg: dict, case: str) -> dict:
     st = _Case()
     st.cfg, st.mesh = cfg, mesh
 
+    cu = cfg.documents()
+
     def sh(x):
-        return usp_hal.shard(x, layout=cfg.ring_impl, mesh=mesh, seq_dim=1).contiguous()
+        return usp_hal.shard(x, layout=cfg.ring_impl, mesh=mesh, seq_dim=1, cu_seqlens=cu).contiguous()
 
     st.q, st.k, st.v = (sh(x).requires_grad_(cfg.bwd) for x in (q, k, v))
     st.dout = sh(dout) if cfg.bwd else None
@@ -289,7 +313,7 @@ def rank_prepare(cfg: dict, case: str) -> dict:
     else:
         st.attn = usp_hal.LongContextAttention(mesh=mesh, **cfg.module_kwargs())
     st.leaves = [st.q, st.k, st.v]
-    st.call = lambda: st.attn(st.q, st.k, st.v, causal=cfg.causal)
+    st.call = lambda: st.attn(st.q, st.k, st.v, causal=cfg.causal, cu_seqlens=cu)
     if cfg.proj != "none":
         _projection_call(st, cfg, sh)
     out = st.call()
@@ -329,15 +353,16 @@ def _projection_call(st, cfg: RunConfig, sh) -> None:
     st.weights = [w.clone().requires_grad_(cfg.bwd) for w in weights]
     st.leaves = [st.hidden] + st.weights
     heads = (cfg.heads, cfg.kv_heads, cfg.kv_heads)
+    cu = cfg.documents()
     projs = [lambda x, w=w: torch.nn.functional.linear(x, w) for w in st.weights]
 
     def sync_call():
         q, k, v = (p(st.hidden).view(cfg.batch, st.hidden.shape[1], h, cfg.head_dim) for p, h in zip(projs, heads))
-        return st.attn(q, k, v, causal=cfg.causal)
+        return st.attn(q, k, v, causal=cfg.causal, cu_seqlens=cu)
 
     def overlap_call():
         return usp_hal.async_qkv_attention(st.attn, st.hidden, *projs, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                                           head_dim=cfg.head_dim, causal=cfg.causal)
+                                           head_dim=cfg.head_dim, causal=cfg.causal, cu_seqlens=cu)
     st.call = overlap_call if cfg.proj == "overlap" else sync_call
 
 
@@ -406,19 +431,23 @@ def _reference_rows(cfg: RunConfig, mode: str, lo: int, hi: int):
     dq = torch.empty_like(out) if cfg.bwd else None
     dk = torch.zeros(B, S, Hkv, D, dtype=cdt, device=q.device) if cfg.bwd else None
     dv = torch.zeros_like(dk) if cfg.bwd else None
-    for a, b in _row_blocks(lo, hi, rows):
-        kend = b if cfg.causal else S
+    cu = cfg.documents() or (0, S)
+    # row blocks inside one document each; a query sees the keys of its document from k0
+    blocks = [(a, b, k0, e) for k0, e in zip(cu, cu[1:]) if max(lo, k0) < min(hi, e)
+              for a, b in _row_blocks(max(lo, k0), min(hi, e), rows)]
+    for a, b, k0, e in blocks:
+        kend = b if cfg.causal else e
         with torch.enable_grad():
             qc = q[:, a:b].to(cdt).requires_grad_(cfg.bwd)
-            kc = k[:, :kend].to(cdt).requires_grad_(cfg.bwd)
-            vc = v[:, :kend].to(cdt).requires_grad_(cfg.bwd)
+            kc = k[:, k0:kend].to(cdt).requires_grad_(cfg.bwd)
+            vc = v[:, k0:kend].to(cdt).requires_grad_(cfg.bwd)
             if mode == "fp64":
-                o, _ = reference_attention(qc, kc, vc, softmax_scale=scale, causal=cfg.causal, key_offset=-a)
+                o, _ = reference_attention(qc, kc, vc, softmax_scale=scale, causal=cfg.causal, key_offset=k0 - a)
             else:
                 mask = None
                 if cfg.causal:   # query a+m sees keys n <= a+m
                     m = torch.arange(a, b, device=q.device).unsqueeze(1)
-                    mask = torch.arange(kend, device=q.device).unsqueeze(0) <= m
+                    mask = torch.arange(k0, kend, device=q.device).unsqueeze(0) <= m
                 kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)
                 if Hkv != H:
                     kt, vt = kt.repeat_interleave(H // Hkv, 1), vt.repeat_interleave(H // Hkv, 1)
@@ -428,8 +457,8 @@ def _reference_rows(cfg: RunConfig, mode: str, lo: int, hi: int):
             if cfg.bwd:
                 gq, gk, gv = torch.autograd.grad(o, (qc, kc, vc), dout[:, a:b].to(cdt))
                 dq[:, a - lo:b - lo] = gq
-                dk[:, :kend] += gk
-                dv[:, :kend] += gv
+                dk[:, k0:kend] += gk
+                dv[:, k0:kend] += gv
     return out, dq, dk, dv
 
 
@@ -476,8 +505,10 @@ def rank_check(case: str) -> dict:
     mode = cfg.check_mode()
     if mode == "none":
         return {"mode": "none", "errors": {}}
-    full = {name: usp_hal.unshard(t, layout=cfg.ring_impl, mesh=mesh, seq_dim=1) for name, t in st.result.items()}
-    rkey = (cfg.input_key(), cfg.causal, mode)
+    cu = cfg.documents()
+    full = {name: usp_hal.unshard(t, layout=cfg.ring_impl, mesh=mesh, seq_dim=1, cu_seqlens=cu)
+            for name, t in st.result.items()}
+    rkey = (cfg.input_key(), cfg.causal, mode, cu)
     if rkey not in _REFS:
         _REFS.clear()
         bounds = torch.tensor_split(torch.arange(cfg.seqlen), mesh.sp_size)[mesh.sp_rank]
@@ -649,6 +680,12 @@ def format_report(res: dict, launcher: str) -> str:
                                       ("projections", cfg.proj)) if v not in ("none", False, 0)),
         f"  backend    {res['backend']} (attn-type {cfg.attn_type})",
     ]
+    docs = cfg.documents()
+    if docs is not None:
+        lens = [b - a for a, b in zip(docs, docs[1:])]
+        shown = ",".join(map(str, docs)) if len(docs) <= 12 else ",".join(map(str, docs[:12])) + ",..."
+        lines.append(f"  documents  {len(lens)} packed (cu_seqlens {shown}; lengths {min(lens)}..{max(lens)}), "
+                     "attention within each document")
     if chk["mode"] == "none":
         lines.append("check: skipped (--check none)")
     else:
@@ -734,6 +771,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--proj", default="none", choices=PROJ_CHOICES,
                    help="also project q/k/v from hidden states in the timed call: sync, or overlap (each projection "
                         "overlapped with the previous all-to-all); only the output is checked")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--cu-seqlens", default="", metavar="0,L1,...,S",
+                      help="packed documents: the global document boundaries (attention stays inside each)")
+    docs.add_argument("--docs", type=int, default=0, metavar="N",
+                      help="packed documents: N documents of equal length (shortcut for --cu-seqlens)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up iterations (default 1)")
     p.add_argument("--check", default="auto", choices=CHECKS,
@@ -768,9 +810,19 @@ def config_from_args(args) -> RunConfig:
                     dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                     threads_per_rank=args.threads_per_rank, seed=args.seed, check=args.check,
                     device_type=device_type_from(args), fp8=args.fp8, ring_fp8=args.ring_fp8,
-                    pipeline=args.pipeline, proj=args.proj)
+                    pipeline=args.pipeline, proj=args.proj, cu_seqlens=_cu_seqlens_arg(args))
     validate(cfg)
     return cfg
+
+
+def _cu_seqlens_arg(args) -> str:
+    """--cu-seqlens as given, or the boundaries of --docs N equal documents ("" = one sequence)."""
+    if getattr(args, "docs", 0):
+        if args.docs < 1:
+            raise ValueError(f"--docs must be >= 1, got {args.docs}")
+        from ..varlen import equal_documents
+        return ",".join(map(str, equal_documents(args.seqlen, args.docs)))
+    return (getattr(args, "cu_seqlens", "") or "").replace(" ", "")
 
 
 def run(args) -> int:

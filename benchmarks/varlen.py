@@ -1,0 +1,144 @@
+"""Packed documents (cu_seqlens): work balance per layout, and the cost of a packed batch.
+
+1. Balance (pure, no process): causal packed batches of 8 documents with log-uniform
+   lengths; for each layout the work balance = max/min over ring ranks of the query-key
+   pairs its kernels score, from the block plan (``usp_hal.varlen.ring_work``).
+2. Cost (2 spawned ranks): one causal sequence of S tokens against a packed batch of
+   ``--docs`` equal documents of the same total length, forward+backward, every
+   configuration checked against the reference and timed in interleaved rounds (median
+   over rounds of the max over ranks), as ``usp-hal run`` measures one configuration.
+
+Run from the repository root:
+
+    python -m benchmarks.varlen                        # both, S=4096, H=8, D=64, fp32
+    python -m benchmarks.varlen --skip-cost --draws 1000
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from dataclasses import asdict
+
+from usp_hal.cli import _launch
+from usp_hal.cli._launch import fmt_ms, median
+from usp_hal.cli.run import RunConfig, merge_checks, rank_check, rank_clear, rank_prepare, rank_release, rank_steps
+from usp_hal.layout import layout_names
+from usp_hal.varlen import cu_seqlens_from_lengths, equal_documents, ring_work, work_balance
+
+
+def log_uniform_batch(rng: random.Random, docs: int, lo: int, hi: int) -> tuple:
+    return cu_seqlens_from_lengths(int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))) for _ in range(docs))
+
+
+def balance_table(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int) -> list:
+    rows = []
+    for R in ring_sizes:
+        rng = random.Random(seed)
+        per = {name: [] for name in layout_names()}
+        for _ in range(draws):
+            cu = log_uniform_batch(rng, docs, lo, hi)
+            for name in per:
+                per[name].append(work_balance(ring_work(name, cu[-1], R, causal=True, cu_seqlens=cu)))
+        for name, vals in per.items():
+            vals.sort()
+            rows.append({"ring": R, "layout": name, "median": vals[len(vals) // 2],
+                         "p95": vals[int(0.95 * (len(vals) - 1))], "max": vals[-1]})
+    return rows
+
+
+def cost(args) -> list:
+    cu = ",".join(map(str, equal_documents(args.seqlen, args.docs)))
+    base = dict(nproc=2, ulysses=1, ring=2, seqlen=args.seqlen, heads=args.heads, kv_heads=args.heads,
+                head_dim=args.head_dim, causal=True, bwd=True, attn_type="sdpa", dtype=args.dtype,
+                iters=args.iters, warmup=args.warmup, check=args.check)
+    configs = [("one sequence, zigzag", RunConfig(ring_impl="zigzag", **base)),
+               ("one sequence, basic", RunConfig(ring_impl="basic", **base)),
+               (f"{args.docs} documents, varlen_zigzag", RunConfig(ring_impl="varlen_zigzag", cu_seqlens=cu, **base)),
+               (f"{args.docs} documents, zigzag", RunConfig(ring_impl="zigzag", cu_seqlens=cu, **base)),
+               (f"{args.docs} documents, basic", RunConfig(ring_impl="basic", cu_seqlens=cu, **base))]
+    pool = _launch.RankPool(2, threads=1)
+    try:
+        times = {label: [] for label, _ in configs}
+        checks, kernel_calls, work = {}, {}, {}
+        for i, (label, cfg) in enumerate(configs):
+            pool.run(rank_prepare, timeout=600, cfg=asdict(cfg), case=str(i))
+            checks[label] = merge_checks(pool.run(rank_check, timeout=600, case=str(i)))
+            if cfg.warmup:
+                pool.run(rank_steps, timeout=600, case=str(i), n=cfg.warmup)
+        for rnd in range(args.rounds):
+            order = list(range(len(configs)))
+            order = order[rnd % len(order):] + order[:rnd % len(order)]
+            for i in order:
+                label, cfg = configs[i]
+                recs = pool.run(rank_steps, timeout=600, case=str(i), n=cfg.iters)
+                times[label] += [max(r[j]["time"] for r in recs) for j in range(cfg.iters)]
+                kernel_calls[label] = [r[-1]["kernel_calls"] for r in recs]
+                work[label] = [r[-1]["work"] for r in recs]
+        for i in range(len(configs)):
+            pool.run(rank_release, timeout=60, case=str(i))
+        pool.run(rank_clear, timeout=60)
+    finally:
+        pool.close()
+    ref = median(times[configs[0][0]])
+    ref_basic = median(times[configs[1][0]])
+    rows = []
+    for label, cfg in configs:
+        t = median(times[label])
+        rows.append({"config": label, "ms": t * 1e3, "vs_one_sequence_zigzag": t / ref,
+                     "vs_one_sequence_basic": t / ref_basic, "kernel_calls_per_rank": kernel_calls[label],
+                     "work_per_rank": work[label], "check_ok": checks[label]["ok"],
+                     "worst_error": max(e["worst"] for e in checks[label]["errors"].values())})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--draws", type=int, default=300, help="random batches per ring size (default 300)")
+    p.add_argument("--ring-sizes", default="2,4,8")
+    p.add_argument("--min-len", type=int, default=16, help="shortest document of the draws (default 16)")
+    p.add_argument("--max-len", type=int, default=4096, help="longest document of the draws (default 4096)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--docs", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--check", default="auto")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    rings = [int(x) for x in args.ring_sizes.split(",")]
+    print(f"work balance (max/min over ring ranks of the query-key pairs scored), causal, 8 documents of "
+          f"log-uniform length in [{args.min_len}, {args.max_len}], {args.draws} draws per ring size:")
+    print(f"  {'R':>2}  {'layout':<14} {'median':>8} {'p95':>8} {'max':>8}")
+    table = balance_table(rings, args.draws, 8, args.min_len, args.max_len, args.seed)
+    for r in table:
+        print(f"  {r['ring']:>2}  {r['layout']:<14} {r['median']:>8.3f} {r['p95']:>8.3f} {r['max']:>8.3f}")
+    worst = max(r["max"] for r in table if r["layout"] == "varlen_zigzag")
+    print(f"  varlen_zigzag, worst draw over all ring sizes: {worst:.3f} (target <= 1.10: "
+          f"{'met' if worst <= 1.10 else 'NOT met'})")
+    if args.skip_cost:
+        return 0
+    print(f"\ncost on 2 ranks (ring 2, sdpa, {args.dtype}, B=1 H={args.heads} D={args.head_dim}, causal, forward+"
+          f"backward, S={args.seqlen}; median over {args.rounds} interleaved rounds x {args.iters} iterations of the "
+          f"max over ranks):")
+    rows = cost(args)
+    print(f"  {'configuration':<28} {'ms':>8} {'x one seq (zigzag)':>19} {'x one seq (basic)':>18}  "
+          f"{'kernel calls/rank':<18} check")
+    for r in rows:
+        print(f"  {r['config']:<28} {fmt_ms(r['ms'] / 1e3):>8} {r['vs_one_sequence_zigzag']:>19.3f} "
+              f"{r['vs_one_sequence_basic']:>18.3f}  {str(r['kernel_calls_per_rank']):<18} "
+              f"{'pass' if r['check_ok'] else 'FAIL'} ({r['worst_error']:.3g})")
+    packed = next(r for r in rows if r["config"].endswith("varlen_zigzag"))
+    ratio = packed["vs_one_sequence_zigzag"]
+    print(f"  {args.docs} documents (varlen_zigzag) / one sequence (zigzag): {ratio:.3f} "
+          f"(target <= 0.35: {'met' if ratio <= 0.35 else 'NOT met'}; ideal {1 / args.docs:.3f}, the causal work ratio)")
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
