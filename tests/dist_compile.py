@@ -62,3 +62,26 @@ def compile_case(U=2, R=1, layout="zigzag", packed=False, backend="aot_eager", m
         errs[f"g{i}"] = _err(a, b, torch.float64)
     return {"breaks": explain.graph_break_count, "reasons": [str(r.reason) for r in explain.break_reasons],
             "graphs": explain.graph_count, "errs": errs}
+
+
+def compile_cu_seqlens_refused(U=2, R=1):
+    """Packed documents under torch.compile(fullgraph=True) fail with the library's reason,
+    not a wrong graph; without fullgraph, Dynamo falls back to eager, which handles them."""
+    mesh = get_mesh(U, R)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    x = torch.randn(1, 4, 2, 8)
+    cu = [0, 3, 8]
+
+    def f(t):
+        return attn(t, t, t, cu_seqlens=cu)
+    try:
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    except Exception as exc:          # Dynamo wraps what the traced code raised
+        msg = str(exc)
+    else:
+        msg = ""
+    torch._dynamo.reset()
+    eager = f(x)
+    fallback = torch.compile(f, backend="eager")(x)
+    torch._dynamo.reset()
+    return {"msg": msg, "fallback_err": float((fallback - eager).abs().max())}

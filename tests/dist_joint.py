@@ -77,8 +77,10 @@ def joint_refusal(U=2, R=1, what="share"):
     jk = torch.randn(1, 4, 2, 8)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
     strategy = "middle" if what == "strategy" else "front"
+    cu = [0, 3, 8] if what == "cu_seqlens" else None
     try:
-        attn(x, x, x, joint_tensor_query=jq, joint_tensor_key=jk, joint_tensor_value=jk, joint_strategy=strategy)
+        attn(x, x, x, joint_tensor_query=jq, joint_tensor_key=jk, joint_tensor_value=jk, joint_strategy=strategy,
+             cu_seqlens=cu)
         return None
-    except ValueError as exc:
+    except (ValueError, NotImplementedError) as exc:
         return str(exc)

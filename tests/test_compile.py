@@ -30,3 +30,9 @@ def test_compile_async_module(pools):
 @pytest.mark.timeout(900)
 def test_compile_inductor(pools):
     _check(pools(2).run(dist_compile.compile_case, timeout=600, U=2, R=1, backend="inductor"))
+
+
+def test_compile_with_cu_seqlens_is_refused_under_fullgraph(pools):
+    for r in pools(2).run(dist_compile.compile_cu_seqlens_refused, timeout=120):
+        assert "cu_seqlens under torch.compile" in r["msg"], r["msg"][-2000:]
+        assert r["fallback_err"] == 0.0, r

@@ -31,7 +31,8 @@ def test_joint_stripe_non_causal(pools):
     _ok(pools(2).run(dist_joint.joint_case, timeout=60, U=1, R=2, layout="stripe", strategy="front"))
 
 
-@pytest.mark.parametrize("what,needle", [("share", "tensor_split"), ("strategy", "joint_strategy")])
+@pytest.mark.parametrize("what,needle", [("share", "tensor_split"), ("strategy", "joint_strategy"),
+                                         ("cu_seqlens", "cu_seqlens together with joint tokens")])
 def test_joint_refusals(pools, what, needle):
     for msg in pools(2).run(dist_joint.joint_refusal, timeout=60, what=what):
         assert msg and needle in msg, msg
