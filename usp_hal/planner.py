@@ -394,7 +394,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
 
     # ---- ring: each pass (forward; backward) runs in lock step over the R blocks
     ring_bytes = crit = ring_time = 0.0
-    kv_block = max(B * shard[r] / U * 2 * max(hk) * D * e for r in range(R))   # K and V after Ulysses
+    kv_block = max(B * shard[r] * 2 * max(hk) * D * e for r in range(R))   # K and V of a ring shard, after Ulysses
     grad_block = kv_block / e * e_acc
     scope = "inter" if hop == "inter" else "intra"
     for b in passes:
@@ -434,9 +434,10 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
 
     # ---- memory per rank: inputs, head-sharded copies, ring buffers, fp32 accumulators
     n_in = B * S / P.world * D
-    n_r = B * max(shard) / U * D
-    mem = n_in * (2 * P.heads + 2 * P.hkv) * e / U                         # q, k, v, out (sequence shards)
-    mem += n_r * (2 * hmax + 2 * max(hk_local)) * e                        # q, k, v, out (head shards)
+    n_r = B * max(shard) * D
+    mem = n_in * (2 * P.heads + 2 * P.hkv) * e                             # q, k, v, out (sequence shards)
+    if U > 1:
+        mem += n_r * (2 * hmax + 2 * max(hk_local)) * e                    # q, k, v, out (head shards)
     mem += n_r * hmax * (e_acc + 4.0 / D)                                  # out/lse accumulators
     blocks = 2 if C.rotation == "p2p" else R
     mem += (blocks - 1) * kv_block if R > 1 else 0.0
