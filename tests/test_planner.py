@@ -48,7 +48,8 @@ def test_lazy_export_and_every_split_ranked():
     times = [r["time"] for r in res["rows"]]
     assert times == sorted(times)
     top = res["rows"][0]
-    assert top["why"] == "winner" and all(r["why"].startswith("+") for r in res["rows"][1:])
+    assert top["why"] == "winner"
+    assert all(r["why"].startswith("+") or r["why"].startswith("ties") for r in res["rows"][1:])
     for r in res["rows"]:
         assert abs(sum(r["terms"].values()) - r["time"]) < 1e-12
         assert r["dominant"] in ("kernel", "imbalance", "ulysses_a2a", "ring_exposed")
@@ -222,3 +223,19 @@ def test_8_l20_usp_2x4_beats_ulysses8_and_ring8(causal):
     u8 = next(r for r in res["rows"] if r["label"] == "ulysses8")
     r8 = min((r for r in res["rows"] if r["candidate"]["ulysses"] == 1), key=lambda r: r["time"])
     assert u8["terms"]["ulysses_a2a"] > 0.1 * u8["time"] and r8["terms"]["ring_exposed"] > 0
+
+
+@pytest.mark.multirank
+def test_calibrate_writes_a_profile_plan_can_use(tmp_path):
+    """--calibrate on 2 gloo ranks (tiny sizes here to stay fast): a profile with positive
+    rates and measured collectives, which plan then reads back from the file."""
+    from usp_hal.cli.plan import calibrate
+    prof = calibrate(2, dtype="fp32", head_dim=32, heads=1, sizes=(64, 128, 256), msg_sizes=(1 << 10, 64 << 10),
+                     reps=2, timeout=120)
+    k = prof["kernel"]["fp32"]
+    assert k["fwd_flops"] > 1e6 and k["bwd_flops"] > 1e6 and 0.5 <= k["causal_factor"] <= 1.0
+    assert set(prof["collectives"]) == {"all_to_all", "p2p", "all_gather"}
+    assert all(c["intra"]["bandwidth"] > 0 and c["intra"]["latency"] >= 0 for c in prof["collectives"].values())
+    path = planner.save_profile(prof, str(tmp_path / "me.json"))
+    res = planner.plan(2, 2, 1024, 32, dtype="fp32", profile=path)
+    assert {r["label"] for r in res["rows"]} >= {"ulysses2", "ring2 basic p2p"}

@@ -100,7 +100,6 @@ def profile_with_links(base: Optional[dict], *, intra_bw: Optional[float] = None
             if bw <= 0:
                 raise PlanError(f"--{scope}-bw must be > 0 (bytes/s), got {bw}")
             link["bandwidth"] = float(bw)
-            link.pop("cross_domain_bandwidth", None) if scope == "intra" and intra_bw else None
         if latency is not None:
             if latency < 0:
                 raise PlanError(f"--latency must be >= 0 (seconds), got {latency}")
@@ -514,6 +513,8 @@ def _invalid_reason(problem: Problem, c: Candidate) -> str:
 def _why(p: Prediction, best: Prediction) -> str:
     if p is best:
         return "winner"
+    if p.time <= best.time * 1.005:
+        return "ties the winner (within 0.5%)"
     d = {k: p.terms[k] - best.terms[k] for k in TERMS}
     k = max(d, key=d.get)
     names = {"kernel": "more kernel time (smaller, less efficient blocks / more calls)",

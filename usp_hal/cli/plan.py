@@ -224,7 +224,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--profile", default=None,
                    help=f"machine profile: {', '.join(planner.list_profiles())} or a JSON path (default cpu)")
     p.add_argument("--intra-bw", type=_bytes_per_s, default=None,
-                   help="bytes/s per rank and direction inside a node (e.g. 450e9, 25GB/s, 200Gb/s)")
+                   help="link rate per rank and direction inside a node (e.g. 450e9, 450GB/s); the profile's "
+                        "collective efficiencies still apply; replaces its measured collectives")
     p.add_argument("--inter-bw", type=_bytes_per_s, default=None, help="bytes/s per rank and direction across nodes")
     p.add_argument("--latency", type=float, default=None, help="seconds per collective (both scopes)")
     p.add_argument("--calibrate", action="store_true",
