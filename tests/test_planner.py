@@ -146,7 +146,7 @@ def test_memory_limit_marks_configs_invalid_and_says_why():
     (dict(world=4, heads=12, seqlen=4096, head_dim=64, kv_heads=5), "multiple of --kv-heads"),
     (dict(world=8, heads=8, seqlen=4, head_dim=64), "use --world <= 4"),
     (dict(world=2, heads=8, seqlen=64, head_dim=64, profile="nope"), "built in: .*h200-nvlink"),
-    (dict(world=2, heads=8, seqlen=64, head_dim=64, dtype="bf16", profile="cpu"), "pass --dtype one of"),
+    (dict(world=2, heads=8, seqlen=64, head_dim=64, dtype="fp16", profile="cpu"), "pass --dtype one of"),
     (dict(world=2, heads=8, seqlen=64, head_dim=64, profile="h100-nvlink", intra_bw=-1.0), "must be > 0"),
 ])
 def test_invalid_arguments_name_an_alternative(kwargs, match):

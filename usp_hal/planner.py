@@ -426,7 +426,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
                 t_pass, c_pass = max(t_pass, t), max(c_pass, own + rest)
             ring_time += t_pass
             crit += c_pass
-            ring_bytes += gathered / (R - 1) * (R - 1) + ((R - 1) * grad_block if b else 0.0)
+            ring_bytes += gathered + ((R - 1) * grad_block if b else 0.0)
             ncoll += 2 if b else 1
     ring_exposed = max(0.0, ring_time - crit)
     imbalance = max(0.0, crit - kernel_mean)
