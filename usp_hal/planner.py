@@ -280,6 +280,9 @@ class _Machine:
         return lat + nbytes_total_recv / bw
 
     def small_collective(self) -> float:
+        """The per-call metadata all-gather (none with one rank)."""
+        if self.world == 1:
+            return 0.0
         scope = "inter" if self.world > self.g else "intra"
         return self.coll("all_gather", scope)[1]
 
