@@ -28,6 +28,7 @@ _LAZY = {
     "shard": "layout",
     "unshard": "layout",
     "EXTRACT_FUNC_DICT": "layout",
+    "plan": "planner",
 }
 
 __all__ = [
@@ -37,8 +38,8 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "platform",
-               "reference", "registry", "ring", "rotation", "spec", "ulysses", "varlen")
+_SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "planner",
+               "platform", "reference", "registry", "ring", "rotation", "spec", "ulysses", "varlen")
 
 
 def __getattr__(name):

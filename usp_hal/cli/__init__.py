@@ -1,4 +1,4 @@
-"""usp-hal command line: probe, run, bench, matrix."""
+"""usp-hal command line: probe, run, bench, matrix, plan."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ COMMANDS = {
     "run": "run",
     "bench": "bench",
     "matrix": "matrix",
+    "plan": "plan",
 }
 
 
