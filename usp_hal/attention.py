@@ -279,7 +279,7 @@ class LongContextAttention(torch.nn.Module):
         self.layout = get_layout(ring_impl_type)
         self.ring_impl_type = self.layout.name
         self.rotation_cls = get_rotation(rotation)
-        self.rotation = self.rotation_cls.name
+        self.rotation: str = getattr(self.rotation_cls, "name")
         self.attn_type = attn_type
         REGISTRY.canonical_name(attn_type)          # unknown names fail here, not mid-run
         self.mesh = mesh
@@ -302,7 +302,7 @@ class LongContextAttention(torch.nn.Module):
             self._wire_name += f",ring_k={self.ring_wire[0]},ring_v={self.ring_wire[1]}"
         self._backends: dict = {}
         self._shapes: dict = {}
-        self._frozen = None
+        self._frozen: Optional[Tuple[CallSpec, list]] = None
         self.last_backend: Any = None
         from .compiled import register_module
         self._handle = register_module(self)   # how a compiled graph finds this module
@@ -521,7 +521,7 @@ class LongContextAttention(torch.nn.Module):
             if cu_seqlens is not None:
                 self._check_layout(mesh, spec, [spec.local_len], None, cu_seqlens)
             return [spec.local_len]
-        if self.static_shapes and self._frozen is not None and err is None:
+        if self.static_shapes and self._frozen is not None and err is None and spec is not None:
             frozen, lengths = self._frozen
             if spec == frozen:
                 return lengths
@@ -533,9 +533,9 @@ class LongContextAttention(torch.nn.Module):
         group = mesh.metadata_group
         where = mesh.where("sequence-parallel")
         if self.check_ranks:
-            meta = error_meta() if err is not None else spec.meta()
+            meta = error_meta() if err is not None or spec is None else spec.meta()
         else:
-            meta = [1, 0] if err is not None else [0, spec.local_len]
+            meta = [1, 0] if err is not None or spec is None else [0, spec.local_len]
         rows = all_gather_ints(meta, group, what="metadata all-gather of the attention call", where=where)
         bad = [i for i, r in enumerate(rows) if r[0]]
         if bad:
@@ -554,6 +554,7 @@ class LongContextAttention(torch.nn.Module):
             lengths = [r[field_index("local_len")] for r in rows]
         else:
             lengths = [r[1] for r in rows]
+        assert spec is not None      # no rank flagged an error, so this one has a spec
         self._check_layout(mesh, spec, lengths, rows if self.check_ranks else None, cu_seqlens)
         if self.static_shapes:
             self._frozen = (spec, lengths)
@@ -635,7 +636,7 @@ class LongContextAttention(torch.nn.Module):
             for u in range(U):
                 i = mesh.sp_index(r, u)
                 js, jn = _share(total, mesh.sp_size, i)
-                mpos = local_positions(self.layout, S, R, U, r, u)
+                mpos = local_positions(self.layout.name, S, R, U, r, u)
                 jpos = torch.arange(js, js + jn)
                 rows += ([jpos, mpos + total] if front else [mpos, jpos + S])
             pos = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -202,15 +202,17 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     if ulysses_degree is None and ring_degree is None:
         ulysses_degree, ring_degree = world, 1
     elif ulysses_degree is None:
+        assert ring_degree is not None
         _check_degrees(1, ring_degree, world)
         ulysses_degree = world // ring_degree
     elif ring_degree is None:
         _check_degrees(ulysses_degree, 1, world)
         ring_degree = world // ulysses_degree
+    assert ulysses_degree is not None and ring_degree is not None
     _check_degrees(ulysses_degree, ring_degree, world)
     sp_groups, uly_groups, ring_groups, dp_groups = _layout_ranks(ulysses_degree, ring_degree, world, use_ulysses_low)
     mine = {}
-    kw = {} if tmo is None else {"timeout": tmo}
+    kw: Dict[str, Any] = {} if tmo is None else {"timeout": tmo}
     for kind, groups in (("sp", sp_groups), ("ulysses", uly_groups), ("ring", ring_groups), ("dp", dp_groups)):
         for ranks in groups:
             if len(ranks) == world and timeout is None:
@@ -259,7 +261,7 @@ def _from_device_mesh(dm, set_default: bool, timeout=None) -> SequenceParallelMe
         sp_ranks = tuple(int(grid[r if r_dim == 0 else u, u if r_dim == 0 else r])
                          for u in range(udeg) for r in range(rdeg))
     tmo = _resolve_timeout(timeout)
-    kw = {} if tmo is None else {"timeout": tmo}
+    kw: Dict[str, Any] = {} if tmo is None else {"timeout": tmo}
     sp_group = dist.group.WORLD if len(flat) == world else dist.new_group(sorted(flat), **kw)
     meta = None
     if _needs_cpu_side_group(sp_group) and dist.is_backend_available("gloo"):

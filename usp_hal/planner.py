@@ -519,7 +519,7 @@ def _why(p: Prediction, best: Prediction) -> str:
     if p.time <= best.time * 1.005:
         return "ties the winner (within 0.5%)"
     d = {k: p.terms[k] - best.terms[k] for k in TERMS}
-    k = max(d, key=d.get)
+    k = max(d, key=lambda name: d[name])
     names = {"kernel": "more kernel time (smaller, less efficient blocks / more calls)",
              "imbalance": "work imbalance (the busiest rank sets the pace)",
              "ulysses_a2a": "more all-to-all time", "ring_exposed": "ring comm not hidden by compute",
@@ -552,14 +552,18 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     if any(x is not None for x in (intra_bw, inter_bw, latency)) or gpus_per_node:
         prof = profile_with_links(prof, intra_bw=intra_bw, inter_bw=inter_bw, latency=latency,
                                   gpus_per_node=gpus_per_node)
-    rows, invalid = [], []
+    rows: List[Prediction] = []
+    invalid: List[dict] = []
     for c in candidates(problem, layouts=layouts, rotations=rotations, fp8=fp8, pipelines=pipelines):
         why = _invalid_reason(problem, c)
         if why:
             invalid.append({"label": c.label, "reason": why})
             continue
         p = predict(problem, c, prof)
-        (rows if p.valid else invalid).append(p if p.valid else {"label": c.label, "reason": p.reason})
+        if p.valid:
+            rows.append(p)
+        else:
+            invalid.append({"label": c.label, "reason": p.reason})
     if not rows:
         raise PlanError("no configuration fits: " + "; ".join(f"{i['label']}: {i['reason']}" for i in invalid[:4])
                         + " (use more ranks, a shorter --seqlen, or a profile with more memory)")

@@ -29,7 +29,7 @@ boundary and pairs of pieces from different documents are skipped::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -190,7 +190,7 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
 class RingContext:
     """Everything the ring needs besides the tensors (built once per call)."""
 
-    backend: object
+    backend: Any
     ring_size: int
     ring_rank: int
     segments: Tuple[Tuple[Segment, ...], ...]   # per ring rank: its shard's segments
@@ -227,7 +227,8 @@ class _Accumulator:
     def __init__(self, q: torch.Tensor, dv: int):
         self.q, self.dv = q, dv
         self.mdt = merge_dtype(q.dtype)
-        self.out = self.lse = None
+        self.out: Optional[torch.Tensor] = None
+        self.lse: Optional[torch.Tensor] = None
         self.touched: Optional[bytearray] = None    # per local row: 1 once a call covered it
 
     def add(self, call: BlockCall, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -239,6 +240,7 @@ class _Accumulator:
             self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
             self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
             self.touched = bytearray(l)
+        assert self.out is not None and self.lse is not None
         if self.touched is not None:
             a, z = call.q_start, call.q_stop
             if self.touched.find(1, a, z) < 0:     # fresh rows: merging into (0, -inf) is a copy

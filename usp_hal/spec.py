@@ -121,7 +121,7 @@ def decode_rows(rows: Sequence[Sequence[int]]) -> List[Dict[str, int]]:
     return out
 
 
-def compare(rows: Sequence[Sequence[int]], ranks: Sequence[int], local: Optional[CallSpec] = None) -> List[str]:
+def compare(rows: Sequence[Sequence[int]], ranks: Sequence[object], local: Optional[CallSpec] = None) -> List[str]:
     """Human-readable differences between the ranks' specs (``local_len`` excepted)."""
     decoded = decode_rows(rows)
     diffs = []
