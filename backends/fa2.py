@@ -59,7 +59,12 @@ from typing import Optional
 import torch
 
 from usp_hal.backend import (
-    AttentionBackend, BackendUnavailable, installed_version, lse_for_backward, normalize_lse, pad_head_dim,
+    AttentionBackend,
+    BackendUnavailable,
+    installed_version,
+    lse_for_backward,
+    normalize_lse,
+    pad_head_dim,
     parse_version,
 )
 from usp_hal.capabilities import Limit, Package, Positions, kernel_window

@@ -48,12 +48,24 @@ import os
 import torch
 
 from usp_hal.backend import (
-    AttentionBackend, BackendUnavailable, installed_version, lse_for_backward, normalize_lse, pad_head_dim,
+    AttentionBackend,
+    BackendUnavailable,
+    installed_version,
+    lse_for_backward,
+    normalize_lse,
+    pad_head_dim,
+)
+from usp_hal.backends.fa2 import (
+    KERNEL_HEAD_DIM_MULTIPLE,
+    custom_op_namespace,
+    fa2_interface_path,
+    foreign_op,
+    unpad,
+)
+from usp_hal.backends.fa2 import (
+    PACKAGE as FA2_PACKAGE,
 )
 from usp_hal.capabilities import Availability, Limit, Package, Positions, kernel_window
-from usp_hal.backends.fa2 import (
-    KERNEL_HEAD_DIM_MULTIPLE, PACKAGE as FA2_PACKAGE, custom_op_namespace, fa2_interface_path, foreign_op, unpad,
-)
 
 PACKAGE = Package(dist="flash_attn_3", module="flash_attn_interface", alt_dists=("flash-attn-3",), wheel=False)
 BUILD_HINT = "not on PyPI: build it from the hopper/ directory of Dao-AILab/flash-attention"

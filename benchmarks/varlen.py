@@ -84,7 +84,7 @@ def cost(args) -> list:
     ref = median(times[configs[0][0]])
     ref_basic = median(times[configs[1][0]])
     rows = []
-    for label, cfg in configs:
+    for label, _cfg in configs:
         t = median(times[label])
         rows.append({"config": label, "ms": t * 1e3, "vs_one_sequence_zigzag": t / ref,
                      "vs_one_sequence_basic": t / ref_basic, "kernel_calls_per_rank": kernel_calls[label],
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     packed = next(r for r in rows if r["config"].endswith("varlen_zigzag"))
     ratio = packed["vs_one_sequence_zigzag"]
     print(f"  {args.docs} documents (varlen_zigzag) / one sequence (zigzag): {ratio:.3f} "
-          f"(target <= 0.35: {'met' if ratio <= 0.35 else 'NOT met'}; ideal {1 / args.docs:.3f}, the causal work ratio)")
+          f"(target <= 0.35: {'met' if ratio <= 0.35 else 'NOT met'}; "
+          f"ideal {1 / args.docs:.3f}, the causal work ratio)")
     return 0 if all(r["check_ok"] for r in rows) else 1
 
 

@@ -9,6 +9,7 @@ tokens and of the text tokens (7 text tokens on 2 ranks: 4 and 3) with their RoP
 usp-hal attention joins them.  sync_gradients sums each rank's gradients."""
 import torch
 from diffusers import FluxTransformer2DModel
+
 import usp_hal.integrations.diffusers as usp  # usp-hal
 
 

@@ -9,6 +9,7 @@ shifted over the whole sequence; sync_gradients sums the gradients and the loss 
 The losses printed equal the single-process ones."""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
 import usp_hal.integrations.transformers as usp  # usp-hal
 
 

@@ -86,7 +86,7 @@ def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True,
         rg = torch.autograd.grad(ro, (qr, kr, vr), dout.double()) if grad else None
 
         def sh(x, seq_dim=1):
-            return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=seq_dim, cu_seqlens=cu_arg)
+            return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=seq_dim, cu_seqlens=cu_arg)  # noqa: B023
 
         ql, kl, vl = (sh(x).requires_grad_(grad) for x in (q, k, v))
         call = dict(causal=causal, window_size=tuple(window), softcap=softcap, alibi_slopes=slopes,
@@ -177,8 +177,13 @@ def refusal(U=1, R=2, what="no_varlen"):
     local = usp_hal.shard(x, layout="basic", mesh=mesh, cu_seqlens=shard_cu)
     counts = {"all_to_all_single": 0, "batch_isend_irecv": 0}
     orig = {n: getattr(dist, n) for n in counts}
+    def counting(name):
+        def call(*a, **kw):
+            counts[name] += 1
+            return orig[name](*a, **kw)
+        return call
     for n in counts:
-        setattr(dist, n, (lambda n: lambda *a, **kw: (counts.__setitem__(n, counts[n] + 1), orig[n](*a, **kw))[1])(n))
+        setattr(dist, n, counting(n))
     try:
         attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
         attn(local, local, local, causal=True, cu_seqlens=cu)

@@ -8,7 +8,12 @@ from tests.contract.standin import install_standin, purge_modules
 from usp_hal import platform
 from usp_hal.backend import AttentionBackend, installed_version, parse_version
 from usp_hal.capabilities import (
-    AttnRequest, Package, capability_row, dtype_name, not_supported_reasons, parse_dtype,
+    AttnRequest,
+    Package,
+    capability_row,
+    dtype_name,
+    not_supported_reasons,
+    parse_dtype,
 )
 
 
@@ -273,11 +278,18 @@ def test_parse_version_handles_local_builds():
 
 # ----------------------------------------------------------------------------- declared limits
 from usp_hal.capabilities import (  # noqa: E402
-    Limit, Positions, RuleContext, Unsupported, declared_reasons, kernel_window,
+    Limit,
+    Positions,
+    RuleContext,
+    Unsupported,
+    declared_reasons,
+    kernel_window,
 )
 
+_CTX = RuleContext(version="2.5.0", torch_version="2.12.0")
 
-def _fires(limit, ctx=RuleContext(version="2.5.0", torch_version="2.12.0"), **change):
+
+def _fires(limit, ctx=_CTX, **change):
     return limit.fires(OK.with_(**change), ctx)
 
 

@@ -4,10 +4,17 @@ import itertools
 import pytest
 import torch
 
-from usp_hal.ulysses import head_plan
-from usp_hal.layout import (EXTRACT_FUNC_DICT, LAYOUTS, local_lengths, local_positions, permutation,
-                            ring_segments, segment_positions)
+from usp_hal.layout import (
+    EXTRACT_FUNC_DICT,
+    LAYOUTS,
+    local_lengths,
+    local_positions,
+    permutation,
+    ring_segments,
+    segment_positions,
+)
 from usp_hal.ring import merge_block, plan_blocks
+from usp_hal.ulysses import head_plan
 
 
 def _coverage(calls, nq, nk):

@@ -9,11 +9,29 @@ import pytest
 import torch
 
 from usp_hal.capabilities import AttnRequest, not_supported_reasons
-from usp_hal.layout import (EXTRACT_FUNC_DICT, LAYOUTS, get_layout, local_lengths, local_positions, permutation,
-                            ring_segments, segment_positions)
+from usp_hal.layout import (
+    EXTRACT_FUNC_DICT,
+    LAYOUTS,
+    get_layout,
+    local_lengths,
+    local_positions,
+    permutation,
+    ring_segments,
+    segment_positions,
+)
 from usp_hal.ring import BlockCall, _Accumulator, merge_block, plan_blocks
-from usp_hal.varlen import (as_cu_seqlens, call_work, cu_seqlens_from_lengths, document_ids, document_positions,
-                            equal_documents, ring_is_local, ring_work, split_documents, work_balance)
+from usp_hal.varlen import (
+    as_cu_seqlens,
+    call_work,
+    cu_seqlens_from_lengths,
+    document_ids,
+    document_positions,
+    equal_documents,
+    ring_is_local,
+    ring_work,
+    split_documents,
+    work_balance,
+)
 
 # equal; one long + many short; lengths 1 and 2; shorter than the ring; empty documents; one document
 DOC_PATTERNS = [(6, 6, 6, 6), (17, 1, 2, 1, 3), (1, 2, 1, 1, 2, 2, 1), (3, 1, 2), (0, 5, 0, 4, 0), (13,)]

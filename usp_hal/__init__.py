@@ -11,7 +11,12 @@ __version__ = "0.1.0"
 from .backend import AttentionBackend, BackendUnavailable  # noqa: E402
 from .capabilities import AttnRequest, Availability, Package  # noqa: E402
 from .registry import (  # noqa: E402
-    REGISTRY, AttnType, get_backend, list_backends, register_backend, select_backend,
+    REGISTRY,
+    AttnType,
+    get_backend,
+    list_backends,
+    register_backend,
+    select_backend,
 )
 
 _LAZY = {

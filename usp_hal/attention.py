@@ -279,7 +279,7 @@ class LongContextAttention(torch.nn.Module):
         self.layout = get_layout(ring_impl_type)
         self.ring_impl_type = self.layout.name
         self.rotation_cls = get_rotation(rotation)
-        self.rotation: str = getattr(self.rotation_cls, "name")
+        self.rotation: str = self.rotation_cls.name
         self.attn_type = attn_type
         REGISTRY.canonical_name(attn_type)          # unknown names fail here, not mid-run
         self.mesh = mesh
@@ -455,7 +455,8 @@ class LongContextAttention(torch.nn.Module):
                                       "a ring are not supported (its shards are not contiguous); use "
                                       "ring_impl_type='basic' or 'zigzag', or causal=False")
         if R > 1 and not self.layout.contiguous and positional:
-            raise NotImplementedError(f"window_size/alibi_slopes with the {self.layout.name} layout and ring_degree > 1 "
+            raise NotImplementedError(f"window_size/alibi_slopes with the {self.layout.name} layout and "
+                                      f"ring_degree > 1 "
                                       "cannot be exact (its shards are not contiguous); use ring_impl_type='basic' or "
                                       "'zigzag'")
         pos_digest = 0

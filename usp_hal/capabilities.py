@@ -99,7 +99,8 @@ class AttnRequest:
         parts = [
             f"dtype={dtype_name(self.dtype)}",
             f"device={self.device_type}",
-            f"head_dim={self.head_dim}" + (f"/{self.head_dim_v}" if self.head_dim_v not in (None, self.head_dim) else ""),
+            f"head_dim={self.head_dim}"
+            + (f"/{self.head_dim_v}" if self.head_dim_v not in (None, self.head_dim) else ""),
             f"heads={self.num_heads}/{self.kv_heads}",
             f"causal={self.causal}",
         ]
@@ -373,7 +374,8 @@ def declared_reasons(b: Any, req: AttnRequest, ctx: Optional[RuleContext] = None
     if req.device_type not in b.SUPPORTED_DEVICES:
         reasons.append(f"device={req.device_type} (supported: {', '.join(sorted(b.SUPPORTED_DEVICES))})")
     if req.dtype not in b.SUPPORTED_DTYPES:
-        reasons.append(f"dtype={dtype_name(req.dtype)} (supported: {', '.join(dtype_name(d) for d in sorted_dtypes(b.SUPPORTED_DTYPES))})")
+        names = ", ".join(dtype_name(d) for d in sorted_dtypes(b.SUPPORTED_DTYPES))
+        reasons.append(f"dtype={dtype_name(req.dtype)} (supported: {names})")
     hi = b.HEAD_DIM_MAX
     if req.head_dim < b.HEAD_DIM_MIN or (hi is not None and req.head_dim > hi):
         reasons.append(f"head_dim={req.head_dim} (supported: {b.HEAD_DIM_MIN}..{hi if hi is not None else 'any'})")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence
 
@@ -371,7 +371,8 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
             members = [ringr * U + u for u in range(U)]
             for u in range(U):
                 me = members[u]
-                fwd_in = {members[p]: B * n_loc * D * (hq[p] * wire(e, fp8_q) + hk[p] * (wire(e, fp8_k) + wire(e, fp8_q)))
+                fwd_in = {members[p]: B * n_loc * D
+                          * (hq[p] * wire(e, fp8_q) + hk[p] * (wire(e, fp8_k) + wire(e, fp8_q)))
                           for p in range(U) if p != u}
                 fwd_out = {members[p]: B * n_loc * D * hq[u] * wire(e, fp8_q) for p in range(U) if p != u}
                 t = M.a2a_time(fwd_in, members, me) + M.a2a_time(fwd_out, members, me)

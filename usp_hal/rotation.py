@@ -19,12 +19,12 @@ A new rotation is one class added to :data:`ROTATIONS`.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from .codec import IDENTITY, Codec
+from .codec import Codec
 from .comm import _all_gather_single, collective, wait
 
 
@@ -275,7 +275,8 @@ class AllGatherRotation(Rotation):
         send = own.buf.new_zeros(R * n)
         for src, g in self._grads.items():
             blk = send.narrow(0, src * n, n)
-            blk.narrow(0, 0, _numel(ks)).view(ks)[:, :g.k_shape[1]] = g.buf.narrow(0, 0, _numel(g.k_shape)).view(g.k_shape)
+            gk = g.buf.narrow(0, 0, _numel(g.k_shape)).view(g.k_shape)
+            blk.narrow(0, 0, _numel(ks)).view(ks)[:, :g.k_shape[1]] = gk
             blk.narrow(0, _numel(ks), _numel(vs)).view(vs)[:, :g.v_shape[1]] = \
                 g.buf.narrow(0, _numel(g.k_shape), _numel(g.v_shape)).view(g.v_shape)
         recv = torch.empty_like(send)
@@ -293,11 +294,11 @@ class AllGatherRotation(Rotation):
         return out
 
 
-ROTATIONS: Dict[str, type] = {"p2p": P2PRotation, "allgather": AllGatherRotation}
+ROTATIONS: Dict[str, Type[Rotation]] = {"p2p": P2PRotation, "allgather": AllGatherRotation}
 """Rotation strategies by name (``LongContextAttention(rotation=...)``, the CLI's choices)."""
 
 
-def get_rotation(name: str) -> type:
+def get_rotation(name: str) -> Type[Rotation]:
     try:
         return ROTATIONS[str(name)]
     except KeyError:

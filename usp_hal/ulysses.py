@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .codec import IDENTITY, Codec
+from .codec import IDENTITY
 from .comm import collective, wait
 
 _ALIGN = 16   # bytes: every part of a byte-packed buffer starts at a multiple of this

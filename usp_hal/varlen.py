@@ -60,7 +60,8 @@ def as_cu_seqlens(cu_seqlens, seqlen: Optional[int] = None) -> CuSeqlens:
     if len(values) < 2:
         raise ValueError(f"cu_seqlens needs at least two entries [0, ..., S], got {values}")
     if values[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0 (document boundaries [0, l1, l1+l2, ..., S]), got {_brief(values)}")
+        raise ValueError(f"cu_seqlens must start at 0 (document boundaries [0, l1, l1+l2, ..., S]), "
+                         f"got {_brief(values)}")
     bad = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
     if bad is not None:
         raise ValueError(f"cu_seqlens must be non-decreasing (cumulative document lengths), but entry {bad} "

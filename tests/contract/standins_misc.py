@@ -184,7 +184,8 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     if arch not in _dispatches():
         raise ValueError(f"Unsupported CUDA architecture: {arch}")
     # core.py sageattn_qk_int8_pv_*: fp16/bf16 only
-    assert q.dtype in [torch.float16, torch.bfloat16], "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
+    assert q.dtype in [torch.float16, torch.bfloat16], \
+        "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
     headdim = q.size(-1)
     # core.py: head dims < 64 padded to 64, (64, 128) padded to 128, > 128 rejected
     if headdim > 128:

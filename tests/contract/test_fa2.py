@@ -28,12 +28,20 @@ import torch
 
 import usp_hal.platform
 from usp_hal.backend import BackendUnavailable, parse_version
-from usp_hal.capabilities import AttnRequest
 from usp_hal.backends.fa2 import FlashAttn2Backend
+from usp_hal.capabilities import AttnRequest
 
 from .standin import install_standin, purge_modules
 from .standins_fa import (
-    FA2_DIST, FA2_TOP_LEVEL, FA3_DIST, FA3_TOP_LEVEL, assert_matches, fa2_files, fa3_files, make_inputs, reference,
+    FA2_DIST,
+    FA2_TOP_LEVEL,
+    FA3_DIST,
+    FA3_TOP_LEVEL,
+    assert_matches,
+    fa2_files,
+    fa3_files,
+    make_inputs,
+    reference,
 )
 
 pytestmark = pytest.mark.contract
@@ -446,7 +454,8 @@ def test_contract_fa2_backward_head_dims_per_architecture(fa2, version, head_dim
         ext = importlib.import_module("flash_attn_2_cuda")
         with pytest.raises(RuntimeError, match="requires A100/A800 or H100/H800"):
             ext.bwd(*(x.contiguous() for x in (dout, q, k, v, out)), lse, None, None, None, None, 0.0, 0.1,
-                    False, -1, -1, *((0.0,) if parse_version(version) >= parse_version("2.6.0") else ()), False, None, None)
+                    False, -1, -1, *((0.0,) if parse_version(version) >= parse_version("2.6.0") else ()),
+                    False, None, None)
 
 
 def test_contract_fa2_refuses_an_operator_another_package_replaced(tmp_path, monkeypatch, fa2):

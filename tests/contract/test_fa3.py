@@ -24,12 +24,20 @@ import torch
 import usp_hal.platform
 import usp_hal.registry
 from usp_hal.backend import BackendUnavailable
-from usp_hal.capabilities import AttnRequest
 from usp_hal.backends.fa3 import FlashAttn3Backend
+from usp_hal.capabilities import AttnRequest
 
 from .standin import install_standin, purge_modules
 from .standins_fa import (
-    FA2_DIST, FA2_TOP_LEVEL, FA3_DIST, FA3_TOP_LEVEL, assert_matches, fa2_files, fa3_files, make_inputs, reference,
+    FA2_DIST,
+    FA2_TOP_LEVEL,
+    FA3_DIST,
+    FA3_TOP_LEVEL,
+    assert_matches,
+    fa2_files,
+    fa3_files,
+    make_inputs,
+    reference,
 )
 
 pytestmark = pytest.mark.contract

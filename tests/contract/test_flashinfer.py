@@ -15,13 +15,20 @@ import os
 import pytest
 import torch
 
-from usp_hal import AttnRequest, get_backend
+from usp_hal import AttnRequest, get_backend, platform
 from usp_hal import backend as backend_mod
-from usp_hal import platform
 from usp_hal.backends.flashinfer import FlashInferBackend
 
-from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_matches, flashinfer_files, install,
-                            make_inputs, purge_modules, reference)
+from .standins_misc import (
+    assert_import_is_clean,
+    assert_lse_matches,
+    assert_matches,
+    flashinfer_files,
+    install,
+    make_inputs,
+    purge_modules,
+    reference,
+)
 
 pytestmark = pytest.mark.contract
 EMULATE = dict(device_type="cuda", compute_capability=(9, 0))

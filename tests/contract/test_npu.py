@@ -16,13 +16,22 @@ import sys
 import pytest
 import torch
 
-from usp_hal import AttnRequest, get_backend
+from usp_hal import AttnRequest, get_backend, platform
 from usp_hal import backend as backend_mod
-from usp_hal import platform
 from usp_hal.backends.npu import NPUBackend
 
-from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_matches, install, make_inputs,
-                            merge_blocks, npu_files, purge_modules, reference, reference_grads)
+from .standins_misc import (
+    assert_import_is_clean,
+    assert_lse_matches,
+    assert_matches,
+    install,
+    make_inputs,
+    merge_blocks,
+    npu_files,
+    purge_modules,
+    reference,
+    reference_grads,
+)
 
 pytestmark = pytest.mark.contract
 EMULATE = dict(device_type="npu")

@@ -13,14 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import AttnRequest, REGISTRY, get_backend
+from usp_hal import REGISTRY, AttnRequest, get_backend, platform
 from usp_hal import backend as backend_mod
-from usp_hal import platform
 from usp_hal.backends.sage import SageFP8Backend
 from usp_hal.reference import TOLERANCES
 
-from .standins_misc import (assert_import_is_clean, assert_lse_matches, assert_matches, install, make_inputs,
-                            purge_modules, reference, sage_files)
+from .standins_misc import (
+    assert_import_is_clean,
+    assert_lse_matches,
+    assert_matches,
+    install,
+    make_inputs,
+    purge_modules,
+    reference,
+    sage_files,
+)
 
 pytestmark = pytest.mark.contract
 EMULATE = dict(device_type="cuda", compute_capability=(9, 0))

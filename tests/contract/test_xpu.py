@@ -14,13 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import AttnRequest, get_backend
-from usp_hal import platform
+from usp_hal import AttnRequest, get_backend, platform
 from usp_hal.backends import xpu as xpu_mod
 from usp_hal.backends.xpu import XPUBackend
 
-from .standins_misc import (XPUFlashStandin, assert_lse_matches, assert_matches, make_inputs, merge_blocks,
-                            reference, reference_grads)
+from .standins_misc import (
+    XPUFlashStandin,
+    assert_lse_matches,
+    assert_matches,
+    make_inputs,
+    merge_blocks,
+    reference,
+    reference_grads,
+)
 
 pytestmark = pytest.mark.contract
 EMULATE = dict(device_type="xpu", device_model="intel_gpu_pvc", torch_version="2.13.0+xpu")

@@ -18,7 +18,7 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="usp-hal", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, modname in COMMANDS.items():
+    for modname in COMMANDS.values():
         try:
             mod = importlib.import_module(f"{__name__}.{modname}")
         except ModuleNotFoundError as exc:

@@ -329,6 +329,7 @@ class _GatherOutputs:
             if cpo is None:
                 continue
             if cpo.expected_dims is not None and outs[i].dim() != cpo.expected_dims:
-                raise ValueError(f"{self.path} output {i}: expected {cpo.expected_dims} dims, got {tuple(outs[i].shape)}")
+                raise ValueError(f"{self.path} output {i}: expected {cpo.expected_dims} dims, "
+                                 f"got {tuple(outs[i].shape)}")
             outs[i] = usp_hal.unshard(outs[i], layout=LAYOUT, mesh=self.mesh, seq_dim=cpo.gather_dim)
         return outs[0] if single else type(output)(outs)
