@@ -30,8 +30,9 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-from . import _launch
-from ._launch import fmt_bytes, fmt_ms, median
+from statistics import median
+
+from ..harness import LaunchError, MemoryMeter, RankPool, fmt_bytes, fmt_ms, gather_objects, in_torchrun
 from .run import (CHECKS, FP8_CHOICES, LAYOUTS, PROJ_CHOICES, ROTATIONS, RunConfig, add_common_arguments, device_type_from, merge_checks,
                   min_comm_bytes, rank_check, rank_clear, rank_prepare, rank_release, rank_steps, single_prepare,
                   single_steps, summarize, validate)
@@ -193,11 +194,11 @@ def rank_peer_prepare(cfg: dict, case: str) -> dict:
         bounds = torch.tensor_split(torch.arange(cfg.seqlen), world)[rank]
         lo, hi = int(bounds[0]), int(bounds[-1]) + 1
         ref_rows = _run._reference_rows(replace(cfg, bwd=False), mode, lo, hi)[0].to(q.dtype).contiguous()
-        parts = _launch.gather_objects(ref_rows.cpu())
+        parts = gather_objects(ref_rows.cpu())
         ref = torch.cat(parts, dim=1).to(q.device)
         atol, rtol = _run.reference_tolerance(cfg, mode)
         err = _run._compare(out, ext(ref), atol, rtol)
-    st.mem = _launch.MemoryMeter(cfg.device_type)
+    st.mem = MemoryMeter(cfg.device_type)
     _run._CASES[case] = st
     return {"version": getattr(yunchang, "__version__", None) or _dist_version("yunchang"), "error": err,
             "attn_type": str(_yunchang_attn_type(cfg.device_type).value)}
@@ -286,10 +287,10 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
     results, baselines, peer_rows = [], [], []
     pool = single = None
     try:
-        pool = _launch.RankPool(args.nproc, threads=args.threads_per_rank, device_type=device_type,
+        pool = RankPool(args.nproc, threads=args.threads_per_rank, device_type=device_type,
                                 start_timeout=min(args.timeout, 300.0), wait=False)
         if not args.no_baseline:
-            single = _launch.RankPool(1, threads=1, device_type=device_type, init_dist=False,
+            single = RankPool(1, threads=1, device_type=device_type, init_dist=False,
                                       start_timeout=min(args.timeout, 300.0), wait=False)
             single.wait_ready()
         pool.wait_ready()
@@ -334,7 +335,7 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
                     if rnd >= args.warmup:
                         recs[(kind, key)].append(out)
                     progress.step(f"{label} {text}")
-            # one untimed iteration per entry for the memory reading (see usp_hal.cli._launch)
+            # one untimed iteration per entry for the memory reading (see usp_hal.harness.meter)
             mems = {}
             for kind, key in entries:
                 if kind == "dist":
@@ -590,7 +591,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    if _launch.in_torchrun():
+    if in_torchrun():
         print("usp-hal bench: spawns its own ranks and single-process baselines; run it without torchrun "
               "(use `usp-hal run` under torchrun)", file=sys.stderr)
         return 2
@@ -607,7 +608,7 @@ def run(args) -> int:
     t0 = time.monotonic()
     try:
         out = run_sweep(args, groups, device_type)
-    except _launch.LaunchError as exc:
+    except LaunchError as exc:
         print(f"usp-hal bench: {exc}", file=sys.stderr)
         return 1
     import torch

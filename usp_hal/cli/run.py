@@ -31,8 +31,10 @@ from typing import Optional
 
 from ..layout import layout_names
 from ..rotation import rotation_names
-from . import _launch
-from ._launch import fmt_bytes, fmt_ms, median
+from statistics import median
+
+from ..harness import meter, pool
+from ..harness.meter import fmt_bytes, fmt_ms
 
 LAYOUTS = tuple(layout_names())
 ROTATIONS = tuple(rotation_names())
@@ -303,12 +305,12 @@ def rank_prepare(cfg: dict, case: str) -> dict:
         t.grad = None
     del out
     backend = st.attn.last_backend
-    st.ktimes = _launch.KernelTimes()
+    st.ktimes = meter.KernelTimes()
     sync = None if cfg.device_type == "cpu" else (lambda: _sync(cfg.device_type))
-    _launch.time_backend(backend, st.ktimes, sync)
-    _launch.instrument_core()
-    st.comm = _launch.CommMeter()
-    st.mem = _launch.MemoryMeter(cfg.device_type)
+    meter.time_backend(backend, st.ktimes, sync)
+    meter.instrument_core()
+    st.comm = meter.CommMeter()
+    st.mem = meter.MemoryMeter(cfg.device_type)
     _CASES[case] = st
     inputs = sum(t.numel() * t.element_size() for t in (st.q, st.k, st.v, st.dout) if t is not None)
     return {"rank": dist.get_rank(), "backend": getattr(backend, "NAME", type(backend).__name__),
@@ -348,7 +350,7 @@ def rank_steps(case: str, n: int, memory: bool = False) -> list:
     st = _CASES[case]
     cfg = st.cfg
     recs = []
-    _launch.ACTIVE["times"] = st.ktimes
+    meter.ACTIVE["times"] = st.ktimes
     with st.comm:
         for _ in range(n):
             for t in st.leaves:
@@ -376,7 +378,7 @@ def rank_steps(case: str, n: int, memory: bool = False) -> list:
                          "work": st.ktimes.work,
                          "layout": st.ktimes.layout_s,
                          "mem": mem})
-    _launch.ACTIVE["times"] = None
+    meter.ACTIVE["times"] = None
     return recs
 
 
@@ -526,7 +528,7 @@ def single_prepare(cfg: dict, case: str) -> dict:
     st = _Case()
     st.cfg = cfg
     st.backend = REGISTRY.select(cfg.attn_type, req)()
-    st.mem = _launch.MemoryMeter(cfg.device_type)
+    st.mem = meter.MemoryMeter(cfg.device_type)
     _CASES[case] = st
     return {"backend": st.backend.NAME,
             "input_bytes": sum(t.numel() * t.element_size() for t in (q, k, v, dout) if t is not None)}
@@ -754,7 +756,7 @@ def device_type_from(args) -> str:
 
 def config_from_args(args) -> RunConfig:
     nproc, U, R = resolve_split(args.nproc, args.ulysses, args.ring)
-    if _launch.in_torchrun():
+    if pool.in_torchrun():
         world = int(__import__("os").environ["WORLD_SIZE"])
         if args.nproc is None and args.ulysses is None and args.ring is None:
             nproc, U, R = resolve_split(world, None, None)
@@ -779,19 +781,19 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"usp-hal run: {exc}", file=sys.stderr)
         return 2
-    torchrun = _launch.in_torchrun()
+    torchrun = pool.in_torchrun()
     executor, finished = None, False
     try:
         if torchrun:
-            executor = _launch.TorchrunExecutor(cfg.threads_per_rank, cfg.device_type)
+            executor = pool.TorchrunExecutor(cfg.threads_per_rank, cfg.device_type)
             launcher = f"torchrun rank {executor.rank} of {executor.world}"
         else:
-            executor = _launch.RankPool(cfg.nproc, threads=cfg.threads_per_rank, device_type=cfg.device_type,
+            executor = pool.RankPool(cfg.nproc, threads=cfg.threads_per_rank, device_type=cfg.device_type,
                                         start_timeout=min(args.timeout, 300.0))
             launcher = "spawned on 127.0.0.1"
         res = execute(cfg, executor, args.timeout)
         finished = True
-    except _launch.LaunchError as exc:
+    except pool.LaunchError as exc:
         print(f"usp-hal run: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
