@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 
 from usp_hal import harness
-from usp_hal.cli.run import RunConfig, global_inputs
+from usp_hal.harness.cases import RunConfig, global_inputs
 
 _MARKS: list = []
 _STATE = {"base": 0, "depth": 0}

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
-from usp_hal.harness import CommMeter
+from usp_hal.harness import CommMeter, compare
 from usp_hal.reference import reference_attention, tolerance
 
 _MESHES = {}
@@ -21,13 +21,7 @@ def get_mesh(U: int, R: int, low: bool = True):
 
 def _err(a: torch.Tensor, b: torch.Tensor, dtype, lse: bool = False) -> float:
     """max |a-b| / (atol + rtol*|b|): <= 1 means within tolerance."""
-    atol, rtol = tolerance(dtype, lse=lse)
-    a, b = a.detach().double(), b.detach().double()
-    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    diff = (a - b).abs().masked_fill(both_inf, 0.0)
-    if diff.numel() == 0:
-        return 0.0
-    return float((diff / (atol + rtol * b.abs().masked_fill(torch.isinf(b), 0.0))).max())
+    return compare(a, b, *tolerance(dtype, lse=lse))["worst"]
 
 
 def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, dtype="fp32", B=1, S=16, H=4,

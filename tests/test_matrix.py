@@ -17,7 +17,7 @@ from usp_hal.backend import AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.capabilities import Package, parse_dtype
 from usp_hal.cli import main, matrix
-from usp_hal.cli.probe import FEATURES, base_request, supported_features, verify_backend
+from usp_hal.harness.verify import FEATURES, base_request, supported_features, verify_backend
 from usp_hal.registry import REGISTRY, Registry
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ every entry alike):
 Each configuration is also checked against the reference (as in ``usp-hal run``), and
 reports a per-rank breakdown (time inside the backend's kernels, in communication, the
 rest), the bytes each rank sends against the minimum for its split (formulas in
-``usp_hal.cli.run.min_comm_bytes`` and docs/performance.md), and the peak memory growth
+``usp_hal.harness.cases.min_comm_bytes`` and docs/performance.md), and the peak memory growth
 per rank next to the single process's.
 """
 from __future__ import annotations
@@ -29,13 +29,14 @@ import platform as _pyplatform
 import sys
 import time
 from dataclasses import asdict, replace
-
 from statistics import median
 
-from ..harness import LaunchError, MemoryMeter, RankPool, fmt_bytes, fmt_ms, gather_objects, in_torchrun
-from .run import (CHECKS, FP8_CHOICES, LAYOUTS, PROJ_CHOICES, ROTATIONS, RunConfig, add_common_arguments, device_type_from, merge_checks,
-                  min_comm_bytes, rank_check, rank_clear, rank_prepare, rank_release, rank_steps, single_prepare,
-                  single_steps, summarize, validate)
+from ..harness import LaunchError, RankPool, fmt_bytes, fmt_ms, in_torchrun
+from ..harness.cases import (CHECKS, FP8_CHOICES, LAYOUTS, PROJ_CHOICES, ROTATIONS, RunConfig, merge_checks,
+                             min_comm_bytes, peer_available, rank_check, rank_clear, rank_peer_prepare,
+                             rank_peer_steps, rank_prepare, rank_release, rank_steps, single_prepare, single_steps,
+                             summarize, validate)
+from .run import add_common_arguments, device_type_from
 
 MODES = {"fwd": False, "fwdbwd": True}
 CAUSAL_CHOICES = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -135,105 +136,6 @@ def config_label(cfg: RunConfig) -> str:
     return " ".join([name] + [e for e in extra if e])
 
 
-# ----------------------------------------------------------------------------- peers
-def peer_available(name: str):
-    """(available, note)."""
-    import importlib.util
-    if name == "yunchang":
-        if importlib.util.find_spec("yunchang") is None:
-            return False, "yunchang is not installed (pip install yunchang --no-deps to compare)"
-        return True, ""
-    return False, f"unknown peer {name!r}"
-
-
-_PEER = {}
-
-
-def _yunchang_attn_type(device_type: str):
-    from yunchang.kernels import AttnType
-    if device_type == "cpu":
-        return AttnType.TORCH_MATH       # its flash/efficient torch paths call CUDA-only aten ops
-    from usp_hal.registry import get_backend
-    # the peer's flash path needs the same package our fa2 adapter does
-    return AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
-
-
-def rank_peer_prepare(cfg: dict, case: str) -> dict:
-    """yunchang's LongContextAttention on this split; its error against the reference rows
-    this rank computed for the same inputs (forward only)."""
-    import torch
-    import torch.distributed as dist
-    import yunchang
-    from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, set_seq_parallel_pg
-
-    from . import run as _run
-    cfg = RunConfig(**cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if _PEER.get("degrees") != (cfg.ulysses, cfg.ring):
-        set_seq_parallel_pg(cfg.ulysses, cfg.ring, rank, world)
-        _PEER["degrees"] = (cfg.ulysses, cfg.ring)
-    impl = {"basic": "basic", "zigzag": "zigzag", "stripe": "strip"}[cfg.ring_impl]
-    q, k, v, _ = _run.global_inputs(cfg)
-
-    def ext(x):
-        return EXTRACT_FUNC_DICT[impl](x, rank, world, cfg.ring, cfg.ulysses).contiguous()
-
-    st = _run._Case()
-    try:
-        st.q, st.k, st.v = ext(q), ext(k), ext(v)
-        st.attn = LongContextAttention(ring_impl_type=impl, attn_type=_yunchang_attn_type(cfg.device_type))
-        st.cfg = cfg
-        with torch.no_grad():
-            out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
-    except Exception as exc:     # the peer's own failure is a result, not a crash of the sweep
-        return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    # reference: this rank's rows, gathered, then laid out the way yunchang lays them out
-    mode = cfg.check_mode() if cfg.check != "none" else None
-    err = None
-    if mode:
-        bounds = torch.tensor_split(torch.arange(cfg.seqlen), world)[rank]
-        lo, hi = int(bounds[0]), int(bounds[-1]) + 1
-        ref_rows = _run._reference_rows(replace(cfg, bwd=False), mode, lo, hi)[0].to(q.dtype).contiguous()
-        parts = gather_objects(ref_rows.cpu())
-        ref = torch.cat(parts, dim=1).to(q.device)
-        atol, rtol = _run.reference_tolerance(cfg, mode)
-        err = _run._compare(out, ext(ref), atol, rtol)
-    st.mem = MemoryMeter(cfg.device_type)
-    _run._CASES[case] = st
-    return {"version": getattr(yunchang, "__version__", None) or _dist_version("yunchang"), "error": err,
-            "attn_type": str(_yunchang_attn_type(cfg.device_type).value)}
-
-
-def _dist_version(name: str):
-    import importlib.metadata
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
-    import torch
-    import torch.distributed as dist
-
-    from . import run as _run
-    st = _run._CASES[case]
-    recs = []
-    for _ in range(n):
-        dist.barrier()
-        _run._sync(st.cfg.device_type)
-        if memory:
-            st.mem.start()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = st.attn(st.q, st.k, st.v, causal=st.cfg.causal)
-        _run._sync(st.cfg.device_type)
-        t = time.perf_counter() - t0
-        del out
-        recs.append({"time": t, "mem": st.mem.stop() if memory else None})
-    return recs
-
-
 # ----------------------------------------------------------------------------- progress
 class Progress:
     """A tqdm bar on a terminal when tqdm is installed, else one plain line per step on stderr."""
@@ -288,10 +190,10 @@ def run_sweep(args, groups: list, device_type: str) -> dict:
     pool = single = None
     try:
         pool = RankPool(args.nproc, threads=args.threads_per_rank, device_type=device_type,
-                                start_timeout=min(args.timeout, 300.0), wait=False)
+                        start_timeout=min(args.timeout, 300.0), wait=False)
         if not args.no_baseline:
             single = RankPool(1, threads=1, device_type=device_type, init_dist=False,
-                                      start_timeout=min(args.timeout, 300.0), wait=False)
+                              start_timeout=min(args.timeout, 300.0), wait=False)
             single.wait_ready()
         pool.wait_ready()
         for label, base, cfgs in groups:

@@ -24,7 +24,7 @@ from .. import platform as _platform
 from ..backend import installed_version
 from ..capabilities import capability_row, parse_dtype
 from ..registry import ENTRY_POINT_GROUP, REGISTRY
-from .probe import (FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features)
+from ..harness.verify import (FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features)
 
 DOCS_PATH = "docs/backends.md"
 DOCS_COMMAND = "usp-hal matrix --docs"
