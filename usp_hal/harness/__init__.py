@@ -1,7 +1,7 @@
 """The harness behind ``usp-hal probe``, ``run``, ``bench`` and ``matrix``, the benchmarks and
 the tests: rank processes (:mod:`.pool`), measurement inside a rank (:mod:`.meter`),
 verification against the reference with one comparator (:mod:`.verify`), run cases
-(:mod:`.cases`) and the bench sweep (:mod:`.sweep`).
+(:mod:`.cases`), the bench sweep (:mod:`.sweep`) and the CI matrices (:mod:`.matrix`).
 """
 from __future__ import annotations
 
