@@ -16,19 +16,19 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from usp_hal.cli import _launch
-from usp_hal.cli.run import RunConfig, global_inputs
+from usp_hal import harness
+from usp_hal.harness.cases import RunConfig, global_inputs
 
 _MARKS: list = []
 _STATE = {"base": 0, "depth": 0}
 
 
 def _mark(name: str) -> None:
-    hwm = (_launch._status_kib("VmHWM") or 0) * 1024
-    _launch.trim_freed_memory()          # so the resident size is the live memory
-    rss = (_launch._status_kib("VmRSS") or 0) * 1024
+    hwm = (harness.proc_status_kib("VmHWM") or 0) * 1024
+    harness.trim_freed_memory()          # so the resident size is the live memory
+    rss = (harness.proc_status_kib("VmRSS") or 0) * 1024
     _MARKS.append(("  " * _STATE["depth"] + name, rss - _STATE["base"], hwm - _STATE["base"]))
-    _launch._reset_hwm()
+    harness.reset_peak_rss()
 
 
 def _wrap(mod, name: str, label: str = None):
@@ -81,9 +81,9 @@ def rank_timeline(cfg: dict) -> list:
         _wrap(attention, name)
     _wrap(ring, "merge_block")
     _MARKS.clear()
-    _launch.trim_freed_memory()
-    _STATE["base"] = (_launch._status_kib("VmRSS") or 0) * 1024
-    _launch._reset_hwm()
+    harness.trim_freed_memory()
+    _STATE["base"] = (harness.proc_status_kib("VmRSS") or 0) * 1024
+    harness.reset_peak_rss()
     _mark("call >")
     out = attn(*sh, causal=cfg.causal)
     _mark("forward returned")
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                     ring_impl=args.layout, rotate=args.rotate, check="none")
     # the ranks import this file as a module (its directory is on the path they receive)
     import memory_phases
-    with _launch.RankPool(n) as pool:
+    with harness.RankPool(n) as pool:
         res = pool.run(memory_phases.rank_timeline, timeout=600, cfg=asdict(cfg))
     local = 4 * cfg.batch * (cfg.seqlen // n) * cfg.heads * cfg.head_dim
     print(f"rank {args.rank} of u{args.ulysses}r{args.ring}, S={args.seqlen}, {'causal' if args.causal else 'full'}"

@@ -20,10 +20,10 @@ import math
 import random
 import sys
 from dataclasses import asdict
+from statistics import median
 
-from usp_hal.cli import _launch
-from usp_hal.cli._launch import fmt_ms, median
-from usp_hal.cli.run import RunConfig, merge_checks, rank_check, rank_clear, rank_prepare, rank_release, rank_steps
+from usp_hal.harness import RankPool, RunConfig, fmt_ms
+from usp_hal.harness.cases import merge_checks, rank_check, rank_clear, rank_prepare, rank_release, rank_steps
 from usp_hal.layout import layout_names
 from usp_hal.varlen import cu_seqlens_from_lengths, equal_documents, ring_work, work_balance
 
@@ -58,7 +58,7 @@ def cost(args) -> list:
                (f"{args.docs} documents, varlen_zigzag", RunConfig(ring_impl="varlen_zigzag", cu_seqlens=cu, **base)),
                (f"{args.docs} documents, zigzag", RunConfig(ring_impl="zigzag", cu_seqlens=cu, **base)),
                (f"{args.docs} documents, basic", RunConfig(ring_impl="basic", cu_seqlens=cu, **base))]
-    pool = _launch.RankPool(2, threads=1)
+    pool = RankPool(2, threads=1)
     try:
         times = {label: [] for label, _ in configs}
         checks, kernel_calls, work = {}, {}, {}

@@ -44,7 +44,7 @@ log() { printf '\n== %s: %s\n' "$PROFILE" "$*"; }
 check_profile() {
     "$PY" - "$PROFILE" <<'PY'
 import sys
-from usp_hal.cli.matrix import get_profile
+from usp_hal.harness.matrix import get_profile
 try:
     get_profile(sys.argv[1])
 except ValueError as exc:
@@ -101,7 +101,7 @@ step_probe() {
     mkdir -p "$OUT"
     if [[ "$PROFILE" != cpu ]]; then
         local here
-        here=$("$PY" -c "from usp_hal.cli.matrix import machine_profile; print(machine_profile().name)") || here="none"
+        here=$("$PY" -c "from usp_hal.harness.matrix import machine_profile; print(machine_profile().name)") || here="none"
         if [[ "$here" != "$PROFILE" ]]; then
             echo "this runner is labelled $PROFILE but torch sees a $here machine; check the runner and its torch build" >&2
             exit 1

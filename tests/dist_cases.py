@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
+from usp_hal.harness import CommMeter, compare
 from usp_hal.reference import reference_attention, tolerance
 
 _MESHES = {}
@@ -20,13 +21,7 @@ def get_mesh(U: int, R: int, low: bool = True):
 
 def _err(a: torch.Tensor, b: torch.Tensor, dtype, lse: bool = False) -> float:
     """max |a-b| / (atol + rtol*|b|): <= 1 means within tolerance."""
-    atol, rtol = tolerance(dtype, lse=lse)
-    a, b = a.detach().double(), b.detach().double()
-    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    diff = (a - b).abs().masked_fill(both_inf, 0.0)
-    if diff.numel() == 0:
-        return 0.0
-    return float((diff / (atol + rtol * b.abs().masked_fill(torch.isinf(b), 0.0))).max())
+    return compare(a, b, *tolerance(dtype, lse=lse))["worst"]
 
 
 def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, dtype="fp32", B=1, S=16, H=4,
@@ -76,16 +71,6 @@ def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=1
     """Count the collectives one forward and one backward issue on this rank (the last of
     ``calls`` calls of one module)."""
     mesh = get_mesh(U, R)
-    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0, "all_gather": 0, "all_gather_into_tensor": 0,
-              "all_gather_single": 0}
-    originals = {name: getattr(dist, name) for name in counts if hasattr(dist, name)}
-
-    def wrap(name):
-        def f(*a, **k):
-            counts[name] += 1
-            return originals[name](*a, **k)
-        return f
-
     g = torch.Generator().manual_seed(1)
     x = [usp_hal.shard(torch.randn(1, S, h, D, generator=g), layout=layout, mesh=mesh).requires_grad_()
          for h in (H, Hkv or H, Hkv or H)]
@@ -93,19 +78,13 @@ def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=1
                                         static_shapes=static)
     for _ in range(calls - 1):
         attn(*x, causal=causal, return_attn_probs=return_lse)
-    try:
-        for name in originals:
-            setattr(dist, name, wrap(name))
+    with CommMeter() as meter:
         res = attn(*x, causal=causal, return_attn_probs=return_lse)
         out = res[0] if return_lse else res
-        fwd = dict(counts)
-        for name in counts:
-            counts[name] = 0
+        fwd = dict(meter.calls)
+        meter.reset()
         out.sum().backward()
-        bwd = dict(counts)
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        bwd = dict(meter.calls)
     return {"fwd": fwd, "bwd": bwd}
 
 
@@ -182,19 +161,13 @@ def refused_before_communication(U=2, R=1, what="forward_only_grad"):
     mesh = get_mesh(U, R)
     name = {"forward_only_grad": "test_fwd_only", "no_lse_ring": "test_no_lse", "softcap": "sdpa"}[what]
     x = torch.randn(1, 4, 2, 8, requires_grad=what == "forward_only_grad")
-    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0}
-    orig = {k: getattr(dist, k) for k in counts}
-    for k in counts:
-        setattr(dist, k, (lambda k: lambda *a, **kw: (counts.__setitem__(k, counts[k] + 1), orig[k](*a, **kw))[1])(k))
-    try:
-        attn = usp_hal.LongContextAttention(attn_type=name, mesh=mesh)
-        attn(x, x, x, softcap=30.0 if what == "softcap" else 0.0)
-        return {"error": None, "counts": counts}
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "counts": dict(counts)}
-    finally:
-        for k, fn in orig.items():
-            setattr(dist, k, fn)
+    with CommMeter(("all_to_all_single", "batch_isend_irecv")) as meter:
+        try:
+            attn = usp_hal.LongContextAttention(attn_type=name, mesh=mesh)
+            attn(x, x, x, softcap=30.0 if what == "softcap" else 0.0)
+            return {"error": None, "counts": dict(meter.calls)}
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "counts": dict(meter.calls)}
 
 
 def forward_only_without_grad(U=1, R=2):
@@ -332,18 +305,10 @@ def cpu_side_group_case(U=2, R=1):
     finally:
         mesh_mod._needs_cpu_side_group = orig
     from usp_hal.comm import group_timeout
-    used = []
-    orig_ag = dist.all_gather_single
-
-    def spy(out, inp, group=None, **kw):
-        used.append(group)
-        return orig_ag(out, inp, group=group, **kw)
     x = usp_hal.shard(torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(0)), mesh=mesh)
-    dist.all_gather_single = spy
-    try:
+    with CommMeter(("all_gather_single",)) as meter:
         usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)(x, x, x)
-    finally:
-        dist.all_gather_single = orig_ag
+    used = meter.groups["all_gather_single"]
     return {"side": mesh.meta_group is not None and mesh.meta_group is not mesh.sp_group,
             "backend": str(dist.get_backend(mesh.meta_group)),
             "timeout": group_timeout(mesh.meta_group).total_seconds(),

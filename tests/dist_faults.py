@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
+from usp_hal.harness import CommMeter
 from usp_hal.reference import reference_attention
 
 
@@ -221,16 +222,10 @@ def block_refused_before_data(U=1, R=2):
     mesh = get_mesh(U, R)
     x = usp_hal.shard(torch.randn(1, 14, 2, 8, generator=torch.Generator().manual_seed(0)), layout="zigzag",
                       mesh=mesh)
-    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0}
-    orig = {k: getattr(dist, k) for k in counts}
-    for k in counts:
-        setattr(dist, k, (lambda k: lambda *a, **kw: (counts.__setitem__(k, counts[k] + 1), orig[k](*a, **kw))[1])(k))
-    try:
-        attn = usp_hal.LongContextAttention(attn_type="test_bottom_right", ring_impl_type="zigzag", mesh=mesh)
-        attn(x, x, x, causal=True, alibi_slopes=torch.tensor([0.5, 0.25]))
-        return {"error": None, "counts": counts}
-    except ValueError as exc:
-        return {"error": str(exc), "counts": dict(counts)}
-    finally:
-        for k, fn in orig.items():
-            setattr(dist, k, fn)
+    with CommMeter(("all_to_all_single", "batch_isend_irecv")) as meter:
+        try:
+            attn = usp_hal.LongContextAttention(attn_type="test_bottom_right", ring_impl_type="zigzag", mesh=mesh)
+            attn(x, x, x, causal=True, alibi_slopes=torch.tensor([0.5, 0.25]))
+            return {"error": None, "counts": dict(meter.calls)}
+        except ValueError as exc:
+            return {"error": str(exc), "counts": dict(meter.calls)}

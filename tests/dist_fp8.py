@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
+from usp_hal.harness import CommMeter
 from usp_hal.codec import Float8Codec
 from usp_hal.reference import reference_attention
 
@@ -74,22 +74,9 @@ def fp8_bytes(U=2, dtype="bf16", S=64, H=8, Hkv=8, D=64, fp8=True):
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     mesh = get_mesh(U, 1)
     q, k, v, _ = _inputs(S, H, Hkv, D, dt)
-    sent = []
-    orig = dist.all_to_all_single
-
-    def count(out, inp, out_splits=None, in_splits=None, **kw):
-        me = dist.get_rank(kw.get("group"))
-        total = inp.numel() * inp.element_size()
-        own = in_splits[me] * inp.element_size() if in_splits else total // U
-        sent.append(total - own)
-        return orig(out, inp, out_splits, in_splits, **kw)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, ulysses_float8=fp8)
     sh = [usp_hal.shard(x, mesh=mesh) for x in (q, k, v)]
-    dist.all_to_all_single = count
-    try:
-        with torch.no_grad():
-            attn(*sh)
-    finally:
-        dist.all_to_all_single = orig
+    with CommMeter(("all_to_all_single",)) as meter, torch.no_grad():
+        attn(*sh)
     k_bytes = (U - 1) / U * sh[1].numel() * sh[1].element_size()
-    return {"sent": sum(sent), "k": k_bytes, "calls": len(sent)}
+    return {"sent": meter.bytes["all_to_all_single"], "k": k_bytes, "calls": meter.calls["all_to_all_single"]}

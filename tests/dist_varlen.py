@@ -7,6 +7,7 @@ import torch.distributed as dist
 import usp_hal
 from tests.dist_cases import DTYPES, _err, get_mesh
 from usp_hal.backends.sdpa import SDPABackend
+from usp_hal.harness import CommMeter
 from usp_hal.varlen import cu_seqlens_from_lengths, reference_packed_attention
 
 
@@ -131,23 +132,13 @@ def kernel_counts(U=1, R=2, layout="basic", causal=True, lengths=(8, 8, 8, 8), H
     x = [usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=CountingSDPA.NAME, mesh=mesh,
                                         rotation=rotation)
-    p2p = {"n": 0}
-    orig = dist.batch_isend_irecv
-
-    def counting(*a, **kw):
-        p2p["n"] += 1
-        return orig(*a, **kw)
-
     for key in CountingSDPA.counts:
         CountingSDPA.counts[key] = 0
-    dist.batch_isend_irecv = counting
-    try:
+    with CommMeter(("batch_isend_irecv",)) as meter:
         out = attn(*x, causal=causal, cu_seqlens=cu)
         out.backward(usp_hal.shard(dout, layout=layout, mesh=mesh, cu_seqlens=cu))
-    finally:
-        dist.batch_isend_irecv = orig
     res = dict(CountingSDPA.counts)
-    res["p2p"] = p2p["n"]
+    res["p2p"] = meter.calls["batch_isend_irecv"]
     res["local_len"] = int(x[0].shape[1])
     return res
 
@@ -175,24 +166,15 @@ def refusal(U=1, R=2, what="no_varlen"):
     x = torch.randn(1, S, H, D)
     shard_cu = [0, 5, 12]
     local = usp_hal.shard(x, layout="basic", mesh=mesh, cu_seqlens=shard_cu)
-    counts = {"all_to_all_single": 0, "batch_isend_irecv": 0}
-    orig = {n: getattr(dist, n) for n in counts}
-    def counting(name):
-        def call(*a, **kw):
-            counts[name] += 1
-            return orig[name](*a, **kw)
-        return call
-    for n in counts:
-        setattr(dist, n, counting(n))
+    names = ("all_to_all_single", "batch_isend_irecv")
+    meter = CommMeter(names)
     try:
-        attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
-        attn(local, local, local, causal=True, cu_seqlens=cu)
-        return {"error": None, "counts": counts}
+        with meter:
+            attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
+            attn(local, local, local, causal=True, cu_seqlens=cu)
+        return {"error": None, "counts": {n: meter.calls[n] for n in names}}
     except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "counts": dict(counts)}
-    finally:
-        for n, fn in orig.items():
-            setattr(dist, n, fn)
+        return {"error": f"{type(exc).__name__}: {exc}", "counts": {n: meter.calls[n] for n in names}}
 
 
 def shard_roundtrip(U=1, R=2, lengths=(3, 1, 6, 2)):
@@ -254,27 +236,12 @@ def static_shapes_docs(U=1, R=2):
     local = usp_hal.shard(x, layout="varlen_zigzag", mesh=mesh, cu_seqlens=cu)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="varlen_zigzag", mesh=mesh,
                                         static_shapes=True)
-    names = [n for n in ("all_gather", "all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)]
-    orig = {name: getattr(dist, name) for name in names}
-    n = {"host": 0}
-
-    def wrap(fn):
-        def f(*a, **kw):
-            n["host"] += 1
-            return fn(*a, **kw)
-        return f
-
+    names = tuple(n for n in ("all_gather", "all_gather_into_tensor", "all_gather_single") if hasattr(dist, n))
     counts = []
-    for name, fn in orig.items():
-        setattr(dist, name, wrap(fn))
-    try:
-        for arg in (cu, torch.tensor(cu)):
-            n["host"] = 0
+    for arg in (cu, torch.tensor(cu)):
+        with CommMeter(names) as meter:
             attn(local, local, local, causal=True, cu_seqlens=arg)
-            counts.append(n["host"])
-    finally:
-        for name, fn in orig.items():
-            setattr(dist, name, fn)
+        counts.append(sum(meter.calls.values()))
     other = None
     try:
         attn(local, local, local, causal=True, cu_seqlens=[0, 5, 6, 12])

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from usp_hal.cli import main
-from usp_hal.cli.run import RunConfig, min_comm_bytes, resolve_split
+from usp_hal.harness.cases import RunConfig, min_comm_bytes, resolve_split
 
 pytestmark = pytest.mark.multirank
 

@@ -231,7 +231,7 @@ def test_8_l20_usp_2x4_beats_ulysses8_and_ring8(causal):
 def test_calibrate_writes_a_profile_plan_can_use(tmp_path):
     """--calibrate on 2 gloo ranks (tiny sizes here to stay fast): a profile with positive
     rates and measured collectives, which plan then reads back from the file."""
-    from usp_hal.cli.plan import calibrate
+    from usp_hal.harness.calibrate import calibrate
     prof = calibrate(2, dtype="fp32", head_dim=32, heads=1, sizes=(64, 128, 256), msg_sizes=(1 << 10, 64 << 10),
                      reps=2, timeout=120)
     k = prof["kernel"]["fp32"]

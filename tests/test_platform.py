@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from usp_hal import platform
-from usp_hal.cli import matrix
+from usp_hal.harness import matrix
 from usp_hal.registry import AUTO_PRIORITY
 
 

@@ -12,6 +12,7 @@ from usp_hal.backend import AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.cli import main
 from usp_hal.cli import probe
+from usp_hal.harness import verify
 from usp_hal.reference import TOLERANCES
 from usp_hal.registry import AttnType, Registry
 
@@ -100,7 +101,7 @@ def test_import_failure_and_raising_availability_are_reasons_not_crashes():
     reg = Registry()
     reg.register("broken", "usp_hal.backends._no_such_adapter:Nothing")
     reg.register("raises", Raises)
-    rows = {r["name"]: r for r in probe.backend_rows(reg)}
+    rows = {r["name"]: r for r in verify.backend_rows(reg)}
     assert rows["broken"]["available"] is False
     assert "failed to import" in rows["broken"]["reason"]
     assert "_no_such_adapter" in rows["broken"]["reason"]
@@ -197,7 +198,7 @@ class _NoFp64HereBackend(SDPABackend):
 def test_verify_failure_sets_exit_code(capsys, monkeypatch):
     reg = Registry()
     reg.register("wrong", _WrongOut)
-    monkeypatch.setattr(probe, "REGISTRY", reg)
+    monkeypatch.setattr(verify, "REGISTRY", reg)
     rc, out, _ = _run(capsys, "--verify", "--backend", "wrong")
     assert rc == 1
     assert "verification: FAILED" in out
@@ -205,7 +206,7 @@ def test_verify_failure_sets_exit_code(capsys, monkeypatch):
 
 
 def test_verify_skips_refused_dtypes_and_undeclared_features():
-    rows = probe.verify_backend(_NoFp64HereBackend, "cpu")
+    rows = verify.verify_backend(_NoFp64HereBackend, "cpu")
     by_dtype = {}
     for r in rows:
         by_dtype.setdefault(r["dtype"], []).append(r)
@@ -226,7 +227,7 @@ def test_verify_requested_unavailable_backend_fails(capsys, monkeypatch):
 
     reg = Registry()
     reg.register("needspkg", NeedsPkg)
-    monkeypatch.setattr(probe, "REGISTRY", reg)
+    monkeypatch.setattr(verify, "REGISTRY", reg)
     rc, out, _ = _run(capsys, "--verify", "--backend", "needspkg", "--json")
     assert rc == 1
     (res,) = _strict_json(out)["verify"]["results"]
@@ -251,13 +252,13 @@ def test_backend_filter_needs_verify(capsys):
 
 
 def test_features_come_from_not_supported_reasons():
-    base = probe.base_request(SDPABackend, "cpu", torch.float32)
-    feats = probe.supported_features(SDPABackend, base)
-    assert set(feats) == set(probe.FEATURES)
+    base = verify.base_request(SDPABackend, "cpu", torch.float32)
+    feats = verify.supported_features(SDPABackend, base)
+    assert set(feats) == set(verify.FEATURES)
     assert feats == {"fwd": True, "bwd": True, "ring": True, "causal": True, "window": True,
                      "softcap": False, "gqa": True}
     # device-specific rules (declared Limits) are honoured: sdpa refuses fp64 off the cpu
-    cuda64 = probe.base_request(SDPABackend, "cuda", torch.float64, (9, 0))
+    cuda64 = verify.base_request(SDPABackend, "cuda", torch.float64, (9, 0))
     assert SDPABackend.not_supported_reasons(cuda64)
 
 
@@ -270,8 +271,8 @@ def test_base_request_picks_a_declared_head_dim():
         HEAD_DIM_MAX = 200
         HEAD_DIM_MULTIPLE = 64
 
-    assert probe.base_request(Only128, "cpu", torch.float32).head_dim == 128
-    refused = probe.base_request(Only128, "cpu", torch.float16)
+    assert verify.base_request(Only128, "cpu", torch.float32).head_dim == 128
+    refused = verify.base_request(Only128, "cpu", torch.float16)
     assert Only128.not_supported_reasons(refused)
 
 
@@ -287,14 +288,14 @@ class _LeftWindowOnly(SDPABackend):
 
 
 def test_window_variant_falls_back_to_causal_left_bound():
-    base = probe.base_request(_LeftWindowOnly, "cpu", torch.float32)
-    assert probe.feature_change(_LeftWindowOnly, base, "window") == {"window": probe.VERIFY_LEFT_WINDOW,
+    base = verify.base_request(_LeftWindowOnly, "cpu", torch.float32)
+    assert verify.feature_change(_LeftWindowOnly, base, "window") == {"window": verify.VERIFY_LEFT_WINDOW,
                                                                      "causal": True}
-    assert probe.feature_change(SDPABackend, base, "window") == {"window": probe.VERIFY_WINDOW}
-    rows = probe.verify_backend(_LeftWindowOnly, "cpu", features={"window": True, "bwd": True, "ring": True})
+    assert verify.feature_change(SDPABackend, base, "window") == {"window": verify.VERIFY_WINDOW}
+    rows = verify.verify_backend(_LeftWindowOnly, "cpu", features={"window": True, "bwd": True, "ring": True})
     assert [(r["case"], r["status"]) for r in rows] == [("plain", "pass"), ("window-causal", "pass")]
     with pytest.raises(ValueError, match="unknown feature"):
-        probe.feature_change(SDPABackend, base, "telepathy")
+        verify.feature_change(SDPABackend, base, "telepathy")
 
 
 class _Lossy(_WrongOut):
@@ -304,12 +305,12 @@ class _Lossy(_WrongOut):
 
 
 def test_lossy_backend_is_verified_against_its_declared_tolerances():
-    assert probe.tolerances_for(SDPABackend, torch.bfloat16) == TOLERANCES[torch.bfloat16]
-    assert probe.tolerances_for(_Lossy, torch.float32) == (0.2, 0.05)
-    rows = probe.verify_backend(_Lossy, "cpu")
+    assert verify.tolerances_for(SDPABackend, torch.bfloat16) == TOLERANCES[torch.bfloat16]
+    assert verify.tolerances_for(_Lossy, torch.float32) == (0.2, 0.05)
+    rows = verify.verify_backend(_Lossy, "cpu")
     assert rows and all(r["status"] == "pass" and r["tolerance"] == [0.2, 0.05] for r in rows)
     # the same error fails at the reference tolerances
-    assert all(r["status"] == "fail" for r in probe.verify_backend(_WrongOut, "cpu"))
+    assert all(r["status"] == "fail" for r in verify.verify_backend(_WrongOut, "cpu"))
 
 
 # ----------------------------------------------------------------------------- per-backend summary
@@ -332,7 +333,7 @@ def test_summary_says_verified_refused_unavailable_failed_or_timeout():
          _res("b", "skip", "device model x not supported"),
          _res("d", "pass"), _res("d", "fail", "out: exceeds tolerance", case="causal"),
          _res("e", "timeout", "verification did not finish within 5 s")])
-    got = {r["backend"]: (r["status"], r["detail"]) for r in probe.summarize(report)}
+    got = {r["backend"]: (r["status"], r["detail"]) for r in verify.summarize(report)}
     assert got["a"][0] == "verified" and "1 case(s) pass" in got["a"][1] and "no window here" in got["a"][1]
     assert got["b"] == ("refused", "device model x not supported")
     assert got["c"] == ("unavailable", "kernel not installed")
@@ -341,11 +342,11 @@ def test_summary_says_verified_refused_unavailable_failed_or_timeout():
 
 
 def test_verify_with_a_time_limit_runs_each_backend_in_its_own_process(capsys):
-    report = probe.collect(verify=True, only=["sdpa"], dtypes=[torch.float32], timeout=120)
+    report = verify.collect(verify=True, only=["sdpa"], dtypes=[torch.float32], timeout=120)
     summary = {r["backend"]: r["status"] for r in report["summary"]}
     assert summary["sdpa"] == "verified" and report["verify"]["ok"]
     assert all(r["backend"] == "sdpa" and r["status"] == "pass" for r in report["verify"]["results"])
-    report = probe.collect(verify=True, only=["sdpa"], dtypes=[torch.float32], timeout=0.01)
+    report = verify.collect(verify=True, only=["sdpa"], dtypes=[torch.float32], timeout=0.01)
     assert [r["status"] for r in report["verify"]["results"]] == ["timeout"]
     assert not report["verify"]["ok"]
     assert {r["backend"]: r["status"] for r in report["summary"]}["sdpa"] == "timeout"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from usp_hal.cli import main
-from usp_hal.cli.run import RunConfig
+from usp_hal.harness import RunConfig
 
 pytestmark = pytest.mark.multirank
 

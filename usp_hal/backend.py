@@ -155,10 +155,6 @@ class AttentionBackend:
 
     # ---------------------------------------------------------------- availability
     @classmethod
-    def package_versions(cls) -> dict:
-        return {p.dist: installed_version(p) for p in cls.REQUIRED_PACKAGES}
-
-    @classmethod
     def availability(cls) -> Availability:
         """Can this backend run on this machine?  Cheap: metadata and find_spec only."""
         version = None

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 import usp_hal
 from tests import dist_cases
 from usp_hal import platform
+from usp_hal.harness import CommMeter
 from usp_hal.reference import reference_attention
 
 from .standin import standin_installed
@@ -92,31 +92,19 @@ def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1
     """A call the backend cannot serve must fail on every rank before any data collective
     (the metadata all-gather is the only exchange allowed).  Returns the error text (or None)
     and the count of data collectives issued."""
-    counts = {name: 0 for name in _COLLECTIVES}
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def wrap(name):
-        def counted(*a, **kw):
-            counts[name] += 1
-            return originals[name](*a, **kw)
-        return counted
-
     with installed(standin), platform.emulate(**emulate):
         mesh = dist_cases.get_mesh(U, R)
         n = mesh.sp_size
         g = torch.Generator().manual_seed(0)
         x = [torch.randn(1, S // n, H, D, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
         attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
-        try:
-            for name in _COLLECTIVES:
-                setattr(dist, name, wrap(name))
-            attn(*x, causal=True, return_attn_probs=return_lse)
-            error = None
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
+        with CommMeter(_COLLECTIVES) as meter:
+            try:
+                attn(*x, causal=True, return_attn_probs=return_lse)
+                error = None
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+    counts = dict(meter.calls)
     return {"error": error, "counts": counts}
 
 

@@ -17,7 +17,7 @@ every entry alike):
 Each configuration is also checked against the reference (as in ``usp-hal run``), and
 reports a per-rank breakdown (time inside the backend's kernels, in communication, the
 rest), the bytes each rank sends against the minimum for its split (formulas in
-``usp_hal.cli.run.min_comm_bytes`` and docs/performance.md), and the peak memory growth
+``usp_hal.harness.cases.min_comm_bytes`` and docs/performance.md), and the peak memory growth
 per rank next to the single process's.
 """
 from __future__ import annotations
@@ -28,209 +28,11 @@ import os
 import platform as _pyplatform
 import sys
 import time
-from dataclasses import asdict, replace
 
-from . import _launch
-from ._launch import fmt_bytes, fmt_ms, median
-from .run import (CHECKS, FP8_CHOICES, LAYOUTS, PROJ_CHOICES, ROTATIONS, RunConfig, add_common_arguments, device_type_from, merge_checks,
-                  min_comm_bytes, rank_check, rank_clear, rank_prepare, rank_release, rank_steps, single_prepare,
-                  single_steps, summarize, validate)
-
-MODES = {"fwd": False, "fwdbwd": True}
-CAUSAL_CHOICES = {"on": (True,), "off": (False,), "both": (False, True)}
-PEERS = ("yunchang",)
-
-
-# ----------------------------------------------------------------------------- sweep
-def parse_splits(text: str, nproc: int) -> list:
-    """"2x1,1x2" -> [(2, 1), (1, 2)]; every split must use all ``nproc`` ranks."""
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        try:
-            u, r = (int(x) for x in item.split("x"))
-        except ValueError:
-            raise ValueError(f"--splits entry {item!r}: write ULYSSESxRING, e.g. 2x1 or 1x2") from None
-        if u < 1 or r < 1 or u * r != nproc:
-            raise ValueError(f"--splits entry {item!r}: ulysses x ring must equal --nproc {nproc}")
-        out.append((u, r))
-    return out
-
-
-def default_splits(nproc: int) -> list:
-    """Ulysses-only, ring-only and every USP factorisation of ``nproc``."""
-    return [(u, nproc // u) for u in range(nproc, 0, -1) if nproc % u == 0]
-
-
-def _csv(text: str, valid, what: str) -> list:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in valid]
-    if bad or not items:
-        raise ValueError(f"{what}: {', '.join(bad) or 'nothing given'} not valid; choose from {', '.join(valid)}")
-    return items
-
-
-def build_groups(args, device_type: str) -> list:
-    """[(group label, base config, [configs])] in sweep order."""
-    nproc = args.nproc
-    splits = parse_splits(args.splits, nproc) if args.splits else default_splits(nproc)
-    impls = _csv(args.ring_impls, LAYOUTS, "--ring-impls")
-    rots = _csv(args.rotations, ROTATIONS, "--rotations")
-    modes = _csv(args.modes, tuple(MODES), "--modes")
-    try:
-        seqlens = [int(x) for x in args.seqlens.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--seqlens {args.seqlens!r}: give comma-separated integers") from None
-    groups = []
-    for causal in CAUSAL_CHOICES[args.causal]:
-        for mode in modes:
-            for S in seqlens:
-                base = RunConfig(nproc=nproc, ulysses=nproc, ring=1, seqlen=S, batch=args.batch, heads=args.heads,
-                                 kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim, causal=causal,
-                                 bwd=MODES[mode], attn_type=args.attn_type, ring_impl="basic", rotate="p2p",
-                                 dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-                                 threads_per_rank=args.threads_per_rank, seed=args.seed, check=args.check,
-                                 device_type=device_type)
-                cfgs = []
-                for u, r in splits:
-                    if r == 1:   # layout and rotation do not exist without a ring
-                        cfgs += _variants(replace(base, ulysses=u, ring=r), args)
-                        continue
-                    for impl in impls:
-                        for rot in rots:
-                            cfgs += _variants(replace(base, ulysses=u, ring=r, ring_impl=impl, rotate=rot), args)
-                for c in cfgs:
-                    validate(c)
-                label = f"S={S} {'fwd+bwd' if MODES[mode] else 'fwd'} {'causal' if causal else 'full'}"
-                groups.append((label, base, cfgs))
-    return groups
-
-
-def _variants(cfg: RunConfig, args) -> list:
-    """The wire-format / pipelining / projection variants of one split to sweep (each only
-    where it changes something: fp8 and pipelining need a Ulysses group, ring fp8 a ring)."""
-    out = []
-    for fp8 in _csv(getattr(args, "fp8", "none"), FP8_CHOICES, "--fp8"):
-        for pipe in [int(x) for x in str(getattr(args, "pipelines", "0")).split(",") if x.strip()]:
-            for proj in _csv(getattr(args, "proj", "none"), PROJ_CHOICES, "--proj"):
-                if cfg.ulysses == 1 and (pipe or (fp8 != "none" and not getattr(args, "ring_fp8", False))
-                                         or proj == "overlap"):
-                    continue
-                if pipe and proj == "overlap":
-                    continue
-                out.append(replace(cfg, fp8=fp8, ring_fp8=bool(getattr(args, "ring_fp8", False)) and cfg.ring > 1
-                                   and fp8 != "none", pipeline=pipe, proj=proj))
-    return out or [cfg]
-
-
-def config_label(cfg: RunConfig) -> str:
-    if cfg.ring == 1:
-        name = f"ulysses{cfg.ulysses}"
-    else:
-        name = f"ring{cfg.ring}" if cfg.ulysses == 1 else f"usp{cfg.ulysses}x{cfg.ring}"
-        name = f"{name} {cfg.ring_impl} {cfg.rotate}"
-    extra = [f"fp8:{cfg.fp8}" if cfg.fp8 != "none" else "", "ringfp8" if cfg.ring_fp8 else "",
-             f"pipe{cfg.pipeline}" if cfg.pipeline else "", f"proj:{cfg.proj}" if cfg.proj != "none" else ""]
-    return " ".join([name] + [e for e in extra if e])
-
-
-# ----------------------------------------------------------------------------- peers
-def peer_available(name: str):
-    """(available, note)."""
-    import importlib.util
-    if name == "yunchang":
-        if importlib.util.find_spec("yunchang") is None:
-            return False, "yunchang is not installed (pip install yunchang --no-deps to compare)"
-        return True, ""
-    return False, f"unknown peer {name!r}"
-
-
-_PEER = {}
-
-
-def _yunchang_attn_type(device_type: str):
-    from yunchang.kernels import AttnType
-    if device_type == "cpu":
-        return AttnType.TORCH_MATH       # its flash/efficient torch paths call CUDA-only aten ops
-    from usp_hal.registry import get_backend
-    # the peer's flash path needs the same package our fa2 adapter does
-    return AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
-
-
-def rank_peer_prepare(cfg: dict, case: str) -> dict:
-    """yunchang's LongContextAttention on this split; its error against the reference rows
-    this rank computed for the same inputs (forward only)."""
-    import torch
-    import torch.distributed as dist
-    import yunchang
-    from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, set_seq_parallel_pg
-
-    from . import run as _run
-    cfg = RunConfig(**cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if _PEER.get("degrees") != (cfg.ulysses, cfg.ring):
-        set_seq_parallel_pg(cfg.ulysses, cfg.ring, rank, world)
-        _PEER["degrees"] = (cfg.ulysses, cfg.ring)
-    impl = {"basic": "basic", "zigzag": "zigzag", "stripe": "strip"}[cfg.ring_impl]
-    q, k, v, _ = _run.global_inputs(cfg)
-
-    def ext(x):
-        return EXTRACT_FUNC_DICT[impl](x, rank, world, cfg.ring, cfg.ulysses).contiguous()
-
-    st = _run._Case()
-    try:
-        st.q, st.k, st.v = ext(q), ext(k), ext(v)
-        st.attn = LongContextAttention(ring_impl_type=impl, attn_type=_yunchang_attn_type(cfg.device_type))
-        st.cfg = cfg
-        with torch.no_grad():
-            out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
-    except Exception as exc:     # the peer's own failure is a result, not a crash of the sweep
-        return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    # reference: this rank's rows, gathered, then laid out the way yunchang lays them out
-    mode = cfg.check_mode() if cfg.check != "none" else None
-    err = None
-    if mode:
-        bounds = torch.tensor_split(torch.arange(cfg.seqlen), world)[rank]
-        lo, hi = int(bounds[0]), int(bounds[-1]) + 1
-        ref_rows = _run._reference_rows(replace(cfg, bwd=False), mode, lo, hi)[0].to(q.dtype).contiguous()
-        parts = _launch.gather_objects(ref_rows.cpu())
-        ref = torch.cat(parts, dim=1).to(q.device)
-        atol, rtol = _run.reference_tolerance(cfg, mode)
-        err = _run._compare(out, ext(ref), atol, rtol)
-    st.mem = _launch.MemoryMeter(cfg.device_type)
-    _run._CASES[case] = st
-    return {"version": getattr(yunchang, "__version__", None) or _dist_version("yunchang"), "error": err,
-            "attn_type": str(_yunchang_attn_type(cfg.device_type).value)}
-
-
-def _dist_version(name: str):
-    import importlib.metadata
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
-    import torch
-    import torch.distributed as dist
-
-    from . import run as _run
-    st = _run._CASES[case]
-    recs = []
-    for _ in range(n):
-        dist.barrier()
-        _run._sync(st.cfg.device_type)
-        if memory:
-            st.mem.start()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = st.attn(st.q, st.k, st.v, causal=st.cfg.causal)
-        _run._sync(st.cfg.device_type)
-        t = time.perf_counter() - t0
-        del out
-        recs.append({"time": t, "mem": st.mem.stop() if memory else None})
-    return recs
+from ..harness import LaunchError, fmt_bytes, fmt_ms, in_torchrun
+from ..harness.cases import CHECKS
+from ..harness.sweep import CAUSAL_CHOICES, build_groups, run_sweep
+from .run import add_common_arguments, device_type_from
 
 
 # ----------------------------------------------------------------------------- progress
@@ -262,167 +64,6 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-# ----------------------------------------------------------------------------- the sweep
-def _thread_counts(cfg: RunConfig) -> list:
-    return sorted({1, cfg.threads_per_rank, cfg.nproc * cfg.threads_per_rank})
-
-
-def run_sweep(args, groups: list, device_type: str) -> dict:
-    rounds = args.warmup + args.iters
-    peers = []
-    notes = []
-    if args.peers:
-        for name in PEERS:
-            ok, note = peer_available(name)
-            if ok:
-                peers.append(name)
-            else:
-                notes.append(f"peer {name} skipped: {note}")
-    per_group = [len(c) + (0 if args.no_baseline else len(_thread_counts(b))) +
-                 (len([x for x in c if not x.bwd]) if peers else 0) for _, b, c in groups]
-    progress = Progress(sum(n * (rounds + 1) for n in per_group), enabled=not args.quiet)
-    results, baselines, peer_rows = [], [], []
-    pool = single = None
-    try:
-        pool = _launch.RankPool(args.nproc, threads=args.threads_per_rank, device_type=device_type,
-                                start_timeout=min(args.timeout, 300.0), wait=False)
-        if not args.no_baseline:
-            single = _launch.RankPool(1, threads=1, device_type=device_type, init_dist=False,
-                                      start_timeout=min(args.timeout, 300.0), wait=False)
-            single.wait_ready()
-        pool.wait_ready()
-        for label, base, cfgs in groups:
-            pool.run(rank_clear, timeout=args.timeout)
-            prep = {}
-            for i, c in enumerate(cfgs):
-                prep[i] = pool.run(rank_prepare, timeout=args.timeout, cfg=asdict(c), case=f"c{i}")
-            entries = [("dist", i) for i in range(len(cfgs))]
-            if single is not None:
-                single.run(rank_clear, timeout=args.timeout)
-                single_inputs = single.run(single_prepare, timeout=args.timeout, cfg=asdict(base),
-                                           case="single")[0]["input_bytes"]
-                entries += [("single", th) for th in _thread_counts(base)]
-            peer_prep = {}
-            if peers and not base.bwd:
-                for i, c in enumerate(cfgs):
-                    got = pool.run(rank_peer_prepare, timeout=args.timeout, cfg=asdict(c), case=f"p{i}")
-                    failed = [g["failed"] for g in got if g.get("failed")]
-                    if failed:
-                        peer_rows.append({"group": label, **_group_fields(base), "config": config_label(c),
-                                          "peer": "yunchang", "status": "failed", "note": failed[0]})
-                        continue
-                    peer_prep[i] = got
-                    entries.append(("peer", i))
-            elif peers and base.bwd:
-                notes.append(f"{label}: peers timed forward only (yunchang has no backward on cpu)"
-                             if device_type == "cpu" else f"{label}: peers timed forward only")
-            recs = {e: [] for e in entries}
-            for rnd in range(rounds):
-                shift = rnd % len(entries)
-                for kind, key in entries[shift:] + entries[:shift]:
-                    if kind == "dist":
-                        out = pool.run(rank_steps, timeout=args.timeout, case=f"c{key}", n=1)
-                        text = config_label(cfgs[key])
-                    elif kind == "single":
-                        out = single.run(single_steps, timeout=args.timeout, case="single", n=1, threads=key)[0]
-                        text = f"single process {key} thread(s)"
-                    else:
-                        out = pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=1)
-                        text = f"yunchang {config_label(cfgs[key])}"
-                    if rnd >= args.warmup:
-                        recs[(kind, key)].append(out)
-                    progress.step(f"{label} {text}")
-            # one untimed iteration per entry for the memory reading (see usp_hal.cli._launch)
-            mems = {}
-            for kind, key in entries:
-                if kind == "dist":
-                    mems[(kind, key)] = pool.run(rank_steps, timeout=args.timeout, case=f"c{key}", n=1, memory=True)
-                elif kind == "single" and key == 1:
-                    mems[(kind, key)] = single.run(single_steps, timeout=args.timeout, case="single", n=1, threads=1,
-                                                   memory=True)[0]
-                elif kind == "peer":
-                    mems[(kind, key)] = pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=1,
-                                                 memory=True)
-                progress.step(f"{label} memory")
-            base_row = None
-            if single is not None:
-                base_row = {"group": label, **_group_fields(base), "input_bytes": single_inputs}
-                for th in _thread_counts(base):
-                    rs = [r[0] for r in recs[("single", th)]]
-                    base_row[f"t{th}"] = {"time": median([r["time"] for r in rs]),
-                                          "fwd": median([r["fwd"] for r in rs]),
-                                          "bwd": median([r["bwd"] for r in rs])}
-                base_row["mem"] = mems[("single", 1)][0]["mem"]
-                baselines.append(base_row)
-            for i, c in enumerate(cfgs):
-                # each round gave [rank][record]; regroup as rank -> its records over the rounds
-                per_rank = [[rnd[r][0] for rnd in recs[("dist", i)]] for r in range(c.nproc)]
-                summary = summarize(c, per_rank, mems[("dist", i)])
-                check = merge_checks(pool.run(rank_check, timeout=args.timeout, case=f"c{i}"))
-                pool.run(rank_release, timeout=args.timeout, case=f"c{i}")
-                results.append(_result_row(label, c, prep[i], summary, check, base_row))
-            for i in peer_prep:
-                rs = [[per[0] for per in rnd] for rnd in recs[("peer", i)]]     # round -> rank records
-                it_max = [max(r["time"] for r in per) for per in rs]
-                row = {"group": label, **_group_fields(base), "config": config_label(cfgs[i]), "peer": "yunchang",
-                       "status": "ok", "version": peer_prep[i][0]["version"],
-                       "attn_type": peer_prep[i][0]["attn_type"], "time": median(it_max),
-                       "mem_per_rank": max(r[0]["mem"] for r in mems[("peer", i)])}
-                errs = [p["error"] for p in peer_prep[i] if p["error"] is not None]
-                if errs:
-                    row["error_max_abs"] = max(e["max_abs"] for e in errs)
-                    row["error_worst"] = max(e["worst"] for e in errs)
-                    row["correct"] = row["error_worst"] <= 1.0
-                ours = next((r for r in results if r["group"] == label and r["config"] == row["config"]), None)
-                if ours:
-                    row["usp_hal_time"] = ours["time"]
-                    row["ratio_peer_vs_usp_hal"] = row["time"] / ours["time"]
-                if base_row:
-                    row["ratio_vs_floor"] = row["time"] / (base_row[f"t{base.threads_per_rank}"]["time"] / base.nproc)
-                peer_rows.append(row)
-    finally:
-        progress.close()
-        for p in (pool, single):
-            if p is not None:
-                p.close()
-    return {"results": results, "baselines": baselines, "peers": peer_rows, "notes": notes}
-
-
-def _group_fields(cfg: RunConfig) -> dict:
-    return {"seqlen": cfg.seqlen, "mode": "fwd+bwd" if cfg.bwd else "fwd", "causal": cfg.causal}
-
-
-def _result_row(label, cfg: RunConfig, prep, s, check, base_row) -> dict:
-    mc = min_comm_bytes(cfg)
-    row = {"group": label, **_group_fields(cfg), "config": config_label(cfg), "ulysses": cfg.ulysses,
-           "ring": cfg.ring, "ring_impl": cfg.ring_impl if cfg.ring > 1 else None,
-           "rotate": cfg.rotate if cfg.ring > 1 else None, "backend": prep[0]["backend"],
-           "time": s["time"], "fwd": s["fwd"], "bwd": s["bwd"], "iter_times": s["iter_times"],
-           "per_rank": [{k: r[k] for k in ("rank", "time", "kernel_fwd", "kernel_bwd", "comm", "merge", "layout",
-                                           "other", "sent", "bytes", "mem", "work")}
-                        for r in s["ranks"]],
-           "kernel_balance": s["kernel_balance"], "work_balance": s["work_balance"],
-           "sent_per_rank": s["sent_per_rank"],
-           "min_sent_per_rank": mc["total"], "sent_vs_min": (s["sent_per_rank"] / mc["total"]) if mc["total"] else None,
-           "mem_per_rank": s["mem_per_rank"],
-           "input_bytes_per_rank": max(p["input_bytes"] for p in prep),
-           "check": {"mode": check["mode"], "ok": check.get("ok", True),
-                     "worst": max((e["worst"] for e in check["errors"].values()), default=None),
-                     "max_abs": {k: e["max_abs"] for k, e in check["errors"].items()}}}
-    comm = max(r["comm"] for r in s["ranks"])
-    row["comm_fraction"] = comm / s["time"] if s["time"] else None
-    if base_row:
-        floor = base_row[f"t{cfg.threads_per_rank}"]["time"] / cfg.nproc
-        same = base_row[f"t{cfg.nproc * cfg.threads_per_rank}"]["time"]
-        row.update(floor=floor, single_same_threads=same, single_1_thread=base_row["t1"]["time"],
-                   ratio_vs_floor=s["time"] / floor, ratio_vs_single_same_threads=s["time"] / same,
-                   single_mem=base_row["mem"], mem_vs_single=s["mem_per_rank"] / max(base_row["mem"], 1),
-                   single_input_bytes=base_row["input_bytes"],
-                   mem_with_inputs_vs_single=(s["mem_per_rank"] + row["input_bytes_per_rank"])
-                   / max(base_row["mem"] + base_row["input_bytes"], 1))
-    return row
 
 
 # ----------------------------------------------------------------------------- output
@@ -590,7 +231,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    if _launch.in_torchrun():
+    if in_torchrun():
         print("usp-hal bench: spawns its own ranks and single-process baselines; run it without torchrun "
               "(use `usp-hal run` under torchrun)", file=sys.stderr)
         return 2
@@ -606,8 +247,8 @@ def run(args) -> int:
         return 2
     t0 = time.monotonic()
     try:
-        out = run_sweep(args, groups, device_type)
-    except _launch.LaunchError as exc:
+        out = run_sweep(args, groups, device_type, lambda total: Progress(total, enabled=not args.quiet))
+    except LaunchError as exc:
         print(f"usp-hal bench: {exc}", file=sys.stderr)
         return 1
     import torch

@@ -1,0 +1,174 @@
+"""Calibration for ``usp-hal plan --calibrate``: measure the kernel, the merge, copies and
+the collectives on spawned CPU ranks and return a machine profile (see
+:mod:`usp_hal.planner` for what the numbers mean)."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from .. import planner
+from . import pool as _pool
+
+
+def _fit(points):
+    """Least squares t = a + b*x over (x, t); returns (a >= 0, b > 0)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (t - mt) for x, t in points) / var if var else (mt / mx if mx else 0.0)
+    b = max(b, 1e-18)
+    return max(0.0, mt - b * mx), b
+
+
+def _best(fn, reps: int) -> float:
+    """The fastest of ``reps`` runs: on a shared machine, noise only ever adds time."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes: list, reps: int) -> dict:
+    """Measure on this rank (kernel, merge, copies) and on the group (collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..capabilities import AttnRequest
+    from ..comm import _all_gather_single
+    from ..registry import REGISTRY
+    from ..ring import merge_block
+    from .cases import _torch_dtype
+    tdt = _torch_dtype(dtype)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {"rank": rank}
+    req = AttnRequest(dtype=tdt, device_type="cpu", head_dim=head_dim, num_heads=heads, num_kv_heads=heads,
+                      causal=True, needs_grad=True, needs_lse=True, key_offset=True)
+    backend = REGISTRY.select("auto", req)()
+    out["backend"] = getattr(backend, "NAME", type(backend).__name__)
+    scale = head_dim ** -0.5
+    fwd_pts, bwd_pts, causal = [], [], {}
+    for s in sizes:
+        q, k, v = (torch.randn(1, s, heads, head_dim, dtype=tdt) for _ in range(3))
+        for c in (False, True):
+            o, lse = backend.forward(q, k, v, softmax_scale=scale, causal=c)
+            tf = _best(lambda: backend.forward(q, k, v, softmax_scale=scale, causal=c), reps)
+            do = torch.randn_like(o)
+            tb = _best(lambda: backend.backward(do, q, k, v, o, lse, softmax_scale=scale, causal=c), reps)
+            flops = planner.FLOPS_PER_PAIR * head_dim * s * s * heads
+            if c:
+                causal[s] = (tf, tb)
+            else:
+                fwd_pts.append((flops, tf))
+                bwd_pts.append((planner.BWD_FLOPS_RATIO * flops, tb))
+                causal.setdefault(("full", s), (tf, tb))
+    # rate: the median over sizes of flops / time (one disturbed size cannot skew it);
+    # per-call overhead: what the smallest size takes beyond its flops at that rate
+    rate_f = statistics.median([f / t for f, t in fwd_pts])
+    rate_b = statistics.median([f / t for f, t in bwd_pts])
+    a_f = max(0.0, fwd_pts[0][1] - fwd_pts[0][0] / rate_f)
+    a_b = max(0.0, bwd_pts[0][1] - bwd_pts[0][0] / rate_b)
+    b_f, b_b = 1.0 / rate_f, 1.0 / rate_b
+    cfs = [((causal[s][0]) / max(causal[("full", s)][0], 1e-12) + causal[s][1] / max(causal[("full", s)][1], 1e-12)) / 2
+           for s in sizes[1:]]
+    cf = statistics.median(cfs)
+    out["kernel"] = {"fwd_flops": 1.0 / b_f, "bwd_flops": 1.0 / b_b, "call_overhead": (a_f + a_b) / 2,
+                     "causal_factor": min(1.0, max(0.5, cf)), "backend": out["backend"],
+                     "measured": {"sizes": sizes, "heads": heads, "head_dim": head_dim,
+                                  "fwd_s": [t for _, t in fwd_pts], "bwd_s": [t for _, t in bwd_pts],
+                                  "causal_fwd_bwd_s": [list(causal[s]) for s in sizes]}}
+    # merge and copy throughput
+    n = 1 << 20
+    acc = torch.randn(1, n // (heads * head_dim), heads, head_dim, dtype=torch.float32)
+    lse = torch.randn(1, heads, acc.shape[1])
+    o2, l2 = acc.clone(), lse.clone()
+    tm = _best(lambda: merge_block(acc, lse, slice(0, acc.shape[1]), o2, l2), reps)
+    out["merge_s_per_elem"] = tm / acc.numel()
+    x = torch.randn(4 << 20, dtype=torch.float32)
+    tc = _best(lambda: x.clone(), reps)
+    out["copy_bandwidth"] = x.numel() * 4 / tc
+    # collectives on the whole group: latency + bytes / bandwidth per kind
+    colls = {}
+    for kind in ("all_to_all", "p2p", "all_gather"):
+        pts = []
+        for nbytes in msg_sizes:
+            numel = max(world, nbytes // 4 // world * world)
+            buf = torch.randn(numel)
+            recv = torch.empty_like(buf)
+            if kind == "all_to_all":
+                def op():
+                    dist.all_to_all_single(recv, buf)
+                sent = numel * 4 * (world - 1) / world
+            elif kind == "p2p":
+                def op():
+                    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, (rank + 1) % world),
+                                                   dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
+                    for r in reqs:
+                        r.wait()
+                sent = numel * 4
+            else:
+                gat = torch.empty(numel * world)
+
+                def op():
+                    _all_gather_single(gat, buf)
+                sent = numel * 4 * (world - 1)
+
+            def timed():
+                dist.barrier()
+                return _best(op, 1)
+            op()
+            pts.append((sent, min(timed() for _ in range(reps))))
+        lat, inv_bw = _fit(pts)
+        colls[kind] = {"intra": {"bandwidth": 1.0 / inv_bw, "latency": lat,
+                                 "measured": [{"bytes": b, "s": t} for b, t in pts]}}
+    out["collectives"] = colls
+    dist.barrier()
+    return out
+
+
+def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads: int = 2, threads: int = 1,
+              sizes=(512, 1024, 2048), msg_sizes=(4 << 10, 256 << 10, 2 << 20, 8 << 20), reps: int = 5,
+              timeout: float = 120.0) -> dict:
+    """Spawn ``nproc`` CPU ranks (gloo), measure, and return a profile dict."""
+    t0 = time.monotonic()
+    pool = _pool.RankPool(nproc, threads=threads, device_type="cpu", start_timeout=timeout)
+    try:
+        res = pool.run(rank_calibrate, timeout=timeout, dtype=dtype, head_dim=head_dim, heads=heads,
+                       sizes=list(sizes), msg_sizes=list(msg_sizes), reps=reps)
+    finally:
+        pool.close()
+    # the slowest rank's numbers (the ranks run in lock step)
+    kern = min((r["kernel"] for r in res), key=lambda k: k["fwd_flops"])
+    colls = {}
+    for kind in res[0]["collectives"]:
+        worst = min((r["collectives"][kind]["intra"] for r in res), key=lambda c: c["bandwidth"])
+        colls[kind] = {"intra": worst, "inter": worst}
+    import platform as _pyplatform
+
+    import torch
+    return {
+        "name": "cpu",
+        "description": f"measured by `usp-hal plan --calibrate` on {_pyplatform.machine()} "
+                       f"({os.cpu_count()} logical cpus), {nproc} gloo ranks x {threads} thread(s), torch "
+                       f"{torch.__version__}, in {time.monotonic() - t0:.1f} s",
+        "sources": ["measured on this machine (see 'measured' entries)"],
+        "assumptions": ["one host: intra and inter links are the same loopback transport",
+                        "kernel throughput measured at the calibration head dim; other head dims use it unscaled",
+                        "backward throughput is per 2.5x the forward flops (recompute + 4 matmuls)"],
+        "gpus_per_node": 1 << 20,
+        "memory_bytes": None,
+        "intra": {"bandwidth": colls["p2p"]["intra"]["bandwidth"], "latency": colls["p2p"]["intra"]["latency"]},
+        "inter": {"bandwidth": colls["p2p"]["intra"]["bandwidth"], "latency": colls["p2p"]["intra"]["latency"]},
+        "collectives": colls,
+        "kernel": {dtype: {k: kern[k] for k in ("fwd_flops", "bwd_flops", "call_overhead", "causal_factor",
+                                                "backend", "measured")}},
+        "merge_s_per_elem": max(r["merge_s_per_elem"] for r in res),
+        "copy_bandwidth": min(r["copy_bandwidth"] for r in res),
+        "overlap_penalty": 0.0,
+        "call_overhead": 0.0,
+        "calibration": {"nproc": nproc, "threads_per_rank": threads, "dtype": dtype, "head_dim": head_dim,
+                        "heads": heads, "wall_s": round(time.monotonic() - t0, 1)},
+    }

@@ -1,0 +1,390 @@
+"""Verification against the float64 reference, and what the probe reports.
+
+Feature flags (:data:`FEATURES`) and the request changes that exercise them are decided by
+each backend's own ``not_supported_reasons`` (:func:`supported_features`,
+:func:`feature_change`); :func:`verify_backend` runs every available backend once on a
+device for each dtype it declares (small shapes; causal and not; GQA, window and softcap
+when declared) and compares ``out``, ``lse`` and, for backends with a backward,
+``dq``/``dk``/``dv`` with :func:`usp_hal.reference.reference_attention`, using the
+per-dtype tolerances of :mod:`usp_hal.reference` (or a lossy backend's own).
+:func:`compare` is the one tolerance check, shared with ``usp-hal run``/``bench`` and the
+tests.  :func:`collect` gathers what ``usp-hal probe`` prints: the torch build, the
+devices, the distributed backends, every registered backend's availability (with the exact
+reason) and declared capabilities, and the verification results.
+
+``usp-hal probe``, the CI matrix (``usp-hal matrix``) and the tests all use these
+helpers, so "what a backend is tested for" has one definition.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from .. import __version__
+from .. import platform as _platform
+from ..capabilities import AttnRequest, capability_row, dtype_name, parse_dtype
+from ..reference import TOLERANCES, reference_attention
+from ..registry import REGISTRY
+
+# ----------------------------------------------------------------------------- features
+#: Feature flags a backend is tested for, in display order.
+FEATURES = ("fwd", "bwd", "ring", "causal", "window", "softcap", "gqa")
+
+VERIFY_BATCH = 2
+VERIFY_SEQLEN = 32
+VERIFY_HEADS = 4
+VERIFY_KV_HEADS = 2          # the GQA case: two query heads per key/value head
+VERIFY_WINDOW = (6, 2)       # (left, right); narrower than the sequence on both sides
+VERIFY_LEFT_WINDOW = (6, 0)  # causal sliding window, for kernels with a left bound only
+VERIFY_SOFTCAP = 1.0         # small enough that the cap changes the scores noticeably
+FP8_RMS_BUDGET = 0.05       # a lossy (fp8 wire format) result: RMS error <= 5% of RMS(reference)
+# first head dim (in this order) that a backend's declarations accept is used for checks
+HEAD_DIM_CANDIDATES = (64, 128, 32, 96, 80, 16, 256, 8)
+
+#: feature -> request changes that exercise it, in order of preference.  A feature is
+#: supported when the backend's ``not_supported_reasons`` accepts one of them; the first
+#: accepted one is what gets verified.
+FEATURE_VARIANTS = {
+    "fwd": ({},),
+    "bwd": ({"needs_grad": True},),
+    "ring": ({"needs_lse": True},),
+    "causal": ({"causal": True},),
+    "window": ({"window": VERIFY_WINDOW}, {"window": VERIFY_LEFT_WINDOW, "causal": True}),
+    "softcap": ({"softcap": VERIFY_SOFTCAP},),
+    "gqa": ({"num_kv_heads": VERIFY_KV_HEADS},),
+}
+
+
+def feature_change(backend, base: AttnRequest, feature: str) -> Optional[dict]:
+    """The first variant of ``feature`` that ``backend`` accepts on top of ``base``, or None."""
+    try:
+        variants = FEATURE_VARIANTS[feature]
+    except KeyError:
+        raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(FEATURES)}") from None
+    for change in variants:
+        if not backend.not_supported_reasons(base.with_(**change)):
+            return dict(change)
+    return None
+
+
+def base_request(backend, device_type: str, dtype: torch.dtype,
+                 compute_capability: Optional[tuple] = None) -> AttnRequest:
+    """A plain forward request for this device/dtype with a head dim the backend declares.
+
+    The head dim is the first of :data:`HEAD_DIM_CANDIDATES` the declarations accept; when
+    none is accepted (or something else is refused) the returned request still carries the
+    first candidate, so ``not_supported_reasons`` on it explains the refusal.
+    """
+    base = AttnRequest(dtype=dtype, device_type=device_type, num_heads=VERIFY_HEADS,
+                       compute_capability=tuple(compute_capability) if compute_capability else None,
+                       head_dim=HEAD_DIM_CANDIDATES[0])
+    for hd in HEAD_DIM_CANDIDATES:
+        req = base.with_(head_dim=hd)
+        if not backend.not_supported_reasons(req):
+            return req
+    return base
+
+
+def supported_features(backend, base: AttnRequest) -> dict:
+    """{feature: bool} for ``base``, decided by the backend's own ``not_supported_reasons``."""
+    return {f: feature_change(backend, base, f) is not None for f in FEATURES}
+
+
+def tolerances_for(backend, dtype: torch.dtype) -> tuple:
+    """(atol, rtol) for verifying ``backend`` in ``dtype``: the reference's per-dtype
+    tolerances, unless the backend declares its own for a lossy kernel
+    (``LOSSY_TOLERANCES = {dtype: (atol, rtol)}``)."""
+    own = getattr(backend, "LOSSY_TOLERANCES", None) or {}
+    return tuple(own.get(dtype, TOLERANCES[dtype]))
+
+
+# ----------------------------------------------------------------------------- verify
+def _cases(backend, base: AttnRequest, use: dict) -> list:
+    """(case name, request changes) for the enabled features; always a plain case first."""
+    cases = [("plain", {})]
+    causal = feature_change(backend, base, "causal") if use.get("causal") else None
+    if causal is not None:
+        cases.append(("causal", causal))
+    if use.get("gqa"):
+        gqa = feature_change(backend, base, "gqa")
+        if gqa is not None:
+            change = {**gqa, **(causal or {})}
+            cases.append(("gqa-causal" if change.get("causal") else "gqa", change))
+    for feature in ("window", "softcap"):
+        change = feature_change(backend, base, feature) if use.get(feature) else None
+        if change is not None:
+            cases.append((feature + ("-causal" if change.get("causal") else ""), change))
+    return cases
+
+
+def compare(got, ref, atol: float, rtol: float, lossy: bool = False) -> dict:
+    """``got`` against ``ref`` under the tolerance ``|err| <= atol + rtol * |ref|``: the one
+    comparator of the probe, ``usp-hal run``/``bench`` and the tests.
+
+    Returns ``{"max_abs", "worst", "rms_rel", "max_rel", "ok", "problem"}``.  ``worst`` is
+    the largest ``|err| / (atol + rtol * |ref|)`` (<= 1 passes); with ``lossy`` (the fp8 wire
+    format) it is RMS(err)/RMS(ref) over :data:`FP8_RMS_BUDGET` instead.  ``rms_rel`` and
+    ``max_rel``: RMS(err)/RMS(ref) and max|err|/max|ref|.  Infinities of the same sign are
+    equal (the lse of a row that sees no key), NaN is an infinite error.  A missing tensor or
+    a different shape fails, with ``max_abs`` None and the reason in ``problem``.
+    """
+    fail = {"max_abs": None, "worst": math.inf, "rms_rel": None, "max_rel": None, "ok": False}
+    if got is None:
+        return {**fail, "problem": "missing"}
+    if tuple(got.shape) != tuple(ref.shape):
+        return {**fail, "problem": f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}"}
+    r = ref.detach().to(torch.float64)
+    g = got.detach().to(r.device, torch.float64)
+    same_inf = torch.isinf(g) & torch.isinf(r) & (torch.sign(g) == torch.sign(r))
+    diff = torch.nan_to_num((g - r).abs().masked_fill(same_inf, 0.0), nan=math.inf)
+    if not diff.numel():
+        return {"max_abs": 0.0, "worst": 0.0, "rms_rel": 0.0, "max_rel": 0.0, "ok": True, "problem": ""}
+    r = r.masked_fill(torch.isinf(r), 0.0)
+    rms_rel = float(diff.pow(2).mean().sqrt()) / (float(r.pow(2).mean().sqrt()) or 1.0)
+    max_rel = float(diff.max()) / (float(r.abs().max()) or 1.0)
+    worst = rms_rel / FP8_RMS_BUDGET if lossy else float((diff / (atol + rtol * r.abs())).max())
+    ok = worst <= 1.0
+    return {"max_abs": float(diff.max()), "worst": worst, "rms_rel": rms_rel, "max_rel": max_rel, "ok": ok,
+            "problem": "" if ok else "exceeds tolerance"}
+
+
+def _expected_lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *, causal=False,
+                num_kv_heads: Optional[int] = None, window=(-1, -1), softcap=0.0,
+                check_lse: bool = True, check_grad: bool = True, seed: int = 0,
+                tolerance: Optional[tuple] = None) -> dict:
+    """Run ``backend`` once on ``device_type`` and compare with the float64 reference.
+
+    Returns ``{"errors": {name: max abs error}, "ok": bool, "problems": [text]}``; a kernel
+    that raises gives ``ok=False`` with the exception as the problem.  ``tolerance``
+    defaults to :func:`tolerances_for` the backend.
+    """
+    atol, rtol = tolerance if tolerance is not None else tolerances_for(backend, dtype)
+    b, s, h = VERIFY_BATCH, VERIFY_SEQLEN, VERIFY_HEADS
+    hkv = h if num_kv_heads is None else num_kv_heads
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, heads, head_dim, generator=gen).to(dtype) for heads in (h, hkv, hkv))
+    dout = torch.randn(b, s, h, head_dim, generator=gen).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    opts = dict(softmax_scale=scale, causal=causal, window=tuple(window), softcap=softcap)
+
+    qr, kr, vr = (x.to(torch.float64).requires_grad_(check_grad) for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(qr, kr, vr, **opts)
+    if check_grad:
+        ref_out.backward(dout.to(torch.float64))
+    refs = {"out": ref_out.detach(), "lse": ref_lse.detach()}
+    if check_grad:
+        refs.update(dq=qr.grad, dk=kr.grad, dv=vr.grad)
+
+    result = {"errors": {}, "ok": True, "problems": []}
+
+    def check(name, got):
+        res = compare(got, refs[name], atol, rtol)
+        err = res["max_abs"]
+        result["errors"][name] = err if err is not None and math.isfinite(err) else None  # JSON has no inf
+        if not res["ok"]:
+            result["ok"] = False
+            result["problems"].append(f"{name}: {res['problem']}")
+
+    dev = torch.device(_platform.torch_device_name(device_type))
+    try:
+        kernel = backend()
+        qd, kd, vd, dod = (x.to(dev) for x in (q, k, v, dout))
+        with torch.no_grad():
+            out, lse = kernel.forward(qd, kd, vd, **opts)
+            check("out", out)
+            if out is not None and out.dtype != dtype:
+                result["ok"] = False
+                result["problems"].append(f"out dtype {dtype_name(out.dtype)}, contract says {dtype_name(dtype)}")
+            if check_lse:
+                check("lse", lse)
+                want = _expected_lse_dtype(dtype)
+                if lse is not None and lse.dtype != want:
+                    result["ok"] = False
+                    result["problems"].append(f"lse dtype {lse.dtype}, contract says {want}")
+            if check_grad:
+                grads = kernel.backward(dod, qd, kd, vd, out, lse, **opts)
+                for name, got in zip(("dq", "dk", "dv"), grads):
+                    check(name, got)
+    except Exception as exc:  # a failing kernel is a verification result, not a crash
+        result["ok"] = False
+        result["problems"].append(f"{type(exc).__name__}: {exc}")
+    return result
+
+
+def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = None,
+                   features: Optional[dict] = None, seed: int = 0) -> list:
+    """Verify ``backend`` on ``device_type`` for each declared dtype (or ``dtypes``).
+
+    ``features`` ({feature: bool}) narrows what is exercised; by default every feature the
+    declarations accept for the dtype (the same cases a CI matrix entry runs).
+    A dtype or case the declarations refuse on this device is reported as ``skip`` with the
+    reasons.  Returns one result dict per (dtype, case).
+    """
+    cc = _platform.compute_capability(device_type)
+    declared = [parse_dtype(d) for d in capability_row(backend)["dtypes"]]
+    wanted = declared if dtypes is None else [parse_dtype(d) for d in dtypes]
+    rows = []
+    for dtype in wanted:
+        base = base_request(backend, device_type, dtype, cc)
+        row0 = {"backend": backend.NAME, "device": device_type, "dtype": dtype_name(dtype),
+                "head_dim": base.head_dim, "tolerance": list(tolerances_for(backend, dtype))}
+        refused = backend.not_supported_reasons(base)
+        if refused:
+            rows.append({**row0, "case": "-", "status": "skip", "errors": {}, "reason": "; ".join(refused)})
+            continue
+        have = supported_features(backend, base)
+        if features is None:     # every feature the declarations accept (what the CI matrix entry runs too)
+            use = {f: have[f] for f in FEATURES if f != "fwd"}
+        else:
+            use = {f: bool(features.get(f)) for f in FEATURES if f != "fwd"}
+        checked = base.with_(needs_grad=use.get("bwd", False), needs_lse=use.get("ring", False))
+        for case, change in _cases(backend, checked, use):
+            req = checked.with_(**change)
+            why = backend.not_supported_reasons(req)
+            if why:
+                rows.append({**row0, "case": case, "status": "skip", "errors": {}, "reason": "; ".join(why)})
+                continue
+            res = verify_case(backend, device_type, dtype, base.head_dim,
+                              causal=req.causal, num_kv_heads=req.num_kv_heads, window=req.window,
+                              softcap=req.softcap, check_lse=req.needs_lse, check_grad=req.needs_grad,
+                              seed=seed)
+            rows.append({**row0, "case": case, "status": "pass" if res["ok"] else "fail",
+                         "errors": res["errors"], "reason": "; ".join(res["problems"])})
+    return rows
+
+
+# ----------------------------------------------------------------------------- collect
+def backend_rows(registry=None) -> list:
+    """One row per registered backend; never raises (an import failure is the reason)."""
+    reg = registry if registry is not None else REGISTRY
+    rows = []
+    for name in reg.names():
+        row = {"name": name, "available": False, "reason": "", "version": None, "device": None,
+               "capabilities": {}}
+        try:
+            cls = reg.get(name)
+        except Exception as exc:
+            row["reason"] = f"adapter failed to import: {type(exc).__name__}: {exc}"
+            rows.append(row)
+            continue
+        row["capabilities"] = capability_row(cls)
+        try:
+            avail = cls.availability()
+        except Exception as exc:
+            row["reason"] = f"availability check raised {type(exc).__name__}: {exc}"
+            rows.append(row)
+            continue
+        row.update(available=bool(avail.ok), reason=avail.reason, version=avail.version,
+                   device=(avail.details or {}).get("device"))
+        rows.append(row)
+    return rows
+
+
+def _verify_in_child(name: str, dtypes: Optional[list], timeout: float) -> list:
+    """Verify one backend in a separate interpreter under a time limit (first-use JIT
+    compilation can be slow); a backend that does not finish gets one ``timeout`` row."""
+    import subprocess
+    cmd = [sys.executable, "-m", "usp_hal", "probe", "--verify", "--json", "--backend", name]
+    for d in dtypes or []:
+        cmd += ["--dtype", dtype_name(d)]
+    row0 = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
+            "errors": {}}
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{**row0, "status": "timeout",
+                 "reason": f"verification did not finish within {timeout:g} s (first-use kernel compilation?)"}]
+    try:
+        return json.loads(res.stdout)["verify"]["results"]
+    except Exception:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return [{**row0, "status": "fail", "reason": f"verification process failed (exit {res.returncode}): "
+                                                     + " | ".join(tail)}]
+
+
+def summarize(report: dict) -> list:
+    """One line per backend: verified, refused (why), unavailable (why), failed or timeout."""
+    results = (report.get("verify") or {}).get("results", [])
+    seconds = (report.get("verify") or {}).get("seconds", {})
+    out = []
+    for row in report["backends"]:
+        name = row["name"]
+        if not row["available"]:
+            out.append({"backend": name, "status": "unavailable", "detail": row["reason"]})
+            continue
+        mine = [r for r in results if r["backend"] == name]
+        if not mine:
+            out.append({"backend": name, "status": "available", "detail": "not verified in this run"})
+            continue
+        bad = [r for r in mine if r["status"] in ("fail", "timeout")]
+        passed = [r for r in mine if r["status"] == "pass"]
+        skipped = [r for r in mine if r["status"] == "skip"]
+        if bad:
+            status = "timeout" if all(r["status"] == "timeout" for r in bad) else "failed"
+            out.append({"backend": name, "status": status,
+                        "detail": "; ".join(f"{r['dtype']} {r['case']}: {r['reason']}" for r in bad)})
+        elif passed:
+            note = f"{len(passed)} case(s) pass" + (f" in {seconds[name]:g} s" if name in seconds else "")
+            if skipped:
+                note += "; refused here: " + "; ".join(f"{r['dtype']} {r['case']}: {r['reason']}" for r in skipped)
+            out.append({"backend": name, "status": "verified", "detail": note})
+        else:
+            out.append({"backend": name, "status": "refused",
+                        "detail": "; ".join(sorted({r["reason"] for r in skipped}))})
+    return out
+
+
+def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
+            dtypes: Optional[list] = None, timeout: Optional[float] = None) -> dict:
+    """Everything the probe reports, as plain data (what ``--json`` prints).  With
+    ``timeout``, each backend is verified in its own process under that limit (seconds)."""
+    reg = registry if registry is not None else REGISTRY
+    info = _platform.info()
+    report = {
+        "usp_hal": __version__,
+        "torch": {"version": info.torch_version, "cuda": info.cuda_version, "hip": info.hip_version,
+                  "xpu": info.xpu_version},
+        "platform": {
+            "device_type": info.device_type,
+            "device_types": list(info.device_types),
+            "device_count": info.device_count,
+            "device_name": info.device_name,
+            "compute_capability": list(info.compute_capability) if info.compute_capability else None,
+        },
+        "dist_backends": dict(info.dist_backends),
+        "backends": backend_rows(reg),
+    }
+    if verify:
+        wanted = [reg.canonical_name(n) for n in only] if only else None
+        if wanted and "auto" in wanted:
+            raise ValueError("'auto' is not a backend; name backends to verify, or omit --backend for all")
+        results = []
+        seconds: dict = {}
+        for row in report["backends"]:
+            if wanted is not None and row["name"] not in wanted:
+                continue
+            if not row["available"]:
+                if wanted is not None:  # asked for by name: being unavailable is a failure
+                    results.append({"backend": row["name"], "device": None, "dtype": "-", "case": "-",
+                                    "head_dim": None, "tolerance": None, "status": "fail", "errors": {},
+                                    "reason": f"unavailable: {row['reason']}"})
+                continue
+            start = time.monotonic()
+            if timeout:
+                results.extend(_verify_in_child(row["name"], dtypes, timeout))
+            else:
+                results.extend(verify_backend(reg.get(row["name"]), row["device"], dtypes=dtypes))
+            seconds[row["name"]] = round(time.monotonic() - start, 1)
+        report["verify"] = {"ok": all(r["status"] not in ("fail", "timeout") for r in results), "results": results}
+        report["verify"]["seconds"] = seconds
+        report["summary"] = summarize(report)
+    return report
