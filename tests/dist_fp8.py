@@ -5,8 +5,8 @@ import torch
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
-from usp_hal.harness import CommMeter
 from usp_hal.codec import Float8Codec
+from usp_hal.harness import CommMeter
 from usp_hal.reference import reference_attention
 
 FP8 = Float8Codec()

@@ -14,7 +14,6 @@ import torch
 
 from usp_hal import platform
 from usp_hal.backend import AttentionBackend
-from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.capabilities import Package, parse_dtype
 from usp_hal.cli import main
 from usp_hal.harness import matrix
@@ -202,7 +201,7 @@ def test_docs_list_every_declared_limit_with_its_source():
         for lim in cls.LIMITS:
             assert lim.source, f"{cls.NAME}: a declared limit without its source: {lim.reason}"
             assert matrix.reason_text(lim.reason).replace("|", "\\|") in text
-        for fact, src in cls.UPSTREAM_CHECKED:
+        for _fact, src in cls.UPSTREAM_CHECKED:
             assert src.replace("|", "\\|") in text
     assert "## What was checked against which upstream source" in text
 

@@ -10,8 +10,7 @@ import torch
 from usp_hal import platform
 from usp_hal.backend import AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
-from usp_hal.cli import main
-from usp_hal.cli import probe
+from usp_hal.cli import main, probe
 from usp_hal.harness import verify
 from usp_hal.reference import TOLERANCES
 from usp_hal.registry import AttnType, Registry

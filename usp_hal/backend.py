@@ -48,8 +48,16 @@ import torch
 
 from . import platform as _platform
 from .capabilities import (
-    TOP_LEFT, Availability, AttnRequest, Package, Positions, RuleContext, Unsupported, capability_row,
-    declared_reasons, sorted_dtypes,
+    TOP_LEFT,
+    AttnRequest,
+    Availability,
+    Package,
+    Positions,
+    RuleContext,
+    Unsupported,
+    capability_row,
+    declared_reasons,
+    sorted_dtypes,
 )
 
 __all__ = ["AttentionBackend", "BackendUnavailable", "Unsupported", "installed_version", "parse_version",
@@ -169,7 +177,8 @@ class AttentionBackend:
         present = [d for d in _platform.available_device_types() if d in cls.SUPPORTED_DEVICES]
         if not present:
             found = ", ".join(_platform.available_device_types())
-            return Availability(False, f"needs a {'/'.join(sorted(cls.SUPPORTED_DEVICES))} device, found {found}", version)
+            devices = "/".join(sorted(cls.SUPPORTED_DEVICES))
+            return Availability(False, f"needs a {devices} device, found {found}", version)
         dev = present[0]
         cc = _platform.compute_capability(dev)
         if cc is not None:
@@ -332,7 +341,7 @@ class AttentionBackend:
 
 def _alternatives(req: AttnRequest, exclude: str) -> list:
     """Backends whose declarations accept ``req`` (for error messages)."""
-    from .registry import REGISTRY    # the registry imports this module; resolve it only when refusing
+    from .registry import REGISTRY  # the registry imports this module; resolve it only when refusing
     names = []
     for cand in REGISTRY.priority(req.device_type):
         if cand == exclude:

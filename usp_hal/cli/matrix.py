@@ -12,9 +12,18 @@ import json
 import sys
 from pathlib import Path
 
-from ..harness.matrix import (DOCS_COMMAND, DOCS_PATH, PROFILES, generate_docs, get_profile,
-                              installed_kernel_packages, matrix_entries, matrix_markdown, profile_extras,
-                              source_built_backends)
+from ..harness.matrix import (
+    DOCS_COMMAND,
+    DOCS_PATH,
+    PROFILES,
+    generate_docs,
+    get_profile,
+    installed_kernel_packages,
+    matrix_entries,
+    matrix_markdown,
+    profile_extras,
+    source_built_backends,
+)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -26,8 +26,7 @@ import json
 import sys
 
 from ..harness import pool
-from ..harness.cases import (CHECKS, DTYPES, FP8_CHOICES, PROJ_CHOICES, RunConfig, execute, resolve_split,
-                             validate)
+from ..harness.cases import CHECKS, DTYPES, FP8_CHOICES, PROJ_CHOICES, RunConfig, execute, resolve_split, validate
 from ..harness.meter import fmt_bytes, fmt_ms
 from ..harness.verify import FP8_RMS_BUDGET
 from ..layout import layout_names
@@ -71,8 +70,8 @@ def format_report(res: dict, launcher: str) -> str:
         lines.append(f"check against {REFERENCE_TEXT[chk['mode']]} on the same global inputs "
                      f"(query-row blocks split over the ranks)")
         if chk.get("lossy"):
-            lines.append(f"  tolerance  fp8 wire format: RMS(err) <= {FP8_RMS_BUDGET:g} * RMS(ref) (lossy; the gradient "
-                         "is the straight-through gradient of the quantised forward)")
+            lines.append(f"  tolerance  fp8 wire format: RMS(err) <= {FP8_RMS_BUDGET:g} * RMS(ref) (lossy; the "
+                         "gradient is the straight-through gradient of the quantised forward)")
         else:
             lines.append(f"  tolerance  |err| <= {atol:g} + {rtol:g} * |ref|")
         lines.append("  tensor  max abs error  rms err/rms ref  worst / tolerance  result")

@@ -6,8 +6,18 @@ verification against the reference with one comparator (:mod:`.verify`), run cas
 from __future__ import annotations
 
 from .cases import RunConfig, execute
-from .meter import (CommMeter, KernelTimes, MemoryMeter, fmt_bytes, fmt_ms, instrument_core, proc_status_kib,
-                    reset_peak_rss, time_backend, trim_freed_memory)
+from .meter import (
+                    CommMeter,
+                    KernelTimes,
+                    MemoryMeter,
+                    fmt_bytes,
+                    fmt_ms,
+                    instrument_core,
+                    proc_status_kib,
+                    reset_peak_rss,
+                    time_backend,
+                    trim_freed_memory,
+)
 from .pool import LaunchError, RankPool, TorchrunExecutor, gather_objects, in_torchrun
 from .verify import FEATURES, compare, supported_features, tolerances_for, verify_backend
 

@@ -17,7 +17,7 @@ from .. import platform as _platform
 from ..backend import installed_version
 from ..capabilities import capability_row, parse_dtype
 from ..registry import ENTRY_POINT_GROUP, REGISTRY
-from .verify import (FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features)
+from .verify import FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features
 
 DOCS_PATH = "docs/backends.md"
 DOCS_COMMAND = "usp-hal matrix --docs"

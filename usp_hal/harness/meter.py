@@ -68,8 +68,9 @@ class CommMeter:
     (every peer needs it).
     ``broadcast`` (when asked for) - the tensor times (group size - 1) on the source rank.
     The core's small per-call metadata exchange (int64 all-gathers) is counted apart, in
-    ``metadata_bytes``; coded payloads (fp8 sent as bytes) are data.  Time: the calls themselves plus the ``wait()`` of the work
-    objects they return.  ``groups``: the ``group`` argument of each call, in order, per name.
+    ``metadata_bytes``; coded payloads (fp8 sent as bytes) are data.  Time: the calls
+    themselves plus the ``wait()`` of the work objects they return.  ``groups``: the
+    ``group`` argument of each call, in order, per name.
 
     ``names``: the ``torch.distributed`` functions to meter (default :data:`NAMES`, what the
     core calls).  Usable as a context manager; ``reset`` starts a new count.

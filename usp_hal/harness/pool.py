@@ -25,6 +25,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
+
 class LaunchError(RuntimeError):
     """A spawned run failed: one or more ranks raised, died, or did not finish in time."""
 

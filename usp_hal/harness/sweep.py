@@ -24,9 +24,27 @@ from dataclasses import asdict, replace
 from statistics import median
 from typing import Callable, Optional
 
-from .cases import (FP8_CHOICES, LAYOUTS, PROJ_CHOICES, ROTATIONS, RunConfig, merge_checks, min_comm_bytes,
-                    peer_available, rank_check, rank_clear, rank_peer_prepare, rank_peer_steps, rank_prepare,
-                    rank_release, rank_steps, single_prepare, single_steps, summarize, validate)
+from .cases import (
+    FP8_CHOICES,
+    LAYOUTS,
+    PROJ_CHOICES,
+    ROTATIONS,
+    RunConfig,
+    merge_checks,
+    min_comm_bytes,
+    peer_available,
+    rank_check,
+    rank_clear,
+    rank_peer_prepare,
+    rank_peer_steps,
+    rank_prepare,
+    rank_release,
+    rank_steps,
+    single_prepare,
+    single_steps,
+    summarize,
+    validate,
+)
 from .pool import RankPool
 
 MODES = {"fwd": False, "fwdbwd": True}
