@@ -16,7 +16,8 @@ usp-hal bench --seqlens 8192 --splits 2x1,1x2 --ring-impls zigzag --modes fwd,fw
 
 # fp8 wire format: bytes and time (bf16 inputs), Ulysses and ring
 usp-hal bench --seqlens 4096 --splits 2x1,1x2 --ring-impls zigzag --modes fwd --causal on --dtype bf16 \
-    --fp8 none,qvo,qkvo --ring-fp8 --iters 5 --warmup 1 --json "$out/fp8.json" > "$out/fp8.log"
+    --fp8 none,qvo,qkvo --ring-fp8 --iters 5 --warmup 1 --json "$out/fp8.json" > "$out/fp8.log" \
+    || echo "fp8: some configuration missed its error budget (see $out/fp8.log)"
 python benchmarks/fp8_report.py > "$out/fp8_accuracy.txt"
 
 # async Ulysses: head-group pipelining and projection overlap against the synchronous module

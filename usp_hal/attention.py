@@ -675,7 +675,7 @@ class LongContextAttention(torch.nn.Module):
         self._check_blocks(shape, local)
         me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
         codecs = {n: get_codec(c) for n, c in self.wire.items()}
-        ring_codecs = tuple(get_codec(c) for c in self.ring_wire)
+        ring_codecs = (get_codec(self.ring_wire[0]), get_codec(self.ring_wire[1]))
         stages = []
         groups = (head_groups or type(self)._head_groups)(self, heads)
         for group in groups:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from ..harness import pool
 from ..harness.cases import CHECKS, DTYPES, FP8_CHOICES, PROJ_CHOICES, RunConfig, execute, resolve_split, validate
@@ -209,7 +210,8 @@ def run(args) -> int:
         print(f"usp-hal run: {exc}", file=sys.stderr)
         return 2
     torchrun = pool.in_torchrun()
-    executor, finished = None, False
+    executor: Any = None
+    finished = False
     try:
         if torchrun:
             executor = pool.TorchrunExecutor(cfg.threads_per_rank, cfg.device_type)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import Any, Dict
 
 from .. import planner
 from . import pool as _pool
@@ -44,7 +45,7 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     from .cases import _torch_dtype
     tdt = _torch_dtype(dtype)
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = {"rank": rank}
+    out: Dict[str, Any] = {"rank": rank}
     req = AttnRequest(dtype=tdt, device_type="cpu", head_dim=head_dim, num_heads=heads, num_kv_heads=heads,
                       causal=True, needs_grad=True, needs_lse=True, key_offset=True)
     backend = REGISTRY.select("auto", req)()

@@ -32,7 +32,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 from statistics import median
-from typing import Optional
+from types import SimpleNamespace
+from typing import Any, Optional
 
 from ..backend import installed_version
 from ..capabilities import Package
@@ -130,6 +131,7 @@ def resolve_split(nproc: Optional[int], ulysses: Optional[int], ring: Optional[i
     if ulysses is None and ring is None:
         ulysses, ring = 1, nproc
     elif ulysses is None:
+        assert ring is not None
         if nproc % ring:
             raise ValueError(f"--ring {ring} does not divide --nproc {nproc}; pick a ring degree that divides "
                              f"the number of ranks (or pass --ulysses too)")
@@ -139,6 +141,7 @@ def resolve_split(nproc: Optional[int], ulysses: Optional[int], ring: Optional[i
             raise ValueError(f"--ulysses {ulysses} does not divide --nproc {nproc}; pick a Ulysses degree that "
                              f"divides the number of ranks (or pass --ring too)")
         ring = nproc // ulysses
+    assert ulysses is not None and ring is not None
     if ulysses * ring != nproc:
         raise ValueError(f"--ulysses {ulysses} x --ring {ring} = {ulysses * ring} ranks, but --nproc is {nproc}; "
                          f"the sequence-parallel group spans every rank, so use --nproc {ulysses * ring} or "
@@ -289,11 +292,11 @@ def projection_inputs(cfg: RunConfig):
     return hidden, weights
 
 
-class _Case:
-    pass
+class _Case(SimpleNamespace):
+    """One case's state inside a rank (inputs, module, timers), by attribute."""
 
 
-def rank_prepare(cfg: dict, case: str) -> dict:
+def rank_prepare(cfg: Any, case: str) -> dict:
     """Shard the inputs, run the first call (the one that is checked), and prepare the
     timers.  Keeps the state under ``case`` for rank_steps/rank_check."""
     import torch.distributed as dist
@@ -432,9 +435,9 @@ def _reference_rows(cfg: RunConfig, mode: str, lo: int, hi: int):
     limit = FP64_BLOCK_BYTES if mode == "fp64" else SDPA_BLOCK_BYTES
     rows = max(1, limit // per_row)
     out = torch.empty(B, hi - lo, H, D, dtype=cdt, device=q.device)
-    dq = torch.empty_like(out) if cfg.bwd else None
-    dk = torch.zeros(B, S, Hkv, D, dtype=cdt, device=q.device) if cfg.bwd else None
-    dv = torch.zeros_like(dk) if cfg.bwd else None
+    dq: Any = torch.empty_like(out) if cfg.bwd else None
+    dk: Any = torch.zeros(B, S, Hkv, D, dtype=cdt, device=q.device) if cfg.bwd else None
+    dv: Any = torch.zeros_like(dk) if cfg.bwd else None
     cu = cfg.documents() or (0, S)
     # row blocks inside one document each; a query sees the keys of its document from k0
     blocks = [(a, b, k0, e) for k0, e in zip(cu, cu[1:]) if max(lo, k0) < min(hi, e)
@@ -527,7 +530,7 @@ def rank_clear() -> None:
 
 
 # ----------------------------------------------------------------------------- single process
-def single_prepare(cfg: dict, case: str) -> dict:
+def single_prepare(cfg: Any, case: str) -> dict:
     """The backend the distributed run uses, called directly on the full sequence in one
     process: the baseline every configuration is compared with."""
     from ..capabilities import AttnRequest
@@ -604,7 +607,7 @@ def summarize(cfg: RunConfig, per_rank_iters: list, per_rank_mem: list) -> dict:
 
 def merge_checks(checks: list) -> dict:
     mode = checks[0]["mode"]
-    errors = {}
+    errors: Any = {}
     for c in checks:
         for name, e in c["errors"].items():
             cur = errors.get(name)
@@ -648,7 +651,7 @@ def peer_available(name: str):
     return False, f"unknown peer {name!r}"
 
 
-_PEER = {}
+_PEER: Any = {}
 
 
 def _yunchang_attn_type(device_type: str):
@@ -660,7 +663,7 @@ def _yunchang_attn_type(device_type: str):
     return AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
 
 
-def rank_peer_prepare(cfg: dict, case: str) -> dict:
+def rank_peer_prepare(cfg: Any, case: str) -> dict:
     """yunchang's LongContextAttention on this split; its error against the reference rows
     this rank computed for the same inputs (forward only)."""
     import torch

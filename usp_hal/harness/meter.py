@@ -14,9 +14,10 @@ Timed iterations and the memory iteration are separate (the profiler costs time)
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 
 def trim_freed_memory() -> bool:
@@ -82,10 +83,10 @@ class CommMeter:
         self.names = tuple(self.NAMES if names is None else names)
         self.bytes = {n: 0 for n in self.names}
         self.calls = {n: 0 for n in self.names}
-        self.groups = {n: [] for n in self.names}
+        self.groups: Dict[str, list] = {n: [] for n in self.names}
         self.metadata_bytes = 0        # integer tensors: the core's per-call metadata exchange
         self.seconds = 0.0
-        self._orig = {}
+        self._orig: Dict[str, Any] = {}
 
     def reset(self) -> None:
         for n in self.names:
@@ -137,7 +138,7 @@ class CommMeter:
             if res is not None and hasattr(res, "wait"):
                 return _TimedWork(res, self)
             return res
-        wrapped.__wrapped__ = orig
+        functools.update_wrapper(wrapped, orig)
         return wrapped
 
     def install(self) -> "CommMeter":
@@ -179,7 +180,7 @@ class KernelTimes:
 
 
 # what the core wrappers below report to: set by the rank while it times an iteration
-ACTIVE = {"times": None, "comm": None}
+ACTIVE: Dict[str, Any] = {"times": None, "comm": None}
 
 
 def _timed_core_function(fn, field: str, minus_comm: bool):
@@ -196,7 +197,7 @@ def _timed_core_function(fn, field: str, minus_comm: bool):
             if minus_comm and comm is not None:
                 dt -= comm.seconds - c0
             setattr(times, field, getattr(times, field) + dt)
-    wrapped.__wrapped__ = fn
+    functools.update_wrapper(wrapped, fn)
     return wrapped
 
 
@@ -315,9 +316,9 @@ class MemoryMeter:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self.method = None
+        self.method: Optional[str] = None
         self._base = 0
-        self._prof = None
+        self._prof: Any = None
 
     def start(self) -> None:
         from .. import platform as _platform

@@ -23,11 +23,15 @@ import socket
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 
 class LaunchError(RuntimeError):
-    """A spawned run failed: one or more ranks raised, died, or did not finish in time."""
+    """A spawned run failed: one or more ranks raised, died, or did not finish in time.
+    ``tracebacks`` / ``messages``: per failing rank, when the ranks reported them."""
+
+    tracebacks: dict = {}
+    messages: dict = {}
 
 
 def in_torchrun() -> bool:
@@ -188,7 +192,7 @@ class RankPool:
         self.wait_ready()
         self._submit(fn, kwargs)
         want = set(range(self.world)) if ranks is None else set(ranks)
-        got = {}
+        got: Any = {}
         deadline = time.monotonic() + timeout
         while not want <= set(got):
             try:
@@ -212,7 +216,8 @@ class RankPool:
             q.put((fn.__module__, fn.__name__, kwargs))
 
     def _collect(self, what: str, timeout: float, expect: str = "ok") -> list:
-        got, errors = {}, {}
+        got: Any = {}
+        errors: Any = {}
         first_error = None
         deadline = time.monotonic() + timeout
         while len(got) + len(errors) < self.world:
@@ -239,7 +244,7 @@ class RankPool:
             missing = [r for r in range(self.world) if r not in got and r not in errors]
             self.close()
             lines = []
-            by_msg = {}
+            by_msg: Any = {}
             for r in sorted(errors):
                 by_msg.setdefault(errors[r][0], []).append(r)
             for msg, ranks in by_msg.items():

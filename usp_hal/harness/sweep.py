@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 from statistics import median
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .cases import (
     FP8_CHOICES,
@@ -167,9 +167,10 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                 notes.append(f"peer {name} skipped: {note}")
     per_group = [len(c) + (0 if args.no_baseline else len(_thread_counts(b))) +
                  (len([x for x in c if not x.bwd]) if peers else 0) for _, b, c in groups]
-    progress = (progress or _NoProgress)(sum(n * (rounds + 1) for n in per_group))
+    bar = (progress or _NoProgress)(sum(n * (rounds + 1) for n in per_group))
     results, baselines, peer_rows = [], [], []
-    pool = single = None
+    pool: Any = None
+    single: Any = None
     try:
         pool = RankPool(args.nproc, threads=args.threads_per_rank, device_type=device_type,
                         start_timeout=min(args.timeout, 300.0), wait=False)
@@ -203,7 +204,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
             elif peers and base.bwd:
                 notes.append(f"{label}: peers timed forward only (yunchang has no backward on cpu)"
                              if device_type == "cpu" else f"{label}: peers timed forward only")
-            recs = {e: [] for e in entries}
+            recs: Any = {e: [] for e in entries}
             for rnd in range(rounds):
                 shift = rnd % len(entries)
                 for kind, key in entries[shift:] + entries[:shift]:
@@ -218,7 +219,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                         text = f"yunchang {config_label(cfgs[key])}"
                     if rnd >= args.warmup:
                         recs[(kind, key)].append(out)
-                    progress.step(f"{label} {text}")
+                    bar.step(f"{label} {text}")
             # one untimed iteration per entry for the memory reading (see usp_hal.harness.meter)
             mems = {}
             for kind, key in entries:
@@ -230,7 +231,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                 elif kind == "peer":
                     mems[(kind, key)] = pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=1,
                                                  memory=True)
-                progress.step(f"{label} memory")
+                bar.step(f"{label} memory")
             base_row = None
             if single is not None:
                 base_row = {"group": label, **_group_fields(base), "input_bytes": single_inputs}
@@ -268,7 +269,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                     row["ratio_vs_floor"] = row["time"] / (base_row[f"t{base.threads_per_rank}"]["time"] / base.nproc)
                 peer_rows.append(row)
     finally:
-        progress.close()
+        bar.close()
         for p in (pool, single):
             if p is not None:
                 p.close()

@@ -21,7 +21,7 @@ import json
 import math
 import sys
 import time
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
@@ -106,7 +106,7 @@ def tolerances_for(backend, dtype: torch.dtype) -> tuple:
 # ----------------------------------------------------------------------------- verify
 def _cases(backend, base: AttnRequest, use: dict) -> list:
     """(case name, request changes) for the enabled features; always a plain case first."""
-    cases = [("plain", {})]
+    cases: Any = [("plain", {})]
     causal = feature_change(backend, base, "causal") if use.get("causal") else None
     if causal is not None:
         cases.append(("causal", causal))
@@ -116,9 +116,9 @@ def _cases(backend, base: AttnRequest, use: dict) -> list:
             change = {**gqa, **(causal or {})}
             cases.append(("gqa-causal" if change.get("causal") else "gqa", change))
     for feature in ("window", "softcap"):
-        change = feature_change(backend, base, feature) if use.get(feature) else None
-        if change is not None:
-            cases.append((feature + ("-causal" if change.get("causal") else ""), change))
+        fchange = feature_change(backend, base, feature) if use.get(feature) else None
+        if fchange is not None:
+            cases.append((feature + ("-causal" if fchange.get("causal") else ""), fchange))
     return cases
 
 
@@ -184,7 +184,7 @@ def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *,
     if check_grad:
         refs.update(dq=qr.grad, dk=kr.grad, dv=vr.grad)
 
-    result = {"errors": {}, "ok": True, "problems": []}
+    result: Dict[str, Any] = {"errors": {}, "ok": True, "problems": []}
 
     def check(name, got):
         res = compare(got, refs[name], atol, rtol)
@@ -296,7 +296,7 @@ def _verify_in_child(name: str, dtypes: Optional[list], timeout: float) -> list:
     cmd = [sys.executable, "-m", "usp_hal", "probe", "--verify", "--json", "--backend", name]
     for d in dtypes or []:
         cmd += ["--dtype", dtype_name(d)]
-    row0 = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
+    row0: Any = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
             "errors": {}}
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -349,7 +349,7 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
     ``timeout``, each backend is verified in its own process under that limit (seconds)."""
     reg = registry if registry is not None else REGISTRY
     info = _platform.info()
-    report = {
+    report: Dict[str, Any] = {
         "usp_hal": __version__,
         "torch": {"version": info.torch_version, "cuda": info.cuda_version, "hip": info.hip_version,
                   "xpu": info.xpu_version},
@@ -367,7 +367,7 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
         wanted = [reg.canonical_name(n) for n in only] if only else None
         if wanted and "auto" in wanted:
             raise ValueError("'auto' is not a backend; name backends to verify, or omit --backend for all")
-        results = []
+        results: Any = []
         seconds: dict = {}
         for row in report["backends"]:
             if wanted is not None and row["name"] not in wanted:
