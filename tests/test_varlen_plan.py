@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tests.test_plan import _coverage
 from usp_hal.capabilities import AttnRequest, not_supported_reasons
 from usp_hal.layout import (
     EXTRACT_FUNC_DICT,
@@ -39,17 +40,6 @@ DOC_PATTERNS = [(6, 6, 6, 6), (17, 1, 2, 1, 3), (1, 2, 1, 1, 2, 2, 1), (3, 1, 2)
 
 def _doc_of(cu, S):
     return torch.bucketize(torch.arange(S), torch.tensor(cu[1:]), right=True)
-
-
-def _coverage(calls, nq, nk):
-    cover = torch.zeros(nq, nk, dtype=torch.int32)
-    for c in calls:
-        block = torch.ones(c.q_stop - c.q_start, c.k_stop - c.k_start, dtype=torch.int32)
-        if c.causal:
-            assert block.shape[0] == block.shape[1], f"causal call must be square: {c}"
-            block = torch.tril(block)
-        cover[c.rows, c.cols] += block
-    return cover
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -2,6 +2,7 @@
 module sets ``EMULATE = dict(device_type=..., compute_capability=..., ...)`` and every test
 in it sees that device (a test can open another emulation inside)."""
 import pytest
+import torch
 
 from usp_hal import platform
 
@@ -14,3 +15,12 @@ def _emulated_device(request):
         return
     with platform.emulate(**spec) as em:
         yield em
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tensors here are tiny: one intra-op thread avoids thread hand-off costs on busy CI hosts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -70,15 +70,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tensors here are tiny: one intra-op thread avoids thread hand-off costs on busy CI hosts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def fa2(tmp_path, monkeypatch):
     """install(version, **files_kw) -> a fresh FlashAttn2Backend over that stand-in."""

@@ -63,15 +63,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tensors here are tiny: one intra-op thread avoids thread hand-off costs on busy CI hosts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def fa3(tmp_path, monkeypatch):
     """install(api, **files_kw) -> a fresh FlashAttn3Backend over that stand-in."""

@@ -27,14 +27,6 @@ EMULATE = dict(device_type="cuda", compute_capability=(9, 0))   # FA2 and FA3 bo
 DOCS = [(6, 6, 6, 6), (17, 1, 0, 2, 3), (1, 2, 1, 1, 2)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def adapter(tmp_path, monkeypatch):
     """install(kind) -> an adapter over its stand-in package ("fa2" 2.8.3 or "fa3" new API)."""
