@@ -179,23 +179,28 @@ def test_bytes_and_work_balance_equal_what_bench_measured():
 
 
 def test_ranking_against_recorded_cpu_bench():
-    """Predicted (cpu profile, calibrated separately; never fitted to this recording) against the
-    recorded 2-rank bench.  The recording ran on a shared 2-core machine (load ~10-15), so
-    run-to-run spread is large; the strict target (every group's order right up to the spread)
-    is NOT met: 10 of 16 groups are.  This guards what the model achieves today:
-    at least 9 of 16 groups in order up to the spread, and in at least 12 of 16 the predicted
-    winner's measured time is within the spread of the measured best.  docs/planning.md has
-    the full table."""
+    """Predicted (cpu profile, calibrated separately on the idle machine; never fitted to this
+    recording) against the recorded 2-rank bench (also on the idle machine).  The strict
+    target (every group's order right up to the spread, every row within +-25%) is not fully
+    met; this guards what the model achieves: 13 of 16 groups in order up to the spread, the
+    predicted winner within the spread of the measured best in 14 of 16, 98 of 112 rows within
+    +-25%.  docs/planning.md has the full table."""
     res = planner.compare_bench(_load(BENCH2), "cpu")
     assert len(res) == 16
     ordered = sum(g["order_ok"] for g in res)
     near = 0
+    within = total = 0
     for g in res:
         best = min(g["rows"], key=lambda r: r["measured"])
         pick = min(g["rows"], key=lambda r: r["predicted"])
         near += pick["measured"] / best["measured"] - 1 <= max(g["spread"], pick["spread"], best["spread"])
-    assert ordered >= 9, ordered
-    assert near >= 12, near
+        for r in g["rows"]:
+            total += 1
+            within += abs(r["predicted"] / r["measured"] - 1) <= 0.25
+    assert total == 112, total
+    assert ordered >= 13, ordered
+    assert near >= 14, near
+    assert within >= 98, within
 
 
 # ----------------------------------------------------------------------------- (b) published orders

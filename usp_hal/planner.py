@@ -316,7 +316,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     merge_s = float(profile.get("merge_s_per_elem", 0.0))
     copy_bw = float(profile.get("copy_bandwidth", 0.0)) or None
     penalty = float(profile.get("overlap_penalty", 0.0))
-    fixed = float(profile.get("call_overhead", 0.0))
+    fixed = float(profile.get("call_overhead", 0.0)) + (float(profile.get("call_overhead_bwd", 0.0)) if P.bwd else 0.0)
 
     def kcost(call, h, bwd):
         rows, cols, causal = call

@@ -23,6 +23,16 @@ def _fit(points):
     return max(0.0, mt - b * mx), b
 
 
+def _typical(fn, reps: int) -> float:
+    """The median of ``reps`` runs: what a call takes in a run, as the bench reports it."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
 def _best(fn, reps: int) -> float:
     """The fastest of ``reps`` runs: on a shared machine, noise only ever adds time."""
     ts = []
@@ -56,9 +66,9 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
         q, k, v = (torch.randn(1, s, heads, head_dim, dtype=tdt) for _ in range(3))
         for c in (False, True):
             o, lse = backend.forward(q, k, v, softmax_scale=scale, causal=c)
-            tf = _best(lambda: backend.forward(q, k, v, softmax_scale=scale, causal=c), reps)
+            tf = _typical(lambda: backend.forward(q, k, v, softmax_scale=scale, causal=c), reps)
             do = torch.randn_like(o)
-            tb = _best(lambda: backend.backward(do, q, k, v, o, lse, softmax_scale=scale, causal=c), reps)
+            tb = _typical(lambda: backend.backward(do, q, k, v, o, lse, softmax_scale=scale, causal=c), reps)
             flops = planner.FLOPS_PER_PAIR * head_dim * s * s * heads
             if c:
                 causal[s] = (tf, tb)
@@ -126,8 +136,42 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
         colls[kind] = {"intra": {"bandwidth": 1.0 / inv_bw, "latency": lat,
                                  "measured": [{"bytes": b, "s": t} for b, t in pts]}}
     out["collectives"] = colls
+    out["call_fixed"] = _usp_call_fixed(out["backend"], head_dim, world, reps)
     dist.barrier()
     return out
+
+
+def _usp_call_fixed(backend: str, head_dim: int, world: int, reps: int) -> dict:
+    """The fixed cost of one USP call on this group (metadata exchange, the all-to-alls'
+    synchronisation, Python), from a tiny Ulysses call timed as the bench times a call:
+    after a barrier, the slowest rank, the median over rounds.  Forward, and forward +
+    backward."""
+    import torch
+    import torch.distributed as dist
+
+    import usp_hal
+    mesh = usp_hal.init_sequence_parallel(world, 1, set_default=False)
+    attn = usp_hal.LongContextAttention(attn_type=backend, mesh=mesh)
+    q, k, v, do = (torch.randn(1, 4, world, head_dim) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    res = {}
+    for mode in ("fwd", "fwdbwd"):
+        times = []
+        for i in range(3 + 4 * reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if mode == "fwd":
+                with torch.no_grad():
+                    attn(q, k, v, causal=True)
+            else:
+                attn(q, k, v, causal=True).backward(do)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if i >= 3:                     # the first calls build plans and caches
+                times.append(float(dt))
+        res[mode] = statistics.median(times)
+    return res
 
 
 def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads: int = 2, threads: int = 1,
@@ -158,7 +202,10 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
         "sources": ["measured on this machine (see 'measured' entries)"],
         "assumptions": ["one host: intra and inter links are the same loopback transport",
                         "kernel throughput measured at the calibration head dim; other head dims use it unscaled",
-                        "backward throughput is per 2.5x the forward flops (recompute + 4 matmuls)"],
+                        "backward throughput is per 2.5x the forward flops (recompute + 4 matmuls)",
+                        "kernel times are medians of the runs (as the bench reports a call), not the best run",
+                        "call_overhead / call_overhead_bwd: a tiny Ulysses call timed like the bench times one "
+                        "(after a barrier, slowest rank, median): the fixed cost every call pays"],
         "gpus_per_node": 1 << 20,
         "memory_bytes": None,
         "intra": {"bandwidth": colls["p2p"]["intra"]["bandwidth"], "latency": colls["p2p"]["intra"]["latency"]},
@@ -169,7 +216,10 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
         "merge_s_per_elem": max(r["merge_s_per_elem"] for r in res),
         "copy_bandwidth": min(r["copy_bandwidth"] for r in res),
         "overlap_penalty": 0.0,
-        "call_overhead": 0.0,
+        # fixed cost per USP call (and what a backward adds), from a tiny real call
+        "call_overhead": max(r["call_fixed"]["fwd"] for r in res),
+        "call_overhead_bwd": max(0.0, max(r["call_fixed"]["fwdbwd"] for r in res)
+                                 - max(r["call_fixed"]["fwd"] for r in res)),
         "calibration": {"nproc": nproc, "threads_per_rank": threads, "dtype": dtype, "head_dim": head_dim,
                         "heads": heads, "wall_s": round(time.monotonic() - t0, 1)},
     }
