@@ -10,7 +10,9 @@ The model (docs/planning.md has the long form) predicts the time of one attentio
   planner (``usp_hal.layout`` segments -> ``usp_hal.ring.plan_blocks``), times the heads
   the rank holds after the Ulysses split (``usp_hal.ulysses.head_plan``; ranks beyond H hold
   none), at the profile's throughput per (dtype, head dim), plus a cost per kernel call.
-  Causal squares cost ``causal_factor`` of a full square (measured on CPU).
+  Causal squares cost ``causal_factor`` of a full square (measured on CPU); a profile
+  that measured it per size gives ``causal_tile`` instead: an n x n causal square costs
+  ``0.5 + causal_tile / n`` of a full one (the diagonal tiles run whole), at most 1.
 * **imbalance**: the ring runs in lock step, so each step costs the slowest rank's
   compute; the excess over the mean rank is reported as imbalance (idle heads included).
 * **ulysses all-to-all**: ``latency + bytes / bandwidth`` per collective, exposed (the
@@ -33,7 +35,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .layout import ring_segments
 from .ring import plan_blocks
@@ -176,6 +178,15 @@ class Prediction:
 
 
 # ---------------------------------------------------------------------------------- work
+def fit_causal_tile(points: Sequence[Tuple[int, float]]) -> float:
+    """Least squares fit of ``share = 0.5 + tile / n`` to measured (n, causal share) points:
+    the causal kernel runs its diagonal tiles whole, so small squares save less."""
+    xs = [1.0 / n for n, _ in points]
+    ys = [max(0.0, y - 0.5) for _, y in points]
+    den = sum(x * x for x in xs)
+    return sum(x * y for x, y in zip(xs, ys)) / den if den else 0.0
+
+
 @lru_cache(maxsize=256)
 def ring_work(layout: str, seqlen: int, ring: int, causal: bool):
     """Per ring rank, per step (p2p order: step s meets the block of rank (r - s) mod R):
@@ -312,6 +323,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     bwd_rate = float(kent.get("bwd_flops", fwd_rate / 1.2)) * kent["scale"]
     overhead = float(kent.get("call_overhead", 0.0))
     cf = float(kent.get("causal_factor", 0.5))
+    tile = kent.get("causal_tile")
     key_half = float(kent.get("key_half", 0.0))   # keys per row at which the kernel runs at half its rate
     merge_s = float(profile.get("merge_s_per_elem", 0.0))
     copy_bw = float(profile.get("copy_bandwidth", 0.0)) or None
@@ -322,7 +334,8 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
         rows, cols, causal = call
         if h == 0:
             return 0.0
-        pairs = rows * cols * (cf if causal else 1.0) * (1.0 + key_half / max(cols, 1))
+        share = (cf if tile is None else min(1.0, 0.5 + float(tile) / max(cols, 1))) if causal else 1.0
+        pairs = rows * cols * share * (1.0 + key_half / max(cols, 1))
         if bwd:
             return overhead + BWD_FLOPS_RATIO * FLOPS_PER_PAIR * D * pairs * h * B / bwd_rate
         return overhead + FLOPS_PER_PAIR * D * pairs * h * B / fwd_rate

@@ -86,8 +86,11 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     cfs = [((causal[s][0]) / max(causal[("full", s)][0], 1e-12) + causal[s][1] / max(causal[("full", s)][1], 1e-12)) / 2
            for s in sizes[1:]]
     cf = statistics.median(cfs)
+    per_size = [(s, (causal[s][0] / max(causal[("full", s)][0], 1e-12)
+                     + causal[s][1] / max(causal[("full", s)][1], 1e-12)) / 2) for s in sizes]
     out["kernel"] = {"fwd_flops": 1.0 / b_f, "bwd_flops": 1.0 / b_b, "call_overhead": (a_f + a_b) / 2,
-                     "causal_factor": min(1.0, max(0.5, cf)), "backend": out["backend"],
+                     "causal_factor": min(1.0, max(0.5, cf)), "causal_tile": planner.fit_causal_tile(per_size),
+                     "backend": out["backend"],
                      "measured": {"sizes": sizes, "heads": heads, "head_dim": head_dim,
                                   "fwd_s": [t for _, t in fwd_pts], "bwd_s": [t for _, t in bwd_pts],
                                   "causal_fwd_bwd_s": [list(causal[s]) for s in sizes]}}
