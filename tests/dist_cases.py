@@ -313,3 +313,15 @@ def cpu_side_group_case(U=2, R=1):
             "backend": str(dist.get_backend(mesh.meta_group)),
             "timeout": group_timeout(mesh.meta_group).total_seconds(),
             "metadata_on_side_group": bool(used) and all(g is mesh.meta_group for g in used)}
+
+
+def profiler_labels(U=2, R=2, S=16, H=4, D=8):
+    """The names of the ``usp_hal:`` labels a profiled forward+backward leaves in the trace."""
+    mesh = get_mesh(U, R)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="zigzag", mesh=mesh)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (usp_hal.shard(torch.randn(1, S, H, D, generator=g), layout="zigzag", mesh=mesh).requires_grad_()
+               for _ in range(3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attn(q, k, v, causal=True).sum().backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("usp_hal: ")})

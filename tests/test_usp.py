@@ -84,3 +84,14 @@ def test_metadata_uses_a_cpu_side_group_when_the_groups_have_none(pools):
     for r in pools(2).run(dist_cases.cpu_side_group_case, timeout=60):
         assert r["side"] and r["backend"] == "gloo" and r["timeout"] == 77.0, r
         assert r["metadata_on_side_group"], r
+
+
+def test_profiler_trace_names_every_collective(pools):
+    """Under torch.profiler each collective of the call (and each wait on one) carries a
+    ``usp_hal: <what>`` label, so a trace shows which exchange took the time."""
+    for names in pools(4).run(dist_cases.profiler_labels, timeout=120):
+        text = "\n".join(names)
+        assert "usp_hal: Ulysses all-to-all of q/k/v (forward)" in text, text
+        assert any("ring" in n and "dK/dV" in n for n in names), text
+        assert any(n.startswith("usp_hal: wait for ") for n in names), text
+        assert any("metadata" in n for n in names), text

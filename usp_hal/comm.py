@@ -33,8 +33,13 @@ def group_timeout(group) -> Optional[datetime.timedelta]:
 
 
 def collective(what: str, where: str, fn: Callable, *args, **kwargs):
-    """Run one collective; any failure becomes a :class:`CommError` naming ``what`` and ``where``."""
+    """Run one collective; any failure becomes a :class:`CommError` naming ``what`` and ``where``.
+    Under ``torch.profiler`` the call is labelled ``usp_hal: <what>`` in the trace (the check
+    costs ~40 ns when no profiler runs; the label itself, ~7 us, only while one does)."""
     try:
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function(f"usp_hal: {what}"):
+                return fn(*args, **kwargs)
         return fn(*args, **kwargs)
     except CommError:
         raise
@@ -49,7 +54,7 @@ def wait(what: str, where: str, works) -> None:
     if not isinstance(works, (list, tuple)):
         works = [works]
     for w in works:
-        collective(what, where, w.wait)
+        collective(f"wait for {what}", where, w.wait)
 
 
 # ---------------------------------------------------------------------------------- metadata
