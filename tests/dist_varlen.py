@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
-from tests.dist_cases import DTYPES, _err, get_mesh
+from tests.dist_cases import DTYPES, _err, get_mesh, make_inputs
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.harness import CommMeter
 from usp_hal.varlen import cu_seqlens_from_lengths, reference_packed_attention
@@ -47,16 +47,6 @@ def _register():
             usp_hal.register_backend(cls.NAME, cls)
 
 
-def _inputs(B, S, H, Hkv, D, dt, seed, alibi):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, S, H, D, generator=g).to(dt)
-    k = torch.randn(B, S, Hkv, D, generator=g).to(dt)
-    v = torch.randn(B, S, Hkv, D, generator=g).to(dt)
-    dout = torch.randn(B, S, H, D, generator=g).to(dt)
-    slopes = torch.rand(H, generator=g) * 0.5 if alibi else None
-    return q, k, v, dout, slopes
-
-
 def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True, dtype="fp64", B=1, H=4, Hkv=None,
                 D=8, window=(-1, -1), softcap=0.0, alibi=False, grad=True, return_lse=True, seed=0,
                 attn_type="sdpa", docs=((5, 7),), module="plain", cu_as="tensor", head_chunks=2):
@@ -80,7 +70,7 @@ def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True,
         cu = cu_seqlens_from_lengths(lengths)
         S = cu[-1]
         cu_arg = torch.tensor(cu, dtype=torch.int32) if cu_as == "tensor" else list(cu)
-        q, k, v, dout, slopes = _inputs(B, S, H, Hkv, D, dt, seed + i, alibi)
+        q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed + i, alibi)
         qr, kr, vr = (x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v))
         kw = dict(causal=causal, window=tuple(window), softcap=softcap, alibi_slopes=slopes)
         ro, rl = reference_packed_attention(qr, kr, vr, cu, **kw)
@@ -128,7 +118,7 @@ def kernel_counts(U=1, R=2, layout="basic", causal=True, lengths=(8, 8, 8, 8), H
     mesh = get_mesh(U, R)
     cu = cu_seqlens_from_lengths(lengths)
     S = cu[-1]
-    q, k, v, dout, _ = _inputs(B, S, H, H, D, torch.float32, 0, False)
+    q, k, v, dout, _ = make_inputs(B, S, H, H, D, torch.float32, 0, False)
     x = [usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=CountingSDPA.NAME, mesh=mesh,
                                         rotation=rotation)
@@ -216,7 +206,7 @@ def unpacked_call_vs_packed_reference(U=1, R=2):
     with the per-document reference; returns the normalised errors (must be large)."""
     mesh = get_mesh(U, R)
     cu = (0, 6, 12)
-    q, k, v, dout, _ = _inputs(1, 12, 2, 2, 8, torch.float64, 5, False)
+    q, k, v, dout, _ = make_inputs(1, 12, 2, 2, 8, torch.float64, 5, False)
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     ro, _ = reference_packed_attention(qr, kr, vr, cu)
     rg = torch.autograd.grad(ro, (qr, kr, vr), dout)

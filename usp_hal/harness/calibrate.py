@@ -23,24 +23,23 @@ def _fit(points):
     return max(0.0, mt - b * mx), b
 
 
-def _typical(fn, reps: int) -> float:
-    """The median of ``reps`` runs: what a call takes in a run, as the bench reports it."""
+def _times(fn, reps: int) -> list:
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return ts
+
+
+def _typical(fn, reps: int) -> float:
+    """The median of ``reps`` runs: what a call takes in a run, as the bench reports it."""
+    return statistics.median(_times(fn, reps))
 
 
 def _best(fn, reps: int) -> float:
     """The fastest of ``reps`` runs: on a shared machine, noise only ever adds time."""
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+    return min(_times(fn, reps))
 
 
 def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes: list, reps: int) -> dict:
