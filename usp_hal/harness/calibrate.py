@@ -214,7 +214,7 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
         "inter": {"bandwidth": colls["p2p"]["intra"]["bandwidth"], "latency": colls["p2p"]["intra"]["latency"]},
         "collectives": colls,
         "kernel": {dtype: {k: kern[k] for k in ("fwd_flops", "bwd_flops", "call_overhead", "causal_factor",
-                                                "backend", "measured")}},
+                                                "causal_tile", "backend", "measured")}},
         "merge_s_per_elem": max(r["merge_s_per_elem"] for r in res),
         "copy_bandwidth": min(r["copy_bandwidth"] for r in res),
         "overlap_penalty": 0.0,
