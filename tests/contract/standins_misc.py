@@ -43,11 +43,11 @@ from .standin import install_standin, purge_modules  # noqa: F401  (re-exported 
 
 
 # ----------------------------------------------------------------------------- stand-in math
-def attend(q, k, v, scale, keep=None, softcap=0.0):
+def attend(q, k, v, scale, keep=None, softcap=0.0, bias=None):
     """q [B, H, Sq, D], k/v [B, Hkv, Sk, D] -> (out, lse) float32, lse natural log.
 
     ``keep`` (bool, broadcastable to [B, H, Sq, Sk]) marks visible keys; a row with none
-    gives out 0 and lse -inf."""
+    gives out 0 and lse -inf.  ``bias`` (broadcastable to the scores) is added after scaling."""
     h, hkv = q.shape[1], k.shape[1]
     if h % hkv:
         raise ValueError(f"stand-in: {h} query heads is not a multiple of {hkv} kv heads")
@@ -55,6 +55,8 @@ def attend(q, k, v, scale, keep=None, softcap=0.0):
     kf = kf.repeat_interleave(h // hkv, dim=1)
     vf = vf.repeat_interleave(h // hkv, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.float()
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     if keep is not None:

@@ -106,25 +106,12 @@ class CudaSDPAStandin:
         sq = query.shape[2]
         sc = scale if scale is not None else query.shape[-1] ** -0.5
         keep = self._scores_keep(query, key, attn_bias, is_causal)
-        out, lse = self._attend_bias(query, key, value, sc, keep, attn_bias)
+        out, lse = attend(query, key, value, sc, keep, bias=attn_bias)
         # attention.cu: logsumexp [B, H, ceil_div(Sq, 32) * 32] on CUDA (kAlignLSE = 32); tail is garbage
         pad = (-sq) % 32
         lse = torch.cat([lse, torch.full((*lse.shape[:-1], pad), 1e30)], dim=-1) if pad else lse
         zero = torch.zeros((), dtype=torch.int64)
         return out.to(query.dtype), lse.contiguous(), zero, zero.clone()
-
-    @staticmethod
-    def _attend_bias(query, key, value, scale, keep, bias):
-        if bias is None:
-            return attend(query, key, value, scale, keep)
-        qf, kf, vf = query.float(), key.float(), value.float()
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale + bias.float()
-        if keep is not None:
-            s = s.masked_fill(~keep, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        p = torch.exp(s - safe.unsqueeze(-1))
-        return torch.matmul(p, vf), lse
 
     def efficient_backward(self, grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed,
                            philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
