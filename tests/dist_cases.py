@@ -61,14 +61,21 @@ def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, d
                                                  rotation=rotation, head_chunks=head_chunks)
     res = attn(ql, kl, vl, softmax_scale=scale, causal=causal, window_size=tuple(window), softcap=softcap,
                alibi_slopes=slopes, return_attn_probs=return_lse)
+    return sharded_errors(res, return_lse, sh, dt, ro, rl, rg, dout, lambda: (ql.grad, kl.grad, vl.grad))
+
+
+def sharded_errors(res, return_lse, sh, dt, ro, rl, rg=None, dout=None, grads=None) -> dict:
+    """Normalised errors of a call's result (``out`` or ``(out, lse)``) against the global
+    float64 reference (``ro``, ``rl``, gradients ``rg``), each compared on this rank's shard
+    (``sh``); with ``rg``, runs the backward of ``dout`` and reads ``grads()``."""
     out, lse = res if return_lse else (res, None)
     errs = {"out": _err(out, sh(ro), dt)}
     if lse is not None:
         errs["lse"] = _err(lse, sh(rl, seq_dim=2), dt, lse=True)
-    if grad:
+    if rg is not None:
         out.backward(sh(dout))
-        for name, t, r in zip(("dq", "dk", "dv"), (ql, kl, vl), rg):
-            errs[name] = _err(t.grad, sh(r), dt)
+        for name, t, r in zip(("dq", "dk", "dv"), grads(), rg):
+            errs[name] = _err(t, sh(r), dt)
     return errs
 
 

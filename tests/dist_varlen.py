@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
-from tests.dist_cases import DTYPES, _err, get_mesh, make_inputs
+from tests.dist_cases import DTYPES, _err, get_mesh, make_inputs, sharded_errors
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.harness import CommMeter
 from usp_hal.varlen import cu_seqlens_from_lengths, reference_packed_attention
@@ -89,15 +89,10 @@ def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True,
             res = attn(qkv, **call)
         else:
             res = attn(ql, kl, vl, **call)
-        out, lse = res if return_lse else (res, None)
-        errs = {"out": _err(out, sh(ro), dt)}
-        if lse is not None:
-            errs["lse"] = _err(lse, sh(rl, seq_dim=2), dt, lse=True)
-        if grad:
-            out.backward(sh(dout))
-            grads = qkv.grad.unbind(2) if module == "qkvpacked" else (ql.grad, kl.grad, vl.grad)
-            for name, t, r in zip(("dq", "dk", "dv"), grads, rg):
-                errs[name] = _err(t, sh(r), dt)
+
+        def grads():
+            return qkv.grad.unbind(2) if module == "qkvpacked" else (ql.grad, kl.grad, vl.grad)  # noqa: B023
+        errs = sharded_errors(res, return_lse, sh, dt, ro, rl, rg, dout, grads)
         results.append(errs)
     return results
 
