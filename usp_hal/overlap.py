@@ -24,7 +24,6 @@ import torch
 from .attention import LongContextAttention, _nan_guard
 from .mesh import get_default_mesh
 from .ring import ring_backward, ring_forward
-from .spec import CallSpec
 from .ulysses import UlyssesExchange
 
 
@@ -127,17 +126,8 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
                                         or _params_need_grad(v_proj))
     kp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, d)     # declared shapes, no memory
     vp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, dv)
-    spec: Optional[CallSpec] = None
-    local, err = None, None
-    try:
-        spec, local = attn._local(mesh, q, kp, vp, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, None, cu_seqlens=cu_seqlens)
-    except (ValueError, NotImplementedError, TypeError) as exc:
-        err = exc
-    lengths = attn._agree(mesh, spec, err, local["cu_seqlens"] if local else None)
-    assert spec is not None          # _agree raised otherwise
-    plan = attn._plan(mesh, spec, lengths, local)
-    attn.last_backend = plan.backend
+    _, plan = attn._prepare(mesh, q, kp, vp, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            deterministic, return_attn_probs, None, None, cu_seqlens=cu_seqlens)
     ex = plan.stages[0].exchange
     pending: list = []
     qh = _ToHeads.apply(q, ex, "q", pending)
