@@ -73,6 +73,7 @@ PACKAGE = Package(dist="flash-attn", module="flash_attn_2_cuda", min_version="2.
 SRC = "Dao-AILab/flash-attention"
 
 SOFTCAP_SINCE = "2.6.0"        # _flash_attn_forward/_backward gained ``softcap``
+UNPADDED_LSE_SINCE = "2.6.0"   # varlen lse [H, total_q] (before: [n_seq, H, max_seqlen_q])
 SPLIT_WINDOW_SINCE = "2.7.0"   # window_size_left/right, 4-tuple forward, in-place backward
 KERNEL_HEAD_DIM_MULTIPLE = 8   # what the C++ kernels accept; the adapter pads to it
 
@@ -144,6 +145,7 @@ class _FA2Kernel:
         parsed = parse_version(version)
         self.split_window = parsed >= parse_version(SPLIT_WINDOW_SINCE)
         self.has_softcap = parsed >= parse_version(SOFTCAP_SINCE)
+        self.unpadded_lse = parsed >= parse_version(UNPADDED_LSE_SINCE)
 
     def _common(self, kw: dict, causal, left, right, softcap) -> dict:
         if self.split_window:
@@ -181,6 +183,74 @@ class _FA2Kernel:
         return res[0], res[1], res[2]
 
 
+    # ------------------------------------------------------------------ varlen entry points
+    def _varlen_kw(self, fn, kw: dict, causal, softcap) -> dict:
+        self._common(kw, causal, -1, -1, softcap)
+        params = _parameters(fn)
+        if "block_table" in params:       # 2.5.7-2.6.0: a parameter without default
+            kw.setdefault("block_table", None)
+        return kw
+
+    def varlen_forward(self, q, k, v, packing, scale, causal, softcap):
+        """``_flash_attn_varlen_forward`` -> (out [Tq, H, D], lse as this version lays it out)."""
+        fn = self.iface._flash_attn_varlen_forward
+        kw = self._varlen_kw(fn, dict(q=q, k=k, v=v, cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k,
+                                      max_seqlen_q=packing.max_q, max_seqlen_k=packing.max_k, dropout_p=0.0,
+                                      softmax_scale=scale, alibi_slopes=None, return_softmax=False),
+                             causal, softcap)
+        res = fn(**kw)
+        want = 4 if self.split_window else 8
+        if len(res) != want:
+            raise RuntimeError(f"fa2: flash-attn {self.version} _flash_attn_varlen_forward returned {len(res)} "
+                               f"values, expected {want} for this version")
+        return (res[0], res[1]) if self.split_window else (res[0], res[5])
+
+    def varlen_backward(self, dout, q, k, v, out, lse, packing, scale, causal, softcap, deterministic):
+        fn = self.iface._flash_attn_varlen_backward
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kw = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                  cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
+                  max_seqlen_k=packing.max_k, dropout_p=0.0, softmax_scale=scale, alibi_slopes=None,
+                  deterministic=bool(deterministic), rng_state=None)
+        res = fn(**self._common(kw, causal, -1, -1, softcap))
+        if self.split_window:
+            return dq, dk, dv
+        if not isinstance(res, (tuple, list)) or len(res) != 4:
+            raise RuntimeError(f"fa2: flash-attn {self.version} _flash_attn_varlen_backward did not return "
+                               f"(dq, dk, dv, softmax_d)")
+        return res[0], res[1], res[2]
+
+
+def _parameters(fn) -> dict:
+    """Parameters of ``fn``, looking through a ``torch.library`` custom op to its function."""
+    try:
+        return dict(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def padded_lse_to_packed(lse: torch.Tensor, packing) -> torch.Tensor:
+    """flash-attn < 2.6 varlen lse ``[n_seq, H, max_q]`` -> the packed ``[H, Tq]``."""
+    seq, pos = _row_coordinates(packing, lse.device)
+    return lse[seq, :, pos].t().contiguous()
+
+
+def packed_lse_to_padded(lse: torch.Tensor, packing) -> torch.Tensor:
+    """The packed ``[H, Tq]`` -> flash-attn < 2.6's ``[n_seq, H, max_q]`` (padding rows 0)."""
+    seq, pos = _row_coordinates(packing, lse.device)
+    padded = lse.new_zeros(len(packing.q_lens), lse.shape[0], packing.max_q)
+    padded[seq, :, pos] = lse.t()
+    return padded
+
+
+def _row_coordinates(packing, device):
+    """(sequence index, position in it) of every packed query row, on ``device``."""
+    seq = torch.repeat_interleave(torch.arange(len(packing.q_lens), device=device),
+                                  torch.tensor(packing.q_lens, device=device), output_size=packing.total_q)
+    starts = packing.cu_q[:-1].to(device=device, dtype=torch.long)
+    return seq, torch.arange(packing.total_q, device=device) - starts[seq]
+
+
 def _load_kernel() -> _FA2Kernel:
     try:
         iface = importlib.import_module("flash_attn.flash_attn_interface")
@@ -196,7 +266,8 @@ def _load_kernel() -> _FA2Kernel:
                                  "metadata, no flash_attn.__version__), so its API generation is unknown")
     if parse_version(version) < parse_version(PACKAGE.min_version or "0"):
         raise BackendUnavailable(f"fa2: flash-attn {version} too old (needs >= {PACKAGE.min_version})")
-    for fn in (iface._flash_attn_forward, iface._flash_attn_backward):
+    for fn in (iface._flash_attn_forward, iface._flash_attn_backward, iface._flash_attn_varlen_forward,
+               iface._flash_attn_varlen_backward):
         qual = foreign_op(fn)
         if qual is not None:
             raise BackendUnavailable(
@@ -275,6 +346,7 @@ class FlashAttn2Backend(AttentionBackend):
     RETURNS_LSE = True
     HAS_BACKWARD = True
     SUPPORTS_DETERMINISTIC = True     # ``deterministic`` is passed to the backward kernel
+    VARLEN_KERNEL = True              # _flash_attn_varlen_forward/_backward
     MIN_COMPUTE_CAPABILITY = {"cuda": (8, 0)}
     REQUIRED_PACKAGES = (PACKAGE,)
     INPUT_LAYOUT = "last-dim-contiguous"
@@ -287,6 +359,12 @@ class FlashAttn2Backend(AttentionBackend):
          "per architecture", f"{SRC} v2.5.0-v2.8.3 csrc/flash_attn/flash_api.cpp mha_fwd/mha_bwd"),
         ("ROCm: CK ignores softcap; Triton AMD ignores window/softcap",
          f"{SRC} v2.8.3 csrc/flash_attn_ck/, flash_attn/flash_attn_triton_amd/interface_fa.py"),
+        ("varlen entry points per generation (block_table without default in 2.5.7-2.6.0, softcap from 2.6, "
+         "window_size_left/right and 4 return values from 2.7)",
+         f"{SRC} v2.5.0, v2.5.7, v2.5.9, v2.6.0, v2.6.3, v2.7.0, v2.8.3 flash_attn/flash_attn_interface.py "
+         "_flash_attn_varlen_forward/_flash_attn_varlen_backward"),
+        ("varlen lse [n_seq, H, max_seqlen_q] before 2.6.0, [H, total_q] from 2.6.0",
+         f"{SRC} v2.5.9, v2.6.0 csrc/flash_attn/flash_api.cpp mha_varlen_fwd (softmax_lse = torch::empty(...))"),
     )
 
     def _kernel(self) -> _FA2Kernel:
@@ -323,4 +401,26 @@ class FlashAttn2Backend(AttentionBackend):
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k.contiguous(), softmax_scale,
                                      k_causal, left, right, softcap or 0.0, slopes, deterministic)
+        return unpad(dq, d), unpad(dk, d), unpad(dv, d)
+
+    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, softcap):
+        kernel = self._kernel()
+        d = q.shape[-1]
+        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
+        out, lse = kernel.varlen_forward(qp, kp, vp, packing, softmax_scale, causal, softcap or 0.0)
+        if not kernel.unpadded_lse:
+            lse = padded_lse_to_packed(lse, packing)
+        return unpad(out, d), normalize_lse(lse)
+
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, softcap,
+                               deterministic):
+        kernel = self._kernel()
+        d = q.shape[-1]
+        lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
+        if not kernel.unpadded_lse:
+            lse_k = packed_lse_to_padded(lse_k, packing)
+        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
+                               for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+        dq, dk, dv = kernel.varlen_backward(dop, qp, kp, vp, op, lse_k, packing, softmax_scale, causal,
+                                            softcap or 0.0, deterministic)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

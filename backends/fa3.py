@@ -138,23 +138,32 @@ class _FA3Kernel:
         # descales...): None switches each of them off
         return {**{n: None for n in required if n not in kw}, **kw}
 
-    def forward(self, q, k, v, scale, causal, left, right, softcap):
+    @staticmethod
+    def _varlen(packing) -> dict:
+        """The varlen arguments (q/k/v then hold the sequences back to back; the lse is [H, total_q])."""
+        if packing is None:
+            return {}
+        return dict(cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
+                    max_seqlen_k=packing.max_k)
+
+    def forward(self, q, k, v, scale, causal, left, right, softcap, packing=None):
         if self.api == "new":
             res = self.iface._flash_attn_forward(q=q, k=k, v=v, softmax_scale=scale, causal=causal,
                                                  window_size_left=left, window_size_right=right,
-                                                 softcap=float(softcap))
+                                                 softcap=float(softcap), **self._varlen(packing))
         else:
             res = self.iface._flash_attn_forward(**self._fill(self._fwd_required, dict(
                 q=q, k=k, v=v, softmax_scale=scale, causal=causal, window_size=(left, right),
-                softcap=float(softcap))))
+                softcap=float(softcap), **self._varlen(packing))))
         if not isinstance(res, (tuple, list)) or len(res) < 2:
             raise RuntimeError("fa3: _flash_attn_forward did not return (out, softmax_lse, ...)")
         return res[0], res[1]
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic, packing=None):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                      softmax_scale=scale, softcap=float(softcap), deterministic=bool(deterministic))
+                      softmax_scale=scale, softcap=float(softcap), deterministic=bool(deterministic),
+                      **self._varlen(packing))
         if self.api == "new":
             self.iface._flash_attn_backward(**common, is_causal=causal,
                                             window_size_left=left, window_size_right=right)
@@ -209,6 +218,7 @@ class FlashAttn3Backend(AttentionBackend):
     RETURNS_LSE = True
     HAS_BACKWARD = True
     SUPPORTS_DETERMINISTIC = True     # not for the head-dim-256 kernel: LIMITS
+    VARLEN_KERNEL = True              # _flash_attn_forward/_backward with cu_seqlens_q/k
     MIN_COMPUTE_CAPABILITY = {"cuda": (9, 0)}
     MAX_COMPUTE_CAPABILITY = {"cuda": (9, 0)}
     REQUIRED_PACKAGES = (PACKAGE,)
@@ -225,6 +235,9 @@ class FlashAttn3Backend(AttentionBackend):
                                                       "c7697bbf, fde4bc0c"),
         ("sm_90a kernels (plus sm80 unless disabled); window normalisation; deterministic backward below 256",
          f"{SRC} hopper/setup.py, hopper/flash_api.cpp"),
+        ("varlen through cu_seqlens_q/k and max_seqlen_q/k of the same functions; lse [H, total_q]; builds with "
+         "FLASHATTENTION_DISABLE_VARLEN refuse it", f"{SRC} hopper/flash_api.cpp mha_fwd/mha_bwd at 7a802796 and "
+                                                     "0251105a; hopper/flash_attn_interface.py"),
     )
 
     @classmethod
@@ -262,4 +275,40 @@ class FlashAttn3Backend(AttentionBackend):
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale,
                                      k_causal, left, right, softcap or 0.0, deterministic)
+        return unpad(dq, d), unpad(dk, d), unpad(dv, d)
+
+    # a build compiled with FLASHATTENTION_DISABLE_VARLEN (Dao-AILab/flash-attention hopper/flash_api.cpp
+    # mha_fwd/mha_bwd since 7a802796: TORCH_CHECK(!is_varlen, ...)) refuses cu_seqlens: such a build is
+    # served by one dense call per sequence (the base class), decided once on the first packed call
+    NO_VARLEN_BUILD = "does not support varlen"
+
+    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, softcap):
+        if getattr(self, "_dense_only", False):
+            return super().kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
+                                                 softcap=softcap)
+        kernel = self._kernel()
+        d = q.shape[-1]
+        qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
+        try:
+            out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, -1, -1, softcap or 0.0, packing=packing)
+        except RuntimeError as exc:
+            if self.NO_VARLEN_BUILD not in str(exc):
+                raise
+            self._dense_only = True
+            return self.kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
+                                              softcap=softcap)
+        return unpad(out, d), normalize_lse(lse)
+
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, softcap,
+                               deterministic):
+        if getattr(self, "_dense_only", False):
+            return super().kernel_backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=softmax_scale,
+                                                  causal=causal, softcap=softcap, deterministic=deterministic)
+        kernel = self._kernel()
+        d = q.shape[-1]
+        lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
+        dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
+                               for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, -1, -1, softcap or 0.0,
+                                     deterministic, packing=packing)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

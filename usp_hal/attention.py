@@ -16,7 +16,7 @@ One call, on every rank of the sequence-parallel group:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -85,6 +85,7 @@ class _Shape:
     blocks: frozenset = frozenset()                # (Sq, Sk, causal) of every rank's kernel calls
     local_only: bool = False                       # packed documents, none across ring ranks: no K/V exchange
     cu: Optional[Tuple[int, ...]] = None           # the document boundaries the plan was made for
+    packed: Dict[int, list] = field(default_factory=dict)   # per source: the plan packed for varlen kernels
 
 
 @dataclass
@@ -122,6 +123,7 @@ class _PlannedRing(RingContext):
     def __init__(self, shape: _Shape, **kw):
         super().__init__(**kw)
         self._calls = shape.calls
+        self._packed_steps = shape.packed     # the packed steps are cached with the shape
 
     def calls(self, src: int):
         return self._calls[src]
@@ -692,7 +694,7 @@ class LongContextAttention(torch.nn.Module):
             ring = _PlannedRing(shape, backend=local["backend"], ring_size=mesh.ring_degree, ring_rank=me_r,
                                 segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
                                 causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
-                                alibi_slopes=slopes, deterministic=spec.deterministic)
+                                alibi_slopes=slopes, deterministic=spec.deterministic, cu_seqlens=shape.cu)
             stages.append(_Stage(exchange, ring))
         return CallPlan(spec, local["backend"], stages, spec.dtype, tuple(lengths))
 

@@ -128,6 +128,10 @@ class AttentionBackend:
     # packed documents (cu_seqlens): the block plan cuts every call at document boundaries, so
     # a kernel that honours the contract on dense blocks serves them; False refuses them
     SUPPORTS_VARLEN: ClassVar[bool] = True
+    #: the kernel has a packed-sequence (varlen) entry point (``kernel_forward_packed`` /
+    #: ``kernel_backward_packed``): the ring then runs each step's per-document calls as one
+    #: packed call per kind (causal squares, full rectangles) instead of one call per piece
+    VARLEN_KERNEL: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- declarations
     @classmethod
@@ -335,8 +339,66 @@ class AttentionBackend:
                         dropout_p, deterministic, key_offset):
         raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
 
+    # ---------------------------------------------------------------- packed (varlen) contract
+    def forward_packed(self, q, k, v, packing, *, softmax_scale, causal=False, softcap=0.0):
+        """Sequences packed back to back: ``q`` [Tq, H, D], ``k``/``v`` [Tk, Hkv, D], sequence
+        ``i`` being rows ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]``
+        (:class:`usp_hal.ring.Packing`).  ``causal`` is asked only when every sequence has as
+        many queries as keys.  Returns ``out`` [Tq, H, D] and ``lse`` [H, Tq] (float32)."""
+        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, (-1, -1), softcap, None, 0.0, False,
+                    False, 0)
+        q, k, v = self._conform(q, k, v)
+        out, lse = self.kernel_forward_packed(q, k, v, packing, softmax_scale=float(softmax_scale),
+                                              causal=bool(causal), softcap=softcap)
+        return out, lse
+
+    def backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal=False, softcap=0.0,
+                        deterministic=False):
+        """Gradients of :meth:`forward_packed` from the given ``out``/``lse`` [H, Tq] (which
+        may be the ring-merged ones): ``(dq [Tq, H, D], dk, dv [Tk, Hkv, D])``."""
+        if not type(self).HAS_BACKWARD:
+            raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
+        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, (-1, -1), softcap, None, 0.0, True,
+                    bool(deterministic), 0)
+        want = (q.shape[1], q.shape[0])
+        if tuple(lse.shape) != want:
+            raise ValueError(f"{self.NAME}: packed lse must be [H, Tq] = {want}, got {tuple(lse.shape)}")
+        dout, q, k, v, out = self._conform(dout, q, k, v, out)
+        return self.kernel_backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=float(softmax_scale),
+                                           causal=bool(causal), softcap=softcap, deterministic=bool(deterministic))
+
+    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, softcap):
+        """The varlen kernel call; the default runs one dense call per sequence (what an
+        adapter falls back to when its kernel build has no varlen support)."""
+        outs, lses = [], []
+        for (a, b), (c, d) in _packed_ranges(packing):
+            o, lse = self.forward(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale=softmax_scale,
+                                  causal=causal, softcap=softcap)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, softcap,
+                               deterministic):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for (a, b), (c, d) in _packed_ranges(packing):
+            gq, gk, gv = self.backward(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b],
+                                       lse[None, :, a:b], softmax_scale=softmax_scale, causal=causal,
+                                       softcap=softcap, deterministic=deterministic)
+            dq[a:b], dk[c:d], dv[c:d] = gq[0], gk[0], gv[0]
+        return dq, dk, dv
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.NAME!r}>"
+
+
+def _packed_ranges(packing):
+    """((q_start, q_stop), (k_start, k_stop)) of every packed sequence, from its host lengths."""
+    qa = ka = 0
+    for nq, nk in zip(packing.q_lens, packing.k_lens):
+        yield (qa, qa + nq), (ka, ka + nk)
+        qa += nq
+        ka += nk
 
 
 def _alternatives(req: AttnRequest, exclude: str) -> list:

@@ -29,7 +29,7 @@ boundary and pairs of pieces from different documents are skipped::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -163,6 +163,130 @@ def _merge_calls(calls: List[BlockCall]) -> List[BlockCall]:
     return out
 
 
+# --------------------------------------------------------------------------------- packed calls
+class Packing:
+    """Sequence boundaries of one packed kernel call (what a varlen entry point takes):
+    ``q_lens``/``k_lens`` per sequence (host ints), ``cu_q``/``cu_k`` their int32 prefix sums
+    on the device, ``max_q``/``max_k``.  Built by :class:`PackedCall` and cached."""
+
+    __slots__ = ("q_lens", "k_lens", "cu_q", "cu_k", "max_q", "max_k")
+
+    def __init__(self, q_lens: Sequence[int], k_lens: Sequence[int], device) -> None:
+        self.q_lens, self.k_lens = tuple(q_lens), tuple(k_lens)
+        self.max_q, self.max_k = max(self.q_lens), max(self.k_lens)
+        self.cu_q = _prefix(self.q_lens, device)
+        self.cu_k = self.cu_q if self.k_lens == self.q_lens else _prefix(self.k_lens, device)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.k_lens)
+
+
+def _prefix(lens, device) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32).to(device)
+
+
+def _span(ranges) -> Optional[Tuple[int, int]]:
+    """(a, b) when the ranges, in order, tile [a, b) exactly (gather is a slice), else None."""
+    a, b = ranges[0]
+    for lo, hi in ranges[1:]:
+        if lo != b:
+            return None
+        b = hi
+    return a, b
+
+
+class PackedCall:
+    """Several :class:`BlockCall` s of one kind, all causal squares or all full rectangles,
+    run as one call of a kernel's packed-sequence (varlen) entry point: call ``i`` becomes
+    sequence ``i`` (queries ``rows``, keys ``cols``).  With a batch of B rows the packed
+    order is (batch row, call), so every call's result is a view of the packed output."""
+
+    def __init__(self, calls: Sequence[BlockCall]) -> None:
+        self.calls = tuple(calls)
+        self.causal = self.calls[0].causal
+        self.q_lens = tuple(c.q_stop - c.q_start for c in self.calls)
+        self.k_lens = tuple(c.k_stop - c.k_start for c in self.calls)
+        offs, o = [], 0
+        for n in self.q_lens:
+            offs.append(o)
+            o += n
+        self.q_offsets = tuple(offs)
+        self.q_span = _span([(c.q_start, c.q_stop) for c in self.calls])
+        self.k_span = _span([(c.k_start, c.k_stop) for c in self.calls])
+        self._cache: Dict[Any, Any] = {}
+
+    def packing(self, batch: int, device) -> Packing:
+        key = ("packing", batch, str(device))
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = Packing(self.q_lens * batch, self.k_lens * batch, device)
+        return got
+
+    def index(self, which: str, device) -> torch.Tensor:
+        """Local row (``"q"``) or key (``"k"``) indices of the packed sequences, in order."""
+        key = (which, str(device))
+        got = self._cache.get(key)
+        if got is None:
+            spans = [(c.q_start, c.q_stop) if which == "q" else (c.k_start, c.k_stop) for c in self.calls]
+            got = self._cache[key] = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+        return got
+
+    def gather(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """``x`` [B, L, h, D] -> the packed ``[B * total, h, D]`` (a view when the calls tile one range and B == 1)."""
+        span = self.q_span if which == "q" else self.k_span
+        if span is not None:
+            part = x[:, span[0]:span[1]]
+        else:
+            part = x.index_select(1, self.index(which, x.device))
+        return part.reshape(-1, *x.shape[2:])
+
+    def gather_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """``lse`` [B, H, L] -> ``[H, B * total]`` (the packed lse layout), contiguous."""
+        part = lse[:, :, self.q_span[0]:self.q_span[1]] if self.q_span is not None else \
+            lse.index_select(2, self.index("q", lse.device))
+        return part.transpose(0, 1).reshape(lse.shape[1], -1)
+
+    def scatter_add(self, acc: torch.Tensor, grad: torch.Tensor, which: str) -> None:
+        """``acc`` [B, L, h, D] += the packed ``grad`` [B * total, h, D] at this call's rows/keys."""
+        b = acc.shape[0]
+        g = grad.view(b, -1, *grad.shape[1:]).to(acc.dtype)
+        span = self.q_span if which == "q" else self.k_span
+        if span is not None:
+            acc[:, span[0]:span[1]] += g
+        else:
+            acc.index_add_(1, self.index(which, acc.device), g)
+
+    def split(self, out: torch.Tensor, lse: torch.Tensor, batch: int):
+        """Per call: (call, out [B, n, H, D], lse [B, H, n]), views of the packed results."""
+        total = sum(self.q_lens)
+        o = out.view(batch, total, *out.shape[1:])
+        lv = lse.view(lse.shape[0], batch, total)
+        for c, off, n in zip(self.calls, self.q_offsets, self.q_lens):
+            yield c, o[:, off:off + n], lv[:, :, off:off + n].transpose(0, 1)
+
+
+def pack_calls(calls: Sequence[BlockCall]) -> List[Union[BlockCall, PackedCall]]:
+    """The block plan of one step for a kernel with a varlen entry point: the causal squares
+    in one packed call and the full rectangles in another (a kind with one call stays a
+    plain call).  Only for plans without window/alibi (no key offsets to carry)."""
+    steps: List[Union[BlockCall, PackedCall]] = []
+    for causal in (True, False):
+        group = [c for c in calls if c.causal == causal]
+        if len(group) == 1:
+            steps.append(group[0])
+        elif group:
+            steps.append(PackedCall(group))
+    return steps
+
+
 # --------------------------------------------------------------------------------- merge
 def merge_block(acc_out: torch.Tensor, acc_lse: torch.Tensor, rows: slice,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -207,9 +331,34 @@ class RingContext:
     def positional(self) -> bool:
         return tuple(self.window) != (-1, -1) or self.alibi_slopes is not None
 
+    #: document boundaries of a packed call (None: one sequence)
+    cu_seqlens: Optional[Tuple[int, ...]] = None
+
     def calls(self, src: int) -> List[BlockCall]:
         return plan_blocks(self.segments[self.ring_rank], self.segments[src], causal=self.causal,
-                           window=self.window, positional=self.positional, diagonal=src == self.ring_rank)
+                           window=self.window, positional=self.positional, diagonal=src == self.ring_rank,
+                           cu_seqlens=self.cu_seqlens)
+
+    @property
+    def packs(self) -> bool:
+        """Batch each step's per-document calls into varlen calls: packed documents, a backend
+        with a varlen entry point, and no window/alibi (whose key offsets differ per call)."""
+        return (self.cu_seqlens is not None and not self.positional
+                and getattr(self.backend, "VARLEN_KERNEL", False))
+
+    def steps(self, src: int) -> Sequence[Union[BlockCall, PackedCall]]:
+        """The kernel calls against ``src``'s key block: the block plan, or packed (:attr:`packs`)."""
+        calls = self.calls(src)
+        if len(calls) < 2 or not self.packs:
+            return calls
+        cache = self.__dict__.setdefault("_packed_steps", {})
+        got = cache.get(src)
+        if got is None:
+            got = cache[src] = pack_calls(calls)
+        return got
+
+    def packed_kwargs(self, pc: PackedCall) -> dict:
+        return dict(softmax_scale=self.softmax_scale, causal=pc.causal, softcap=self.softcap)
 
     def kernel_kwargs(self, call: BlockCall) -> dict:
         return dict(softmax_scale=self.softmax_scale, causal=call.causal, window=tuple(self.window),
@@ -235,7 +384,7 @@ class _Accumulator:
         b, l, h, _ = self.q.shape
         if self.out is None:
             if call.q_start == 0 and call.q_stop == l:
-                self.out, self.lse = out.to(self.mdt), lse.to(self.mdt)
+                self.out, self.lse = out.to(self.mdt), lse.to(self.mdt).contiguous()
                 return
             self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
             self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
@@ -286,8 +435,15 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
         return out, lse.to(acc.mdt)
     for src, kb, vb in ctx.rotation.blocks(k, v):
-        for c in ctx.calls(src):
-            acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c)))
+        for c in ctx.steps(src):
+            if isinstance(c, PackedCall):
+                b = q.shape[0]
+                out, lse = ctx.backend.forward_packed(c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
+                                                      c.packing(b, q.device), **ctx.packed_kwargs(c))
+                for call, o, lse_c in c.split(out, lse, b):
+                    acc.add(call, o, lse_c)
+            else:
+                acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c)))
     return acc.result()
 
 
@@ -313,7 +469,16 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
     for step, (src, kb, vb) in enumerate(rot.blocks(k, v)):
         part = rot.new_grad(src, k, v, mdt)
         gk_acc, gv_acc = part.kv
-        for c in ctx.calls(src):
+        for c in ctx.steps(src):
+            if isinstance(c, PackedCall):
+                gq, gk, gv = ctx.backend.backward_packed(
+                    c.gather(dout, "q"), c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"), c.gather(out, "q"),
+                    c.gather_lse(lse), c.packing(q.shape[0], q.device), deterministic=ctx.deterministic,
+                    **ctx.packed_kwargs(c))
+                c.scatter_add(dq, gq, "q")
+                c.scatter_add(gk_acc, gk, "k")
+                c.scatter_add(gv_acc, gv, "k")
+                continue
             gq, gk, gv = kernel_backward(c, kb, vb)
             dq[:, c.rows] += gq
             gk_acc[:, c.cols] += gk

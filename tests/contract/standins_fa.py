@@ -202,6 +202,12 @@ def _fa2_ext(version: str) -> str:
     sc_val = "softcap" if softcap else "0.0"
     fwd_ret = ("[out, softmax_lse, p, rng_state]" if new
                else "[out[..., :d_og], q, k, v, out, softmax_lse, p, rng_state]")
+    varlen_fwd_ret = fwd_ret if new else "[out[..., :d_og], q, k, v, out, softmax_lse, p, rng_state]"
+    # mha_varlen_fwd's optional tensors: block_table_ from 2.5.7, leftpad_k_ from 2.6.1
+    # (v2.5.0, v2.5.7, v2.7.0 csrc/flash_attn/flash_api.cpp mha_varlen_fwd)
+    block_arg = "block_table_, " if v >= parse_version("2.5.7") else ""
+    leftpad_arg = "leftpad_k_, " if v >= parse_version("2.6.1") else ""
+    unpadded = v >= parse_version("2.6.0")
     return _math_source() + textwrap.dedent(f'''
         def _pad8(x):
             d = x.shape[-1]
@@ -274,6 +280,103 @@ def _fa2_ext(version: str) -> str:
             dq.copy_(gq); dk.copy_(gk); dv.copy_(gv)
             softmax_d = torch.zeros(q.shape[0], q.shape[2], (q.shape[1] + 127) // 128 * 128)
             return [dq, dk, dv, softmax_d]
+
+
+        VARLEN_CALLS = []   # (direction, causal, number of sequences) of each varlen call, for the tests
+        # varlen lse: [n_seq, H, max_seqlen_q] before 2.6.0, [H, total_q] from 2.6.0 (v2.5.9 / v2.6.0
+        # csrc/flash_attn/flash_api.cpp mha_varlen_fwd: softmax_lse = torch::empty(...))
+        UNPADDED_LSE = {unpadded}
+
+
+        def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            for t in (cu_seqlens_q, cu_seqlens_k):
+                if t.dtype != torch.int32:
+                    raise RuntimeError("cu_seqlens_q must have dtype int32")
+            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            if len(cq) != len(ck):
+                raise RuntimeError("cu_seqlens_k must have shape (batch_size + 1)")
+            for i in range(len(cq) - 1):
+                if cq[i + 1] - cq[i] > max_seqlen_q or ck[i + 1] - ck[i] > max_seqlen_k:
+                    raise RuntimeError("stand-in: a sequence longer than max_seqlen (the kernel would "
+                                       "read out of bounds)")
+                yield i, cq[i], cq[i + 1], ck[i], ck[i + 1]
+
+
+        def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, {leftpad_arg}{block_arg}alibi_slopes,
+                       max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
+                       window_size_left, window_size_right, {sc_arg}return_softmax, gen_):
+            VARLEN_CALLS.append(("fwd", is_causal, cu_seqlens_q.numel() - 1))
+            device, cc = _standin_device()
+            if device == "cuda":
+                _standin_fa2_arch_check(VERSION, cc, False, q.shape[-1])
+            _standin_check_inputs((q, k, v), pad_ok={not new}, name="mha_varlen_fwd")
+            if q.dim() != 3 or k.dim() != 3:
+                raise RuntimeError("q must be (total_q, num_heads, head_size), k/v (total_k, num_heads_k, head_size)")
+            if p_dropout > 0 or seqused_k is not None or alibi_slopes is not None:
+                raise RuntimeError("stand-in: dropout, seqused_k and alibi are not modelled in varlen")
+            # v2.8.3 mha_varlen_fwd: window bounds normalised against max_seqlen_k
+            if window_size_left >= max_seqlen_k:
+                window_size_left = -1
+            if window_size_right >= max_seqlen_k:
+                window_size_right = -1
+            window_size_left, window_size_right, _cap = _rocm_ignores(window_size_left, window_size_right,
+                                                                      {sc_val})
+            d_og, h = q.shape[-1], q.shape[1]
+            q, k, v = _pad8(q), _pad8(k), _pad8(v)      # <= 2.6 pads inside mha_varlen_fwd
+            out = torch.zeros_like(q)
+            n = cu_seqlens_q.numel() - 1
+            if UNPADDED_LSE:
+                softmax_lse = torch.full((h, q.shape[0]), float("nan"))
+            else:   # padding positions are never written (torch::empty): NaN here
+                softmax_lse = torch.full((n, h, max_seqlen_q), float("nan"))
+            for i, a, b, c, d in _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                o, l = _standin_forward(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale, is_causal,
+                                        window_size_left, window_size_right, _cap, None, float("inf"), True)
+                out[a:b] = o[0]
+                if UNPADDED_LSE:
+                    softmax_lse[:, a:b] = l[0]
+                else:
+                    softmax_lse[i, :, :b - a] = l[0]
+            p = torch.empty(0)
+            rng_state = torch.zeros(2, dtype=torch.int64)
+            return {varlen_fwd_ret}
+
+
+        def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                       max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
+                       window_size_left, window_size_right, {sc_arg}deterministic, gen_, rng_state):
+            VARLEN_CALLS.append(("bwd", is_causal, cu_seqlens_q.numel() - 1))
+            device, cc = _standin_device()
+            if device == "cuda":
+                _standin_fa2_arch_check(VERSION, cc, True, q.shape[-1])
+            _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_varlen_bwd")
+            if window_size_left >= max_seqlen_k:
+                window_size_left = -1
+            if window_size_right >= max_seqlen_k:
+                window_size_right = -1
+            window_size_left, window_size_right, _cap = _rocm_ignores(window_size_left, window_size_right,
+                                                                      {sc_val})
+            n, h = cu_seqlens_q.numel() - 1, q.shape[1]
+            want = (h, q.shape[0]) if UNPADDED_LSE else (n, h, max_seqlen_q)
+            if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != want:
+                raise RuntimeError(f"softmax_lse must be float32 {{want}}, got {{tuple(softmax_lse.shape)}}")
+            dq = torch.empty_like(q) if dq is None else dq
+            dk = torch.empty_like(k) if dk is None else dk
+            dv = torch.empty_like(v) if dv is None else dv
+            for t, x in ((dq, q), (dk, k), (dv, v)):
+                if t.shape != x.shape:
+                    raise RuntimeError("gradient buffers must match q/k/v")
+            dk.zero_(); dv.zero_()
+            for i, a, b, c, d in _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                lse_i = softmax_lse[:, a:b] if UNPADDED_LSE else softmax_lse[i, :, :b - a]
+                gq, gk, gv = _standin_backward(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d],
+                                               out[None, a:b], lse_i[None], softmax_scale, is_causal,
+                                               window_size_left, window_size_right, _cap, None, True)
+                dq[a:b] = gq[0]
+                dk[c:d] += gk[0].to(dk.dtype)
+                dv[c:d] += gv[0].to(dv.dtype)
+            softmax_d = torch.zeros(h, q.shape[0] + 128 * n)
+            return [dq, dk, dv, softmax_d]
     ''')
 
 
@@ -318,9 +421,60 @@ def _fa2_iface(version: str) -> str:
                     dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale,
                     causal, window_size_left, window_size_right, softcap, deterministic, None, rng_state)
                 return softmax_d
+
+
+            # v2.7.0 / v2.8.3 flash_attn/flash_attn_interface.py _flash_attn_varlen_forward/_backward
+            @torch.library.custom_op(_NS + "::_flash_attn_varlen_forward", mutates_args=(), device_types="cpu")
+            def _flash_attn_varlen_forward(
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+                softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+                block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+                seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False,
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                out, softmax_lse, S_dmask, rng_state = flash_attn_gpu.varlen_fwd(
+                    q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes,
+                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal, window_size_left,
+                    window_size_right, softcap, return_softmax, None)
+                return out, softmax_lse, S_dmask, rng_state
+
+
+            @torch.library.custom_op(_NS + "::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
+                                     device_types="cpu")
+            def _flash_attn_varlen_backward(
+                dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                window_size_left: int, window_size_right: int, softcap: float,
+                alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False,
+            ) -> torch.Tensor:
+                dq, dk, dv, softmax_d = flash_attn_gpu.varlen_bwd(
+                    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal, window_size_left,
+                    window_size_right, softcap, deterministic, None, rng_state)
+                return softmax_d
         ''')
     softcap = v >= parse_version("2.6.0")
     sc_param = "softcap, " if softcap else ""
+    # _flash_attn_varlen_forward's parameters after ``causal`` per version (flash_attn/flash_attn_interface.py
+    # at v2.5.0, v2.5.7, v2.6.0, v2.6.1, v2.6.2): block_table from 2.5.7 (no default until 2.6.1),
+    # leftpad_k from 2.6.1, seqused_k from 2.6.2 with defaults everywhere; and what reaches varlen_fwd
+    if v >= parse_version("2.6.2"):
+        varlen_tail = ("window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, "
+                       "block_table=None, leftpad_k=None, seqused_k=None")
+        varlen_opt = "seqused_k, leftpad_k, block_table, "
+    elif v >= parse_version("2.6.1"):
+        varlen_tail = ("window_size, softcap, alibi_slopes, return_softmax, block_table=None, leftpad_k=None")
+        varlen_opt = "None, leftpad_k, block_table, "
+    elif v >= parse_version("2.5.7"):
+        varlen_tail = f"window_size, {sc_param}alibi_slopes, return_softmax, block_table"
+        varlen_opt = "None, block_table, "
+    else:
+        varlen_tail = "window_size, alibi_slopes, return_softmax"
+        varlen_opt = "None, "
     return textwrap.dedent(f'''
         import flash_attn_2_cuda as flash_attn_cuda
 
@@ -339,14 +493,35 @@ def _fa2_iface(version: str) -> str:
                 dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale, causal,
                 window_size[0], window_size[1], {sc_param}deterministic, None, rng_state)
             return dq, dk, dv, softmax_d
+
+
+        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                       softmax_scale, causal, {varlen_tail}):
+            out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state = flash_attn_cuda.varlen_fwd(
+                q, k, v, None, cu_seqlens_q, cu_seqlens_k, {varlen_opt}alibi_slopes, max_seqlen_q,
+                max_seqlen_k, dropout_p, softmax_scale, False, causal, window_size[0], window_size[1],
+                {sc_param}return_softmax, None)
+            return out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state
+
+
+        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                        {sc_param}alibi_slopes, deterministic, rng_state=None):
+            dq, dk, dv, softmax_d = flash_attn_cuda.varlen_bwd(
+                dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal, window_size[0],
+                window_size[1], {sc_param}deterministic, None, rng_state)
+            return dq, dk, dv, softmax_d
     ''')
 
 
 def _literal_namespace(src: str, namespace: str) -> str:
     """Register the custom ops under a literal ``namespace::`` name, written the way the real
     interface files write it (so it can be read from the file, as the adapters do)."""
-    return (src.replace('_NS + "::_flash_attn_forward"', f'"{namespace}::_flash_attn_forward"')
-               .replace('_NS + "::_flash_attn_backward"', f'"{namespace}::_flash_attn_backward"'))
+    for op in ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+               "_flash_attn_varlen_backward"):
+        src = src.replace(f'_NS + "::{op}"', f'"{namespace}::{op}"')
+    return src
 
 
 def fa2_files(version: str, *, with_extension: bool = True, op_namespace: "str | None" = None) -> dict:
@@ -373,6 +548,34 @@ _FA3_EXT = textwrap.dedent('''
     BWD_CALLS = []   # flags of each backward call, for the tests
 
 
+    VARLEN_CALLS = []       # (direction, causal, number of sequences) of each varlen call, for the tests
+    VARLEN_DISABLED = False  # a build compiled with FLASHATTENTION_DISABLE_VARLEN
+
+
+    def _check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        # hopper/flash_api.cpp mha_fwd/mha_bwd (7a802796 .. 0251105a)
+        if VARLEN_DISABLED:
+            raise RuntimeError("This flash attention build does not support varlen.")
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise RuntimeError("stand-in: only cu_seqlens on both q and k is modelled")
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise RuntimeError("max_seqlen_q must be provided if cu_seqlens_q is provided")
+        for t in (cu_seqlens_q, cu_seqlens_k):
+            if t.dtype != torch.int32:
+                raise RuntimeError("cu_seqlens_q must have dtype torch.int32")
+
+
+    def _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        if len(cq) != len(ck):
+            raise RuntimeError("cu_seqlens_k must have shape (batch_size + 1)")
+        for i in range(len(cq) - 1):
+            if cq[i + 1] - cq[i] > max_seqlen_q or ck[i + 1] - ck[i] > max_seqlen_k:
+                raise RuntimeError("stand-in: a sequence longer than max_seqlen (the kernel would read out of "
+                                   "bounds)")
+            yield cq[i], cq[i + 1], ck[i], ck[i + 1]
+
+
     def _fa3_arch_check():
         # hopper/setup.py compiles sm_90a kernels (plus sm_80 ones); sm_90a code does not run on
         # other architectures, and hopper/flash_api.cpp refuses anything below sm80
@@ -385,14 +588,28 @@ _FA3_EXT = textwrap.dedent('''
             seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, is_causal, window_size_left,
             window_size_right, attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits,
             pack_gqa, sm_margin):
-        unused = (k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+        unused = (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k,
                   page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, q_descale, k_descale, v_descale)
         if any(x is not None for x in unused):
-            raise RuntimeError("stand-in: only dense q/k/v are modelled")
+            raise RuntimeError("stand-in: only dense or cu_seqlens-packed q/k/v are modelled")
         _fa3_arch_check()
         _standin_check_inputs((q, k, v), pad_ok=False, name="mha_fwd")
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            VARLEN_CALLS.append(("fwd", is_causal, cu_seqlens_q.numel() - 1))
+            _check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            h = q.shape[1]
+            out = torch.zeros_like(q)
+            # hopper/flash_api.cpp mha_fwd: varlen lse is [num_heads, total_q]
+            softmax_lse = torch.full((h, q.shape[0]), float("nan"))
+            for a, b, c, d in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                o, l = _standin_forward(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale, is_causal,
+                                        window_size_left, window_size_right, softcap, None, float("-inf"), False,
+                                        True)
+                out[a:b] = o[0]
+                softmax_lse[:, a:b] = l[0]
+            return out, softmax_lse, None, None
         out, softmax_lse = _standin_forward(q, k, v, softmax_scale, is_causal, window_size_left, window_size_right,
                                             softcap, None, float("-inf"), False, True)
         return out, softmax_lse, None, None
@@ -405,6 +622,10 @@ _FA3_EXT = textwrap.dedent('''
                               window=(window_size_left, window_size_right)))
         _fa3_arch_check()
         _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            return _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, window_size_left,
+                               window_size_right, softcap)
         if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
             raise RuntimeError("softmax_lse must be float32 [B, H, Sq]")
         if deterministic and -(-q.shape[-1] // 64) * 64 >= 256 and q.shape[-1] > 192:
@@ -417,6 +638,31 @@ _FA3_EXT = textwrap.dedent('''
         dv = torch.empty_like(v) if dv is None else dv
         dq.copy_(gq); dk.copy_(gk); dv.copy_(gv)
         softmax_d = torch.zeros(q.shape[0], q.shape[2], (q.shape[1] + 127) // 128 * 128)
+        if _BWD_RETURNS_GRADS:
+            return dq, dk, dv, softmax_d, None, None, None, None
+        return softmax_d, None, None, None, None
+
+
+    def _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale, is_causal, window_size_left, window_size_right, softcap):
+        VARLEN_CALLS.append(("bwd", is_causal, cu_seqlens_q.numel() - 1))
+        _check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        h = q.shape[1]
+        # the kernel reads the lse in the layout its varlen forward wrote: [num_heads, total_q]
+        if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (h, q.shape[0]):
+            raise RuntimeError(f"stand-in: varlen softmax_lse must be float32 [H, total_q] = {(h, q.shape[0])}")
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        dk.zero_(); dv.zero_()
+        for a, b, c, d in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            gq, gk, gv = _standin_backward(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b],
+                                           softmax_lse[None, :, a:b], softmax_scale, is_causal, window_size_left,
+                                           window_size_right, softcap, None, False, True)
+            dq[a:b] = gq[0]
+            dk[c:d] += gk[0].to(dk.dtype)
+            dv[c:d] += gv[0].to(dv.dtype)
+        softmax_d = torch.zeros(h, q.shape[0] + 128 * (cu_seqlens_q.numel() - 1))
         if _BWD_RETURNS_GRADS:
             return dq, dk, dv, softmax_d, None, None, None, None
         return softmax_d, None, None, None, None

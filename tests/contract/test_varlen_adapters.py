@@ -1,10 +1,15 @@
 """Packed documents through the FlashAttention adapters (stand-ins, see test_fa2.py).
 
-The block plan cuts every kernel call at document boundaries, so the adapters serve packed
-documents with their dense entry points.  This runs the ring's per-document calls in one
-process (every ring rank simulated: plan_blocks on the layout's segments, the adapter's
-forward on each call, the core's accumulator, then the adapter's backward against the merged
-out/lse) and compares out, lse and gradients with float64 attention of each document alone.
+The block plan cuts every kernel call at document boundaries.  FA2 and FA3 have varlen
+entry points, so the ring packs each step's calls into one varlen call per kind (causal
+squares, full rectangles; ``usp_hal.ring.pack_calls``); any adapter also serves the same
+calls one dense call each.  Here both ways run in one process (every ring rank simulated:
+plan_blocks on the layout's segments, the adapter's calls, the core's accumulator, then the
+adapter's backward against the merged out/lse) and out, lse and gradients are compared with
+float64 attention of each document alone.  The varlen stand-ins follow each version's real
+signatures and lse layout (see tests/contract/standins_fa.py); through
+``LongContextAttention`` on 1 and 2 gloo ranks at the end.  These prove the adapters, not
+the kernels.
 """
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ import torch
 from usp_hal.backends.fa2 import FlashAttn2Backend
 from usp_hal.backends.fa3 import FlashAttn3Backend
 from usp_hal.layout import ring_segments, segment_positions
-from usp_hal.ring import _Accumulator, plan_blocks
+from usp_hal.ring import PackedCall, _Accumulator, pack_calls, plan_blocks
 from usp_hal.varlen import cu_seqlens_from_lengths, reference_packed_attention
 
+from . import usp_cases
 from .standin import install_standin, purge_modules
 from .standins_fa import FA2_DIST, FA2_TOP_LEVEL, FA3_DIST, FA3_TOP_LEVEL, assert_matches, fa2_files, fa3_files
 
 pytestmark = pytest.mark.contract
+FA2_VERSIONS = ["2.5.0", "2.5.9", "2.6.0", "2.6.3", "2.7.0", "2.8.3"]
 EMULATE = dict(device_type="cuda", compute_capability=(9, 0))   # FA2 and FA3 both run on sm90
 
 # equal; one long + short ones and an empty one; lengths 1 and 2 (shorter than the ring)
@@ -32,12 +39,13 @@ def adapter(tmp_path, monkeypatch):
     """install(kind) -> an adapter over its stand-in package ("fa2" 2.8.3 or "fa3" new API)."""
     purged = []
 
-    def install(kind):
+    def install(kind, arg=None):
         if kind == "fa2":
-            install_standin(tmp_path, monkeypatch, dist=FA2_DIST, version="2.8.3", files=fa2_files("2.8.3"))
+            version = arg or "2.8.3"
+            install_standin(tmp_path, monkeypatch, dist=FA2_DIST, version=version, files=fa2_files(version))
             purged.append(FA2_TOP_LEVEL)
             return FlashAttn2Backend()
-        install_standin(tmp_path, monkeypatch, dist=FA3_DIST, version="3.0.0b1", files=fa3_files("new"))
+        install_standin(tmp_path, monkeypatch, dist=FA3_DIST, version="3.0.0b1", files=fa3_files(arg or "new"))
         purged.append(FA3_TOP_LEVEL)
         return FlashAttn3Backend()
     yield install
@@ -45,14 +53,17 @@ def adapter(tmp_path, monkeypatch):
         purge_modules(names)
 
 
-def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale):
-    """(out, lse, dq, dk, dv) in global order, as R ring ranks would compute them."""
+def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed=False):
+    """(out, lse, dq, dk, dv) in global order, as R ring ranks would compute them; ``packed``:
+    each step's calls packed for the varlen entry point, as the ring does for FA2/FA3."""
     S = q.shape[1]
     segs = [ring_segments(layout, S, R, r, cu_seqlens=cu) for r in range(R)]
     pos = [segment_positions(s) for s in segs]
     kw = dict(softmax_scale=scale, window=(-1, -1), softcap=0.0, alibi_slopes=None)
     plans = {(me, src): plan_blocks(segs[me], segs[src], causal=causal, diagonal=me == src, cu_seqlens=cu)
              for me in range(R) for src in range(R)}
+    if packed:
+        return _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale)
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[0], q.shape[2], S, dtype=torch.float32)
     for me in range(R):
@@ -82,6 +93,139 @@ def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale):
     return out, lse, dq, dk, dv
 
 
+def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale):
+    kw = dict(softmax_scale=scale, softcap=0.0)
+    steps = {key: pack_calls(calls) for key, calls in plans.items()}
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    for me in range(R):
+        ql = q[:, pos[me]]
+        acc = _Accumulator(ql, v.shape[-1])
+        for src in range(R):
+            kb, vb = k[:, pos[src]], v[:, pos[src]]
+            for c in steps[me, src]:
+                if isinstance(c, PackedCall):
+                    o, lp = backend.forward_packed(c.gather(ql, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
+                                                   c.packing(q.shape[0], q.device), causal=c.causal, **kw)
+                    for call, oc, lc in c.split(o, lp, q.shape[0]):
+                        acc.add(call, oc, lc)
+                else:
+                    acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols], causal=c.causal,
+                                                key_offset=c.key_offset, window=(-1, -1), alibi_slopes=None, **kw))
+        o, l = acc.result()
+        out[:, pos[me]] = o.to(q.dtype)
+        lse[:, :, pos[me]] = l.float()
+    grads = [torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v)]
+    for (me, src), cs in steps.items():
+        ql, dol, ol, ll = q[:, pos[me]], dout[:, pos[me]], out[:, pos[me]], lse[:, :, pos[me]]
+        kb, vb = k[:, pos[src]], v[:, pos[src]]
+        gq_l, gk_l, gv_l = (torch.zeros(x.shape, dtype=torch.float32) for x in (ql, kb, vb))
+        for c in cs:
+            if isinstance(c, PackedCall):
+                gq, gk, gv = backend.backward_packed(c.gather(dol, "q"), c.gather(ql, "q"), c.gather(kb, "k"),
+                                                     c.gather(vb, "k"), c.gather(ol, "q"), c.gather_lse(ll),
+                                                     c.packing(q.shape[0], q.device), causal=c.causal, **kw)
+                c.scatter_add(gq_l, gq, "q")
+                c.scatter_add(gk_l, gk, "k")
+                c.scatter_add(gv_l, gv, "k")
+            else:
+                gq, gk, gv = backend.backward(dol[:, c.rows], ql[:, c.rows], kb[:, c.cols], vb[:, c.cols],
+                                              ol[:, c.rows], ll[:, :, c.rows], causal=c.causal, window=(-1, -1),
+                                              alibi_slopes=None, key_offset=c.key_offset, **kw)
+                gq_l[:, c.rows] += gq.float()
+                gk_l[:, c.cols] += gk.float()
+                gv_l[:, c.cols] += gv.float()
+        grads[0][:, pos[me]] += gq_l
+        grads[1][:, pos[src]] += gk_l
+        grads[2][:, pos[src]] += gv_l
+    n_packed = sum(isinstance(c, PackedCall) for cs in steps.values() for c in cs)
+    return (out, lse, *grads), n_packed
+
+
+def _inputs(lengths, seed, dtype, B=1, H=4, Hkv=2, D=16):
+    cu = cu_seqlens_from_lengths(lengths)
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(B, cu[-1], H, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, cu[-1], Hkv, D, generator=g).to(dtype) for _ in range(2))
+    return cu, q, k, v, dout
+
+
+def _check_packed(result, q, k, v, dout, cu, causal, scale, dtype, what):
+    out, lse, dq, dk, dv = result
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    ro, rl = reference_packed_attention(qd, kd, vd, cu, softmax_scale=scale, causal=causal)
+    ro.backward(dout.double())
+    assert_matches(out, ro.detach(), dtype, f"{what} out")
+    assert_matches(lse, rl.detach(), dtype, f"{what} lse")
+    assert_matches(dq, qd.grad, dtype, f"{what} dq")
+    assert_matches(dk, kd.grad, dtype, f"{what} dk")
+    assert_matches(dv, vd.grad, dtype, f"{what} dv")
+
+
+def _varlen_calls(kind):
+    """The stand-in extension's record of varlen calls (cleared)."""
+    import importlib
+    mod = importlib.import_module("flash_attn_2_cuda" if kind == "fa2" else "flash_attn_3._C")
+    calls = list(mod.VARLEN_CALLS)
+    mod.VARLEN_CALLS.clear()
+    return calls
+
+
+# (kind, stand-in version/API, dtype, head dim): every FA2 API generation (varlen lse padded
+# before 2.6, block_table without default 2.5.7-2.6.0, split window from 2.7) and both FA3 APIs;
+# head dim 20 is padded to 24 by the adapter
+PACKED_KERNELS = [("fa2", v, torch.float16 if v < "2.6" else torch.bfloat16, 20 if v == "2.5.9" else 16)
+                  for v in FA2_VERSIONS] + [("fa3", "old", torch.float16, 16), ("fa3", "new", torch.bfloat16, 20)]
+
+
+@pytest.mark.parametrize("kind,arg,dtype,D", PACKED_KERNELS, ids=[f"{k}-{a}" for k, a, _, _ in PACKED_KERNELS])
+@pytest.mark.parametrize("layout,R", [("basic", 1), ("zigzag", 2), ("varlen_zigzag", 4)])
+def test_ring_packs_each_step_into_varlen_calls(adapter, kind, arg, dtype, D, layout, R):
+    """The varlen entry point of every version serves the packed steps exactly, and each
+    packed step is one kernel call forward and one backward."""
+    backend = adapter(kind, arg)
+    assert backend.VARLEN_KERNEL
+    total = 0
+    for causal in (True, False):
+        for i, lengths in enumerate(DOCS):
+            cu, q, k, v, dout = _inputs(lengths, i, dtype, D=D)
+            scale = D ** -0.5
+            _varlen_calls(kind)
+            result, n_packed = _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed=True)
+            _check_packed(result, q, k, v, dout, cu, causal, scale, dtype,
+                          f"{kind} {arg} {layout} R={R} causal={causal} docs={lengths}")
+            calls = _varlen_calls(kind)
+            assert [d for d, _, _ in calls].count("fwd") == n_packed, calls
+            assert [d for d, _, _ in calls].count("bwd") == n_packed, calls
+            assert all(n >= 2 for _, _, n in calls), calls
+            total += n_packed
+    assert total > 0
+
+
+def test_packed_steps_batch_documents(adapter):
+    """Many documents on one rank: every document's causal square in one varlen call."""
+    backend = adapter("fa2", "2.8.3")
+    lengths = (3, 1, 4, 1, 5, 9, 2, 6)
+    cu, q, k, v, dout = _inputs(lengths, 7, torch.bfloat16, B=2)
+    _varlen_calls("fa2")
+    result, n_packed = _simulated_ring(backend, q, k, v, dout, cu, "basic", 1, True, 0.25, packed=True)
+    _check_packed(result, q, k, v, dout, cu, True, 0.25, torch.bfloat16, "8 documents, B=2")
+    assert n_packed == 1
+    assert _varlen_calls("fa2") == [("fwd", True, 2 * len(lengths)), ("bwd", True, 2 * len(lengths))]
+
+
+def test_fa3_build_without_varlen_serves_packed_calls_densely(adapter):
+    """A FlashAttention-3 build compiled with FLASHATTENTION_DISABLE_VARLEN refuses cu_seqlens
+    (hopper/flash_api.cpp); the adapter then runs one dense call per sequence, still exact."""
+    import importlib
+    backend = adapter("fa3", "new")
+    importlib.import_module("flash_attn_3._C").VARLEN_DISABLED = True
+    cu, q, k, v, dout = _inputs((5, 3, 8), 3, torch.bfloat16)
+    result, n_packed = _simulated_ring(backend, q, k, v, dout, cu, "zigzag", 2, True, 0.25, packed=True)
+    _check_packed(result, q, k, v, dout, cu, True, 0.25, torch.bfloat16, "no-varlen build")
+    assert n_packed > 0 and backend._dense_only
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout,R", [("basic", 1), ("zigzag", 2), ("varlen_zigzag", 4)])
 @pytest.mark.parametrize("kind", ["fa2", "fa3"])
@@ -105,3 +249,32 @@ def test_adapters_serve_packed_documents_with_dense_calls(adapter, kind, layout,
         assert_matches(dq, qd.grad, dtype, f"{what} dq")
         assert_matches(dk, kd.grad, dtype, f"{what} dk")
         assert_matches(dv, vd.grad, dtype, f"{what} dv")
+
+
+# ------------------------------------------------------------------ through LongContextAttention
+CUDA90 = dict(device_type="cuda", compute_capability=(9, 0))
+THROUGH = [("fa2-2.8.3", {"kind": "fa2", "arg": "2.8.3"}, "fa2", "bf16"),
+           ("fa2-2.5.9", {"kind": "fa2", "arg": "2.5.9"}, "fa2", "fp16"),
+           ("fa3-new", {"kind": "fa3", "arg": "new"}, "fa3", "bf16")]
+MESHES = [(1, 1, 1, "basic"), (2, 1, 2, "varlen_zigzag"), (2, 2, 1, "basic")]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mesh", MESHES, ids=[f"w{w}-u{u}r{r}-{lay}" for w, u, r, lay in MESHES])
+@pytest.mark.parametrize("name,standin,attn_type,dtype", THROUGH, ids=[t[0] for t in THROUGH])
+def test_packed_documents_through_long_context_attention(pools, name, standin, attn_type, dtype, mesh):
+    """cu_seqlens through LongContextAttention with the FA adapters' varlen entry points: out,
+    lse and gradients against float64 per-document attention, and the kernel called through
+    its varlen entry point at most twice per ring step and direction."""
+    world, U, R, layout = mesh
+    docs = ((9, 1, 2, 12), (6, 6, 6, 6), (1, 2, 1, 1, 2, 17))
+    res = pools(world).run(usp_cases.packed_adapter_case, timeout=120, standin=standin, emulate=CUDA90,
+                           attn_type=attn_type, U=U, R=R, layout=layout, dtype=dtype, docs=docs, H=4, Hkv=2, D=16)
+    for rank in res:
+        for errs in rank["errors"]:
+            bad = {k: v for k, v in errs.items() if not v <= 1.0}
+            assert not bad and set(errs) >= {"out", "lse", "dq", "dk", "dv"}, errs
+        fwd = [c for c in rank["varlen_calls"] if c[0] == "fwd"]
+        bwd = [c for c in rank["varlen_calls"] if c[0] == "bwd"]
+        assert fwd and len(fwd) == len(bwd), rank["varlen_calls"]
+        assert len(fwd) <= 2 * R * len(docs), rank["varlen_calls"]

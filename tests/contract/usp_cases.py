@@ -152,3 +152,18 @@ def strided_query_case(U=1, R=2, attn_type="sdpa", standin=None, emulate=None, d
                 "dv": dist_cases._err(v_base.grad.permute(1, 0, 2, 3), sh(rv), dt)}
         errs["unused_columns_grad"] = float(buf.grad[..., 1::2].abs().max())
     return errs
+
+
+def packed_adapter_case(standin: dict, emulate: dict, attn_type: str, **case):
+    """``tests.dist_varlen.packed_case`` (packed documents through LongContextAttention vs
+    float64 per-document attention) with ``attn_type`` on its stand-in; also returns the
+    stand-in's record of varlen kernel calls on this rank."""
+    import importlib
+
+    from tests import dist_varlen
+    with installed(standin), platform.emulate(**emulate):
+        ext = importlib.import_module("flash_attn_2_cuda" if standin["kind"] == "fa2" else "flash_attn_3._C")
+        ext.VARLEN_CALLS.clear()
+        errors = dist_varlen.packed_case(attn_type=attn_type, **case)
+        calls = [tuple(c) for c in ext.VARLEN_CALLS]
+    return {"errors": errors, "varlen_calls": calls}
