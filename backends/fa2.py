@@ -184,20 +184,20 @@ class _FA2Kernel:
 
 
     # ------------------------------------------------------------------ varlen entry points
-    def _varlen_kw(self, fn, kw: dict, causal, softcap) -> dict:
-        self._common(kw, causal, -1, -1, softcap)
+    def _varlen_kw(self, fn, kw: dict, causal, left, right, softcap) -> dict:
+        self._common(kw, causal, left, right, softcap)
         params = _parameters(fn)
         if "block_table" in params:       # 2.5.7-2.6.0: a parameter without default
             kw.setdefault("block_table", None)
         return kw
 
-    def varlen_forward(self, q, k, v, packing, scale, causal, softcap):
+    def varlen_forward(self, q, k, v, packing, scale, causal, left, right, softcap):
         """``_flash_attn_varlen_forward`` -> (out [Tq, H, D], lse as this version lays it out)."""
         fn = self.iface._flash_attn_varlen_forward
         kw = self._varlen_kw(fn, dict(q=q, k=k, v=v, cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k,
                                       max_seqlen_q=packing.max_q, max_seqlen_k=packing.max_k, dropout_p=0.0,
                                       softmax_scale=scale, alibi_slopes=None, return_softmax=False),
-                             causal, softcap)
+                             causal, left, right, softcap)
         res = fn(**kw)
         want = 4 if self.split_window else 8
         if len(res) != want:
@@ -205,14 +205,14 @@ class _FA2Kernel:
                                f"values, expected {want} for this version")
         return (res[0], res[1]) if self.split_window else (res[0], res[5])
 
-    def varlen_backward(self, dout, q, k, v, out, lse, packing, scale, causal, softcap, deterministic):
+    def varlen_backward(self, dout, q, k, v, out, lse, packing, scale, causal, left, right, softcap, deterministic):
         fn = self.iface._flash_attn_varlen_backward
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kw = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
                   cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
                   max_seqlen_k=packing.max_k, dropout_p=0.0, softmax_scale=scale, alibi_slopes=None,
                   deterministic=bool(deterministic), rng_state=None)
-        res = fn(**self._common(kw, causal, -1, -1, softcap))
+        res = fn(**self._common(kw, causal, left, right, softcap))
         if self.split_window:
             return dq, dk, dv
         if not isinstance(res, (tuple, list)) or len(res) != 4:
@@ -403,16 +403,19 @@ class FlashAttn2Backend(AttentionBackend):
                                      k_causal, left, right, softcap or 0.0, slopes, deterministic)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)
 
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, softcap):
+    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
+        # every sequence is a square with key offset 0 when causal or windowed, where the kernel's
+        # bottom-right masks are the contract's
         kernel = self._kernel()
         d = q.shape[-1]
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
-        out, lse = kernel.varlen_forward(qp, kp, vp, packing, softmax_scale, causal, softcap or 0.0)
+        out, lse = kernel.varlen_forward(qp, kp, vp, packing, softmax_scale, causal, window[0], window[1],
+                                         softcap or 0.0)
         if not kernel.unpadded_lse:
             lse = padded_lse_to_packed(lse, packing)
         return unpad(out, d), normalize_lse(lse)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, softcap,
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
                                deterministic):
         kernel = self._kernel()
         d = q.shape[-1]
@@ -421,6 +424,6 @@ class FlashAttn2Backend(AttentionBackend):
             lse_k = packed_lse_to_padded(lse_k, packing)
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.varlen_backward(dop, qp, kp, vp, op, lse_k, packing, softmax_scale, causal,
-                                            softcap or 0.0, deterministic)
+        dq, dk, dv = kernel.varlen_backward(dop, qp, kp, vp, op, lse_k, packing, softmax_scale, causal, window[0],
+                                            window[1], softcap or 0.0, deterministic)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

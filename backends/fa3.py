@@ -282,33 +282,35 @@ class FlashAttn3Backend(AttentionBackend):
     # served by one dense call per sequence (the base class), decided once on the first packed call
     NO_VARLEN_BUILD = "does not support varlen"
 
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, softcap):
+    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
         if getattr(self, "_dense_only", False):
             return super().kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
-                                                 softcap=softcap)
+                                                 window=window, softcap=softcap)
         kernel = self._kernel()
         d = q.shape[-1]
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
         try:
-            out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, -1, -1, softcap or 0.0, packing=packing)
+            out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, window[0], window[1], softcap or 0.0,
+                                      packing=packing)
         except RuntimeError as exc:
             if self.NO_VARLEN_BUILD not in str(exc):
                 raise
             self._dense_only = True
             return self.kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
-                                              softcap=softcap)
+                                              window=window, softcap=softcap)
         return unpad(out, d), normalize_lse(lse)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, softcap,
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
                                deterministic):
         if getattr(self, "_dense_only", False):
             return super().kernel_backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=softmax_scale,
-                                                  causal=causal, softcap=softcap, deterministic=deterministic)
+                                                  causal=causal, window=window, softcap=softcap,
+                                                  deterministic=deterministic)
         kernel = self._kernel()
         d = q.shape[-1]
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, -1, -1, softcap or 0.0,
-                                     deterministic, packing=packing)
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, window[0], window[1],
+                                     softcap or 0.0, deterministic, packing=packing)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

@@ -340,51 +340,54 @@ class AttentionBackend:
         raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
 
     # ---------------------------------------------------------------- packed (varlen) contract
-    def forward_packed(self, q, k, v, packing, *, softmax_scale, causal=False, softcap=0.0):
+    def forward_packed(self, q, k, v, packing, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0):
         """Sequences packed back to back: ``q`` [Tq, H, D], ``k``/``v`` [Tk, Hkv, D], sequence
         ``i`` being rows ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]``
-        (:class:`usp_hal.ring.Packing`).  ``causal`` is asked only when every sequence has as
-        many queries as keys.  Returns ``out`` [Tq, H, D] and ``lse`` [H, Tq] (float32)."""
-        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, (-1, -1), softcap, None, 0.0, False,
+        (:class:`usp_hal.ring.Packing`).  ``causal`` and ``window`` are asked only when every
+        sequence has as many queries as keys (the masks of the contract, per sequence, key
+        offset 0).  Returns ``out`` [Tq, H, D] and ``lse`` [H, Tq] (float32)."""
+        window = tuple(window)
+        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, window, softcap, None, 0.0, False,
                     False, 0)
         q, k, v = self._conform(q, k, v)
-        out, lse = self.kernel_forward_packed(q, k, v, packing, softmax_scale=float(softmax_scale),
-                                              causal=bool(causal), softcap=softcap)
-        return out, lse
+        return self.kernel_forward_packed(q, k, v, packing, softmax_scale=float(softmax_scale),
+                                          causal=bool(causal), window=window, softcap=softcap)
 
-    def backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal=False, softcap=0.0,
-                        deterministic=False):
+    def backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal=False, window=(-1, -1),
+                        softcap=0.0, deterministic=False):
         """Gradients of :meth:`forward_packed` from the given ``out``/``lse`` [H, Tq] (which
         may be the ring-merged ones): ``(dq [Tq, H, D], dk, dv [Tk, Hkv, D])``."""
         if not type(self).HAS_BACKWARD:
             raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
-        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, (-1, -1), softcap, None, 0.0, True,
+        window = tuple(window)
+        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, window, softcap, None, 0.0, True,
                     bool(deterministic), 0)
         want = (q.shape[1], q.shape[0])
         if tuple(lse.shape) != want:
             raise ValueError(f"{self.NAME}: packed lse must be [H, Tq] = {want}, got {tuple(lse.shape)}")
         dout, q, k, v, out = self._conform(dout, q, k, v, out)
         return self.kernel_backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=float(softmax_scale),
-                                           causal=bool(causal), softcap=softcap, deterministic=bool(deterministic))
+                                           causal=bool(causal), window=window, softcap=softcap,
+                                           deterministic=bool(deterministic))
 
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, softcap):
+    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
         """The varlen kernel call; the default runs one dense call per sequence (what an
         adapter falls back to when its kernel build has no varlen support)."""
         outs, lses = [], []
         for (a, b), (c, d) in _packed_ranges(packing):
             o, lse = self.forward(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale=softmax_scale,
-                                  causal=causal, softcap=softcap)
+                                  causal=causal, window=window, softcap=softcap)
             outs.append(o[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, softcap,
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
                                deterministic):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for (a, b), (c, d) in _packed_ranges(packing):
             gq, gk, gv = self.backward(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b],
                                        lse[None, :, a:b], softmax_scale=softmax_scale, causal=causal,
-                                       softcap=softcap, deterministic=deterministic)
+                                       window=window, softcap=softcap, deterministic=deterministic)
             dq[a:b], dk[c:d], dv[c:d] = gq[0], gk[0], gv[0]
         return dq, dk, dv
 

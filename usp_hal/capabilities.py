@@ -465,6 +465,8 @@ def capability_row(backend) -> dict:
         "key_offset": b.SUPPORTS_KEY_OFFSET,
         "deterministic": bool(b.IS_DETERMINISTIC or b.SUPPORTS_DETERMINISTIC),
         "ring": b.RETURNS_LSE,
+        "varlen": ("kernel" if getattr(b, "VARLEN_KERNEL", False) else "calls")
+        if getattr(b, "SUPPORTS_VARLEN", True) else False,
         "min_compute_capability": {k: list(v) for k, v in (b.MIN_COMPUTE_CAPABILITY or {}).items()},
         "max_compute_capability": {k: list(v) for k, v in (b.MAX_COMPUTE_CAPABILITY or {}).items()},
         "input_layout": b.INPUT_LAYOUT,

@@ -273,11 +273,18 @@ class PackedCall:
             yield c, o[:, off:off + n], lv[:, :, off:off + n].transpose(0, 1)
 
 
-def pack_calls(calls: Sequence[BlockCall]) -> List[Union[BlockCall, PackedCall]]:
+def pack_calls(calls: Sequence[BlockCall], windowed: bool = False) -> List[Union[BlockCall, PackedCall]]:
     """The block plan of one step for a kernel with a varlen entry point: the causal squares
     in one packed call and the full rectangles in another (a kind with one call stays a
-    plain call).  Only for plans without window/alibi (no key offsets to carry)."""
+    plain call).  ``windowed``: a sliding window is in use, which a varlen call applies to
+    every sequence from its own corner, so only squares whose key offset is 0 are packed
+    (for them the kernel's window is the plan's); the other calls stay plain calls."""
     steps: List[Union[BlockCall, PackedCall]] = []
+    if windowed:
+        loose = [c for c in calls if c.key_offset != 0 or c.q_stop - c.q_start != c.k_stop - c.k_start]
+        if loose:
+            steps += loose
+            calls = [c for c in calls if c not in loose]
     for causal in (True, False):
         group = [c for c in calls if c.causal == causal]
         if len(group) == 1:
@@ -342,8 +349,9 @@ class RingContext:
     @property
     def packs(self) -> bool:
         """Batch each step's per-document calls into varlen calls: packed documents, a backend
-        with a varlen entry point, and no window/alibi (whose key offsets differ per call)."""
-        return (self.cu_seqlens is not None and not self.positional
+        with a varlen entry point, and no alibi (its bias depends on each call's key offset;
+        with a window only the calls without one are packed, see :func:`pack_calls`)."""
+        return (self.cu_seqlens is not None and self.alibi_slopes is None
                 and getattr(self.backend, "VARLEN_KERNEL", False))
 
     def steps(self, src: int) -> Sequence[Union[BlockCall, PackedCall]]:
@@ -354,11 +362,12 @@ class RingContext:
         cache = self.__dict__.setdefault("_packed_steps", {})
         got = cache.get(src)
         if got is None:
-            got = cache[src] = pack_calls(calls)
+            got = cache[src] = pack_calls(calls, windowed=tuple(self.window) != (-1, -1))
         return got
 
     def packed_kwargs(self, pc: PackedCall) -> dict:
-        return dict(softmax_scale=self.softmax_scale, causal=pc.causal, softcap=self.softcap)
+        return dict(softmax_scale=self.softmax_scale, causal=pc.causal, window=tuple(self.window),
+                    softcap=self.softcap)
 
     def kernel_kwargs(self, call: BlockCall) -> dict:
         return dict(softmax_scale=self.softmax_scale, causal=call.causal, window=tuple(self.window),

@@ -53,17 +53,20 @@ def adapter(tmp_path, monkeypatch):
         purge_modules(names)
 
 
-def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed=False):
+def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed=False, window=(-1, -1),
+                    softcap=0.0):
     """(out, lse, dq, dk, dv) in global order, as R ring ranks would compute them; ``packed``:
     each step's calls packed for the varlen entry point, as the ring does for FA2/FA3."""
     S = q.shape[1]
     segs = [ring_segments(layout, S, R, r, cu_seqlens=cu) for r in range(R)]
     pos = [segment_positions(s) for s in segs]
     kw = dict(softmax_scale=scale, window=(-1, -1), softcap=0.0, alibi_slopes=None)
-    plans = {(me, src): plan_blocks(segs[me], segs[src], causal=causal, diagonal=me == src, cu_seqlens=cu)
+    positional = tuple(window) != (-1, -1)
+    plans = {(me, src): plan_blocks(segs[me], segs[src], causal=causal, diagonal=me == src, cu_seqlens=cu,
+                                    window=window, positional=positional)
              for me in range(R) for src in range(R)}
     if packed:
-        return _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale)
+        return _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale, window, softcap)
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[0], q.shape[2], S, dtype=torch.float32)
     for me in range(R):
@@ -93,9 +96,9 @@ def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed
     return out, lse, dq, dk, dv
 
 
-def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale):
-    kw = dict(softmax_scale=scale, softcap=0.0)
-    steps = {key: pack_calls(calls) for key, calls in plans.items()}
+def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale, window, softcap):
+    kw = dict(softmax_scale=scale, softcap=softcap, window=tuple(window))
+    steps = {key: pack_calls(calls, windowed=tuple(window) != (-1, -1)) for key, calls in plans.items()}
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
     for me in range(R):
@@ -111,7 +114,7 @@ def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale):
                         acc.add(call, oc, lc)
                 else:
                     acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols], causal=c.causal,
-                                                key_offset=c.key_offset, window=(-1, -1), alibi_slopes=None, **kw))
+                                                key_offset=c.key_offset, alibi_slopes=None, **kw))
         o, l = acc.result()
         out[:, pos[me]] = o.to(q.dtype)
         lse[:, :, pos[me]] = l.float()
@@ -130,7 +133,7 @@ def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale):
                 c.scatter_add(gv_l, gv, "k")
             else:
                 gq, gk, gv = backend.backward(dol[:, c.rows], ql[:, c.rows], kb[:, c.cols], vb[:, c.cols],
-                                              ol[:, c.rows], ll[:, :, c.rows], causal=c.causal, window=(-1, -1),
+                                              ol[:, c.rows], ll[:, :, c.rows], causal=c.causal,
                                               alibi_slopes=None, key_offset=c.key_offset, **kw)
                 gq_l[:, c.rows] += gq.float()
                 gk_l[:, c.cols] += gk.float()
@@ -150,10 +153,10 @@ def _inputs(lengths, seed, dtype, B=1, H=4, Hkv=2, D=16):
     return cu, q, k, v, dout
 
 
-def _check_packed(result, q, k, v, dout, cu, causal, scale, dtype, what):
+def _check_packed(result, q, k, v, dout, cu, causal, scale, dtype, what, **ref):
     out, lse, dq, dk, dv = result
     qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
-    ro, rl = reference_packed_attention(qd, kd, vd, cu, softmax_scale=scale, causal=causal)
+    ro, rl = reference_packed_attention(qd, kd, vd, cu, softmax_scale=scale, causal=causal, **ref)
     ro.backward(dout.double())
     assert_matches(out, ro.detach(), dtype, f"{what} out")
     assert_matches(lse, rl.detach(), dtype, f"{what} lse")
@@ -214,6 +217,41 @@ def test_packed_steps_batch_documents(adapter):
     assert _varlen_calls("fa2") == [("fwd", True, 2 * len(lengths)), ("bwd", True, 2 * len(lengths))]
 
 
+@pytest.mark.parametrize("kind,arg,dtype", [("fa2", "2.8.3", torch.bfloat16), ("fa2", "2.5.9", torch.float16),
+                                            ("fa3", "new", torch.bfloat16), ("fa3", "old", torch.float16)])
+def test_packed_steps_with_window_and_softcap(adapter, kind, arg, dtype):
+    """A sliding window (and softcap where the version has it) on one ring rank: every
+    document's square has key offset 0, so the varlen call's per-sequence window is the
+    contract's and the squares are packed."""
+    backend = adapter(kind, arg)
+    softcap = 0.0 if arg == "2.5.9" else 2.5
+    for causal, window in ((True, (3, 0)), (False, (2, 1)), (True, (0, 0))):
+        cu, q, k, v, dout = _inputs((9, 1, 2, 12, 5), 11, dtype)
+        _varlen_calls(kind)
+        result, n_packed = _simulated_ring(backend, q, k, v, dout, cu, "basic", 1, causal, 0.3, packed=True,
+                                           window=window, softcap=softcap)
+        _check_packed(result, q, k, v, dout, cu, causal, 0.3, dtype, f"{kind} {arg} window={window}",
+                      window=window, softcap=softcap)
+        assert n_packed == 1 and len(_varlen_calls(kind)) == 2
+
+
+def test_windowed_plan_packs_only_squares_without_offset():
+    """With a window a varlen call anchors it at each sequence's own corner: calls with a key
+    offset (zigzag pieces of one document on two ring ranks) stay plain calls."""
+    cu = cu_seqlens_from_lengths((16, 16))
+    segs = [ring_segments("zigzag", 32, 2, r, cu_seqlens=cu) for r in range(2)]
+    calls = plan_blocks(segs[0], segs[1], causal=True, cu_seqlens=cu, window=(6, 0), positional=True)
+    assert any(c.key_offset != 0 for c in calls)
+    steps = pack_calls(calls, windowed=True)
+    for st in steps:
+        for c in (st.calls if isinstance(st, PackedCall) else (st,)):
+            if isinstance(st, PackedCall):
+                assert c.key_offset == 0 and c.q_stop - c.q_start == c.k_stop - c.k_start
+    assert sorted(((c.q_start, c.k_start) for st in steps for c in (st.calls if isinstance(st, PackedCall)
+                                                                       else (st,)))) == \
+        sorted((c.q_start, c.k_start) for c in calls)
+
+
 def test_fa3_build_without_varlen_serves_packed_calls_densely(adapter):
     """A FlashAttention-3 build compiled with FLASHATTENTION_DISABLE_VARLEN refuses cu_seqlens
     (hopper/flash_api.cpp); the adapter then runs one dense call per sequence, still exact."""
@@ -256,6 +294,8 @@ CUDA90 = dict(device_type="cuda", compute_capability=(9, 0))
 THROUGH = [("fa2-2.8.3", {"kind": "fa2", "arg": "2.8.3"}, "fa2", "bf16"),
            ("fa2-2.5.9", {"kind": "fa2", "arg": "2.5.9"}, "fa2", "fp16"),
            ("fa3-new", {"kind": "fa3", "arg": "new"}, "fa3", "bf16")]
+WINDOWED = [("fa2-2.8.3", {"kind": "fa2", "arg": "2.8.3"}, "fa2", "bf16", 2.0),
+            ("fa3-old", {"kind": "fa3", "arg": "old"}, "fa3", "fp16", 3.0)]
 MESHES = [(1, 1, 1, "basic"), (2, 1, 2, "varlen_zigzag"), (2, 2, 1, "basic")]
 
 
@@ -278,3 +318,21 @@ def test_packed_documents_through_long_context_attention(pools, name, standin, a
         bwd = [c for c in rank["varlen_calls"] if c[0] == "bwd"]
         assert fwd and len(fwd) == len(bwd), rank["varlen_calls"]
         assert len(fwd) <= 2 * R * len(docs), rank["varlen_calls"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world,U", [(1, 1), (2, 2)], ids=["w1", "u2"])
+@pytest.mark.parametrize("name,standin,attn_type,dtype,softcap", WINDOWED, ids=[t[0] for t in WINDOWED])
+def test_packed_window_softcap_through_long_context_attention(pools, name, standin, attn_type, dtype, softcap,
+                                                               world, U):
+    """Sliding window and softcap with packed documents (Ulysses only: these kernels take no key
+    offset across ring blocks): exact, through the varlen entry point."""
+    docs = ((9, 1, 2, 12), (1, 2, 1, 1, 2, 17))
+    res = pools(world).run(usp_cases.packed_adapter_case, timeout=120, standin=standin, emulate=CUDA90,
+                           attn_type=attn_type, U=U, R=1, layout="basic", dtype=dtype, docs=docs, H=4, Hkv=2, D=16,
+                           window=(4, 0), softcap=softcap)
+    for rank in res:
+        for errs in rank["errors"]:
+            bad = {k: v for k, v in errs.items() if not v <= 1.0}
+            assert not bad and set(errs) >= {"out", "lse", "dq", "dk", "dv"}, errs
+        assert [c[0] for c in rank["varlen_calls"]].count("fwd") == len(docs), rank["varlen_calls"]

@@ -280,6 +280,12 @@ def _deterministic_cell(cls) -> str:
     return _by_device(cls, value)
 
 
+def _varlen_cell(cls) -> str:
+    if not cls.SUPPORTS_VARLEN:
+        return "no"
+    return "varlen kernel calls" if cls.VARLEN_KERNEL else "one call per document piece"
+
+
 # (row label, cell for one backend class)
 _DOC_ROWS = (
     ("devices", lambda c: ", ".join(sorted(c.SUPPORTED_DEVICES))),
@@ -297,6 +303,7 @@ _DOC_ROWS = (
     ("alibi", _extra_flag(alibi=True)),
     ("dropout", _extra_flag(dropout_p=0.1)),
     ("GQA/MQA", _feature("gqa")),
+    ("packed documents (cu_seqlens)", _varlen_cell),
     ("deterministic backward", _deterministic_cell),
     ("compute capability", _min_cc),
     ("input strides taken as they are", lambda c: c.INPUT_LAYOUT),
