@@ -25,7 +25,7 @@ from statistics import median
 from usp_hal.harness import RankPool, RunConfig, fmt_ms
 from usp_hal.harness.cases import merge_checks, rank_check, rank_clear, rank_prepare, rank_release, rank_steps
 from usp_hal.layout import layout_names
-from usp_hal.varlen import cu_seqlens_from_lengths, equal_documents, ring_work, work_balance
+from usp_hal.varlen import cu_seqlens_from_lengths, equal_documents, ring_calls, ring_work, work_balance
 
 
 def log_uniform_batch(rng: random.Random, docs: int, lo: int, hi: int) -> tuple:
@@ -45,6 +45,26 @@ def balance_table(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int
             vals.sort()
             rows.append({"ring": R, "layout": name, "median": vals[len(vals) // 2],
                          "p95": vals[int(0.95 * (len(vals) - 1))], "max": vals[-1]})
+    return rows
+
+
+def calls_table(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int) -> list:
+    """Per layout: forward kernel calls on the busiest ring rank, one call per document piece
+    (any backend) against packed varlen calls (fa2, fa3)."""
+    rows = []
+    for R in ring_sizes:
+        rng = random.Random(seed)
+        per: dict = {name: ([], []) for name in layout_names()}
+        for _ in range(draws):
+            cu = log_uniform_batch(rng, docs, lo, hi)
+            for name, (plain, packed) in per.items():
+                plain.append(max(ring_calls(name, cu[-1], R, cu_seqlens=cu)))
+                packed.append(max(ring_calls(name, cu[-1], R, cu_seqlens=cu, packed=True)))
+        for name, (plain, packed) in per.items():
+            plain.sort()
+            packed.sort()
+            rows.append({"ring": R, "layout": name, "plain_median": plain[len(plain) // 2], "plain_max": plain[-1],
+                         "packed_median": packed[len(packed) // 2], "packed_max": packed[-1]})
     return rows
 
 
@@ -121,6 +141,12 @@ def main(argv=None) -> int:
     worst = max(r["max"] for r in table if r["layout"] == "varlen_zigzag")
     print(f"  varlen_zigzag, worst draw over all ring sizes: {worst:.3f} (target <= 1.10: "
           f"{'met' if worst <= 1.10 else 'NOT met'})")
+    print("\nforward kernel calls on the busiest ring rank, same draws: one call per document piece (any "
+          "backend) / packed varlen calls (fa2, fa3):")
+    print(f"  {'R':>2}  {'layout':<14} {'per piece median / max':>24} {'packed median / max':>22}")
+    for r in calls_table(rings, args.draws, 8, args.min_len, args.max_len, args.seed):
+        print(f"  {r['ring']:>2}  {r['layout']:<14} {r['plain_median']:>15} / {r['plain_max']:<6} "
+              f"{r['packed_median']:>13} / {r['packed_max']:<6}")
     if args.skip_cost:
         return 0
     print(f"\ncost on 2 ranks (ring 2, sdpa, {args.dtype}, B=1 H={args.heads} D={args.head_dim}, causal, forward+"

@@ -266,3 +266,33 @@ def test_varlen_capability_is_declared_data():
     assert len(reasons) == 1 and "cu_seqlens" in reasons[0]
     assert not_supported_reasons(_NoVarlen, req.with_(varlen=False)) == []
     assert "varlen" in req.describe()
+
+
+@pytest.mark.parametrize("layout", ["basic", "zigzag", "stripe", "varlen_zigzag"])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_packed_steps_keep_every_call_once_in_at_most_two_calls_per_step(layout, R):
+    """pack_calls (what the ring runs for a kernel with a varlen entry point): every call of the
+    block plan exactly once, all of one kind per packed call, at most 2 kernel calls per
+    ring step; ring_calls reports the same counts."""
+    from usp_hal.ring import PackedCall, pack_calls
+    from usp_hal.varlen import ring_calls
+    rng = random.Random(R)
+    for _ in range(20):
+        cu = cu_seqlens_from_lengths(rng.choice([1, 2, 3, 7, 20, 33]) for _ in range(rng.randint(1, 9)))
+        S = cu[-1]
+        segs = [ring_segments(layout, S, R, r, cu_seqlens=cu) for r in range(R)]
+        for me in range(R):
+            total = 0
+            for src in range(R):
+                calls = plan_blocks(segs[me], segs[src], causal=True, diagonal=me == src, cu_seqlens=cu)
+                steps = pack_calls(calls) if len(calls) > 1 else calls
+                assert len(steps) <= 2
+                flat = [c for st in steps for c in (st.calls if isinstance(st, PackedCall) else (st,))]
+                assert sorted(flat, key=repr) == sorted(calls, key=repr)
+                for st in steps:
+                    if isinstance(st, PackedCall):
+                        assert len({c.causal for c in st.calls}) == 1
+                        if st.causal:
+                            assert st.q_lens == st.k_lens
+                total += len(steps)
+            assert ring_calls(layout, S, R, cu_seqlens=cu, packed=True)[me] == total

@@ -182,6 +182,25 @@ def ring_work(layout, seqlen: int, ring_size: int, *, causal: bool = True,
                 for s in range(ring_size)) for r in range(ring_size)]
 
 
+def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_seqlens=None,
+               packed: bool = False) -> List[int]:
+    """Per ring rank: the kernel calls of one forward over every block of the ring, from the
+    block plan alone; ``packed``: as a backend with a varlen entry point runs them (each
+    step's calls packed per kind, :func:`usp_hal.ring.pack_calls`)."""
+    from .layout import ring_segments
+    from .ring import pack_calls, plan_blocks
+    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
+    segs = [ring_segments(layout, seqlen, ring_size, r, cu_seqlens=cu) for r in range(ring_size)]
+    out = []
+    for r in range(ring_size):
+        n = 0
+        for s in range(ring_size):
+            calls = plan_blocks(segs[r], segs[s], causal=causal, diagonal=r == s, cu_seqlens=cu)
+            n += len(pack_calls(calls)) if packed and len(calls) > 1 and cu is not None else len(calls)
+        out.append(n)
+    return out
+
+
 def work_balance(work: Sequence[int]) -> float:
     """max / min over ranks (inf when a rank has nothing while another has work)."""
     lo, hi = min(work), max(work)
