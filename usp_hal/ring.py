@@ -219,8 +219,12 @@ class PackedCall:
             offs.append(o)
             o += n
         self.q_offsets = tuple(offs)
+        self.total_q = o
         self.q_span = _span([(c.q_start, c.q_stop) for c in self.calls])
         self.k_span = _span([(c.k_start, c.k_stop) for c in self.calls])
+        ranges = sorted((c.q_start, c.q_stop) for c in self.calls)
+        #: no two pieces share a query row (then their results can be copied in one go)
+        self.rows_distinct = all(ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1))
         self._cache: Dict[Any, Any] = {}
 
     def packing(self, batch: int, device) -> Packing:
@@ -410,6 +414,40 @@ class _Accumulator:
             self.touched[a:z] = b"\x01" * (z - a)
         merge_block(self.out, self.lse, call.rows, out, lse)
 
+    def add_packed(self, pc: PackedCall, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """The results of a packed call (``out`` [B * total, h, D], ``lse`` [h, B * total]).
+        When its pieces' rows are distinct and no earlier call touched them, one copy (none
+        when they are every row, in order) replaces the per-piece merges; otherwise each piece
+        is merged as a single call.  A packed piece always sees its diagonal key (causal or
+        windowed squares) or every key (full rectangles), so no row is empty."""
+        b, l, h, _ = self.q.shape
+        if pc.rows_distinct:
+            o = out.view(b, pc.total_q, h, out.shape[-1])
+            lv = lse.view(h, b, pc.total_q).transpose(0, 1)
+            if self.out is None and pc.q_span == (0, l):
+                self.out, self.lse = o.to(self.mdt), lv.to(self.mdt).contiguous()
+                return
+            if self.out is None:
+                self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
+                self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
+                self.touched = bytearray(l)
+            touched = self.touched
+            if touched is not None and all(touched.find(1, c.q_start, c.q_stop) < 0 for c in pc.calls):
+                assert self.out is not None and self.lse is not None
+                for c in pc.calls:
+                    touched[c.q_start:c.q_stop] = b"\x01" * (c.q_stop - c.q_start)
+                if pc.q_span is not None:
+                    a, z = pc.q_span
+                    self.out[:, a:z] = o
+                    self.lse[:, :, a:z] = lv
+                else:
+                    idx = pc.index("q", self.out.device)
+                    self.out.index_copy_(1, idx, o.to(self.mdt))
+                    self.lse.index_copy_(2, idx, lv.to(self.mdt))
+                return
+        for call, oc, lc in pc.split(out, lse, b):
+            self.add(call, oc, lc)
+
     def result(self):
         """(out, lse): out in the merge dtype, or the kernel's own output when one call
         covered everything (the caller converts it once, into its destination)."""
@@ -449,8 +487,7 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 b = q.shape[0]
                 out, lse = ctx.backend.forward_packed(c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
                                                       c.packing(b, q.device), **ctx.packed_kwargs(c))
-                for call, o, lse_c in c.split(out, lse, b):
-                    acc.add(call, o, lse_c)
+                acc.add_packed(c, out, lse)
             else:
                 acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c)))
     return acc.result()

@@ -110,8 +110,7 @@ def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale, wind
                 if isinstance(c, PackedCall):
                     o, lp = backend.forward_packed(c.gather(ql, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
                                                    c.packing(q.shape[0], q.device), causal=c.causal, **kw)
-                    for call, oc, lc in c.split(o, lp, q.shape[0]):
-                        acc.add(call, oc, lc)
+                    acc.add_packed(c, o, lp)
                 else:
                     acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols], causal=c.causal,
                                                 key_offset=c.key_offset, alibi_slopes=None, **kw))
