@@ -38,6 +38,13 @@ What the adapter adds so that the kernel keeps the contract of :mod:`usp_hal.bac
   CK backend ignores softcap; the ROCm Triton backend ignores windows; architectures per
   version; backward head dims per architecture in 2.5.0-2.6.1).
 
+Packed documents (``VARLEN_KERNEL``): the ring's packed calls go to
+``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward``, with the same generations
+(``window_size`` tuple before 2.7, ``softcap`` from 2.6, four return values and in-place
+gradients from 2.7) plus one of their own: ``block_table`` has no default in 2.5.7-2.6.0
+and is passed as None where the signature has it.  Their lse is ``[n_seq, H, max_seqlen_q]``
+before 2.6.0 and ``[H, total_q]`` from 2.6.0; the adapter converts the old layout both ways.
+
 Dropout is declared unsupported on purpose: the contract's backward receives no RNG state
 from the forward, so the kernel could not replay the forward's dropout mask.
 
@@ -157,67 +164,44 @@ class _FA2Kernel:
         kw["causal"] = causal
         return kw
 
-    def forward(self, q, k, v, scale, causal, left, right, softcap, slopes):
+    @staticmethod
+    def _varlen(fn, kw: dict, packing) -> dict:
+        """The varlen arguments; ``block_table`` has no default in 2.5.7-2.6.0 (None: no paged KV)."""
+        kw.update(cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
+                  max_seqlen_k=packing.max_k)
+        if "block_table" in _parameters(fn):
+            kw.setdefault("block_table", None)
+        return kw
+
+    def forward(self, q, k, v, scale, causal, left, right, softcap, slopes, packing=None):
+        """``_flash_attn_forward``, or with ``packing`` ``_flash_attn_varlen_forward`` (q/k/v then
+        hold the sequences back to back): (out, lse as this version lays it out)."""
+        name = "_flash_attn_varlen_forward" if packing is not None else "_flash_attn_forward"
+        fn = getattr(self.iface, name)
         kw = self._common(dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale,
                                alibi_slopes=slopes, return_softmax=False), causal, left, right, softcap)
-        res = self.iface._flash_attn_forward(**kw)
+        res = fn(**(self._varlen(fn, kw, packing) if packing is not None else kw))
         want = 4 if self.split_window else 8
         if len(res) != want:
-            raise RuntimeError(f"fa2: flash-attn {self.version} _flash_attn_forward returned {len(res)} "
+            raise RuntimeError(f"fa2: flash-attn {self.version} {name} returned {len(res)} "
                                f"values, expected {want} for this version")
         # <= 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
         return (res[0], res[1]) if self.split_window else (res[0], res[5])
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, slopes, deterministic):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, slopes, deterministic,
+                 packing=None):
+        name = "_flash_attn_varlen_backward" if packing is not None else "_flash_attn_backward"
+        fn = getattr(self.iface, name)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kw = self._common(dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
                                dropout_p=0.0, softmax_scale=scale, alibi_slopes=slopes,
                                deterministic=bool(deterministic), rng_state=None),
                           causal, left, right, softcap)
-        res = self.iface._flash_attn_backward(**kw)
+        res = fn(**(self._varlen(fn, kw, packing) if packing is not None else kw))
         if self.split_window:
             return dq, dk, dv          # written in place; ``res`` is softmax_d
         if not isinstance(res, (tuple, list)) or len(res) != 4:
-            raise RuntimeError(f"fa2: flash-attn {self.version} _flash_attn_backward did not return "
-                               f"(dq, dk, dv, softmax_d)")
-        return res[0], res[1], res[2]
-
-
-    # ------------------------------------------------------------------ varlen entry points
-    def _varlen_kw(self, fn, kw: dict, causal, left, right, softcap) -> dict:
-        self._common(kw, causal, left, right, softcap)
-        params = _parameters(fn)
-        if "block_table" in params:       # 2.5.7-2.6.0: a parameter without default
-            kw.setdefault("block_table", None)
-        return kw
-
-    def varlen_forward(self, q, k, v, packing, scale, causal, left, right, softcap):
-        """``_flash_attn_varlen_forward`` -> (out [Tq, H, D], lse as this version lays it out)."""
-        fn = self.iface._flash_attn_varlen_forward
-        kw = self._varlen_kw(fn, dict(q=q, k=k, v=v, cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k,
-                                      max_seqlen_q=packing.max_q, max_seqlen_k=packing.max_k, dropout_p=0.0,
-                                      softmax_scale=scale, alibi_slopes=None, return_softmax=False),
-                             causal, left, right, softcap)
-        res = fn(**kw)
-        want = 4 if self.split_window else 8
-        if len(res) != want:
-            raise RuntimeError(f"fa2: flash-attn {self.version} _flash_attn_varlen_forward returned {len(res)} "
-                               f"values, expected {want} for this version")
-        return (res[0], res[1]) if self.split_window else (res[0], res[5])
-
-    def varlen_backward(self, dout, q, k, v, out, lse, packing, scale, causal, left, right, softcap, deterministic):
-        fn = self.iface._flash_attn_varlen_backward
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kw = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                  cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
-                  max_seqlen_k=packing.max_k, dropout_p=0.0, softmax_scale=scale, alibi_slopes=None,
-                  deterministic=bool(deterministic), rng_state=None)
-        res = fn(**self._common(kw, causal, left, right, softcap))
-        if self.split_window:
-            return dq, dk, dv
-        if not isinstance(res, (tuple, list)) or len(res) != 4:
-            raise RuntimeError(f"fa2: flash-attn {self.version} _flash_attn_varlen_backward did not return "
-                               f"(dq, dk, dv, softmax_d)")
+            raise RuntimeError(f"fa2: flash-attn {self.version} {name} did not return (dq, dk, dv, softmax_d)")
         return res[0], res[1], res[2]
 
 
@@ -409,8 +393,8 @@ class FlashAttn2Backend(AttentionBackend):
         kernel = self._kernel()
         d = q.shape[-1]
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
-        out, lse = kernel.varlen_forward(qp, kp, vp, packing, softmax_scale, causal, window[0], window[1],
-                                         softcap or 0.0)
+        out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, window[0], window[1], softcap or 0.0, None,
+                                  packing=packing)
         if not kernel.unpadded_lse:
             lse = padded_lse_to_packed(lse, packing)
         return unpad(out, d), normalize_lse(lse)
@@ -424,6 +408,6 @@ class FlashAttn2Backend(AttentionBackend):
             lse_k = packed_lse_to_padded(lse_k, packing)
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.varlen_backward(dop, qp, kp, vp, op, lse_k, packing, softmax_scale, causal, window[0],
-                                            window[1], softcap or 0.0, deterministic)
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, window[0], window[1],
+                                     softcap or 0.0, None, deterministic, packing=packing)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

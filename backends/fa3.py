@@ -24,6 +24,11 @@ positions translated (or refused) for ``Sq != Sk``, lse normalised (FA3 already 
 ``-inf`` for a row with no key, but ``+inf`` when there are no keys at all), and
 ``-inf`` rows turned into ``+inf`` before the backward so they contribute nothing.
 
+Packed documents (``VARLEN_KERNEL``): the same two functions take ``cu_seqlens_q/k`` and
+``max_seqlen_q/k``, the lse is then ``[H, total_q]``.  A build compiled with
+``FLASHATTENTION_DISABLE_VARLEN`` refuses them; the adapter notices on the first packed call
+and serves packed calls with one dense call per sequence from then on.
+
 FA3 has no dropout and no alibi; softcap and sliding windows are supported (without a
 position offset between ring blocks).  Its kernels are compiled for ``sm_90a`` (plus sm80
 kernels unless built without them, ``hopper/setup.py``); this adapter declares sm90 only,
