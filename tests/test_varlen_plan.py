@@ -296,25 +296,3 @@ def test_packed_steps_keep_every_call_once_in_at_most_two_calls_per_step(layout,
                             assert st.q_lens == st.k_lens
                 total += len(steps)
             assert ring_calls(layout, S, R, cu_seqlens=cu, packed=True)[me] == total
-
-
-def test_own_block_is_one_call_per_document_run():
-    """varlen_zigzag puts chunks j and 2R-1-j of every document on one rank, adjacent in local
-    order: the rank's own block is one square call per document (not two squares and a
-    rectangle), with exactly the same pairs."""
-    cu = equal_documents(4096, 4)
-    for R in (2, 4):
-        for r in range(R):
-            segs = ring_segments("varlen_zigzag", 4096, R, r, cu_seqlens=cu)
-            for causal in (True, False):
-                own = plan_blocks(segs, segs, causal=causal, diagonal=True, cu_seqlens=cu)
-                assert len(own) == 4 and all(c.causal == causal and c.q_stop - c.q_start == 1024 // R
-                                             for c in own), own
-    # a document whose runs are not adjacent locally (stripe): earlier runs are full rectangles
-    cu = cu_seqlens_from_lengths((5, 6))
-    segs = ring_segments("stripe", 11, 2, 0, cu_seqlens=cu)
-    own = plan_blocks(segs, segs, causal=True, diagonal=True, cu_seqlens=cu)
-    qp = segment_positions(segs)
-    doc = _doc_of(cu, 11)[qp]
-    want = (doc.unsqueeze(1) == doc.unsqueeze(0)) & (qp.unsqueeze(0) <= qp.unsqueeze(1))
-    assert torch.equal(_coverage(own, len(qp), len(qp)), want.int())

@@ -99,8 +99,6 @@ def plan_blocks(q_segs: Sequence[Segment], k_segs: Sequence[Segment], *, causal:
     if nq == 0 or nk == 0:
         return []
     if cu_seqlens is not None and len(cu_seqlens) > 2:
-        if diagonal and not positional:
-            return _diagonal_document_calls(q_segs, tuple(cu_seqlens), causal)
         return _document_calls(q_segs, k_segs, tuple(cu_seqlens), causal, window, positional)
     if not causal and not positional:
         return [BlockCall(0, nq, 0, nk, False, 0)]
@@ -128,30 +126,6 @@ def _document_calls(q_segs, k_segs, cu, causal: bool, window, positional: bool) 
         for ks, ko in keys.get(doc, ()):
             calls += _pair_calls(qs, qo, ks, ko, causal, window, positional)
     return _merge_calls(calls) if not positional else calls
-
-
-def _diagonal_document_calls(segs, cu, causal: bool) -> List[BlockCall]:
-    """A rank's own block with packed documents: the rows of one document that are adjacent
-    in local order are one square call over them (causal on local indices is causal on
-    positions, which increase along the rows), instead of one call per pair of its pieces
-    (e.g. varlen_zigzag's chunks j and 2R-1-j: one causal call, not two and a rectangle)."""
-    runs: List[List[int]] = []           # [document, first local row, end] of adjacent pieces
-    for doc, piece, offset in split_documents(segs, cu):
-        if runs and runs[-1][0] == doc and runs[-1][2] == offset:
-            runs[-1][2] = offset + piece.count
-        else:
-            runs.append([doc, offset, offset + piece.count])
-    by_doc: dict = {}
-    for doc, a, z in runs:
-        by_doc.setdefault(doc, []).append((a, z))
-    calls: List[BlockCall] = []
-    for ranges in by_doc.values():
-        for i, (a, z) in enumerate(ranges):
-            calls.append(BlockCall(a, z, a, z, causal, 0))
-            for j, (c, d) in enumerate(ranges):
-                if j < i or (j > i and not causal):     # earlier runs of the document: fully visible
-                    calls.append(BlockCall(a, z, c, d, False, 0))
-    return _merge_calls(calls)
 
 
 def _pair_calls(qs: Segment, qo: int, ks: Segment, ko: int, causal: bool, window, positional: bool):
