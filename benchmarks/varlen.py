@@ -104,7 +104,26 @@ def kernel_ratio(args) -> dict:
         for name, pieces in cases.items():
             times[name].append(run(pieces))
     one, docs = median(times["one"]), median(times["docs"])
-    return {"one_ms": one * 1e3, "docs_ms": docs * 1e3, "ratio": docs / one}
+    # what a causal mask saves this kernel per size: causal / full time of one square call
+    shares = {}
+    for n in sorted({S // n_ for n_ in (16, 8, 4, 2, 1) if S // n_ >= 128}):
+        x = (q[:, :n], k[:, :n], v[:, :n])
+        per = {}
+        for causal in (True, False):
+            o, lse = backend.forward(*x, softmax_scale=D ** -0.5, causal=causal)
+
+            def step(causal=causal, o=o, lse=lse, x=x, d=do[:, :n]):
+                backend.forward(*x, softmax_scale=D ** -0.5, causal=causal)
+                backend.backward(d, *x, o, lse, softmax_scale=D ** -0.5, causal=causal)
+            step()
+            ts = []
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                step()
+                ts.append(time.perf_counter() - t0)
+            per[causal] = median(ts)
+        shares[n] = per[True] / per[False]
+    return {"one_ms": one * 1e3, "docs_ms": docs * 1e3, "ratio": docs / one, "causal_share": shares}
 
 
 def cost(args) -> list:
@@ -208,6 +227,9 @@ def main(argv=None) -> int:
     print(f"  the kernel alone (sdpa, one process, one thread, fwd+bwd): {args.docs} causal calls of "
           f"{args.seqlen // args.docs} tokens {fmt_ms(kr['docs_ms'] / 1e3)} / one causal call of {args.seqlen} "
           f"{fmt_ms(kr['one_ms'] / 1e3)} = {kr['ratio']:.3f} (the floor for a packed run on this machine)")
+    print("  causal / full time of one square call (fwd+bwd) per size, the share of the work a causal mask saves "
+          "with this kernel (0.5 = all the masked half): "
+          + ", ".join(f"{n}: {r:.2f}" for n, r in kr["causal_share"].items()))
     return 0 if all(r["check_ok"] for r in rows) else 1
 
 
