@@ -335,3 +335,36 @@ def test_packed_window_softcap_through_long_context_attention(pools, name, stand
             bad = {k: v for k, v in errs.items() if not v <= 1.0}
             assert not bad and set(errs) >= {"out", "lse", "dq", "dk", "dv"}, errs
         assert [c[0] for c in rank["varlen_calls"]].count("fwd") == len(docs), rank["varlen_calls"]
+
+
+@pytest.mark.parametrize("kind,arg", [("fa2", "2.5.9"), ("fa2", "2.8.3"), ("fa3", "old"), ("fa3", "new")])
+def test_probe_verify_checks_the_varlen_entry_point(adapter, kind, arg, monkeypatch):
+    """`usp-hal probe --verify` and the CI matrix entries (verify_backend) run the packed
+    cases for a backend with a varlen entry point: on a GPU runner that checks the real
+    kernel; here the stand-in, on the CPU tensors the emulated device stands for."""
+    from usp_hal.harness import verify
+    cls = type(adapter(kind, arg))
+    monkeypatch.setattr(verify._platform, "torch_device_name", lambda device_type: "cpu")
+    rows = verify.verify_backend(cls, "cuda")
+    cases = {(r["dtype"], r["case"]): r for r in rows}
+    for dtype in ("bf16", "fp16"):
+        for case in ("packed", "packed-causal"):
+            row = cases[(dtype, case)]
+            assert row["status"] == "pass", row
+            assert set(row["errors"]) == {"out", "lse", "dq", "dk", "dv"}, row
+    assert all(r["status"] in ("pass", "skip") for r in rows), [r for r in rows if r["status"] == "fail"]
+
+
+def test_verify_packed_case_fails_a_wrong_varlen_kernel(adapter):
+    """The packed check can fail: a kernel whose varlen lse is read in the wrong layout."""
+    from usp_hal.harness.verify import verify_packed_case
+    backend = adapter("fa2", "2.5.9")
+    ok = verify_packed_case(type(backend), "cpu", torch.float16, 64, causal=True)
+    assert ok["ok"], ok
+    kernel = backend._kernel()
+    kernel.unpadded_lse = True          # pretend 2.5.9 already returned [H, total_q]
+    cls = type(backend)
+    bad = cls.__new__(cls)
+    bad._loaded_kernel = kernel
+    res = verify_packed_case(lambda: bad, "cpu", torch.float16, 64, causal=True)
+    assert not res["ok"], res

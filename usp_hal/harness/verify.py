@@ -259,7 +259,84 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
                               seed=seed)
             rows.append({**row0, "case": case, "status": "pass" if res["ok"] else "fail",
                          "errors": res["errors"], "reason": "; ".join(res["problems"])})
+        if getattr(backend, "VARLEN_KERNEL", False):
+            gqa = feature_change(backend, checked, "gqa") if use.get("gqa") else None
+            kv = (gqa or {}).get("num_kv_heads")
+            packed = [("packed", False)] + ([("packed-causal", True)] if use.get("causal") else [])
+            for case, causal in packed:
+                res = verify_packed_case(backend, device_type, dtype, base.head_dim, causal=causal, num_kv_heads=kv,
+                                         check_lse=checked.needs_lse, check_grad=checked.needs_grad, seed=seed)
+                rows.append({**row0, "case": case, "status": "pass" if res["ok"] else "fail",
+                             "errors": res["errors"], "reason": "; ".join(res["problems"])})
     return rows
+
+
+#: the packed case: per sequence (queries, keys); causal packs use the query lengths for both
+VERIFY_PACKED = ((5, 9), (1, 2), (12, 12), (3, 1), (17, 6))
+
+
+def verify_packed_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *, causal=False,
+                       num_kv_heads: Optional[int] = None, check_lse: bool = True, check_grad: bool = True,
+                       seed: int = 0) -> dict:
+    """The packed-sequence (varlen) entry point of a backend that declares one
+    (``forward_packed``/``backward_packed``): sequences of different lengths back to back,
+    each compared with float64 attention of that sequence alone.  Same result shape as
+    :func:`verify_case`."""
+    from ..ring import Packing
+    atol, rtol = tolerances_for(backend, dtype)
+    h = VERIFY_HEADS
+    hkv = h if num_kv_heads is None else num_kv_heads
+    lens = [(nq, nq if causal else nk) for nq, nk in VERIFY_PACKED]
+    tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, h, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(tk, hkv, head_dim, generator=gen).to(dtype) for _ in range(2))
+    dout = torch.randn(tq, h, head_dim, generator=gen).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    qr, kr, vr = (x.to(torch.float64).requires_grad_(check_grad) for x in (q, k, v))
+    outs, lses = [], []
+    a = c = 0
+    for nq, nk in lens:
+        o, lse = reference_attention(qr[None, a:a + nq], kr[None, c:c + nk], vr[None, c:c + nk],
+                                     softmax_scale=scale, causal=causal)
+        outs.append(o[0])
+        lses.append(lse[0])
+        a, c = a + nq, c + nk
+    ref_out, ref_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    if check_grad:
+        ref_out.backward(dout.to(torch.float64))
+    refs: Dict[str, Any] = {"out": ref_out.detach(), "lse": ref_lse.detach()}
+    if check_grad:
+        refs.update(dq=qr.grad, dk=kr.grad, dv=vr.grad)
+    result: Dict[str, Any] = {"errors": {}, "ok": True, "problems": []}
+
+    def check(name, got):
+        res = compare(got, refs[name], atol, rtol)
+        err = res["max_abs"]
+        result["errors"][name] = err if err is not None and math.isfinite(err) else None
+        if not res["ok"]:
+            result["ok"] = False
+            result["problems"].append(f"{name}: {res['problem']}")
+
+    dev = torch.device(_platform.torch_device_name(device_type))
+    try:
+        kernel = backend()
+        packing = Packing([nq for nq, _ in lens], [nk for _, nk in lens], dev)
+        qd, kd, vd, dod = (x.to(dev) for x in (q, k, v, dout))
+        with torch.no_grad():
+            out, lse = kernel.forward_packed(qd, kd, vd, packing, softmax_scale=scale, causal=causal)
+            check("out", out)
+            if check_lse:
+                check("lse", lse)
+            if check_grad:
+                grads = kernel.backward_packed(dod, qd, kd, vd, out, lse, packing, softmax_scale=scale,
+                                               causal=causal)
+                for name, got in zip(("dq", "dk", "dv"), grads):
+                    check(name, got)
+    except Exception as exc:  # a failing kernel is a verification result, not a crash
+        result["ok"] = False
+        result["problems"].append(f"{type(exc).__name__}: {exc}")
+    return result
 
 
 # ----------------------------------------------------------------------------- collect
