@@ -198,6 +198,18 @@ def llama_refusals(U=1, R=2, B=2, S=24, seed=0):
                   use_cache=True)
         res["kv_cache"] = _error_of(generate_step)
         res["attentions"] = _error_of(lambda: model(**batch, output_attentions=True))
+        # packed sequences: boundaries that disagree, half of the collator's pair, positions that
+        # restart per document handed to the model without their boundaries
+        cu = (0, 9, 24)
+        t = torch.tensor(cu, dtype=torch.int32)
+        res["packed_disagree"] = _error_of(lambda: usp.shard_batch(
+            {"input_ids": ids, "cu_seq_lens_q": t, "cu_seq_lens_k": t}, mesh, "zigzag", cu_seqlens=(0, 10, 24)))
+        res["packed_half"] = _error_of(lambda: usp.shard_batch({"input_ids": ids, "cu_seq_lens_q": t}, mesh,
+                                                                "zigzag"))
+        packed = usp.shard_batch({"input_ids": ids}, mesh, "zigzag", cu_seqlens=cu)
+        res["packed_without_boundaries"] = _error_of(
+            lambda: model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]))
+        res["packed_ok"] = _error_of(lambda: model(**packed))
     res["unknown_attn_type"] = _error_of(lambda: usp.register("usp_hal_test_bad", attn_type="no_such_kernel"))
     drop = tiny_llama(seed, num_hidden_layers=2, attention_dropout=0.1)
     drop.set_attn_implementation(name)
@@ -446,3 +458,55 @@ def added_lines(single: str, sp: str):
     a, b = _code_lines(EXAMPLES / single), _code_lines(EXAMPLES / sp)
     return [ln[1:] for ln in difflib.unified_diff(a, b, lineterm="", n=0)
             if ln.startswith("+") and not ln.startswith("+++")]
+
+
+def llama_packed(U=2, R=1, layout="zigzag", docs=(17, 5, 28), source="cu_seqlens", seed=0):
+    """A packed row of documents through shard_batch and the usp_hal attention function
+    against single-process: each document run alone (its own positions, no cross-document
+    attention), logits, the loss over every document (num_items_in_batch: all of them) and
+    its parameter gradients.  ``source``: where shard_batch finds the boundaries: the
+    ``cu_seqlens`` argument, the collator's ``cu_seq_lens_q/k``, or restarting position_ids."""
+    from usp_hal.integrations import transformers as usp
+    from usp_hal.varlen import cu_seqlens_from_lengths, document_positions
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    ref = tiny_llama(seed)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    cu = cu_seqlens_from_lengths(docs)
+    S = cu[-1]
+    ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(seed + 7))
+    batch = {"input_ids": ids, "labels": ids}
+    kw = {}
+    if source == "cu_seqlens":
+        kw["cu_seqlens"] = cu
+    elif source == "collator":
+        t = torch.tensor(cu, dtype=torch.int32)
+        batch.update(cu_seq_lens_q=t, cu_seq_lens_k=t, max_length_q=max(docs), max_length_k=max(docs),
+                     position_ids=document_positions(torch.arange(S), cu).unsqueeze(0))
+    else:
+        batch["position_ids"] = document_positions(torch.arange(S), cu).unsqueeze(0)
+    sharded = usp.shard_batch(batch, mesh, layout, **kw)
+    out = model(**sharded)
+    out.loss.backward()
+    loss = float(usp.sync_gradients(model, mesh, out.loss))
+    logits = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh, cu_seqlens=cu)
+    res = {"loss": loss, "num_items": sharded["num_items_in_batch"]}
+    if mesh.sp_rank != 0:
+        return res
+    total = sum(n - 1 for n in docs if n > 0)
+    ref_loss = 0.0
+    ref_logits = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b == a:
+            continue
+        piece = ids[:, a:b]
+        o = ref(input_ids=piece, labels=piece, num_items_in_batch=total)
+        o.loss.backward()
+        ref_loss += float(o.loss)
+        ref_logits.append(o.logits.detach())
+    res.update(total=total, loss_diff=abs(loss - ref_loss), logits_diff=_max_diff(logits, torch.cat(ref_logits, 1)),
+               grad_diff=max(_max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+               grad_scale=max(float(q.grad.abs().max()) for q in ref.parameters()))
+    return res

@@ -64,6 +64,9 @@ EXPECTED_REFUSALS = {
     "attentions": "output_attentions",
     "unknown_attn_type": "no_such_kernel",
     "dropout": "dropout",
+    "packed_disagree": "boundaries disagree",
+    "packed_half": "only one of cu_seq_lens_q",
+    "packed_without_boundaries": "pass their boundaries to shard_batch",
 }
 
 
@@ -81,6 +84,7 @@ def test_refusals_on_every_rank(pools, split):
             assert r[case] is not None, f"rank {rank}: {case} was not refused"
             assert needle in r[case], f"rank {rank}: {case}: {r[case]}"
         assert r["ones_mask_ok"] is None, r["ones_mask_ok"]       # an all-ones mask is harmless
+        assert r["packed_ok"] is None, r["packed_ok"]             # the same packed batch, complete
         assert r["after_refusals_diff"] <= LOGITS_TOL, r        # the group still works
     # the padding sat on rank 1 only, yet rank 0 raised too, naming rank 1
     assert "rank 1" in res[0]["padding_mask_one_rank"]
@@ -162,3 +166,23 @@ def test_example_runs_with_the_spawn_helper():
     assert out.returncode == 0, out.stderr[-3000:]
     last = re.findall(r"step 19  loss (\d+\.\d{6})", out.stdout)     # one line per rank (maybe interleaved)
     assert len(last) == 2 and last[0] == last[1], out.stdout[-2000:]
+
+
+PACKED = [(2, 2, 1, "zigzag", "cu_seqlens"), (2, 1, 2, "varlen_zigzag", "collator"),
+          (2, 1, 2, "zigzag", "position_ids")]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=lambda c: f"w{c[0]}-u{c[1]}r{c[2]}-{c[3]}-{c[4]}")
+def test_packed_documents_match_each_document_alone(pools, case):
+    """Packed sequences through shard_batch (boundaries from cu_seqlens, the flattening
+    collator's cu_seq_lens_q/k, or restarting position_ids): logits, loss and gradients equal
+    each document run alone in one process; no label crosses a document boundary."""
+    world, U, R, layout, source = case
+    res = pools(world).run(cases.llama_packed, timeout=240, U=U, R=R, layout=layout, source=source)
+    r0 = res[0]
+    assert r0["num_items"] == r0["total"], r0
+    assert r0["logits_diff"] <= LOGITS_TOL, r0
+    assert r0["loss_diff"] <= LOSS_TOL, r0
+    assert r0["grad_diff"] <= LOGITS_TOL and r0["grad_scale"] > 0, r0
+    for r in res[1:]:
+        assert r["loss"] == r0["loss"]

@@ -16,11 +16,21 @@ What the attention function does with each call (``query`` ``[B, H, S_local, D]`
 :class:`usp_hal.LongContextAttention` with transformers' ``scaling``, ``dropout``, causality
 and sliding window; GQA is handled by the core, without repeating KV heads.
 
+Packed sequences (several documents in one row, attention kept inside each): pass the
+global boundaries to :func:`shard_batch` (``cu_seqlens=``, or the ``cu_seq_lens_q`` /
+``cu_seq_lens_k`` of transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``,
+or position ids that restart at 0 at every document).  It shards in the layout with those
+boundaries, gives position ids restarting per document (RoPE), drops the label that would
+predict the next document's first token, and adds ``cu_seq_lens_q/k``, which the model hands
+to the attention function with every call; the attention function runs
+:class:`usp_hal.LongContextAttention` with ``cu_seqlens``.
+
 What it refuses, on every rank together and before any data is exchanged: padding masks
 (2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
 and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
-match the layout (missing ones, packed sequences), a KV cache holding more tokens than the
-query (generation), attention sinks, position biases and ``output_attentions``.
+match the layout (missing ones, or packed ones without their boundaries), a KV cache holding
+more tokens than the query (generation), attention sinks, position biases and
+``output_attentions``.
 Transformers drops a 2-D mask silently for an attention implementation without a mask
 function, so one is registered too: it never builds a mask, it reports what it was asked for.
 """
@@ -132,8 +142,6 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
 _REFUSED_KWARGS = {
     "s_aux": "attention sinks (s_aux)",
     "position_bias": "a position bias",
-    "cu_seq_lens_q": "packed varlen sequences (cu_seq_lens_q)",
-    "cu_seq_lens_k": "packed varlen sequences (cu_seq_lens_k)",
     "cache": "a paged KV cache",
 }
 
@@ -153,8 +161,8 @@ class _Validated:
             return (t, None)
         return (id(t), None)
 
-    def make_key(self, mesh, q, position_ids, attention_mask):
-        return (id(mesh), tuple(q.shape), self._ref(position_ids), self._ref(attention_mask))
+    def make_key(self, mesh, q, position_ids, attention_mask, cu_seqlens=None):
+        return (id(mesh), tuple(q.shape), self._ref(position_ids), self._ref(attention_mask), self._ref(cu_seqlens))
 
     def hit(self, key) -> bool:
         if self.key is None or len(self.key) != len(key):
@@ -210,6 +218,11 @@ class USPAttentionFunction:
         if query.shape[2] != key.shape[2]:
             return (f"keys/values of {key.shape[2]} tokens for {query.shape[2]} queries: cross-attention and KV "
                     "caches (generation) are not supported; run self-attention without a cache (use_cache=False)")
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is not None or cu_k is not None:
+            why = _packing_problem(cu_q, cu_k)
+            if why:
+                return why
         pos = kwargs.get("position_ids")
         if pos is not None and (not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2)):
             return ("position_ids of shape "
@@ -217,16 +230,25 @@ class USPAttentionFunction:
                     "[B, S] position ids are supported (not multi-dimensional RoPE)")
         return None
 
-    def _position_problem(self, mesh, position_ids, seqlen: int) -> Optional[str]:
+    def _position_problem(self, mesh, position_ids, seqlen: int, cu=None) -> Optional[str]:
         if position_ids is None:
             return None
-        expect = mesh.local_positions(seqlen, self.layout, device=position_ids.device)
+        if cu is not None and cu[-1] != seqlen:
+            return (f"cu_seq_lens_q ends at {cu[-1]} but the ranks hold {seqlen} tokens: pass the global "
+                    "boundaries that shard_batch returns")
+        try:
+            expect = mesh.local_position_ids(seqlen, self.layout, device=position_ids.device, cu_seqlens=cu)
+        except ValueError as exc:
+            return f"cu_seq_lens_q does not fit the {self.layout!r} layout of {seqlen} tokens: {exc}"
         rows = position_ids.reshape(-1, position_ids.shape[-1])
         if rows.shape[-1] != expect.numel() or not bool((rows == expect).all()):
             first = rows[0].tolist()
-            return (f"position_ids {_brief(first)} are not this rank's global positions in the {self.layout!r} "
-                    f"layout of the {seqlen}-token sequence ({_brief(expect.tolist())}); pass the position_ids "
-                    f"from shard_batch(batch, mesh, layout={self.layout!r}) (packed sequences are not supported)")
+            what = ("position ids (restarting per document)" if cu is not None else "global positions")
+            hint = ("" if cu is not None else " (for packed sequences pass their boundaries to shard_batch, which "
+                    "adds cu_seq_lens_q/k to the batch)")
+            return (f"position_ids {_brief(first)} are not this rank's {what} in the {self.layout!r} layout of the "
+                    f"{seqlen}-token sequence ({_brief(expect.tolist())}); pass the position_ids from "
+                    f"shard_batch(batch, mesh, layout={self.layout!r}){hint}")
         return None
 
     def _agree(self, mesh, problem: Optional[str], extra: list) -> list:
@@ -246,12 +268,14 @@ class USPAttentionFunction:
         mesh = self.mesh if self.mesh is not None else usp_hal.get_default_mesh()
         position_ids = kwargs.get("position_ids")
         problem = self._local_problem(query, key, attention_mask, kwargs)
-        vkey = self._validated.make_key(mesh, query, position_ids, attention_mask)
+        cu_arg = kwargs.get("cu_seq_lens_q")
+        cu = _as_boundaries(cu_arg) if cu_arg is not None and problem is None else None
+        vkey = self._validated.make_key(mesh, query, position_ids, attention_mask, cu_arg)
         if mesh.sp_size > 1 and not self._validated.hit(vkey):
             self._validated.key = None
             rows = self._agree(mesh, problem, [int(query.shape[2])])
             seqlen = sum(r[1] for r in rows)
-            self._agree(mesh, self._position_problem(mesh, position_ids, seqlen), [])
+            self._agree(mesh, self._position_problem(mesh, position_ids, seqlen, cu), [])
             self._validated.key = vkey
         elif problem:
             raise ValueError(f"usp_hal attention (transformers) cannot run this call: {problem}")
@@ -266,8 +290,26 @@ class USPAttentionFunction:
         attn = self._module_for(mesh)
         out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=float(dropout),
                    softmax_scale=scaling, causal=causal, window_size=window,
-                   softcap=float(softcap) if softcap is not None else 0.0)
+                   softcap=float(softcap) if softcap is not None else 0.0, cu_seqlens=cu)
         return out, None
+
+
+def _as_boundaries(cu) -> tuple:
+    """``cu_seq_lens_q`` as a tuple of ints (one host copy; shard_batch gives a CPU tensor)."""
+    from usp_hal.varlen import as_cu_seqlens
+    return as_cu_seqlens(cu)
+
+
+def _packing_problem(cu_q, cu_k) -> Optional[str]:
+    if cu_q is None or cu_k is None:
+        return "only one of cu_seq_lens_q / cu_seq_lens_k (packed self-attention needs both, equal)"
+    try:
+        a, b = _as_boundaries(cu_q), _as_boundaries(cu_k)
+    except (TypeError, ValueError) as exc:
+        return f"cu_seq_lens_q/k: {exc}"
+    if a != b:
+        return "cu_seq_lens_q differs from cu_seq_lens_k (packed cross-attention is not supported)"
+    return None
 
 
 def _window(sliding_window, info: Optional[MaskInfo], causal: bool):
@@ -340,7 +382,7 @@ def _check_version():
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
-def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, *,
+def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, *, cu_seqlens=None,
                 ignore_index: int = IGNORE_INDEX, check: bool = True) -> Dict[str, Any]:
     """This rank's share of a global batch, ready for ``model(**batch)``.
 
@@ -351,6 +393,14 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     each shard predicts the first token of the next one; ``num_items_in_batch``: the global
     number of labels that count (not ``ignore_index``), so that each rank's loss is its share
     of the loss of the whole sequence (sum them with :func:`sync_gradients`).
+
+    Packed sequences: ``cu_seqlens`` (the global document boundaries ``[0, l1, l1+l2, ..., S]``,
+    shared by every row), or ``cu_seq_lens_q``/``cu_seq_lens_k`` in the batch, or
+    ``position_ids`` restarting at 0 at every document.  The batch is then sharded with those
+    boundaries (``layout="varlen_zigzag"`` balances causal work per document), ``position_ids``
+    restart per document, the label of each document's last token (which would predict the
+    next document) is ``ignore_index``, and ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, CPU)
+    carry the boundaries to the attention function.
 
     An ``attention_mask`` of all ones is dropped; one with padding is refused.  Other tensors
     are refused rather than passed through unsharded.  ``check`` (one small all-gather)
@@ -373,8 +423,9 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
                          f"got shape {tuple(ref.shape)}")
     bsz, seqlen = int(ref.shape[0]), int(ref.shape[1])
     out: Dict[str, Any] = {}
+    cu = _batch_boundaries(batch, cu_seqlens, bsz, seqlen)
     for k, v in batch.items():
-        if k in seq_keys or k in ("labels", "shift_labels", "attention_mask", "position_ids"):
+        if k in seq_keys or k in ("labels", "shift_labels", "attention_mask", "position_ids") + _PACKING_KEYS:
             continue
         if isinstance(v, torch.Tensor):
             raise ValueError(f"shard_batch: don't know how to shard the tensor {k!r} {tuple(v.shape)}; shard it "
@@ -395,20 +446,28 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
                              "with labels -100 and no attention_mask gives the same loss)")
     pos = batch.get("position_ids")
     if pos is not None:
+        from usp_hal.varlen import document_positions
         expect = torch.arange(seqlen, device=pos.device)
+        if cu is not None:
+            expect = document_positions(expect, cu)
         if not bool((pos.reshape(-1, pos.shape[-1]) == expect).all()):
-            raise ValueError("shard_batch: position_ids other than 0..S-1 (packed sequences, offsets) are not "
-                             "supported; leave position_ids out and shard_batch makes the global ones")
+            raise ValueError("shard_batch: position_ids other than 0..S-1 (or, for packed sequences, 0.. in every "
+                             "document of cu_seqlens) are not supported; leave position_ids out and shard_batch "
+                             "makes them")
     if check and mesh.sp_size > 1:
-        _check_same_batch(mesh, batch, seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None])
+        _check_same_batch(mesh, batch, seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None],
+                          cu)
 
     def sh(x):
-        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=1)
+        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=1, cu_seqlens=cu)
 
     for k in seq_keys:
         out[k] = sh(batch[k])
-    positions = mesh.local_positions(seqlen, layout, device=ref.device)
+    positions = mesh.local_position_ids(seqlen, layout, device=ref.device, cu_seqlens=cu)
     out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
+    if cu is not None:
+        bounds = torch.tensor(cu, dtype=torch.int32)
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
     shifted = batch.get("shift_labels")
     if shifted is None and batch.get("labels") is not None:
         labels = batch["labels"]
@@ -416,6 +475,9 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
             raise ValueError(f"shard_batch: labels have shape {tuple(labels.shape)}, expected [{bsz}, {seqlen}] "
                              "(token labels of a causal LM)")
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        if cu is not None:      # a document's last token does not predict the next document
+            ends = torch.tensor([e - 1 for e in cu[1:] if e > 0], dtype=torch.long, device=shifted.device)
+            shifted = shifted.index_fill(1, ends, ignore_index)
     if shifted is not None:
         if tuple(shifted.shape) != (bsz, seqlen):
             raise ValueError(f"shard_batch: shift_labels have shape {tuple(shifted.shape)}, expected [{bsz}, {seqlen}]")
@@ -424,6 +486,34 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
         out["shift_labels"] = local     # ... and uses these as they are (already shifted)
         out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     return out
+
+
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _batch_boundaries(batch, cu_seqlens, bsz: int, seqlen: int):
+    """The packed batch's global document boundaries (a tuple), or None for one sequence per row."""
+    from usp_hal.varlen import as_cu_seqlens
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    found = []
+    if cu_seqlens is not None:
+        found.append(("cu_seqlens", as_cu_seqlens(cu_seqlens, seqlen)))
+    if cu_q is not None or cu_k is not None:
+        why = _packing_problem(cu_q, cu_k)
+        if why:
+            raise ValueError(f"shard_batch: {why}")
+        found.append(("cu_seq_lens_q", as_cu_seqlens(cu_q, seqlen)))
+    pos = batch.get("position_ids")
+    if not found and isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] == seqlen:
+        rows = pos.reshape(-1, seqlen)
+        starts = (rows[0] == 0).nonzero().flatten().tolist()
+        if len(starts) > 1 and starts[0] == 0 and bool((rows == rows[0]).all()):
+            cu = tuple(starts) + (seqlen,)
+            found.append(("position_ids", as_cu_seqlens(cu, seqlen)))
+    if len({c for _, c in found}) > 1:
+        raise ValueError("shard_batch: the document boundaries disagree: "
+                         + "; ".join(f"{name} gives {list(c)}" for name, c in found))
+    return found[0][1] if found else None
 
 
 def _fingerprint(t: torch.Tensor) -> int:
@@ -437,12 +527,14 @@ def _fingerprint(t: torch.Tensor) -> int:
     return int((x * w).sum()) ^ int(x.sum())       # int64 arithmetic wraps: a hash, not a number
 
 
-def _check_same_batch(mesh, batch, keys):
-    prints = [len(keys)] + [_fingerprint(batch[k]) for k in keys]
+def _check_same_batch(mesh, batch, keys, cu=None):
+    from usp_hal.spec import digest_ints
+    prints = [len(keys)] + [_fingerprint(batch[k]) for k in keys] + [digest_ints(cu) if cu is not None else 0]
     rows = all_gather_ints(prints, mesh.sp_group)
     if len({tuple(r) for r in rows}) > 1:
+        what = ", ".join(keys) + (" or the document boundaries" if cu is not None or any(r[-1] for r in rows) else "")
         raise ValueError("shard_batch: the ranks of the sequence-parallel group passed different batches "
-                         f"({', '.join(keys)} differ); every rank of the group must pass the same global batch "
+                         f"({what} differ); every rank of the group must pass the same global batch "
                          "(give data loaders one shard per data-parallel replica, not per rank)")
 
 
