@@ -228,11 +228,16 @@ def packed_lse_to_padded(lse: torch.Tensor, packing) -> torch.Tensor:
 
 
 def _row_coordinates(packing, device):
-    """(sequence index, position in it) of every packed query row, on ``device``."""
-    seq = torch.repeat_interleave(torch.arange(len(packing.q_lens), device=device),
-                                  torch.tensor(packing.q_lens, device=device), output_size=packing.total_q)
-    starts = packing.cu_q[:-1].to(device=device, dtype=torch.long)
-    return seq, torch.arange(packing.total_q, device=device) - starts[seq]
+    """(sequence index, position in it) of every packed query row, on ``device`` (made once per
+    packing: the ring reuses its packings call after call)."""
+    key = ("fa2-rows", str(device))
+    got = packing.cache.get(key)
+    if got is None:
+        seq = torch.repeat_interleave(torch.arange(len(packing.q_lens), device=device),
+                                      torch.tensor(packing.q_lens, device=device), output_size=packing.total_q)
+        starts = packing.cu_q[:-1].to(device=device, dtype=torch.long)
+        got = packing.cache[key] = (seq, torch.arange(packing.total_q, device=device) - starts[seq])
+    return got
 
 
 def _load_kernel() -> _FA2Kernel:

@@ -169,9 +169,10 @@ class Packing:
     ``q_lens``/``k_lens`` per sequence (host ints), ``cu_q``/``cu_k`` their int32 prefix sums
     on the device, ``max_q``/``max_k``.  Built by :class:`PackedCall` and cached."""
 
-    __slots__ = ("q_lens", "k_lens", "cu_q", "cu_k", "max_q", "max_k")
+    __slots__ = ("q_lens", "k_lens", "cu_q", "cu_k", "max_q", "max_k", "cache")
 
     def __init__(self, q_lens: Sequence[int], k_lens: Sequence[int], device) -> None:
+        self.cache: Dict[Any, Any] = {}      # what an adapter derives from the boundaries, kept with them
         self.q_lens, self.k_lens = tuple(q_lens), tuple(k_lens)
         self.max_q, self.max_k = max(self.q_lens), max(self.k_lens)
         self.cu_q = _prefix(self.q_lens, device)
