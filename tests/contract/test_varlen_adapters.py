@@ -302,13 +302,15 @@ MESHES = [(1, 1, 1, "basic"), (2, 1, 2, "varlen_zigzag"), (2, 2, 1, "basic")]
 @pytest.mark.parametrize("mesh", MESHES, ids=[f"w{w}-u{u}r{r}-{lay}" for w, u, r, lay in MESHES])
 @pytest.mark.parametrize("name,standin,attn_type,dtype", THROUGH, ids=[t[0] for t in THROUGH])
 def test_packed_documents_through_long_context_attention(pools, name, standin, attn_type, dtype, mesh):
-    """cu_seqlens through LongContextAttention with the FA adapters' varlen entry points: out,
-    lse and gradients against float64 per-document attention, and the kernel called through
-    its varlen entry point at most twice per ring step and direction."""
+    """cu_seqlens through LongContextAttention with the FA adapters' varlen entry points (two
+    batch rows sharing the boundaries): out, lse and gradients against float64 per-document
+    attention, and the kernel called through its varlen entry point at most twice per ring
+    step and direction."""
     world, U, R, layout = mesh
     docs = ((9, 1, 2, 12), (6, 6, 6, 6), (1, 2, 1, 1, 2, 17))
     res = pools(world).run(usp_cases.packed_adapter_case, timeout=120, standin=standin, emulate=CUDA90,
-                           attn_type=attn_type, U=U, R=R, layout=layout, dtype=dtype, docs=docs, H=4, Hkv=2, D=16)
+                           attn_type=attn_type, U=U, R=R, layout=layout, dtype=dtype, docs=docs, H=4, Hkv=2, D=16,
+                           B=2)
     for rank in res:
         for errs in rank["errors"]:
             bad = {k: v for k, v in errs.items() if not v <= 1.0}
