@@ -178,46 +178,69 @@ def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *,
 
     qr, kr, vr = (x.to(torch.float64).requires_grad_(check_grad) for x in (q, k, v))
     ref_out, ref_lse = reference_attention(qr, kr, vr, **opts)
-    if check_grad:
-        ref_out.backward(dout.to(torch.float64))
-    refs = {"out": ref_out.detach(), "lse": ref_lse.detach()}
-    if check_grad:
-        refs.update(dq=qr.grad, dk=kr.grad, dv=vr.grad)
-
-    result: Dict[str, Any] = {"errors": {}, "ok": True, "problems": []}
-
-    def check(name, got):
-        res = compare(got, refs[name], atol, rtol)
-        err = res["max_abs"]
-        result["errors"][name] = err if err is not None and math.isfinite(err) else None  # JSON has no inf
-        if not res["ok"]:
-            result["ok"] = False
-            result["problems"].append(f"{name}: {res['problem']}")
-
+    checks = _Checks(_references(ref_out, ref_lse, dout, (qr, kr, vr), check_grad), atol, rtol, dtype)
     dev = torch.device(_platform.torch_device_name(device_type))
-    try:
+
+    def run():
         kernel = backend()
         qd, kd, vd, dod = (x.to(dev) for x in (q, k, v, dout))
-        with torch.no_grad():
-            out, lse = kernel.forward(qd, kd, vd, **opts)
-            check("out", out)
-            if out is not None and out.dtype != dtype:
-                result["ok"] = False
-                result["problems"].append(f"out dtype {dtype_name(out.dtype)}, contract says {dtype_name(dtype)}")
-            if check_lse:
-                check("lse", lse)
-                want = _expected_lse_dtype(dtype)
-                if lse is not None and lse.dtype != want:
-                    result["ok"] = False
-                    result["problems"].append(f"lse dtype {lse.dtype}, contract says {want}")
-            if check_grad:
-                grads = kernel.backward(dod, qd, kd, vd, out, lse, **opts)
-                for name, got in zip(("dq", "dk", "dv"), grads):
-                    check(name, got)
-    except Exception as exc:  # a failing kernel is a verification result, not a crash
-        result["ok"] = False
-        result["problems"].append(f"{type(exc).__name__}: {exc}")
-    return result
+        out, lse = kernel.forward(qd, kd, vd, **opts)
+        checks.outputs(out, lse, check_lse)
+        if check_grad:
+            checks.grads(kernel.backward(dod, qd, kd, vd, out, lse, **opts))
+    return checks.run(run)
+
+
+def _references(ref_out, ref_lse, dout, leaves, check_grad: bool) -> dict:
+    """The float64 reference results (and, with ``check_grad``, the gradients of ``leaves``)."""
+    if check_grad:
+        ref_out.backward(dout.to(torch.float64))
+    refs: Dict[str, Any] = {"out": ref_out.detach(), "lse": ref_lse.detach()}
+    if check_grad:
+        refs.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+    return refs
+
+
+class _Checks:
+    """The comparisons of one verification against its references: ``{"errors": {name: max
+    abs error}, "ok", "problems": [text]}``; a kernel that raises is a failed result."""
+
+    def __init__(self, refs: dict, atol: float, rtol: float, dtype: torch.dtype) -> None:
+        self.refs, self.atol, self.rtol, self.dtype = refs, atol, rtol, dtype
+        self.result: Dict[str, Any] = {"errors": {}, "ok": True, "problems": []}
+
+    def fail(self, text: str) -> None:
+        self.result["ok"] = False
+        self.result["problems"].append(text)
+
+    def check(self, name: str, got) -> None:
+        res = compare(got, self.refs[name], self.atol, self.rtol)
+        err = res["max_abs"]
+        self.result["errors"][name] = err if err is not None and math.isfinite(err) else None  # JSON has no inf
+        if not res["ok"]:
+            self.fail(f"{name}: {res['problem']}")
+
+    def outputs(self, out, lse, check_lse: bool) -> None:
+        self.check("out", out)
+        if out is not None and out.dtype != self.dtype:
+            self.fail(f"out dtype {dtype_name(out.dtype)}, contract says {dtype_name(self.dtype)}")
+        if check_lse:
+            self.check("lse", lse)
+            want = _expected_lse_dtype(self.dtype)
+            if lse is not None and lse.dtype != want:
+                self.fail(f"lse dtype {lse.dtype}, contract says {want}")
+
+    def grads(self, grads) -> None:
+        for name, got in zip(("dq", "dk", "dv"), grads):
+            self.check(name, got)
+
+    def run(self, fn) -> dict:
+        try:
+            with torch.no_grad():
+                fn()
+        except Exception as exc:  # a failing kernel is a verification result, not a crash
+            self.fail(f"{type(exc).__name__}: {exc}")
+        return self.result
 
 
 def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = None,
@@ -302,41 +325,20 @@ def verify_packed_case(backend, device_type: str, dtype: torch.dtype, head_dim: 
         outs.append(o[0])
         lses.append(lse[0])
         a, c = a + nq, c + nk
-    ref_out, ref_lse = torch.cat(outs), torch.cat(lses, dim=1)
-    if check_grad:
-        ref_out.backward(dout.to(torch.float64))
-    refs: Dict[str, Any] = {"out": ref_out.detach(), "lse": ref_lse.detach()}
-    if check_grad:
-        refs.update(dq=qr.grad, dk=kr.grad, dv=vr.grad)
-    result: Dict[str, Any] = {"errors": {}, "ok": True, "problems": []}
-
-    def check(name, got):
-        res = compare(got, refs[name], atol, rtol)
-        err = res["max_abs"]
-        result["errors"][name] = err if err is not None and math.isfinite(err) else None
-        if not res["ok"]:
-            result["ok"] = False
-            result["problems"].append(f"{name}: {res['problem']}")
-
+    checks = _Checks(_references(torch.cat(outs), torch.cat(lses, dim=1), dout, (qr, kr, vr), check_grad), atol,
+                     rtol, dtype)
     dev = torch.device(_platform.torch_device_name(device_type))
-    try:
+
+    def run():
         kernel = backend()
         packing = Packing([nq for nq, _ in lens], [nk for _, nk in lens], dev)
         qd, kd, vd, dod = (x.to(dev) for x in (q, k, v, dout))
-        with torch.no_grad():
-            out, lse = kernel.forward_packed(qd, kd, vd, packing, softmax_scale=scale, causal=causal)
-            check("out", out)
-            if check_lse:
-                check("lse", lse)
-            if check_grad:
-                grads = kernel.backward_packed(dod, qd, kd, vd, out, lse, packing, softmax_scale=scale,
-                                               causal=causal)
-                for name, got in zip(("dq", "dk", "dv"), grads):
-                    check(name, got)
-    except Exception as exc:  # a failing kernel is a verification result, not a crash
-        result["ok"] = False
-        result["problems"].append(f"{type(exc).__name__}: {exc}")
-    return result
+        out, lse = kernel.forward_packed(qd, kd, vd, packing, softmax_scale=scale, causal=causal)
+        checks.outputs(out, lse, check_lse)
+        if check_grad:
+            checks.grads(kernel.backward_packed(dod, qd, kd, vd, out, lse, packing, softmax_scale=scale,
+                                                causal=causal))
+    return checks.run(run)
 
 
 # ----------------------------------------------------------------------------- collect
