@@ -10,11 +10,14 @@
 3. The kernel's own ratio (this process, one thread): the same backend's forward+backward
    on the ``--docs`` causal documents one call each against one causal call over S, no
    USP at all: the floor any packed run on this machine can reach.
+4. ``--plan``: ``usp_hal.plan(..., cu_seqlens=...)`` with the shipped cpu profile for an
+   equal-document batch and a mixed one, every ranked configuration measured like 2.
 
 Run from the repository root:
 
     python -m benchmarks.varlen                        # both, S=4096, H=8, D=64, fp32
     python -m benchmarks.varlen --skip-cost --draws 1000
+    python -m benchmarks.varlen --skip-cost --plan       # the planner with packed documents
 """
 from __future__ import annotations
 
@@ -126,26 +129,20 @@ def kernel_ratio(args) -> dict:
     return {"one_ms": one * 1e3, "docs_ms": docs * 1e3, "ratio": docs / one, "causal_share": shares}
 
 
-def cost(args) -> list:
-    cu = ",".join(map(str, equal_documents(args.seqlen, args.docs)))
-    base = dict(nproc=2, ulysses=1, ring=2, seqlen=args.seqlen, heads=args.heads, kv_heads=args.heads,
-                head_dim=args.head_dim, causal=True, bwd=True, attn_type="sdpa", dtype=args.dtype,
-                iters=args.iters, warmup=args.warmup, check=args.check)
-    configs = [("one sequence, zigzag", RunConfig(ring_impl="zigzag", **base)),
-               ("one sequence, basic", RunConfig(ring_impl="basic", **base)),
-               (f"{args.docs} documents, varlen_zigzag", RunConfig(ring_impl="varlen_zigzag", cu_seqlens=cu, **base)),
-               (f"{args.docs} documents, zigzag", RunConfig(ring_impl="zigzag", cu_seqlens=cu, **base)),
-               (f"{args.docs} documents, basic", RunConfig(ring_impl="basic", cu_seqlens=cu, **base))]
+def measure(configs, rounds: int):
+    """Every (label, RunConfig) on 2 reused ranks: checked against the reference, then timed
+    in ``rounds`` interleaved rounds (each the max over ranks per iteration).  Returns per
+    label: the times, the check, the kernel calls and the work per rank."""
     pool = RankPool(2, threads=1)
     try:
-        times = {label: [] for label, _ in configs}
+        times: dict = {label: [] for label, _ in configs}
         checks, kernel_calls, work = {}, {}, {}
         for i, (label, cfg) in enumerate(configs):
             pool.run(rank_prepare, timeout=600, cfg=asdict(cfg), case=str(i))
             checks[label] = merge_checks(pool.run(rank_check, timeout=600, case=str(i)))
             if cfg.warmup:
                 pool.run(rank_steps, timeout=600, case=str(i), n=cfg.warmup)
-        for rnd in range(args.rounds):
+        for rnd in range(rounds):
             order = list(range(len(configs)))
             order = order[rnd % len(order):] + order[:rnd % len(order)]
             for i in order:
@@ -159,6 +156,58 @@ def cost(args) -> list:
         pool.run(rank_clear, timeout=60)
     finally:
         pool.close()
+    return times, checks, kernel_calls, work
+
+
+def plan_check(args) -> list:
+    """``usp_hal.plan`` with ``cu_seqlens`` against measurement: for an equal-document batch and a
+    mixed one, every candidate the planner ranks on 2 ranks, predicted and measured side by side."""
+    from usp_hal import plan
+    rng = random.Random(args.seed)
+    batches = [("4 equal documents", tuple(equal_documents(args.seqlen, 4))),
+               ("8 log-uniform documents", _fit(log_uniform_batch(rng, 8, 16, args.seqlen), args.seqlen))]
+    base = dict(nproc=2, seqlen=args.seqlen, heads=args.heads, kv_heads=args.heads, head_dim=args.head_dim,
+                causal=True, bwd=True, attn_type="sdpa", dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                check=args.check)
+    out = []
+    for name, cu in batches:
+        res = plan(2, args.heads, args.seqlen, args.head_dim, dtype=args.dtype, causal=True, bwd=True,
+                   profile="cpu", cu_seqlens=cu)
+        configs = []
+        for row in res["rows"]:
+            c = row["candidate"]
+            configs.append((row["label"], RunConfig(ulysses=c["ulysses"], ring=c["ring"], ring_impl=c["layout"],
+                                                    rotate=c["rotation"], cu_seqlens=",".join(map(str, cu)),
+                                                    **base)))
+        times, checks, _, _ = measure(configs, args.rounds)
+        pred = {row["label"]: row["time"] for row in res["rows"]}
+        meas = {label: median(times[label]) for label, _ in configs}
+        order_m = sorted(meas, key=meas.get)
+        out.append({"batch": name, "cu_seqlens": cu, "predicted_winner": res["winner"],
+                    "measured_best": order_m[0],
+                    "winner_within": meas[res["winner"]] / meas[order_m[0]],
+                    "rows": [{"config": lab, "predicted_ms": pred[lab] * 1e3, "measured_ms": meas[lab] * 1e3,
+                              "ratio": pred[lab] / meas[lab], "check_ok": checks[lab]["ok"]} for lab in pred]})
+    return out
+
+
+def _fit(cu: tuple, seqlen: int) -> tuple:
+    """Boundaries scaled to end at ``seqlen`` (the draw's total length differs)."""
+    scaled = sorted({round(b * seqlen / cu[-1]) for b in cu})
+    return tuple(scaled)
+
+
+def cost(args) -> list:
+    cu = ",".join(map(str, equal_documents(args.seqlen, args.docs)))
+    base = dict(nproc=2, ulysses=1, ring=2, seqlen=args.seqlen, heads=args.heads, kv_heads=args.heads,
+                head_dim=args.head_dim, causal=True, bwd=True, attn_type="sdpa", dtype=args.dtype,
+                iters=args.iters, warmup=args.warmup, check=args.check)
+    configs = [("one sequence, zigzag", RunConfig(ring_impl="zigzag", **base)),
+               ("one sequence, basic", RunConfig(ring_impl="basic", **base)),
+               (f"{args.docs} documents, varlen_zigzag", RunConfig(ring_impl="varlen_zigzag", cu_seqlens=cu, **base)),
+               (f"{args.docs} documents, zigzag", RunConfig(ring_impl="zigzag", cu_seqlens=cu, **base)),
+               (f"{args.docs} documents, basic", RunConfig(ring_impl="basic", cu_seqlens=cu, **base))]
+    times, checks, kernel_calls, work = measure(configs, args.rounds)
     ref = median(times[configs[0][0]])
     ref_basic = median(times[configs[1][0]])
     rows = []
@@ -179,6 +228,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=4096, help="longest document of the draws (default 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--plan", action="store_true", help="also check usp_hal.plan(cu_seqlens=...) against measurement")
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -205,32 +255,44 @@ def main(argv=None) -> int:
     for r in calls_table(rings, args.draws, 8, args.min_len, args.max_len, args.seed):
         print(f"  {r['ring']:>2}  {r['layout']:<14} {r['plain_median']:>15} / {r['plain_max']:<6} "
               f"{r['packed_median']:>13} / {r['packed_max']:<6}")
-    if args.skip_cost:
-        return 0
-    print(f"\ncost on 2 ranks (ring 2, sdpa, {args.dtype}, B=1 H={args.heads} D={args.head_dim}, causal, forward+"
-          f"backward, S={args.seqlen}; median over {args.rounds} interleaved rounds x {args.iters} iterations of the "
-          f"max over ranks):")
-    rows = cost(args)
-    print(f"  {'configuration':<28} {'ms':>8} {'x one seq (zigzag)':>19} {'x one seq (basic)':>18}  "
-          f"{'kernel calls/rank':<18} check")
-    for r in rows:
-        print(f"  {r['config']:<28} {fmt_ms(r['ms'] / 1e3):>8} {r['vs_one_sequence_zigzag']:>19.3f} "
-              f"{r['vs_one_sequence_basic']:>18.3f}  {str(r['kernel_calls_per_rank']):<18} "
-              f"{'pass' if r['check_ok'] else 'FAIL'} ({r['worst_error']:.3g})")
-    packed = next(r for r in rows if r["config"].endswith("varlen_zigzag"))
-    ratio = packed["vs_one_sequence_zigzag"]
-    best = min(r["vs_one_sequence_zigzag"] for r in rows if "documents" in r["config"])
-    print(f"  {args.docs} documents (varlen_zigzag) / one sequence (zigzag): {ratio:.3f}; best layout {best:.3f} "
-          f"(target <= 0.35: {'met' if best <= 0.35 else 'NOT met'}; "
-          f"ideal {1 / args.docs:.3f}, the causal work ratio)")
-    kr = kernel_ratio(args)
-    print(f"  the kernel alone (sdpa, one process, one thread, fwd+bwd): {args.docs} causal calls of "
-          f"{args.seqlen // args.docs} tokens {fmt_ms(kr['docs_ms'] / 1e3)} / one causal call of {args.seqlen} "
-          f"{fmt_ms(kr['one_ms'] / 1e3)} = {kr['ratio']:.3f} (the floor for a packed run on this machine)")
-    print("  causal / full time of one square call (fwd+bwd) per size, the share of the work a causal mask saves "
-          "with this kernel (0.5 = all the masked half): "
-          + ", ".join(f"{n}: {r:.2f}" for n, r in kr["causal_share"].items()))
-    return 0 if all(r["check_ok"] for r in rows) else 1
+    ok = True
+    if not args.skip_cost:
+        print(f"\ncost on 2 ranks (ring 2, sdpa, {args.dtype}, B=1 H={args.heads} D={args.head_dim}, causal, "
+              f"forward+backward, S={args.seqlen}; median over {args.rounds} interleaved rounds x {args.iters} "
+              "iterations of the max over ranks):")
+        rows = cost(args)
+        print(f"  {'configuration':<28} {'ms':>8} {'x one seq (zigzag)':>19} {'x one seq (basic)':>18}  "
+              f"{'kernel calls/rank':<18} check")
+        for r in rows:
+            print(f"  {r['config']:<28} {fmt_ms(r['ms'] / 1e3):>8} {r['vs_one_sequence_zigzag']:>19.3f} "
+                  f"{r['vs_one_sequence_basic']:>18.3f}  {str(r['kernel_calls_per_rank']):<18} "
+                  f"{'pass' if r['check_ok'] else 'FAIL'} ({r['worst_error']:.3g})")
+        packed = next(r for r in rows if r["config"].endswith("varlen_zigzag"))
+        ratio = packed["vs_one_sequence_zigzag"]
+        best = min(r["vs_one_sequence_zigzag"] for r in rows if "documents" in r["config"])
+        print(f"  {args.docs} documents (varlen_zigzag) / one sequence (zigzag): {ratio:.3f}; best layout {best:.3f} "
+              f"(target <= 0.35: {'met' if best <= 0.35 else 'NOT met'}; "
+              f"ideal {1 / args.docs:.3f}, the causal work ratio)")
+        kr = kernel_ratio(args)
+        print(f"  the kernel alone (sdpa, one process, one thread, fwd+bwd): {args.docs} causal calls of "
+              f"{args.seqlen // args.docs} tokens {fmt_ms(kr['docs_ms'] / 1e3)} / one causal call of {args.seqlen} "
+              f"{fmt_ms(kr['one_ms'] / 1e3)} = {kr['ratio']:.3f} (the floor for a packed run on this machine)")
+        print("  causal / full time of one square call (fwd+bwd) per size, the share of the work a causal mask saves "
+              "with this kernel (0.5 = all the masked half): "
+              + ", ".join(f"{n}: {r:.2f}" for n, r in kr["causal_share"].items()))
+        ok = all(r["check_ok"] for r in rows)
+    if args.plan:
+        print(f"\nusp_hal.plan(cu_seqlens=...) with the shipped cpu profile against measurement (2 ranks, sdpa, "
+              f"{args.dtype}, H={args.heads} D={args.head_dim} S={args.seqlen}, causal, forward+backward):")
+        for b in plan_check(args):
+            print(f"  {b['batch']} {list(b['cu_seqlens'])}: predicted winner {b['predicted_winner']}, measured best "
+                  f"{b['measured_best']} (the predicted winner measures {b['winner_within']:.3f}x the best)")
+            print(f"    {'configuration':<28} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}  check")
+            for r in b["rows"]:
+                print(f"    {r['config']:<28} {r['predicted_ms']:>13.1f} {r['measured_ms']:>12.1f} "
+                      f"{r['ratio']:>10.2f}  {'pass' if r['check_ok'] else 'FAIL'}")
+                ok = ok and r["check_ok"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -246,3 +246,57 @@ def test_calibrate_writes_a_profile_plan_can_use(tmp_path):
     path = planner.save_profile(prof, str(tmp_path / "me.json"))
     res = planner.plan(2, 2, 1024, 32, dtype="fp32", profile=path)
     assert {r["label"] for r in res["rows"]} >= {"ulysses2", "ring2 basic p2p"}
+
+
+# ----------------------------------------------------------------------------- packed documents
+def test_packed_documents_change_layouts_work_and_ring_traffic():
+    """With cu_seqlens the plan counts the per-document calls the ring makes: equal documents
+    that stay whole on their ranks (basic, zigzag) move no K/V and beat varlen_zigzag; for a
+    mix of lengths varlen_zigzag balances the work and wins over the unbalanced layouts."""
+    from usp_hal.varlen import equal_documents, ring_work, work_balance
+    eq = planner.plan(2, 8, 4096, 64, dtype="fp32", causal=True, bwd=True, profile="cpu",
+                      cu_seqlens=equal_documents(4096, 4))
+    rows = {r["label"]: r for r in eq["rows"]}
+    assert "ring2 varlen_zigzag p2p" in rows
+    for lay in ("basic", "zigzag"):
+        r = rows[f"ring2 {lay} p2p"]
+        assert r["terms"]["ring_exposed"] == 0 and r["comm_bytes"] == 0, r
+        assert r["time"] < rows["ring2 varlen_zigzag p2p"]["time"]
+    assert rows["ring2 varlen_zigzag p2p"]["comm_bytes"] > 0
+    assert eq["rows"][0]["candidate"]["layout"] in ("basic", "zigzag")
+    # packed is cheaper than one sequence of the same length (the causal work is a quarter)
+    one = planner.plan(2, 8, 4096, 64, dtype="fp32", causal=True, bwd=True, profile="cpu")
+    assert eq["rows"][0]["time"] < 0.5 * one["rows"][0]["time"]
+
+    cu = (0, 16, 40, 3000, 3100, 4096)
+    mix = planner.plan(2, 8, 4096, 64, dtype="fp32", causal=True, bwd=True, profile="cpu", cu_seqlens=cu)
+    rows = {r["label"]: r for r in mix["rows"]}
+    assert mix["winner"].startswith("ring2 varlen_zigzag") or mix["winner"] == "ulysses2", mix["winner"]
+    for lay in ("basic", "zigzag", "varlen_zigzag"):
+        want = work_balance(ring_work(lay, 4096, 2, causal=True, cu_seqlens=cu))
+        assert rows[f"ring2 {lay} p2p"]["work_balance"] == pytest.approx(want)
+    assert rows["ring2 varlen_zigzag p2p"]["work_balance"] <= 1.10
+    assert rows["ring2 varlen_zigzag p2p"]["time"] < min(rows["ring2 basic p2p"]["time"],
+                                                         rows["ring2 zigzag p2p"]["time"])
+    # full attention: layouts still differ in which documents stay on one rank
+    full = planner.plan(2, 8, 4096, 64, dtype="fp32", profile="cpu", cu_seqlens=equal_documents(4096, 4))
+    assert {r["candidate"]["layout"] for r in full["rows"] if r["candidate"]["ring"] > 1} >= {"basic", "zigzag"}
+
+
+def test_packed_documents_arguments_and_cli():
+    with pytest.raises(planner.PlanError, match="varlen_zigzag: with --cu-seqlens"):
+        planner.plan(2, 8, 4096, 64, causal=True, layouts=("varlen_zigzag",), profile="cpu")
+    with pytest.raises(planner.PlanError, match="--cu-seqlens"):
+        planner.plan(2, 8, 4096, 64, causal=True, profile="cpu", cu_seqlens=(0, 100, 4000))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["plan", "--world", "2", "--heads", "8", "--seqlen", "4096", "--head-dim", "64", "--dtype", "fp32",
+                   "--causal", "--bwd", "--cu-seqlens", "0,16,40,3000,3100,4096"])
+    text = out.getvalue()
+    assert rc == 0 and "varlen_zigzag" in text and "cu_seqlens=cu_seqlens" in text
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["plan", "--world", "2", "--heads", "8", "--seqlen", "4096", "--head-dim", "64", "--dtype", "fp32",
+                   "--causal", "--docs", "4", "--json"])
+    data = json.loads(out.getvalue())
+    assert rc == 0 and tuple(data["problem"]["cu_seqlens"]) == (0, 1024, 2048, 3072, 4096)

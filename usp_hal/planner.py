@@ -24,6 +24,11 @@ The model (docs/planning.md has the long form) predicts the time of one attentio
 * **other**: the online-softmax merges, the local re-layout copies and the per-call
   metadata all-gather.
 
+Packed documents (``cu_seqlens``): the block plan then pairs only pieces of the same
+document, so the kernel term counts exactly the calls the ring makes; ``varlen_zigzag``
+joins the candidate layouts; a layout that keeps every document on one ring rank exchanges
+no K/V (the ring's local-only rotation), so its ring term is zero.
+
 Machine descriptions are profiles (``usp_hal/profiles/*.json``): link bandwidths and
 latencies, kernel throughput, memory, all with their sources; ``cpu`` is measured on the
 machine that built the package (``usp-hal plan --calibrate`` measures another).
@@ -40,11 +45,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .layout import ring_segments
 from .ring import plan_blocks
 from .ulysses import head_plan
+from .varlen import as_cu_seqlens, ring_is_local
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "half": "fp16"}
 LAYOUTS = ("basic", "zigzag", "stripe")
+PACKED_LAYOUTS = LAYOUTS + ("varlen_zigzag",)      # with packed documents (cu_seqlens)
 ROTATIONS = ("p2p", "allgather")
 FP8_WIRES = ("none", "qvo", "qkvo")
 TERMS = ("kernel", "imbalance", "ulysses_a2a", "ring_exposed", "other")
@@ -126,6 +133,7 @@ class Problem:
     dtype: str = "bf16"
     causal: bool = False
     bwd: bool = False
+    cu_seqlens: Optional[Tuple[int, ...]] = None      # packed documents: global boundaries
 
     @property
     def hkv(self) -> int:
@@ -188,19 +196,27 @@ def fit_causal_tile(points: Sequence[Tuple[int, float]]) -> float:
 
 
 @lru_cache(maxsize=256)
-def ring_work(layout: str, seqlen: int, ring: int, causal: bool):
+def ring_work(layout: str, seqlen: int, ring: int, causal: bool, cu_seqlens: Optional[Tuple[int, ...]] = None):
     """Per ring rank, per step (p2p order: step s meets the block of rank (r - s) mod R):
-    a tuple of (rows, cols, causal_square) kernel calls, from the library's block planner."""
-    segs = [ring_segments(layout, seqlen, ring, r) for r in range(ring)]
+    a tuple of (rows, cols, causal_square) kernel calls, from the library's block planner
+    (with ``cu_seqlens``: the per-document calls of a packed batch)."""
+    segs = [ring_segments(layout, seqlen, ring, r, cu_seqlens=cu_seqlens) for r in range(ring)]
     out = []
     for r in range(ring):
         steps = []
         for s in range(ring):
             src = (r - s) % ring
-            calls = plan_blocks(segs[r], segs[src], causal=causal, diagonal=src == r)
+            calls = plan_blocks(segs[r], segs[src], causal=causal, diagonal=src == r, cu_seqlens=cu_seqlens)
             steps.append(tuple((c.q_stop - c.q_start, c.k_stop - c.k_start, bool(c.causal)) for c in calls))
         out.append(tuple(steps))
     return tuple(out), tuple(sum(s.count for s in sg) for sg in segs)
+
+
+@lru_cache(maxsize=256)
+def _ring_is_local(layout: str, seqlen: int, ring: int, cu_seqlens: Tuple[int, ...]) -> bool:
+    """Whether no document of the packed batch spans two ring ranks in ``layout``."""
+    segs = tuple(tuple(ring_segments(layout, seqlen, ring, r, cu_seqlens=cu_seqlens)) for r in range(ring))
+    return ring_is_local(segs, cu_seqlens)
 
 
 def _pairs(call) -> int:
@@ -317,7 +333,8 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     hq = [b - a for a, b in hp.q]                   # query heads per Ulysses rank
     hk = [b - a for a, b in hp.kv]                  # KV heads that travel to each Ulysses rank
     hk_local = [hp.local_heads(u)[1] for u in range(U)]
-    work, shard = ring_work(C.layout, S, R, P.causal)
+    work, shard = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
+    local_ring = R > 1 and P.cu_seqlens is not None and _ring_is_local(C.layout, S, R, P.cu_seqlens)
     kent = M.kernel_entry(P.dtype, D)
     fwd_rate = float(kent["fwd_flops"]) * kent["scale"]
     bwd_rate = float(kent.get("bwd_flops", fwd_rate / 1.2)) * kent["scale"]
@@ -415,9 +432,10 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     scope = "inter" if hop == "inter" else "intra"
     for b in passes:
         cost = step_cost[b]
-        if R == 1:
-            crit += cost[0][0]
-            ring_time += cost[0][0]
+        if R == 1 or local_ring:      # one block (or only the own block has work): no K/V moves
+            comp = max(cost[r][0] for r in range(R))
+            crit += comp
+            ring_time += comp
             continue
         if C.rotation == "p2p":
             nb = kv_block + (grad_block if b else 0.0)      # next K/V block (+ a dK/dV partial going home)
@@ -456,7 +474,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
         mem += n_r * (2 * hmax + 2 * max(hk_local)) * e                    # q, k, v, out (head shards)
     mem += n_r * hmax * (e_acc + 4.0 / D)                                  # out/lse accumulators
     blocks = 2 if C.rotation == "p2p" else R
-    mem += (blocks - 1) * kv_block if R > 1 else 0.0
+    mem += (blocks - 1) * kv_block if R > 1 and not local_ring else 0.0
     if P.bwd:
         mem *= 2
         mem += (n_r * 2 * max(hk_local) * e_acc if R > 1 else 0.0) + n_r * hmax * e_acc
@@ -492,7 +510,9 @@ def candidates(problem: Problem, *, layouts: Sequence[str] = LAYOUTS, rotations:
                     out.append(Candidate(U, 1, "basic", "p2p", wire, pipe))
                     continue
                 # without a causal mask every layout does the same work: keep one
-                lays = layouts if problem.causal else [("basic" if "basic" in layouts else layouts[0])]
+                # (packed documents: layouts differ in which documents stay on one rank)
+                lays = layouts if problem.causal or problem.cu_seqlens is not None else \
+                    [("basic" if "basic" in layouts else layouts[0])]
                 for lay in lays:
                     for rot in rotations:
                         out.append(Candidate(U, R, lay, rot, wire, pipe))
@@ -519,7 +539,8 @@ def _check(problem: Problem) -> None:
 
 def _invalid_reason(problem: Problem, c: Candidate) -> str:
     if c.ring > 1:
-        lens = [sum(s.count for s in ring_segments(c.layout, problem.seqlen, c.ring, r)) for r in range(c.ring)]
+        lens = [sum(s.count for s in ring_segments(c.layout, problem.seqlen, c.ring, r, cu_seqlens=problem.cu_seqlens))
+                for r in range(c.ring)]
         if min(lens) < c.ulysses:
             return f"{c.layout} layout leaves a rank without tokens at S={problem.seqlen}"
     elif problem.seqlen < c.ulysses:
@@ -546,19 +567,28 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
          dtype: str = "bf16", causal: bool = False, bwd: bool = False, batch: int = 1,
          profile="cpu", gpus_per_node: Optional[int] = None, intra_bw: Optional[float] = None,
          inter_bw: Optional[float] = None, latency: Optional[float] = None, fp8: bool = False,
-         pipelines: Sequence[int] = (0,), layouts: Sequence[str] = LAYOUTS,
-         rotations: Sequence[str] = ROTATIONS) -> dict:
+         pipelines: Sequence[int] = (0,), layouts: Optional[Sequence[str]] = None,
+         rotations: Sequence[str] = ROTATIONS, cu_seqlens=None) -> dict:
     """Every valid configuration ranked by predicted time per attention call.
 
     ``profile``: a profile name (``list_profiles()``), a path, or a dict.  Returns a dict with
     ``rows`` (best first; each a :class:`Prediction` as a dict), ``invalid``, ``winner``,
-    ``init`` and ``module`` (the two lines to use), ``profile`` and ``problem``."""
+    ``init`` and ``module`` (the two lines to use), ``profile`` and ``problem``.
+    ``cu_seqlens``: a packed batch's global document boundaries (the layouts then include
+    ``varlen_zigzag``; shard and call with the same boundaries)."""
     dtype = DTYPE_ALIASES.get(str(dtype), str(dtype))
-    problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd))
+    try:
+        cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"--cu-seqlens: {exc}") from None
+    problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd), cu)
     _check(problem)
+    valid_layouts = PACKED_LAYOUTS if cu is not None else LAYOUTS
+    layouts = tuple(layouts) if layouts is not None else valid_layouts
     for lay in layouts:
-        if lay not in LAYOUTS:
-            raise PlanError(f"layout {lay!r}; valid: {', '.join(LAYOUTS)}")
+        if lay not in valid_layouts:
+            raise PlanError(f"layout {lay!r}; valid: {', '.join(valid_layouts)}"
+                            + ("" if cu is not None else " (varlen_zigzag: with --cu-seqlens)"))
     for rot in rotations:
         if rot not in ROTATIONS:
             raise PlanError(f"rotation {rot!r}; valid: {', '.join(ROTATIONS)}")
@@ -633,6 +663,10 @@ def format_plan(res: dict) -> str:
     for inv in res["invalid"]:
         lines.append(f"not valid: {inv['label']}: {inv['reason']}")
     lines += ["", "use:", "  " + res["init"], "  attn = " + res["module"]]
+    if res["problem"].get("cu_seqlens"):
+        lay = res["module"].split("ring_impl_type=")[1].split(",")[0]
+        lines += [f"  x = usp_hal.shard(x, layout={lay}, cu_seqlens=cu_seqlens)   # q, k, v; then "
+                  "attn(q, k, v, causal=..., cu_seqlens=cu_seqlens)"]
     return "\n".join(lines)
 
 

@@ -67,7 +67,28 @@ def add_parser(subparsers) -> None:
     p.add_argument("--async", dest="pipeline", action="store_true",
                    help="also consider AsyncLongContextAttention (2 head groups; all-to-alls overlapped)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--cu-seqlens", default="", metavar="0,L1,...,S",
+                      help="packed documents: the global document boundaries (adds the varlen_zigzag layout)")
+    docs.add_argument("--docs", type=int, default=0, metavar="N",
+                      help="packed documents: N documents of equal length (shortcut for --cu-seqlens)")
     p.set_defaults(func=run)
+
+
+def _documents(args):
+    """The boundaries of --cu-seqlens or --docs N (None: one sequence)."""
+    if args.docs:
+        if args.docs < 1:
+            raise planner.PlanError(f"--docs must be >= 1, got {args.docs}")
+        from ..varlen import equal_documents
+        return equal_documents(args.seqlen, args.docs)
+    text = (args.cu_seqlens or "").replace(" ", "")
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise planner.PlanError(f"--cu-seqlens {text!r}: write the boundaries as integers, e.g. 0,300,1024") from None
 
 
 def run(args) -> int:
@@ -87,7 +108,8 @@ def run(args) -> int:
         res = planner.plan(args.world, args.heads, args.seqlen, args.head_dim, kv_heads=args.kv_heads,
                            dtype=args.dtype, causal=args.causal, bwd=args.bwd, batch=args.batch, profile=prof,
                            gpus_per_node=args.gpus_per_node, intra_bw=args.intra_bw, inter_bw=args.inter_bw,
-                           latency=args.latency, fp8=args.fp8, pipelines=(0, 2) if args.pipeline else (0,))
+                           latency=args.latency, fp8=args.fp8, pipelines=(0, 2) if args.pipeline else (0,),
+                           cu_seqlens=_documents(args))
     except planner.PlanError as exc:
         print(f"usp-hal plan: {exc}", file=sys.stderr)
         return 2
