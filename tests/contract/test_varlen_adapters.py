@@ -370,3 +370,18 @@ def test_verify_packed_case_fails_a_wrong_varlen_kernel(adapter):
     bad._loaded_kernel = kernel
     res = verify_packed_case(lambda: bad, "cpu", torch.float16, 64, causal=True)
     assert not res["ok"], res
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("module", ["async", "qkvpacked"])
+def test_packed_fa_calls_in_the_other_modules(pools, module):
+    """AsyncLongContextAttention (two head groups pipelined) and the QKV-packed module run the
+    same packed varlen calls: exact against per-document float64 attention."""
+    res = pools(2).run(usp_cases.packed_adapter_case, timeout=120, standin={"kind": "fa2", "arg": "2.8.3"},
+                       emulate=CUDA90, attn_type="fa2", U=2, R=1, layout="basic", dtype="bf16",
+                       docs=((9, 1, 2, 12),), H=4, Hkv=4, D=16, module=module)
+    for rank in res:
+        for errs in rank["errors"]:
+            bad = {k: v for k, v in errs.items() if not v <= 1.0}
+            assert not bad and set(errs) >= {"out", "lse", "dq", "dk", "dv"}, errs
+        assert [c[0] for c in rank["varlen_calls"]].count("fwd") >= 1, rank["varlen_calls"]
