@@ -153,6 +153,8 @@ class _FA2Kernel:
         self.split_window = parsed >= parse_version(SPLIT_WINDOW_SINCE)
         self.has_softcap = parsed >= parse_version(SOFTCAP_SINCE)
         self.unpadded_lse = parsed >= parse_version(UNPADDED_LSE_SINCE)
+        # 2.5.7-2.6.0: the varlen forward's ``block_table`` has no default (read once, not per call)
+        self.varlen_block_table = "block_table" in (signature_parameters(iface._flash_attn_varlen_forward) or {})
 
     def _common(self, kw: dict, causal, left, right, softcap) -> dict:
         if self.split_window:
@@ -165,12 +167,12 @@ class _FA2Kernel:
         return kw
 
     @staticmethod
-    def _varlen(fn, kw: dict, packing) -> dict:
-        """The varlen arguments; ``block_table`` has no default in 2.5.7-2.6.0 (None: no paged KV)."""
+    def _varlen(kw: dict, packing, block_table: bool) -> dict:
+        """The varlen arguments (``block_table`` None, no paged KV, where the forward requires it)."""
         kw.update(cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
                   max_seqlen_k=packing.max_k)
-        if "block_table" in _parameters(fn):
-            kw.setdefault("block_table", None)
+        if block_table:
+            kw["block_table"] = None
         return kw
 
     def forward(self, q, k, v, scale, causal, left, right, softcap, slopes, packing=None):
@@ -180,7 +182,7 @@ class _FA2Kernel:
         fn = getattr(self.iface, name)
         kw = self._common(dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale,
                                alibi_slopes=slopes, return_softmax=False), causal, left, right, softcap)
-        res = fn(**(self._varlen(fn, kw, packing) if packing is not None else kw))
+        res = fn(**(self._varlen(kw, packing, self.varlen_block_table) if packing is not None else kw))
         want = 4 if self.split_window else 8
         if len(res) != want:
             raise RuntimeError(f"fa2: flash-attn {self.version} {name} returned {len(res)} "
@@ -197,7 +199,7 @@ class _FA2Kernel:
                                dropout_p=0.0, softmax_scale=scale, alibi_slopes=slopes,
                                deterministic=bool(deterministic), rng_state=None),
                           causal, left, right, softcap)
-        res = fn(**(self._varlen(fn, kw, packing) if packing is not None else kw))
+        res = fn(**(self._varlen(kw, packing, False) if packing is not None else kw))
         if self.split_window:
             return dq, dk, dv          # written in place; ``res`` is softmax_d
         if not isinstance(res, (tuple, list)) or len(res) != 4:
@@ -205,12 +207,13 @@ class _FA2Kernel:
         return res[0], res[1], res[2]
 
 
-def _parameters(fn) -> dict:
-    """Parameters of ``fn``, looking through a ``torch.library`` custom op to its function."""
+def signature_parameters(fn) -> Optional[dict]:
+    """Parameters of ``fn``, looking through a ``torch.library`` custom op to its Python
+    function (also used by the FlashAttention-3 adapter); None when they cannot be read."""
     try:
         return dict(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
     except (TypeError, ValueError):
-        return {}
+        return None
 
 
 def padded_lse_to_packed(lse: torch.Tensor, packing) -> torch.Tensor:

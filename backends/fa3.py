@@ -65,6 +65,7 @@ from usp_hal.backends.fa2 import (
     custom_op_namespace,
     fa2_interface_path,
     foreign_op,
+    signature_parameters,
     unpad,
 )
 from usp_hal.backends.fa2 import (
@@ -110,12 +111,11 @@ def op_clash() -> str:
 
 
 def _parameters(fn) -> dict:
-    """Parameters of ``fn``, looking through a torch.library custom op to its Python function."""
-    target = getattr(fn, "_init_fn", fn)
-    try:
-        return dict(inspect.signature(target).parameters)
-    except (TypeError, ValueError) as exc:
-        raise BackendUnavailable(f"fa3: cannot read the signature of {fn!r} to tell its API generation") from exc
+    """Parameters of ``fn`` (through a torch.library custom op); unreadable ones make FA3 unavailable."""
+    params = signature_parameters(fn)
+    if params is None:
+        raise BackendUnavailable(f"fa3: cannot read the signature of {fn!r} to tell its API generation")
+    return params
 
 
 class _FA3Kernel:
