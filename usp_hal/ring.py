@@ -400,9 +400,7 @@ class _Accumulator:
             if call.q_start == 0 and call.q_stop == l:
                 self.out, self.lse = out.to(self.mdt), lse.to(self.mdt).contiguous()
                 return
-            self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
-            self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
-            self.touched = bytearray(l)
+            self._start_empty()
         assert self.out is not None and self.lse is not None
         if self.touched is not None:
             a, z = call.q_start, call.q_stop
@@ -429,9 +427,7 @@ class _Accumulator:
                 self.out, self.lse = o.to(self.mdt), lv.to(self.mdt).contiguous()
                 return
             if self.out is None:
-                self.out = torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device)
-                self.lse = torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device)
-                self.touched = bytearray(l)
+                self._start_empty()
             touched = self.touched
             if touched is not None and all(touched.find(1, c.q_start, c.q_stop) < 0 for c in pc.calls):
                 assert self.out is not None and self.lse is not None
@@ -453,10 +449,18 @@ class _Accumulator:
         """(out, lse): out in the merge dtype, or the kernel's own output when one call
         covered everything (the caller converts it once, into its destination)."""
         if self.out is None:   # no key visible to any row (e.g. an empty shard)
-            b, l, h, _ = self.q.shape
-            return (torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device),
-                    torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device))
+            return self._empty()
         return self.out, self.lse
+
+    def _empty(self):
+        """(0, -inf) for every local row: what the merge starts from."""
+        b, l, h, _ = self.q.shape
+        return (torch.zeros(b, l, h, self.dv, dtype=self.mdt, device=self.q.device),
+                torch.full((b, h, l), NEG_INF, dtype=self.mdt, device=self.q.device))
+
+    def _start_empty(self) -> None:
+        self.out, self.lse = self._empty()
+        self.touched = bytearray(self.q.shape[1])
 
 
 def _single_call(ctx: RingContext, q, k) -> Optional[BlockCall]:

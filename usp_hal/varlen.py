@@ -170,16 +170,22 @@ def call_work(calls) -> int:
     return total
 
 
-def ring_work(layout, seqlen: int, ring_size: int, *, causal: bool = True,
-              cu_seqlens=None) -> List[int]:
-    """Per ring rank: the query-key pairs its kernels score over every block of the ring
-    (per batch row and head), from the block plan alone (no process group)."""
+def _ring_plans(layout, seqlen: int, ring_size: int, causal: bool, cu_seqlens):
+    """Per ring rank, per source rank: the block plan (no process group)."""
     from .layout import ring_segments
     from .ring import plan_blocks
     cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
     segs = [ring_segments(layout, seqlen, ring_size, r, cu_seqlens=cu) for r in range(ring_size)]
-    return [sum(call_work(plan_blocks(segs[r], segs[s], causal=causal, diagonal=r == s, cu_seqlens=cu))
-                for s in range(ring_size)) for r in range(ring_size)]
+    return [[plan_blocks(segs[r], segs[s], causal=causal, diagonal=r == s, cu_seqlens=cu) for s in range(ring_size)]
+            for r in range(ring_size)], cu
+
+
+def ring_work(layout, seqlen: int, ring_size: int, *, causal: bool = True,
+              cu_seqlens=None) -> List[int]:
+    """Per ring rank: the query-key pairs its kernels score over every block of the ring
+    (per batch row and head), from the block plan alone (no process group)."""
+    plans, _ = _ring_plans(layout, seqlen, ring_size, causal, cu_seqlens)
+    return [sum(call_work(calls) for calls in per_src) for per_src in plans]
 
 
 def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_seqlens=None,
@@ -187,18 +193,11 @@ def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_s
     """Per ring rank: the kernel calls of one forward over every block of the ring, from the
     block plan alone; ``packed``: as a backend with a varlen entry point runs them (each
     step's calls packed per kind, :func:`usp_hal.ring.pack_calls`)."""
-    from .layout import ring_segments
-    from .ring import pack_calls, plan_blocks
-    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
-    segs = [ring_segments(layout, seqlen, ring_size, r, cu_seqlens=cu) for r in range(ring_size)]
-    out = []
-    for r in range(ring_size):
-        n = 0
-        for s in range(ring_size):
-            calls = plan_blocks(segs[r], segs[s], causal=causal, diagonal=r == s, cu_seqlens=cu)
-            n += len(pack_calls(calls)) if packed and len(calls) > 1 and cu is not None else len(calls)
-        out.append(n)
-    return out
+    from .ring import pack_calls
+    plans, cu = _ring_plans(layout, seqlen, ring_size, causal, cu_seqlens)
+    pack = packed and cu is not None
+    return [sum(len(pack_calls(calls)) if pack and len(calls) > 1 else len(calls) for calls in per_src)
+            for per_src in plans]
 
 
 def work_balance(work: Sequence[int]) -> float:
