@@ -198,7 +198,7 @@ class USPAttentionFunction:
         return self._attn[key][1]
 
     # -- checks that depend only on the call (the same on every rank of a SPMD program)
-    def _local_problem(self, query, key, attention_mask, kwargs) -> Optional[str]:
+    def _local_problem(self, query, key, attention_mask, kwargs, packing_problem=None) -> Optional[str]:
         if isinstance(attention_mask, MaskInfo):
             if attention_mask.refused:
                 return attention_mask.refused
@@ -218,11 +218,8 @@ class USPAttentionFunction:
         if query.shape[2] != key.shape[2]:
             return (f"keys/values of {key.shape[2]} tokens for {query.shape[2]} queries: cross-attention and KV "
                     "caches (generation) are not supported; run self-attention without a cache (use_cache=False)")
-        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        if cu_q is not None or cu_k is not None:
-            why = _packing_problem(cu_q, cu_k)
-            if why:
-                return why
+        if packing_problem:
+            return packing_problem
         pos = kwargs.get("position_ids")
         if pos is not None and (not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2)):
             return ("position_ids of shape "
@@ -267,9 +264,9 @@ class USPAttentionFunction:
                  is_causal: Optional[bool] = None, **kwargs):
         mesh = self.mesh if self.mesh is not None else usp_hal.get_default_mesh()
         position_ids = kwargs.get("position_ids")
-        problem = self._local_problem(query, key, attention_mask, kwargs)
         cu_arg = kwargs.get("cu_seq_lens_q")
-        cu = _as_boundaries(cu_arg) if cu_arg is not None and problem is None else None
+        cu, why = _packing(cu_arg, kwargs.get("cu_seq_lens_k"))
+        problem = self._local_problem(query, key, attention_mask, kwargs, why)
         vkey = self._validated.make_key(mesh, query, position_ids, attention_mask, cu_arg)
         if mesh.sp_size > 1 and not self._validated.hit(vkey):
             self._validated.key = None
@@ -294,22 +291,22 @@ class USPAttentionFunction:
         return out, None
 
 
-def _as_boundaries(cu) -> tuple:
-    """``cu_seq_lens_q`` as a tuple of ints (one host copy; shard_batch gives a CPU tensor)."""
+def _packing(cu_q, cu_k):
+    """``(boundaries, None)`` for a packed self-attention call (``cu_seq_lens_q`` as a tuple:
+    one host copy of each, and shard_batch gives CPU tensors), ``(None, why)`` when the pair
+    cannot be used, ``(None, None)`` without packing."""
     from usp_hal.varlen import as_cu_seqlens
-    return as_cu_seqlens(cu)
-
-
-def _packing_problem(cu_q, cu_k) -> Optional[str]:
+    if cu_q is None and cu_k is None:
+        return None, None
     if cu_q is None or cu_k is None:
-        return "only one of cu_seq_lens_q / cu_seq_lens_k (packed self-attention needs both, equal)"
+        return None, "only one of cu_seq_lens_q / cu_seq_lens_k (packed self-attention needs both, equal)"
     try:
-        a, b = _as_boundaries(cu_q), _as_boundaries(cu_k)
+        a, b = as_cu_seqlens(cu_q), as_cu_seqlens(cu_k)
     except (TypeError, ValueError) as exc:
-        return f"cu_seq_lens_q/k: {exc}"
+        return None, f"cu_seq_lens_q/k: {exc}"
     if a != b:
-        return "cu_seq_lens_q differs from cu_seq_lens_k (packed cross-attention is not supported)"
-    return None
+        return None, "cu_seq_lens_q differs from cu_seq_lens_k (packed cross-attention is not supported)"
+    return a, None
 
 
 def _window(sliding_window, info: Optional[MaskInfo], causal: bool):
@@ -498,11 +495,11 @@ def _batch_boundaries(batch, cu_seqlens, bsz: int, seqlen: int):
     found = []
     if cu_seqlens is not None:
         found.append(("cu_seqlens", as_cu_seqlens(cu_seqlens, seqlen)))
-    if cu_q is not None or cu_k is not None:
-        why = _packing_problem(cu_q, cu_k)
-        if why:
-            raise ValueError(f"shard_batch: {why}")
-        found.append(("cu_seq_lens_q", as_cu_seqlens(cu_q, seqlen)))
+    packed, why = _packing(cu_q, cu_k)
+    if why:
+        raise ValueError(f"shard_batch: {why}")
+    if packed is not None:
+        found.append(("cu_seq_lens_q", as_cu_seqlens(packed, seqlen)))
     pos = batch.get("position_ids")
     if not found and isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] == seqlen:
         rows = pos.reshape(-1, seqlen)
