@@ -199,7 +199,8 @@ def fit_causal_tile(points: Sequence[Tuple[int, float]]) -> float:
 def ring_work(layout: str, seqlen: int, ring: int, causal: bool, cu_seqlens: Optional[Tuple[int, ...]] = None):
     """Per ring rank, per step (p2p order: step s meets the block of rank (r - s) mod R):
     a tuple of (rows, cols, causal_square) kernel calls, from the library's block planner
-    (with ``cu_seqlens``: the per-document calls of a packed batch)."""
+    (with ``cu_seqlens``: the per-document calls of a packed batch); the shard lengths; and
+    whether no document spans two ring ranks (the ring then moves no K/V)."""
     segs = [ring_segments(layout, seqlen, ring, r, cu_seqlens=cu_seqlens) for r in range(ring)]
     out = []
     for r in range(ring):
@@ -209,14 +210,8 @@ def ring_work(layout: str, seqlen: int, ring: int, causal: bool, cu_seqlens: Opt
             calls = plan_blocks(segs[r], segs[src], causal=causal, diagonal=src == r, cu_seqlens=cu_seqlens)
             steps.append(tuple((c.q_stop - c.q_start, c.k_stop - c.k_start, bool(c.causal)) for c in calls))
         out.append(tuple(steps))
-    return tuple(out), tuple(sum(s.count for s in sg) for sg in segs)
-
-
-@lru_cache(maxsize=256)
-def _ring_is_local(layout: str, seqlen: int, ring: int, cu_seqlens: Tuple[int, ...]) -> bool:
-    """Whether no document of the packed batch spans two ring ranks in ``layout``."""
-    segs = tuple(tuple(ring_segments(layout, seqlen, ring, r, cu_seqlens=cu_seqlens)) for r in range(ring))
-    return ring_is_local(segs, cu_seqlens)
+    local = ring > 1 and cu_seqlens is not None and ring_is_local(tuple(tuple(sg) for sg in segs), cu_seqlens)
+    return tuple(out), tuple(sum(s.count for s in sg) for sg in segs), local
 
 
 def _pairs(call) -> int:
@@ -333,8 +328,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     hq = [b - a for a, b in hp.q]                   # query heads per Ulysses rank
     hk = [b - a for a, b in hp.kv]                  # KV heads that travel to each Ulysses rank
     hk_local = [hp.local_heads(u)[1] for u in range(U)]
-    work, shard = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
-    local_ring = R > 1 and P.cu_seqlens is not None and _ring_is_local(C.layout, S, R, P.cu_seqlens)
+    work, shard, local_ring = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
     kent = M.kernel_entry(P.dtype, D)
     fwd_rate = float(kent["fwd_flops"]) * kent["scale"]
     bwd_rate = float(kent.get("bwd_flops", fwd_rate / 1.2)) * kent["scale"]
