@@ -38,39 +38,38 @@ def log_uniform_batch(rng: random.Random, docs: int, lo: int, hi: int) -> tuple:
     return cu_seqlens_from_lengths(int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))) for _ in range(docs))
 
 
-def balance_table(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int) -> list:
-    rows = []
+def _per_layout(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int, measure) -> dict:
+    """{(R, layout): sorted values of ``measure(layout, cu, R)``} over the same ``draws``
+    random batches for every ring size (seeded, so every table sees the same batches)."""
+    out: dict = {}
     for R in ring_sizes:
         rng = random.Random(seed)
-        per = {name: [] for name in layout_names()}
         for _ in range(draws):
             cu = log_uniform_batch(rng, docs, lo, hi)
-            for name in per:
-                per[name].append(work_balance(ring_work(name, cu[-1], R, causal=True, cu_seqlens=cu)))
-        for name, vals in per.items():
-            vals.sort()
-            rows.append({"ring": R, "layout": name, "median": vals[len(vals) // 2],
-                         "p95": vals[int(0.95 * (len(vals) - 1))], "max": vals[-1]})
-    return rows
+            for name in layout_names():
+                out.setdefault((R, name), []).append(measure(name, cu, R))
+    return {key: sorted(vals) for key, vals in out.items()}
+
+
+def balance_table(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int) -> list:
+    per = _per_layout(ring_sizes, draws, docs, lo, hi, seed,
+                      lambda name, cu, R: work_balance(ring_work(name, cu[-1], R, causal=True, cu_seqlens=cu)))
+    return [{"ring": R, "layout": name, "median": vals[len(vals) // 2], "p95": vals[int(0.95 * (len(vals) - 1))],
+             "max": vals[-1]} for (R, name), vals in per.items()]
 
 
 def calls_table(ring_sizes, draws: int, docs: int, lo: int, hi: int, seed: int) -> list:
     """Per layout: forward kernel calls on the busiest ring rank, one call per document piece
     (any backend) against packed varlen calls (fa2, fa3)."""
     rows = []
-    for R in ring_sizes:
-        rng = random.Random(seed)
-        per: dict = {name: ([], []) for name in layout_names()}
-        for _ in range(draws):
-            cu = log_uniform_batch(rng, docs, lo, hi)
-            for name, (plain, packed) in per.items():
-                plain.append(max(ring_calls(name, cu[-1], R, cu_seqlens=cu)))
-                packed.append(max(ring_calls(name, cu[-1], R, cu_seqlens=cu, packed=True)))
-        for name, (plain, packed) in per.items():
-            plain.sort()
-            packed.sort()
-            rows.append({"ring": R, "layout": name, "plain_median": plain[len(plain) // 2], "plain_max": plain[-1],
-                         "packed_median": packed[len(packed) // 2], "packed_max": packed[-1]})
+    for packed in (False, True):
+        per = _per_layout(ring_sizes, draws, docs, lo, hi, seed,
+                          lambda name, cu, R, p=packed: max(ring_calls(name, cu[-1], R, cu_seqlens=cu, packed=p)))
+        for i, ((R, name), vals) in enumerate(per.items()):
+            if not packed:
+                rows.append({"ring": R, "layout": name, "plain_median": vals[len(vals) // 2], "plain_max": vals[-1]})
+            else:
+                rows[i].update(packed_median=vals[len(vals) // 2], packed_max=vals[-1])
     return rows
 
 
