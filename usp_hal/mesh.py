@@ -175,9 +175,15 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     Every rank must call this with the same arguments (it creates process groups); the
     arguments are compared across ranks first, and a mismatch raises the same ValueError
     on every rank.  ``ulysses_degree``/``ring_degree`` default to a Ulysses-only mesh over
-    the whole world.  Pass ``device_mesh`` (a 2-D torch DeviceMesh with dims named
-    "ulysses" and "ring") to reuse existing groups instead.  Without an initialised process
-    group only the trivial 1 x 1 mesh is possible.
+    the whole world.  Without an initialised process group only the trivial 1 x 1 mesh is
+    possible.
+
+    ``device_mesh``: a torch DeviceMesh, or a slice of a larger one, for data parallel (or
+    tensor parallel) x sequence parallel: either 2-D with dims named "ulysses" and "ring"
+    (``mesh["ulysses", "ring"]`` of a ``("dp", "ulysses", "ring")`` mesh; its own groups are
+    used), or 1-D (``mesh["sp"]``), split into ``ulysses_degree`` x ``ring_degree`` (all
+    Ulysses by default; a dim named "ring" is all Ring).  Every rank of the world must call
+    it, with its own slice: the groups of every replica are created on every rank.
 
     ``timeout`` (seconds or a timedelta) applies to every group the mesh creates; by
     default they inherit the timeout of the default process group.  When the default group
@@ -185,7 +191,7 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     created for the per-call metadata check, so that check never synchronises the device.
     """
     if device_mesh is not None:
-        return _from_device_mesh(device_mesh, set_default, timeout)
+        return _from_device_mesh(device_mesh, ulysses_degree, ring_degree, use_ulysses_low, set_default, timeout)
     if not (dist.is_available() and dist.is_initialized()):
         u, r = ulysses_degree or 1, ring_degree or 1
         _check_degrees(u, r, 1)
@@ -237,41 +243,156 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     return mesh
 
 
-def _from_device_mesh(dm, set_default: bool, timeout=None) -> SequenceParallelMesh:
+def _device_mesh_layout(dm, ulysses_degree, ring_degree, use_ulysses_low):
+    """(U, R, use_ulysses_low, sp_ranks, uses the mesh's own groups) of this rank's slice."""
     names = tuple(dm.mesh_dim_names or ())
-    if dm.ndim != 2 or set(names) != {"ulysses", "ring"}:
-        raise ValueError(f"device_mesh must be 2-D with dims named 'ulysses' and 'ring', got "
-                         f"ndim={dm.ndim} names={names}")
+    flat = [int(x) for x in dm.mesh.flatten()]
+    if dm.ndim == 2 and set(names) == {"ulysses", "ring"}:
+        u_dim, r_dim = names.index("ulysses"), names.index("ring")
+        grid = dm.mesh
+        udeg, rdeg = int(grid.shape[u_dim]), int(grid.shape[r_dim])
+        for name, given, deg in (("ulysses_degree", ulysses_degree, udeg), ("ring_degree", ring_degree, rdeg)):
+            if given is not None and given != deg:
+                raise ValueError(f"init_sequence_parallel: {name}={given} but the device_mesh's dim has size {deg}; "
+                                 f"pass only device_mesh, or degrees that match it")
+        low = u_dim == 1      # ulysses varies fastest along the mesh's last dim
+
+        def at(r, u):
+            return int(grid[r, u] if r_dim == 0 else grid[u, r])
+        order = ((r, u) for r in range(rdeg) for u in range(udeg)) if low else \
+            ((r, u) for u in range(udeg) for r in range(rdeg))
+        return udeg, rdeg, low, tuple(at(r, u) for r, u in order), True
+    if dm.ndim == 1:
+        n, name = len(flat), (names[0] if names else "")
+        if name == "ulysses" or (name != "ring" and ulysses_degree is None and ring_degree is None):
+            udeg, rdeg = n, 1
+        elif name == "ring":
+            udeg, rdeg = 1, n
+        else:
+            for arg, val in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+                if val is not None and (not isinstance(val, int) or val < 1 or n % val):
+                    raise ValueError(f"init_sequence_parallel: {arg}={val!r} does not divide {n}, the size of the "
+                                     f"1-D device_mesh {name!r}; choose degrees whose product is {n}")
+            udeg = ulysses_degree if ulysses_degree is not None else n // int(ring_degree)
+            rdeg = ring_degree if ring_degree is not None else n // int(ulysses_degree)
+        if name in ("ulysses", "ring") and (ulysses_degree, ring_degree) not in ((None, None), (udeg, rdeg)):
+            raise ValueError(f"init_sequence_parallel: a 1-D device_mesh named {name!r} is {udeg} x {rdeg} "
+                             f"(ulysses x ring); got ulysses_degree={ulysses_degree}, ring_degree={ring_degree}")
+        _check_degrees(udeg, rdeg, n)
+        if udeg * rdeg != n:
+            raise ValueError(f"init_sequence_parallel: ulysses_degree x ring_degree = {udeg} x {rdeg} != {n}, the "
+                             f"size of the 1-D device_mesh {name!r}")
+        return udeg, rdeg, bool(use_ulysses_low), tuple(flat), False
+    raise ValueError(f"device_mesh must be 2-D with dims named 'ulysses' and 'ring' (e.g. mesh['ulysses', 'ring']), "
+                     f"or 1-D (a sequence-parallel dim, split by ulysses_degree/ring_degree); got ndim={dm.ndim} "
+                     f"names={names}")
+
+
+def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_default: bool,
+                      timeout=None) -> SequenceParallelMesh:
+    """The mesh of a torch DeviceMesh, or of a slice of a larger one (``mesh["ulysses", "ring"]``
+    of a ``("dp", "ulysses", "ring")`` mesh, a 1-D ``mesh["sp"]``).
+
+    ``torch.distributed.new_group`` must be called by every rank of the world for every group,
+    in the same order; a slice only knows its own replica's ranks.  So every rank first
+    gathers every rank's slice (one small all-gather over the world), and then every rank
+    creates the groups of every replica in the same order.  Bad or inconsistent slices raise
+    the same error on every rank.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    coord = dm.get_coordinate()
-    if coord is None:
-        raise ValueError(f"rank {rank} is not part of the given device_mesh")
-    u_dim, r_dim = names.index("ulysses"), names.index("ring")
-    grid = dm.mesh
-    ulysses_ranks = tuple(int(x) for x in (grid[:, coord[r_dim]] if u_dim == 0 else grid[coord[r_dim], :]))
-    ring_ranks = tuple(int(x) for x in (grid[:, coord[u_dim]] if r_dim == 0 else grid[coord[u_dim], :]))
-    udeg, rdeg = len(ulysses_ranks), len(ring_ranks)
-    flat = [int(x) for x in grid.flatten()]
-    # sequence-parallel order: ring-major when ulysses varies fastest
-    low = u_dim == 1
-    if low:
-        sp_ranks = tuple(int(grid[r if r_dim == 0 else u, u if r_dim == 0 else r])
-                         for r in range(rdeg) for u in range(udeg))
+    problem, layout = "", None
+    try:
+        if dm.get_coordinate() is None:
+            raise ValueError(f"rank {rank} is not part of the given device_mesh")
+        layout = _device_mesh_layout(dm, ulysses_degree, ring_degree, use_ulysses_low)
+    except ValueError as exc:
+        problem = str(exc)
+    from .comm import all_gather_bytes, all_gather_ints
+    if world == 1:
+        if problem:
+            raise ValueError(problem)
+        rows = [[0, *layout[:3], len(layout[3]), *layout[3]]] if layout else []
     else:
-        sp_ranks = tuple(int(grid[r if r_dim == 0 else u, u if r_dim == 0 else r])
-                         for u in range(udeg) for r in range(rdeg))
+        row = [1, 0, 0, 0, 0] + [-1] * world if layout is None else \
+            [0, layout[0], layout[1], int(layout[2]), len(layout[3]), *layout[3], *[-1] * (world - len(layout[3]))]
+        rows = all_gather_ints(row, None, what="device_mesh agreement check", where="default process group")
+        if any(r[0] for r in rows):
+            texts = all_gather_bytes(problem.encode("utf-8"), None, what="device_mesh error all-gather",
+                                     where="default process group")
+            raise ValueError("init_sequence_parallel(device_mesh=...) refused:\n" + "\n".join(
+                f"  rank {i}: {t.decode('utf-8', 'replace')}" for i, t in enumerate(texts) if rows[i][0]))
+    assert layout is not None
+    udeg, rdeg, low, sp_ranks, own_groups = layout
+    replicas = []
+    for i, r in enumerate(rows):
+        ranks = tuple(r[5:5 + r[4]])
+        if tuple(r[1:4]) != tuple(rows[0][1:4]):
+            raise ValueError("init_sequence_parallel(device_mesh=...): the ranks' slices differ in degrees "
+                             "(ulysses, ring, ulysses-low per rank: " + ", ".join(
+                                 f"rank {j}: {tuple(x[1:4])}" for j, x in enumerate(rows)) + ")")
+        if i not in ranks:
+            raise ValueError(f"init_sequence_parallel(device_mesh=...): rank {i}'s slice {ranks} does not hold it")
+        if ranks not in replicas:
+            replicas.append(ranks)
+    seen = [x for ranks in replicas for x in ranks]
+    if len(seen) != len(set(seen)):
+        raise ValueError(f"init_sequence_parallel(device_mesh=...): the slices overlap: {replicas}; pass a slice "
+                         "of one DeviceMesh (such as mesh['ulysses', 'ring']) on every rank")
+    for ranks in replicas:
+        for kind, groups in zip(("sequence-parallel", "ulysses", "ring"),
+                                _replica_groups(ranks, udeg, rdeg, low)[:3]):
+            for g in groups:
+                if list(g) != sorted(g):
+                    raise ValueError(f"init_sequence_parallel(device_mesh=...): the {kind} group {list(g)} does not "
+                                     "list its ranks in increasing order (a process group orders its members by "
+                                     "rank); use a mesh whose ranks increase along every dim, as init_device_mesh "
+                                     "makes it")
+    replicas.sort()
     tmo = _resolve_timeout(timeout)
     kw: Dict[str, Any] = {} if tmo is None else {"timeout": tmo}
-    sp_group = dist.group.WORLD if len(flat) == world else dist.new_group(sorted(flat), **kw)
+    mine: Dict[str, Any] = {}
+    per = [_replica_groups(ranks, udeg, rdeg, low) for ranks in replicas]
+    dp_groups = [[ranks[i] for ranks in replicas] for i in range(udeg * rdeg)]
+    kinds = [("sp", [p[0][0] for p in per])]
+    if not own_groups:
+        kinds += [("ulysses", [g for p in per for g in p[1]]), ("ring", [g for p in per for g in p[2]])]
+    kinds.append(("dp", dp_groups))
+    for kind, groups in kinds:   # every rank creates every replica's groups, in the same order
+        for ranks in groups:
+            grp = dist.group.WORLD if len(ranks) == world and timeout is None else dist.new_group(list(ranks), **kw)
+            if rank in ranks:
+                mine[kind] = (tuple(ranks), grp)
+    sp_group = mine["sp"][1]
     meta = None
     if _needs_cpu_side_group(sp_group) and dist.is_backend_available("gloo"):
-        meta = dist.new_group(sorted(flat), backend="gloo", **kw)
-    mesh = SequenceParallelMesh(udeg, rdeg, rank, len(flat), low, ulysses_ranks, ring_ranks, sp_ranks,
-                                ulysses_group=dm.get_group("ulysses"), ring_group=dm.get_group("ring"),
-                                sp_group=sp_group, meta_group=meta, timeout=tmo)
+        for p in per:
+            grp = dist.new_group(list(p[0][0]), backend="gloo", **kw)
+            if rank in p[0][0]:
+                meta = grp
+    mine_rep = next(p for p in per if rank in p[0][0])
+    ulysses_ranks = next(tuple(g) for g in mine_rep[1] if rank in g)
+    ring_ranks = next(tuple(g) for g in mine_rep[2] if rank in g)
+    if own_groups:
+        uly_group, ring_group = dm.get_group("ulysses"), dm.get_group("ring")
+    else:
+        uly_group, ring_group = mine["ulysses"][1], mine["ring"][1]
+    mesh = SequenceParallelMesh(udeg, rdeg, rank, world, low, ulysses_ranks, ring_ranks, tuple(sp_ranks),
+                                ulysses_group=uly_group, ring_group=ring_group, sp_group=sp_group,
+                                dp_group=mine["dp"][1], meta_group=meta, timeout=tmo)
     if set_default:
         _set_default(mesh)
     return mesh
+
+
+def _replica_groups(sp_ranks, udeg, rdeg, low):
+    """([sp group], ulysses groups, ring groups) of one replica, ``sp_ranks`` in sp order."""
+    if low:
+        uly = [[sp_ranks[r * udeg + u] for u in range(udeg)] for r in range(rdeg)]
+        ring = [[sp_ranks[r * udeg + u] for r in range(rdeg)] for u in range(udeg)]
+    else:
+        ring = [[sp_ranks[u * rdeg + r] for r in range(rdeg)] for u in range(udeg)]
+        uly = [[sp_ranks[u * rdeg + r] for u in range(udeg)] for r in range(rdeg)]
+    return [list(sp_ranks)], uly, ring
 
 
 def _set_default(mesh: SequenceParallelMesh) -> None:
