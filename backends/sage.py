@@ -15,7 +15,13 @@ and from thu-ml/SageAttention v2.0.1, v2.2.0 and main):
   add nothing to ``q.k`` and the scale is passed explicitly), slices the output back, and
   hands the kernel its own copy of K whenever no padded copy was made, so the caller's K
   is never modified.  Without an lse, v1 serves Ulysses-only meshes: a request that needs
-  an lse is refused for versions below 2 (a declared :class:`Limit`).
+  an lse is refused for versions below 2 (a declared :class:`Limit`).  Its non-causal
+  kernel (``attn_qk_int8_per_block.py`` ``_attn_fwd_inner``) loads the last, partial block
+  of 64 keys with a mask but never masks the scores: the padding rows count as keys with
+  score 0 and value 0, so the output is too small whenever ``Sk % 64 != 0`` (seen under
+  the Triton interpreter: relative RMS error 0.14 at S=100, 0.67 at S=16).  Those calls are
+  refused (:class:`KeyBlockLimit`); causal calls are right (the padding lies above the
+  diagonal of the equal-length square).
 * **v2** (source builds): ``sageattn(..., return_lse=True)`` also returns the lse
   ``[B, H, Sq]`` float32, natural log, corrected for K smoothing.  It dispatches on the GPU
   architecture and raises for any other: sm80/86/89/90 up to 2.1.0, plus sm120 from 2.1.1
@@ -23,7 +29,10 @@ and from thu-ml/SageAttention v2.0.1, v2.2.0 and main):
   2.2.0 release its smoothing correction of the lse ignored GQA (shape error for
   ``1 < Hkv < H``), and the 2.2.0 sm86 (Triton) path repeats K's mean along the wrong
   axis for the ``NHD`` layout; the adapter therefore repeats K/V heads for GQA calls, which
-  is exact.
+  is exact.  The sm86 route of ``sageattn`` is the Triton kernel of v1 with an lse, and it
+  has the same unmasked padding until thu-ml/SageAttention 499828b (2025-08-04, in the
+  v2.2.0 tag): refused for versions below 2.2.0 on sm86.  Builds from 2025-06-27 to
+  2025-08-04 already call themselves 2.2.0 and cannot be told apart by their version.
 
 The adapter always passes ``tensor_layout="NHD"`` (the contract's ``[B, S, H, D]``),
 ``is_causal=`` and ``sm_scale=``.  Window, softcap, alibi and dropout do not exist in Sage
@@ -32,10 +41,13 @@ and are refused, never dropped.  Note: Sage v2's CUDA wrappers call
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from usp_hal.backend import AttentionBackend, installed_version, normalize_lse, pad_to, parse_version
-from usp_hal.capabilities import Limit, Package, Positions
+from usp_hal.capabilities import AttnRequest, Limit, Package, Positions, RuleContext, _arch_matches
 
 PACKAGE = Package(dist="sageattention", module="sageattention", extra="sage")
 SRC = "thu-ml/SageAttention"
@@ -53,7 +65,46 @@ def _arch_limit(version: str, archs: tuple, source: str) -> Limit:
                  source=source)
 
 
+@dataclass(frozen=True)
+class KeyBlockLimit(Limit):
+    """A :class:`Limit` that also needs a key length that is not a multiple of ``key_block``
+    (known only per call: dispatch without lengths never fires it, each kernel call and the
+    core's per-block check do), and, with ``on_archs``, one of those architectures."""
+
+    key_block: int = 64
+    on_archs: tuple = ()
+
+    def fires(self, req: AttnRequest, ctx: RuleContext) -> Optional[str]:
+        sk = req.seqlen_k
+        if sk is None or sk % self.key_block == 0:
+            return None
+        if self.on_archs:
+            cc = req.compute_capability
+            if cc is None or not any(_arch_matches(cc, a) for a in self.on_archs):
+                return None
+        why = super().fires(req, ctx)
+        return f"{why} (here Sk={sk})" if why else None
+
+    def condition(self) -> str:
+        parts = [super().condition()] if super().condition() != "always" else []
+        if self.on_archs:
+            parts.append("on " + ", ".join(self.on_archs))
+        parts.append(f"Sk not a multiple of {self.key_block}")
+        return ", ".join(parts)
+
+
+_PADDING = ("sageattention {version}'s non-causal Triton kernel counts the zero padding of the last block of 64 "
+            "keys as keys (scores are not masked), so with a key length that is not a multiple of 64 its output is "
+            "wrong: use causal=True, a key length that is a multiple of 64, or attn_type='sdpa'/'fa2'")
+
 LIMITS = (
+    KeyBlockLimit(_PADDING, unless=("causal",), version="<2",
+                  source="sageattention 1.0.6 wheel, sageattention/attn_qk_int8_per_block.py _attn_fwd_inner (k "
+                         "loaded with a mask, qk never masked); seen under the Triton interpreter"),
+    KeyBlockLimit(_PADDING + " (or sageattention >= 2.2.0)", unless=("causal",), version=">=2,<2.2.0",
+                  devices=("cuda",), on_archs=("sm86",),
+                  source=f"{SRC} v2.0.1 sageattention/triton/attn_qk_int8_per_block.py _attn_fwd_inner (sm86 route); "
+                         "masked from 499828b (2025-08-04, v2.2.0)"),
     Limit("sageattention {version} has no return_lse (the v1 API), so it cannot give the lse that ring "
           "degree > 1 and return_attn_probs=True need: use ring_degree=1, or build sageattention >= 2 from source",
           uses=("lse",), version="<2",

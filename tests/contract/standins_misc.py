@@ -8,10 +8,13 @@ that maps an argument wrongly fails against the float64 reference.  The device t
 stand-in runs on is the one :func:`usp_hal.platform.emulate` reports:
 
 * ``sageattention`` 1.0.6 (the wheel): ``sageattn`` without ``return_lse``; head dims
-  64/96/128 only; causal only for equal lengths; ``k -= km`` in place on the caller's k.
+  64/96/128 only; causal only for equal lengths; ``k -= km`` in place on the caller's k;
+  non-causal calls count the zero padding of the last block of 64 keys as keys (what the
+  real kernel does under the Triton interpreter).
 * ``sageattention`` 2.x (thu-ml/SageAttention v2.0.1, 2.1.1, v2.2.0, main): architecture
   dispatch per version; ``return_lse``; lse ``[B, H, Sq]`` natural log; the smoothing
-  correction's GQA errors of the releases before 2.2.0 (and of 2.2.0's sm86 path).
+  correction's GQA errors of the releases before 2.2.0 (and of 2.2.0's sm86 path); before
+  2.2.0 the sm86 (Triton) path's non-causal padding keys, as in 1.0.6.
 * ``flashinfer`` (flashinfer-ai/flashinfer v0.6.18): ``single_prefill_with_kv_cache`` on
   ``[S, H, D]`` (no batch dim), lse base 2 ``[S, H]``, causal and ``window_left`` aligned
   bottom-right, kernels for head dims 64/128/256 here; optionally ``flashinfer_jit_cache``.
@@ -94,19 +97,25 @@ def attend_grad(q, k, v, dout, out, row_max, row_sum, scale, keep=None):
     return dq, dk, dv
 
 
+def _pad_keys(k, v, block):
+    """k/v [B, Hkv, Sk, D] zero-padded along the keys to a multiple of ``block``."""
+    pad = (-k.shape[2]) % block
+    return tuple(torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (k, v))
+
+
 def positions(sq, sk, device=None):
     """(m, n): query positions as a column, key positions as a row."""
     return (torch.arange(sq, device=device).unsqueeze(1), torch.arange(sk, device=device).unsqueeze(0))
 
 
 MATH_SOURCE = "import math\nimport torch\n\n\n" + "\n\n".join(
-    inspect.getsource(f) for f in (attend, attend_grad, positions))
+    inspect.getsource(f) for f in (attend, attend_grad, _pad_keys, positions))
 
 
 # ----------------------------------------------------------------------------- sageattention
 SAGE_V1 = """
 import torch
-from ._standin_math import attend, positions
+from ._standin_math import _pad_keys, attend, positions
 
 CALLS = []
 
@@ -145,6 +154,11 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smoot
     scale = sm_scale if sm_scale is not None else headdim ** -0.5
     # subtracting K's mean along the sequence changes every score of a row by the same amount:
     # the softmax, and so the output, is the same as without smoothing
+    if not is_causal and sk % 64:
+        # attn_qk_int8_per_block.py _attn_fwd_inner: the last block of BLOCK_N=64 keys is loaded with a
+        # mask (zeros past kv_len) and its scores are never masked, so the padding counts as keys with
+        # score 0 (in the smoothed frame) and value 0 (seen with the real kernel under TRITON_INTERPRET=1)
+        k, v = _pad_keys(k, v, 64)
     out, _ = attend(q, k, v, scale, keep)
     out = out.to(dtype)
     return out.transpose(1, 2) if tensor_layout == "NHD" else out
@@ -152,7 +166,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smoot
 
 SAGE_V2 = """
 import torch
-from ._standin_math import attend, positions
+from ._standin_math import _pad_keys, attend, positions
 from packaging.version import Version
 
 CALLS = []
@@ -213,7 +227,17 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
         m, n = positions(sq, sk)
         keep = n <= m
     scale = sm_scale if sm_scale is not None else headdim ** -0.5
-    out, lse = attend(q, k, v, scale, keep)
+    if not is_causal and sk % 64 and arch == "sm86" and Version(VERSION) < Version("2.2.0"):
+        # sm86 runs sageattention/triton/attn_qk_int8_per_block.py: until 499828b (2025-08-04, in the
+        # v2.2.0 tag) its scores are not masked either, so the zero padding of the last block of 64
+        # smoothed keys counts as keys (score 0, value 0), in the output and in the lse; the lse is then
+        # corrected for the smoothing by q.km (core.py sageattn_qk_int8_pv_fp16_triton)
+        km = k.float().mean(dim=2, keepdim=True)
+        kp, vp = _pad_keys(k.float() - km, v, 64)
+        out, lse = attend(q, kp, vp, scale, keep)
+        lse = lse + scale * torch.matmul(q.float(), km.repeat_interleave(h // hkv, dim=1).transpose(-1, -2))[..., 0]
+    else:
+        out, lse = attend(q, k, v, scale, keep)
     out = out.to(q.dtype)
     if tensor_layout == "NHD":
         out = out.transpose(1, 2)

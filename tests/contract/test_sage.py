@@ -96,10 +96,10 @@ def test_contract_causal_reaches_the_kernel(sage, version):
 
 def test_contract_v1_pads_head_dim_and_returns_no_lse(sage):
     kernel = sage(V1)
-    q, k, v, _ = make_inputs(2, 16, 16, 4, 2, 40, torch.bfloat16, seed=1)
+    q, k, v, _ = make_inputs(2, 64, 64, 4, 2, 40, torch.bfloat16, seed=1)
     out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.3, causal=False)
     # v1 has no lse: the contract's stand-in for it is NaN (never merged: dispatch refuses lse calls)
-    assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32 and torch.isnan(lse).all()
+    assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32 and torch.isnan(lse).all()
     assert kernel.CALLS[-1]["head_dim"] == 64 and kernel.CALLS[-1]["sm_scale"] == 0.3
     ref_out, _ = reference(q, k, v, softmax_scale=0.3)
     assert out.shape == q.shape
@@ -201,7 +201,7 @@ def test_contract_v1_never_modifies_the_callers_k(sage):
     """sageattention 1.0.6 subtracts K's mean from the K it is given (``k -= km``): the
     stand-in does, and the adapter hands it a copy whenever no padded copy was made."""
     kernel = sage(V1)
-    q, k, v, _ = make_inputs(1, 16, 16, 2, 2, 64, torch.float16, seed=2)
+    q, k, v, _ = make_inputs(1, 64, 64, 2, 2, 64, torch.float16, seed=2)
     raw = k.clone()
     kernel.sageattn(q, raw, v, tensor_layout="NHD", sm_scale=0.125)
     assert not torch.equal(raw, k), "the stand-in must mutate k like the real 1.0.6"
@@ -249,3 +249,50 @@ def test_contract_v2_gqa_lse_is_exact_despite_the_smoothing_bug(sage, version):
     assert_matches(out, ref_out, torch.bfloat16, "out")
     assert_lse_matches(lse, ref_lse)
     assert kernel.CALLS[-1]["heads"] == (4, 4)
+
+
+# --------------------------------------------------------------------------- key padding (Sk % 64)
+@pytest.mark.parametrize("version,cc", [(V1, (9, 0)), (V2_1_1, (8, 6))])
+def test_contract_non_causal_padding_is_refused_where_the_kernel_counts_it(sage, version, cc):
+    """The real non-causal Triton kernel (1.0.6; the sm86 route before 2.2.0) counts the zero
+    padding of the last block of 64 keys as keys: the stand-in does too, so the kernel's own
+    result is wrong, and the adapter refuses the call with the reason and the alternatives."""
+    kernel = sage(version)
+    q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 64, torch.float16, seed=4)
+    ref_out, _ = reference(q, k, v, softmax_scale=0.125)
+    with platform.emulate("cuda", compute_capability=cc):
+        raw = kernel.sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=False, sm_scale=0.125)
+        raw = raw[0] if isinstance(raw, tuple) else raw
+        assert (raw.double() - ref_out).abs().max() > 0.05, "the stand-in no longer models the padding"
+        with pytest.raises(NotImplementedError, match=r"zero padding of the last block of 64 keys.*Sk=40"):
+            SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=False)
+        # causal calls and key lengths that are a multiple of 64 are served, and right
+        out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=True)
+        assert_matches(out, reference(q, k, v, softmax_scale=0.125, causal=True)[0], torch.float16, "causal out")
+        q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, torch.float16, seed=4)
+        out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=False)
+        assert_matches(out, reference(q, k, v, softmax_scale=0.125)[0], torch.float16, "out at Sk=128")
+
+
+@pytest.mark.parametrize("version,cc", [(V2, (8, 6)), (V2_1_1, (9, 0))])
+def test_contract_non_causal_padding_is_masked_elsewhere(sage, version, cc):
+    """sm86 from v2.2.0 (499828b masks the padded scores) and the CUDA kernels of sm80/89/90
+    take any key length."""
+    sage(version)
+    q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 64, torch.float16, seed=4)
+    with platform.emulate("cuda", compute_capability=cc):
+        out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=False)
+    ref_out, ref_lse = reference(q, k, v, softmax_scale=0.125)
+    assert_matches(out, ref_out, torch.float16, "out")
+    assert_lse_matches(lse, ref_lse)
+
+
+def test_contract_key_block_limit_needs_the_lengths():
+    """Dispatch without lengths cannot tell: the limit fires only where Sk is known."""
+    ctx = backend_mod.RuleContext(version=V1)
+    req = cuda_request(compute_capability=(9, 0))
+    assert backend_mod.declared_reasons(SageFP8Backend, req, ctx) == []
+    assert backend_mod.declared_reasons(SageFP8Backend, req.with_(seqlen_q=100, seqlen_k=100), ctx)
+    assert backend_mod.declared_reasons(SageFP8Backend, req.with_(seqlen_q=128, seqlen_k=128), ctx) == []
+    assert backend_mod.declared_reasons(SageFP8Backend, req.with_(seqlen_q=100, seqlen_k=100, causal=True),
+                                        ctx) == []

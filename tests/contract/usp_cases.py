@@ -88,7 +88,7 @@ _COLLECTIVES = ("all_to_all_single", "batch_isend_irecv", "all_gather_into_tenso
 
 
 def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1, R=1, grad=False,
-                               return_lse=False, S=8, H=2, D=64, dtype=torch.float16):
+                               return_lse=False, S=8, H=2, D=64, dtype=torch.float16, causal=True):
     """A call the backend cannot serve must fail on every rank before any data collective
     (the metadata all-gather is the only exchange allowed).  Returns the error text (or None)
     and the count of data collectives issued."""
@@ -100,7 +100,7 @@ def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1
         attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
         with CommMeter(_COLLECTIVES) as meter:
             try:
-                attn(*x, causal=True, return_attn_probs=return_lse)
+                attn(*x, causal=causal, return_attn_probs=return_lse)
                 error = None
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
