@@ -30,9 +30,9 @@ _LAZY = {
     "LongContextAttentionQKVPacked": "attention",
     "UlyssesAttention": "attention",
     "RingAttention": "attention",
-    "shard": "layout",
-    "unshard": "layout",
-    "EXTRACT_FUNC_DICT": "layout",
+    "shard": "sharding",
+    "unshard": "sharding",
+    "EXTRACT_FUNC_DICT": "positions",
     "plan": "planner",
 }
 
@@ -44,7 +44,8 @@ __all__ = [
 
 
 _SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "planner",
-               "platform", "reference", "registry", "ring", "rotation", "spec", "ulysses", "varlen")
+               "platform", "positions", "reference", "registry", "ring", "rotation", "sharding", "spec", "ulysses",
+               "varlen")
 
 
 def __getattr__(name):

@@ -1,16 +1,26 @@
 """Communication primitives shared by the Ulysses exchange (``usp_hal.ulysses``) and the
 ring rotations (``usp_hal.rotation``): collectives that name themselves when they fail, the
-small host-side metadata exchanges, and a stable integer code per dtype.
+small host-side metadata exchanges, a stable integer code per dtype, and :func:`agree`, the
+one "flag, gather, raise on every rank" check of every entry point that communicates.
 
 Every collective the core issues goes through :func:`collective` (or :func:`wait`), so a
 timeout or a dead peer surfaces as :class:`CommError` naming the call and the group (for
 example ``"Ulysses all-to-all of q/k/v (forward) on the ulysses group, ranks (0, 1)"``),
 raised within the group's timeout.
+
+:func:`agree` is how an entry point refuses bad arguments without leaving a peer waiting: every
+rank validates locally, then every rank (failed or not) joins one small all-gather of ints;
+when any rank failed, a second all-gather carries the reasons, and every rank raises the same
+:class:`AgreementError` naming each failed rank and its reason.  No rank raises before the
+collective, so none waits in it.
 """
 from __future__ import annotations
 
+import builtins
 import datetime
-from typing import Any, Callable, List, Optional, Sequence
+import struct
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -72,6 +82,13 @@ def dtype_code(dtype: torch.dtype) -> int:
     return 1000 + sum(str(dtype).encode())   # any other dtype: stable across processes
 
 
+def digest_ints(values: Sequence[int]) -> int:
+    """A non-zero 63-bit digest of a list of integers (the same on every rank): how variable
+    length data (document boundaries, a batch's fingerprints) enters a fixed-length vector."""
+    raw = struct.pack(f"<{len(values)}q", *[int(v) for v in values]) if values else b""
+    return ((zlib.crc32(raw) << 31) ^ zlib.adler32(raw)) | 1
+
+
 def _meta_device(group) -> torch.device:
     """Small host-side exchanges go through gloo when the group has it, else the device."""
     backend = str(dist.get_backend(group))
@@ -83,11 +100,14 @@ def _meta_device(group) -> torch.device:
     return torch.device(_platform.torch_device_name(_platform.default_device_type()), index)
 
 
-def _all_gather_single(*args, **kwargs):
+def all_gather_single(*args, **kwargs):
     """``all_gather_single`` (torch >= 2.13), else ``all_gather_into_tensor``; looked up at
     call time so wrappers installed on ``torch.distributed`` see it."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(*args, **kwargs)
+
+
+_all_gather_single = all_gather_single     # the former private name (rotation, harness)
 
 
 def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata all-gather",
@@ -96,7 +116,7 @@ def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata 
     t = torch.tensor(list(values), dtype=torch.long, device=_meta_device(group))
     n = dist.get_world_size(group)
     out = torch.empty(n * t.numel(), dtype=torch.long, device=t.device)
-    collective(what, where, _all_gather_single, out, t, group=group)
+    collective(what, where, all_gather_single, out, t, group=group)
     return out.view(n, -1).tolist()
 
 
@@ -112,8 +132,152 @@ def all_gather_bytes(data: bytes, group=None, *, what: str = "message all-gather
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(_meta_device(group))
     parts = torch.empty(len(sizes) * width, dtype=torch.uint8, device=buf.device)
-    collective(what, where, _all_gather_single, parts, buf, group=group)
+    collective(what, where, all_gather_single, parts, buf, group=group)
     parts = parts.view(len(sizes), width).cpu()
     return [bytes(parts[i, :n].tolist()) for i, n in enumerate(sizes)]
 
 
+
+
+# --------------------------------------------------------------------------------- agreement
+Problem = Union[None, str, BaseException]
+
+
+class AgreementError(ValueError):
+    """Raised by :func:`agree` on every rank of a group, with the same message everywhere.
+
+    ``problems``: rank (as named in messages) -> that rank's reason, for the ranks that
+    refused the call locally (empty when the ranks merely disagree); ``rows``: every rank's
+    values when they were compared (else None).  When every refusing rank raised the same
+    builtin exception type (say ``TypeError``), the error is also an instance of that type.
+    """
+
+    def __init__(self, message: str, problems: Optional[Dict[Any, str]] = None,
+                 rows: Optional[List[List[int]]] = None):
+        super().__init__(message)
+        self.message = message
+        self.problems = dict(problems or {})
+        self.rows = rows
+
+    def __str__(self) -> str:       # KeyError and friends would show the repr
+        return self.message
+
+
+_KINDS: Dict[str, type] = {}
+
+
+def _error_class(kind: str) -> type:
+    """AgreementError, or a subclass that is also the builtin exception ``kind``."""
+    base = getattr(builtins, kind, None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(base, ValueError):
+        return AgreementError
+    if kind not in _KINDS:
+        try:
+            _KINDS[kind] = type(f"Agreement{kind}", (AgreementError, base), {"__module__": __name__})
+        except TypeError:            # an incompatible layout (OSError and the like)
+            _KINDS[kind] = AgreementError
+    return _KINDS[kind]
+
+
+def _problem_text(problem: Problem) -> str:
+    if problem is None:
+        return ""
+    if isinstance(problem, BaseException):
+        return str(problem) or type(problem).__name__
+    return str(problem)
+
+
+def _group_ranks(group, n: int) -> List[Any]:
+    if group is None or n == 1:
+        return list(range(n))
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:
+        return list(range(n))
+
+
+def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-parallel group",
+          values: Sequence[int] = (), width: Optional[int] = None, same: Union[bool, Sequence[str]] = False,
+          check: Optional[Callable[[List[List[int]]], Union[None, str, Sequence[str]]]] = None,
+          ranks: Optional[Sequence[Any]] = None) -> List[List[int]]:
+    """Agree across ``group`` (None = the default group) that a call may go on; every rank
+    must call it at the same point.  Returns every rank's ``values``, in group-rank order.
+
+    ``problem``: this rank's reason to refuse (a message or an exception), None or "" when its
+    local checks passed.  ``values``: integers to share (per-rank data such as a local length,
+    or a field vector to compare); every rank sends ``width`` of them (default: their number,
+    which must then be the same on every rank; a rank that refused may send fewer, they are
+    padded with zeros).
+
+    One all-gather of ``[flag, *values]``; only when some rank flagged, a second one with the
+    reasons.  Then, on every rank with the same inputs, so with the same outcome:
+
+    * any rank flagged: :class:`AgreementError` ``"<what>: rank r: <reason>; ..."``, naming
+      each refusing rank (``ranks``: the labels to use, default the group's global ranks);
+    * ``same`` (True, or one label per value): the values must be equal on every rank, else
+      the error names each differing value (by its label) and every rank's value of it;
+    * ``check(rows)``: a further test of every rank's values (say, lengths that must fit a
+      layout); a message or a list of messages it returns becomes the error.
+
+    Outside a process group, or on a group of one rank, nothing is exchanged: ``problem``
+    itself is raised (the exception, or an :class:`AgreementError` with the message).
+    """
+    text = _problem_text(problem)
+    row: List[int] = []
+    try:
+        row = [int(v) for v in values]
+    except (TypeError, ValueError) as exc:
+        text = text or f"{what}: the agreement values are not integers ({exc})"
+    n_values = len(row) if width is None else int(width)
+    row = (row + [0] * n_values)[:n_values]
+    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+    if single:
+        if text:
+            if isinstance(problem, BaseException):
+                raise problem
+            raise AgreementError(f"{what}: {text}", {0: text})
+        rows = [row]
+    else:
+        gathered = all_gather_ints([1 if text else 0] + row, group, what=f"{what}: agreement check", where=where)
+        names = list(ranks) if ranks is not None else _group_ranks(group, len(gathered))
+        if any(r[0] for r in gathered):
+            kind = type(problem).__name__ if isinstance(problem, BaseException) else ""
+            texts = all_gather_bytes(f"{kind}\0{text}".encode("utf-8", "replace") if text else b"", group,
+                                     what=f"{what}: agreement messages", where=where)
+            problems, kinds = {}, set()
+            for i, (r, raw) in enumerate(zip(gathered, texts)):
+                if r[0]:
+                    k, _, msg = raw.decode("utf-8", "replace").partition("\0")
+                    problems[names[i]] = msg
+                    kinds.add(k)
+            cls = _error_class(kinds.pop()) if len(kinds) == 1 else AgreementError
+            err = cls(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in problems.items()), problems)
+            if isinstance(problem, BaseException):
+                raise err from problem
+            raise err
+        rows = [list(r[1:]) for r in gathered]
+    diffs = _differences(rows, same, ranks if ranks is not None else _group_ranks(group, len(rows))) \
+        if same else []
+    if not diffs and check is not None:
+        found = check(rows)
+        diffs = [found] if isinstance(found, str) else list(found or [])
+    if diffs:
+        raise AgreementError(f"{what}: " + ("; ".join(diffs) if len(diffs) == 1 else "\n  " + "\n  ".join(diffs)),
+                             rows=rows)
+    return rows
+
+
+def _differences(rows: List[List[int]], same: Union[bool, Sequence[str]], names: Sequence[Any]) -> List[str]:
+    """Messages for the values that differ between ranks (every rank's value of each)."""
+    if all(r == rows[0] for r in rows):
+        return []
+    if isinstance(same, bool) or isinstance(same, str):
+        return ["the ranks were called with different arguments (every rank must pass the same ones): "
+                + "; ".join(f"rank {n}: {tuple(r)}" for n, r in zip(names, rows))]
+    labels = list(same)
+    out = []
+    for j, label in enumerate(labels):
+        vals = [r[j] if j < len(r) else None for r in rows]
+        if len(set(vals)) > 1:
+            out.append(f"{label}: " + ", ".join(f"rank {n}={v}" for n, v in zip(names, vals)))
+    return out or ["the ranks' values differ: " + "; ".join(f"rank {n}: {tuple(r)}" for n, r in zip(names, rows))]

@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from .layout import Segment
-from .varlen import split_documents
+from .positions import Segment, split_documents
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rotation import Rotation

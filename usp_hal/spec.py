@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .comm import dtype_code
+from .comm import digest_ints, dtype_code
 
 # fields that may differ between ranks (everything else must agree)
 PER_RANK = ("local_len", "positions")
@@ -161,7 +161,7 @@ def _show(name: str, enc, mine, local, _row) -> str:
 
 def _known_strings() -> List[str]:
     from .codec import CODECS
-    from .layout import LAYOUTS
+    from .positions import LAYOUTS
     from .rotation import ROTATIONS
     names = list(LAYOUTS) + list(ROTATIONS) + ["cpu", "cuda", "rocm", "npu", "xpu", ""]
     names += [f"q={c},k={d},v={c},out={c}" for c in CODECS for d in CODECS]
@@ -176,6 +176,5 @@ def digest_tensor(t: torch.Tensor) -> int:
     return ((h << 31) ^ h2) | 1
 
 
-def digest_ints(values: Sequence[int]) -> int:
-    raw = struct.pack(f"<{len(values)}q", *[int(v) for v in values]) if values else b""
-    return ((zlib.crc32(raw) << 31) ^ zlib.adler32(raw)) | 1
+__all__ = ["CallSpec", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
+           "field_index", "meta_length"]
