@@ -48,6 +48,15 @@ before 2.6.0 and ``[H, total_q]`` from 2.6.0; the adapter converts the old layou
 Dropout is declared unsupported on purpose: the contract's backward receives no RNG state
 from the forward, so the kernel could not replay the forward's dropout mask.
 
+Two builds of the same Python package exist: the CUDA (or ROCm CK) build with the top-level
+extension ``flash_attn_2_cuda``, and the Triton AMD build (installed with
+``FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE``, no extension at all), which
+``flash_attn_interface.py`` imports as its kernel module when that variable is ``TRUE`` at
+import time (v2.8.3 ``flash_attn/flash_attn_interface.py``: ``from .flash_attn_triton_amd
+import interface_fa as flash_attn_gpu``).  Availability accepts either, names the one that
+is missing, and the Triton AMD build's own limits (it takes the window and softcap and
+ignores them) are declared for any device while the variable is set.
+
 Builds of FlashAttention-3 from 2025-07-16 to 2025-08-19 register their ops under the same
 names as flash-attn >= 2.7 (``flash_attn::_flash_attn_forward``); with both imported, the
 later import replaces the earlier one's op.  The loader checks that the op it gets is its
@@ -74,10 +83,16 @@ from usp_hal.backend import (
     pad_head_dim,
     parse_version,
 )
-from usp_hal.capabilities import Limit, Package, Positions, kernel_window
+from usp_hal.capabilities import Availability, Limit, Package, Positions, kernel_window
 
-PACKAGE = Package(dist="flash-attn", module="flash_attn_2_cuda", min_version="2.5.0", extra="fa2", wheel=False)
+# ``module`` is the package itself: the Triton AMD build has no ``flash_attn_2_cuda`` (which
+# of the two builds is present is checked by ``FlashAttn2Backend.availability``)
+PACKAGE = Package(dist="flash-attn", module="flash_attn", min_version="2.5.0", extra="fa2", wheel=False)
 SRC = "Dao-AILab/flash-attention"
+CUDA_EXTENSION = "flash_attn_2_cuda"
+#: the variable flash_attn_interface.py reads at import time to load the Triton AMD kernels
+TRITON_AMD_ENV = ("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+TRITON_AMD_DIR = "flash_attn_triton_amd"
 
 SOFTCAP_SINCE = "2.6.0"        # _flash_attn_forward/_backward gained ``softcap``
 UNPADDED_LSE_SINCE = "2.6.0"   # varlen lse [H, total_q] (before: [n_seq, H, max_seqlen_q])
@@ -128,6 +143,31 @@ def fa2_interface_path() -> Optional[str]:
     return None
 
 
+def triton_amd_requested() -> bool:
+    """Whether flash_attn_interface.py would load its Triton AMD kernels in this process."""
+    return os.environ.get(TRITON_AMD_ENV[0], "FALSE") == TRITON_AMD_ENV[1]
+
+
+def build_missing(version: str) -> str:
+    """Why the installed flash-attn cannot run in this process ('' when it can): the Triton
+    AMD kernels when the variable asks for them, the CUDA extension otherwise.  Nothing is
+    imported (find_spec on top-level names and file checks only)."""
+    name, value = TRITON_AMD_ENV
+    if triton_amd_requested():
+        iface = fa2_interface_path()
+        if iface is None or not os.path.isfile(os.path.join(os.path.dirname(iface), TRITON_AMD_DIR,
+                                                            "interface_fa.py")):
+            return (f"{name}={value} but flash-attn {version} has no Triton AMD backend "
+                    f"(flash_attn/{TRITON_AMD_DIR}/interface_fa.py): unset {name} or install a build with it")
+        if importlib.util.find_spec("triton") is None:
+            return f"{name}={value}: flash-attn {version}'s Triton AMD backend needs triton, which is not installed"
+        return ""
+    if importlib.util.find_spec(CUDA_EXTENSION) is None:
+        return (f"flash-attn {version} is installed without its CUDA extension {CUDA_EXTENSION}; a Triton AMD build "
+                f"(installed with {name}={value}) runs only with {name}={value} set at run time too")
+    return ""
+
+
 def foreign_op(fn) -> Optional[str]:
     """For a ``torch.library`` custom op: its qualified name when the operator registered under
     that name now has another function's parameters (a later import replaced it), else None."""
@@ -149,6 +189,7 @@ class _FA2Kernel:
     def __init__(self, iface, version: str) -> None:
         self.iface = iface
         self.version = version
+        self.triton_amd = False        # the Triton AMD kernels (set by the loader)
         parsed = parse_version(version)
         self.split_window = parsed >= parse_version(SPLIT_WINDOW_SINCE)
         self.has_softcap = parsed >= parse_version(SOFTCAP_SINCE)
@@ -266,7 +307,10 @@ def _load_kernel() -> _FA2Kernel:
                 f"fa2: the operator {qual} now belongs to another package imported in this process (a "
                 "FlashAttention-3 build from 2025-07-16..2025-08-19 registers the same name); calling it "
                 "would run that package's kernel: do not import both, or rebuild FlashAttention-3")
-    return _FA2Kernel(iface, version)
+    kernel = _FA2Kernel(iface, version)
+    gpu = getattr(iface, "flash_attn_gpu", None) or getattr(iface, "flash_attn_cuda", None)
+    kernel.triton_amd = TRITON_AMD_DIR in getattr(gpu, "__name__", "")
+    return kernel
 
 
 def _causal_path(causal: bool, left: int, right: int, sk: int) -> bool:
@@ -304,10 +348,15 @@ LIMITS = (
     Limit("softcap on rocm: flash-attn's CK backend takes softcap and ignores it", uses=("softcap",),
           devices=("rocm",), source=_V + "v2.8.3 csrc/flash_attn_ck/mha_fwd.cpp mha_fwd, mha_bwd.cpp mha_bwd "
                                         "(softcap parameter unused)"),
-    Limit("sliding window on rocm with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE: flash-attn's Triton AMD "
-          "backend takes the window and ignores it", uses=("window",), devices=("rocm",),
-          env=("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE"),
-          source=_V + "v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py fwd/bwd (window unused)"),
+    Limit("sliding window with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE: flash-attn's Triton AMD "
+          "backend takes the window and ignores it; unset the variable (CK or CUDA build) or use attn_type='sdpa'",
+          uses=("window",), env=TRITON_AMD_ENV,
+          source=_V + "v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py fwd/bwd/varlen_fwd/varlen_bwd "
+                      "(window unused); seen under the Triton interpreter"),
+    Limit("softcap with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE: flash-attn's Triton AMD backend takes softcap "
+          "and ignores it; use a CUDA build of flash-attn for softcap", uses=("softcap",), env=TRITON_AMD_ENV,
+          source=_V + "v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py fwd/bwd/varlen_fwd/varlen_bwd "
+                      "(softcap unused)"),
     Limit("flash-attn {version} runs on sm8x and sm90 only (found {cc}); sm100/sm120 need flash-attn >= 2.7.3",
           devices=("cuda",), version="<2.7.3", archs=("sm8x", "sm90"),
           source=_V + "v2.7.2 csrc/flash_attn/flash_api.cpp mha_fwd (is_sm8x || is_sm90)"),
@@ -359,10 +408,29 @@ class FlashAttn2Backend(AttentionBackend):
          f"{SRC} v2.5.9, v2.6.0 csrc/flash_attn/flash_api.cpp mha_varlen_fwd (softmax_lse = torch::empty(...))"),
     )
 
+    @classmethod
+    def availability(cls):
+        # which build is present comes first: on a machine without the device, "the CUDA
+        # extension is missing" says more than "no cuda device" for a Triton AMD install
+        version = installed_version(PACKAGE)
+        if (version is not None and importlib.util.find_spec(PACKAGE.module) is not None
+                and parse_version(version) >= parse_version(PACKAGE.min_version or "0")):
+            why = build_missing(version)
+            if why:
+                return Availability(False, why, version)
+        return super().availability()
+
     def _kernel(self) -> _FA2Kernel:
         kernel = getattr(self, "_loaded_kernel", None)
         if kernel is None:
             kernel = self._loaded_kernel = _load_kernel()
+        if kernel.triton_amd != triton_amd_requested():
+            # the declared Triton AMD limits follow the variable; the kernel was chosen at import
+            name, value = TRITON_AMD_ENV
+            built = "its Triton AMD kernels" if kernel.triton_amd else f"the {CUDA_EXTENSION} extension"
+            raise BackendUnavailable(f"fa2: flash_attn_interface was imported with {built}, but {name} is now "
+                                     f"{'not ' if kernel.triton_amd else ''}{value}: the declared limits would not "
+                                     f"match the kernel; set {name} once, before flash_attn is imported")
         return kernel
 
     def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,

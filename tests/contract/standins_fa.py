@@ -215,13 +215,19 @@ def _fa2_ext(version: str) -> str:
 
 
         VERSION = "{version}"
+        # True when this module stands for flash_attn/flash_attn_triton_amd/interface_fa.py (the
+        # Triton AMD build: no flash_attn_2_cuda; the same fwd/bwd/varlen_fwd/varlen_bwd signatures)
+        TRITON_AMD = False
 
 
         def _rocm_ignores(window_size_left, window_size_right, softcap):
             """What the ROCm builds drop: the CK backend ignores softcap (v2.8.3
             csrc/flash_attn_ck/mha_fwd.cpp, mha_bwd.cpp); the Triton AMD backend ignores softcap and the
-            window (v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py)."""
+            window on any device (v2.8.3 flash_attn/flash_attn_triton_amd/interface_fa.py: the parameters
+            are never used; the window is ignored by the real kernel under the Triton interpreter too)."""
             import os
+            if TRITON_AMD:
+                return -1, -1, 0.0
             device, _ = _standin_device()
             if device != "rocm":
                 return window_size_left, window_size_right, softcap
@@ -233,7 +239,7 @@ def _fa2_ext(version: str) -> str:
         def fwd(q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
                 window_size_right, {sc_arg}return_softmax, gen_):
             device, cc = _standin_device()
-            if device == "cuda":
+            if device == "cuda" and not TRITON_AMD:
                 _standin_fa2_arch_check(VERSION, cc, False, q.shape[-1])
             _standin_check_inputs((q, k, v), pad_ok={not new}, name="mha_fwd")
             window_size_left, window_size_right, _cap = _rocm_ignores(window_size_left, window_size_right,
@@ -262,7 +268,7 @@ def _fa2_ext(version: str) -> str:
             BWD_CALLS.append(dict(deterministic=deterministic, causal=is_causal,
                                   window=(window_size_left, window_size_right)))
             device, cc = _standin_device()
-            if device == "cuda":
+            if device == "cuda" and not TRITON_AMD:
                 _standin_fa2_arch_check(VERSION, cc, True, q.shape[-1])
             _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
             window_size_left, window_size_right, _cap = _rocm_ignores(window_size_left, window_size_right,
@@ -307,7 +313,7 @@ def _fa2_ext(version: str) -> str:
                        window_size_left, window_size_right, {sc_arg}return_softmax, gen_):
             VARLEN_CALLS.append(("fwd", is_causal, cu_seqlens_q.numel() - 1))
             device, cc = _standin_device()
-            if device == "cuda":
+            if device == "cuda" and not TRITON_AMD:
                 _standin_fa2_arch_check(VERSION, cc, False, q.shape[-1])
             _standin_check_inputs((q, k, v), pad_ok={not new}, name="mha_varlen_fwd")
             if q.dim() != 3 or k.dim() != 3:
@@ -347,7 +353,7 @@ def _fa2_ext(version: str) -> str:
                        window_size_left, window_size_right, {sc_arg}deterministic, gen_, rng_state):
             VARLEN_CALLS.append(("bwd", is_causal, cu_seqlens_q.numel() - 1))
             device, cc = _standin_device()
-            if device == "cuda":
+            if device == "cuda" and not TRITON_AMD:
                 _standin_fa2_arch_check(VERSION, cc, True, q.shape[-1])
             _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_varlen_bwd")
             if window_size_left >= max_seqlen_k:
@@ -524,9 +530,24 @@ def _literal_namespace(src: str, namespace: str) -> str:
     return src
 
 
-def fa2_files(version: str, *, with_extension: bool = True, op_namespace: "str | None" = None) -> dict:
+_CUDA_IMPORT = "import flash_attn_2_cuda as flash_attn_gpu\n"
+# v2.8.3 flash_attn/flash_attn_interface.py: the kernel module is chosen once, at import time
+_TRITON_AMD_IMPORT = textwrap.dedent('''
+    import os
+    USE_TRITON_ROCM = os.getenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE") == "TRUE"
+    if USE_TRITON_ROCM:
+        from .flash_attn_triton_amd import interface_fa as flash_attn_gpu
+    else:
+        import flash_attn_2_cuda as flash_attn_gpu
+''')
+
+
+def fa2_files(version: str, *, with_extension: bool = True, op_namespace: "str | None" = None,
+              triton_amd: bool = False) -> dict:
     """FA2 stand-in files.  ``op_namespace`` writes the >= 2.7 custom ops under that literal
-    namespace (the real package uses ``flash_attn``); by default a fresh one per install."""
+    namespace (the real package uses ``flash_attn``); by default a fresh one per install.
+    ``triton_amd``: also the Triton AMD kernel module ``flash_attn/flash_attn_triton_amd/interface_fa.py``
+    and the interface's import switch on FLASH_ATTENTION_TRITON_AMD_ENABLE (>= 2.7 only)."""
     iface = _fa2_iface(version)
     if op_namespace:
         iface = _literal_namespace(iface, op_namespace)
@@ -535,6 +556,13 @@ def fa2_files(version: str, *, with_extension: bool = True, op_namespace: "str |
                                   "from flash_attn.flash_attn_interface import _flash_attn_forward  # noqa: F401\n",
         "flash_attn/flash_attn_interface.py": iface,
     }
+    if triton_amd:
+        if _CUDA_IMPORT not in iface:
+            raise ValueError(f"stand-in: no Triton AMD switch modelled for flash-attn {version}")
+        files["flash_attn/flash_attn_interface.py"] = iface.replace(_CUDA_IMPORT, _TRITON_AMD_IMPORT, 1)
+        files["flash_attn/flash_attn_triton_amd/__init__.py"] = ""
+        files["flash_attn/flash_attn_triton_amd/interface_fa.py"] = _fa2_ext(version).replace(
+            "TRITON_AMD = False", "TRITON_AMD = True", 1)
     if with_extension:
         files["flash_attn_2_cuda.py"] = _fa2_ext(version)
     return files

@@ -301,11 +301,88 @@ def test_contract_fa2_availability_not_installed(monkeypatch):
 
 
 def test_contract_fa2_availability_metadata_without_extension(fa2, monkeypatch):
-    """contract: metadata alone is not enough: the flash_attn_2_cuda extension must be there."""
+    """contract: metadata alone is not enough: the flash_attn_2_cuda extension must be there,
+    and the reason says so (and how a Triton AMD build is run), before the missing device."""
     fa2("2.8.3", with_extension=False)
     _only_cpu(monkeypatch)
+    monkeypatch.delenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", raising=False)
     avail = FlashAttn2Backend.availability()
-    assert not avail.ok and "flash-attn not installed" in avail.reason
+    assert not avail.ok and avail.version == "2.8.3"
+    assert "without its CUDA extension flash_attn_2_cuda" in avail.reason
+    assert "FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE" in avail.reason
+
+
+# --------------------------------------------------------------------------- the Triton AMD build
+def _find_spec_with(monkeypatch, **present):
+    """importlib.util.find_spec, with the top-level modules in ``present`` forced found/absent."""
+    import importlib.util
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name in present:
+            return real("json") if present[name] else None
+        return real(name, *args)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_contract_fa2_triton_amd_build_is_detected(fa2, monkeypatch):
+    """A Triton AMD install has no flash_attn_2_cuda: it is available with the variable set
+    (and triton installed), and each missing piece is named otherwise."""
+    fa2("2.8.3", with_extension=False, triton_amd=True)
+    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("rocm", "cpu"))
+    monkeypatch.setattr(usp_hal.platform, "compute_capability", lambda dev, index=0: None)
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+    _find_spec_with(monkeypatch, triton=True)
+    avail = FlashAttn2Backend.availability()
+    assert avail.ok and avail.version == "2.8.3" and avail.details == {"device": "rocm"}, avail
+    assert not {"flash_attn", "flash_attn.flash_attn_interface"} & set(sys.modules), "detection imported it"
+    _find_spec_with(monkeypatch, triton=False)
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and "needs triton" in avail.reason
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE")
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and "without its CUDA extension" in avail.reason
+
+
+def test_contract_fa2_triton_amd_variable_without_the_backend(fa2, monkeypatch):
+    fa2("2.8.3")                                   # a CUDA build: no flash_attn_triton_amd
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+    avail = FlashAttn2Backend.availability()
+    assert not avail.ok and "has no Triton AMD backend" in avail.reason
+
+
+@pytest.mark.parametrize("device", ["rocm", "cuda"])
+def test_contract_fa2_triton_amd_runs_with_its_limits(fa2, monkeypatch, device):
+    """The Triton AMD kernels serve plain, causal, GQA calls and the backward exactly; the window
+    and softcap they ignore are refused on any device while the variable is set."""
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+    backend = fa2("2.8.3", with_extension=False, triton_amd=True)
+    q, k, v, dout = make_inputs(h=4, hkv=2, d=40, dtype=torch.float16, seed=5)
+    with usp_hal.platform.emulate(device):
+        for causal in (False, True):
+            out, lse = backend.forward(q, k, v, softmax_scale=0.3, causal=causal)
+            grads = backend.backward(dout, q, k, v, out, lse, softmax_scale=0.3, causal=causal)
+            ref = reference(q, k, v, dout, softmax_scale=0.3, causal=causal)
+            for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
+                assert_matches(got, want, torch.float16, name)
+        assert backend._kernel().triton_amd
+        for kw, needle in ((dict(window=(4, 0)), "takes the window and ignores it"),
+                           (dict(softcap=2.0), "takes softcap and ignores it")):
+            with pytest.raises(NotImplementedError, match=needle):
+                backend.forward(q, k, v, softmax_scale=0.3, **kw)
+
+
+def test_contract_fa2_variable_changed_after_import_is_refused(fa2, monkeypatch):
+    """The kernel module is chosen when flash_attn_interface is imported; the declared limits follow
+    the variable: a mismatch would serve windows the kernel ignores, so it is refused."""
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+    backend = fa2("2.8.3", triton_amd=True)
+    q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
+    with usp_hal.platform.emulate("rocm"):
+        backend.forward(q, k, v, softmax_scale=0.3)
+        monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE")
+        with pytest.raises(BackendUnavailable, match="imported with its Triton AMD kernels"):
+            backend.forward(q, k, v, softmax_scale=0.3, window=(4, 0))
 
 
 def test_contract_fa2_availability_too_old(fa2, monkeypatch):

@@ -22,6 +22,8 @@ ADAPTERS = {
     "fa2-2.8.3": ({"kind": "fa2", "arg": "2.8.3"}, CUDA90, "fa2", "bf16", True, True, dict(softcap=2.0)),
     "fa2-2.5.9": ({"kind": "fa2", "arg": "2.5.9"}, dict(device_type="cuda", compute_capability=(8, 0)), "fa2",
                   "fp16", True, True, {}),
+    "fa2-triton-amd": ({"kind": "fa2-triton-amd", "arg": "2.8.3"}, dict(device_type="rocm"), "fa2", "fp16", True,
+                       True, {}),
     "fa3-new": ({"kind": "fa3", "arg": "new"}, CUDA90, "fa3", "bf16", True, True, {}),
     "fa3-old": ({"kind": "fa3", "arg": "old"}, CUDA90, "fa3", "fp16", True, True, {}),
     "sage-1.0.6": ({"kind": "sage", "arg": "1.0.6"}, CUDA90, "sage_fp8", "fp16", False, False, dict(D=64)),

@@ -11,6 +11,8 @@ the reused rank processes stay clean.  ``standin`` is a small picklable spec:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 
 import torch
 
@@ -28,6 +30,13 @@ def _package(kind: str, arg):
     from . import standins_misc as misc
     if kind == "fa2":
         return dict(dist=fa.FA2_DIST, version=arg, files=fa.fa2_files(arg))
+    if kind == "fa2-triton-amd":        # the Triton AMD build: no flash_attn_2_cuda (see installed())
+        files = fa.fa2_files(arg, with_extension=False, triton_amd=True)
+        if importlib.util.find_spec("triton") is None:
+            # availability asks for triton; the stand-in kernels need none (an empty marker module,
+            # only where no real triton is installed)
+            files["triton/__init__.py"] = "# stand-in marker: the Triton AMD stand-in kernels import nothing from it\n"
+        return dict(dist=fa.FA2_DIST, version=arg, files=files)
     if kind == "fa3":
         return dict(dist=fa.FA3_DIST, version="3.0.0b1", files=fa.fa3_files(arg))
     if kind == "sage":
@@ -49,13 +58,31 @@ def _ops(module, attr, table):
         setattr(module, attr, old)
 
 
+TRITON_AMD_ENV = {"FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"}
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    """Environment variables set for the block, restored afterwards (the rank processes are reused)."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @contextlib.contextmanager
 def installed(standin: dict):
     """The stand-in kernel of ``standin`` for the duration of the block."""
     kind = standin["kind"]
     pkg = _package(kind, standin.get("arg"))
     if pkg is not None:
-        with standin_installed(**pkg):
+        with standin_installed(**pkg), _environ(TRITON_AMD_ENV if kind == "fa2-triton-amd" else {}):
             yield
     elif kind == "xpu":
         from usp_hal.backends import xpu
