@@ -149,7 +149,8 @@ class AgreementError(ValueError):
     ``problems``: rank (as named in messages) -> that rank's reason, for the ranks that
     refused the call locally (empty when the ranks merely disagree); ``rows``: every rank's
     values when they were compared (else None).  When every refusing rank raised the same
-    builtin exception type (say ``TypeError``), the error is also an instance of that type.
+    builtin exception type (say ``TypeError``), the error is also an instance of that type;
+    the class raised is named after it (``AgreementValueError``, ``AgreementTypeError``).
     """
 
     def __init__(self, message: str, problems: Optional[Dict[Any, str]] = None,
@@ -166,16 +167,19 @@ class AgreementError(ValueError):
 _KINDS: Dict[str, type] = {}
 
 
-def _error_class(kind: str) -> type:
-    """AgreementError, or a subclass that is also the builtin exception ``kind``."""
+def _error_class(kind: str = "ValueError") -> type:
+    """The class :func:`agree` raises for refusals of builtin type ``kind``: a subclass of
+    :class:`AgreementError` named ``Agreement<kind>`` that is also ``kind`` (ValueError for
+    anything else), so that ``except TypeError`` and a type name in a message still work."""
     base = getattr(builtins, kind, None)
     if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(base, ValueError):
-        return AgreementError
+        kind, base = "ValueError", ValueError
     if kind not in _KINDS:
         try:
-            _KINDS[kind] = type(f"Agreement{kind}", (AgreementError, base), {"__module__": __name__})
+            _KINDS[kind] = type(f"Agreement{kind}", (AgreementError,) if base is ValueError else (AgreementError, base),
+                                {"__module__": __name__, "__qualname__": f"Agreement{kind}"})
         except TypeError:            # an incompatible layout (OSError and the like)
-            _KINDS[kind] = AgreementError
+            return _error_class()
     return _KINDS[kind]
 
 
@@ -235,7 +239,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
         if text:
             if isinstance(problem, BaseException):
                 raise problem
-            raise AgreementError(f"{what}: {text}", {0: text})
+            raise _error_class()(f"{what}: {text}", {0: text})
         rows = [row]
     else:
         gathered = all_gather_ints([1 if text else 0] + row, group, what=f"{what}: agreement check", where=where)
@@ -250,7 +254,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
                     k, _, msg = raw.decode("utf-8", "replace").partition("\0")
                     problems[names[i]] = msg
                     kinds.add(k)
-            cls = _error_class(kinds.pop()) if len(kinds) == 1 else AgreementError
+            cls = _error_class(kinds.pop()) if len(kinds) == 1 else _error_class()
             err = cls(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in problems.items()), problems)
             if isinstance(problem, BaseException):
                 raise err from problem
@@ -262,7 +266,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
         found = check(rows)
         diffs = [found] if isinstance(found, str) else list(found or [])
     if diffs:
-        raise AgreementError(f"{what}: " + ("; ".join(diffs) if len(diffs) == 1 else "\n  " + "\n  ".join(diffs)),
+        raise _error_class()(f"{what}: " + ("; ".join(diffs) if len(diffs) == 1 else "\n  " + "\n  ".join(diffs)),
                              rows=rows)
     return rows
 

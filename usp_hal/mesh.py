@@ -143,14 +143,11 @@ def _layout_ranks(ulysses_degree, ring_degree, world_size, use_ulysses_low):
     return sp_groups, uly_groups, ring_groups, dp_groups
 
 
-def _agree(values, what: str) -> None:
+def _agree(values, what: str, labels=True) -> None:
     """Every rank must pass the same ``values``; otherwise every rank raises the same error
-    (checked with one small all-gather before any group is created)."""
-    from .comm import all_gather_ints
-    rows = all_gather_ints(list(values), None, what=f"{what} agreement check", where="default process group")
-    if any(r != rows[0] for r in rows):
-        raise ValueError(f"{what}: the ranks were called with different arguments (every rank must pass the same "
-                         f"ones): " + "; ".join(f"rank {i}: {tuple(r)}" for i, r in enumerate(rows)))
+    (one small all-gather over the world, before any group is created)."""
+    from .comm import agree
+    agree(None, None, what=what, where="default process group", values=values, same=labels)
 
 
 def _resolve_timeout(timeout) -> Optional[datetime.timedelta]:
@@ -203,7 +200,9 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     if world > 1:
         _agree([-1 if ulysses_degree is None else int(ulysses_degree) if isinstance(ulysses_degree, int) else -2,
                 -1 if ring_degree is None else int(ring_degree) if isinstance(ring_degree, int) else -2,
-                int(bool(use_ulysses_low))], "init_sequence_parallel(ulysses_degree, ring_degree, use_ulysses_low)")
+                int(bool(use_ulysses_low))],
+               "init_sequence_parallel: the ranks were called with different arguments (every rank must pass the "
+               "same ones; None is -1, a non-integer -2)", ("ulysses_degree", "ring_degree", "use_ulysses_low"))
     tmo = _resolve_timeout(timeout)
     if ulysses_degree is None and ring_degree is None:
         ulysses_degree, ring_degree = world, 1
@@ -299,6 +298,7 @@ def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_defa
     creates the groups of every replica in the same order.  Bad or inconsistent slices raise
     the same error on every rank.
     """
+    from .comm import agree
     rank, world = dist.get_rank(), dist.get_world_size()
     problem, layout = "", None
     try:
@@ -307,46 +307,17 @@ def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_defa
         layout = _device_mesh_layout(dm, ulysses_degree, ring_degree, use_ulysses_low)
     except ValueError as exc:
         problem = str(exc)
-    from .comm import all_gather_bytes, all_gather_ints
-    if world == 1:
-        if problem:
-            raise ValueError(problem)
-        rows = [[0, *layout[:3], len(layout[3]), *layout[3]]] if layout else []
-    else:
-        row = [1, 0, 0, 0, 0] + [-1] * world if layout is None else \
-            [0, layout[0], layout[1], int(layout[2]), len(layout[3]), *layout[3], *[-1] * (world - len(layout[3]))]
-        rows = all_gather_ints(row, None, what="device_mesh agreement check", where="default process group")
-        if any(r[0] for r in rows):
-            texts = all_gather_bytes(problem.encode("utf-8"), None, what="device_mesh error all-gather",
-                                     where="default process group")
-            raise ValueError("init_sequence_parallel(device_mesh=...) refused:\n" + "\n".join(
-                f"  rank {i}: {t.decode('utf-8', 'replace')}" for i, t in enumerate(texts) if rows[i][0]))
+    row = [] if layout is None else [layout[0], layout[1], int(layout[2]), len(layout[3]), *layout[3]]
+    rows = agree(problem, None, what="init_sequence_parallel(device_mesh=...) refused",
+                 where="default process group", values=row + [-1] * (world + 4 - len(row)), width=world + 4,
+                 check=_slices_problem)
     assert layout is not None
     udeg, rdeg, low, sp_ranks, own_groups = layout
     replicas = []
-    for i, r in enumerate(rows):
-        ranks = tuple(r[5:5 + r[4]])
-        if tuple(r[1:4]) != tuple(rows[0][1:4]):
-            raise ValueError("init_sequence_parallel(device_mesh=...): the ranks' slices differ in degrees "
-                             "(ulysses, ring, ulysses-low per rank: " + ", ".join(
-                                 f"rank {j}: {tuple(x[1:4])}" for j, x in enumerate(rows)) + ")")
-        if i not in ranks:
-            raise ValueError(f"init_sequence_parallel(device_mesh=...): rank {i}'s slice {ranks} does not hold it")
+    for r in rows:
+        ranks = tuple(r[4:4 + r[3]])
         if ranks not in replicas:
             replicas.append(ranks)
-    seen = [x for ranks in replicas for x in ranks]
-    if len(seen) != len(set(seen)):
-        raise ValueError(f"init_sequence_parallel(device_mesh=...): the slices overlap: {replicas}; pass a slice "
-                         "of one DeviceMesh (such as mesh['ulysses', 'ring']) on every rank")
-    for ranks in replicas:
-        for kind, groups in zip(("sequence-parallel", "ulysses", "ring"),
-                                _replica_groups(ranks, udeg, rdeg, low)[:3]):
-            for g in groups:
-                if list(g) != sorted(g):
-                    raise ValueError(f"init_sequence_parallel(device_mesh=...): the {kind} group {list(g)} does not "
-                                     "list its ranks in increasing order (a process group orders its members by "
-                                     "rank); use a mesh whose ranks increase along every dim, as init_device_mesh "
-                                     "makes it")
     replicas.sort()
     tmo = _resolve_timeout(timeout)
     kw: Dict[str, Any] = {} if tmo is None else {"timeout": tmo}
@@ -384,6 +355,35 @@ def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_defa
     return mesh
 
 
+def _slices_problem(rows) -> Optional[str]:
+    """Why the ranks' device_mesh slices (``[U, R, ulysses-low, n, *sp ranks]`` per rank) do not
+    make one mesh, or None; evaluated on every rank over the same rows."""
+    replicas: list = []
+    for i, r in enumerate(rows):
+        ranks = tuple(r[4:4 + r[3]])
+        if tuple(r[:3]) != tuple(rows[0][:3]):
+            return ("the ranks' slices differ in degrees (ulysses, ring, ulysses-low per rank: " + ", ".join(
+                f"rank {j}: {tuple(x[:3])}" for j, x in enumerate(rows)) + ")")
+        if i not in ranks:
+            return f"rank {i}'s slice {ranks} does not hold it"
+        if ranks not in replicas:
+            replicas.append(ranks)
+    seen = [x for ranks in replicas for x in ranks]
+    if len(seen) != len(set(seen)):
+        return (f"the slices overlap: {replicas}; pass a slice of one DeviceMesh (such as mesh['ulysses', 'ring']) "
+                "on every rank")
+    udeg, rdeg, low = rows[0][0], rows[0][1], bool(rows[0][2])
+    for ranks in replicas:
+        for kind, groups in zip(("sequence-parallel", "ulysses", "ring"),
+                                _replica_groups(ranks, udeg, rdeg, low)[:3]):
+            for g in groups:
+                if list(g) != sorted(g):
+                    return (f"the {kind} group {list(g)} does not list its ranks in increasing order (a process "
+                            "group orders its members by rank); use a mesh whose ranks increase along every dim, "
+                            "as init_device_mesh makes it")
+    return None
+
+
 def _replica_groups(sp_ranks, udeg, rdeg, low):
     """([sp group], ulysses groups, ring groups) of one replica, ``sp_ranks`` in sp order."""
     if low:
@@ -413,8 +413,11 @@ def set_seq_parallel_pg(sp_ulysses_degree: int, sp_ring_degree: int, rank: int, 
                         use_ulysses_low: bool = True) -> SequenceParallelMesh:
     """yunchang-compatible: build the mesh and make it the default one."""
     if dist.is_initialized():
+        from .comm import agree
+        problem = None
         if rank != dist.get_rank() or world_size != dist.get_world_size():
-            raise ValueError(f"set_seq_parallel_pg: rank/world_size ({rank}/{world_size}) differ from the "
-                             f"process group ({dist.get_rank()}/{dist.get_world_size()})")
+            problem = (f"rank/world_size ({rank}/{world_size}) differ from the process group "
+                       f"({dist.get_rank()}/{dist.get_world_size()})")
+        agree(problem, None, what="set_seq_parallel_pg", where="default process group")
     return init_sequence_parallel(sp_ulysses_degree, sp_ring_degree, use_ulysses_low=use_ulysses_low,
                                   set_default=True)
