@@ -252,6 +252,8 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
             for i, (r, raw) in enumerate(zip(gathered, texts)):
                 if r[0]:
                     k, _, msg = raw.decode("utf-8", "replace").partition("\0")
+                    if msg.startswith(f"{what}: "):      # the reason names the call already
+                        msg = msg[len(what) + 2:]
                     problems[names[i]] = msg
                     kinds.add(k)
             cls = _error_class(kinds.pop()) if len(kinds) == 1 else _error_class()

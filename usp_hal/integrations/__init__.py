@@ -61,27 +61,40 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
     detached.  Every rank must hold gradients for the same parameters; that is checked first.
     """
     import usp_hal
-    from usp_hal.comm import all_gather_ints
+    from usp_hal.comm import agree, digest_ints, dtype_code
 
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+    problem = None
+    params: List[torch.nn.Parameter] = []
+    try:
+        params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise TypeError(f"sync_gradients: loss must be a tensor, got {type(loss).__name__}")
+    except TypeError as exc:
+        problem = exc
     grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-    if loss is not None and not isinstance(loss, torch.Tensor):
-        raise TypeError(f"sync_gradients: loss must be a tensor, got {type(loss).__name__}")
     if mesh.sp_size == 1 and mesh.dp_degree == 1:
+        if problem is not None:
+            raise problem
         return None if loss is None else loss.detach()
-    # the same parameters must hold gradients on every rank, or the flat buffers differ
+    # the same parameters must hold gradients on every rank (same dtypes, same sizes), and every
+    # rank must pass a loss or none, or the flat buffers of the all-reduce differ
     pattern = 0
     for i, p in enumerate(params):
-        if p.grad is not None:
+        if getattr(p, "grad", None) is not None:
             pattern = (pattern * 1000003 + i + 1) % (2 ** 61 - 1)
-    numel = sum(g.numel() for g in grads)
-    rows = all_gather_ints([len(params), len(grads), numel, pattern], mesh.sp_group)
-    if len({tuple(r) for r in rows}) > 1:
-        raise ValueError("sync_gradients: the ranks of the sequence-parallel group hold gradients for different "
-                         "parameters (parameters, with gradient, elements, pattern per rank: "
-                         f"{[tuple(r[:3]) for r in rows]}); every rank must run the same model on its "
-                         "share of the same batch")
+    kinds = digest_ints([x for g in grads for x in (dtype_code(g.dtype), g.numel())])
+    values = [len(params), len(grads), sum(g.numel() for g in grads), pattern, kinds,
+              -1 if loss is None or problem is not None else dtype_code(loss.dtype)]
+    labels = ("parameters", "parameters with a gradient", "gradient elements", "gradient pattern (digest)",
+              "gradient dtypes and sizes (digest)", "loss dtype (-1: no loss)")
+    what = ("sync_gradients: the ranks hold gradients for different parameters or pass different losses; every "
+            "rank must run the same model on its share of the same batch")
+    for group, where, ranks, on in (
+            (mesh.metadata_group, mesh.where("sequence-parallel"), mesh.sp_ranks, mesh.sp_size > 1),
+            (mesh.dp_group, "data-parallel group", None, mesh.dp_degree > 1 and mesh.dp_group is not None)):
+        if on:
+            agree(problem, group, what=what, where=where, values=values, same=labels, ranks=ranks)
     groups: dict = {}
     for g in grads:
         groups.setdefault((g.dtype, g.device), []).append(g)

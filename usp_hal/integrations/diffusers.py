@@ -321,15 +321,24 @@ class _GatherOutputs:
         self.specs, self.mesh, self.path = specs, mesh, path
 
     def __call__(self, module, args, output):
+        from usp_hal.comm import agree
         single = isinstance(output, torch.Tensor)
         outs = [output] if single else list(output)
+        problem = None
         if len(outs) != len(self.specs):
-            raise ValueError(f"plan entry {self.path!r}: {len(self.specs)} gather entries for {len(outs)} outputs")
+            problem = f"plan entry {self.path!r}: {len(self.specs)} gather entries for {len(outs)} outputs"
+        else:
+            for i, cpo in enumerate(self.specs):
+                if cpo is not None and cpo.expected_dims is not None and outs[i].dim() != cpo.expected_dims:
+                    problem = f"{self.path} output {i}: expected {cpo.expected_dims} dims, got {tuple(outs[i].shape)}"
+                    break
+        # every rank's check before the gathers: a refused output on one rank raises on every rank
+        if self.mesh.sp_size > 1:
+            agree(problem, self.mesh.metadata_group, what="usp_hal (diffusers) cannot gather the outputs",
+                  where=self.mesh.where("sequence-parallel"), ranks=self.mesh.sp_ranks)
+        elif problem:
+            raise ValueError(problem)
         for i, cpo in enumerate(self.specs):
-            if cpo is None:
-                continue
-            if cpo.expected_dims is not None and outs[i].dim() != cpo.expected_dims:
-                raise ValueError(f"{self.path} output {i}: expected {cpo.expected_dims} dims, "
-                                 f"got {tuple(outs[i].shape)}")
-            outs[i] = usp_hal.unshard(outs[i], layout=LAYOUT, mesh=self.mesh, seq_dim=cpo.gather_dim)
+            if cpo is not None:
+                outs[i] = usp_hal.unshard(outs[i], layout=LAYOUT, mesh=self.mesh, seq_dim=cpo.gather_dim)
         return outs[0] if single else type(output)(outs)

@@ -43,7 +43,7 @@ from typing import Any, Dict, Optional
 import torch
 
 import usp_hal
-from usp_hal.comm import all_gather_bytes, all_gather_ints
+from usp_hal.comm import agree, digest_ints
 
 from . import init_distributed, sync_gradients
 
@@ -249,15 +249,10 @@ class USPAttentionFunction:
         return None
 
     def _agree(self, mesh, problem: Optional[str], extra: list) -> list:
-        """One small all-gather: every rank's error flag and ``extra`` ints; raise on every rank
-        (with every rank's reason) if any rank has a problem."""
-        rows = all_gather_ints([1 if problem else 0] + list(extra), mesh.sp_group)
-        if any(r[0] for r in rows):
-            texts = all_gather_bytes((problem or "").encode("utf-8"), mesh.sp_group)
-            bad = [(mesh.sp_ranks[i], t.decode("utf-8", "replace")) for i, t in enumerate(texts) if rows[i][0]]
-            raise ValueError("usp_hal attention (transformers) cannot run this call: "
-                             + "; ".join(f"rank {r}: {msg}" for r, msg in bad))
-        return rows
+        """One small all-gather (``usp_hal.comm.agree``): every rank's error flag and ``extra``
+        ints; raise on every rank (with every rank's reason) if any rank has a problem."""
+        return agree(problem, mesh.metadata_group, what="usp_hal attention (transformers) cannot run this call",
+                     where=mesh.where("sequence-parallel"), values=extra, width=len(extra), ranks=mesh.sp_ranks)
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask=None, dropout: float = 0.0, scaling: Optional[float] = None,
@@ -271,7 +266,7 @@ class USPAttentionFunction:
         if mesh.sp_size > 1 and not self._validated.hit(vkey):
             self._validated.key = None
             rows = self._agree(mesh, problem, [int(query.shape[2])])
-            seqlen = sum(r[1] for r in rows)
+            seqlen = sum(r[0] for r in rows)
             self._agree(mesh, self._position_problem(mesh, position_ids, seqlen, cu), [])
             self._validated.key = vkey
         elif problem:
@@ -403,8 +398,46 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     are refused rather than passed through unsharded.  ``check`` (one small all-gather)
     verifies that every rank passed the same batch.
     """
-    from usp_hal.layout import check_layout
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    problem: Optional[BaseException] = None
+    plan = None
+    try:
+        plan = _batch_plan(batch, layout, cu_seqlens, ignore_index)
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    if check and mesh.sp_size > 1:
+        # every rank's local checks and its batch's fingerprint, in one small all-gather: a bad
+        # or different batch on any rank raises on every rank (none is left in a collective)
+        agree(problem, mesh.metadata_group, what="shard_batch", where=mesh.where("sequence-parallel"),
+              values=_batch_prints(plan) if plan is not None else (), width=3, ranks=mesh.sp_ranks,
+              check=lambda rows: _different_batches(rows, plan))
+    elif problem is not None:
+        raise problem
+    assert plan is not None
+    batch, main, seq_keys, bsz, seqlen, cu, shifted, out = plan
+
+    def sh(x):
+        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=1, cu_seqlens=cu)
+
+    for k in seq_keys:
+        out[k] = sh(batch[k])
+    positions = mesh.local_position_ids(seqlen, layout, device=batch[main].device, cu_seqlens=cu)
+    out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
+    if cu is not None:
+        bounds = torch.tensor(cu, dtype=torch.int32)
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
+    if shifted is not None:
+        local = sh(shifted)
+        out["labels"] = local           # the model computes a loss only when labels are given ...
+        out["shift_labels"] = local     # ... and uses these as they are (already shifted)
+        out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+    return out
+
+
+def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
+    """The local checks of :func:`shard_batch` (ValueError/TypeError naming the problem), and
+    what it shards: ``(batch, main key, sequence keys, B, S, cu, shifted labels, passed-through)``."""
+    from usp_hal.positions import check_layout, document_positions
     check_layout(layout)
     if not isinstance(batch, dict) and hasattr(batch, "keys"):
         batch = dict(batch)
@@ -443,7 +476,6 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
                              "with labels -100 and no attention_mask gives the same loss)")
     pos = batch.get("position_ids")
     if pos is not None:
-        from usp_hal.varlen import document_positions
         expect = torch.arange(seqlen, device=pos.device)
         if cu is not None:
             expect = document_positions(expect, cu)
@@ -451,20 +483,6 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
             raise ValueError("shard_batch: position_ids other than 0..S-1 (or, for packed sequences, 0.. in every "
                              "document of cu_seqlens) are not supported; leave position_ids out and shard_batch "
                              "makes them")
-    if check and mesh.sp_size > 1:
-        _check_same_batch(mesh, batch, seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None],
-                          cu)
-
-    def sh(x):
-        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=1, cu_seqlens=cu)
-
-    for k in seq_keys:
-        out[k] = sh(batch[k])
-    positions = mesh.local_position_ids(seqlen, layout, device=ref.device, cu_seqlens=cu)
-    out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
-    if cu is not None:
-        bounds = torch.tensor(cu, dtype=torch.int32)
-        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
     shifted = batch.get("shift_labels")
     if shifted is None and batch.get("labels") is not None:
         labels = batch["labels"]
@@ -475,14 +493,9 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
         if cu is not None:      # a document's last token does not predict the next document
             ends = torch.tensor([e - 1 for e in cu[1:] if e > 0], dtype=torch.long, device=shifted.device)
             shifted = shifted.index_fill(1, ends, ignore_index)
-    if shifted is not None:
-        if tuple(shifted.shape) != (bsz, seqlen):
-            raise ValueError(f"shard_batch: shift_labels have shape {tuple(shifted.shape)}, expected [{bsz}, {seqlen}]")
-        local = sh(shifted)
-        out["labels"] = local           # the model computes a loss only when labels are given ...
-        out["shift_labels"] = local     # ... and uses these as they are (already shifted)
-        out["num_items_in_batch"] = int((shifted != ignore_index).sum())
-    return out
+    if shifted is not None and tuple(shifted.shape) != (bsz, seqlen):
+        raise ValueError(f"shard_batch: shift_labels have shape {tuple(shifted.shape)}, expected [{bsz}, {seqlen}]")
+    return batch, main, seq_keys, bsz, seqlen, cu, shifted, out
 
 
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -524,15 +537,28 @@ def _fingerprint(t: torch.Tensor) -> int:
     return int((x * w).sum()) ^ int(x.sum())       # int64 arithmetic wraps: a hash, not a number
 
 
-def _check_same_batch(mesh, batch, keys, cu=None):
-    from usp_hal.spec import digest_ints
-    prints = [len(keys)] + [_fingerprint(batch[k]) for k in keys] + [digest_ints(cu) if cu is not None else 0]
-    rows = all_gather_ints(prints, mesh.sp_group)
-    if len({tuple(r) for r in rows}) > 1:
-        what = ", ".join(keys) + (" or the document boundaries" if cu is not None or any(r[-1] for r in rows) else "")
-        raise ValueError("shard_batch: the ranks of the sequence-parallel group passed different batches "
-                         f"({what} differ); every rank of the group must pass the same global batch "
-                         "(give data loaders one shard per data-parallel replica, not per rank)")
+def _checked_keys(plan) -> list:
+    batch, _, seq_keys = plan[:3]
+    return seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None]
+
+
+def _batch_prints(plan) -> list:
+    """Three ints that every rank of the group must share: the checked keys, their contents
+    (fingerprints) and the document boundaries."""
+    batch, cu, keys = plan[0], plan[5], _checked_keys(plan)
+    return [digest_ints([len(keys)] + [sum(k.encode()) * 131 + len(k) for k in keys]),
+            digest_ints([_fingerprint(batch[k]) for k in keys]), digest_ints(cu) if cu is not None else 0]
+
+
+def _different_batches(rows, plan) -> Optional[str]:
+    if all(r == rows[0] for r in rows):
+        return None
+    keys = _checked_keys(plan)
+    what = ("the keys of the batch" if len({r[0] for r in rows}) > 1 else ", ".join(keys)) + \
+        (" or the document boundaries" if plan[5] is not None or any(r[2] for r in rows) else "")
+    return ("the ranks of the sequence-parallel group passed different batches "
+            f"({what} differ); every rank of the group must pass the same global batch "
+            "(give data loaders one shard per data-parallel replica, not per rank)")
 
 
 register()
