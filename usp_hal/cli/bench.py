@@ -12,7 +12,10 @@ every entry alike):
   threads the ranks use together.  The per-rank compute floor is the single-process time
   at ``--threads-per-rank`` threads divided by the number of ranks;
 * with ``--peers``, yunchang's LongContextAttention on the same split when it is
-  importable (absent peers are skipped with a note).
+  importable (absent peers are skipped with a note), running the kernel usp-hal runs
+  wherever yunchang can take it (on CPU through its ``attn_processor`` hook, which only its
+  basic ring passes on; on GPUs FA/FA3 or the same aten op), checked against the same
+  reference and timed in the same rounds; each row names the kernel each side ran.
 
 Each configuration is also checked against the reference (as in ``usp-hal run``), and
 reports a per-rank breakdown (time inside the backend's kernels, in communication, the
@@ -121,20 +124,27 @@ def format_results(rep: dict) -> str:
                           for p in r["per_rank"])
         lines.append(f"  S={r['seqlen']} {r['mode']} {'causal' if r['causal'] else 'full'} {r['config']}: {parts}")
     if rep["peers"]:
-        lines += ["", "peers (forward; error = worst |err| / tolerance against the same reference, <= 1 passes)"]
-        ph = ["S", "mask", "config", "peer", "kernel", "ms", "x usp-hal", "x floor", "mem/rank", "error", "status"]
+        lines += ["", "peers (forward, timed in the same interleaved rounds as usp-hal; usp/peer = median usp-hal "
+                      "time / median peer time, paired = median over rounds of the two times' ratio; error = worst "
+                      "|err| / tolerance against the same reference, <= 1 passes)"]
+        ph = ["S", "mask", "config", "peer", "peer kernel", "same kernel", "ms", "usp/peer", "paired", "x floor",
+              "mem/rank", "check", "error", "status"]
         prow = []
         for p in rep["peers"]:
             if p["status"] != "ok":
-                prow.append(["-", "-", p["config"], p["peer"], "-", "-", "-", "-", "-", "-", p["note"][:60]])
+                prow.append([p.get("seqlen", "-"), "causal" if p.get("causal") else "full", p["config"], p["peer"],
+                             "-", "-", "-", "-", "-", "-", "-", "-", "-", f"{p['status']}: {p['note'][:90]}"])
                 continue
             err = p.get("error_worst")
             prow.append([p["seqlen"], "causal" if p["causal"] else "full", p["config"], f"{p['peer']} {p['version']}",
-                         p["attn_type"], fmt_ms(p["time"]), _x(p.get("ratio_peer_vs_usp_hal")),
-                         _x(p.get("ratio_vs_floor")), fmt_bytes(p["mem_per_rank"]),
+                         p["kernel"], "yes" if p.get("same_kernel") else "NO", fmt_ms(p["time"]),
+                         _x(p.get("ratio_usp_hal_vs_peer")), _x(p.get("ratio_usp_hal_vs_peer_paired")),
+                         _x(p.get("ratio_vs_floor")), fmt_bytes(p["mem_per_rank"]), p.get("check_mode") or "-",
                          "-" if err is None else f"{err:.3g}",
                          "ok" if p.get("correct", True) else "WRONG RESULT"])
         lines.append(_table(ph, prow))
+        kernels = sorted({f"usp-hal ran {p['usp_hal_kernel']}" for p in rep["peers"] if p.get("usp_hal_kernel")})
+        lines += [f"peer kernels: {k}; the peer column says what yunchang ran" for k in kernels]
     for n in rep["notes"]:
         lines.append(f"note: {n}")
     failed = [r for r in rep["results"] if not r["check"]["ok"]]
@@ -142,7 +152,16 @@ def format_results(rep: dict) -> str:
     lines.append("")
     lines.append("checks: " + ("skipped (--check none)" if not checked else "all passed" if not failed else
                                f"{len(failed)} FAILED: " + ", ".join(f"S={r['seqlen']} {r['config']}" for r in failed)))
+    wrong = wrong_peers(rep)
+    if wrong:
+        lines.append(f"peer checks: {len(wrong)} WRONG (the comparison is void for them): " +
+                     ", ".join(f"S={p['seqlen']} {p['config']}" for p in wrong))
     return "\n".join(lines)
+
+
+def wrong_peers(rep: dict) -> list:
+    """Peer rows whose output failed the reference check."""
+    return [p for p in rep["peers"] if p["status"] == "ok" and not p.get("correct", True)]
 
 
 def write_plot(rep: dict, path: str) -> str:
@@ -222,7 +241,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")
     p.add_argument("--check", default="auto", choices=CHECKS, help="reference for the checks (as in run; default auto)")
     p.add_argument("--no-baseline", action="store_true", help="skip the single-process baselines")
-    p.add_argument("--peers", action="store_true", help="also time yunchang on the same splits when importable")
+    p.add_argument("--peers", action="store_true",
+                   help="also time yunchang on the same splits (forward) with usp-hal's kernel, when importable")
     p.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON")
     p.add_argument("--plot", metavar="PATH", default=None, help="write time and memory vs S to an image (matplotlib)")
     p.add_argument("--timeout", type=float, default=900.0, help="limit per step in seconds (default 900)")
@@ -273,4 +293,4 @@ def run(args) -> int:
             json.dump(rep, f, indent=2)
             f.write("\n")
         print(f"results written to {args.json}")
-    return 0 if all(r["check"]["ok"] for r in rep["results"]) else 1
+    return 0 if all(r["check"]["ok"] for r in rep["results"]) and not wrong_peers(rep) else 1

@@ -641,12 +641,30 @@ def execute(cfg: RunConfig, executor, timeout: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- peers
+# yunchang (0.6.4) is given the kernel usp-hal runs wherever yunchang can take it:
+#
+# * CPU: yunchang has no CPU kernel with a log-sum-exp (its TORCH_MATH forward returns a zero
+#   lse, so its ring merges wrongly; TORCH_FLASH/TORCH_EFFICIENT call CUDA-only aten ops).  Its
+#   ``attn_processor=`` hook is used instead: ``select_flash_attn_impl`` returns the processor
+#   when ``attn_type`` is none of its AttnType members, and the basic ring calls it as
+#   ``fn(q, k, v, dropout_p=, softmax_scale=, causal=, window_size=, softcap=, alibi_slopes=,
+#   return_softmax=)`` with q, k, v as [B, S, H, D], expecting ``(out [B, S, H, D], lse [B, H, S])``
+#   (its merge transposes lse to [B, S, H, 1] and keeps the first block's out in float32).
+#   Only the basic ring passes ``attn_processor`` on; its zigzag and stripe rings do not (they
+#   have no same-kernel path on CPU and are skipped with that reason), and its backward never
+#   takes the processor (forward only).
+# * GPU: the same kernel by name: FA / FA3 for usp-hal's fa2 / fa3 backends, TORCH_FLASH /
+#   TORCH_EFFICIENT (the aten ops usp-hal's sdpa backend calls) for sdpa; any other usp-hal
+#   backend is compared with yunchang's FA and the row says the kernels differ.
+CPU_PEER_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
 def peer_available(name: str):
     """(available, note)."""
     import importlib.util
     if name == "yunchang":
         if importlib.util.find_spec("yunchang") is None:
-            return False, "yunchang is not installed (pip install yunchang --no-deps to compare)"
+            return False, "yunchang is not installed (pip install yunchang==0.6.4 --no-deps to compare)"
         return True, ""
     return False, f"unknown peer {name!r}"
 
@@ -654,24 +672,72 @@ def peer_available(name: str):
 _PEER: Any = {}
 
 
-def _yunchang_attn_type(device_type: str):
+def yunchang_cpu_processor(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, return_softmax=False, **unused):
+    """The ``attn_processor`` yunchang gets on CPU: usp-hal's CPU kernel
+    (``aten._scaled_dot_product_flash_attention_for_cpu``) on q, k, v of [B, S, H, D], returning
+    ``(out [B, S, H, D], lse [B, H, S] float32, natural log)``, the pair yunchang's ring
+    merges.  Anything the bench never asks for (dropout, window, softcap, alibi) is refused."""
+    import torch
+    if dropout_p or tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None:
+        raise ValueError("the bench's yunchang processor takes plain attention only (no dropout, window, "
+                         "softcap or alibi)")
+    # the CPU op reads the head dim as contiguous whatever its stride: make it so (a no-op here)
+    qt, kt, vt = (x.transpose(1, 2) if x.stride(-1) == 1 else x.contiguous().transpose(1, 2) for x in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, bool(causal),
+                                                                          scale=softmax_scale)
+    return out.transpose(1, 2), lse
+
+
+def usp_hal_kernel_label(backend: str, device_type: str, dtype: str) -> str:
+    """The kernel usp-hal's ``backend`` runs for plain (unmasked) attention in ``dtype``."""
+    if backend == "sdpa":
+        if device_type == "cpu":
+            return CPU_PEER_KERNEL
+        return ("aten._scaled_dot_product_flash_attention" if dtype in ("bf16", "fp16")
+                else "aten._scaled_dot_product_efficient_attention")
+    return {"fa2": "flash_attn (FA2)", "fa3": "flash_attn_interface (FA3)"}.get(backend, backend)
+
+
+def yunchang_kernel(device_type: str, usp_backend: str, dtype: str, ring_impl: str) -> dict:
+    """How yunchang is called for a fair comparison with usp-hal's ``usp_backend``:
+    {"attn_type", "attn_processor", "kernel" (a label), "same_kernel", "skip" (a reason or None)}."""
     from yunchang.kernels import AttnType
     if device_type == "cpu":
-        return AttnType.TORCH_MATH       # its flash/efficient torch paths call CUDA-only aten ops
+        if ring_impl != "basic":
+            return {"attn_type": None, "attn_processor": None, "kernel": "-", "same_kernel": False,
+                    "skip": f"yunchang's {ring_impl} ring does not pass attn_processor to its kernel and it has no "
+                            f"CPU kernel with an lse: no same-kernel comparison (use --ring-impls basic)"}
+        return {"attn_type": None, "attn_processor": yunchang_cpu_processor,
+                "kernel": f"{CPU_PEER_KERNEL} (attn_processor)", "same_kernel": usp_backend == "sdpa",
+                "skip": None}
+    if usp_backend in ("fa2", "fa3", "sdpa"):
+        if usp_backend == "sdpa":
+            t = AttnType.TORCH_FLASH if dtype in ("bf16", "fp16") else AttnType.TORCH_EFFICIENT
+        else:
+            t = AttnType.FA if usp_backend == "fa2" else AttnType.FA3
+        return {"attn_type": t, "attn_processor": None,
+                "kernel": f"{usp_hal_kernel_label(usp_backend, device_type, dtype)} (AttnType.{t.name})",
+                "same_kernel": True, "skip": None}
     from usp_hal.registry import get_backend
-    # the peer's flash path needs the same package our fa2 adapter does
-    return AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
+    t = AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
+    return {"attn_type": t, "attn_processor": None, "kernel": f"AttnType.{t.name}", "same_kernel": False,
+            "skip": None}
 
 
-def rank_peer_prepare(cfg: Any, case: str) -> dict:
-    """yunchang's LongContextAttention on this split; its error against the reference rows
-    this rank computed for the same inputs (forward only)."""
+def rank_peer_prepare(cfg: Any, case: str, usp_backend: str = "sdpa") -> dict:
+    """yunchang's LongContextAttention on this split, given the kernel usp-hal's
+    ``usp_backend`` runs (:func:`yunchang_kernel`); its first call's error against the
+    reference rows this rank computes for the same inputs (forward only)."""
     import torch
     import torch.distributed as dist
     import yunchang
     from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, set_seq_parallel_pg
 
     cfg = RunConfig(**cfg)
+    kern = yunchang_kernel(cfg.device_type, usp_backend, cfg.dtype, cfg.ring_impl)
+    if kern["skip"]:
+        return {"skipped": kern["skip"]}
     rank, world = dist.get_rank(), dist.get_world_size()
     if _PEER.get("degrees") != (cfg.ulysses, cfg.ring):
         set_seq_parallel_pg(cfg.ulysses, cfg.ring, rank, world)
@@ -685,10 +751,10 @@ def rank_peer_prepare(cfg: Any, case: str) -> dict:
     st = _Case()
     try:
         st.q, st.k, st.v = ext(q), ext(k), ext(v)
-        st.attn = LongContextAttention(ring_impl_type=impl, attn_type=_yunchang_attn_type(cfg.device_type))
+        st.attn = LongContextAttention(ring_impl_type=impl, attn_type=kern["attn_type"],
+                                       attn_processor=kern["attn_processor"])
         st.cfg = cfg
-        with torch.no_grad():
-            out = st.attn(st.q, st.k, st.v, causal=cfg.causal)
+        out = st.attn(st.q, st.k, st.v, causal=cfg.causal)     # inputs need no grad, as usp-hal's forward
     except Exception as exc:     # the peer's own failure is a result, not a crash of the sweep
         return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     # reference: this rank's rows, gathered, then laid out the way yunchang lays them out
@@ -705,11 +771,13 @@ def rank_peer_prepare(cfg: Any, case: str) -> dict:
     st.mem = meter.MemoryMeter(cfg.device_type)
     _CASES[case] = st
     version = getattr(yunchang, "__version__", None) or installed_version(Package("yunchang", "yunchang"))
-    return {"version": version, "error": err, "attn_type": str(_yunchang_attn_type(cfg.device_type).value)}
+    return {"version": version, "error": err, "check_mode": mode, "attn_type": kern["kernel"],
+            "kernel": kern["kernel"], "same_kernel": kern["same_kernel"],
+            "usp_hal_kernel": usp_hal_kernel_label(usp_backend, cfg.device_type, cfg.dtype)}
 
 
 def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
-    import torch
+    """``n`` timed forward calls of the peer, each after a barrier (as rank_steps)."""
     import torch.distributed as dist
 
     st = _CASES[case]
@@ -720,8 +788,7 @@ def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
         if memory:
             st.mem.start()
         t0 = time.perf_counter()
-        with torch.no_grad():
-            out = st.attn(st.q, st.k, st.v, causal=st.cfg.causal)
+        out = st.attn(st.q, st.k, st.v, causal=st.cfg.causal)
         _sync(st.cfg.device_type)
         t = time.perf_counter() - t0
         del out

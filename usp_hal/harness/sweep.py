@@ -12,7 +12,12 @@ every entry alike):
   the ranks use together.  The per-rank compute floor is the single-process time at
   ``threads_per_rank`` threads divided by the number of ranks;
 * with ``peers``, yunchang's LongContextAttention on the same split when it is importable
-  (absent peers are skipped with a note).
+  (absent peers are skipped with a note), given the kernel usp-hal runs wherever yunchang
+  can take it (:func:`usp_hal.harness.cases.yunchang_kernel`: on CPU its ``attn_processor``
+  hook with usp-hal's CPU kernel, on GPUs FA/FA3 or the same aten op), checked against the
+  same reference, and timed in the same rounds right after the usp-hal configuration it
+  mirrors.  Each peer row names both kernels and gives usp-hal/peer as the ratio of the
+  medians and as the median of the per-round ratios.
 
 Every entry runs the tasks of :mod:`usp_hal.harness.cases` on a
 :class:`~usp_hal.harness.pool.RankPool`; the options come as an ``argparse`` namespace with
@@ -193,16 +198,24 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
             peer_prep = {}
             if peers and not base.bwd:
                 for i, c in enumerate(cfgs):
-                    got = pool.run(rank_peer_prepare, timeout=args.timeout, cfg=asdict(c), case=f"p{i}")
-                    failed = [g["failed"] for g in got if g.get("failed")]
-                    if failed:
-                        peer_rows.append({"group": label, **_group_fields(base), "config": config_label(c),
-                                          "peer": "yunchang", "status": "failed", "note": failed[0]})
-                        continue
-                    peer_prep[i] = got
-                    entries.append(("peer", i))
+                    got = pool.run(rank_peer_prepare, timeout=args.timeout, cfg=asdict(c), case=f"p{i}",
+                                   usp_backend=prep[i][0]["backend"])
+                    for status in ("skipped", "failed"):
+                        why = [g[status] for g in got if g.get(status)]
+                        if why:
+                            peer_rows.append({"group": label, **_group_fields(base), "config": config_label(c),
+                                              "peer": "yunchang", "status": status, "note": why[0]})
+                            break
+                    else:
+                        peer_prep[i] = got
+                # each peer right after its usp-hal configuration, so the two stay neighbours in every round
+                order = []
+                for i in range(len(cfgs)):
+                    order += [("dist", i)] + ([("peer", i)] if i in peer_prep else [])
+                entries = order + [e for e in entries if e[0] == "single"]
             elif peers and base.bwd:
-                notes.append(f"{label}: peers timed forward only (yunchang has no backward on cpu)"
+                notes.append(f"{label}: peers timed forward only (yunchang's backward does not take the "
+                             f"attn_processor that gives it usp-hal's CPU kernel)"
                              if device_type == "cpu" else f"{label}: peers timed forward only")
             recs: Any = {e: [] for e in entries}
             for rnd in range(rounds):
@@ -252,9 +265,11 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
             for i in peer_prep:
                 rs = [[per[0] for per in rnd] for rnd in recs[("peer", i)]]     # round -> rank records
                 it_max = [max(r["time"] for r in per) for per in rs]
+                p0 = peer_prep[i][0]
                 row = {"group": label, **_group_fields(base), "config": config_label(cfgs[i]), "peer": "yunchang",
-                       "status": "ok", "version": peer_prep[i][0]["version"],
-                       "attn_type": peer_prep[i][0]["attn_type"], "time": median(it_max),
+                       "status": "ok", "version": p0["version"], "attn_type": p0["kernel"], "kernel": p0["kernel"],
+                       "usp_hal_kernel": p0["usp_hal_kernel"], "same_kernel": p0["same_kernel"],
+                       "check_mode": p0["check_mode"], "time": median(it_max), "iter_times": it_max,
                        "mem_per_rank": max(r[0]["mem"] for r in mems[("peer", i)])}
                 errs = [p["error"] for p in peer_prep[i] if p["error"] is not None]
                 if errs:
@@ -263,8 +278,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                     row["correct"] = row["error_worst"] <= 1.0
                 ours = next((r for r in results if r["group"] == label and r["config"] == row["config"]), None)
                 if ours:
-                    row["usp_hal_time"] = ours["time"]
-                    row["ratio_peer_vs_usp_hal"] = row["time"] / ours["time"]
+                    row.update(peer_ratios(ours["iter_times"], it_max))
                 if base_row:
                     row["ratio_vs_floor"] = row["time"] / (base_row[f"t{base.threads_per_rank}"]["time"] / base.nproc)
                 peer_rows.append(row)
@@ -274,6 +288,17 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
             if p is not None:
                 p.close()
     return {"results": results, "baselines": baselines, "peers": peer_rows, "notes": notes}
+
+
+def peer_ratios(ours: list, peer: list) -> dict:
+    """usp-hal against the peer from the per-round times of the same interleaved rounds:
+    the ratio of the medians, and the median of the per-round ratios (each round's two
+    times were taken minutes apart at most, so a load burst elsewhere cancels in the pair)."""
+    t_ours, t_peer = median(ours), median(peer)
+    paired = [a / b for a, b in zip(ours, peer) if b > 0]
+    return {"usp_hal_time": t_ours, "ratio_peer_vs_usp_hal": t_peer / t_ours,
+            "ratio_usp_hal_vs_peer": t_ours / t_peer,
+            "ratio_usp_hal_vs_peer_paired": median(paired) if paired else None}
 
 
 def _group_fields(cfg: RunConfig) -> dict:
