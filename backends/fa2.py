@@ -334,10 +334,15 @@ def _alibi_lse_shift(slopes, q, k_causal, left, right, sk):
     return s * rows.view(1, 1, sq)
 
 
-def _slopes(alibi_slopes, q):
+def _slopes(alibi_slopes, q, per_batch: bool = False):
+    """The slopes as the kernel takes them: float32, contiguous; ``per_batch`` ``[B, H]`` (the
+    Triton AMD kernels assert a 2-D ``[batch, nheads]`` tensor in utils.py MetaData.need_alibi)."""
     if alibi_slopes is None:
         return None
-    return alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
+    if per_batch and slopes.dim() == 1:
+        slopes = slopes.unsqueeze(0).expand(q.shape[0], -1)
+    return slopes.contiguous()
 
 
 # ---------------------------------------------------------------------------- the backend
@@ -400,6 +405,11 @@ class FlashAttn2Backend(AttentionBackend):
          "per architecture", f"{SRC} v2.5.0-v2.8.3 csrc/flash_attn/flash_api.cpp mha_fwd/mha_bwd"),
         ("ROCm: CK ignores softcap; Triton AMD ignores window/softcap",
          f"{SRC} v2.8.3 csrc/flash_attn_ck/, flash_attn/flash_attn_triton_amd/interface_fa.py"),
+        ("Triton AMD build: no flash_attn_2_cuda, loaded when FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE at import; "
+         "varlen lse [total_q, H] (its backward reads it so too); alibi -slope*|distance| on every path (no "
+         "causal-path shift)", f"{SRC} v2.8.3 flash_attn/flash_attn_interface.py (import switch), "
+         "flash_attn_triton_amd/fwd_prefill.py attention_prefill_forward_triton_impl, bwd_prefill_split.py, "
+         "utils.py compute_alibi_block"),
         ("varlen entry points per generation (block_table without default in 2.5.7-2.6.0, softcap from 2.6, "
          "window_size_left/right and 4 return values from 2.7)",
          f"{SRC} v2.5.0, v2.5.7, v2.5.9, v2.6.0, v2.6.3, v2.7.0, v2.8.3 flash_attn/flash_attn_interface.py "
@@ -407,6 +417,19 @@ class FlashAttn2Backend(AttentionBackend):
         ("varlen lse [n_seq, H, max_seqlen_q] before 2.6.0, [H, total_q] from 2.6.0",
          f"{SRC} v2.5.9, v2.6.0 csrc/flash_attn/flash_api.cpp mha_varlen_fwd (softmax_lse = torch::empty(...))"),
     )
+
+    @classmethod
+    def not_supported_reasons(cls, request) -> list:
+        reasons = super().not_supported_reasons(request)
+        sq, sk = request.seqlen_q, request.seqlen_k
+        if (triton_amd_requested() and sq is not None and sk is not None and sq != sk
+                and (request.causal or request.has_window)):
+            # the contract's top-left mask reaches the kernel as a bottom-right window, which the
+            # Triton AMD kernels ignore (seen under the Triton interpreter: causal 20x12 came back unmasked)
+            reasons.append(f"causal/window with Sq={sq} != Sk={sk} and {'='.join(TRITON_AMD_ENV)}: the kernel would "
+                           "need a window, which flash-attn's Triton AMD backend takes and ignores; use equal "
+                           "lengths, or attn_type='sdpa'")
+        return reasons
 
     @classmethod
     def availability(cls):
@@ -438,11 +461,12 @@ class FlashAttn2Backend(AttentionBackend):
         kernel = self._kernel()
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window, alibi_slopes is not None)
-        slopes = _slopes(alibi_slopes, q)
+        slopes = _slopes(alibi_slopes, q, per_batch=kernel.triton_amd)
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
         out, lse = kernel.forward(qp, kp, vp, softmax_scale, k_causal, left, right, softcap or 0.0, slopes)
         lse = normalize_lse(lse)
-        shift = _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
+        # the Triton AMD kernels add -slope * |distance| on every path: no causal-path shift there
+        shift = None if kernel.triton_amd else _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
         if shift is not None:
             lse = lse - shift
         return unpad(out, d), lse
@@ -452,9 +476,9 @@ class FlashAttn2Backend(AttentionBackend):
         kernel = self._kernel()
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window, alibi_slopes is not None)
-        slopes = _slopes(alibi_slopes, q)
+        slopes = _slopes(alibi_slopes, q, per_batch=kernel.triton_amd)
         lse_k = lse_for_backward(lse).to(torch.float32)
-        shift = _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
+        shift = None if kernel.triton_amd else _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
         if shift is not None:
             lse_k = lse_k + shift
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
@@ -471,7 +495,9 @@ class FlashAttn2Backend(AttentionBackend):
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
         out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, window[0], window[1], softcap or 0.0, None,
                                   packing=packing)
-        if not kernel.unpadded_lse:
+        if kernel.triton_amd:
+            lse = lse.t()          # the Triton AMD varlen lse is [total_q, H]
+        elif not kernel.unpadded_lse:
             lse = padded_lse_to_packed(lse, packing)
         return unpad(out, d), normalize_lse(lse)
 
@@ -480,7 +506,9 @@ class FlashAttn2Backend(AttentionBackend):
         kernel = self._kernel()
         d = q.shape[-1]
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
-        if not kernel.unpadded_lse:
+        if kernel.triton_amd:
+            lse_k = lse_k.t().contiguous()      # its varlen backward reads the lse as [total_q, H]
+        elif not kernel.unpadded_lse:
             lse_k = packed_lse_to_padded(lse_k, packing)
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))

@@ -252,9 +252,12 @@ def _fa2_ext(version: str) -> str:
                 raise RuntimeError("Number of heads in key/value must divide number of heads in query")
             d_og = q.shape[-1]
             q, k, v = _pad8(q), _pad8(k), _pad8(v)      # <= 2.6 pads inside mha_fwd
+            if TRITON_AMD and alibi_slopes is not None:
+                # flash_attn_triton_amd/utils.py MetaData.need_alibi: assert alibi_slopes.dim() == 2 ([B, H])
+                assert alibi_slopes.dim() == 2 and alibi_slopes.shape[0] == q.shape[0]
             out, softmax_lse = _standin_forward(q, k, v, softmax_scale, is_causal, window_size_left,
                                                 window_size_right, _cap, alibi_slopes,
-                                                float("inf"), True)
+                                                float("inf"), not TRITON_AMD)
             p = torch.empty(0)
             rng_state = torch.zeros(2, dtype=torch.int64)
             return {fwd_ret}
@@ -279,7 +282,8 @@ def _fa2_ext(version: str) -> str:
                 if g is not None and g.shape != x.shape:
                     raise RuntimeError("gradient buffers must match q/k/v")
             gq, gk, gv = _standin_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,
-                                           window_size_left, window_size_right, _cap, alibi_slopes, True)
+                                           window_size_left, window_size_right, _cap, alibi_slopes,
+                                           not TRITON_AMD)   # Triton AMD: utils.py compute_alibi_block
             dq = torch.empty_like(q) if dq is None else dq
             dk = torch.empty_like(k) if dk is None else dk
             dv = torch.empty_like(v) if dv is None else dv
@@ -343,6 +347,10 @@ def _fa2_ext(version: str) -> str:
                     softmax_lse[:, a:b] = l[0]
                 else:
                     softmax_lse[i, :, :b - a] = l[0]
+            if TRITON_AMD:
+                # flash_attn_triton_amd/fwd_prefill.py attention_prefill_forward_triton_impl: the varlen
+                # ("thd") lse is allocated [total_q, nheads_q] (seen under the Triton interpreter)
+                softmax_lse = softmax_lse.t().contiguous()
             p = torch.empty(0)
             rng_state = torch.zeros(2, dtype=torch.int64)
             return {varlen_fwd_ret}
@@ -364,8 +372,13 @@ def _fa2_ext(version: str) -> str:
                                                                       {sc_val})
             n, h = cu_seqlens_q.numel() - 1, q.shape[1]
             want = (h, q.shape[0]) if UNPADDED_LSE else (n, h, max_seqlen_q)
+            if TRITON_AMD:
+                # bwd_prefill_split.py: the varlen lse is read with the strides of [total_q, nheads_q]
+                want = (q.shape[0], h)
             if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != want:
                 raise RuntimeError(f"softmax_lse must be float32 {{want}}, got {{tuple(softmax_lse.shape)}}")
+            if TRITON_AMD:
+                softmax_lse = softmax_lse.t()
             dq = torch.empty_like(q) if dq is None else dq
             dk = torch.empty_like(k) if dk is None else dk
             dv = torch.empty_like(v) if dv is None else dv

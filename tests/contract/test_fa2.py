@@ -542,3 +542,32 @@ def test_contract_fa2_refuses_an_operator_another_package_replaced(tmp_path, mon
             FlashAttn2Backend().forward(q, k, v, softmax_scale=0.2)
     finally:
         purge_modules(FA3_TOP_LEVEL)
+
+
+def test_contract_fa2_triton_amd_varlen_lse_and_alibi(fa2, monkeypatch):
+    """The Triton AMD kernels lay the varlen lse out [total_q, H] (forward and backward) and add
+    ALiBi as -slope * |distance| on the causal path too, with [B, H] slopes only: the adapter
+    converts the lse both ways and applies no causal-path shift there."""
+    from usp_hal.ring import Packing
+    monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
+    backend = fa2("2.8.3", with_extension=False, triton_amd=True)
+    q, k, v, dout = make_inputs(b=2, h=4, d=32, dtype=torch.float16, seed=6)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    with usp_hal.platform.emulate("rocm"):
+        out, lse = backend.forward(q, k, v, softmax_scale=0.3, causal=True, alibi_slopes=slopes)
+        grads = backend.backward(dout, q, k, v, out, lse, softmax_scale=0.3, causal=True, alibi_slopes=slopes)
+        ref = reference(q, k, v, dout, softmax_scale=0.3, causal=True, alibi_slopes=slopes)
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
+            assert_matches(got, want, torch.float16, name)
+        lens = [5, 11]
+        packing = Packing(lens, lens, q.device)
+        qp, kp, vp, dp = (x[0, :16] for x in (q, k, v, dout))
+        out, lse = backend.forward_packed(qp, kp, vp, packing, softmax_scale=0.3, causal=True)
+        assert lse.shape == (4, 16)
+        grads = backend.backward_packed(dp, qp, kp, vp, out, lse, packing, softmax_scale=0.3, causal=True)
+        for a, b in ((0, 5), (5, 16)):
+            ref = reference(qp[None, a:b], kp[None, a:b], vp[None, a:b], dp[None, a:b], softmax_scale=0.3,
+                            causal=True)
+            got = (out[a:b], lse[:, a:b], *(g[a:b] for g in grads))
+            for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+                assert_matches(x[None] if name != "lse" else x[None], want, torch.float16, name)
