@@ -60,8 +60,9 @@ from .capabilities import (
     sorted_dtypes,
 )
 
-__all__ = ["AttentionBackend", "BackendUnavailable", "Unsupported", "installed_version", "parse_version",
-           "normalize_lse", "lse_for_backward", "pad_head_dim", "position_mask", "no_lse"]
+__all__ = ["AttentionBackend", "BackendUnavailable", "Unsupported", "Refusal", "refusal_text", "set_refusal_formatter",
+           "installed_version", "parse_version", "normalize_lse", "lse_for_backward", "pad_head_dim", "position_mask",
+           "no_lse"]
 
 #: INPUT_LAYOUT values: what strides the kernel accepts for q/k/v (and dout/out in backward).
 INPUT_LAYOUTS = ("strided", "last-dim-contiguous", "contiguous")
@@ -273,11 +274,7 @@ class AttentionBackend:
             raise self._refusal(req, reasons)
 
     def _refusal(self, req: AttnRequest, reasons: list) -> Unsupported:
-        alts = _alternatives(req, self.NAME)
-        hint = (f"; backends whose declarations cover it: {', '.join(alts)}" if alts
-                else "; run `usp-hal probe` to see what each backend supports")
-        return Unsupported(f"attn_type={self.NAME!r} cannot run this call ({req.describe()}):\n  - "
-                           + "\n  - ".join(reasons) + hint)
+        return Refusal(self.NAME, req, reasons)
 
     def _conform(self, *xs):
         """The inputs in a layout the kernel takes (``INPUT_LAYOUT``), copying only those that
@@ -404,20 +401,33 @@ def _packed_ranges(packing):
         ka += nk
 
 
-def _alternatives(req: AttnRequest, exclude: str) -> list:
-    """Backends whose declarations accept ``req`` (for error messages)."""
-    from .registry import REGISTRY  # the registry imports this module; resolve it only when refusing
-    names = []
-    for cand in REGISTRY.priority(req.device_type):
-        if cand == exclude:
-            continue
-        try:
-            cls = REGISTRY.get(cand)
-        except Exception:  # a registered adapter module that is not present in this install
-            continue
-        if not cls.not_supported_reasons(req):
-            names.append(cand)
-    return names
+class Refusal(Unsupported):
+    """A backend's refusal of one call: its name, the request and the reasons (what
+    ``not_supported_reasons`` returned).  The message is made by the refusal formatter, which
+    the registry installs (it adds the backends that would run the call instead); without
+    one, the reasons and a pointer to ``usp-hal probe``."""
+
+    def __init__(self, backend: str, request: AttnRequest, reasons, message: Optional[str] = None):
+        self.backend, self.request, self.reasons = backend, request, list(reasons)
+        super().__init__(message if message is not None else _FORMAT[0](backend, request, self.reasons))
+
+
+def refusal_text(backend: str, request: AttnRequest, reasons) -> str:
+    """``attn_type='x' cannot run this call (<request>):`` and one line per reason."""
+    return (f"attn_type={backend!r} cannot run this call ({request.describe()}):\n  - " + "\n  - ".join(reasons))
+
+
+def _plain_refusal(backend: str, request: AttnRequest, reasons) -> str:
+    return refusal_text(backend, request, reasons) + "; run `usp-hal probe` to see what each backend supports"
+
+
+_FORMAT: list = [_plain_refusal]
+
+
+def set_refusal_formatter(fn) -> None:
+    """``fn(backend name, request, reasons) -> message`` for every :class:`Refusal` from now
+    on (``usp_hal.registry`` installs its own, naming the alternatives)."""
+    _FORMAT[0] = fn
 
 
 def no_lse(q: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,12 @@ Entries map a name to an import path (``"module:Class"``); the module is importe
 when the backend is used or listed.  Out-of-tree backends register through the
 ``usp_hal.backends`` entry-point group (the entry point loads to an AttentionBackend
 subclass; its ``NAME`` is the registered name).
+
+Backends only say why they refuse a call (``not_supported_reasons``, and a
+:class:`~usp_hal.backend.Refusal` carrying those reasons); the registry, which knows every
+backend, formats the refusal with the alternatives (:meth:`Registry.refusal`, as xformers'
+dispatch formats its ``not_supported_reasons``), for :meth:`Registry.select` and, through
+``usp_hal.backend.set_refusal_formatter``, for a backend's own per-call refusal.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import importlib.metadata
 import logging
 
 from . import platform as _platform
-from .backend import AttentionBackend
+from .backend import AttentionBackend, Refusal, refusal_text, set_refusal_formatter
 from .capabilities import AttnRequest
 
 log = logging.getLogger("usp_hal")
@@ -185,26 +191,63 @@ class Registry:
         if name != "auto":
             why = self.reasons(name, request)
             if why:
-                alts = [n for n in self.priority(request.device_type) if n != name and not self.reasons(n, request)]
-                alt = f"; backends that would work: {', '.join(alts)}" if alts else ""
-                raise NotImplementedError(
-                    f"attn_type={name!r} cannot run this call ({request.describe()}):\n  - "
-                    + "\n  - ".join(why) + alt)
+                raise self.refusal(name, request, why)
             return self.get(name)
-        candidates = self.priority(request.device_type)
-        report = []
-        for cand in candidates:
+        report = {}
+        for cand in self.priority(request.device_type):
             why = self.reasons(cand, request)
             if not why:
                 log.info("usp_hal: attn_type='auto' chose %r for %s", cand, request.describe())
                 return self.get(cand)
-            report.append(f"`{cand}` is not supported because:\n    - " + "\n    - ".join(why))
-        raise NotImplementedError(
-            f"No attention backend found for inputs: {request.describe()}\n"
-            + ("\n".join(report) if report else f"  no backend is registered for device {request.device_type!r}"))
+            report[cand] = why
+        raise NotImplementedError(_format_not_supported_reasons(request, report))
+
+    # ------------------------------------------------------------ refusals
+    def alternatives(self, request: AttnRequest, exclude=(), *, available: bool = True) -> list:
+        """The backends (in ``auto`` order for the request's device, ``exclude`` left out) that
+        would run ``request``: available here and declaring support (``available=False``: by
+        their declarations alone, installed or not)."""
+        request = self._complete(request)
+        skip = {exclude} if isinstance(exclude, str) else set(exclude)
+        names = []
+        for cand in self.priority(request.device_type):
+            if cand in skip:
+                continue
+            try:
+                why = self.reasons(cand, request) if available else self.get(cand).not_supported_reasons(request)
+            except Exception:   # a registered adapter module that is not present in this install
+                continue
+            if not why:
+                names.append(cand)
+        return names
+
+    def refusal_message(self, name: str, request: AttnRequest, reasons) -> str:
+        """Why backend ``name`` refuses ``request`` (its reasons), and what would run it instead."""
+        text = refusal_text(name, request, reasons)
+        alts = self.alternatives(request, name)
+        if alts:
+            return text + f"; backends that would work: {', '.join(alts)}"
+        declared = self.alternatives(request, name, available=False)
+        if declared:
+            return text + (f"; backends whose declarations cover it (none is available here): {', '.join(declared)}; "
+                           "run `usp-hal probe` to see why")
+        return text + "; no registered backend supports it (run `usp-hal probe` to see what each backend supports)"
+
+    def refusal(self, name: str, request: AttnRequest, reasons) -> Refusal:
+        """The error for backend ``name`` refusing ``request`` for ``reasons`` (a NotImplementedError)."""
+        return Refusal(name, request, reasons, self.refusal_message(name, self._complete(request), reasons))
+
+
+def _format_not_supported_reasons(request: AttnRequest, report: dict) -> str:
+    """``auto`` found nothing: every candidate and its reasons."""
+    lines = [f"`{cand}` is not supported because:\n    - " + "\n    - ".join(why) for cand, why in report.items()]
+    return (f"No attention backend found for inputs: {request.describe()}\n"
+            + ("\n".join(lines) if lines else f"  no backend is registered for device {request.device_type!r}"))
 
 
 REGISTRY = Registry()
+# a backend's own per-call refusal names the alternatives too (the backend module never imports this one)
+set_refusal_formatter(lambda name, request, reasons: REGISTRY.refusal_message(name, request, reasons))
 
 
 def register_backend(name: str, backend, *, override: bool = False) -> None:
