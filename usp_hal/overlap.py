@@ -8,8 +8,9 @@ and the output all-to-all as :class:`~usp_hal.LongContextAttention` does::
                                       heads=24, head_dim=128, causal=False)
 
 Each projection returns ``[B, S_local, heads * head_dim]`` or ``[B, S_local, heads,
-head_dim]``.  The result equals ``attn(q, k, v, ...)`` in forward and backward (the
-backward's all-to-alls run one after another).
+head_dim]``.  The result equals ``attn(q, k, v, ...)`` in forward and backward: the call
+is the module's own autograd node (:mod:`usp_hal.pipeline.run`), fed with the all-to-alls
+this function started, so its backward is the module's (dq, dk and dv in one all-to-all).
 
 The cross-rank check runs before the first all-to-all, so it checks q and the declared
 shapes of k and v (``kv_heads``, ``head_dim``, ``v_head_dim``); a projection that returns
@@ -21,10 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .attention import LongContextAttention, _nan_guard
-from .mesh import get_default_mesh
-from .ring import ring_backward, ring_forward
-from .ulysses import UlyssesExchange
+from .attention import LongContextAttention
+from .pipeline import CallOptions
+from .pipeline import run as _run
 
 
 def _as_heads(x: torch.Tensor, heads: int, head_dim: Optional[int], what: str) -> torch.Tensor:
@@ -37,60 +37,6 @@ def _as_heads(x: torch.Tensor, heads: int, head_dim: Optional[int], what: str) -
             head_dim = x.shape[-1] // heads
         return x.view(x.shape[0], x.shape[1], heads, head_dim)
     raise ValueError(f"{what} must return [B, S, H*D] or [B, S, H, D], got shape {tuple(x.shape)}")
-
-
-class _ToHeads(torch.autograd.Function):
-    """Start one tensor's sequence->heads all-to-all; the returned buffer is filled once
-    the handle appended to ``pending`` is waited on.  Backward: heads->sequence."""
-
-    @staticmethod
-    def forward(ctx, x, exchange: UlyssesExchange, name: str, pending: list):
-        kind = "q" if name == "q" else "kv"
-        p = exchange.start_heads(x, kind, async_op=True, what="forward, overlapped with the projections", name=name)
-        pending.append(p)
-        ctx.exchange, ctx.kind, ctx.dtype = exchange, kind, x.dtype
-        return p.result
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.exchange.heads_to_seq(g, ctx.kind, ctx.dtype), None, None, None
-
-
-class _HeadsAttention(torch.autograd.Function):
-    """Ring attention on head-layout q/k/v, then the output all-to-all."""
-
-    @staticmethod
-    def forward(ctx, qh, kh, vh, plan):
-        st = plan.stages[0]
-        ex = st.exchange
-        kx, vx = ex._expand(qh, kh, vh)[1:]
-        guard = _nan_guard(qh)
-        out_acc, lse_h = ring_forward(st.ring, qh, kx, vx)
-        keep = plan.spec.needs_grad
-        lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
-        out, lse, outh = ex.out_to_seq(out_acc, plan.dtype, lse_h if plan.spec.return_lse else None, guard,
-                                       keep_heads=keep)
-        ctx.plan = plan
-        ctx.save_for_backward(qh, kx, vx, outh, lse_h)
-        if lse is not None:
-            ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        plan = ctx.plan
-        st = plan.stages[0]
-        ex = st.exchange
-        qh, kx, vx, outh, lse_h = ctx.saved_tensors
-        douth = ex.dout_to_heads(dout)
-        dq, dk, dv = ring_backward(st.ring, douth, qh, kx, vx, outh, lse_h)
-        exp = ex.plan.kv_expand[ex.rank]
-        if exp is not None:   # repeated KV heads: their gradients go back to the received ones
-            a, c = ex.plan.kv[ex.rank]
-            idx = torch.tensor(exp, dtype=torch.long, device=dk.device)
-            dk = dk.new_zeros(dk.shape[0], dk.shape[1], c - a, dk.shape[3]).index_add_(2, idx, dk)
-            dv = dv.new_zeros(dv.shape[0], dv.shape[1], c - a, dv.shape[3]).index_add_(2, idx, dv)
-        return dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype), None
 
 
 def _params_need_grad(fn) -> bool:
@@ -108,7 +54,7 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     ``attn(q, k, v, ...)`` returns; ``cu_seqlens``: packed documents, as for ``attn``."""
     if not isinstance(attn, LongContextAttention):
         raise TypeError(f"attn must be a usp_hal.LongContextAttention, got {type(attn).__name__}")
-    mesh = attn.mesh if attn.mesh is not None else get_default_mesh()
+    mesh = attn.pipeline.resolve_mesh()
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
               alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
               cu_seqlens=cu_seqlens)
@@ -126,20 +72,24 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
                                         or _params_need_grad(v_proj))
     kp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, d)     # declared shapes, no memory
     vp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, dv)
-    _, plan = attn._prepare(mesh, q, kp, vp, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                            deterministic, return_attn_probs, None, None, cu_seqlens=cu_seqlens)
+    pipe = attn.pipeline
+    opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs)
+    _, plan = pipe.prepare(mesh, q, kp, vp, opts, alibi_slopes=alibi_slopes, needs_grad=grad,
+                           cu_seqlens=cu_seqlens)
     ex = plan.stages[0].exchange
-    pending: list = []
-    qh = _ToHeads.apply(q, ex, "q", pending)
+    what = "forward, overlapped with the projections"
+    # each all-to-all starts as soon as its projection is done; the call's one autograd
+    # node (the same forward and backward as the module's) takes q, k, v with their
+    # head-layout copies already in flight
+    pending = [ex.start_heads(q, "q", async_op=True, what=what, name="q")]
     k = _as_heads(k_proj(hidden), kvh, d, "k_proj")
     _check_like(k, (b, s, kvh, d), q, "k_proj")
-    kh = _ToHeads.apply(k, ex, "k", pending)
+    pending.append(ex.start_heads(k, "kv", async_op=True, what=what, name="k"))
     v = _as_heads(v_proj(hidden), kvh, dv, "v_proj")
     _check_like(v, (b, s, kvh, dv), q, "v_proj")
-    vh = _ToHeads.apply(v, ex, "v", pending)
-    for p in pending:
-        p.wait()
-    out, lse = _HeadsAttention.apply(qh, kh, vh, plan)
+    pending.append(ex.start_heads(v, "kv", async_op=True, what=what, name="v"))
+    out, lse = _run.run(plan, q, k, v, _run.Received(ex, pending))
     return (out, lse) if return_attn_probs else out
 
 

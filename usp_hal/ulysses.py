@@ -232,7 +232,7 @@ class UlyssesExchange:
                 qh = buf[:, :, :hq].permute(1, 0, 2, 3)
                 kh = buf[:, :, hq:hq + hk].permute(1, 0, 2, 3)
                 vh = buf[:, :, hq + hk:].permute(1, 0, 2, 3)
-                return self._expand(qh, kh, vh)
+                return self.expand(qh, kh, vh)
             return Pending(work, finish, label, self.where)
         wire, slots = [], []
         for part, codec in zip(parts, enc):
@@ -247,7 +247,7 @@ class UlyssesExchange:
             for codec, n, dtype in slots:
                 got.append(codec.decode([o.permute(1, 0, 2, 3) for o in outs[i:i + n]], dtype))
                 i += n
-            return self._expand(*got)
+            return self.expand(*got)
         return Pending(work, finish_bytes, label, self.where)
 
     def _local_qkv(self, q, k, v):
@@ -255,9 +255,10 @@ class UlyssesExchange:
         a, b = self.plan.kv[0]
         if (a, b) != (0, k.shape[2]):
             k, v = k.narrow(2, a, b - a), v.narrow(2, a, b - a)
-        return self._expand(q, k, v)
+        return self.expand(q, k, v)
 
-    def _expand(self, qh, kh, vh):
+    def expand(self, qh, kh, vh):
+        """Repeat KV heads for a rank whose query heads cut a GQA group (else as they are)."""
         exp = self.plan.kv_expand[self.rank]
         if exp is not None:
             idx = torch.tensor(exp, dtype=torch.long, device=kh.device)
@@ -330,7 +331,7 @@ class UlyssesExchange:
         unpack, work = self._heads_bytes(parts, False, label)
         wait(label, self.where, work)
         qh, kh, vh, oh, dh, lh = (t.permute(1, 0, 2, 3) for t in unpack())
-        qh, kh, vh = self._expand(qh, kh, vh)
+        qh, kh, vh = self.expand(qh, kh, vh)
         return qh, kh, vh, oh, dh, lh.squeeze(-1).transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ forward out
@@ -351,8 +352,12 @@ class UlyssesExchange:
         ``wait()`` returns ``(out, lse or None, out in head layout or None)``."""
         plan, me = self.plan, self.rank
         b, _, h, dv = out.shape
-        if self.size == 1:   # nothing travels; the returned tensor is always a new one
-            local = _convert(out, dtype, q_guard)
+        if self.size == 1:   # nothing travels
+            # the result is a new tensor; without a backward the kernel's own (contiguous) output is one
+            if q_guard is None and not keep_heads and into is None and out.dtype == dtype and out.is_contiguous():
+                local = out
+            else:
+                local = _convert(out, dtype, q_guard)
             if into is not None:
                 a, c = plan.q[0]
                 into[:, :, a:c] = local
@@ -490,6 +495,20 @@ class UlyssesExchange:
         """Same dtype and head dim: per destination, the parts' heads side by side."""
         x0 = parts[0].data
         b, s_me, _, d = x0.shape
+        U = self.size
+        even = [_even_width(p.heads, p.data.shape[2], U) for p in parts]
+        if all(w is not None for w in even):   # every part split evenly: one strided copy per part
+            W = sum(even)
+            buf = torch.empty((U, s_me, b, W, d), dtype=x0.dtype, device=x0.device)
+            h0 = 0
+            for p, w in zip(parts, even):
+                buf[:, :, :, h0:h0 + w].copy_(p.data.unflatten(2, (U, w)).permute(2, 1, 0, 3, 4))
+                h0 += w
+            recv = torch.empty((self.total, b, W, d), dtype=x0.dtype, device=x0.device)
+            work = collective(label, self.where, dist.all_to_all_single, recv.view(-1), buf.view(-1),
+                              [n * b * W * d for n in self.seq_lens], [s_me * b * W * d] * U,
+                              group=self.group, async_op=async_op)
+            return recv, work
         widths = [sum(p.heads[u][1] - p.heads[u][0] for p in parts) for u in range(self.size)]
         send = torch.empty(sum(s_me * b * w * d for w in widths), dtype=x0.dtype, device=x0.device)
         off = 0
@@ -639,6 +658,12 @@ class UlyssesExchange:
                 res = into[i]
             else:
                 res = (torch.zeros if reduce else torch.empty)((b, s_me, n_heads, dd), dtype=dtype, device=device)
+            w = _even_width(rows, n_heads, len(chunks))
+            whole = None if reduce or w is None or len(chunks) < 2 else _adjacent(chunks)
+            if whole is not None:      # the sources' chunks tile one buffer: one strided copy
+                res.unflatten(2, (len(chunks), w)).copy_(whole.permute(2, 1, 0, 3, 4))
+                results.append(res)
+                continue
             for u, chunk in enumerate(chunks):
                 a, c = rows[u]
                 if c > a:
@@ -658,6 +683,26 @@ class _Done(Pending):
 
     def wait(self):
         return self.value
+
+
+def _even_width(rows, total: int, size: int) -> Optional[int]:
+    """``w`` when rank ``u`` holds heads ``u*w .. (u+1)*w`` of ``total = size*w`` (an even split)."""
+    if total % size:
+        return None
+    w = total // size
+    return w if w and all(tuple(rows[u]) == (u * w, (u + 1) * w) for u in range(size)) else None
+
+
+def _adjacent(chunks) -> Optional[torch.Tensor]:
+    """``[n, *shape]``: the equal, contiguous chunks as one view when each follows the last in memory."""
+    c0 = chunks[0]
+    if not all(c.is_contiguous() and c.shape == c0.shape and c.dtype == c0.dtype for c in chunks):
+        return None
+    step = c0.numel() * c0.element_size()
+    base = c0.data_ptr()
+    if any(c.data_ptr() != base + u * step for u, c in enumerate(chunks)):
+        return None
+    return c0.as_strided((len(chunks), *c0.shape), (c0.numel(), *c0.stride()))
 
 
 def _homogeneous(tensors) -> bool:

@@ -1,0 +1,190 @@
+"""The call pipeline: one attention call from this rank's tensors to its result, shared by
+every face (:class:`~usp_hal.LongContextAttention` and its subclasses, the compiled custom
+op in :mod:`usp_hal.compiled`, :func:`usp_hal.async_qkv_attention`).
+
+    validate (validate.py)  tensors and options -> CallSpec + Local, nothing communicated
+    agree    (agree.py)     one metadata all-gather: lengths, refusals, disagreements
+    plan     (plan.py)      stages, exchanges, rotation, block plans (cached per shape)
+    run      (run.py)       one forward and one backward loop over the stages
+
+A :class:`Pipeline` holds one module's configuration and its caches.  A call whose
+signature (shapes, dtypes, devices, options, mesh) was seen before skips validation and
+planning: it reuses the checked spec and the plan, and only the agreement step (unless
+``static_shapes``) runs again, since another rank may have changed.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import platform as _platform
+from ..capabilities import AttnRequest
+from ..comm import CommError
+from ..registry import REGISTRY
+from ..spec import CallSpec, digest_tensor
+from ..ulysses import HeadPlan
+from . import agree as _agree
+from . import plan as _plan
+from . import run as _run
+from . import validate as _validate
+from .options import CallOptions
+from .plan import CallPlan
+from .validate import Joint, JointInfo, USPError
+
+__all__ = ["Pipeline", "CallOptions", "CallPlan", "USPError", "Joint", "JointInfo", "pipeline_of"]
+
+_PIPELINES: "weakref.WeakValueDictionary[int, Pipeline]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+_LIMIT = 64          # cached signatures / plans per pipeline
+
+
+def pipeline_of(handle: int) -> "Pipeline":
+    """The pipeline behind a handle (how a compiled graph finds it without holding it)."""
+    pipe = _PIPELINES.get(handle)
+    if pipe is None:
+        raise RuntimeError(f"usp_hal: the attention module of this compiled graph (handle {handle}) no longer exists")
+    return pipe
+
+
+def one_group(heads: HeadPlan) -> List[HeadPlan]:
+    return [heads]
+
+
+class Pipeline:
+    """One module's call configuration and caches; see the module doc."""
+
+    def __init__(self, *, layout, rotation_cls, attn_type, wire: Dict[str, str], ring_wire: Tuple[str, str],
+                 check_ranks: bool = True, static_shapes: bool = False, mesh=None,
+                 head_groups: Callable[[HeadPlan], List[HeadPlan]] = one_group):
+        self.layout = layout
+        self.rotation_cls = rotation_cls
+        self.rotation: str = rotation_cls.name
+        self.attn_type = attn_type
+        self.wire = dict(wire)
+        self.ring_wire = tuple(ring_wire)
+        self.wire_name = ",".join(f"{n}={c}" for n, c in self.wire.items())
+        if self.ring_wire != ("identity", "identity"):
+            self.wire_name += f",ring_k={self.ring_wire[0]},ring_v={self.ring_wire[1]}"
+        self.check_ranks = check_ranks
+        self.static_shapes = static_shapes
+        self.mesh = mesh
+        self.head_groups = head_groups
+        self.backends: Dict[AttnRequest, Any] = {}
+        self.shapes: dict = {}
+        self.frozen: Optional[Tuple[CallSpec, list]] = None
+        self.digests: dict = {}
+        self.checked_blocks: set = set()
+        self.checked_layouts: set = set()
+        self.metas: Dict[CallSpec, list] = {}
+        self.signatures: dict = {}       # call signature -> (mesh, spec, local)
+        self.plans: dict = {}            # (signature, lengths) -> plan
+        self.last_backend: Any = None
+        self.handle = next(_NEXT)
+        _PIPELINES[self.handle] = self
+
+    # ------------------------------------------------------------------ caches
+    def backend_for(self, req: AttnRequest):
+        got = self.backends.get(req)
+        if got is None:
+            got = self.backends[req] = REGISTRY.select(self.attn_type, req)()
+        return got
+
+    def digest(self, t: torch.Tensor) -> int:
+        """Digest of small tensors (alibi slopes), cached per tensor object and version so a
+        reused tensor costs no device->host copy after its first call."""
+        key = (id(t), t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), t.dtype)
+        if key not in self.digests:
+            if len(self.digests) > _LIMIT:
+                self.digests.clear()
+            self.digests[key] = digest_tensor(t)
+        return self.digests[key]
+
+    def meta_of(self, spec: CallSpec) -> list:
+        got = self.metas.get(spec)
+        if got is None:
+            if len(self.metas) > _LIMIT:
+                self.metas.clear()
+            got = self.metas[spec] = spec.meta()
+        return got
+
+    def resolve_mesh(self):
+        if self.mesh is not None:
+            return self.mesh
+        from ..mesh import get_default_mesh
+        return get_default_mesh()
+
+    # ------------------------------------------------------------------ the call
+    def prepare(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None,
+                joint: Optional[JointInfo] = None, err=None, needs_grad=None, lengths=None, head_groups=None,
+                cu_seqlens=None) -> Tuple[CallSpec, CallPlan]:
+        """Validate locally, agree across ranks (unless ``lengths`` are given: a plan is
+        rebuilt for a backward), and build the call's plan; raises the same error on every
+        rank."""
+        sig = None
+        if err is None and alibi_slopes is None and positions is None and joint is None and head_groups is None:
+            if needs_grad is None:
+                needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            sig = self._signature(mesh, q, k, v, opts, needs_grad, cu_seqlens)
+        spec: Optional[CallSpec] = None
+        local: Optional[_validate.Local] = None
+        hit = self.signatures.get(sig) if sig is not None else None
+        if hit is not None and hit[0] is mesh:
+            spec, local = hit[1], hit[2]
+        elif err is None:
+            try:
+                spec, local = _validate.validate(self, mesh, q, k, v, opts, alibi_slopes, positions, joint,
+                                                 needs_grad, cu_seqlens)
+            except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
+                if isinstance(exc, CommError):
+                    raise
+                err = exc
+            if sig is not None and err is None:
+                if len(self.signatures) > _LIMIT:
+                    self.signatures.clear()
+                    self.plans.clear()
+                self.signatures[sig] = (mesh, spec, local)
+        if lengths is None:
+            lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None)
+        elif err is not None:
+            raise err
+        assert spec is not None and local is not None
+        pkey = (sig, tuple(lengths)) if sig is not None else None
+        plan = self.plans.get(pkey) if pkey is not None else None
+        if plan is None:
+            plan = _plan.build(self, mesh, spec, lengths, local, head_groups)
+            if pkey is not None:
+                if len(self.plans) > _LIMIT:
+                    self.plans.clear()
+                self.plans[pkey] = plan
+        self.last_backend = plan.backend
+        return spec, plan
+
+    def _signature(self, mesh, q, k, v, opts, needs_grad, cu_seqlens):
+        """What a call's validation and plan depend on, or None when it cannot be cached."""
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return None
+        if not all(x is None or type(x) in (float, int, bool) for x in (opts.scale, opts.softcap, opts.dropout_p)):
+            return None          # e.g. a tensor scale: read again on every call
+        if cu_seqlens is None:
+            cu = None
+        elif isinstance(cu_seqlens, (list, tuple)):
+            cu = tuple(cu_seqlens)
+        else:
+            return None          # a tensor: its values are read (and digested) by validation
+        try:
+            sig = (id(mesh), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   _platform.device_type_of(q.device), bool(needs_grad), opts, cu)
+            hash(sig)
+        except TypeError:
+            return None
+        return sig
+
+    def __call__(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None, joint=None,
+                 err=None, cu_seqlens=None, received=None):
+        """Run one call: ``(out, lse or None)``."""
+        _, plan = self.prepare(mesh, q, k, v, opts, alibi_slopes=alibi_slopes, positions=positions,
+                               joint=joint, err=err, cu_seqlens=cu_seqlens)
+        return _run.run(plan, q, k, v, received)

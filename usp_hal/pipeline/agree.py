@@ -1,0 +1,111 @@
+"""Step 2 of a call: every rank learns every rank's local length and sees any rank's
+refusal or any disagreement, from one small all-gather of the spec's metadata vector (on
+the mesh's CPU side group when the group has no CPU transport).  All ranks then raise the
+same error together, so none waits in a data collective."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ..comm import all_gather_bytes, all_gather_ints
+from ..layout import local_lengths, local_positions
+from ..spec import CallSpec, compare, digest_ints, error_meta, field_index
+from .validate import USPError, share
+
+
+def joint_total(spec: CallSpec) -> int:
+    return int(spec.joint.split(":")[1])
+
+
+def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[int]:
+    """Every rank's local length, after making sure every rank can run this call and all
+    agree on it; raises the same error on every rank otherwise.  ``cu_seqlens``: the
+    validated document boundaries of a packed call (their digest is in the spec)."""
+    n = mesh.sp_size
+    if n == 1:
+        if err is not None:
+            raise err
+        assert spec is not None
+        if cu_seqlens is not None:
+            check_layout(pipe, mesh, spec, [spec.local_len], None, cu_seqlens)
+        return [spec.local_len]
+    if pipe.static_shapes and pipe.frozen is not None and err is None and spec is not None:
+        frozen, lengths = pipe.frozen
+        if spec == frozen:
+            return lengths
+        diffs = compare([frozen.meta(), spec.meta()], ["frozen", "this call"], spec)
+        raise USPError("static_shapes=True: this call differs from the first (checked) one, so it cannot "
+                       "run without a metadata exchange; use a module with static_shapes=False for "
+                       "changing shapes (this rank only; the other ranks stop at the group timeout):\n  "
+                       + "\n  ".join(diffs))
+    group = mesh.metadata_group
+    where = mesh.where("sequence-parallel")
+    if pipe.check_ranks:
+        meta = error_meta() if err is not None or spec is None else pipe.meta_of(spec)
+    else:
+        meta = [1, 0] if err is not None or spec is None else [0, spec.local_len]
+    rows = all_gather_ints(meta, group, what="metadata all-gather of the attention call", where=where)
+    bad = [i for i, r in enumerate(rows) if r[0]]
+    if bad:
+        msgs = [b.decode("utf-8", "replace") for b in all_gather_bytes(
+            ("" if err is None else f"{type(err).__name__}: {err}").encode("utf-8"), group,
+            what="error message all-gather", where=where)]
+        if err is not None:
+            raise err
+        raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
+                       + "\n".join(f"  rank {mesh.sp_ranks[i]}: {msgs[i]}" for i in bad))
+    assert spec is not None      # no rank flagged an error, so this one has a spec
+    if pipe.check_ranks:
+        first = rows[0]
+        if any(r != first for r in rows[1:]):
+            diffs = compare(rows, mesh.sp_ranks, spec)
+            if diffs:
+                raise USPError("ranks of the sequence-parallel group disagree on this attention call "
+                               "(every rank must pass the same shapes and options):\n  " + "\n  ".join(diffs))
+        lengths = [r[field_index("local_len")] for r in rows]
+    else:
+        lengths = [r[1] for r in rows]
+    check_layout(pipe, mesh, spec, lengths, rows if pipe.check_ranks else None, cu_seqlens)
+    if pipe.static_shapes:
+        pipe.frozen = (spec, lengths)
+    return lengths
+
+
+def check_layout(pipe, mesh, spec: CallSpec, lengths, rows, cu=None) -> None:
+    """The ranks' lengths (and, with ``positions=``, their positions) fit the layout."""
+    R, U = mesh.ring_degree, mesh.ulysses_degree
+    if spec.joint:   # the main tokens' lengths follow the layout; the joint shares were checked locally
+        total = joint_total(spec)
+        lengths = [n - share(total, mesh.sp_size, i)[1] for i, n in enumerate(lengths)]
+    seqlen = sum(lengths)
+    layout = pipe.layout.name
+    key = (tuple(lengths), R, U, layout, cu, spec.causal or spec.positional)
+    if rows is None or not spec.positions:
+        if key in pipe.checked_layouts:
+            return
+    per = [[lengths[mesh.sp_index(r, u)] for u in range(U)] for r in range(R)]
+    if cu is not None and cu[-1] != seqlen:
+        raise USPError(f"cu_seqlens ends at {cu[-1]}, but the ranks hold {seqlen} tokens in all "
+                       f"(local lengths {per}, ring x ulysses); the last boundary must be the global length S")
+    if spec.causal or spec.positional or cu is not None:
+        expect = local_lengths(layout, seqlen, R, U, cu_seqlens=cu)
+        if per != expect:
+            how = f"layout={layout!r}" + (", cu_seqlens=cu_seqlens" if cu is not None else "")
+            raise USPError(f"local sequence lengths {per} (ring x ulysses) do not match the {layout!r} layout "
+                           f"for S={seqlen}{' and these documents' if cu is not None else ''} (expected "
+                           f"{expect}); shard inputs with usp_hal.shard(x, {how}) (causal/window/alibi and "
+                           f"document boundaries depend on positions)")
+    if rows is not None and spec.positions:
+        idx = field_index("positions")
+        wrong = []
+        for i, r in enumerate(rows):
+            pos = local_positions(layout, seqlen, R, U, mesh.ring_of(i), mesh.ulysses_of(i), cu_seqlens=cu)
+            if r[idx] != digest_ints(pos.tolist()):
+                wrong.append(mesh.sp_ranks[i])
+        if wrong:
+            raise USPError(f"rank(s) {wrong} hold other positions than the {layout!r} layout gives them for "
+                           f"S={seqlen} (checked because positions= was passed); shard inputs with "
+                           f"usp_hal.shard(x, layout={layout!r})")
+        return
+    if len(pipe.checked_layouts) > 64:
+        pipe.checked_layouts.clear()
+    pipe.checked_layouts.add(key)

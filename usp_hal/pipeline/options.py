@@ -1,0 +1,72 @@
+"""The scalar options of one attention call, as one frozen value.
+
+Every face of the pipeline (the module's ``forward``, the compiled custom op, the async
+paths) turns its keyword arguments into a :class:`CallOptions` and hands that on; the
+compiled op carries it as one string (:meth:`CallOptions.encode`), so a new option is a
+new field here plus what the kernels do with it, not a change of the op's schema.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What ``forward``'s keywords say, before validation (``validate`` checks the values).
+
+    ``scale``: the softmax scale as given (None: 1/sqrt(head_dim)).  ``joint_strategy`` /
+    ``joint_total``: joint (MMDiT) tokens, once they are part of the rows."""
+
+    causal: bool = False
+    scale: Optional[float] = None
+    window: Any = (-1, -1)
+    softcap: Any = 0.0
+    deterministic: bool = False
+    return_lse: bool = False
+    dropout_p: Any = 0.0
+    joint_strategy: str = "none"
+    joint_total: int = 0
+
+    @classmethod
+    def of(cls, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+           deterministic=False, return_attn_probs=False, joint_strategy="none", joint_total=0) -> "CallOptions":
+        """From ``forward``'s keyword names (a list window becomes a tuple so the value hashes)."""
+        if isinstance(window_size, list):
+            window_size = tuple(window_size)
+        return cls(causal=bool(causal), scale=softmax_scale, window=window_size, softcap=softcap,
+                   deterministic=bool(deterministic), return_lse=bool(return_attn_probs), dropout_p=dropout_p,
+                   joint_strategy=joint_strategy or "none", joint_total=int(joint_total))
+
+    def with_(self, **kw) -> "CallOptions":
+        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **kw})
+
+    def __hash__(self) -> int:       # computed once: the value keys the pipeline's caches on every call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+        return h
+
+    # the compiled op's one string argument --------------------------------------------
+    def encode(self) -> str:
+        """``name=repr(value);...`` (plain string formatting, which torch.compile traces)."""
+        return ";".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+    @classmethod
+    def decode(cls, text: str) -> "CallOptions":
+        names = {f.name for f in fields(cls)}
+        kw = {}
+        for item in text.split(";"):
+            name, _, value = item.partition("=")
+            if name in names:
+                kw[name] = ast.literal_eval(value)
+        return cls(**kw)
+
+
+def window_pair(window) -> Tuple[int, ...]:
+    """``window`` as a tuple of ints, or () when it is not a pair of integers."""
+    try:
+        return tuple(int(x) for x in window)
+    except (TypeError, ValueError):
+        return ()

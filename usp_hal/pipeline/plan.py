@@ -1,0 +1,182 @@
+"""Step 3 of a call: the plan every rank runs with, built once per shape and shared by
+forward and backward: the head plan split into stages, each stage's Ulysses exchange,
+the ring's rotation and the block plan of every ring step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..codec import get_codec
+from ..layout import Segment, local_positions, ring_segments, segments_from_positions
+from ..ring import RingContext, plan_blocks
+from ..rotation import Rotation
+from ..spec import CallSpec
+from ..ulysses import HeadPlan, UlyssesExchange
+from ..varlen import ring_is_local
+from .agree import joint_total
+from .validate import Local, USPError, share
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a call's shapes and options fix (cached per spec, lengths and mesh)."""
+
+    heads: HeadPlan
+    per_rank: Tuple[Tuple[int, ...], ...]          # [ring rank][ulysses rank] -> local length
+    segments: Tuple[Tuple[Segment, ...], ...]      # per ring rank
+    ring_lengths: Tuple[int, ...]
+    calls: Dict[int, list]                         # per source ring rank: the block plan
+    blocks: frozenset = frozenset()                # (Sq, Sk, causal) of every rank's kernel calls
+    local_only: bool = False                       # packed documents, none across ring ranks: no K/V exchange
+    cu: Optional[Tuple[int, ...]] = None           # the document boundaries the plan was made for
+    packed: Dict[int, list] = field(default_factory=dict)   # per source: the plan packed for varlen kernels
+
+
+@dataclass
+class Stage:
+    """One group of heads: its all-to-alls and its ring."""
+
+    exchange: UlyssesExchange
+    ring: RingContext
+
+
+@dataclass
+class CallPlan:
+    """Everything one call runs with (built once per shape, shared by forward and backward).
+    ``stages`` holds one stage, or several head groups whose all-to-alls are pipelined with
+    the kernels of their neighbours (:class:`~usp_hal.AsyncLongContextAttention`)."""
+
+    spec: CallSpec
+    backend: object
+    stages: List[Stage]
+    dtype: torch.dtype
+    spec_lengths: Tuple[int, ...] = ()     # every rank's local length (sequence-parallel order)
+    nan_guard: bool = True                 # the backend may hide a non-finite query: add the guard
+
+    @property
+    def exchange(self) -> UlyssesExchange:
+        return self.stages[0].exchange
+
+    @property
+    def ring(self) -> RingContext:
+        return self.stages[0].ring
+
+
+class PlannedRing(RingContext):
+    """A RingContext whose block plans were computed once for this shape."""
+
+    def __init__(self, shape: Shape, **kw):
+        super().__init__(**kw)
+        self._calls = shape.calls
+        self._packed_steps = shape.packed     # the packed steps are cached with the shape
+
+    def calls(self, src: int):
+        return self._calls[src]
+
+
+def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None) -> Shape:
+    key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, spec.joint,
+           tuple(lengths), spec.docs)
+    shape = pipe.shapes.get(key)
+    if shape is not None and (cu is None or shape.cu == cu):
+        return shape
+    R, U = mesh.ring_degree, mesh.ulysses_degree
+    seqlen = sum(lengths)
+    per = tuple(tuple(lengths[mesh.sp_index(r, u)] for u in range(U)) for r in range(R))
+    sorted_ = True
+    if (spec.causal or spec.positional) and spec.joint:
+        segments, sorted_ = joint_segments(pipe, mesh, spec, lengths)
+    elif spec.causal or spec.positional or cu is not None:
+        segments = tuple(tuple(ring_segments(pipe.layout, seqlen, R, r, cu_seqlens=cu)) for r in range(R))
+    else:   # positions do not matter: any split works
+        starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
+        segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
+    me = mesh.ring_rank
+    every = {(a, src): plan_blocks(segments[a], segments[src], causal=spec.causal, window=spec.window,
+                                   positional=spec.positional, diagonal=src == a and sorted_, cu_seqlens=cu)
+             for a in range(R) for src in range(R)}
+    calls = {src: every[(me, src)] for src in range(R)}
+    blocks = frozenset((c.q_stop - c.q_start, c.k_stop - c.k_start, c.causal) for cs in every.values() for c in cs)
+    shape = Shape(heads, per, segments, tuple(sum(p) for p in per), calls, blocks,
+                  local_only=ring_is_local(segments, cu), cu=cu)
+    if len(pipe.shapes) > 32:
+        pipe.shapes.clear()
+    pipe.shapes[key] = shape
+    return shape
+
+
+def joint_segments(pipe, mesh, spec: CallSpec, lengths):
+    """Per ring rank, the global positions its rows hold (joint and main tokens, in local
+    order) as segments, and whether every rank's positions are increasing."""
+    R, U = mesh.ring_degree, mesh.ulysses_degree
+    total = joint_total(spec)
+    front = spec.joint.startswith("front")
+    main = [n - share(total, mesh.sp_size, i)[1] for i, n in enumerate(lengths)]
+    S = sum(main)
+    segs, ordered = [], True
+    for r in range(R):
+        rows = []
+        for u in range(U):
+            i = mesh.sp_index(r, u)
+            js, jn = share(total, mesh.sp_size, i)
+            mpos = local_positions(pipe.layout.name, S, R, U, r, u)
+            jpos = torch.arange(js, js + jn)
+            rows += ([jpos, mpos + total] if front else [mpos, jpos + S])
+        pos = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        ordered = ordered and bool((pos[1:] > pos[:-1]).all())
+        segs.append(tuple(segments_from_positions(pos)))
+    return tuple(segs), ordered
+
+
+def check_blocks(pipe, shape: Shape, local: Local) -> None:
+    """Every kernel call of every rank's plan must be one the backend accepts (its rules on
+    Sq/Sk, e.g. bottom-right windows): checked before any data moves, on every rank
+    alike, since every rank plans every rank's blocks."""
+    req, backend = local.request, local.backend
+    key = (id(shape), type(backend).__name__)
+    if key in pipe.checked_blocks:
+        return
+    reasons: list = []
+    for sq, sk, causal in sorted(shape.blocks):
+        if sq != sk:
+            why = type(backend).not_supported_reasons(req.with_(seqlen_q=sq, seqlen_k=sk, causal=causal))
+            reasons += [f"a ring block of {sq} queries x {sk} keys: {w}" for w in why if w not in reasons]
+    if reasons:
+        raise USPError(f"attn_type={backend.NAME!r} cannot run every block this call needs:\n  - "
+                       + "\n  - ".join(dict.fromkeys(reasons)) + "\nuse attn_type='sdpa' or another layout")
+    if len(pipe.checked_blocks) > 64:
+        pipe.checked_blocks.clear()
+    pipe.checked_blocks.add(key)
+
+
+def build(pipe, mesh, spec: CallSpec, lengths, local: Local, head_groups=None) -> CallPlan:
+    """The call's plan: one stage per head group (``head_groups``: HeadPlan -> its groups;
+    the pipeline's own split by default)."""
+    heads = local.heads
+    shape = shape_of(pipe, mesh, spec, lengths, heads, local.cu_seqlens)
+    check_blocks(pipe, shape, local)
+    me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
+    codecs = {n: get_codec(c) for n, c in pipe.wire.items()}
+    ring_codecs = (get_codec(pipe.ring_wire[0]), get_codec(pipe.ring_wire[1]))
+    stages = []
+    for group in (head_groups or pipe.head_groups)(heads):
+        exchange = UlyssesExchange(group, mesh.ulysses_group, me_u, shape.per_rank[me_r],
+                                   where=mesh.where("ulysses"), codecs=codecs)
+        # packed documents that no two ring ranks share: every rank only needs its own keys
+        rotation_cls = Rotation if shape.local_only else pipe.rotation_cls
+        rotation = rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
+                                where=mesh.where("ring"), codecs=ring_codecs)
+        slopes = None
+        if local.alibi is not None:
+            a, c = group.q[me_u]
+            slopes = local.alibi[..., a:c].to(device=local.device, dtype=torch.float32)
+        ring = PlannedRing(shape, backend=local.backend, ring_size=mesh.ring_degree, ring_rank=me_r,
+                           segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
+                           causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
+                           alibi_slopes=slopes, deterministic=spec.deterministic, cu_seqlens=shape.cu)
+        stages.append(Stage(exchange, ring))
+    # a kernel declared to carry a non-finite query into its row (PROPAGATES_NAN: device types) needs no guard
+    guard = spec.device_type not in getattr(type(local.backend), "PROPAGATES_NAN", ())
+    return CallPlan(spec, local.backend, stages, spec.dtype, tuple(lengths), nan_guard=guard)

@@ -1,0 +1,133 @@
+"""Step 4 of a call: one forward and one backward loop over the plan's stages (one stage,
+or head groups pipelined against each other's kernels), used by every face: the module's
+autograd Function, its forward-only path, the compiled custom op and the async paths.
+
+Forward, per stage: the Ulysses all-to-all of q/k/v (the next stage's is in flight while
+this one computes), the ring, the output's all-to-all back.  Backward, per stage: the
+output gradient to heads, the ring's backward, dq/dk/dv back in one all-to-all.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..ring import merge_dtype, ring_backward, ring_forward
+from .plan import CallPlan
+
+
+def nan_guard(qh: torch.Tensor) -> torch.Tensor:
+    """``[B, S, h, 1]``: 0 for rows whose query is finite, NaN otherwise (some kernels return
+    a finite row for a non-finite query; adding this keeps single-device semantics)."""
+    return qh.sum(dim=-1, keepdim=True, dtype=torch.float32 if qh.dtype != torch.float64 else torch.float64) * 0
+
+
+class Received:
+    """Stage 0's head-layout q/k/v from all-to-alls the caller already started (the async
+    projections path): ``wait()`` waits on each and gives ``(qh, kh, vh)``."""
+
+    def __init__(self, exchange, pendings: Sequence):
+        self.exchange, self.pendings = exchange, list(pendings)
+
+    def wait(self):
+        q, k, v = (p.wait() for p in self.pendings)
+        return self.exchange.expand(q, k, v)
+
+
+def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = None):
+    """``(out, lse or None, saved)``; ``saved`` holds per stage what the backward needs
+    (head-layout q, k, v, out and lse) when ``keep``."""
+    spec, stages = plan.spec, plan.stages
+    many = len(stages) > 1
+    out = lse = None
+    if many:   # every stage writes its heads into the full-width results
+        b, s = q.shape[0], q.shape[1]
+        out = torch.empty((b, s, spec.heads, spec.v_dim), dtype=plan.dtype, device=q.device)
+        lse = torch.empty((b, spec.heads, s), dtype=merge_dtype(plan.dtype), device=q.device) \
+            if spec.return_lse else None
+    saved: List[list] = []
+    sends = []
+    pending = received if received is not None else stages[0].exchange.start_qkv(q, k, v, async_op=many)
+    for i, st in enumerate(stages):
+        qh, kh, vh = pending.wait()
+        if i + 1 < len(stages):
+            pending = stages[i + 1].exchange.start_qkv(q, k, v, async_op=True)
+        guard = nan_guard(qh) if plan.nan_guard else None
+        out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
+        if guard is not None and (keep or spec.return_lse):
+            lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
+        sends.append(st.exchange.start_out(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
+                                           keep_heads=keep, into=out, lse_into=lse, async_op=many))
+        saved.append([qh, kh, vh, None, lse_h] if keep else [])
+    for i, p in enumerate(sends):
+        o, l, outh = p.wait()
+        if keep:
+            saved[i][3] = outh
+        if not many:
+            out, lse = o, l
+    return out, lse, [tuple(x) for x in saved]
+
+
+def backward(plan: CallPlan, dout, saved=None, seq=None):
+    """``(dq, dk, dv)`` in the sequence layout.  The head-layout tensors come from the
+    forward's ``saved``, or, with ``seq = (q, k, v, out, lse)`` (the compiled op, which can
+    only keep sequence-layout tensors), travel to the head layout here with ``dout``."""
+    stages = plan.stages
+    many = len(stages) > 1
+    into = None
+    if many:
+        spec = plan.spec
+        b, s = dout.shape[0], dout.shape[1]
+        kw = dict(dtype=plan.dtype, device=dout.device)
+        into = (torch.zeros((b, s, spec.heads, spec.head_dim), **kw),
+                torch.zeros((b, s, spec.kv_heads, spec.head_dim), **kw),
+                torch.zeros((b, s, spec.kv_heads, spec.v_dim), **kw))
+    sends = []
+    pending = stages[0].exchange.start_dout(dout, async_op=many) if seq is None else None
+    for i, st in enumerate(stages):
+        if seq is None:
+            assert pending is not None
+            douth = pending.wait()
+            if i + 1 < len(stages):
+                pending = stages[i + 1].exchange.start_dout(dout, async_op=True)
+            qh, kh, vh, outh, lse_h = saved[i]
+        else:
+            qh, kh, vh, outh, douth, lse_h = st.exchange.saved_to_heads(seq[0], seq[1], seq[2], seq[3], dout, seq[4])
+        dq, dk, dv = ring_backward(st.ring, douth, qh, kh, vh, outh, lse_h)
+        sends.append(st.exchange.start_grads(dq, dk, dv, plan.dtype, into=into, async_op=many))
+    grads = [p.wait() for p in sends]
+    return into if many else grads[0]
+
+
+class USPFunction(torch.autograd.Function):
+    """The call as one autograd node: every rank issues the same collectives in the same
+    order in backward too."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, plan: CallPlan, received=None):
+        out, lse, saved = forward(plan, q, k, v, keep=True, received=received)
+        fctx.plan = plan
+        fctx.n = len(saved)
+        fctx.save_for_backward(*[t for st in saved for t in st])
+        if lse is not None:
+            fctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(fctx, dout, _dlse):
+        flat = fctx.saved_tensors
+        saved = [flat[5 * i:5 * i + 5] for i in range(fctx.n)]
+        dq, dk, dv = backward(fctx.plan, dout, saved)
+        return dq, dk, dv, None, None
+
+
+def run(plan: CallPlan, q, k, v, received: Optional[Received] = None):
+    """``(out, lse or None)``: through the autograd Function when the call needs gradients,
+    else the forward alone (nothing saved)."""
+    if plan.spec.needs_grad:
+        return USPFunction.apply(q, k, v, plan, received)
+    if not torch.is_grad_enabled():
+        return forward(plan, q, k, v, keep=False, received=received)[:2]
+    with torch.no_grad():
+        out, lse, _ = forward(plan, q, k, v, keep=False, received=received)
+    return out, lse
