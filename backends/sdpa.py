@@ -67,6 +67,9 @@ class SDPABackend(AttentionBackend):
     HAS_BACKWARD = True
     IS_DETERMINISTIC = True   # on CPU; the CUDA efficient backward is refused below
     INPUT_LAYOUT = "last-dim-contiguous"
+    # a query row with a NaN/inf comes out NaN (out and lse) from the CPU op: no guard needed there
+    # (checked on torch 2.13.0 here); the CUDA ops are not checked, so the core guards them
+    PROPAGATES_NAN = frozenset({"cpu"})
     LIMITS = (
         Limit("fp64 is only supported on cpu (the CUDA attention ops take fp16/bf16/fp32)",
               uses=("fp64",), devices=("cuda", "rocm"),
@@ -114,7 +117,10 @@ class SDPABackend(AttentionBackend):
 
     def _forward_cpu(self, q, k, v, scale, causal, window, alibi_slopes, key_offset):
         cdt = self._compute_dtype(q, alibi_slopes)
-        qt, kt, vt = (x.to(cdt).transpose(1, 2) for x in (q, k, v))
+        if cdt == q.dtype:
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            qt, kt, vt = (x.to(cdt).transpose(1, 2) for x in (q, k, v))
         empty = None
         if self._needs_mask(window, alibi_slopes):
             mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt)
@@ -123,6 +129,11 @@ class SDPABackend(AttentionBackend):
         else:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, scale=scale)
+            if lse.dtype in (torch.float32, torch.float64):
+                # no mask: no row is empty, and the CPU op never writes +inf; a strided lse is fine
+                # for the contract's readers (the merge reads it, the backward makes it contiguous)
+                out = out.transpose(1, 2)
+                return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
         return out.transpose(1, 2).to(q.dtype), normalize_lse(lse, empty)
 
     def _use_flash(self, dev, q, k, causal, window, alibi_slopes) -> bool:

@@ -258,11 +258,25 @@ def torch_device_name(device_type: str) -> str:
     return get_platform(device_type).torch_device
 
 
+_DEVICE_TYPES: dict = {}     # torch.device -> device type, outside emulation (asked on every call)
+
+
 def device_type_of(device: "torch.device | str") -> str:
     """usp-hal device type of a tensor's device (tells ROCm from CUDA)."""
+    if not _EMULATION:
+        got = _DEVICE_TYPES.get(device)
+        if got is not None:
+            return got
     t = device.type if isinstance(device, torch.device) else torch.device(device).type
     if _EMULATION and t == "cpu":
         return _EMULATION[-1].device_type
+    name = _device_type(t)
+    if isinstance(device, torch.device) and len(_DEVICE_TYPES) < 64:
+        _DEVICE_TYPES[device] = name
+    return name
+
+
+def _device_type(t: str) -> str:
     candidates = _torch_name_to_types().get(t)
     if not candidates:
         return t

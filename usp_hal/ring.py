@@ -478,13 +478,15 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     ``out`` is the merge-dtype accumulator (or the kernel's own output for a single call);
     ``lse`` [B, h, L] in the merge dtype."""
+    if q.shape[2] != 0 and ctx.rotation.codecs is None:
+        one = _single_call(ctx, q, k)
+        if one is not None:
+            out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
+            mdt = merge_dtype(q.dtype)
+            return out, (lse if lse.dtype == mdt else lse.to(mdt))
     acc = _Accumulator(q, v.shape[-1])
     if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
         return acc.result()
-    one = _single_call(ctx, q, k)
-    if one is not None and ctx.rotation.codecs is None:
-        out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
-        return out, lse.to(acc.mdt)
     for src, kb, vb in ctx.rotation.blocks(k, v):
         for c in ctx.steps(src):
             if isinstance(c, PackedCall):
