@@ -11,6 +11,12 @@ backends with a backward, ``dq``/``dk``/``dv`` with the float64 reference, using
 per-dtype tolerances of :mod:`usp_hal.reference`.  The exit status is 1 when any check
 fails.  ``--json`` prints the same data as JSON.
 
+``--verify --interpret`` verifies, instead, the backends whose kernels are Triton code
+(SageAttention 1.0.6, flash-attn's Triton AMD build) under the Triton interpreter on the CPU,
+each in a process started with ``TRITON_INTERPRET=1`` and its device emulated
+(:mod:`usp_hal.harness.interpret`): the kernel's maths through the adapter before renting the
+hardware.  It is only ever used when asked for.
+
 The report and the verification come from :mod:`usp_hal.harness.verify` (also what the CI
 matrix and its tests use); this module parses the arguments and prints.
 """
@@ -121,16 +127,22 @@ def add_parser(subparsers) -> None:
                    help="with --verify: only these dtypes (repeatable: fp64, fp32, bf16, fp16)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="with --verify: verify each backend in its own process, at most this long")
+    p.add_argument("--interpret", action="store_true",
+                   help="with --verify: run the backends whose kernels are Triton code (sage_fp8, fa2's Triton AMD "
+                        "build) under the Triton interpreter on the CPU, with their device emulated; checks the "
+                        "kernel's API and arithmetic through the adapter, not the hardware (needs triton and the "
+                        "package; never chosen without this flag)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    if (args.backend or args.dtype or args.timeout) and not args.verify:
-        print("usp-hal probe: --backend/--dtype/--timeout only apply with --verify", file=sys.stderr)
+    if (args.backend or args.dtype or args.timeout or args.interpret) and not args.verify:
+        print("usp-hal probe: --backend/--dtype/--timeout/--interpret only apply with --verify", file=sys.stderr)
         return 2
     try:
         dtypes = [parse_dtype(d) for d in args.dtype] if args.dtype else None
-        report = collect(verify=args.verify, only=args.backend, dtypes=dtypes, timeout=args.timeout)
+        report = collect(verify=args.verify, only=args.backend, dtypes=dtypes, timeout=args.timeout,
+                         interpret=args.interpret)
     except ValueError as exc:  # unknown backend or dtype name
         print(f"usp-hal probe: {exc}", file=sys.stderr)
         return 2

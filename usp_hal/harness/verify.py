@@ -179,7 +179,7 @@ def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *,
     qr, kr, vr = (x.to(torch.float64).requires_grad_(check_grad) for x in (q, k, v))
     ref_out, ref_lse = reference_attention(qr, kr, vr, **opts)
     checks = _Checks(_references(ref_out, ref_lse, dout, (qr, kr, vr), check_grad), atol, rtol, dtype)
-    dev = torch.device(_platform.torch_device_name(device_type))
+    dev = _tensor_device(device_type)
 
     def run():
         kernel = backend()
@@ -189,6 +189,15 @@ def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *,
         if check_grad:
             checks.grads(kernel.backward(dod, qd, kd, vd, out, lse, **opts))
     return checks.run(run)
+
+
+def _tensor_device(device_type: str) -> torch.device:
+    """Where the case's tensors live: the device itself, or the CPU while it is emulated
+    (:func:`usp_hal.platform.emulate`: CPU tensors stand for the device)."""
+    em = _platform.emulated()
+    if em is not None and em.device_type == device_type:
+        return torch.device("cpu")
+    return torch.device(_platform.torch_device_name(device_type))
 
 
 def _references(ref_out, ref_lse, dout, leaves, check_grad: bool) -> dict:
@@ -269,7 +278,9 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
             use = {f: have[f] for f in FEATURES if f != "fwd"}
         else:
             use = {f: bool(features.get(f)) for f in FEATURES if f != "fwd"}
-        checked = base.with_(needs_grad=use.get("bwd", False), needs_lse=use.get("ring", False))
+        # with the lengths the cases use, so that rules on Sq/Sk (e.g. a kernel's key blocks) refuse up front
+        checked = base.with_(needs_grad=use.get("bwd", False), needs_lse=use.get("ring", False),
+                             seqlen_q=VERIFY_SEQLEN, seqlen_k=VERIFY_SEQLEN)
         for case, change in _cases(backend, checked, use):
             req = checked.with_(**change)
             why = backend.not_supported_reasons(req)
@@ -327,7 +338,7 @@ def verify_packed_case(backend, device_type: str, dtype: torch.dtype, head_dim: 
         a, c = a + nq, c + nk
     checks = _Checks(_references(torch.cat(outs), torch.cat(lses, dim=1), dout, (qr, kr, vr), check_grad), atol,
                      rtol, dtype)
-    dev = torch.device(_platform.torch_device_name(device_type))
+    dev = _tensor_device(device_type)
 
     def run():
         kernel = backend()
@@ -390,14 +401,57 @@ def _verify_in_child(name: str, dtypes: Optional[list], timeout: float) -> list:
                                                      + " | ".join(tail)}]
 
 
+def _verify_interpreted(name: str, dtypes: Optional[list], timeout: Optional[float]) -> list:
+    """``name``'s real Triton kernel under the Triton interpreter, in a child process started
+    with the interpreter's variables (:mod:`usp_hal.harness.interpret`); in that child (marked
+    by ``USP_HAL_INTERPRET_CHILD``) the rows are computed on the emulated device."""
+    import os
+    import subprocess
+
+    from . import interpret
+    row0: Any = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
+                 "errors": {}, "interpreted": True}
+    if os.environ.get(INTERPRET_CHILD) == "1":
+        interpret.prepare(name)
+        emulation = interpret.EMULATION[name]
+        with _platform.emulate(**emulation):
+            rows = verify_backend(REGISTRY.get(name), emulation["device_type"],
+                                  dtypes=dtypes or list(interpret.DTYPES[name]))
+        return [{**r, "interpreted": True} for r in rows]
+    why = interpret.missing(name)
+    if why:
+        return [{**row0, "status": "fail", "reason": f"cannot run under the Triton interpreter here: {why}"}]
+    cmd = [sys.executable, "-m", "usp_hal", "probe", "--verify", "--interpret", "--json", "--backend", name]
+    for d in dtypes or []:
+        cmd += ["--dtype", dtype_name(d)]
+    env = {**os.environ, **interpret.ENV, INTERPRET_CHILD: "1"}
+    limit = timeout or 900.0
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        return [{**row0, "status": "timeout",
+                 "reason": f"the interpreted verification did not finish within {limit:g} s"}]
+    try:
+        return json.loads(res.stdout)["verify"]["results"]
+    except Exception:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return [{**row0, "status": "fail", "reason": f"interpreted verification failed (exit {res.returncode}): "
+                                                     + " | ".join(tail)}]
+
+
+#: marks the child process of ``probe --verify --interpret`` (set by the parent, never by hand)
+INTERPRET_CHILD = "USP_HAL_INTERPRET_CHILD"
+
+
 def summarize(report: dict) -> list:
     """One line per backend: verified, refused (why), unavailable (why), failed or timeout."""
     results = (report.get("verify") or {}).get("results", [])
     seconds = (report.get("verify") or {}).get("seconds", {})
     out = []
+    interpreted = {r["backend"] for r in results if r.get("interpreted")}
     for row in report["backends"]:
         name = row["name"]
-        if not row["available"]:
+        if not row["available"] and name not in interpreted:
             out.append({"backend": name, "status": "unavailable", "detail": row["reason"]})
             continue
         mine = [r for r in results if r["backend"] == name]
@@ -415,6 +469,9 @@ def summarize(report: dict) -> list:
             note = f"{len(passed)} case(s) pass" + (f" in {seconds[name]:g} s" if name in seconds else "")
             if skipped:
                 note += "; refused here: " + "; ".join(f"{r['dtype']} {r['case']}: {r['reason']}" for r in skipped)
+            if name in interpreted:
+                note = "its real Triton kernel under the Triton interpreter on the CPU (emulated device; API and " \
+                       "arithmetic only, not the hardware): " + note
             out.append({"backend": name, "status": "verified", "detail": note})
         else:
             out.append({"backend": name, "status": "refused",
@@ -423,9 +480,12 @@ def summarize(report: dict) -> list:
 
 
 def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
-            dtypes: Optional[list] = None, timeout: Optional[float] = None) -> dict:
+            dtypes: Optional[list] = None, timeout: Optional[float] = None, interpret: bool = False) -> dict:
     """Everything the probe reports, as plain data (what ``--json`` prints).  With
-    ``timeout``, each backend is verified in its own process under that limit (seconds)."""
+    ``timeout``, each backend is verified in its own process under that limit (seconds).
+    ``interpret`` (asked for explicitly, never implied): verify the backends whose kernels are
+    Triton code (``usp_hal.harness.interpret.EMULATION``) under the Triton interpreter, each in
+    a process of its own, instead of the available backends."""
     reg = registry if registry is not None else REGISTRY
     info = _platform.info()
     report: Dict[str, Any] = {
@@ -442,6 +502,22 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
         "dist_backends": dict(info.dist_backends),
         "backends": backend_rows(reg),
     }
+    if verify and interpret:
+        from .interpret import EMULATION
+        wanted = [reg.canonical_name(n) for n in only] if only else list(EMULATION)
+        unknown = [n for n in wanted if n not in EMULATION]
+        if unknown:
+            raise ValueError(f"--interpret runs Triton kernels only ({', '.join(EMULATION)}), not {', '.join(unknown)}")
+        results = []
+        seconds = {}
+        for name in wanted:
+            start = time.monotonic()
+            results.extend(_verify_interpreted(name, dtypes, timeout))
+            seconds[name] = round(time.monotonic() - start, 1)
+        report["verify"] = {"ok": all(r["status"] not in ("fail", "timeout") for r in results), "results": results,
+                            "seconds": seconds, "interpreted": True}
+        report["summary"] = summarize(report)
+        return report
     if verify:
         wanted = [reg.canonical_name(n) for n in only] if only else None
         if wanted and "auto" in wanted:
