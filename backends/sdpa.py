@@ -130,10 +130,10 @@ class SDPABackend(AttentionBackend):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, scale=scale)
             if lse.dtype in (torch.float32, torch.float64):
-                # no mask: no row is empty, and the CPU op never writes +inf; a strided lse is fine
-                # for the contract's readers (the merge reads it, the backward makes it contiguous)
+                # no mask: no row is empty and the CPU op never writes +inf, so the lse only needs
+                # the contract's contiguous [B, H, S] layout (the op's memory is [B, S, H])
                 out = out.transpose(1, 2)
-                return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+                return (out if out.dtype == q.dtype else out.to(q.dtype)), lse.contiguous()
         return out.transpose(1, 2).to(q.dtype), normalize_lse(lse, empty)
 
     def _use_flash(self, dev, q, k, causal, window, alibi_slopes) -> bool:
