@@ -443,6 +443,15 @@ class FlashAttn2Backend(AttentionBackend):
                 return Availability(False, why, version)
         return super().availability()
 
+    #: what tests/real/ runs on the real package under the Triton interpreter (docs)
+    INTERPRETER_CHECKED = (
+        ("2.8.3 Triton AMD build, fp16: forward and backward through the adapter (head dims 32-128, GQA/MQA, "
+         "causal, Sq != Sk without masks, alibi, deterministic), the varlen entry points, and LongContextAttention "
+         "(1 rank, Ulysses-2, Ring-2 basic and zigzag); window/softcap and causal with Sq != Sk refused",
+         "bf16 (the interpreter computes a bf16 tl.dot on the raw storage), the CUDA and CK builds, other versions, "
+         "AMD hardware"),
+    )
+
     def _kernel(self) -> _FA2Kernel:
         kernel = getattr(self, "_loaded_kernel", None)
         if kernel is None:

@@ -159,6 +159,15 @@ class SageFP8Backend(AttentionBackend):
          f"{SRC} v2.0.1, 4b0824d (2.1.1), v2.2.0, main sageattention/core.py, setup.py"),
     )
 
+    #: what tests/real/ runs on the real package under the Triton interpreter (docs)
+    INTERPRETER_CHECKED = (
+        ("1.0.6: fp16/bf16 forward through the adapter (head dims 40 padded, 64, 96, 128; GQA/MQA; causal; S 16-256) "
+         "and through LongContextAttention (1 rank, Ulysses-2); the padded-key flaw of non-causal calls with "
+         "Sk % 64 != 0 in the kernel itself, and its refusal; Ring-2 refused (no lse)",
+         "v2 (source builds, no wheel), the CUDA kernels of sm80/89/90, the INT8/FP8 tensor-core rounding, "
+         "the values masked loads give on a GPU"),
+    )
+
     def _installed(self) -> str:
         version = self.__dict__.get("_version")
         if version is None:

@@ -379,6 +379,24 @@ def generate_docs(registry=None) -> str:
               "the adapter, not the kernel; the per-device CI runs the real kernels.", ""]
     rows = [[c.NAME, fact, src] for c in classes for fact, src in c.UPSTREAM_CHECKED]
     lines += _md_table(["backend", "facts", "checked against"], rows) if rows else ["(none)"]
+    lines += ["", "## What runs against the real kernel on a CPU", "",
+              "Two kernels are Triton code, and Triton's interpreter (`TRITON_INTERPRET=1`) runs them on CPU "
+              "tensors: `tests/real/` (part of every CI run, see `.ci/run` for the installs) and "
+              "`usp-hal probe --verify --interpret` drive the real packages through the adapters and, in the tests, "
+              "through `LongContextAttention`, against float64 attention. This proves the kernels' Python API and "
+              "their arithmetic as the adapters drive them; it does not prove GPU races, tensor-core rounding or "
+              "what masked loads return on the hardware (the interpreter gives zeros). Every other backend is "
+              "checked on stand-ins only, until its per-device CI runs.", ""]
+    rows = []
+    for c in classes:
+        facts = getattr(c, "INTERPRETER_CHECKED", ())
+        if facts:
+            rows += [[c.NAME, what, how] for what, how in facts]
+        else:
+            cpu = "cpu" in c.SUPPORTED_DEVICES
+            rows.append([c.NAME, "its CPU kernels themselves" if cpu else "nothing: stand-ins only (tests/contract/)",
+                         "its accelerator kernels (stand-ins only)" if cpu else "the kernel itself"])
+    lines += _md_table(["backend", "checked against the real kernel here", "not checked here"], rows)
     lines += ["", "## Per-device CI matrix", "",
               "What `usp-hal matrix --device PROFILE` generates for each CI profile: the dtypes each "
               "backend runs there and the features tested.", ""]
