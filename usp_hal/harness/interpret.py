@@ -26,13 +26,13 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from typing import Optional
+from typing import Any, Dict, Optional
 
 #: the variables an interpreted process needs, before its first ``import triton``
 ENV = {"TRITON_INTERPRET": "1", "FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"}
 
 #: backend -> the device its kernel is emulated as (the Triton AMD build is what runs on ROCm)
-EMULATION = {
+EMULATION: Dict[str, Dict[str, Any]] = {
     "sage_fp8": {"device_type": "cuda", "compute_capability": (8, 0)},
     "fa2": {"device_type": "rocm"},
 }
@@ -135,7 +135,7 @@ def _prepare_fa2() -> None:
         op = getattr(iface, fn_name)
         # the custom op was declared for "cuda" only; the same Python function serves "cpu"
         op.register_kernel("cpu")(op._init_fn)
-    iface._usp_hal_cpu_registered = True
+    iface.__dict__["_usp_hal_cpu_registered"] = True
 
 
 _REPORTS_CUDA: list = []
@@ -147,7 +147,7 @@ def _reports_cuda():
         import torch
 
         class ReportsCuda(torch.Tensor):
-            is_cuda = property(lambda self: True)  # type: ignore[assignment]
+            is_cuda = property(lambda self: True)
             __torch_function__ = torch._C._disabled_torch_function_impl
         _REPORTS_CUDA.append(ReportsCuda)
     return _REPORTS_CUDA[0]

@@ -504,18 +504,18 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
     }
     if verify and interpret:
         from .interpret import EMULATION
-        wanted = [reg.canonical_name(n) for n in only] if only else list(EMULATION)
-        unknown = [n for n in wanted if n not in EMULATION]
+        names = [reg.canonical_name(n) for n in only] if only else list(EMULATION)
+        unknown = [n for n in names if n not in EMULATION]
         if unknown:
             raise ValueError(f"--interpret runs Triton kernels only ({', '.join(EMULATION)}), not {', '.join(unknown)}")
-        results = []
-        seconds = {}
-        for name in wanted:
+        rows: list = []
+        took: dict = {}
+        for name in names:
             start = time.monotonic()
-            results.extend(_verify_interpreted(name, dtypes, timeout))
-            seconds[name] = round(time.monotonic() - start, 1)
-        report["verify"] = {"ok": all(r["status"] not in ("fail", "timeout") for r in results), "results": results,
-                            "seconds": seconds, "interpreted": True}
+            rows.extend(_verify_interpreted(name, dtypes, timeout))
+            took[name] = round(time.monotonic() - start, 1)
+        report["verify"] = {"ok": all(r["status"] not in ("fail", "timeout") for r in rows), "results": rows,
+                            "seconds": took, "interpreted": True}
         report["summary"] = summarize(report)
         return report
     if verify:
