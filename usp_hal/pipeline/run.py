@@ -8,12 +8,23 @@ output gradient to heads, the ring's backward, dq/dk/dv back in one all-to-all.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from ..ring import merge_dtype, ring_backward, ring_forward
 from .plan import CallPlan
+
+#: Timing hooks (the harness installs one; empty, the loops below pay one ``if`` per step).
+#: Each is called as ``hook(step)`` when a step of the loops begins: ``"exchange"`` (the
+#: Ulysses all-to-alls with their packing and unpacking), ``"ring"`` (the ring's kernels,
+#: merges and rotation), ``None`` (the loop is done).
+HOOKS: List[Callable[[Optional[str]], None]] = []
+
+
+def step(name: Optional[str]) -> None:
+    for hook in HOOKS:
+        hook(name)
 
 
 def nan_guard(qh: torch.Tensor) -> torch.Tensor:
@@ -47,13 +58,19 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
             if spec.return_lse else None
     saved: List[list] = []
     sends = []
+    if HOOKS:
+        step("exchange")
     pending = received if received is not None else stages[0].exchange.start_qkv(q, k, v, async_op=many)
     for i, st in enumerate(stages):
         qh, kh, vh = pending.wait()
         if i + 1 < len(stages):
             pending = stages[i + 1].exchange.start_qkv(q, k, v, async_op=True)
         guard = nan_guard(qh) if plan.nan_guard else None
+        if HOOKS:
+            step("ring")
         out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
+        if HOOKS:
+            step("exchange")
         if guard is not None and (keep or spec.return_lse):
             lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
         sends.append(st.exchange.start_out(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
@@ -65,6 +82,8 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
             saved[i][3] = outh
         if not many:
             out, lse = o, l
+    if HOOKS:
+        step(None)
     return out, lse, [tuple(x) for x in saved]
 
 
@@ -83,6 +102,8 @@ def backward(plan: CallPlan, dout, saved=None, seq=None):
                 torch.zeros((b, s, spec.kv_heads, spec.head_dim), **kw),
                 torch.zeros((b, s, spec.kv_heads, spec.v_dim), **kw))
     sends = []
+    if HOOKS:
+        step("exchange")
     pending = stages[0].exchange.start_dout(dout, async_op=many) if seq is None else None
     for i, st in enumerate(stages):
         if seq is None:
@@ -93,9 +114,15 @@ def backward(plan: CallPlan, dout, saved=None, seq=None):
             qh, kh, vh, outh, lse_h = saved[i]
         else:
             qh, kh, vh, outh, douth, lse_h = st.exchange.saved_to_heads(seq[0], seq[1], seq[2], seq[3], dout, seq[4])
+        if HOOKS:
+            step("ring")
         dq, dk, dv = ring_backward(st.ring, douth, qh, kh, vh, outh, lse_h)
+        if HOOKS:
+            step("exchange")
         sends.append(st.exchange.start_grads(dq, dk, dv, plan.dtype, into=into, async_op=many))
     grads = [p.wait() for p in sends]
+    if HOOKS:
+        step(None)
     return into if many else grads[0]
 
 
