@@ -85,7 +85,8 @@ def format_report(res: dict, launcher: str) -> str:
                  f"over ranks, after {cfg.warmup} warm-up)"
                  + (f"; forward {fmt_ms(s['fwd'])} ms, backward {fmt_ms(s['bwd'])} ms" if cfg.bwd else ""))
     lines.append("per rank (medians per iteration): kernel = inside the backend; comm = in collectives and "
-                 "their waits; merge = ring out/lse merge; layout = Ulysses re-layout around the all-to-all; "
+                 "their waits; merge = the ring's own work (merges, block slices); "
+                 "layout = Ulysses re-layout around the all-to-all; "
                  "other = the rest (buffers, copies, gradient sums, Python)")
     lines.append("  rank  total ms  kernel fwd  kernel bwd  comm   merge  layout  other  sent       peak memory")
     for r in s["ranks"]:

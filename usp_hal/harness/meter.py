@@ -3,8 +3,11 @@
 :class:`CommMeter` wraps the ``torch.distributed`` collectives the core uses and counts the
 calls, the bytes this rank sends and the time spent in them (calls and waits); it is the one
 way the harness, the benchmarks and the tests meter the core's communication.
-:func:`time_backend` wraps one backend object's ``forward``/``backward`` to time the kernel
-calls, and :func:`instrument_core` times the core's merge and Ulysses re-layout.
+:func:`time_backend` wraps one backend object's ``forward``/``backward`` (and their packed
+forms) to time the kernel calls, and :func:`instrument_core` installs the step hook
+(``usp_hal.pipeline.run.HOOKS``) through which the call's own loops report their Ulysses
+exchange and ring steps: every path (plain, async, compiled) runs those loops, so every
+path's re-layout and ring overhead is timed.
 :class:`MemoryMeter` measures the peak memory of a region above what was live at its start
 (CPU: the peak of live tensor allocations from the torch profiler's memory events; the
 resident-size growth, ``VmHWM`` after a reset through ``/proc/self/clear_refs`` minus
@@ -166,9 +169,12 @@ class CommMeter:
 
 
 class KernelTimes:
-    """Seconds and call counts inside a backend's ``forward`` and ``backward``, plus the
-    core's merge (``merge_s``) and Ulysses re-layout (``layout_s``: the all-to-all
-    wrappers' time minus the collective itself) while :func:`instrument_core` is active."""
+    """Seconds and call counts inside a backend's ``forward`` and ``backward`` (packed forms
+    included), plus, while the step hook is installed (:func:`instrument_core`), the core's
+    own time around them: ``merge_s``, the ring steps minus the kernels and the collectives
+    inside them (the out/lse merges, block slices and the rotation's packing), and
+    ``layout_s``, the Ulysses exchange steps minus the collectives (packing, unpacking,
+    the re-layout copies)."""
 
     def __init__(self):
         self.reset()
@@ -177,54 +183,54 @@ class KernelTimes:
         self.fwd_s = self.bwd_s = self.merge_s = self.layout_s = 0.0
         self.fwd_calls = self.bwd_calls = 0
         self.work = 0          # attention score entries the kernels computed (causal squares count half)
+        self._step: Optional[str] = None       # the step under way (the step hook's state)
+        self._marks = (0.0, 0.0, 0.0)          # (wall clock, comm seconds, kernel seconds) at its start
+
+    def step(self, name: Optional[str], comm: Optional["CommMeter"] = None) -> None:
+        """The call's loop enters step ``name`` (None: it is done): charge the time since the
+        previous step began, less the collectives and kernels inside it, to that step."""
+        now = time.perf_counter()
+        c = comm.seconds if comm is not None else 0.0
+        k = self.fwd_s + self.bwd_s
+        if self._step is not None:
+            t0, c0, k0 = self._marks
+            own = (now - t0) - (c - c0) - (k - k0)
+            if self._step == "ring":
+                self.merge_s += own
+            else:
+                self.layout_s += own
+        self._step = name
+        self._marks = (now, c, k)
 
 
 # what the core wrappers below report to: set by the rank while it times an iteration
 ACTIVE: Dict[str, Any] = {"times": None, "comm": None}
 
 
-def _timed_core_function(fn, field: str, minus_comm: bool):
-    def wrapped(*args, **kwargs):
-        times, comm = ACTIVE["times"], ACTIVE["comm"]
-        if times is None:
-            return fn(*args, **kwargs)
-        c0 = comm.seconds if (minus_comm and comm is not None) else 0.0
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            dt = time.perf_counter() - t
-            if minus_comm and comm is not None:
-                dt -= comm.seconds - c0
-            setattr(times, field, getattr(times, field) + dt)
-    functools.update_wrapper(wrapped, fn)
-    return wrapped
+def step_hook(name: Optional[str]) -> None:
+    """The hook :func:`instrument_core` installs in the call's loops: reports each step to
+    the :class:`KernelTimes` being filled (none: it does nothing)."""
+    times = ACTIVE["times"]
+    if times is not None:
+        times.step(name, ACTIVE["comm"])
 
 
 def instrument_core() -> list:
-    """Time the core's merge and Ulysses re-layout by wrapping what the core calls
-    (``usp_hal.ring.merge_block``; the ``UlyssesExchange`` methods, minus the collective
-    inside).  Idempotent; returns the names wrapped (missing ones are skipped)."""
-    import importlib as _il
-    done = []
-    for modname, name, field, minus in (("usp_hal.ring", "merge_block", "merge_s", False),
-                                        ("usp_hal.ulysses:UlyssesExchange", "qkv_to_heads", "layout_s", True),
-                                        ("usp_hal.ulysses:UlyssesExchange", "out_to_seq", "layout_s", True),
-                                        ("usp_hal.ulysses:UlyssesExchange", "dout_to_heads", "layout_s", True),
-                                        ("usp_hal.ulysses:UlyssesExchange", "grads_to_seq", "layout_s", True)):
-        modpath, _, cls = modname.partition(":")
-        mod = _il.import_module(modpath)
-        if cls:
-            mod = getattr(mod, cls)
-        fn = getattr(mod, name, None)
-        if fn is None:
-            continue
-        if not getattr(fn, "_usp_hal_instrumented", False):
-            w = _timed_core_function(fn, field, minus)
-            w._usp_hal_instrumented = True
-            setattr(mod, name, w)
-        done.append(f"{modname}.{name}")
-    return done
+    """Time the core's own work around the kernels and collectives: install
+    :func:`step_hook` in ``usp_hal.pipeline.run.HOOKS``, which the forward and backward
+    loops of every path call as each Ulysses exchange or ring step begins.  Idempotent;
+    returns what was installed."""
+    from ..pipeline import run as _run
+    if step_hook not in _run.HOOKS:
+        _run.HOOKS.append(step_hook)
+    return ["usp_hal.pipeline.run.HOOKS"]
+
+
+def uninstrument_core() -> None:
+    """Remove the step hook (the loops then pay one ``if`` per step again)."""
+    from ..pipeline import run as _run
+    while step_hook in _run.HOOKS:
+        _run.HOOKS.remove(step_hook)
 
 
 def score_entries(args, kwargs, first: int) -> int:
@@ -241,42 +247,59 @@ def score_entries(args, kwargs, first: int) -> int:
     return b * h * sq * sk
 
 
+def packed_score_entries(args, kwargs, first: int) -> int:
+    """Query-key pairs one packed (varlen) call scores: per sequence of its packing,
+    H*Sq*Sk, or H*S*(S+1)/2 for a causal square.  ``first``: index of q in args."""
+    try:
+        h = int(args[first].shape[1])
+        packing = next(a for a in args[first + 1:] if hasattr(a, "q_lens"))
+        lens = zip(packing.q_lens, packing.k_lens)
+    except (IndexError, AttributeError, TypeError, StopIteration):
+        return 0
+    causal = bool(kwargs.get("causal"))
+    return h * sum(nq * (nq + 1) // 2 if causal and nq == nk else nq * nk for nq, nk in lens)
+
+
 def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]] = None) -> None:
-    """Wrap ``backend.forward``/``backward`` (instance attributes shadow the class methods)
+    """Wrap ``backend.forward``/``backward`` and, where the backend has them,
+    ``forward_packed``/``backward_packed`` (instance attributes shadow the class methods)
     so each call adds its wall time to ``times``.  ``sync`` (accelerators) is called before
     and after each kernel so its time is the kernel's, at the cost of overlap."""
     if getattr(backend, "_usp_hal_timed", False):
         backend._usp_hal_times = times
         return
     fwd, bwd = backend.forward, backend.backward
+    fwd_p, bwd_p = getattr(backend, "forward_packed", None), getattr(backend, "backward_packed", None)
 
-    def forward(*args, **kwargs):
-        backend._usp_hal_times.work += score_entries(args, kwargs, 0)
-        if sync:
-            sync()
-        t = time.perf_counter()
-        try:
-            return fwd(*args, **kwargs)
-        finally:
+    inside = [0]      # a packed call the backend runs as dense calls is timed once, as itself
+
+    def timed(fn, first: int, field: str, count: str, entries):
+        def call(*args, **kwargs):
+            if inside[0]:
+                return fn(*args, **kwargs)
+            kt = backend._usp_hal_times
+            kt.work += entries(args, kwargs, first)
             if sync:
                 sync()
-            backend._usp_hal_times.fwd_s += time.perf_counter() - t
-            backend._usp_hal_times.fwd_calls += 1
+            inside[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if sync:
+                    sync()
+                inside[0] -= 1
+                setattr(kt, field, getattr(kt, field) + time.perf_counter() - t)
+                setattr(kt, count, getattr(kt, count) + 1)
+        functools.update_wrapper(call, fn)
+        return call
 
-    def backward(*args, **kwargs):
-        backend._usp_hal_times.work += score_entries(args, kwargs, 1)
-        if sync:
-            sync()
-        t = time.perf_counter()
-        try:
-            return bwd(*args, **kwargs)
-        finally:
-            if sync:
-                sync()
-            backend._usp_hal_times.bwd_s += time.perf_counter() - t
-            backend._usp_hal_times.bwd_calls += 1
-
-    backend.forward, backend.backward = forward, backward
+    backend.forward = timed(fwd, 0, "fwd_s", "fwd_calls", score_entries)
+    backend.backward = timed(bwd, 1, "bwd_s", "bwd_calls", score_entries)
+    if fwd_p is not None:
+        backend.forward_packed = timed(fwd_p, 0, "fwd_s", "fwd_calls", packed_score_entries)
+    if bwd_p is not None:
+        backend.backward_packed = timed(bwd_p, 1, "bwd_s", "bwd_calls", packed_score_entries)
     backend._usp_hal_times = times
     backend._usp_hal_timed = True
 

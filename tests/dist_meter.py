@@ -1,0 +1,43 @@
+"""Rank-side functions for tests/test_meter.py: the harness's step hook on every path."""
+from __future__ import annotations
+
+import torch
+
+import usp_hal
+from tests.dist_cases import get_mesh
+from usp_hal.harness import meter
+from usp_hal.pipeline import run as pipeline_run
+
+
+def hook_case(U=2, R=1, path="plain"):
+    """One forward and backward through ``path`` (plain, async, compiled) with the harness's
+    step hook installed: the steps the loops reported and the times they were charged."""
+    mesh = get_mesh(U, R)
+    kw = dict(attn_type="sdpa", ring_impl_type="zigzag", mesh=mesh)
+    attn = usp_hal.AsyncLongContextAttention(head_chunks=2, **kw) if path == "async" else \
+        usp_hal.LongContextAttention(**kw)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (usp_hal.shard(torch.randn(1, 32, 4, 8, generator=g), layout="zigzag", mesh=mesh).requires_grad_()
+               for _ in range(3))
+
+    def call(q, k, v):
+        return attn(q, k, v, causal=True)
+    fn = torch.compile(call, fullgraph=True, backend="eager") if path == "compiled" else call
+    if path == "compiled":
+        torch._dynamo.reset()
+    seen: list = []
+    times = meter.KernelTimes()
+    comm = meter.CommMeter()
+    meter.instrument_core()
+    pipeline_run.HOOKS.append(seen.append)
+    meter.ACTIVE["times"] = times
+    try:
+        with comm:
+            out = fn(q, k, v)
+            out.sum().backward()
+    finally:
+        meter.ACTIVE["times"] = None
+        pipeline_run.HOOKS.remove(seen.append)
+        meter.uninstrument_core()
+    return {"steps": seen, "layout": times.layout_s, "merge": times.merge_s, "hooks": len(pipeline_run.HOOKS),
+            "open": times._step}
