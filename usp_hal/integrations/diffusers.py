@@ -39,6 +39,7 @@ import torch
 import usp_hal
 
 from . import init_distributed, sync_gradients
+from .grads import watch
 
 __all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "parallelize", "enable_attention", "usp_attention",
            "init_distributed", "sync_gradients"]
@@ -90,7 +91,8 @@ def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
         raise ValueError("usp_hal attention (diffusers): diffusers' own context parallelism is enabled on this "
                          "model; use one of the two, not both")
     ctx.calls += 1
-    return ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
+    out = ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
+    return watch(out, ctx.mesh, "diffusers parallelize()")
 
 
 def _register_backend():

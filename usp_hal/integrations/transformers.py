@@ -46,6 +46,7 @@ import usp_hal
 from usp_hal.comm import agree, digest_ints
 
 from . import init_distributed, sync_gradients
+from .grads import watch
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "shard_batch", "init_distributed", "sync_gradients",
            "usp_attention_forward", "usp_mask"]
@@ -283,7 +284,7 @@ class USPAttentionFunction:
         out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=float(dropout),
                    softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=float(softcap) if softcap is not None else 0.0, cu_seqlens=cu)
-        return out, None
+        return watch(out, mesh, "transformers attn_implementation='usp_hal'"), None
 
 
 def _packing(cu_q, cu_k):

@@ -1,0 +1,146 @@
+"""Rank functions for data parallel x sequence parallel training (tests/test_dp_sp.py).
+
+4 ranks = dp 2 x sp 2 from one ``init_device_mesh("cpu", (2, 2), ("dp", "sp"))``: the
+sequence-parallel mesh comes from ``dm["sp"]``, the data-parallel wrapper (FSDP2's
+``fully_shard`` or DDP) works on ``dm["dp"]``.  Each replica trains a tiny Llama on its own
+batch; the reference, on rank 0, trains the same model in one process on both batches at
+once (equal token counts: the mean loss is the same)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import usp_hal
+from tests.integration_cases import _batches, _max_diff, tiny_llama
+
+_DM = {}
+
+
+def _meshes():
+    """The (2, 2) DeviceMesh and the sequence-parallel mesh of its "sp" dim (built once per pool)."""
+    if "dm" not in _DM:
+        from torch.distributed.device_mesh import init_device_mesh
+        dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+        _DM["dm"] = dm
+        _DM["mesh"] = usp_hal.init_sequence_parallel(device_mesh=dm["sp"], set_default=False)
+    return _DM["dm"], _DM["mesh"]
+
+
+def _world_mesh():
+    if "world" not in _DM:
+        from torch.distributed.device_mesh import init_device_mesh
+        _DM["world"] = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("all",))
+    return _DM["world"]
+
+
+def _wrap(model, wrapper: str, dm):
+    """fsdp/ddp: over the dp dim (orthogonal to sp); fsdp_world/ddp_world: over all 4 ranks, so
+    the wrapper also averages over the sp ranks (sync_gradients then multiplies by sp)."""
+    if wrapper in ("fsdp", "fsdp_world"):
+        from torch.distributed.fsdp import fully_shard
+        sub = dm["dp"] if wrapper == "fsdp" else _world_mesh()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=sub)
+        fully_shard(model, mesh=sub)
+        return model
+    if wrapper in ("ddp", "ddp_world"):
+        group = dm.get_group("dp") if wrapper == "ddp" else None
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    return model
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 24, seed: int = 0, lr: float = 2e-3,
+                   sync: bool = True, layers: int = 2):
+    """``steps`` AdamW steps of dp 2 x sp 2 (Ulysses 2) under ``wrapper`` (fsdp, ddp, plain).
+    ``sync=False``: the negative control, sync_gradients skipped (the check turned off)."""
+    from usp_hal.integrations import set_sync_check, sync_gradients
+    from usp_hal.integrations import transformers as usp
+
+    dm, mesh = _meshes()
+    replica = dm.get_coordinate()[0]
+    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed, num_hidden_layers=layers)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    wrapped = _wrap(model, wrapper, dm)
+    data = [_batches(1, B, S, seed + i)[0] for i in range(2)]
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=lr)
+    losses, grads = [], []
+    old = set_sync_check("raise" if sync else "off")
+    try:
+        for _ in range(steps):
+            ids = data[replica]
+            out = wrapped(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag"))
+            out.loss.backward()
+            if sync:
+                loss = sync_gradients(wrapped, mesh, out.loss)
+            else:   # report the same quantity, but step on the partial gradients
+                loss = out.loss.detach().clone()
+                dist.all_reduce(loss, group=mesh.sp_group)
+                dist.all_reduce(loss, group=mesh.dp_group)
+                loss /= 2
+            losses.append(float(loss))
+            if not grads:       # the first step's gradients: AdamW hides a scale error, these do not
+                grads = [_full(p.grad).detach().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+    finally:
+        set_sync_check(old)
+    params = [_full(p).detach() for p in model.parameters()]
+    res = {"losses": losses, "grad_kinds": sorted({type(p).__name__ for p in model.parameters()})}
+    if dist.get_rank() != 0:
+        return res
+    both = torch.cat(data)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses, ref_grads = [], []
+    for _ in range(steps):
+        out = ref(input_ids=both, labels=both)
+        out.loss.backward()
+        ref_losses.append(out.loss.item())
+        if not ref_grads:
+            ref_grads = [p.grad.detach().clone() for p in ref.parameters()]
+        ropt.step()
+        ropt.zero_grad()
+    res.update(ref_losses=ref_losses, loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+               loss_change=ref_losses[0] - ref_losses[-1],
+               grad_diff=max(_max_diff(g, r) for g, r in zip(grads, ref_grads)),
+               grad_scale=max(float(r.abs().max()) for r in ref_grads),
+               param_diff=max(_max_diff(p, q) for p, q in zip(params, ref.parameters())))
+    return res
+
+
+def forgotten_sync(wrapper: str = "plain", B: int = 2, S: int = 24, seed: int = 0):
+    """backward() then optimizer.step() without sync_gradients: the step must raise on every
+    rank, the parameters must be untouched; after sync_gradients the step goes through."""
+    from usp_hal.integrations import UnsyncedGradientsError, sync_gradients
+    from usp_hal.integrations import transformers as usp
+
+    dm, mesh = _meshes()
+    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    model = tiny_llama(seed, num_hidden_layers=1)
+    model.set_attn_implementation(name)
+    wrapped = _wrap(model, wrapper, dm)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    ids = _batches(1, B, S, seed)[0]
+    before = [_full(p).detach().clone() for p in model.parameters()]
+    with torch.no_grad():      # a forward without backward leaves nothing to sync
+        wrapped(**usp.shard_batch({"input_ids": ids}, mesh, "zigzag"))
+    opt.step()
+    out = wrapped(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag"))
+    out.loss.backward()
+    res = {"error": None}
+    try:
+        opt.step()
+    except UnsyncedGradientsError as exc:
+        res["error"] = str(exc)
+    res["untouched"] = all(bool(torch.equal(_full(p).detach(), b)) for p, b in zip(model.parameters(), before))
+    sync_gradients(wrapped, mesh, out.loss)
+    opt.step()                 # synced: no error
+    res["stepped"] = not all(bool(torch.equal(_full(p).detach(), b)) for p, b in zip(model.parameters(), before))
+    return res
