@@ -1,30 +1,11 @@
-"""Ring attention templated on a backend object: per-step block plan, float32 merge of
-(out, lse), forward and backward over a rotation strategy.
+"""Ring attention templated on a backend object: the per-step kernel calls of the block
+plan, float32 merge of (out, lse), forward and backward over a rotation strategy.
 
-Every kernel call the ring makes is one :class:`BlockCall`: a contiguous range of local
-query rows against a contiguous range of the current key block, either full or causal on
-a square diagonal, with the global key-minus-query position offset for window/alibi.  The
-plan is a pure function of the two blocks' :class:`~usp_hal.layout.Segment` s, so basic,
-zigzag and stripe layouts with any (uneven) lengths are all exact::
-
-    causal block, q positions a.., k positions b.. (d = a - b)   x = kernel work
-      d = 0, square  -> one causal diagonal          k: 0 1 2 3
-                                                  q0   x . . .
-                                                  q1   x x . .
-      d > 0          -> full rectangle + diagonal q2   x x x .
-      d < 0          -> skip rows m < -d, ...     q3   x x x x
-
-Packed documents (``cu_seqlens``): both blocks' segments are cut at the document
-boundaries and only pieces of the same document are paired, so calls never cross a
-boundary and pairs of pieces from different documents are skipped::
-
-    two documents [0,3) [3,6), one rank, causal     k: 0 1 2 3 4 5
-                                                q0   x . . . . .
-                                                q1   x x . . . .     two square causal calls;
-                                                q2   x x x . . .     the off-diagonal blocks
-                                                q3   . . . x . .     are never computed
-                                                q4   . . . x x .
-                                                q5   . . . x x x
+The block plan itself (:class:`BlockCall`, :func:`plan_blocks`: which calls every ring rank
+makes against every source block) is pure integer code in ``usp_hal.blocks``, re-exported
+here under the names it has always had; this module runs it: :class:`PackedCall` (a
+varlen kernel call over several planned calls), :class:`RingContext`, the merge and the
+ring's forward and backward.
 """
 from __future__ import annotations
 
@@ -33,133 +14,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from .positions import Segment, split_documents
+from .blocks import BlockCall, pack_groups, plan_blocks
+from .positions import Segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rotation import Rotation
 
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class BlockCall:
-    q_start: int
-    q_stop: int
-    k_start: int
-    k_stop: int
-    causal: bool
-    key_offset: int          # global position of key k_start minus that of query q_start
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.q_start, self.q_stop)
-
-    @property
-    def cols(self) -> slice:
-        return slice(self.k_start, self.k_stop)
-
-
-def _causal_offset_calls(nq: int, nk: int, d: int, q0: int, k0: int, key_offset) -> List[BlockCall]:
-    """Rows m see keys n <= m + d (top-left causal shifted by d), as full + square-causal calls."""
-    calls = []
-    m0 = max(0, -d)
-    m1 = min(nq, nk - d)
-    if m1 > m0:
-        if m0 + d > 0:   # keys before the diagonal: fully visible to these rows
-            calls.append(BlockCall(q0 + m0, q0 + m1, k0, k0 + m0 + d, False, key_offset(m0, 0)))
-        calls.append(BlockCall(q0 + m0, q0 + m1, k0 + m0 + d, k0 + m1 + d, True, key_offset(m0, m0 + d)))
-    lo = max(m1, m0)
-    if nq > lo and nk > 0:
-        calls.append(BlockCall(q0 + lo, q0 + nq, k0, k0 + nk, False, key_offset(lo, 0)))
-    return calls
-
-
-def _window_excludes(qpos: int, nq: int, kpos: int, nk: int, window) -> bool:
-    """True when no (query, key) pair of the two contiguous ranges lies inside the window."""
-    left, right = window
-    lo = kpos - (qpos + nq - 1)       # smallest key - query distance
-    hi = kpos + nk - 1 - qpos         # largest
-    return (left >= 0 and hi < -left) or (right >= 0 and lo > right)
-
-
-def plan_blocks(q_segs: Sequence[Segment], k_segs: Sequence[Segment], *, causal: bool,
-                window=(-1, -1), positional: bool = False, diagonal: bool = False,
-                cu_seqlens: Optional[Sequence[int]] = None) -> List[BlockCall]:
-    """Kernel calls for local queries (``q_segs``) against one key block (``k_segs``).
-
-    ``positional``: window/alibi are in use, so every call needs the true key offset (the
-    segments must then be contiguous, step 1).  ``diagonal``: the two blocks are the same
-    rank's shard, so causal on local indices *is* global causal (positions are sorted):
-    one square causal call covers it when nothing positional is involved.
-    ``cu_seqlens``: document boundaries (a validated tuple); queries see only keys of their
-    own document.
-    """
-    nq, nk = sum(s.count for s in q_segs), sum(s.count for s in k_segs)
-    if nq == 0 or nk == 0:
-        return []
-    if cu_seqlens is not None and len(cu_seqlens) > 2:
-        return _document_calls(q_segs, k_segs, tuple(cu_seqlens), causal, window, positional)
-    if not causal and not positional:
-        return [BlockCall(0, nq, 0, nk, False, 0)]
-    if causal and diagonal and not positional:
-        return [BlockCall(0, nq, 0, nk, True, 0)]
-    calls: List[BlockCall] = []
-    qo = 0
-    for qs in q_segs:
-        ko = 0
-        for ks in k_segs:
-            if qs.count and ks.count:
-                calls += _pair_calls(qs, qo, ks, ko, causal, window, positional)
-            ko += ks.count
-        qo += qs.count
-    return _merge_calls(calls) if not positional else calls
-
-
-def _document_calls(q_segs, k_segs, cu, causal: bool, window, positional: bool) -> List[BlockCall]:
-    """Calls for packed documents: pieces of the two blocks paired within each document."""
-    keys: dict = {}
-    for doc, ks, ko in split_documents(k_segs, cu):
-        keys.setdefault(doc, []).append((ks, ko))
-    calls: List[BlockCall] = []
-    for doc, qs, qo in split_documents(q_segs, cu):
-        for ks, ko in keys.get(doc, ()):
-            calls += _pair_calls(qs, qo, ks, ko, causal, window, positional)
-    return _merge_calls(calls) if not positional else calls
-
-
-def _pair_calls(qs: Segment, qo: int, ks: Segment, ko: int, causal: bool, window, positional: bool):
-    if qs.step != ks.step and qs.count > 1 and ks.count > 1:
-        raise ValueError(f"segments with different steps cannot be paired: {qs} vs {ks}")
-    step = qs.step if qs.count > 1 else ks.step
-    if positional and step != 1:
-        raise ValueError("window/alibi across ring blocks need contiguous segments (basic or zigzag layout)")
-
-    def offset(m: int, n: int) -> int:
-        return (ks.start + n * step) - (qs.start + m * step)
-
-    if positional and _window_excludes(qs.start, qs.count, ks.start, ks.count, window):
-        return []
-    if not causal:
-        return [BlockCall(qo, qo + qs.count, ko, ko + ks.count, False, offset(0, 0))]
-    # key n visible to query m  <=>  ks.start + n*step <= qs.start + m*step  <=>  n <= m + d
-    d = (qs.start - ks.start) // step
-    return _causal_offset_calls(qs.count, ks.count, d, qo, ko, offset)
-
-
-def _merge_calls(calls: List[BlockCall]) -> List[BlockCall]:
-    """Fuse full calls that share a key range over adjacent query rows (fewer kernel calls)."""
-    out: List[BlockCall] = []
-    for c in calls:
-        if out and not c.causal and not out[-1].causal:
-            p = out[-1]
-            if (p.k_start, p.k_stop) == (c.k_start, c.k_stop) and p.q_stop == c.q_start:
-                out[-1] = BlockCall(p.q_start, c.q_stop, p.k_start, p.k_stop, False, p.key_offset)
-                continue
-            if (p.q_start, p.q_stop) == (c.q_start, c.q_stop) and p.k_stop == c.k_start:
-                out[-1] = BlockCall(p.q_start, p.q_stop, p.k_start, c.k_stop, False, p.key_offset)
-                continue
-        out.append(c)
-    return out
 
 
 # --------------------------------------------------------------------------------- packed calls
@@ -278,24 +139,10 @@ class PackedCall:
 
 
 def pack_calls(calls: Sequence[BlockCall], windowed: bool = False) -> List[Union[BlockCall, PackedCall]]:
-    """The block plan of one step for a kernel with a varlen entry point: the causal squares
-    in one packed call and the full rectangles in another (a kind with one call stays a
-    plain call).  ``windowed``: a sliding window is in use, which a varlen call applies to
-    every sequence from its own corner, so only squares whose key offset is 0 are packed
-    (for them the kernel's window is the plan's); the other calls stay plain calls."""
-    steps: List[Union[BlockCall, PackedCall]] = []
-    if windowed:
-        loose = [c for c in calls if c.key_offset != 0 or c.q_stop - c.q_start != c.k_stop - c.k_start]
-        if loose:
-            steps += loose
-            calls = [c for c in calls if c not in loose]
-    for causal in (True, False):
-        group = [c for c in calls if c.causal == causal]
-        if len(group) == 1:
-            steps.append(group[0])
-        elif group:
-            steps.append(PackedCall(group))
-    return steps
+    """The block plan of one step for a kernel with a varlen entry point: each group of
+    :func:`usp_hal.blocks.pack_groups` (the causal squares, the full rectangles; with a
+    ``windowed`` call only the squares of key offset 0) as one :class:`PackedCall`."""
+    return [PackedCall(g) if isinstance(g, tuple) else g for g in pack_groups(calls, windowed)]
 
 
 # --------------------------------------------------------------------------------- merge

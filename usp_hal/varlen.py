@@ -12,7 +12,7 @@ How the core runs it (no dense mask anywhere):
 * the layout gives each ring rank its positions (``usp_hal.layout``); ``varlen_zigzag``
   splits every document zigzag-wise over the ring, the stream layouts (basic, zigzag,
   stripe) split the packed stream as if it were one sequence;
-* the block plan (``usp_hal.ring.plan_blocks``) cuts each block's segments at the document
+* the block plan (``usp_hal.blocks.plan_blocks``) cuts each block's segments at the document
   boundaries (:func:`split_documents`) and pairs only pieces of the same document, so a
   kernel never sees two documents and a (query, key) block pair that shares no document
   costs nothing;
@@ -24,8 +24,10 @@ document), :func:`document_ids`, and ``mesh.local_position_ids(S, layout, cu_seq
 
 Where the code lives: the document boundaries (:func:`as_cu_seqlens`, :func:`split_documents`,
 :func:`ring_is_local`, :func:`document_ids`, ...) are pure position code in
-``usp_hal.positions``, re-exported here; this module adds what needs the ring's block plan
-(:func:`ring_work`, :func:`ring_calls`) and the float64 packed reference.
+``usp_hal.positions``, re-exported here; the block plan of every ring rank x source block is
+``usp_hal.blocks`` (:func:`~usp_hal.blocks.block_plans`); this module adds per-rank summaries
+of it (:func:`ring_work`, :func:`ring_calls`, :func:`work_balance`, :func:`call_work`) and the
+float64 packed reference.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import List, Sequence
 
 import torch
 
+from .blocks import balance, block_plans, call_work
 from .positions import (
     CuSeqlens,
     as_cu_seqlens,
@@ -44,38 +47,18 @@ from .positions import (
     is_single_document,
     num_documents,
     ring_is_local,
-    ring_segments,
+    ring_segments,  # noqa: F401  (importable here, as before)
     split_by_documents,
     split_documents,
 )
 from .reference import reference_attention
-from .ring import pack_calls, plan_blocks
-
-
-def call_work(calls) -> int:
-    """Query-key pairs the calls score per batch row and head: a full call ``Sq*Sk``, a
-    causal (square) one ``S*(S+1)/2``, as ``usp-hal run`` counts kernel work."""
-    total = 0
-    for c in calls:
-        nq, nk = c.q_stop - c.q_start, c.k_stop - c.k_start
-        total += nq * (nq + 1) // 2 if c.causal else nq * nk
-    return total
-
-
-def _ring_plans(layout, seqlen: int, ring_size: int, causal: bool, cu_seqlens):
-    """Per ring rank, per source rank: the block plan (no process group)."""
-    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
-    segs = [ring_segments(layout, seqlen, ring_size, r, cu_seqlens=cu) for r in range(ring_size)]
-    return [[plan_blocks(segs[r], segs[s], causal=causal, diagonal=r == s, cu_seqlens=cu) for s in range(ring_size)]
-            for r in range(ring_size)], cu
 
 
 def ring_work(layout, seqlen: int, ring_size: int, *, causal: bool = True,
               cu_seqlens=None) -> List[int]:
     """Per ring rank: the query-key pairs its kernels score over every block of the ring
-    (per batch row and head), from the block plan alone (no process group)."""
-    plans, _ = _ring_plans(layout, seqlen, ring_size, causal, cu_seqlens)
-    return [sum(call_work(calls) for calls in per_src) for per_src in plans]
+    (per batch row and head), from the block plan alone (:func:`usp_hal.blocks.block_plans`)."""
+    return list(block_plans(layout, seqlen, ring_size, causal=causal, cu_seqlens=cu_seqlens).work)
 
 
 def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_seqlens=None,
@@ -83,18 +66,15 @@ def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_s
     """Per ring rank: the kernel calls of one forward over every block of the ring, from the
     block plan alone; ``packed``: as a backend with a varlen entry point runs them (each
     step's calls packed per kind, :func:`usp_hal.ring.pack_calls`)."""
-    plans, cu = _ring_plans(layout, seqlen, ring_size, causal, cu_seqlens)
-    pack = packed and cu is not None
-    return [sum(len(pack_calls(calls)) if pack and len(calls) > 1 else len(calls) for calls in per_src)
-            for per_src in plans]
+    return list(block_plans(layout, seqlen, ring_size, causal=causal, cu_seqlens=cu_seqlens).kernel_calls(packed))
 
 
 def work_balance(work: Sequence[int]) -> float:
     """max / min over ranks (inf when a rank has nothing while another has work)."""
-    lo, hi = min(work), max(work)
-    if hi == 0:
+    if max(work) == 0:
         return 1.0
-    return hi / lo if lo > 0 else float("inf")
+    got = balance(work)
+    return float("inf") if got is None else got
 
 
 def reference_packed_attention(q, k, v, cu_seqlens, **kw):

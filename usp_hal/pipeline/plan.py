@@ -8,13 +8,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..blocks import plan_ring
 from ..codec import get_codec
 from ..layout import Segment, local_positions, ring_segments, segments_from_positions
-from ..ring import RingContext, plan_blocks
+from ..ring import RingContext
 from ..rotation import Rotation
 from ..spec import CallSpec
 from ..ulysses import HeadPlan, UlyssesExchange
-from ..varlen import ring_is_local
 from .agree import joint_total
 from .validate import Local, USPError, share
 
@@ -94,13 +94,11 @@ def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None) -> S
         starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
         segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
     me = mesh.ring_rank
-    every = {(a, src): plan_blocks(segments[a], segments[src], causal=spec.causal, window=spec.window,
-                                   positional=spec.positional, diagonal=src == a and sorted_, cu_seqlens=cu)
-             for a in range(R) for src in range(R)}
-    calls = {src: every[(me, src)] for src in range(R)}
-    blocks = frozenset((c.q_stop - c.q_start, c.k_stop - c.k_start, c.causal) for cs in every.values() for c in cs)
-    shape = Shape(heads, per, segments, tuple(sum(p) for p in per), calls, blocks,
-                  local_only=ring_is_local(segments, cu), cu=cu)
+    ring = plan_ring(segments, causal=spec.causal, window=spec.window, positional=spec.positional, cu_seqlens=cu,
+                     sorted_positions=sorted_)
+    calls = {src: list(ring.calls_of(me, src)) for src in range(R)}
+    shape = Shape(heads, per, segments, tuple(sum(p) for p in per), calls, ring.blocks,
+                  local_only=ring.local_only, cu=cu)
     if len(pipe.shapes) > 32:
         pipe.shapes.clear()
     pipe.shapes[key] = shape
@@ -139,10 +137,10 @@ def check_blocks(pipe, shape: Shape, local: Local) -> None:
     if key in pipe.checked_blocks:
         return
     reasons: list = []
-    for sq, sk, causal in sorted(shape.blocks):
-        if sq != sk:
-            why = type(backend).not_supported_reasons(req.with_(seqlen_q=sq, seqlen_k=sk, causal=causal))
-            reasons += [f"a ring block of {sq} queries x {sk} keys: {w}" for w in why if w not in reasons]
+    for sq, sk, causal in sorted(shape.blocks):   # square blocks too: a kernel may have rules on Sk alone
+        why = type(backend).not_supported_reasons(req.with_(seqlen_q=sq, seqlen_k=sk, causal=causal))
+        what = "a ring block" if shape.ring_lengths[1:] else "a block"
+        reasons += [f"{what} of {sq} queries x {sk} keys: {w}" for w in why if w not in reasons]
     if reasons:
         raise USPError(f"attn_type={backend.NAME!r} cannot run every block this call needs:\n  - "
                        + "\n  - ".join(dict.fromkeys(reasons)) + "\nuse attn_type='sdpa' or another layout")
