@@ -7,7 +7,7 @@ The model (docs/planning.md has the long form) predicts the time of one attentio
     time = kernel + imbalance + ulysses all-to-all + ring exposed comm + other
 
 * **kernel**: the query-key pairs each rank scores, counted with the library's own block
-  planner (``usp_hal.layout`` segments -> ``usp_hal.ring.plan_blocks``), times the heads
+  plans (``usp_hal.blocks.block_plans``: every ring rank x source block), times the heads
   the rank holds after the Ulysses split (``usp_hal.ulysses.head_plan``; ranks beyond H hold
   none), at the profile's throughput per (dtype, head dim), plus a cost per kernel call.
   Causal squares cost ``causal_factor`` of a full square (measured on CPU); a profile
@@ -29,6 +29,12 @@ document, so the kernel term counts exactly the calls the ring makes; ``varlen_z
 joins the candidate layouts; a layout that keeps every document on one ring rank exchanges
 no K/V (the ring's local-only rotation), so its ring term is zero.
 
+Candidates come from the tables: every registered layout (``usp_hal.layout.LAYOUTS``; a
+per-document one only with ``cu_seqlens``), every registered rotation
+(``usp_hal.rotation.ROTATIONS``; modelled as p2p or all-gather by what it derives from),
+and, with ``fp8=True``, every lossy wire codec (``usp_hal.codec.CODECS``) on q/v/out or
+q/k/v/out, whose bytes are the codec's own ``wire_bytes``.
+
 Machine descriptions are profiles (``usp_hal/profiles/*.json``): link bandwidths and
 latencies, kernel throughput, memory, all with their sources; ``cpu`` is measured on the
 machine that built the package (``usp-hal plan --calibrate`` measures another).
@@ -42,18 +48,22 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
+from .blocks import balance, block_plans
+from .codec import CODECS, get_codec
+from .layout import LAYOUTS as _LAYOUT_TABLE
 from .layout import ring_segments
-from .ring import plan_blocks
+from .rotation import ROTATIONS as _ROTATION_TABLE
+from .rotation import AllGatherRotation, P2PRotation
 from .ulysses import head_plan
-from .varlen import as_cu_seqlens, ring_is_local
+from .varlen import as_cu_seqlens
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "half": "fp16"}
-LAYOUTS = ("basic", "zigzag", "stripe")
-PACKED_LAYOUTS = LAYOUTS + ("varlen_zigzag",)      # with packed documents (cu_seqlens)
-ROTATIONS = ("p2p", "allgather")
-FP8_WIRES = ("none", "qvo", "qkvo")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+WIRE_PATTERNS = ("qvo", "qkvo")     # which Ulysses tensors a lossy codec carries: q, v, out (and k)
 TERMS = ("kernel", "imbalance", "ulysses_a2a", "ring_exposed", "other")
 FLOPS_PER_PAIR = 4        # x head_dim: QK^T (2D) + PV (2D) per query-key pair, forward
 BWD_FLOPS_RATIO = 2.5     # backward: recompute QK^T + 4 more matmuls = 10D per pair
@@ -61,6 +71,68 @@ BWD_FLOPS_RATIO = 2.5     # backward: recompute QK^T + 4 more matmuls = 10D per 
 
 class PlanError(ValueError):
     """Invalid planning arguments (the message names a valid alternative)."""
+
+
+# ---------------------------------------------------------------------------------- the tables
+def layout_candidates(packed: bool = False) -> Tuple[str, ...]:
+    """The registered layouts (``usp_hal.layout.LAYOUTS``, in registration order); a
+    per-document layout only for packed documents (``packed``)."""
+    return tuple(name for name, lay in _LAYOUT_TABLE.items() if packed or lay.per_document is None)
+
+
+def rotation_candidates() -> Tuple[str, ...]:
+    """The registered rotations (``usp_hal.rotation.ROTATIONS``)."""
+    return tuple(_ROTATION_TABLE)
+
+
+def rotation_model(name: str) -> Optional[str]:
+    """How the cost model times a rotation: ``"allgather"`` (every block gathered while the
+    own block computes) or ``"p2p"`` (one hop per step), by the class it derives from (or
+    its ``cost_model`` attribute); None: the model does not know it."""
+    cls = _ROTATION_TABLE.get(name)
+    if cls is None:
+        return None
+    model = getattr(cls, "cost_model", None)
+    if model in ("p2p", "allgather"):
+        return str(model)
+    if issubclass(cls, AllGatherRotation):
+        return "allgather"
+    if issubclass(cls, P2PRotation):
+        return "p2p"
+    return None
+
+
+def wire_candidates(dtype: str) -> Tuple[str, ...]:
+    """The Ulysses wire formats worth trying for ``dtype``: ``"none"``, and for 16-bit inputs
+    every lossy codec of ``usp_hal.codec.CODECS`` on q/v/out (``"qvo"``) and on q/k/v/out
+    (``"qkvo"``); the fp8 codec spelled as the bare pattern, another as ``"name:pattern"``."""
+    out = ["none"]
+    if dtype in ("bf16", "fp16"):
+        for name, cls in CODECS.items():
+            if getattr(cls, "lossy", False) and not getattr(cls, "identity", True):
+                out += [pat if name == "fp8" else f"{name}:{pat}" for pat in WIRE_PATTERNS]
+    return tuple(out)
+
+
+def wire_codec(fp8: str) -> Tuple[str, str]:
+    """A candidate's wire (``"none"``, ``"qvo"``, ``"bf16:qkvo"``, ...) as (codec, pattern)."""
+    if fp8 == "none":
+        return "identity", "none"
+    name, _, pat = fp8.rpartition(":")
+    return (name or "fp8"), pat
+
+
+def __getattr__(name: str):
+    # the candidate lists of earlier versions, now read from the tables
+    if name == "LAYOUTS":
+        return layout_candidates(False)
+    if name == "PACKED_LAYOUTS":
+        return layout_candidates(True)
+    if name == "ROTATIONS":
+        return rotation_candidates()
+    if name == "FP8_WIRES":
+        return ("none",) + WIRE_PATTERNS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------- profiles
@@ -150,7 +222,7 @@ class Candidate:
     ring: int
     layout: str = "basic"
     rotation: str = "p2p"
-    fp8: str = "none"          # Ulysses wire format: none | qvo | qkvo
+    fp8: str = "none"          # Ulysses wire format: none | qvo | qkvo (fp8) | <codec>:qvo | <codec>:qkvo
     pipeline: int = 0          # >0: AsyncLongContextAttention(head_chunks=pipeline)
 
     @property
@@ -160,7 +232,8 @@ class Candidate:
         else:
             name = f"ring{self.ring}" if self.ulysses == 1 else f"usp{self.ulysses}x{self.ring}"
             name = f"{name} {self.layout} {self.rotation}"
-        extra = [f"fp8:{self.fp8}" if self.fp8 != "none" else "", f"async{self.pipeline}" if self.pipeline else ""]
+        wire = (self.fp8 if ":" in self.fp8 else f"fp8:{self.fp8}") if self.fp8 != "none" else ""
+        extra = [wire, f"async{self.pipeline}" if self.pipeline else ""]
         return " ".join([name] + [e for e in extra if e])
 
 
@@ -201,17 +274,8 @@ def ring_work(layout: str, seqlen: int, ring: int, causal: bool, cu_seqlens: Opt
     a tuple of (rows, cols, causal_square) kernel calls, from the library's block planner
     (with ``cu_seqlens``: the per-document calls of a packed batch); the shard lengths; and
     whether no document spans two ring ranks (the ring then moves no K/V)."""
-    segs = [ring_segments(layout, seqlen, ring, r, cu_seqlens=cu_seqlens) for r in range(ring)]
-    out = []
-    for r in range(ring):
-        steps = []
-        for s in range(ring):
-            src = (r - s) % ring
-            calls = plan_blocks(segs[r], segs[src], causal=causal, diagonal=src == r, cu_seqlens=cu_seqlens)
-            steps.append(tuple((c.q_stop - c.q_start, c.k_stop - c.k_start, bool(c.causal)) for c in calls))
-        out.append(tuple(steps))
-    local = ring > 1 and cu_seqlens is not None and ring_is_local(tuple(tuple(sg) for sg in segs), cu_seqlens)
-    return tuple(out), tuple(sum(s.count for s in sg) for sg in segs), local
+    rp = block_plans(layout, seqlen, ring, causal=causal, cu_seqlens=cu_seqlens)
+    return tuple(rp.step_blocks(r) for r in range(ring)), rp.lengths, rp.local_only
 
 
 def _pairs(call) -> int:
@@ -359,7 +423,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     kernel_mean = sum(kcost(c, hq[u], b) for b in passes for r in range(R) for u in range(U)
                       for st in work[r] for c in st) / (R * U)
     pairs_rank = [sum(_pairs(c) for st in work[r] for c in st) * hq[u] for r in range(R) for u in range(U)]
-    work_balance = (max(pairs_rank) / min(pairs_rank)) if min(pairs_rank) > 0 else None
+    work_balance = balance(pairs_rank)
     merges = 0.0
     for r in range(R):
         calls = [c for st in work[r] for c in st]
@@ -381,12 +445,14 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
 
     # ---- Ulysses all-to-alls (rank 0 of each ring rank's group is representative; take the max)
     a2a_t, a2a_bytes, ncoll = 0.0, 0.0, 0
-    fp8_q = C.fp8 in ("qvo", "qkvo")
-    fp8_k = C.fp8 == "qkvo"
-    scale_b = 4.0 / D     # per-token, per-head fp32 scale, per element
+    codec_name, pattern = wire_codec(C.fp8)
+    fp8_q = pattern in ("qvo", "qkvo")
+    fp8_k = pattern == "qkvo"
+    # bytes per element on the wire, from the codec (fp8: D values + a float32 scale per token and head)
+    coded_elem = get_codec(codec_name).wire_bytes((1, 1, D), TORCH_DTYPES[P.dtype]) / D if fp8_q else 0.0
 
     def wire(x_elem, coded):
-        return (1 + scale_b) if coded else x_elem
+        return coded_elem if coded else x_elem
 
     if U > 1:
         worst_t, worst_b = 0.0, 0.0
@@ -431,7 +497,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
             crit += comp
             ring_time += comp
             continue
-        if C.rotation == "p2p":
+        if rotation_model(C.rotation) != "allgather":
             nb = kv_block + (grad_block if b else 0.0)      # next K/V block (+ a dK/dV partial going home)
             comm = M.p2p_time(nb, hop, cross_flows)
             for s in range(R):
@@ -467,7 +533,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     if U > 1:
         mem += n_r * (2 * hmax + 2 * max(hk_local)) * e                    # q, k, v, out (head shards)
     mem += n_r * hmax * (e_acc + 4.0 / D)                                  # out/lse accumulators
-    blocks = 2 if C.rotation == "p2p" else R
+    blocks = R if rotation_model(C.rotation) == "allgather" else 2
     mem += (blocks - 1) * kv_block if R > 1 and not local_ring else 0.0
     if P.bwd:
         mem *= 2
@@ -487,15 +553,21 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
 
 
 # ---------------------------------------------------------------------------------- candidates
-def candidates(problem: Problem, *, layouts: Sequence[str] = LAYOUTS, rotations: Sequence[str] = ROTATIONS,
-               fp8: bool = False, pipelines: Sequence[int] = (0,)) -> List[Candidate]:
+def candidates(problem: Problem, *, layouts: Optional[Sequence[str]] = None,
+               rotations: Optional[Sequence[str]] = None, fp8: bool = False,
+               pipelines: Sequence[int] = (0,)) -> List[Candidate]:
+    """Every configuration to predict; ``layouts``/``rotations`` default to the registered
+    ones (:func:`layout_candidates`, :func:`rotation_candidates`), ``fp8``: the lossy wires
+    too (:func:`wire_candidates`)."""
+    if layouts is None:
+        layouts = layout_candidates(problem.cu_seqlens is not None)
+    if rotations is None:
+        rotations = rotation_candidates()
     out = []
     N = problem.world
     for U in [u for u in range(N, 0, -1) if N % u == 0]:
         R = N // U
-        wires = ["none"]
-        if fp8 and U > 1 and problem.dtype in ("bf16", "fp16"):
-            wires += ["qvo", "qkvo"]
+        wires = list(wire_candidates(problem.dtype)) if fp8 and U > 1 else ["none"]
         for wire in wires:
             for pipe in pipelines:
                 if pipe and U == 1:
@@ -532,6 +604,9 @@ def _check(problem: Problem) -> None:
 
 
 def _invalid_reason(problem: Problem, c: Candidate) -> str:
+    if c.ring > 1 and rotation_model(c.rotation) is None:
+        return (f"rotation {c.rotation!r} has no cost model (derive it from P2PRotation or AllGatherRotation, "
+                "or give it cost_model = 'p2p' or 'allgather')")
     if c.ring > 1:
         lens = [sum(s.count for s in ring_segments(c.layout, problem.seqlen, c.ring, r, cu_seqlens=problem.cu_seqlens))
                 for r in range(c.ring)]
@@ -562,7 +637,7 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
          profile="cpu", gpus_per_node: Optional[int] = None, intra_bw: Optional[float] = None,
          inter_bw: Optional[float] = None, latency: Optional[float] = None, fp8: bool = False,
          pipelines: Sequence[int] = (0,), layouts: Optional[Sequence[str]] = None,
-         rotations: Sequence[str] = ROTATIONS, cu_seqlens=None) -> dict:
+         rotations: Optional[Sequence[str]] = None, cu_seqlens=None) -> dict:
     """Every valid configuration ranked by predicted time per attention call.
 
     ``profile``: a profile name (``list_profiles()``), a path, or a dict.  Returns a dict with
@@ -577,15 +652,18 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
         raise PlanError(f"--cu-seqlens: {exc}") from None
     problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd), cu)
     _check(problem)
-    valid_layouts = PACKED_LAYOUTS if cu is not None else LAYOUTS
+    valid_layouts = layout_candidates(cu is not None)
+    per_document = [n for n in layout_candidates(True) if n not in valid_layouts]
     layouts = tuple(layouts) if layouts is not None else valid_layouts
     for lay in layouts:
         if lay not in valid_layouts:
             raise PlanError(f"layout {lay!r}; valid: {', '.join(valid_layouts)}"
-                            + ("" if cu is not None else " (varlen_zigzag: with --cu-seqlens)"))
+                            + (f" ({', '.join(per_document)}: with --cu-seqlens)" if per_document else ""))
+    valid_rotations = rotation_candidates()
+    rotations = tuple(rotations) if rotations is not None else valid_rotations
     for rot in rotations:
-        if rot not in ROTATIONS:
-            raise PlanError(f"rotation {rot!r}; valid: {', '.join(ROTATIONS)}")
+        if rot not in valid_rotations:
+            raise PlanError(f"rotation {rot!r}; valid: {', '.join(valid_rotations)}")
     prof = profile if isinstance(profile, dict) else load_profile(profile)
     if any(x is not None for x in (intra_bw, inter_bw, latency)) or gpus_per_node:
         prof = profile_with_links(prof, intra_bw=intra_bw, inter_bw=inter_bw, latency=latency,
@@ -614,7 +692,11 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     init = (f"usp_hal.init_sequence_parallel(ulysses_degree={c.ulysses}, ring_degree={c.ring}, "
             f"use_ulysses_low=True)  # ranks node-major: {_placement(c, world, g)}")
     mod_args = [f"ring_impl_type={c.layout!r}", f"rotation={c.rotation!r}"]
-    if c.fp8 != "none":
+    codec_name, pattern = wire_codec(c.fp8)
+    if c.fp8 != "none" and codec_name != "fp8":
+        names = ("q", "k", "v", "out") if pattern == "qkvo" else ("q", "v", "out")
+        mod_args.append("wire_codecs={" + ", ".join(f"{n!r}: {codec_name!r}" for n in names) + "}")
+    elif c.fp8 != "none":
         mod_args.append("ulysses_float8=True")
         if c.fp8 == "qkvo":
             mod_args.append("float8_key=True")
