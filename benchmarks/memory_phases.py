@@ -47,7 +47,7 @@ def _wrap(mod, name: str, label: str = None):
 
 def rank_timeline(cfg: dict) -> list:
     import usp_hal
-    import usp_hal.attention as attention
+    import usp_hal.pipeline.run as run_step
     import usp_hal.ring as ring
     from usp_hal.ulysses import UlyssesExchange
     cfg = RunConfig(**cfg)
@@ -75,10 +75,10 @@ def rank_timeline(cfg: dict) -> list:
             finally:
                 _mark(f"kernel {_name} <")
         setattr(backend, name, timed)
-    for name in ("qkv_to_heads", "out_to_seq", "dout_to_heads", "grads_to_seq"):
+    for name in ("start_qkv", "start_out", "start_dout", "start_grads"):
         _wrap(UlyssesExchange, name)
     for name in ("ring_forward", "ring_backward"):
-        _wrap(attention, name)
+        _wrap(run_step, name)
     _wrap(ring, "merge_block")
     _MARKS.clear()
     harness.trim_freed_memory()

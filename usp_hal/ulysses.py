@@ -423,13 +423,23 @@ class UlyssesExchange:
     def grads_to_seq(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype):
         return self.start_grads(dq, dk, dv, dtype).wait()
 
-    def start_grads(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype, *,
+    def start_grads(self, dq, dk=None, dv=None, dtype: Optional[torch.dtype] = None, *,
                     into=None, async_op: bool = False) -> "Pending":
         """``dq`` ``[B, S, h, D]``, ``dk``/``dv`` ``[B, S, hk_kernel, D]`` (float32
         accumulators, head layout) -> this rank's ``[B, s, H|Hkv, D]`` gradients in
         ``dtype``; gradients of KV heads several ranks used are summed.  ``into``: add this
-        plan's heads into these (zero-initialised) full-size tensors instead."""
+        plan's heads into these (zero-initialised) full-size tensors instead.
+
+        ``dq`` may be a list ``[dq, dk, dv]`` instead: it is emptied here, so that a caller
+        keeping no other reference lets them go once they are packed for the wire (before
+        the receive buffer exists)."""
+        if isinstance(dq, list):
+            holder = dq
+            dq, dk, dv = holder
+            holder.clear()
+            del holder
         plan, me = self.plan, self.rank
+        assert dtype is not None and dk is not None and dv is not None
         exp = plan.kv_expand[me]
         if exp is not None:   # repeated KV heads: sum their gradients back to the distinct ones
             a, c = plan.kv[me]
@@ -454,10 +464,12 @@ class UlyssesExchange:
         hk, dvd = dk.shape[2], dv.shape[3]
         reduce_kv = plan.kv_shared or into is not None
         if dvd == d and dk.shape[3] == d:
-            send = torch.empty((self.total, b, hq + 2 * hk, d), dtype=dtype, device=dq.device)
+            device = dq.device
+            send = torch.empty((self.total, b, hq + 2 * hk, d), dtype=dtype, device=device)
             send[:, :, :hq].copy_(dq.transpose(0, 1))
             send[:, :, hq:hq + hk].copy_(dk.transpose(0, 1))
             send[:, :, hq + hk:].copy_(dv.transpose(0, 1))
+            del dq, dk, dv      # packed: a caller that kept no reference frees them before the receive buffer
             widths = [(plan.q[u][1] - plan.q[u][0]) + 2 * (plan.kv[u][1] - plan.kv[u][0])
                       for u in range(self.size)]
             recv, work = self._seq_fast(send, widths, label, async_op)
@@ -469,9 +481,9 @@ class UlyssesExchange:
                     rq.append(chunk[:, :, :nq])
                     rk.append(chunk[:, :, nq:nq + nk])
                     rv.append(chunk[:, :, nq + nk:])
-                gq = self._place_heads([rq], [plan.q], d, dtype, dq.device,
+                gq = self._place_heads([rq], [plan.q], d, dtype, device,
                                        into=None if into is None else [into[0]])[0]
-                gk, gv = self._place_heads([rk, rv], [plan.kv, plan.kv], d, dtype, dq.device,
+                gk, gv = self._place_heads([rk, rv], [plan.kv, plan.kv], d, dtype, device,
                                            total=plan.num_kv_heads, reduce=reduce_kv,
                                            into=None if into is None else [into[1], into[2]])
                 return gq, gk, gv
@@ -497,11 +509,12 @@ class UlyssesExchange:
         b, s_me, _, d = x0.shape
         U = self.size
         even = [_even_width(p.heads, p.data.shape[2], U) for p in parts]
-        if all(w is not None for w in even):   # every part split evenly: one strided copy per part
-            W = sum(even)
+        widths_even = [w for w in even if w is not None]
+        if len(widths_even) == len(parts):   # every part split evenly: one strided copy per part
+            W = sum(widths_even)
             buf = torch.empty((U, s_me, b, W, d), dtype=x0.dtype, device=x0.device)
             h0 = 0
-            for p, w in zip(parts, even):
+            for p, w in zip(parts, widths_even):
                 buf[:, :, :, h0:h0 + w].copy_(p.data.unflatten(2, (U, w)).permute(2, 1, 0, 3, 4))
                 h0 += w
             recv = torch.empty((self.total, b, W, d), dtype=x0.dtype, device=x0.device)

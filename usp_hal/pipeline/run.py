@@ -109,21 +109,23 @@ def backward(plan: CallPlan, dout, saved=None, seq=None):
         if seq is None:
             assert pending is not None
             douth = pending.wait()
-            if i + 1 < len(stages):
-                pending = stages[i + 1].exchange.start_dout(dout, async_op=True)
+            pending = stages[i + 1].exchange.start_dout(dout, async_op=True) if i + 1 < len(stages) else None
             qh, kh, vh, outh, lse_h = saved[i]
+            saved[i] = None        # this stage's saved tensors go as soon as its ring backward has run
         else:
             qh, kh, vh, outh, douth, lse_h = st.exchange.saved_to_heads(seq[0], seq[1], seq[2], seq[3], dout, seq[4])
         if HOOKS:
             step("ring")
-        dq, dk, dv = ring_backward(st.ring, douth, qh, kh, vh, outh, lse_h)
+        grads = list(ring_backward(st.ring, douth, qh, kh, vh, outh, lse_h))
+        del qh, kh, vh, outh, douth, lse_h
         if HOOKS:
             step("exchange")
-        sends.append(st.exchange.start_grads(dq, dk, dv, plan.dtype, into=into, async_op=many))
-    grads = [p.wait() for p in sends]
+        # handed over in a list the exchange empties: the head-layout gradients go once packed
+        sends.append(st.exchange.start_grads(grads, dtype=plan.dtype, into=into, async_op=many))
+    done = [p.wait() for p in sends]
     if HOOKS:
         step(None)
-    return into if many else grads[0]
+    return into if many else done[0]
 
 
 class USPFunction(torch.autograd.Function):
@@ -134,16 +136,20 @@ class USPFunction(torch.autograd.Function):
     def forward(fctx, q, k, v, plan: CallPlan, received=None):
         out, lse, saved = forward(plan, q, k, v, keep=True, received=received)
         fctx.plan = plan
-        fctx.n = len(saved)
-        fctx.save_for_backward(*[t for st in saved for t in st])
+        # head-layout intermediates (never this node's outputs), kept on the context rather than
+        # through save_for_backward so the backward can free each stage's as soon as it is used
+        fctx.saved = saved
         if lse is not None:
             fctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(fctx, dout, _dlse):
-        flat = fctx.saved_tensors
-        saved = [flat[5 * i:5 * i + 5] for i in range(fctx.n)]
+        saved, fctx.saved = fctx.saved, None
+        if saved is None:
+            raise RuntimeError("usp_hal attention: a second backward through the same call (retain_graph=True) is "
+                               "not supported: its saved head-layout tensors were freed by the first; run the "
+                               "forward again")
         dq, dk, dv = backward(fctx.plan, dout, saved)
         return dq, dk, dv, None, None
 
