@@ -124,10 +124,6 @@ def test_sage_v1_non_causal_padded_keys_refused_through_the_core(pools, world, U
         assert "Sk=40" in r["error"] and "causal=True" in r["error"], r
 
 
-@pytest.mark.xfail(strict=True, reason="the core checks per-block length rules before its collectives only for "
-                                       "Sq != Sk blocks (usp_hal/attention.py _check_blocks); sage's Sk % 64 rule "
-                                       "on the square Ulysses block is raised by the kernel call, after the "
-                                       "all-to-all (reported; remove this mark when the core checks every block)")
 def test_sage_v1_padded_keys_refused_before_any_collective(pools):
     res = pools(2).run(usp_cases.refused_before_collectives, timeout=120, standin={"kind": "sage", "arg": "1.0.6"},
                        emulate=CUDA90, attn_type="sage_fp8", U=2, R=1, S=40, H=2, D=64, causal=False)

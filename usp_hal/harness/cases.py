@@ -696,7 +696,7 @@ def usp_hal_kernel_label(backend: str, device_type: str, dtype: str) -> str:
             return CPU_PEER_KERNEL
         return ("aten._scaled_dot_product_flash_attention" if dtype in ("bf16", "fp16")
                 else "aten._scaled_dot_product_efficient_attention")
-    return {"fa2": "FlashAttention-2", "fa3": "FlashAttention-3"}.get(backend, backend)
+    return {"fa2": "FA2 (FlashAttention-2)", "fa3": "FA3 (FlashAttention-3)"}.get(backend, backend)
 
 
 def yunchang_kernel(device_type: str, usp_backend: str, dtype: str, ring_impl: str) -> dict:
