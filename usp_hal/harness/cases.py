@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from ..backend import installed_version
+from ..blocks import balance
 from ..capabilities import Package
 from ..layout import layout_names
 from ..rotation import rotation_names
@@ -600,8 +601,8 @@ def summarize(cfg: RunConfig, per_rank_iters: list, per_rank_mem: list) -> dict:
     kernel = [r["kernel_fwd"] + r["kernel_bwd"] for r in ranks]
     work = [r["work"] for r in ranks]
     return {"time": median(it_max), "fwd": median(fwd_max), "bwd": median(bwd_max), "iter_times": it_max,
-            "work_balance": (max(work) / min(work)) if min(work) > 0 else None,
-            "ranks": ranks, "kernel_balance": (max(kernel) / min(kernel)) if min(kernel) > 0 else None,
+            "work_balance": balance(work),
+            "ranks": ranks, "kernel_balance": balance(kernel),
             "sent_per_rank": max(r["sent"] for r in ranks), "mem_per_rank": max(r["mem"] for r in ranks)}
 
 
