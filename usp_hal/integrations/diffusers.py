@@ -12,7 +12,9 @@
 1. **Attention.**  It registers a ``"usp_hal"`` attention backend with diffusers'
    ``dispatch_attention_fn`` and routes every attention module of the model to it while the
    model (or the module, when gradient checkpointing recomputes it) runs.  The backend calls
-   :class:`usp_hal.LongContextAttention` on diffusers' ``[B, S_local, H, D]`` tensors.  It
+   :class:`usp_hal.LongContextAttention` on diffusers' ``[B, S_local, H, D]`` tensors
+   (cross-attention to keys of another length, such as Wan's unsharded text, attends each
+   rank's queries to the whole key sequence instead, see :func:`parallelize`).  It
    refuses attention masks, ``is_causal`` and dropout; a module whose processor does not call
    ``dispatch_attention_fn`` raises instead of attending to this rank's tokens only.
 2. **Sharding.**  It follows the model's declared context-parallel plan (``_cp_plan``): the
@@ -46,6 +48,10 @@ __all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "parallelize", "enable_attention",
 
 BACKEND_NAME = "usp_hal"
 TESTED_VERSIONS = ("0.42.1",)
+# transformers whose own _cp_plan is verified (output, input and parameter gradients against one
+# process, tests/test_integration_diffusers*.py); parallelize refuses other plans unless asked
+VERIFIED_MODELS = frozenset({"FluxTransformer2DModel", "WanTransformer3DModel", "QwenImageTransformer2DModel",
+                             "LTXVideoTransformer3DModel"})
 LAYOUT = "basic"
 
 
@@ -91,8 +97,60 @@ def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
         raise ValueError("usp_hal attention (diffusers): diffusers' own context parallelism is enabled on this "
                          "model; use one of the two, not both")
     ctx.calls += 1
+    mesh = ctx.mesh
+    if mesh.sp_size > 1:
+        from usp_hal.comm import agree
+        rows = agree(None, mesh.metadata_group, what="usp_hal attention (diffusers)",
+                     where=mesh.where("sequence-parallel"), values=[query.shape[1], key.shape[1]], width=2,
+                     ranks=mesh.sp_ranks)
+        if any(q != k for q, k in rows):
+            out = _cross_attention(ctx, query, key, value, dropout_p, scale)
+            return watch(out, mesh, "diffusers parallelize()")
     out = ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
-    return watch(out, ctx.mesh, "diffusers parallelize()")
+    return watch(out, mesh, "diffusers parallelize()")
+
+
+def _fingerprint(t: torch.Tensor) -> List[int]:
+    """Two int64 words of a tensor's float64 sum and sum of squares (bit patterns): equal on
+    every rank when the ranks computed the same tensor."""
+    x = t.detach().double()
+    pair = torch.stack([x.sum(), (x * x).sum()]).cpu()
+    return [int(v) for v in pair.view(torch.int64).tolist()]
+
+
+def _cross_attention(ctx, query, key, value, dropout_p, scale):
+    """Keys/values whose local length differs from the queries' on some rank: cross-attention
+    (Wan's text, LTX-Video's text), which is not one sharded joint sequence.  Non-causal, so
+    every query needs every key of the *whole* key sequence:
+
+    * keys/values the same on every rank (replicated: the text is not in the plan, Wan):
+      attend locally to them; the gradient each rank gets for them is its own queries' part
+      (their sum over the ranks, e.g. through sync_gradients for the projections, is the
+      gradient);
+    * otherwise they are shards (LTX-Video's plan splits the text): gather them with
+      ``unshard(reduce_grad=True)``, whose backward sums every rank's key/value gradient and
+      hands each rank its own slice, then attend locally.
+
+    Both are exact; which one is agreed on every rank (one small all-gather of fingerprints)."""
+    from usp_hal.comm import agree
+    mesh = ctx.mesh
+    rows = agree(None, mesh.metadata_group, what="usp_hal attention (diffusers): cross-attention check",
+                 where=mesh.where("sequence-parallel"), values=[key.shape[1], *_fingerprint(key), *_fingerprint(value)],
+                 width=5, ranks=mesh.sp_ranks)
+    if any(r != rows[0] for r in rows):
+        key = usp_hal.unshard(key, layout=LAYOUT, mesh=mesh, seq_dim=1, reduce_grad=True)
+        value = usp_hal.unshard(value, layout=LAYOUT, mesh=mesh, seq_dim=1, reduce_grad=True)
+    return _local_attention(query, key, value, dropout_p, scale)
+
+
+def _local_attention(query, key, value, dropout_p, scale):
+    """This rank's queries against whole keys/values, ``[B, S, H, D]`` in and out: torch's
+    scaled_dot_product_attention (usp-hal's kernels take equal query and key lengths; the
+    keys here are the short text)."""
+    gqa = {"enable_gqa": True} if key.shape[2] != query.shape[2] else {}
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout_p, scale=scale, **gqa)
+    return out.transpose(1, 2)
 
 
 def _register_backend():
@@ -192,27 +250,52 @@ def enable_attention(model: torch.nn.Module, mesh=None, *, attn_type="auto", rot
 
 
 def parallelize(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation: str = "p2p",
-                plan: Optional[dict] = None) -> Handle:
+                plan: Optional[dict] = None, allow_unverified: bool = False) -> Handle:
     """Make ``model`` sequence-parallel over ``mesh`` (default: the default mesh).
 
     Every rank calls the model with the same full inputs and gets the same full output; each
     computes its share of the tokens.  The split follows ``plan`` (default: the model's
-    ``_cp_plan``).  Returns a handle whose ``remove()`` restores the model.  For training, call
-    :func:`sync_gradients` after ``backward()`` without ``loss`` (every rank computes the same
-    loss on the gathered output; the gradients of each rank cover its own tokens).  That sum is
-    right for parameters used before the plan's gathered output, which is all of them when
-    the plan gathers the model's last projection (Flux); a parameter applied after the gather
-    would be counted once per rank.
+    ``_cp_plan``; a model whose plan usp-hal has not verified, see ``VERIFIED_MODELS``, is
+    refused unless ``allow_unverified=True``).  Returns a handle whose ``remove()`` restores the
+    model.
+
+    Gradients after ``backward()`` of a loss on the output (the same loss on every rank):
+
+    * parameter gradients are per-rank partials (each rank's tokens' part) until
+      :func:`sync_gradients` (without ``loss``) sums them over the group; that sum is the
+      gradient for every parameter used before the plan's gathered output (all of them in the
+      verified models: the plan gathers the last projection).  An optimizer step without it
+      raises (``UnsyncedGradientsError``);
+    * input gradients (``hidden_states.grad``, ``encoder_hidden_states.grad``) are per-rank
+      partials too, and nothing sums them: a sharded input's gradient is non-zero only in this
+      rank's tokens, an input every rank holds whole (Wan's text) gets this rank's queries'
+      part; their sum over the group (``dist.all_reduce(g, group=mesh.sp_group)``) is the
+      single-process gradient.
+
+    Cross-attention to keys of another length (Wan's and LTX-Video's text) runs each rank's
+    queries against the whole key sequence: as it is when every rank holds the same keys,
+    gathered (the gradient summed back) when they are shards.
 
     While the model runs, ``"usp_hal"`` is diffusers' active attention backend (process-wide
     state in diffusers' registry, restored afterwards): do not run other diffusers models
     concurrently in other threads of the same process."""
     _check_version()
+    own_plan = plan is None
     plan = plan if plan is not None else getattr(type(model), "_cp_plan", None)
     if not plan:
         raise ValueError(f"{type(model).__name__} declares no context-parallel plan (_cp_plan); shard its inputs "
                          "yourself with usp_hal.shard, call enable_attention(model, mesh), and gather the output "
                          "with usp_hal.unshard")
+    if own_plan and type(model).__name__ not in VERIFIED_MODELS and not allow_unverified:
+        raise ValueError(
+            f"usp_hal.integrations.diffusers.parallelize: {type(model).__name__} declares a context-parallel plan "
+            f"(modules {', '.join(repr(k) for k in list(plan)[:6])}{', ...' if len(plan) > 6 else ''}) that usp-hal "
+            f"has not verified against single-process output and gradients (verified: "
+            f"{', '.join(sorted(VERIFIED_MODELS))}); pass allow_unverified=True to run it anyway and compare with "
+            "one process first")
+    why = _plan_problem(model, plan)
+    if why:
+        raise ValueError(f"usp_hal.integrations.diffusers.parallelize: {type(model).__name__}: {why}")
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
     handle = enable_attention(model, mesh, attn_type=attn_type, rotation=rotation)
     try:
@@ -223,6 +306,36 @@ def parallelize(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation
         handle.remove()
         raise
     return handle
+
+
+def _plan_problem(model, plan: dict) -> Optional[str]:
+    """Why usp-hal cannot follow ``plan`` on ``model`` exactly, or None.
+
+    A module that splits its inputs and gathers its outputs (HeliosTransformer3DModel gathers
+    after every attention and feed-forward module and splits again before the next) leaves
+    the norms and modulation between them to run on the whole sequence on every rank: their
+    parameters would then get the whole gradient on every rank, and summing over the ranks
+    (sync_gradients) would count it once per rank."""
+    from diffusers.models._modeling_parallel import ContextParallelOutput
+    splits: dict = {}
+    gathers: dict = {}
+    for path, spec in plan.items():
+        try:
+            mods = _submodules(model, path)
+        except ValueError as exc:
+            return str(exc)
+        is_gather = not isinstance(spec, dict)
+        if isinstance(spec, (list, tuple)):
+            is_gather = all(s is None or isinstance(s, ContextParallelOutput) for s in spec)
+        for m in mods:
+            (gathers if is_gather else splits).setdefault(id(m), path)
+    both = [p for k, p in gathers.items() if k in splits]
+    if both:
+        return (f"its context-parallel plan gathers the sequence at module {both[0]!r} and splits it again there "
+                f"({len(both)} such modules): the parts between them would run on the whole sequence on every rank, "
+                "so parameter gradients would not sum to the gradient; usp-hal follows plans that split once and "
+                "gather at the output")
+    return None
 
 
 def _submodules(model, path: str):
@@ -272,6 +385,10 @@ def _shard(x, cpi, what: str, mesh):
     if not isinstance(x, torch.Tensor):
         return x
     if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
+        if x.dim() <= cpi.split_dim:
+            # no sequence dim at all (Wan's 1-D per-sample timestep where the plan allows a
+            # per-token [B, S] one): every token shares the value, nothing to split
+            return x
         raise ValueError(f"{what}: expected a {cpi.expected_dims}-D tensor to split along dim {cpi.split_dim}, got "
                          f"shape {tuple(x.shape)} (the model's context-parallel plan cannot split it; pass it in the "
                          "documented shape, e.g. Flux's txt_ids/img_ids without a batch dimension)")

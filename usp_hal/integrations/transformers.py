@@ -217,8 +217,8 @@ class USPAttentionFunction:
         if kwargs.get("output_attentions"):
             return "output_attentions=True (sequence-parallel attention never forms the attention weights)"
         if query.shape[2] != key.shape[2]:
-            return (f"keys/values of {key.shape[2]} tokens for {query.shape[2]} queries: cross-attention and KV "
-                    "caches (generation) are not supported; run self-attention without a cache (use_cache=False)")
+            return (f"keys/values of {key.shape[2]} tokens for {query.shape[2]} queries: generation is not supported "
+                    "yet (a KV cache), nor cross-attention; run self-attention without a cache (use_cache=False)")
         if packing_problem:
             return packing_problem
         pos = kwargs.get("position_ids")
@@ -354,6 +354,8 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
     _check_version()
     from transformers import AttentionInterface, AttentionMaskInterface
     fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation)
+    _NAMES.add(name)
+    _guard_generate()
     if name == ATTN_IMPLEMENTATION:
         _DEFAULT = fn
         AttentionInterface.register(name, usp_attention_forward)
@@ -361,6 +363,35 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
         AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, usp_mask)
     return name
+
+
+_NAMES: set = set()
+_GENERATE_GUARDED = False
+
+
+def _guard_generate():
+    """``generate()`` on a model whose attention is one of ours raises at once, before any
+    forward (otherwise its prefill fails on position ids, far from the cause)."""
+    global _GENERATE_GUARDED
+    if _GENERATE_GUARDED:
+        return
+    import functools
+
+    from transformers.generation.utils import GenerationMixin
+    original = GenerationMixin.generate
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        impl = getattr(getattr(self, "config", None), "_attn_implementation", None)
+        if impl in _NAMES:
+            raise NotImplementedError(
+                f"usp_hal attention (transformers): generation is not supported yet (generate() on a model with "
+                f"attn_implementation={impl!r}: sequence-parallel decoding needs a sharded KV cache); generate with "
+                "another attention implementation, e.g. model.set_attn_implementation('sdpa') on one rank")
+        return original(self, *args, **kwargs)
+
+    GenerationMixin.generate = generate  # type: ignore[method-assign]
+    _GENERATE_GUARDED = True
 
 
 def _check_version():

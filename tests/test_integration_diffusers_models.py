@@ -1,0 +1,89 @@
+"""diffusers transformers beyond Flux under parallelize(): tiny random Wan 2.1 (1-D and per-token
+timesteps; cross-attention to the unsharded text), Qwen-Image (joint text+image) and LTX-Video
+(cross-attention to sharded text) against one process: output, summed input gradients, synced
+parameter gradients; a negative control; every diffusers transformer with a _cp_plan is
+verified here or refused with its name."""
+import pytest
+
+pytest.importorskip("diffusers")
+
+from tests import diffusers_cases as cases  # noqa: E402
+
+TOL = 1e-5
+
+
+def _check(r, cross: bool):
+    assert r["out_diff"] <= TOL * max(1.0, r["out_scale"]), r
+    assert r["input_grad_diff"] <= TOL * max(1.0, r["input_grad_scale"]), r
+    assert r["param_grad_diff"] <= TOL * max(1.0, r["param_grad_scale"]), r
+    assert r["params_compared"] > 50 and not r["params_missing"], r
+    assert (r["cross_calls"] > 0) == cross, r
+
+
+CASES = [("wan", 2, 2, 1, {}), ("wan", 2, 1, 2, {"timestep_dims": 2}), ("wan", 4, 2, 2, {}),
+         ("qwen", 2, 2, 1, {}), ("qwen", 2, 1, 2, {}), ("ltx", 2, 2, 1, {}), ("ltx", 4, 2, 2, {})]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-w{c[1]}-u{c[2]}r{c[3]}" + "".join(
+    f"-{k}{v}" for k, v in c[4].items()))
+def test_model_output_and_gradients_match_single_process(pools, case):
+    name, world, U, R, kw = case
+    r = pools(world).run(cases.model_case, timeout=120, name=name, U=U, R=R, **kw)[0]
+    _check(r, cross=name in ("wan", "ltx"))
+
+
+@pytest.mark.multirank
+def test_cross_attention_to_sharded_text_needs_the_gather(pools):
+    """Negative control: LTX-Video's cross-attention to the local text shard only is far off."""
+    r = pools(2).run(cases.model_case, timeout=120, name="ltx", U=2, R=1, control="local_cross")[0]
+    assert r["out_diff"] > 1000 * TOL and r["cross_calls"] > 0, r
+
+
+def _plan_classes():
+    import inspect
+
+    import diffusers
+    out = []
+    for name in dir(diffusers):
+        obj = getattr(diffusers, name, None)
+        if inspect.isclass(obj) and name.endswith("Model") and getattr(obj, "_cp_plan", None):
+            out.append(obj)
+    return out
+
+
+def test_every_model_with_a_plan_is_verified_or_refused_by_name():
+    import torch
+
+    from usp_hal.integrations import diffusers as usp
+    classes = _plan_classes()
+    assert len(classes) >= 8, [c.__name__ for c in classes]
+    verified = {c.__name__ for c in classes} & usp.VERIFIED_MODELS
+    assert verified == usp.VERIFIED_MODELS, verified      # each has a test above (Flux: its own file)
+    for cls in classes:
+        if cls.__name__ in usp.VERIFIED_MODELS:
+            continue
+        model = cls.__new__(cls)              # refused from the class alone: no weights built
+        torch.nn.Module.__init__(model)
+        with pytest.raises(ValueError, match=f"{cls.__name__} declares a context-parallel plan .*not verified"):
+            usp.parallelize(model)
+
+
+def test_a_plan_that_gathers_and_splits_again_is_refused_naming_the_module():
+    """Helios' plan shape: split before and gather after each attention module; the parts in
+    between would run whole on every rank (parameter gradients counted once per rank)."""
+    import torch
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    from usp_hal.integrations import diffusers as usp
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn1 = torch.nn.Linear(2, 2)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(), Block()])
+    plan = {"blocks.*.attn1": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+            **{f"blocks.{i}.attn1": ContextParallelOutput(gather_dim=1, expected_dims=3) for i in range(2)}}
+    with pytest.raises(ValueError, match="gathers the sequence at module 'blocks.0.attn1' and splits it again"):
+        usp.parallelize(model, plan=plan)
