@@ -35,7 +35,17 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`usp-hal plan --json | head`): stop quietly; point stdout at
+        # devnull so the interpreter's final flush does not raise again
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,6 +26,7 @@ per rank next to the single process's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform as _pyplatform
@@ -262,6 +263,9 @@ def run(args) -> int:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         device_type = device_type_from(args)
         groups = build_groups(args, device_type)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(f"--plot {args.plot}: matplotlib is not installed (pip install matplotlib, or "
+                             "pip install -e '.[bench]'); drop --plot to run without it")
     except ValueError as exc:
         print(f"usp-hal bench: {exc}", file=sys.stderr)
         return 2
@@ -286,11 +290,14 @@ def run(args) -> int:
                     else "peak allocated bytes above the start of one extra, untimed iteration"},
            **out}
     print(format_results(rep))
+    plot_failed = False
     if args.plot:
-        print(write_plot(rep, args.plot))
+        note = write_plot(rep, args.plot)
+        plot_failed = not note.startswith("plot written")
+        print(note, file=sys.stderr if plot_failed else sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
             f.write("\n")
         print(f"results written to {args.json}")
-    return 0 if all(r["check"]["ok"] for r in rep["results"]) and not wrong_peers(rep) else 1
+    return 0 if all(r["check"]["ok"] for r in rep["results"]) and not wrong_peers(rep) and not plot_failed else 1

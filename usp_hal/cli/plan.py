@@ -116,9 +116,51 @@ def run(args) -> int:
     except LaunchError as exc:
         print(f"usp-hal plan: {exc}", file=sys.stderr)
         return 1
+    res["assumptions"] = assumptions(args)
+    res["integrations"] = integration_lines(res)
     if args.json:
         json.dump(res, sys.stdout, indent=2, default=str)
         print()
     else:
+        print("\n".join(format_assumptions(res["assumptions"])))
         print(planner.format_plan(res))
+        head = "in transformers / diffusers (import usp_hal.integrations.transformers or .diffusers as usp):"
+        print("\n".join(["", head] + ["  " + ln for ln in res["integrations"]]))
     return 0
+
+
+def assumptions(args) -> dict:
+    """What the plan assumed, and whether each came from a flag or a default."""
+    if args.calibrate:
+        profile = {"value": "measured here (--calibrate)", "default": False}
+    else:
+        profile = {"value": args.profile or "cpu", "default": args.profile is None}
+    return {"profile": profile,
+            "pass": {"value": "forward+backward" if args.bwd else "forward only", "default": not args.bwd},
+            "mask": {"value": "causal" if args.causal else "not causal (full attention)", "default": not args.causal}}
+
+
+_HINTS = {"profile": "--profile NAME|PATH or --calibrate for the machine you will run on",
+          "pass": "--bwd when training", "mask": "--causal for causal language models"}
+
+
+def format_assumptions(a: dict) -> list:
+    lines = ["assumptions (each changes the answer):"]
+    for key, label in (("profile", "profile"), ("pass", "pass   "), ("mask", "mask   ")):
+        item = a[key]
+        lines.append(f"  {label}  {item['value']}" + (f"  [default; {_HINTS[key]}]" if item["default"] else ""))
+    return lines + [""]
+
+
+def integration_lines(res: dict) -> list:
+    """The winner as the transformers and diffusers integrations take it."""
+    c = res["rows"][0]["candidate"]
+    init = f"mesh = usp.init_distributed(ulysses_degree={c['ulysses']}, ring_degree={c['ring']})"
+    rot = f", rotation={c['rotation']!r}" if c.get("rotation") not in (None, "p2p") else ""
+    lines = [f"transformers:  {init}; usp.register(layout={c['layout']!r}{rot}); then "
+             f"usp.shard_batch(batch, mesh, layout={c['layout']!r})",
+             f"diffusers:     {init}; usp.parallelize(pipe.transformer, mesh{rot})   # non-causal, basic layout"]
+    if c.get("fp8", "none") != "none" or c.get("pipeline"):
+        lines.append("note: the integrations run the synchronous module without an fp8 wire; the planned "
+                     f"{res['winner']!r} applies to direct LongContextAttention use")
+    return lines

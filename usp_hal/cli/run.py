@@ -106,6 +106,10 @@ def format_report(res: dict, launcher: str) -> str:
                  f"plus {fmt_bytes(r0['metadata_bytes'])} of call metadata")
     lines.append(f"peak memory per rank above its inputs: {fmt_bytes(s['mem_per_rank'])} during one extra, untimed "
                  f"iteration ({res['mem_method']}); the rank's inputs: {fmt_bytes(res['input_bytes_per_rank'])}")
+    one = s.get("mem_one_process")
+    if one:
+        lines.append(f"one process holding the whole sequence (same kernel, measured the same way): {fmt_bytes(one)} "
+                     f"above its inputs; per rank here: x{s['mem_per_rank'] / one:.2f} of that")
     if chk["mode"] != "none":
         lines.append("result: " + ("PASS" if chk["ok"] else "FAIL (error above tolerance)"))
     return "\n".join(lines)
@@ -161,6 +165,7 @@ def add_parser(subparsers) -> None:
                    help="reference for the check: auto (fp64 for small S, else sdpa), fp64, sdpa, none")
     p.add_argument("--timeout", type=float, default=900.0, help="limit for the whole run in seconds (default 900)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON ('-' = stdout)")
+    p.add_argument("--quiet", action="store_true", help="no header and progress lines on stderr")
     p.set_defaults(func=run)
 
 
@@ -204,6 +209,38 @@ def _cu_seqlens_arg(args) -> str:
     return (getattr(args, "cu_seqlens", "") or "").replace(" ", "")
 
 
+class Heartbeat:
+    """A header on stderr when the run starts, then one progress line every ``every`` seconds
+    until it ends (the report comes on stdout), so that a long run never looks hung."""
+
+    def __init__(self, cfg: RunConfig, timeout: float, enabled: bool = True, every: float = 5.0):
+        import threading
+        import time
+        self.enabled, self.every, self.t0 = enabled, every, time.monotonic()
+        self.done = threading.Event()
+        if not enabled:
+            return
+        mode = ("forward+backward" if cfg.bwd else "forward") + (", causal" if cfg.causal else ", not causal")
+        print(f"usp-hal run: {cfg.nproc} rank(s) = ulysses {cfg.ulysses} x ring {cfg.ring}, B={cfg.batch} "
+              f"S={cfg.seqlen} H={cfg.heads} D={cfg.head_dim} {cfg.dtype}, {mode}, {cfg.ring_impl}; "
+              f"{cfg.warmup} warm-up + {cfg.iters} timed iterations, then the check ({cfg.check}); "
+              f"limit {timeout:g} s", file=sys.stderr, flush=True)
+        self.thread = threading.Thread(target=self._loop, name="usp-hal-run-progress", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import time
+        while not self.done.wait(self.every):
+            print(f"usp-hal run: running, {time.monotonic() - self.t0:.0f} s elapsed", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        import time
+        self.done.set()
+        if self.enabled:
+            self.thread.join(timeout=1.0)
+            print(f"usp-hal run: finished in {time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     try:
         cfg = config_from_args(args)
@@ -213,6 +250,8 @@ def run(args) -> int:
     torchrun = pool.in_torchrun()
     executor: Any = None
     finished = False
+    chatty = not args.quiet and (not torchrun or __import__("os").environ.get("RANK", "0") == "0")
+    beat = Heartbeat(cfg, args.timeout, enabled=chatty)
     try:
         if torchrun:
             executor = pool.TorchrunExecutor(cfg.threads_per_rank, cfg.device_type)
@@ -234,6 +273,7 @@ def run(args) -> int:
         print(f"usp-hal run (rank {rank}): {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
+        beat.stop()
         if executor is not None:
             if torchrun:   # every rank finished: wait for all, then tear the groups down together
                 executor.close(ok=finished)

@@ -390,7 +390,7 @@ def _guard_generate():
                 "another attention implementation, e.g. model.set_attn_implementation('sdpa') on one rank")
         return original(self, *args, **kwargs)
 
-    GenerationMixin.generate = generate  # type: ignore[method-assign]
+    GenerationMixin.generate = generate
     _GENERATE_GUARDED = True
 
 
