@@ -170,9 +170,19 @@ class P2PRotation(Rotation):
             size = _numel(ks) + _numel(vs)
         return KVBlock(blk.buf.new_empty(size), ks, vs, blk.dtype, blk.codecs)
 
+    def _start_kv(self, send: Tuple[torch.Tensor, torch.Tensor], recv: Tuple[torch.Tensor, torch.Tensor], what: str):
+        ops = [dist.P2POp(dist.isend, send[0], self.next, self.group),
+               dist.P2POp(dist.isend, send[1], self.next, self.group),
+               dist.P2POp(dist.irecv, recv[0], self.prev, self.group),
+               dist.P2POp(dist.irecv, recv[1], self.prev, self.group)]
+        return collective(what, self.where, dist.batch_isend_irecv, ops)
+
     def blocks(self, k, v):
         if self.size == 1:
             yield from super().blocks(k, v)
+            return
+        if self.codecs is None:
+            yield from self._plain_blocks(k, v)
             return
         R, me = self.size, self.me
         blk = self.own_block(k, v)
@@ -187,6 +197,24 @@ class P2PRotation(Rotation):
             if step < R - 1:
                 wait(label, self.where, reqs)
                 blk = nxt
+
+    def _plain_blocks(self, k, v):
+        """Uncoded K and V travel as they are, side by side in one batch of p2p ops: no packing
+        copy (none at all for contiguous inputs) and no buffer holding both."""
+        R, me = self.size, self.me
+        label = "ring p2p rotation of K/V"
+        cur = (k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous())
+        for step in range(R):
+            src = (me - step) % R
+            if step < R - 1:   # the next block travels while this one computes
+                n = self.lengths[(src - 1) % R]
+                nxt = (cur[0].new_empty(_with_len(cur[0].shape, n)), cur[1].new_empty(_with_len(cur[1].shape, n)))
+                reqs = self._start_kv(cur, nxt, label)
+            yield (src, k, v) if step == 0 else (src, cur[0], cur[1])
+            if step < R - 1:
+                wait(label, self.where, reqs)
+                cur = nxt
+        del cur
 
     def add_grad(self, step, src, grad):
         if self.size == 1 or step == 0:
