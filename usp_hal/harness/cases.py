@@ -635,6 +635,12 @@ def execute(cfg: RunConfig, executor, timeout: float) -> dict:
     check = merge_checks(executor.run(rank_check, timeout=left(), case="run"))
     executor.run(rank_release, timeout=left(), case="run")
     summary = summarize(cfg, recs, mem)
+    # what one process needs for the whole sequence with the same kernel, measured the same way
+    # (every rank measures it at once; rank 0's figure is reported)
+    executor.run(single_prepare, timeout=left(), cfg=asdict(cfg), case="one")
+    one = executor.run(single_steps, timeout=left(), case="one", n=1, threads=cfg.threads_per_rank, memory=True)
+    executor.run(rank_release, timeout=left(), case="one")
+    summary["mem_one_process"] = one[0][0]["mem"]
     return {"mem_method": mem_method, "config": asdict(cfg), "backend": prep[0]["backend"], "prepare": prep,
             "check": check,
             "summary": summary, "min_comm": min_comm_bytes(cfg),
