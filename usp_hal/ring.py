@@ -147,20 +147,23 @@ def pack_calls(calls: Sequence[BlockCall], windowed: bool = False) -> List[Union
 
 # --------------------------------------------------------------------------------- merge
 def merge_block(acc_out: torch.Tensor, acc_lse: torch.Tensor, rows: slice,
-                out: torch.Tensor, lse: torch.Tensor) -> None:
+                out: torch.Tensor, lse: torch.Tensor, *, empty_rows: bool = True) -> None:
     """Online-softmax merge of a block result into the accumulators, in place.
 
     ``acc_out`` [B, S, H, D] and ``acc_lse`` [B, H, S] are float32 (float64 for float64
-    inputs); ``out`` [B, s, H, D], ``lse`` [B, H, s] cover ``rows``.  Rows whose lse is
-    -inf on both sides stay (0, -inf)."""
+    inputs); ``out`` [B, s, H, D], ``lse`` [B, H, s] cover ``rows``.  The block's weight
+    is ``sigmoid(lse - acc_lse)`` (= exp(lse - new lse)), and ``acc_out`` moves towards
+    ``out`` by it (one ``lerp_``); the new lse is ``logaddexp`` of both, written in place.
+    A block row whose lse is -inf (it saw no key) leaves its row as it was, an empty row
+    included; ``empty_rows=False`` says the block has no such row (no window: every call
+    sees at least its diagonal or all its keys), which skips that test.  NaN propagates."""
     a_lse = acc_lse[:, :, rows]
     lse = lse.to(acc_lse.dtype)
-    new = torch.logaddexp(a_lse, lse)
-    safe = new.masked_fill(new == NEG_INF, 0.0)
-    w_old = torch.exp(a_lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    acc_out[:, rows].mul_(w_old).addcmul_(out, w_new)
-    acc_lse[:, :, rows] = new
+    w = torch.sigmoid(lse - a_lse)
+    if empty_rows:
+        w = w.masked_fill(lse == NEG_INF, 0.0)
+    acc_out[:, rows].lerp_(out.to(acc_out.dtype), w.transpose(1, 2).unsqueeze(-1))
+    torch.logaddexp(a_lse, lse, out=a_lse)
 
 
 def merge_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -233,8 +236,9 @@ class _Accumulator:
     no earlier call touched is copied, not merged (packed documents: most calls cover
     fresh rows)."""
 
-    def __init__(self, q: torch.Tensor, dv: int):
+    def __init__(self, q: torch.Tensor, dv: int, empty_rows: bool = True):
         self.q, self.dv = q, dv
+        self.empty_rows = empty_rows     # False: no call has a row that sees no key (no window)
         self.mdt = merge_dtype(q.dtype)
         self.out: Optional[torch.Tensor] = None
         self.lse: Optional[torch.Tensor] = None
@@ -252,12 +256,14 @@ class _Accumulator:
             a, z = call.q_start, call.q_stop
             if self.touched.find(1, a, z) < 0:     # fresh rows: merging into (0, -inf) is a copy
                 self.touched[a:z] = b"\x01" * (z - a)
-                empty = (lse == NEG_INF).transpose(1, 2).unsqueeze(-1)    # rows that saw no key: out 0
-                self.out[:, a:z] = out.masked_fill(empty, 0.0)
+                if self.empty_rows:
+                    empty = (lse == NEG_INF).transpose(1, 2).unsqueeze(-1)    # rows that saw no key: out 0
+                    out = out.masked_fill(empty, 0.0)
+                self.out[:, a:z] = out
                 self.lse[:, :, a:z] = lse
                 return
             self.touched[a:z] = b"\x01" * (z - a)
-        merge_block(self.out, self.lse, call.rows, out, lse)
+        merge_block(self.out, self.lse, call.rows, out, lse, empty_rows=self.empty_rows)
 
     def add_packed(self, pc: PackedCall, out: torch.Tensor, lse: torch.Tensor) -> None:
         """The results of a packed call (``out`` [B * total, h, D], ``lse`` [h, B * total]).
@@ -331,7 +337,7 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
             mdt = merge_dtype(q.dtype)
             return out, (lse if lse.dtype == mdt else lse.to(mdt))
-    acc = _Accumulator(q, v.shape[-1])
+    acc = _Accumulator(q, v.shape[-1], empty_rows=tuple(ctx.window) != (-1, -1))
     if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
         return acc.result()
     for src, kb, vb in ctx.rotation.blocks(k, v):
