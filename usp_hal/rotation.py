@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.distributed as dist
 
+from . import wire
 from .codec import Codec
 from .comm import _all_gather_single, collective, wait
 
@@ -67,35 +68,22 @@ def _coded_parts(shape, dtype, codec: Codec):
     return [(tuple(shape[:-1]) + (p.shape[-1],), p.dtype) for p in probe]
 
 
+def _coded_specs(k_shape, v_shape, dtype, codecs):
+    return _coded_parts(k_shape, dtype, codecs[0]) + _coded_parts(v_shape, dtype, codecs[1])
+
+
 def _coded_size(k_shape, v_shape, dtype, codecs) -> int:
-    size = 0
-    for shape, codec in ((k_shape, codecs[0]), (v_shape, codecs[1])):
-        for pshape, pdt in _coded_parts(shape, dtype, codec):
-            size += (_numel(pshape) * torch.empty((), dtype=pdt).element_size() + 15) // 16 * 16
-    return size
+    return wire.packed_size(_coded_specs(k_shape, v_shape, dtype, codecs))
 
 
 def _encode_bytes(k, v, codecs) -> torch.Tensor:
-    buf = torch.empty(_coded_size(k.shape, v.shape, k.dtype, codecs), dtype=torch.uint8, device=k.device)
-    off = 0
-    for x, codec in ((k, codecs[0]), (v, codecs[1])):
-        for p in codec.encode(x):
-            nb = p.numel() * p.element_size()
-            buf.narrow(0, off, nb).view(p.dtype).view(p.shape).copy_(p)
-            off += (nb + 15) // 16 * 16
-    return buf
+    return wire.pack(codecs[0].encode(k) + codecs[1].encode(v), device=k.device)
 
 
 def _decode_bytes(buf, k_shape, v_shape, dtype, codecs):
-    out, off = [], 0
-    for shape, codec in ((k_shape, codecs[0]), (v_shape, codecs[1])):
-        parts = []
-        for pshape, pdt in _coded_parts(shape, dtype, codec):
-            nb = _numel(pshape) * torch.empty((), dtype=pdt).element_size()
-            parts.append(buf.narrow(0, off, nb).view(pdt).view(pshape))
-            off += (nb + 15) // 16 * 16
-        out.append(codec.decode(parts, dtype))
-    return tuple(out)
+    kspecs = _coded_parts(k_shape, dtype, codecs[0])
+    parts = wire.views(buf, kspecs + _coded_parts(v_shape, dtype, codecs[1]))
+    return codecs[0].decode(parts[:len(kspecs)], dtype), codecs[1].decode(parts[len(kspecs):], dtype)
 
 
 class Rotation:

@@ -29,10 +29,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import wire
 from .codec import IDENTITY
 from .comm import collective, wait
-
-_ALIGN = 16   # bytes: every part of a byte-packed buffer starts at a multiple of this
 
 
 # ------------------------------------------------------------------------------------ heads
@@ -155,23 +154,6 @@ class _Part:
 
     data: torch.Tensor
     heads: Sequence[Tuple[int, int]]
-
-
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _typed(buf: torch.Tensor, off: int, shape, dtype) -> torch.Tensor:
-    """A ``dtype`` view of ``shape`` into the uint8 buffer ``buf`` at byte offset ``off``."""
-    n = _nbytes(shape, dtype)
-    return buf.narrow(0, off, n).view(dtype).view(shape)
 
 
 class Pending:
@@ -553,7 +535,7 @@ class UlyssesExchange:
             size = 0
             for p in parts:
                 a, c = p.heads[u]
-                size += _aligned(_nbytes((s_me, b, c - a, p.data.shape[3]), p.data.dtype))
+                size += wire.aligned(wire.nbytes((s_me, b, c - a, p.data.shape[3]), p.data.dtype))
             send_sizes.append(size)
         send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=x0.device)
         off = 0
@@ -562,14 +544,14 @@ class UlyssesExchange:
                 a, c = p.heads[u]
                 shape = (s_me, b, c - a, p.data.shape[3])
                 if c > a:
-                    _typed(send, off, shape, p.data.dtype).copy_(p.data[:, :, a:c].transpose(0, 1))
-                off += _aligned(_nbytes(shape, p.data.dtype))
+                    wire.typed(send, off, shape, p.data.dtype).copy_(p.data[:, :, a:c].transpose(0, 1))
+                off += wire.aligned(wire.nbytes(shape, p.data.dtype))
         recv_sizes = []
         for u in range(self.size):
             size = 0
             for p in parts:
                 a, c = p.heads[me]
-                size += _aligned(_nbytes((self.seq_lens[u], b, c - a, p.data.shape[3]), p.data.dtype))
+                size += wire.aligned(wire.nbytes((self.seq_lens[u], b, c - a, p.data.shape[3]), p.data.dtype))
             recv_sizes.append(size)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=x0.device)
         work = collective(label, self.where, dist.all_to_all_single, recv, send, recv_sizes, send_sizes,
@@ -587,8 +569,8 @@ class UlyssesExchange:
                 for o in outs:
                     shape = (self.seq_lens[u], b, o.shape[2], o.shape[3])
                     if o.shape[2]:
-                        o[rows].copy_(_typed(recv, off, shape, o.dtype))
-                    off += _aligned(_nbytes(shape, o.dtype))
+                        o[rows].copy_(wire.typed(recv, off, shape, o.dtype))
+                    off += wire.aligned(wire.nbytes(shape, o.dtype))
             return outs
         return unpack, work
 
@@ -619,7 +601,7 @@ class UlyssesExchange:
         b = parts[0].data.shape[1]
         send_sizes = []
         for u in range(self.size):
-            send_sizes.append(sum(_aligned(_nbytes((self.seq_lens[u],) + tuple(p.data.shape[1:]), p.data.dtype))
+            send_sizes.append(sum(wire.aligned(wire.nbytes((self.seq_lens[u],) + tuple(p.data.shape[1:]), p.data.dtype))
                                   for p in parts))
         dev = parts[0].data.device
         send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=dev)
@@ -629,8 +611,8 @@ class UlyssesExchange:
             for p in parts:
                 shape = (self.seq_lens[u],) + tuple(p.data.shape[1:])
                 if self.seq_lens[u]:
-                    _typed(send, off, shape, p.data.dtype).copy_(p.data[rows])
-                off += _aligned(_nbytes(shape, p.data.dtype))
+                    wire.typed(send, off, shape, p.data.dtype).copy_(p.data[rows])
+                off += wire.aligned(wire.nbytes(shape, p.data.dtype))
         recv_sizes, shapes = [], []
         for u in range(self.size):
             size, row = 0, []
@@ -638,7 +620,7 @@ class UlyssesExchange:
                 a, c = p.heads[u]
                 shape = (s_me, b, c - a, p.data.shape[3])
                 row.append(shape)
-                size += _aligned(_nbytes(shape, p.data.dtype))
+                size += wire.aligned(wire.nbytes(shape, p.data.dtype))
             recv_sizes.append(size)
             shapes.append(row)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
@@ -650,8 +632,8 @@ class UlyssesExchange:
             o = 0
             for u in range(self.size):
                 for i, p in enumerate(parts):
-                    out[i][u] = _typed(recv, o, shapes[u][i], p.data.dtype)
-                    o += _aligned(_nbytes(shapes[u][i], p.data.dtype))
+                    out[i][u] = wire.typed(recv, o, shapes[u][i], p.data.dtype)
+                    o += wire.aligned(wire.nbytes(shapes[u][i], p.data.dtype))
             return out
         return unpack, work
 
