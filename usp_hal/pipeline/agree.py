@@ -1,15 +1,19 @@
 """Step 2 of a call: every rank learns every rank's local length and sees any rank's
 refusal or any disagreement, from one small all-gather of the spec's metadata vector (on
-the mesh's CPU side group when the group has no CPU transport).  All ranks then raise the
+the mesh's CPU side group when the group has no CPU transport), through the library's one
+agreement primitive, :func:`usp_hal.comm.agree`.  All ranks then raise the
 same error together, so none waits in a data collective."""
 from __future__ import annotations
 
 from typing import List, Optional
 
-from ..comm import all_gather_bytes, all_gather_ints
+from .. import comm
+from ..comm import AgreementError
 from ..layout import local_lengths, local_positions
-from ..spec import CallSpec, compare, digest_ints, error_meta, field_index
+from ..spec import CallSpec, compare, digest_ints, field_index, meta_length
 from .validate import USPError, share
+
+_WHAT = "attention call metadata"   # the label of its all-gather in traces and errors
 
 
 def joint_total(spec: CallSpec) -> int:
@@ -39,28 +43,34 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
                        + "\n  ".join(diffs))
     group = mesh.metadata_group
     where = mesh.where("sequence-parallel")
+    problem = None if err is None else f"{type(err).__name__}: {err}"
     if pipe.check_ranks:
-        meta = error_meta() if err is not None or spec is None else pipe.meta_of(spec)
+        values = [] if spec is None or err is not None else pipe.meta_of(spec)[1:]
+        width = meta_length() - 1
     else:
-        meta = [1, 0] if err is not None or spec is None else [0, spec.local_len]
-    rows = all_gather_ints(meta, group, what="metadata all-gather of the attention call", where=where)
-    bad = [i for i, r in enumerate(rows) if r[0]]
-    if bad:
-        msgs = [b.decode("utf-8", "replace") for b in all_gather_bytes(
-            ("" if err is None else f"{type(err).__name__}: {err}").encode("utf-8"), group,
-            what="error message all-gather", where=where)]
+        values = [] if spec is None or err is not None else [spec.local_len]
+        width = 1
+
+    def differences(rows):
+        if not pipe.check_ranks or all(r == rows[0] for r in rows[1:]):
+            return None
+        return compare([[0] + r for r in rows], mesh.sp_ranks, spec)
+
+    try:   # one all-gather of every rank's metadata (a second one with the reasons, only on a refusal)
+        rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width, ranks=mesh.sp_ranks,
+                     check=differences)
+    except AgreementError as exc:
         if err is not None:
-            raise err
-        raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
-                       + "\n".join(f"  rank {mesh.sp_ranks[i]}: {msgs[i]}" for i in bad))
+            raise err from None          # this rank's own refusal, as it was raised here
+        if exc.problems:
+            raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
+                           + "\n".join(f"  rank {r}: {m}" for r, m in exc.problems.items())) from None
+        diffs = str(exc)[len(_WHAT) + 2:].strip()
+        raise USPError("ranks of the sequence-parallel group disagree on this attention call "
+                       "(every rank must pass the same shapes and options):\n  " + diffs) from None
     assert spec is not None      # no rank flagged an error, so this one has a spec
+    rows = [[0] + r for r in rows]
     if pipe.check_ranks:
-        first = rows[0]
-        if any(r != first for r in rows[1:]):
-            diffs = compare(rows, mesh.sp_ranks, spec)
-            if diffs:
-                raise USPError("ranks of the sequence-parallel group disagree on this attention call "
-                               "(every rank must pass the same shapes and options):\n  " + "\n  ".join(diffs))
         lengths = [r[field_index("local_len")] for r in rows]
     else:
         lengths = [r[1] for r in rows]
