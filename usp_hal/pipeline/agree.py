@@ -65,9 +65,9 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         if exc.problems:
             raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
                            + "\n".join(f"  rank {r}: {m}" for r, m in exc.problems.items())) from None
-        diffs = str(exc)[len(_WHAT) + 2:].strip()
+        found = str(exc)[len(_WHAT) + 2:].strip()
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
-                       "(every rank must pass the same shapes and options):\n  " + diffs) from None
+                       "(every rank must pass the same shapes and options):\n  " + found) from None
     assert spec is not None      # no rank flagged an error, so this one has a spec
     rows = [[0] + r for r in rows]
     if pipe.check_ranks:
