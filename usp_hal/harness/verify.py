@@ -379,26 +379,32 @@ def backend_rows(registry=None) -> list:
     return rows
 
 
+def _probe_child(cmd: list, row0: dict, limit: float, late: str, failed: str, env=None) -> list:
+    """Run ``usp-hal probe --verify --json ...`` in a child process under ``limit`` seconds and
+    return its result rows, or one ``timeout``/``fail`` row (``late``/``failed``: their reasons)."""
+    import subprocess
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        return [{**row0, "status": "timeout", "reason": late}]
+    try:
+        return json.loads(res.stdout)["verify"]["results"]
+    except Exception:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return [{**row0, "status": "fail", "reason": f"{failed} (exit {res.returncode}): " + " | ".join(tail)}]
+
+
 def _verify_in_child(name: str, dtypes: Optional[list], timeout: float) -> list:
     """Verify one backend in a separate interpreter under a time limit (first-use JIT
     compilation can be slow); a backend that does not finish gets one ``timeout`` row."""
-    import subprocess
     cmd = [sys.executable, "-m", "usp_hal", "probe", "--verify", "--json", "--backend", name]
     for d in dtypes or []:
         cmd += ["--dtype", dtype_name(d)]
     row0: Any = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
             "errors": {}}
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return [{**row0, "status": "timeout",
-                 "reason": f"verification did not finish within {timeout:g} s (first-use kernel compilation?)"}]
-    try:
-        return json.loads(res.stdout)["verify"]["results"]
-    except Exception:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return [{**row0, "status": "fail", "reason": f"verification process failed (exit {res.returncode}): "
-                                                     + " | ".join(tail)}]
+    return _probe_child(cmd, row0, timeout,
+                        f"verification did not finish within {timeout:g} s (first-use kernel compilation?)",
+                        "verification process failed")
 
 
 def _verify_interpreted(name: str, dtypes: Optional[list], timeout: Optional[float]) -> list:
@@ -406,7 +412,6 @@ def _verify_interpreted(name: str, dtypes: Optional[list], timeout: Optional[flo
     with the interpreter's variables (:mod:`usp_hal.harness.interpret`); in that child (marked
     by ``USP_HAL_INTERPRET_CHILD``) the rows are computed on the emulated device."""
     import os
-    import subprocess
 
     from . import interpret
     row0: Any = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
@@ -426,17 +431,8 @@ def _verify_interpreted(name: str, dtypes: Optional[list], timeout: Optional[flo
         cmd += ["--dtype", dtype_name(d)]
     env = {**os.environ, **interpret.ENV, INTERPRET_CHILD: "1"}
     limit = timeout or 900.0
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
-    except subprocess.TimeoutExpired:
-        return [{**row0, "status": "timeout",
-                 "reason": f"the interpreted verification did not finish within {limit:g} s"}]
-    try:
-        return json.loads(res.stdout)["verify"]["results"]
-    except Exception:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return [{**row0, "status": "fail", "reason": f"interpreted verification failed (exit {res.returncode}): "
-                                                     + " | ".join(tail)}]
+    return _probe_child(cmd, row0, limit, f"the interpreted verification did not finish within {limit:g} s",
+                        "interpreted verification failed", env=env)
 
 
 #: marks the child process of ``probe --verify --interpret`` (set by the parent, never by hand)
