@@ -9,7 +9,25 @@ with TimeoutError, so a hang can never stall the suite.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 from usp_hal.harness import RankPool
+
+
+@contextlib.contextmanager
+def environ(values: dict):
+    """Environment variables set for the block, restored afterwards (spawned workers inherit them)."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class RankError(AssertionError):

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 
 import torch
 
 import usp_hal
 from tests import dist_cases
+from tests.mp import environ
 from usp_hal import platform
 from usp_hal.harness import CommMeter
 from usp_hal.reference import reference_attention
@@ -62,27 +62,12 @@ TRITON_AMD_ENV = {"FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"}
 
 
 @contextlib.contextmanager
-def _environ(values: dict):
-    """Environment variables set for the block, restored afterwards (the rank processes are reused)."""
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
 def installed(standin: dict):
     """The stand-in kernel of ``standin`` for the duration of the block."""
     kind = standin["kind"]
     pkg = _package(kind, standin.get("arg"))
     if pkg is not None:
-        with standin_installed(**pkg), _environ(TRITON_AMD_ENV if kind == "fa2-triton-amd" else {}):
+        with standin_installed(**pkg), environ(TRITON_AMD_ENV if kind == "fa2-triton-amd" else {}):
             yield
     elif kind == "xpu":
         from usp_hal.backends import xpu

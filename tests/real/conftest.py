@@ -5,11 +5,10 @@ The variables of :data:`usp_hal.harness.interpret.ENV` must be in a process befo
 and they change what the fa2 adapter declares, so they are given to these pools' spawned
 processes only: the pytest process and the suite's shared pools never see them.
 """
-import os
 
 import pytest
 
-from tests.mp import WorkerPool
+from tests.mp import WorkerPool, environ
 from usp_hal.harness.interpret import ENV
 
 
@@ -17,16 +16,8 @@ class InterpretedPool(WorkerPool):
     """A WorkerPool whose processes start with the interpreter's variables (restarts too)."""
 
     def _start(self, timeout: float) -> None:
-        old = {name: os.environ.get(name) for name in ENV}
-        os.environ.update(ENV)
-        try:
+        with environ(ENV):
             super()._start(timeout)
-        finally:
-            for name, value in old.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 _POOLS: dict = {}
