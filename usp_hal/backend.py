@@ -124,6 +124,9 @@ class AttentionBackend:
     POSITIONS: ClassVar[Positions] = TOP_LEFT
     #: "strided" | "last-dim-contiguous" | "contiguous": what the kernel takes without a copy
     INPUT_LAYOUT: ClassVar[str] = "strided"
+    #: device types on which the kernel turns a query row holding NaN/inf into a NaN output
+    #: and lse row by itself; elsewhere the core adds a guard (one extra pass over q per call)
+    PROPAGATES_NAN: ClassVar[frozenset] = frozenset()
     #: which facts were checked against which upstream source: (fact, source) pairs (docs)
     UPSTREAM_CHECKED: ClassVar[tuple] = ()
     # packed documents (cu_seqlens): the block plan cuts every call at document boundaries, so

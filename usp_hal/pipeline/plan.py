@@ -176,5 +176,5 @@ def build(pipe, mesh, spec: CallSpec, lengths, local: Local, head_groups=None) -
                            alibi_slopes=slopes, deterministic=spec.deterministic, cu_seqlens=shape.cu)
         stages.append(Stage(exchange, ring))
     # a kernel declared to carry a non-finite query into its row (PROPAGATES_NAN: device types) needs no guard
-    guard = spec.device_type not in getattr(type(local.backend), "PROPAGATES_NAN", ())
+    guard = spec.device_type not in type(local.backend).PROPAGATES_NAN
     return CallPlan(spec, local.backend, stages, spec.dtype, tuple(lengths), nan_guard=guard)
