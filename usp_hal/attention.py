@@ -17,16 +17,12 @@ from .compiled import compiled_forward
 from .layout import get_layout
 from .mesh import SequenceParallelMesh
 from .pipeline import CallOptions, CallPlan, Pipeline, USPError
+from .pipeline.options import plain
 from .pipeline.validate import check_joint
 from .registry import REGISTRY
 from .ring import merge_dtype
 from .rotation import get_rotation
 from .ulysses import HeadPlan, split_plan
-
-
-def _plain(x) -> bool:
-    """A Python number (or None): a value that cannot change behind a cached option."""
-    return x is None or type(x) in (float, int, bool)
 
 
 class LongContextAttention(torch.nn.Module):
@@ -168,16 +164,21 @@ class LongContextAttention(torch.nn.Module):
         sequence-parallel group, as for any tensor every rank holds in full.
         """
         pipe = self._pipe
-        try:       # the same keywords give the same options: one dict lookup per call
+        # the same keywords give the same options: one dict lookup per call (not for a tensor
+        # scale or softcap, whose value may change, nor an unhashable window)
+        raw: Optional[tuple] = None
+        opts = None
+        if plain(softmax_scale) and plain(softcap):
             raw = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
-            opts = self._options.get(raw) if _plain(softmax_scale) and _plain(softcap) else None
-        except TypeError:      # unhashable (a list window): no caching
-            raw, opts = None, None
+            try:
+                opts = self._options.get(raw)
+            except TypeError:
+                raw = None
         if opts is None:
             opts = CallOptions.of(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, softcap=softcap, deterministic=deterministic,
                                   return_attn_probs=return_attn_probs)
-            if raw is not None and _plain(softmax_scale) and _plain(softcap) and not torch.compiler.is_compiling():
+            if raw is not None and not torch.compiler.is_compiling():
                 if len(self._options) > 64:
                     self._options.clear()
                 self._options[raw] = opts

@@ -30,7 +30,7 @@ from . import agree as _agree
 from . import plan as _plan
 from . import run as _run
 from . import validate as _validate
-from .options import CallOptions
+from .options import CallOptions, plain
 from .plan import CallPlan
 from .validate import Joint, JointInfo, USPError
 
@@ -166,7 +166,7 @@ class Pipeline:
         """What a call's validation and plan depend on, or None when it cannot be cached."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             return None
-        if not all(x is None or type(x) in (float, int, bool) for x in (opts.scale, opts.softcap, opts.dropout_p)):
+        if not (plain(opts.scale) and plain(opts.softcap) and plain(opts.dropout_p)):
             return None          # e.g. a tensor scale: read again on every call
         if cu_seqlens is None:
             cu = None

@@ -64,6 +64,11 @@ class CallOptions:
         return cls(**kw)
 
 
+def plain(x) -> bool:
+    """A Python number (or None): a value that cannot change behind a cached option."""
+    return x is None or type(x) in (float, int, bool)
+
+
 def window_pair(window) -> Tuple[int, ...]:
     """``window`` as a tuple of ints, or () when it is not a pair of integers."""
     try:
