@@ -24,13 +24,8 @@ FORBIDDEN_MODULES = KERNEL_PACKAGES + ["flash_attn_interface", "flash_attn_3", "
 BACKEND_NAMES = sorted({t.value for t in AttnType})
 
 
-# the one core module that handles kernel packages by name: it prepares a process to run the
-# real Triton kernels under the interpreter (the real-kernel test tier and `probe --interpret`)
-KERNEL_HARNESS = CORE / "harness" / "interpret.py"
-
-
 def _core_files():
-    files = sorted(p for p in CORE.rglob("*.py") if p not in (DEVICE_LAYER, KERNEL_HARNESS))
+    files = sorted(p for p in CORE.rglob("*.py") if p != DEVICE_LAYER)
     assert files, "no core sources found"
     return files
 

@@ -1,5 +1,5 @@
 """What the interpreted rank processes run (see conftest.py): the real kernel package,
-prepared by :func:`usp_hal.harness.interpret.prepare`, under the adapter's emulated device,
+prepared by :func:`usp_hal.backends.interpret.prepare`, under the adapter's emulated device,
 through the adapter alone or through ``usp_hal.LongContextAttention``, compared with the
 float64 reference under the adapter's declared tolerances.  Every function returns plain
 data: normalised errors (<= 1 passes) or the text of the error the call raised."""
@@ -12,7 +12,8 @@ import torch
 import usp_hal
 from tests import dist_cases
 from usp_hal import platform
-from usp_hal.harness import compare, interpret
+from usp_hal.backends import interpret
+from usp_hal.harness import compare
 from usp_hal.harness.verify import tolerances_for
 from usp_hal.reference import reference_attention, tolerance
 from usp_hal.registry import REGISTRY

@@ -1,6 +1,6 @@
 """Pools of rank processes that run the real Triton kernels under the interpreter.
 
-The variables of :data:`usp_hal.harness.interpret.ENV` must be in a process before its first
+The variables of :data:`usp_hal.backends.interpret.ENV` must be in a process before its first
 ``import triton`` (and ``FLASH_ATTENTION_TRITON_AMD_ENABLE`` before ``import flash_attn``),
 and they change what the fa2 adapter declares, so they are given to these pools' spawned
 processes only: the pytest process and the suite's shared pools never see them.
@@ -9,7 +9,7 @@ processes only: the pytest process and the suite's shared pools never see them.
 import pytest
 
 from tests.mp import WorkerPool, environ
-from usp_hal.harness.interpret import ENV
+from usp_hal.backends.interpret import ENV
 
 
 class InterpretedPool(WorkerPool):

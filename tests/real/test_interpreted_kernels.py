@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from usp_hal.harness import interpret
+from usp_hal.backends import interpret
 
 from . import cases
 

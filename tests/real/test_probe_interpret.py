@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from usp_hal.backends import interpret
 from usp_hal.cli.probe import add_parser, run
-from usp_hal.harness import interpret
 from usp_hal.harness.verify import collect
 
 pytestmark = pytest.mark.real_kernel

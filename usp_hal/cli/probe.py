@@ -14,7 +14,7 @@ fails.  ``--json`` prints the same data as JSON.
 ``--verify --interpret`` verifies, instead, the backends whose kernels are Triton code
 (SageAttention 1.0.6, flash-attn's Triton AMD build) under the Triton interpreter on the CPU,
 each in a process started with ``TRITON_INTERPRET=1`` and its device emulated
-(:mod:`usp_hal.harness.interpret`): the kernel's maths through the adapter before renting the
+(:mod:`usp_hal.backends.interpret`): the kernel's maths through the adapter before renting the
 hardware.  It is only ever used when asked for.
 
 The report and the verification come from :mod:`usp_hal.harness.verify` (also what the CI

@@ -409,11 +409,11 @@ def _verify_in_child(name: str, dtypes: Optional[list], timeout: float) -> list:
 
 def _verify_interpreted(name: str, dtypes: Optional[list], timeout: Optional[float]) -> list:
     """``name``'s real Triton kernel under the Triton interpreter, in a child process started
-    with the interpreter's variables (:mod:`usp_hal.harness.interpret`); in that child (marked
+    with the interpreter's variables (:mod:`usp_hal.backends.interpret`); in that child (marked
     by ``USP_HAL_INTERPRET_CHILD``) the rows are computed on the emulated device."""
     import os
 
-    from . import interpret
+    from ..backends import interpret
     row0: Any = {"backend": name, "device": None, "dtype": "-", "case": "-", "head_dim": None, "tolerance": None,
                  "errors": {}, "interpreted": True}
     if os.environ.get(INTERPRET_CHILD) == "1":
@@ -480,7 +480,7 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
     """Everything the probe reports, as plain data (what ``--json`` prints).  With
     ``timeout``, each backend is verified in its own process under that limit (seconds).
     ``interpret`` (asked for explicitly, never implied): verify the backends whose kernels are
-    Triton code (``usp_hal.harness.interpret.EMULATION``) under the Triton interpreter, each in
+    Triton code (``usp_hal.backends.interpret.EMULATION``) under the Triton interpreter, each in
     a process of its own, instead of the available backends."""
     reg = registry if registry is not None else REGISTRY
     info = _platform.info()
@@ -499,7 +499,7 @@ def collect(*, registry=None, verify: bool = False, only: Optional[list] = None,
         "backends": backend_rows(reg),
     }
     if verify and interpret:
-        from .interpret import EMULATION
+        from ..backends.interpret import EMULATION
         names = [reg.canonical_name(n) for n in only] if only else list(EMULATION)
         unknown = [n for n in names if n not in EMULATION]
         if unknown:

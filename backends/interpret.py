@@ -91,7 +91,7 @@ def check_process() -> None:
     wrong = [f"{k}={v}" for k, v in ENV.items() if os.environ.get(k) != v]
     if wrong:
         raise RuntimeError("the Triton interpreter needs " + ", ".join(wrong) + " in the environment before the "
-                           "first import of triton: start a process with them (usp_hal.harness.interpret.ENV)")
+                           "first import of triton: start a process with them (usp_hal.backends.interpret.ENV)")
     triton = sys.modules.get("triton")
     if triton is not None and not _interpreting(triton):
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: use a fresh process")
