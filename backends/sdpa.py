@@ -62,6 +62,7 @@ class SDPABackend(AttentionBackend):
     SUPPORTS_WINDOW = True
     SUPPORTS_ALIBI = True
     SUPPORTS_KEY_OFFSET = True
+    SUPPORTS_MASK = True         # a boolean mask becomes part of the additive mask / bias
     SUPPORTS_GQA = True
     RETURNS_LSE = True
     HAS_BACKWARD = True
@@ -94,36 +95,36 @@ class SDPABackend(AttentionBackend):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _needs_mask(window, alibi_slopes) -> bool:
-        return tuple(window) != (-1, -1) or alibi_slopes is not None
+    def _needs_mask(window, alibi_slopes, keep=None) -> bool:
+        return tuple(window) != (-1, -1) or alibi_slopes is not None or keep is not None
 
     @staticmethod
     def _compute_dtype(q, alibi_slopes):
         # an alibi bias in bf16/fp16 loses integer distances; compute those calls in fp32
         return torch.float32 if (alibi_slopes is not None and q.dtype in _HALF) else q.dtype
 
-    def _mask(self, q, k, causal, window, key_offset, alibi_slopes, dtype):
+    def _mask(self, q, k, causal, window, key_offset, alibi_slopes, dtype, keep=None):
         return position_mask(q.shape[1], k.shape[1], causal=causal, window=window, key_offset=key_offset,
                              alibi_slopes=alibi_slopes, batch=q.shape[0], heads=q.shape[2],
-                             dtype=dtype, device=q.device)
+                             dtype=dtype, device=q.device, keep=keep)
 
     # ------------------------------------------------------------------ forward
     def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+                       key_offset, mask=None):
         dev = device_type_of(q.device)
         if dev == "cpu":
-            return self._forward_cpu(q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset)
-        return self._forward_cuda(dev, q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset)
+            return self._forward_cpu(q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset, mask)
+        return self._forward_cuda(dev, q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset, mask)
 
-    def _forward_cpu(self, q, k, v, scale, causal, window, alibi_slopes, key_offset):
+    def _forward_cpu(self, q, k, v, scale, causal, window, alibi_slopes, key_offset, keep=None):
         cdt = self._compute_dtype(q, alibi_slopes)
         if cdt == q.dtype:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
             qt, kt, vt = (x.to(cdt).transpose(1, 2) for x in (q, k, v))
         empty = None
-        if self._needs_mask(window, alibi_slopes):
-            mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt)
+        if self._needs_mask(window, alibi_slopes, keep):
+            mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt, keep)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, False, attn_mask=mask, scale=scale)
         else:
@@ -146,32 +147,32 @@ class SDPABackend(AttentionBackend):
         cc = compute_capability(dev, q.device.index or 0)
         return cc is None or tuple(cc) >= (8, 0)
 
-    def _forward_cuda(self, dev, q, k, v, scale, causal, window, alibi_slopes, key_offset):
+    def _forward_cuda(self, dev, q, k, v, scale, causal, window, alibi_slopes, key_offset, keep=None):
         flash, efficient, _ = cuda_ops()
         d, sq, h = q.shape[-1], q.shape[1], q.shape[2]
-        if self._use_flash(dev, q, k, causal, window, alibi_slopes):
+        if keep is None and self._use_flash(dev, q, k, causal, window, alibi_slopes):
             qt, kt, vt = (pad_head_dim(x, FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, k, v))
             res = flash(qt, kt, vt, 0.0, bool(causal), False, scale=scale)
             return res[0].transpose(1, 2)[..., :d], normalize_lse(normalize_cuda_lse(res[1], sq))
         cdt = self._compute_dtype(q, alibi_slopes)
         qt, kt, vt = (pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, k, v))
         kt, vt = _repeat_kv(kt, h), _repeat_kv(vt, h)
-        bias, empty = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt)
+        bias, empty = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt, keep)
         res = efficient(qt, kt, vt, bias, True, 0.0, bool(causal) and bias is None, scale=scale)
         out = res[0].transpose(1, 2)[..., :d].to(q.dtype)
         if empty is not None:     # rows that see no key: out 0 whatever the kernel left there
-            out = out.masked_fill(empty.view(1, sq, 1, 1), 0)
+            out = out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0)
         return out, normalize_lse(normalize_cuda_lse(res[1], sq), empty)
 
-    def _bias(self, q, k, causal, window, key_offset, alibi_slopes, dtype):
+    def _bias(self, q, k, causal, window, key_offset, alibi_slopes, dtype, keep=None):
         """The additive bias [B, H, Sq, Sk] for window/alibi (causal folded in), or (None, None).
         Built with its last dim padded to a multiple of 16 elements, then sliced, so every
         stride the kernel checks is aligned."""
-        if not self._needs_mask(window, alibi_slopes):
+        if not self._needs_mask(window, alibi_slopes, keep):
             return None, None
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         sk = k.shape[1]
-        mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, dtype)
+        mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, dtype, keep)
         padded = -(-sk // BIAS_ALIGN_ELEMENTS) * BIAS_ALIGN_ELEMENTS
         bias = torch.empty(*mask.shape[:-1], padded, dtype=dtype, device=q.device)[..., :sk]
         bias.copy_(mask)
@@ -179,30 +180,31 @@ class SDPABackend(AttentionBackend):
 
     # ------------------------------------------------------------------ backward
     def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
+                        dropout_p, deterministic, key_offset, mask=None):
         lse = lse_for_backward(lse)
         dev = device_type_of(q.device)
         if dev == "cpu":
             cdt = self._compute_dtype(q, alibi_slopes)
             qt, kt, vt, ot, dot = (x.to(cdt).transpose(1, 2) for x in (q, k, v, out, dout))
             kw = {"scale": softmax_scale}
-            if self._needs_mask(window, alibi_slopes):
-                kw["attn_mask"] = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt)[0]
+            if self._needs_mask(window, alibi_slopes, mask):
+                kw["attn_mask"] = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt, mask)[0]
                 causal = False
             lse = lse.to(torch.float64 if cdt == torch.float64 else torch.float32)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, causal, **kw)
             return tuple(g.transpose(1, 2).to(q.dtype) for g in (dq, dk, dv))
         return self._backward_cuda(dev, dout, q, k, v, out, lse, softmax_scale, causal, window, alibi_slopes,
-                                   key_offset)
+                                   key_offset, mask)
 
-    def _backward_cuda(self, dev, dout, q, k, v, out, lse, scale, causal, window, alibi_slopes, key_offset):
+    def _backward_cuda(self, dev, dout, q, k, v, out, lse, scale, causal, window, alibi_slopes, key_offset,
+                       keep=None):
         _, _, efficient_backward = cuda_ops()
         d, h, hkv = q.shape[-1], q.shape[2], k.shape[2]
         cdt = self._compute_dtype(q, alibi_slopes)
         qt, ot, dot = (pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, out, dout))
         kt, vt = (_repeat_kv(pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2), h) for x in (k, v))
-        bias, _ = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt)
+        bias, _ = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt, keep)
         align = CUDA_LSE_ALIGN.get(dev, 32)
         pad = (-lse.shape[-1]) % align
         lse_p = torch.nn.functional.pad(lse.float(), (0, pad)) if pad else lse.float().contiguous()

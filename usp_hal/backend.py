@@ -3,10 +3,10 @@
 Contract (what the USP core relies on, whichever kernel runs underneath)::
 
     forward(q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-            alibi_slopes=None, dropout_p=0.0, key_offset=0) -> (out, lse)
+            alibi_slopes=None, dropout_p=0.0, key_offset=0, mask=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
              softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
-             key_offset=0) -> (dq, dk, dv)
+             key_offset=0, mask=None) -> (dq, dk, dv)
 
 * ``q`` is ``[B, Sq, H, D]``, ``k``/``v`` are ``[B, Sk, Hkv, D]`` (``H % Hkv == 0``), with any
   strides: the base class makes them acceptable to the kernel (``INPUT_LAYOUT``), copying
@@ -25,6 +25,10 @@ Contract (what the USP core relies on, whichever kernel runs underneath)::
   ``alibi_slopes`` adds ``-slope * |n + key_offset - m|``.  ``key_offset`` (global key
   position minus global query position of the two blocks) matters only with window/alibi,
   and only backends that declare ``SUPPORTS_KEY_OFFSET`` get a non-zero one there.
+* ``mask`` (only for backends that declare ``SUPPORTS_MASK``; ``kernel_forward`` /
+  ``kernel_backward`` receive the keyword only when it is not None) is a bool tensor
+  broadcastable to ``[B, H, Sq, Sk]``, True where the query attends the key, combined (and)
+  with causal/window; a row it leaves without any key has out 0 and lse ``-inf``.
 * ``backward`` may be given the *global* (ring-merged) ``out``/``lse``; rows whose lse is
   ``-inf`` (they saw no key at all) must contribute nothing (see ``lse_for_backward``).
 * ``dk``/``dv`` come back with ``Hkv`` heads; all grads in the input dtype.
@@ -111,6 +115,10 @@ class AttentionBackend:
     SUPPORTS_DROPOUT: ClassVar[bool] = False
     SUPPORTS_GQA: ClassVar[bool] = True
     SUPPORTS_KEY_OFFSET: ClassVar[bool] = False
+    #: the kernel takes ``mask=`` (bool, broadcastable to [B, H, Sq, Sk], True = attend): the
+    #: core hands it the partial blocks of a masked call; without it only calls whose blocks
+    #: are all full or empty can run (they need no mask), and ``mask=`` calls are refused
+    SUPPORTS_MASK: ClassVar[bool] = False
     RETURNS_LSE: ClassVar[bool] = True
     HAS_BACKWARD: ClassVar[bool] = True
     IS_DETERMINISTIC: ClassVar[bool] = False
@@ -222,27 +230,31 @@ class AttentionBackend:
     # ---------------------------------------------------------------- per-call admission
     _admitted_calls: ClassVar[Optional[set]] = None    # per instance once used
 
-    def _admit(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset):
+    def _admit(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
+               mask=None):
         """Validate one call against the declarations: the first call of each signature
         (shapes, dtypes, device, options) builds the request and asks
         ``not_supported_reasons``; a repeated signature is one tuple lookup.  Lengths are
         part of the signature, so the rules on Sq/Sk are cached with the rest."""
         try:
             sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, causal, window, softcap,
-                   alibi_slopes is None, dropout_p, not key_offset, grad, deterministic)
+                   alibi_slopes is None, dropout_p, not key_offset, grad, deterministic,
+                   None if mask is None else mask.shape)
             seen = self._admitted_calls
             if seen is not None and sig in seen:
                 return
         except (AttributeError, TypeError):
             sig = None
-        self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset)
+        self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
+                         mask)
         if sig is not None:
             seen = self._admitted_calls
             if seen is None or len(seen) > 1024:
                 seen = self._admitted_calls = set()
             seen.add(sig)
 
-    def _request(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset):
+    def _request(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
+                 mask=None):
         dev = _platform.device_type_of(q.device)
         index = q.device.index or 0
         return AttnRequest(
@@ -251,10 +263,10 @@ class AttentionBackend:
             softcap=float(softcap or 0.0), alibi=alibi_slopes is not None, dropout_p=float(dropout_p or 0.0),
             needs_grad=grad, needs_lse=False, deterministic=bool(deterministic), key_offset=bool(key_offset),
             compute_capability=_platform.compute_capability(dev, index), seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-            device_model=_platform.device_model(dev, index))
+            device_model=_platform.device_model(dev, index), mask=mask is not None)
 
     def _admit_slow(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
-                    key_offset):
+                    key_offset, mask=None):
         name = self.NAME
         for label, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -270,8 +282,15 @@ class AttentionBackend:
         if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
             raise ValueError(f"{name}: alibi_slopes must be (H,) or (B, H) = {(q.shape[0], q.shape[2])}, "
                              f"got {tuple(alibi_slopes.shape)}")
+        if mask is not None:
+            want = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+            if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+                    or any(m not in (1, w) for m, w in zip(mask.shape, want)) or tuple(mask.shape[2:]) != want[2:]):
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(f"{name}: mask must be a bool tensor broadcastable to [B, H, Sq, Sk] = {want} "
+                                 f"(Sq and Sk in full), got {got}")
         req = self._request(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
-                            key_offset)
+                            key_offset, mask)
         reasons = list(type(self).not_supported_reasons(req))     # includes the Sq/Sk rules (POSITIONS)
         if reasons:
             raise self._refusal(req, reasons)
@@ -295,39 +314,42 @@ class AttentionBackend:
 
     # ---------------------------------------------------------------- kernel contract
     def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0):
+                alibi_slopes=None, dropout_p=0.0, key_offset=0, mask=None):
         if type(window) is not tuple:
             window = tuple(window)
-        self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, False, False, key_offset)
+        self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, False, False, key_offset, mask)
         layout = type(self).INPUT_LAYOUT
         if layout != "strided" and not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
                                         and (layout != "contiguous" or (q.is_contiguous() and k.is_contiguous()
                                                                         and v.is_contiguous()))):
             q, k, v = self._conform(q, k, v)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        extra = {} if mask is None else {"mask": mask}
         out, lse = self.kernel_forward(q, k, v, softmax_scale=scale, causal=bool(causal), window=window,
                                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                       key_offset=key_offset)
+                                       key_offset=key_offset, **extra)
         if lse is None:
             lse = no_lse(q)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0):
+                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0, mask=None):
         if not type(self).HAS_BACKWARD:
             raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
         if type(window) is not tuple:
             window = tuple(window)
         self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, True, bool(deterministic),
-                    key_offset)
+                    key_offset, mask)
         want = (q.shape[0], q.shape[2], q.shape[1])
         if tuple(lse.shape) != want:
             raise ValueError(f"{self.NAME}: lse must be [B, H, Sq] = {want}, got {tuple(lse.shape)}")
         dout, q, k, v, out = self._conform(dout, q, k, v, out)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        extra = {} if mask is None else {"mask": mask}
         return self.kernel_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
                                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                    dropout_p=dropout_p, deterministic=bool(deterministic), key_offset=key_offset)
+                                    dropout_p=dropout_p, deterministic=bool(deterministic), key_offset=key_offset,
+                                    **extra)
 
     def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
                        key_offset):
@@ -470,8 +492,10 @@ def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
 
 
 def position_mask(sq: int, sk: int, *, causal: bool, window, key_offset: int, alibi_slopes,
-                  batch: int, heads: int, dtype: torch.dtype, device) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Additive float mask for the contract's causal/window/alibi semantics.
+                  batch: int, heads: int, dtype: torch.dtype, device,
+                  keep: Optional[torch.Tensor] = None) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Additive float mask for the contract's causal/window/alibi semantics, and'ed with a
+    boolean ``keep`` mask (the contract's ``mask=``, broadcastable to ``[B, H, Sq, Sk]``).
 
     Returns ``(mask, empty_rows)``: mask broadcastable to ``[B, H, Sq, Sk]`` and a bool
     ``empty_rows`` broadcastable to ``[B, H, Sq]`` for query rows that see no key.
@@ -479,22 +503,23 @@ def position_mask(sq: int, sk: int, *, causal: bool, window, key_offset: int, al
     m = torch.arange(sq, device=device).unsqueeze(1)
     n = torch.arange(sk, device=device).unsqueeze(0) + key_offset
     dist = n - m                      # key position minus query position
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
-        keep &= dist <= 0
+        allowed &= dist <= 0
     left, right = window
     if left >= 0:
-        keep &= dist >= -left
+        allowed &= dist >= -left
     if right >= 0:
-        keep &= dist <= right
+        allowed &= dist <= right
+    allowed = allowed.view(1, 1, sq, sk)
+    if keep is not None:
+        allowed = allowed & keep.to(device)
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    mask = torch.zeros(sq, sk, dtype=work, device=device)
-    mask.masked_fill_(~keep, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=work, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=device, dtype=work)
         slopes = slopes.view(1, heads, 1, 1) if slopes.dim() == 1 else slopes.view(batch, heads, 1, 1)
         mask = mask - slopes * dist.abs().to(work)
-    else:
-        mask = mask.view(1, 1, sq, sk)
-    empty = (~keep).all(dim=-1).view(1, 1, sq)
+    empty = (~allowed).all(dim=-1)
     return mask.to(dtype), empty

@@ -79,6 +79,8 @@ class AttnRequest:
     device_model: Optional[str] = None
     # packed documents (cu_seqlens): the core cuts every kernel call at document boundaries
     varlen: bool = False
+    # a boolean mask on some kernel calls (the partial blocks of a ``mask=`` call)
+    mask: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -120,6 +122,8 @@ class AttnRequest:
             parts.append("deterministic")
         if self.varlen:
             parts.append("varlen")
+        if self.mask:
+            parts.append("mask")
         return ", ".join(parts)
 
 
@@ -422,6 +426,9 @@ def declared_reasons(b: Any, req: AttnRequest, ctx: Optional[RuleContext] = None
             reasons.append(why)
     if req.seqlen_q is not None and req.seqlen_k is not None and req.seqlen_q != req.seqlen_k:
         reasons.extend(position_reasons(b.POSITIONS, req.seqlen_q, req.seqlen_k, req.causal, req.window, req.alibi))
+    if req.mask and not getattr(b, "SUPPORTS_MASK", False):
+        reasons.append("a boolean attention mask (the partial blocks of mask=) is not supported: the kernel takes "
+                       "no mask; use attn_type='sdpa' (or 'flex' / 'fa4' where they run)")
     if req.varlen and not getattr(b, "SUPPORTS_VARLEN", True):
         reasons.append("packed documents (cu_seqlens) not supported: the kernel cannot take the per-document "
                        "calls of the block plan; call it per document, or use a backend that declares SUPPORTS_VARLEN")
@@ -467,6 +474,7 @@ def capability_row(backend) -> dict:
         "ring": b.RETURNS_LSE,
         "varlen": ("kernel" if getattr(b, "VARLEN_KERNEL", False) else "calls")
         if getattr(b, "SUPPORTS_VARLEN", True) else False,
+        "mask": bool(getattr(b, "SUPPORTS_MASK", False)),
         "min_compute_capability": {k: list(v) for k, v in (b.MIN_COMPUTE_CAPABILITY or {}).items()},
         "max_compute_capability": {k: list(v) for k, v in (b.MAX_COMPUTE_CAPABILITY or {}).items()},
         "input_layout": b.INPUT_LAYOUT,
