@@ -59,6 +59,7 @@ _BUILTIN = {
     "flashinfer": "usp_hal.backends.flashinfer:FlashInferBackend",
     "npu": "usp_hal.backends.npu:NPUBackend",
     "xpu": "usp_hal.backends.xpu:XPUBackend",
+    "flex": "usp_hal.backends.flex:FlexAttentionBackend",
 }
 
 # `auto` tries these in order (each platform entry declares its list); lossy (quantised)

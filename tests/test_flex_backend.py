@@ -1,0 +1,199 @@
+"""The FlexAttention backend (``usp_hal.backends.flex``) against the float64 reference.
+
+On the CPU this runs torch 2.13's real ``flex_attention`` (uncompiled: the only CPU path
+with an lse): out and lse of direct adapter calls (with and without ``mask=``, rows the
+mask empties, GQA, windows and alibi across a key offset, softcap, ``Sq != Sk``, lengths
+that are not multiples of flex's 128-wide blocks) and a forward through
+``LongContextAttention`` on one rank.  The CPU has no flex backward, so a training call is
+refused with the declared reason.
+
+The CUDA path (compiled flex, backward) cannot run here: its backward is checked under
+``platform.emulate("cuda")`` with ``flex_ops`` replaced by torch's own unfused flex with the
+CPU refusal lifted.  That proves the adapter's backward (the re-weighting to a given
+out/lse), not flex's Triton kernels.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import usp_hal
+from usp_hal import platform
+from usp_hal.backend import Unsupported
+from usp_hal.backends import flex as flex_module
+from usp_hal.backends.flex import FlexAttentionBackend
+from usp_hal.capabilities import AttnRequest
+from usp_hal.reference import LSE_TOLERANCES, TOLERANCES, reference_attention
+
+KERNEL = FlexAttentionBackend()
+IDS = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _inputs(dtype, b=2, sq=13, sk=None, h=4, hkv=None, d=16, seed=0):
+    sk = sq if sk is None else sk
+    hkv = h if hkv is None else hkv
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _close(got, ref, dtype, what, lse=False):
+    atol, rtol = (LSE_TOLERANCES if lse else TOLERANCES)[dtype]
+    got = got.to(torch.float64)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{what}: -inf rows differ"
+    fin = torch.isfinite(ref)
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    diff = (got[fin] - ref[fin]).abs()
+    bound = atol + rtol * ref[fin].abs()
+    assert bool((diff <= bound).all()), f"{what}: max error {diff.max():.3e} over ({atol}, {rtol})"
+
+
+def _forward_check(dtype, shape=None, **kw):
+    q, k, v, _ = _inputs(dtype, **(shape or {}))
+    kw.setdefault("softmax_scale", 0.3)
+    out, lse = KERNEL.forward(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    ref_out, ref_lse = reference_attention(q, k, v, **kw)
+    _close(out, ref_out, dtype, "out")
+    _close(lse, ref_lse, dtype, "lse", lse=True)
+    return out, lse
+
+
+def _mask(b, h, sq, sk, seed=1, p=0.6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(b, h, sq, sk, generator=g) < p
+
+
+# Each distinct call structure costs flex one trace (about a second here): the cases are few and mixed.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: IDS[d])
+def test_flex_plain_and_causal_gqa(dtype):
+    """out and a natural-log lse (flex's base-2 stats scaled back) in every dtype; GQA, Sq != Sk, 13/21 keys."""
+    _forward_check(dtype, dict(sq=13, sk=21, h=4, hkv=2), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=lambda d: IDS[d])
+def test_flex_mask_with_empty_rows(dtype):
+    """mask= (B and H broadcast separately) and'ed with causal; rows it empties give out 0, lse -inf."""
+    b, h, sq, sk = 2, 4, 9, 9
+    mask = _mask(b, 1, sq, sk)
+    mask[0, 0, 3] = False                        # a row without keys in batch 0 only
+    mask[1, 0, :, 0] = True                      # every causal row of batch 1 keeps key 0
+    out, lse = _forward_check(dtype, dict(b=b, sq=sq, h=h), causal=True, mask=mask)
+    assert torch.isneginf(lse[0, :, 3]).all() and torch.count_nonzero(out[0, 3]) == 0
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_flex_per_head_mask_window_key_offset_gqa():
+    """A per-head mask, a two-sided window at a ring key offset and GQA: the mods see global positions."""
+    b, h, sq, sk = 1, 4, 12, 20
+    mask = _mask(1, h, sq, sk, seed=3, p=0.7)
+    _forward_check(torch.float32, dict(b=b, sq=sq, sk=sk, h=h, hkv=1), window=(6, 3), key_offset=-4, mask=mask)
+
+
+def test_flex_alibi_softcap_across_offset():
+    """alibi (per batch and head) and softcap in the score_mod, window at a key offset, length 130 (> one block)."""
+    b, h = 2, 2
+    slopes = torch.tensor([[0.5, 0.25], [0.125, 1.0]])
+    _forward_check(torch.float32, dict(b=b, sq=130, sk=7, h=h, d=8), alibi_slopes=slopes, softcap=1.5,
+                   window=(-1, 2), key_offset=125)
+
+
+def test_flex_no_keys_at_all():
+    """Sk = 0 (flex's kernels refuse it): out 0 and lse -inf without calling the kernel."""
+    q, k, v, _ = _inputs(torch.float32, sq=5, sk=0)
+    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.25)
+    assert torch.count_nonzero(out) == 0 and torch.isneginf(lse).all()
+
+
+# --------------------------------------------------------------------------- declared capabilities
+def test_flex_cpu_declares_forward_with_lse_and_no_backward():
+    base = AttnRequest(dtype=torch.float32, device_type="cpu", head_dim=16, num_heads=4, num_kv_heads=2,
+                       causal=True, mask=True, needs_lse=True, key_offset=True, window=(4, 0), alibi=True)
+    assert FlexAttentionBackend.not_supported_reasons(base) == []
+    why = FlexAttentionBackend.not_supported_reasons(base.with_(needs_grad=True))
+    assert any("no backward on CPU" in r for r in why), why
+    cuda = base.with_(device_type="cuda", compute_capability=(9, 0), needs_grad=True)
+    assert FlexAttentionBackend.not_supported_reasons(cuda) == []
+    assert any("at least 16" in r for r in FlexAttentionBackend.not_supported_reasons(cuda.with_(head_dim=8)))
+
+
+def test_flex_backward_refused_on_cpu_before_the_kernel():
+    q, k, v, dout = _inputs(torch.float32, sq=6)
+    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.25)
+    with pytest.raises(Unsupported, match="no backward on CPU"):
+        KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=0.25)
+
+
+# --------------------------------------------------------------------------- through the USP core
+def test_flex_through_long_context_attention_one_rank():
+    """LongContextAttention(attn_type='flex') on one process: forward out and lse vs the reference."""
+    dtype = torch.bfloat16
+    q, k, v, _ = _inputs(dtype, b=1, sq=24, h=4, hkv=2, d=16, seed=4)
+    attn = usp_hal.LongContextAttention(attn_type="flex")
+    with torch.no_grad():
+        out, lse = attn(q, k, v, causal=True, return_attn_probs=True)
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True)
+    _close(out, ref_out, dtype, "out")
+    _close(lse, ref_lse, dtype, "lse", lse=True)
+
+
+def test_flex_training_call_refused_through_the_core():
+    q, k, v, _ = _inputs(torch.float32, b=1, sq=8, h=2, d=16)
+    attn = usp_hal.LongContextAttention(attn_type="flex")
+    with pytest.raises(NotImplementedError, match="no backward on CPU") as err:
+        attn(q.requires_grad_(), k, v, causal=True)
+    assert "sdpa" in str(err.value)                 # the refusal names a backend that would run it
+
+
+# --------------------------------------------------------------------------- the CUDA backward (stand-in)
+def _unfused_flex_with_grad(device_type):
+    """torch's own uncompiled flex with the CPU backward refusal lifted (its dense autograd);
+    static shapes, as the adapter compiles flex on CUDA (its dynamic-shape trace of the
+    autograd path fails on torch 2.13 with an unbacked symbol)."""
+    flex, create_block_mask, aux = flex_module._eager_ops()
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def call(*args, **kw):
+        saved = fa._validate_device
+        fa._validate_device = lambda *a: None
+        try:
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                return flex(*args, **kw)
+        finally:
+            fa._validate_device = saved
+    return call, create_block_mask, aux
+
+
+def test_flex_backward_reweights_to_the_merged_out_and_lse(monkeypatch):
+    """The CUDA backward (emulated): two key blocks' gradients, each from the merged (global)
+    out/lse, with a mask, a window and GQA, sum to the float64 reference gradients."""
+    dtype = torch.float32
+    monkeypatch.setattr(flex_module, "flex_ops", _unfused_flex_with_grad)
+    b, h, hkv, sq, sk, d = 1, 4, 2, 10, 16, 16
+    q, k, v, dout = _inputs(dtype, b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, seed=6)
+    mask = _mask(1, 1, sq, sk, seed=7, p=0.7)
+    mask[..., 2, :] = False                                  # a row without keys anywhere
+    kw = dict(softmax_scale=0.25, window=(8, 8), softcap=2.0)
+    with platform.emulate("cuda", compute_capability=(9, 0)):
+        parts = [KERNEL.forward(q, k[:, a:z], v[:, a:z], key_offset=a, mask=mask[..., a:z], **kw)
+                 for a, z in ((0, 7), (7, sk))]
+        lse = torch.logaddexp(parts[0][1], parts[1][1])
+        weights = [torch.exp(pl - lse).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1) for _, pl in parts]
+        out = sum(po * w for (po, _), w in zip(parts, weights))
+        grads = [KERNEL.backward(dout, q, k[:, a:z], v[:, a:z], out, lse, key_offset=a, mask=mask[..., a:z], **kw)
+                 for a, z in ((0, 7), (7, sk))]
+    qr, kr, vr = (x.to(torch.float64).requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(qr, kr, vr, mask=mask, **kw)
+    ref_grads = torch.autograd.grad(ref_out, (qr, kr, vr), dout.to(torch.float64))
+    _close(out, ref_out.detach(), dtype, "merged out")
+    _close(lse, ref_lse.detach(), dtype, "merged lse", lse=True)
+    _close(grads[0][0] + grads[1][0], ref_grads[0], dtype, "dq")
+    _close(torch.cat([grads[0][1], grads[1][1]], 1), ref_grads[1], dtype, "dk")
+    _close(torch.cat([grads[0][2], grads[1][2]], 1), ref_grads[2], dtype, "dv")
+    assert torch.count_nonzero(grads[0][0][:, 2]) == 0 and torch.count_nonzero(grads[1][0][:, 2]) == 0
