@@ -1,0 +1,120 @@
+"""Rank functions for the HF Trainer path (tests/test_trainer.py).
+
+Every rank builds the same tiny Llama (from a config, no downloads) and the same small dataset of
+right-padded rows (pads labelled -100, no attention mask) whose rows hold different numbers of
+labels, so the replicas of one step hold different token counts and only an exactly normalised
+loss matches one process.  ``trainer_run`` trains it with :class:`USPTrainer` on the workers;
+``reference_run`` trains it with the plain Trainer in one process (the test's own), on batches of
+``dp`` times the rows: the same global batch per optimizer step."""
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from tests.integration_cases import VOCAB, tiny_llama
+
+MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2)
+
+
+class RaggedRows(torch.utils.data.Dataset):
+    """``n`` rows of ``S`` tokens; row i has ``S - i % 7`` real tokens (then pads, labels -100),
+    and every third row also has its first 3 labels -100 (a prompt)."""
+
+    def __init__(self, n: int, S: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed + 500)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(1, VOCAB, (S,), generator=g)
+            labels = ids.clone()
+            real = S - i % 7
+            ids[real:] = 0
+            labels[real:] = -100
+            if i % 3 == 0:
+                labels[:3] = -100
+            self.rows.append({"input_ids": ids, "labels": labels})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class _Losses:
+    """A TrainerCallback (built lazily: transformers is imported inside the functions) that keeps
+    each logged loss."""
+
+    @staticmethod
+    def make():
+        from transformers import TrainerCallback
+
+        class Keep(TrainerCallback):
+            def __init__(self):
+                self.losses, self.grad_norms = [], []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.losses.append(float(logs["loss"]))
+                    self.grad_norms.append(float(logs.get("grad_norm", float("nan"))))
+        return Keep()
+
+
+def _common(out_dir: str, steps: int, ga: int, lr: float, seed: int) -> dict:
+    return dict(output_dir=out_dir, max_steps=steps, gradient_accumulation_steps=ga, learning_rate=lr, seed=seed,
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                dataloader_num_workers=0, max_grad_norm=1.0)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+
+
+def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
+                lr: float = 3e-3, layout: str = "zigzag"):
+    """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
+    rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
+    import torch.distributed as dist
+
+    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+
+    world = dist.get_world_size()
+    dp = world // (U * R)
+    model = tiny_llama(seed, **MODEL)
+    data = RaggedRows(steps * ga * bs * dp, S, seed)
+    keep = _Losses.make()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
+                                    usp_attn_type="sdpa", per_device_train_batch_size=bs,
+                                    **_common(tmp, steps, ga, lr, seed))
+        trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep])
+        out = trainer.train()
+    res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
+           "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss)}
+    if dist.get_rank() == 0:
+        res["params"] = _flat(model)
+    return res
+
+
+def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
+                  lr: float = 3e-3):
+    """The same training with the plain Trainer in this process (no process group): ``bs * dp``
+    rows per micro-batch, the global batch of one optimizer step of ``trainer_run``."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama(seed, **MODEL)
+    data = RaggedRows(steps * ga * bs * dp, S, seed)
+    keep = _Losses.make()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(per_device_train_batch_size=bs * dp, **_common(tmp, steps, ga, lr, seed))
+            Trainer(model=model, args=args, train_dataset=data, callbacks=[keep]).train()
+    finally:
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(reset_partial_state=True)   # leave no accelerate singleton behind
+    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}
+
+
+def initial_params(seed: int = 0) -> torch.Tensor:
+    return _flat(tiny_llama(seed, **MODEL))

@@ -1,0 +1,344 @@
+"""The Hugging Face Trainer with usp-hal sequence parallelism, dp x sp from the training arguments.
+
+::
+
+    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+
+    args = USPTrainingArguments(output_dir="out", usp_ulysses_degree=2, usp_ring_degree=1,
+                                per_device_train_batch_size=4, max_steps=1000, ...)
+    USPTrainer(model=model, args=args, train_dataset=ds).train()
+    # torchrun --nproc-per-node 8 train.py: sp = 2 x 1 = 2 ranks per sequence, dp = 8 / 2 = 4 replicas
+
+Every rank runs the same script.  The world is cut into ``world / sp`` data-parallel replicas of
+``sp = usp_ulysses_degree * usp_ring_degree`` consecutive ranks; the ranks of one replica share
+each row of a batch along the sequence.  ``per_device_train_batch_size`` counts rows per replica
+and micro-batch, as the Trainer counts them per dp rank for DeepSpeed's sequence parallelism.
+
+Who does what:
+
+* **the Trainer and accelerate, unchanged**: the optimizer, scheduler, gradient accumulation,
+  clipping, logging, checkpoints; DDP over the whole world (accelerate's ``prepare_model``); the
+  token count of the loss over every rank (``average_tokens_across_devices``); the final
+  ``loss * num_processes`` that undoes DDP's mean (``Trainer.compute_loss``).
+* **this class**: the mesh; the data loader giving one batch per replica (the same on its sp
+  ranks); each batch sharded along the sequence by
+  :func:`usp_hal.integrations.transformers.shard_batch` (global position ids, labels shifted over
+  the whole sequence *before* sharding, so no label is lost at a shard boundary); the exact
+  token count of the global batch; usp-hal attention on the model during ``train()``.
+
+Why no :func:`~usp_hal.integrations.sync_gradients` call: rank ``r``'s loss is
+``num_processes * S_r / N`` (``S_r`` the summed token losses of its shard, ``N`` the non-ignored
+tokens of every replica's micro-batches of the step), and DDP averages over all
+``num_processes`` ranks, so every rank ends with ``sum_r dS_r / N``: the gradient of the mean
+token loss of the whole global batch, which is what one process computes.  The sum over the sp
+ranks is already inside DDP's all-reduce; another one would double it.  The step checks once
+that the model is in fact DDP over the whole world and then clears usp-hal's partial-gradient
+mark (:func:`~usp_hal.integrations.mark_synced`).
+
+Refused (``ValueError`` naming the reason and what to use instead): DeepSpeed, FSDP and an
+accelerate ``ParallelismConfig`` (its ``sp_backend`` is DeepSpeed's ALST), tensor-parallel
+models, evaluation and prediction, label smoothing, ``compute_loss_func``, NEFTune, Liger
+kernels, ``model_init``, ``average_tokens_across_devices=False``, the ``batch_rebalance``
+sampling strategy, ``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several
+GPUs in one process).  Batches with padding masks are refused by ``shard_batch`` (use labels
+-100 on the padding and no ``attention_mask``).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+
+import usp_hal
+
+from . import transformers as usp
+from .grads import mark_synced
+
+__all__ = ["USPTrainer", "USPTrainingArguments"]
+
+_NAMES = itertools.count()
+
+
+@dataclass
+class USPTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus the sequence-parallel degrees (also on the command line through
+    ``HfArgumentParser``: ``--usp_ulysses_degree 2``).  The data-parallel size is what is left:
+    ``world_size / (usp_ulysses_degree * usp_ring_degree)``."""
+
+    usp_ulysses_degree: int = field(default=1, metadata={"help": "Ulysses (all-to-all) ranks per sequence"})
+    usp_ring_degree: int = field(default=1, metadata={"help": "Ring ranks per sequence"})
+    usp_layout: str = field(default=usp.DEFAULT_LAYOUT, metadata={
+        "help": "how the sequence is sharded: 'zigzag' (balances causal work over a ring), 'basic', or "
+                "'varlen_zigzag' for packed batches"})
+    usp_attn_type: str = field(default="auto", metadata={"help": "usp-hal kernel backend (usp-hal probe lists them)"})
+
+
+def _refuse(what: str, why: str, instead: str) -> ValueError:
+    return ValueError(f"USPTrainer does not support {what}: {why}. {instead}")
+
+
+def _args_problems(args: TrainingArguments) -> List[ValueError]:
+    """The training arguments this path cannot honour (each: what, why, what to do instead)."""
+    out = []
+    if args.label_smoothing_factor:
+        # Trainer.compute_loss pops the labels and calls its LabelSmoother with shift_labels=True:
+        # it would shift the already shifted labels of each shard once more
+        out.append(_refuse("label_smoothing_factor", "the Trainer's label smoother shifts the labels again inside "
+                           "each shard, after shard_batch has shifted them over the whole sequence",
+                           "Train without label smoothing, or subclass compute_loss with a loss on "
+                           "inputs['shift_labels']"))
+    if not args.average_tokens_across_devices:
+        # Trainer.compute_loss multiplies the loss by num_processes (undoing DDP's mean) only when
+        # average_tokens_across_devices is set; without it each rank's loss is its shard alone
+        out.append(_refuse("average_tokens_across_devices=False", "the exact loss divides every rank's token losses "
+                           "by the token count of the whole global batch, and the Trainer scales the loss back from "
+                           "DDP's mean only with average_tokens_across_devices=True", "Leave it at its default (True)"))
+    if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO") or args.eval_on_start:
+        out.append(_refuse("evaluation during training", "evaluation batches are not sharded along the sequence and "
+                           "its logits would need gathering", "Set eval_strategy='no' and evaluate with a plain "
+                           "Trainer (or model) on one process"))
+    if args.neftune_noise_alpha is not None:
+        out.append(_refuse("neftune_noise_alpha", "NEFTune scales its noise by the sequence length, which each rank "
+                           "sees only a shard of", "Leave neftune_noise_alpha unset"))
+    if args.use_liger_kernel:
+        out.append(_refuse("use_liger_kernel", "Liger's fused losses are not verified with sharded, pre-shifted "
+                           "labels", "Leave use_liger_kernel=False"))
+    if args.deepspeed:
+        out.append(_refuse("deepspeed", "DeepSpeed's engine is the other route (ALST: "
+                           "ParallelismConfig(sp_backend='deepspeed') with the plain Trainer)", "Use one or the other: "
+                           "USPTrainer with DDP, or the plain Trainer with DeepSpeed ALST"))
+    if args.fsdp:
+        out.append(_refuse("fsdp", "FSDP under this Trainer path is not verified yet", "Use DDP (the default), or "
+                           "FSDP2 on the dp dim of a DeviceMesh in your own loop with sync_gradients "
+                           "(docs/quickstart.md, 'Data parallel x sequence parallel')"))
+    if args.parallelism_config is not None:
+        # accelerate.parallelism_config.ParallelismConfig accepts sp_backend='deepspeed' only, and
+        # any of its dp/cp/tp dims makes accelerate build its own device mesh and sharding
+        out.append(_refuse("an accelerate ParallelismConfig", "its sp_size/sp_backend select DeepSpeed's ALST (the "
+                           "only sp_backend accelerate accepts) and its dp/cp/tp dims other wrappers",
+                           "Set usp_ulysses_degree/usp_ring_degree instead; the data-parallel size is the rest of "
+                           "the world"))
+    if args.train_sampling_strategy == "batch_rebalance":
+        # Trainer._get_dataloader makes accelerate's BatchSamplerShard a passthrough for it: each
+        # rank would draw its own batches, and the ranks of one sequence must share them
+        out.append(_refuse("train_sampling_strategy='batch_rebalance'", "its sampler picks batches per rank, and the "
+                           "ranks of one sequence must load the same batch", "Use 'random', 'sequential' or "
+                           "'group_by_length'"))
+    acc = args.accelerator_config
+    for name in ("dispatch_batches", "split_batches"):
+        if getattr(acc, name, None):
+            out.append(_refuse(f"accelerator_config {name}=True", "the loader is re-sharded over the data-parallel "
+                               "replicas, which these modes would split over every rank",
+                               f"Leave {name} unset"))
+    return out
+
+
+class USPTrainer(Trainer):
+    """``transformers.Trainer`` training with usp-hal sequence parallelism (module docstring).
+
+    ``args``: :class:`USPTrainingArguments` (the degrees, layout and kernel backend).  ``mesh``:
+    a :class:`usp_hal.SequenceParallelMesh` built beforehand instead (for example from a torch
+    DeviceMesh slice, ``usp_hal.init_sequence_parallel(device_mesh=dm["sp"])``); its degrees win
+    over the arguments' (which must then be left at 1 or match).  Every other argument is the
+    Trainer's.
+    """
+
+    def __init__(self, model=None, args=None, *trainer_args, mesh=None, **trainer_kwargs):
+        problems = _args_problems(args) if args is not None else []
+        if problems:
+            raise problems[0]
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._refuse_after_init()
+        self.usp_mesh = self._build_mesh(mesh)
+        layout = getattr(self.args, "usp_layout", usp.DEFAULT_LAYOUT)
+        self.usp_layout = layout
+        self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}", mesh=self.usp_mesh, layout=layout,
+                                       attn_type=getattr(self.args, "usp_attn_type", "auto"))
+        self._reduction_checked = False
+
+    # ------------------------------------------------------------------------- set-up
+    def _refuse_after_init(self) -> None:
+        if self.model_init is not None:
+            raise _refuse("model_init", "the model is re-created inside train() (hyperparameter search), after the "
+                          "sequence-parallel attention was set on it", "Pass model=")
+        if self.compute_loss_func is not None:
+            # Trainer.compute_loss hands it the popped labels: here this rank's shard of the
+            # already shifted labels, which a causal-LM loss function would shift again
+            raise _refuse("compute_loss_func", "it would receive this rank's shard of labels that are already "
+                          "shifted over the whole sequence", "Subclass USPTrainer.compute_loss and use "
+                          "inputs['shift_labels'] (no further shift), dividing by num_items_in_batch")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise _refuse("an accelerate DeepSpeed/FSDP launch configuration", "only DDP is verified on this path",
+                          "Launch with torchrun (or an accelerate config without DeepSpeed/FSDP)")
+        if self.args.n_gpu > 1:
+            raise _refuse("DataParallel (several GPUs in one process)", "each sequence-parallel rank is one "
+                          "process", "Launch one process per device with torchrun")
+        model = self.model
+        if (getattr(model, "_tp_size", None) or 1) > 1:
+            raise _refuse("a tensor-parallel model", "its shards and usp-hal's sequence shards are not composed here",
+                          "Load the model without tp_plan")
+        if not hasattr(model, "set_attn_implementation"):
+            raise _refuse(f"the model {type(model).__name__}", "it is not a transformers PreTrainedModel (no "
+                          "set_attn_implementation)", "Pass a transformers model whose attention goes through "
+                          "AttentionInterface")
+        # Trainer.__init__ (model introspection) reads accepts_loss_kwargs or a **kwargs forward: only
+        # then does compute_loss pass num_items_in_batch on to the model's loss
+        if not self.model_accepts_loss_kwargs:
+            raise _refuse(f"the model {type(model).__name__}", "its forward does not take the loss keyword "
+                          "arguments (num_items_in_batch, shift_labels) that make each rank's loss its exact share",
+                          "Use a model whose forward takes **kwargs (transformers' causal LMs do)")
+
+    def _build_mesh(self, mesh):
+        u = int(getattr(self.args, "usp_ulysses_degree", 1))
+        r = int(getattr(self.args, "usp_ring_degree", 1))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if mesh is not None:
+            if (u, r) not in ((1, 1), (mesh.ulysses_degree, mesh.ring_degree)):
+                raise ValueError(f"USPTrainer: mesh= is {mesh.ulysses_degree} x {mesh.ring_degree} (ulysses x ring) "
+                                 f"but the arguments say usp_ulysses_degree={u}, usp_ring_degree={r}; leave them at 1 "
+                                 "or make them match")
+            if mesh.world_size != world:
+                raise ValueError(f"USPTrainer: mesh= spans {mesh.world_size} ranks, the process group {world}")
+            return mesh
+        if not isinstance(self.args, USPTrainingArguments):
+            raise ValueError("USPTrainer: pass args=USPTrainingArguments(..., usp_ulysses_degree=, usp_ring_degree=) "
+                             "(or mesh=usp_hal.init_sequence_parallel(...)); with plain TrainingArguments there is no "
+                             "sequence-parallel degree")
+        if world % (u * r):
+            raise ValueError(f"USPTrainer: usp_ulysses_degree x usp_ring_degree = {u} x {r} does not divide the "
+                             f"{world} ranks (the data-parallel size is world / sp)")
+        # the process group exists by now: TrainingArguments' device set-up (accelerate's
+        # PartialState) started it under torchrun.  Replicas are runs of u*r consecutive ranks.
+        return usp_hal.init_sequence_parallel(u, r, set_default=False)
+
+    @property
+    def dp_size(self) -> int:
+        return self.usp_mesh.dp_degree
+
+    def _dp_index(self) -> int:
+        mesh = self.usp_mesh
+        if mesh.dp_degree == 1:
+            return 0
+        return list(dist.get_process_group_ranks(mesh.dp_group)).index(mesh.rank)
+
+    # ------------------------------------------------------------------------- data
+    def get_train_dataloader(self):
+        """The Trainer's loader, sharded over the data-parallel replicas instead of every rank.
+
+        accelerate's ``prepare_data_loader`` shards over ``num_processes`` (the world) with a
+        ``BatchSamplerShard`` (map-style data) or an ``IterableDatasetShard`` (iterable data);
+        both read ``num_processes``/``process_index`` at iteration time, so setting them to the
+        replica count and index makes every rank of a replica load the same batches.  The Trainer
+        does the same to that wrapper for its ``batch_rebalance`` sampler (``Trainer._get_dataloader``).
+        """
+        loader = super().get_train_dataloader()
+        world = self.accelerator.num_processes
+        if world == self.dp_size:           # sp == 1: the Trainer's sharding is already per replica
+            return loader
+        from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+        if isinstance(loader, DataLoaderDispatcher):
+            raise _refuse("a dispatching data loader (accelerate dispatch_batches, the default for iterable "
+                          "datasets)", "rank 0 reads and slices every batch over all ranks", "Pass "
+                          "accelerator_config={'dispatch_batches': False} in the training arguments")
+        found = []
+        for part in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)):
+            if isinstance(part, (BatchSamplerShard, IterableDatasetShard)):
+                if part.num_processes != world:
+                    raise _refuse("this data loader", f"it is sharded over {part.num_processes} processes, not the "
+                                  f"{world} ranks accelerate shards over", "Use a map-style dataset or a plain "
+                                  "torch IterableDataset")
+                part.num_processes, part.process_index = self.dp_size, self._dp_index()
+                found.append(part)
+        if not found:
+            raise _refuse(f"the data loader {type(loader).__name__}", "accelerate did not shard it with a "
+                          "BatchSamplerShard or IterableDatasetShard, so its per-replica batches cannot be set (a "
+                          "datasets.IterableDataset with several shards is split by the datasets library itself)",
+                          "Use a map-style dataset, or one stream that accelerate shards")
+        return loader
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Rows per optimizer step over all replicas (the Trainer's version divides the world by
+        DeepSpeed's ``sp_size``, which is 1 here)."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device) -> Tuple[list, Optional[Any]]:
+        """The step's micro-batches, each sharded along the sequence, and the exact token count.
+
+        ``Trainer._get_num_items_in_batch`` would count ``labels[..., 1:]`` of the loaded batches,
+        gather over every rank and divide by DeepSpeed's ``sp_size`` (1 here), so it would count
+        each replica sp times and miss the labels that packed boundaries drop.  Here the count is
+        what the loss divides by: the non-ignored labels ``shard_batch`` produced (shifted over the
+        whole sequence), summed over the micro-batches and the replicas.  The Trainer passes it to
+        every micro-batch's ``compute_loss`` as ``num_items_in_batch``.
+        """
+        loaded = []
+        for _ in range(num_batches):
+            try:
+                loaded.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        sharded, count, missing = [], 0, False
+        for batch in loaded:
+            local = usp.shard_batch(batch, self.usp_mesh, self.usp_layout)
+            n = local.pop("num_items_in_batch", None)
+            missing = missing or n is None
+            count += int(n or 0)
+            sharded.append(local)
+        if missing and sharded:
+            raise ValueError("USPTrainer: a training batch has no labels; each rank's loss is its share of the "
+                             "whole sequence's token loss, which needs labels (-100 where nothing is predicted)")
+        if not sharded:
+            return sharded, None
+        total = torch.tensor(count, dtype=torch.int64, device=device)
+        if self.usp_mesh.dp_degree > 1:
+            dist.all_reduce(total, group=self.usp_mesh.dp_group)
+        return sharded, total
+
+    # ------------------------------------------------------------------------- steps
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # Trainer._run_epoch sets gradient_state's sync flag before the step of each micro-batch:
+        # on the last one DDP has just all-reduced the accumulated gradients
+        if self.accelerator.gradient_state.sync_gradients:
+            if not self._reduction_checked:
+                self._check_reduction(model)
+                self._reduction_checked = True
+            mark_synced(self.usp_mesh)
+        return loss
+
+    def _check_reduction(self, model) -> None:
+        world = self.accelerator.num_processes
+        if world == 1:
+            return
+        ranks = None
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            ranks = sorted(int(x) for x in dist.get_process_group_ranks(model.process_group))
+        if ranks != list(range(world)):
+            raise _refuse(f"a model prepared as {type(model).__name__}" + (f" over ranks {ranks}" if ranks else ""),
+                          "the exact gradient needs DDP's mean over every rank of the world (each rank's loss is "
+                          "scaled by the world size)", "Let the Trainer wrap the model (accelerate's DDP, the "
+                          "default)")
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train`` with the model's attention set to usp-hal for its duration (restored
+        afterwards, so the trained model runs as before on one process)."""
+        model = self.model
+        old = model.config._attn_implementation
+        model.set_attn_implementation(self._attn_name)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            model.set_attn_implementation(old)
+
+    def evaluate(self, *args, **kwargs):
+        raise NotImplementedError("USPTrainer does not evaluate yet: evaluation batches are not sharded along the "
+                                  "sequence; evaluate the trained model with a plain Trainer (or the model) on one "
+                                  "process")
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("USPTrainer does not predict yet: prediction batches are not sharded along the "
+                                  "sequence; predict with a plain Trainer (or the model) on one process")
