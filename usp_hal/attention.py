@@ -149,7 +149,8 @@ class LongContextAttention(torch.nn.Module):
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                 return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None,
                 joint_tensor_query: Optional[torch.Tensor] = None, joint_tensor_key: Optional[torch.Tensor] = None,
-                joint_tensor_value: Optional[torch.Tensor] = None, joint_strategy: str = "none", cu_seqlens=None):
+                joint_tensor_value: Optional[torch.Tensor] = None, joint_strategy: str = "none", cu_seqlens=None,
+                mask=None, sinks: Optional[torch.Tensor] = None):
         """Attention over this rank's part of the sequence (see the class doc).
 
         Joint (MMDiT) tokens: with ``joint_strategy`` "front" or "rear", the global sequence is
@@ -162,6 +163,15 @@ class LongContextAttention(torch.nn.Module):
         rows first ("front") or last ("rear").  Gradients of ``joint_tensor_key``/``_value``
         are this rank's part (its queries' contribution): sum them over the
         sequence-parallel group, as for any tensor every rank holds in full.
+
+        ``mask``: which keys each query sees, over global positions (and'ed with ``causal``,
+        ``window_size`` and ``cu_seqlens``): a :class:`usp_hal.masks.Mask`, a FlexAttention-style
+        ``mask_mod(b, h, q_idx, kv_idx)``, or Magi-style slices ``[((q0, q1), (k0, k1), kind)]``
+        (see :mod:`usp_hal.masks`).  Empty blocks are skipped, full ones run without a mask.
+        A row that sees no key has output 0 and lse -inf (gradient 0).  ``sinks`` ``[H]``:
+        per-head sink logits (gpt-oss ``s_aux``): each adds ``exp(sink)`` to its head's softmax
+        denominator, once per row; the returned lse includes it; its gradient on each rank is
+        that rank's part (sum it over the sequence-parallel group, as ``sync_gradients`` does).
         """
         pipe = self._pipe
         # the same keywords give the same options: one dict lookup per call (not for a tensor
@@ -182,6 +192,8 @@ class LongContextAttention(torch.nn.Module):
                 if len(self._options) > 64:
                     self._options.clear()
                 self._options[raw] = opts
+        if mask is not None or sinks is not None:
+            opts = self._with_mask(opts, mask, sinks is not None)
         mesh = pipe.resolve_mesh()
         joint, err = None, None
         if joint_tensor_query is not None or joint_tensor_key is not None or joint_tensor_value is not None or \
@@ -197,6 +209,9 @@ class LongContextAttention(torch.nn.Module):
                     raise
                 err = exc
         if torch.compiler.is_compiling():
+            if mask is not None or sinks is not None:
+                raise NotImplementedError("mask= and sinks= under torch.compile: they run eagerly only for now; "
+                                          "wrap the attention call in torch.compiler.disable")
             if cu_seqlens is not None:
                 raise NotImplementedError("cu_seqlens under torch.compile: packed documents run eagerly only; wrap "
                                           "the attention call in torch.compiler.disable or compile without them")
@@ -205,8 +220,34 @@ class LongContextAttention(torch.nn.Module):
         if joint is not None:
             query, key, value = joint.extend(query, key, value)
         out, lse = pipe(mesh, query, key, value, opts, alibi_slopes=alibi_slopes, positions=positions, joint=joint,
-                        err=err, cu_seqlens=cu_seqlens)
+                        err=err, cu_seqlens=cu_seqlens, sinks=sinks)
         return (out, lse) if return_attn_probs else out
+
+    def _with_mask(self, opts: CallOptions, mask, sinks: bool) -> CallOptions:
+        """``opts`` with the call's mask (one :class:`~usp_hal.masks.Mask` per mask_mod or
+        slice list object, kept so its tile classification is computed once) and sinks flag."""
+        m = None
+        if mask is not None:
+            from .masks import Mask
+            if isinstance(mask, Mask):
+                m = mask
+            else:
+                cache = self.__dict__.setdefault("_masks", {})
+                key = id(mask)
+                got = cache.get(key)
+                if got is None or got[0] is not mask:
+                    if len(cache) > 16:
+                        cache.clear()
+                    got = cache[key] = (mask, Mask.of(mask))
+                m = got[1]
+        key2 = (opts, id(m), sinks)
+        cache2 = self.__dict__.setdefault("_mask_options", {})
+        got2 = cache2.get(key2)
+        if got2 is None or got2[0] is not m:
+            if len(cache2) > 16:
+                cache2.clear()
+            got2 = cache2[key2] = (m, opts.with_(mask=m, sinks=sinks))
+        return got2[1]
 
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
         return [heads]

@@ -50,6 +50,7 @@ class BlockCall:
     k_stop: int
     causal: bool
     key_offset: int          # global position of key k_start minus that of query q_start
+    masked: bool = False     # a partial block of a ``mask=`` call: the kernel gets its dense mask
 
     @property
     def rows(self) -> slice:

@@ -31,11 +31,13 @@ def tolerance(dtype: torch.dtype, lse: bool = False) -> tuple:
 
 
 def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                        alibi_slopes=None, key_offset=0, dtype=torch.float64):
+                        alibi_slopes=None, key_offset=0, dtype=torch.float64, mask=None, sinks=None):
     """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D], lse [B, H, Sq]) in ``dtype``.
 
     Causal is top-left aligned with global positions ``m`` (query) and ``n + key_offset``
-    (key).  Rows that see no key give out 0 and lse -inf.
+    (key).  Rows that see no key give out 0 and lse -inf.  ``mask``: a bool tensor
+    broadcastable to [B, H, Sq, Sk] (True = attend), and'ed with the rest; ``sinks`` [H]: one
+    more logit per head in every row's denominator (its value is zero), included in the lse.
     """
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -63,8 +65,12 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window=(-1
         sl = alibi_slopes.to(dtype)
         sl = sl.view(1, h, 1, 1) if sl.dim() == 1 else sl.view(b, h, 1, 1)
         s = s - sl * dist.abs().to(dtype)
+    if mask is not None:
+        keep = keep & mask.to(q.device)
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(dtype).view(1, -1, 1))
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse.unsqueeze(-1)), 0.0))
     p = p.masked_fill(~keep, 0.0)
     out = torch.matmul(p, vd).transpose(1, 2)

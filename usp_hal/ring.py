@@ -194,6 +194,11 @@ class RingContext:
 
     #: document boundaries of a packed call (None: one sequence)
     cu_seqlens: Optional[Tuple[int, ...]] = None
+    #: a ``mask=`` call: what it keeps (:class:`usp_hal.masks.Predicate`; causal, window and
+    #: documents folded in), and this stage's global query heads (a head-dependent mask)
+    predicate: Optional[Any] = None
+    mask_heads: Optional[Tuple[int, int]] = None
+    device: Optional[Any] = None        # where the masks of a masked call live
 
     def calls(self, src: int) -> List[BlockCall]:
         return plan_blocks(self.segments[self.ring_rank], self.segments[src], causal=self.causal,
@@ -205,7 +210,7 @@ class RingContext:
         """Batch each step's per-document calls into varlen calls: packed documents, a backend
         with a varlen entry point, and no alibi (its bias depends on each call's key offset;
         with a window only the calls without one are packed, see :func:`pack_calls`)."""
-        return (self.cu_seqlens is not None and self.alibi_slopes is None
+        return (self.cu_seqlens is not None and self.alibi_slopes is None and self.predicate is None
                 and getattr(self.backend, "VARLEN_KERNEL", False))
 
     def steps(self, src: int) -> Sequence[Union[BlockCall, PackedCall]]:
@@ -223,9 +228,28 @@ class RingContext:
         return dict(softmax_scale=self.softmax_scale, causal=pc.causal, window=tuple(self.window),
                     softcap=self.softcap)
 
-    def kernel_kwargs(self, call: BlockCall) -> dict:
-        return dict(softmax_scale=self.softmax_scale, causal=call.causal, window=tuple(self.window),
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, key_offset=call.key_offset)
+    def kernel_kwargs(self, call: BlockCall, src: int) -> dict:
+        if self.predicate is None:
+            return dict(softmax_scale=self.softmax_scale, causal=call.causal, window=tuple(self.window),
+                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, key_offset=call.key_offset)
+        # a masked call: causal and the window are part of the predicate; a full block needs no mask
+        kw = dict(softmax_scale=self.softmax_scale, causal=False, window=(-1, -1), softcap=self.softcap,
+                  alibi_slopes=self.alibi_slopes, key_offset=call.key_offset)
+        if call.masked:
+            kw["mask"] = self.block_mask(src, call)
+        return kw
+
+    def block_mask(self, src: int, call: BlockCall) -> torch.Tensor:
+        """The dense bool mask of one masked call (computed once per plan, on the backend's device)."""
+        cache = self.__dict__.setdefault("_masks", {})
+        got = cache.get((src, call))
+        if got is None:
+            from .masks import dense_mask
+            heads = range(*self.mask_heads) if self.mask_heads is not None else None
+            assert self.predicate is not None
+            got = cache[(src, call)] = dense_mask(self.predicate, self.segments[self.ring_rank], self.segments[src],
+                                                  call, heads, self.device)
+        return got
 
 
 class _Accumulator:
@@ -334,10 +358,10 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if q.shape[2] != 0 and ctx.rotation.codecs is None:
         one = _single_call(ctx, q, k)
         if one is not None:
-            out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one))
+            out, lse = ctx.backend.forward(q, k, v, **ctx.kernel_kwargs(one, ctx.ring_rank))
             mdt = merge_dtype(q.dtype)
             return out, (lse if lse.dtype == mdt else lse.to(mdt))
-    acc = _Accumulator(q, v.shape[-1], empty_rows=tuple(ctx.window) != (-1, -1))
+    acc = _Accumulator(q, v.shape[-1], empty_rows=tuple(ctx.window) != (-1, -1) or ctx.predicate is not None)
     if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
         return acc.result()
     for src, kb, vb in ctx.rotation.blocks(k, v):
@@ -348,7 +372,8 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                                       c.packing(b, q.device), **ctx.packed_kwargs(c))
                 acc.add_packed(c, out, lse)
             else:
-                acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols], **ctx.kernel_kwargs(c)))
+                acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols],
+                                                **ctx.kernel_kwargs(c, src)))
     return acc.result()
 
 
@@ -361,14 +386,14 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
         return (torch.zeros(q.shape, dtype=mdt, device=q.device), torch.zeros(k.shape, dtype=mdt, device=k.device),
                 torch.zeros(v.shape, dtype=mdt, device=v.device))
 
-    def kernel_backward(c, kb, vb):
+    def kernel_backward(c, src, kb, vb):
         return ctx.backend.backward(dout[:, c.rows], q[:, c.rows], kb[:, c.cols], vb[:, c.cols], out[:, c.rows],
                                     lse[:, :, c.rows], deterministic=ctx.deterministic, dropout_p=0.0,
-                                    **ctx.kernel_kwargs(c))
+                                    **ctx.kernel_kwargs(c, src))
 
     one = _single_call(ctx, q, k)
     if one is not None and ctx.rotation.codecs is None:
-        return kernel_backward(one, k, v)
+        return kernel_backward(one, ctx.ring_rank, k, v)
     dq = torch.zeros(q.shape, dtype=mdt, device=q.device)
     rot = ctx.rotation
     for step, (src, kb, vb) in enumerate(rot.blocks(k, v)):
@@ -384,7 +409,7 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
                 c.scatter_add(gk_acc, gk, "k")
                 c.scatter_add(gv_acc, gv, "k")
                 continue
-            gq, gk, gv = kernel_backward(c, kb, vb)
+            gq, gk, gv = kernel_backward(c, src, kb, vb)
             dq[:, c.rows] += gq
             gk_acc[:, c.cols] += gk
             gv_acc[:, c.cols] += gv

@@ -52,6 +52,8 @@ class CallSpec:
     positions: int = 0         # 0: not given; else a digest of this rank's global positions
     docs: int = 0              # 0: one sequence; else a digest of the document boundaries
     joint: str = ""            # "": none; else joint strategy and joint token count
+    mask: int = 0              # 0: no mask=; else the mask's fingerprint (usp_hal.masks.Mask)
+    sinks: bool = False        # per-head sink logits in every row's denominator
 
     @property
     def positional(self) -> bool:

@@ -183,8 +183,27 @@ class Pipeline:
         return sig
 
     def __call__(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None, joint=None,
-                 err=None, cu_seqlens=None, received=None):
+                 err=None, cu_seqlens=None, received=None, sinks=None):
         """Run one call: ``(out, lse or None)``."""
+        needs_grad = None
+        if sinks is not None:
+            if err is None:
+                err = check_sinks(sinks, q)
+            if err is None and sinks.requires_grad and torch.is_grad_enabled():
+                needs_grad = True
         _, plan = self.prepare(mesh, q, k, v, opts, alibi_slopes=alibi_slopes, positions=positions,
-                               joint=joint, err=err, cu_seqlens=cu_seqlens)
-        return _run.run(plan, q, k, v, received)
+                               joint=joint, err=err, cu_seqlens=cu_seqlens, needs_grad=needs_grad)
+        return _run.run(plan, q, k, v, received, sinks)
+
+
+def check_sinks(sinks, q) -> Optional[Exception]:
+    """The error for sink logits that do not fit the call (None: they do)."""
+    h = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or (h is not None and sinks.shape[0] != h):
+        return ValueError(f"sinks must be a 1-D tensor of one logit per query head ({h}), got "
+                          f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        return ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    if isinstance(q, torch.Tensor) and sinks.device != q.device:
+        return ValueError(f"sinks are on {sinks.device}, the query on {q.device}")
+    return None

@@ -32,6 +32,7 @@ class Shape:
     local_only: bool = False                       # packed documents, none across ring ranks: no K/V exchange
     cu: Optional[Tuple[int, ...]] = None           # the document boundaries the plan was made for
     packed: Dict[int, list] = field(default_factory=dict)   # per source: the plan packed for varlen kernels
+    predicate: Optional[object] = None             # a mask= call: what it keeps (usp_hal.masks.Predicate)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Stage:
 
     exchange: UlyssesExchange
     ring: RingContext
+    heads: Tuple[int, int] = (0, 0)        # this rank's global query heads in the stage (sinks, masks)
 
 
 @dataclass
@@ -76,11 +78,12 @@ class PlannedRing(RingContext):
         return self._calls[src]
 
 
-def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None) -> Shape:
+def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None, mask=None, backend=None) -> Shape:
     key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, spec.joint,
-           tuple(lengths), spec.docs)
+           tuple(lengths), spec.docs, id(mask) if mask is not None else 0, spec.batch if mask is not None else 0,
+           bool(getattr(backend, "RETURNS_LSE", True)) if mask is not None else True)
     shape = pipe.shapes.get(key)
-    if shape is not None and (cu is None or shape.cu == cu):
+    if shape is not None and (cu is None or shape.cu == cu) and (mask is None or shape.predicate.mask is mask):
         return shape
     R, U = mesh.ring_degree, mesh.ulysses_degree
     seqlen = sum(lengths)
@@ -88,21 +91,44 @@ def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None) -> S
     sorted_ = True
     if (spec.causal or spec.positional) and spec.joint:
         segments, sorted_ = joint_segments(pipe, mesh, spec, lengths)
-    elif spec.causal or spec.positional or cu is not None:
+    elif spec.causal or spec.positional or cu is not None or mask is not None:
         segments = tuple(tuple(ring_segments(pipe.layout, seqlen, R, r, cu_seqlens=cu)) for r in range(R))
     else:   # positions do not matter: any split works
         starts = [sum(sum(p) for p in per[:r]) for r in range(R)]
         segments = tuple((Segment(starts[r], sum(per[r])),) for r in range(R))
     me = mesh.ring_rank
-    ring = plan_ring(segments, causal=spec.causal, window=spec.window, positional=spec.positional, cu_seqlens=cu,
-                     sorted_positions=sorted_)
-    calls = {src: list(ring.calls_of(me, src)) for src in range(R)}
-    shape = Shape(heads, per, segments, tuple(sum(p) for p in per), calls, ring.blocks,
-                  local_only=ring.local_only, cu=cu)
+    if mask is not None:
+        shape = masked_shape(mesh, spec, heads, per, segments, seqlen, cu, mask, backend)
+    else:
+        ring = plan_ring(segments, causal=spec.causal, window=spec.window, positional=spec.positional,
+                         cu_seqlens=cu, sorted_positions=sorted_)
+        calls = {src: list(ring.calls_of(me, src)) for src in range(R)}
+        shape = Shape(heads, per, segments, tuple(sum(p) for p in per), calls, ring.blocks,
+                      local_only=ring.local_only, cu=cu)
     if len(pipe.shapes) > 32:
         pipe.shapes.clear()
     pipe.shapes[key] = shape
     return shape
+
+
+def masked_shape(mesh, spec: CallSpec, heads, per, segments, seqlen: int, cu, mask, backend) -> Shape:
+    """The shape of a ``mask=`` call: every ring rank's calls against every block from the
+    mask's tile classification (the same on every rank, so every rank checks every rank's
+    blocks); a ring whose off-diagonal blocks are all empty exchanges no K/V."""
+    from ..masks import Predicate, plan_masked, tile_size
+    R, me = mesh.ring_degree, mesh.ring_rank
+    pred = Predicate(mask, causal=spec.causal, window=(int(spec.window[0]), int(spec.window[1])), cu_seqlens=cu,
+                     batch=spec.batch)
+    tile = tile_size(seqlen)
+    tiles = pred.tiles(seqlen, tile)
+    split = bool(getattr(backend, "RETURNS_LSE", True))
+    every = [[plan_masked(segments[a], segments[src], tiles, tile, split_runs=split) for src in range(R)]
+             for a in range(R)]
+    blocks = frozenset((c.q_stop - c.q_start, c.k_stop - c.k_start, False) for per_a in every for cs in per_a
+                       for c in cs)
+    local_only = R > 1 and all(not every[a][src] for a in range(R) for src in range(R) if a != src)
+    return Shape(heads, per, segments, tuple(sum(p) for p in per), {src: every[me][src] for src in range(R)},
+                 blocks, local_only=local_only, cu=cu, predicate=pred)
 
 
 def joint_segments(pipe, mesh, spec: CallSpec, lengths):
@@ -153,7 +179,7 @@ def build(pipe, mesh, spec: CallSpec, lengths, local: Local, head_groups=None) -
     """The call's plan: one stage per head group (``head_groups``: HeadPlan -> its groups;
     the pipeline's own split by default)."""
     heads = local.heads
-    shape = shape_of(pipe, mesh, spec, lengths, heads, local.cu_seqlens)
+    shape = shape_of(pipe, mesh, spec, lengths, heads, local.cu_seqlens, local.mask, local.backend)
     check_blocks(pipe, shape, local)
     me_r, me_u = mesh.ring_rank, mesh.ulysses_rank
     codecs = {n: get_codec(c) for n, c in pipe.wire.items()}
@@ -167,14 +193,15 @@ def build(pipe, mesh, spec: CallSpec, lengths, local: Local, head_groups=None) -
         rotation = rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
                                 where=mesh.where("ring"), codecs=ring_codecs)
         slopes = None
+        qa, qc = group.q[me_u]
         if local.alibi is not None:
-            a, c = group.q[me_u]
-            slopes = local.alibi[..., a:c].to(device=local.device, dtype=torch.float32)
+            slopes = local.alibi[..., qa:qc].to(device=local.device, dtype=torch.float32)
         ring = PlannedRing(shape, backend=local.backend, ring_size=mesh.ring_degree, ring_rank=me_r,
                            segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
                            causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
-                           alibi_slopes=slopes, deterministic=spec.deterministic, cu_seqlens=shape.cu)
-        stages.append(Stage(exchange, ring))
+                           alibi_slopes=slopes, deterministic=spec.deterministic, cu_seqlens=shape.cu,
+                           predicate=shape.predicate, mask_heads=(qa, qc), device=local.device)
+        stages.append(Stage(exchange, ring, (qa, qc)))
     # a kernel declared to carry a non-finite query into its row (PROPAGATES_NAN: device types) needs no guard
     guard = spec.device_type not in type(local.backend).PROPAGATES_NAN
     return CallPlan(spec, local.backend, stages, spec.dtype, tuple(lengths), nan_guard=guard)

@@ -33,6 +33,25 @@ def nan_guard(qh: torch.Tensor) -> torch.Tensor:
     return qh.sum(dim=-1, keepdim=True, dtype=torch.float32 if qh.dtype != torch.float64 else torch.float64) * 0
 
 
+def add_sink(out, lse, sink):
+    """A per-head sink logit as one more term of every row's softmax denominator, applied
+    once to the ring-merged ``(out [B, S, h, D], lse [B, h, S])``: ``lse' = logaddexp(lse,
+    sink)``, ``out' = out * exp(lse - lse')`` (merge dtype).  A row that saw no key keeps out 0."""
+    mdt = lse.dtype
+    s = sink.to(mdt).view(1, -1, 1)
+    new = torch.logaddexp(lse, s)
+    w = torch.exp(lse - new)
+    return out.to(mdt) * w.transpose(1, 2).unsqueeze(-1), new
+
+
+def sink_grad(douth, outh, lse, sink):
+    """d loss / d sink for one stage's heads: ``-sum over rows of exp(sink - lse') * (dout . out')``."""
+    mdt = lse.dtype
+    d = (douth.to(mdt) * outh.to(mdt)).sum(-1)                    # [B, S, h]
+    p = torch.exp(sink.to(mdt).view(1, 1, -1) - lse.transpose(1, 2))
+    return -(p * d).sum((0, 1))
+
+
 class Received:
     """Stage 0's head-layout q/k/v from all-to-alls the caller already started (the async
     projections path): ``wait()`` waits on each and gives ``(qh, kh, vh)``."""
@@ -45,9 +64,10 @@ class Received:
         return self.exchange.expand(q, k, v)
 
 
-def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = None):
+def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None, saved)``; ``saved`` holds per stage what the backward needs
-    (head-layout q, k, v, out and lse) when ``keep``."""
+    (head-layout q, k, v, out and lse) when ``keep``.  ``sinks`` ``[H]``: per-head sink
+    logits (:func:`add_sink`, after the ring's merge)."""
     spec, stages = plan.spec, plan.stages
     many = len(stages) > 1
     out = lse = None
@@ -69,6 +89,8 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         if HOOKS:
             step("ring")
         out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
+        if sinks is not None:
+            out_acc, lse_h = add_sink(out_acc, lse_h, sinks[st.heads[0]:st.heads[1]])
         if HOOKS:
             step("exchange")
         if guard is not None and (keep or spec.return_lse):
@@ -87,10 +109,12 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
     return out, lse, [tuple(x) for x in saved]
 
 
-def backward(plan: CallPlan, dout, saved=None, seq=None):
+def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None):
     """``(dq, dk, dv)`` in the sequence layout.  The head-layout tensors come from the
     forward's ``saved``, or, with ``seq = (q, k, v, out, lse)`` (the compiled op, which can
-    only keep sequence-layout tensors), travel to the head layout here with ``dout``."""
+    only keep sequence-layout tensors), travel to the head layout here with ``dout``.
+    With ``sinks``, this rank's part of their gradient is written into ``dsinks`` [H]
+    (its rows, its heads: the sequence-parallel group's sum is the whole gradient)."""
     stages = plan.stages
     many = len(stages) > 1
     into = None
@@ -116,6 +140,9 @@ def backward(plan: CallPlan, dout, saved=None, seq=None):
             qh, kh, vh, outh, douth, lse_h = st.exchange.saved_to_heads(seq[0], seq[1], seq[2], seq[3], dout, seq[4])
         if HOOKS:
             step("ring")
+        if sinks is not None and dsinks is not None:
+            a, c = st.heads
+            dsinks[a:c] += sink_grad(douth, outh, lse_h, sinks[a:c]).to(dsinks.dtype)
         grads = list(ring_backward(st.ring, douth, qh, kh, vh, outh, lse_h))
         del qh, kh, vh, outh, douth, lse_h
         if HOOKS:
@@ -133,9 +160,11 @@ class USPFunction(torch.autograd.Function):
     order in backward too."""
 
     @staticmethod
-    def forward(fctx, q, k, v, plan: CallPlan, received=None):
-        out, lse, saved = forward(plan, q, k, v, keep=True, received=received)
+    def forward(fctx, q, k, v, sinks, plan: CallPlan, received=None):
+        out, lse, saved = forward(plan, q, k, v, keep=True, received=received, sinks=sinks)
         fctx.plan = plan
+        fctx.sinks = sinks.detach() if sinks is not None else None
+        fctx.sinks_grad = sinks is not None and sinks.requires_grad
         # head-layout intermediates (never this node's outputs), kept on the context rather than
         # through save_for_backward so the backward can free each stage's as soon as it is used
         fctx.saved = saved
@@ -150,17 +179,20 @@ class USPFunction(torch.autograd.Function):
             raise RuntimeError("usp_hal attention: a second backward through the same call (retain_graph=True) is "
                                "not supported: its saved head-layout tensors were freed by the first; run the "
                                "forward again")
-        dq, dk, dv = backward(fctx.plan, dout, saved)
-        return dq, dk, dv, None, None
+        sinks = fctx.sinks
+        dsinks = torch.zeros(sinks.shape, dtype=merge_dtype(sinks.dtype), device=sinks.device) \
+            if sinks is not None and fctx.sinks_grad else None
+        dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks)
+        return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
 
 
-def run(plan: CallPlan, q, k, v, received: Optional[Received] = None):
+def run(plan: CallPlan, q, k, v, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None)``: through the autograd Function when the call needs gradients,
     else the forward alone (nothing saved)."""
-    if plan.spec.needs_grad:
-        return USPFunction.apply(q, k, v, plan, received)
+    if plan.spec.needs_grad or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled()):
+        return USPFunction.apply(q, k, v, sinks, plan, received)
     if not torch.is_grad_enabled():
-        return forward(plan, q, k, v, keep=False, received=received)[:2]
+        return forward(plan, q, k, v, keep=False, received=received, sinks=sinks)[:2]
     with torch.no_grad():
-        out, lse, _ = forward(plan, q, k, v, keep=False, received=received)
+        out, lse, _ = forward(plan, q, k, v, keep=False, received=received, sinks=sinks)
     return out, lse

@@ -103,6 +103,7 @@ class Local:
     device: torch.device
     request: AttnRequest
     cu_seqlens: Optional[Tuple[int, ...]]
+    mask: Any = None          # the call's usp_hal.masks.Mask, if any
 
 
 def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, positions=None,
@@ -160,6 +161,22 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
         raise NotImplementedError(f"window_size/alibi_slopes with the {layout.name} layout and ring_degree > 1 "
                                   "cannot be exact (its shards are not contiguous); use ring_impl_type='basic' or "
                                   "'zigzag'")
+    mask = opts.mask
+    if mask is not None:
+        from ..masks import Mask
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a usp_hal.masks.Mask, got {type(mask).__name__}")
+        if joint is not None:
+            raise NotImplementedError("mask= together with joint tokens is not supported; express the joint "
+                                      "tokens' visibility in the mask over the whole sequence and drop joint_*")
+        if R > 1 and not layout.contiguous:
+            raise NotImplementedError(f"mask= with the {layout.name} layout and ring_degree > 1 is not supported "
+                                      "(its shards are not contiguous); use ring_impl_type='basic', 'zigzag' or "
+                                      "usp_hal.masks.balanced_layout(...)")
+        if mask.batch is not None and mask.batch != b:
+            raise ValueError(f"the mask was built for batch={mask.batch}, the call has batch {b}")
+        if mask.heads is not None and mask.heads != h:
+            raise ValueError(f"the mask was built for heads={mask.heads}, the call has {h} query heads")
     pos_digest = 0
     if positions is not None:
         pos = torch.as_tensor(positions).reshape(-1)
@@ -182,13 +199,15 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
                     scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(opts.deterministic),
                     needs_grad=needs_grad, return_lse=bool(opts.return_lse), layout=layout.name,
                     rotation=pipe.rotation, ulysses=U, ring=R, wire=pipe.wire_name, positions=pos_digest,
-                    joint="" if joint is None else f"{joint.strategy}:{joint.total}", docs=docs)
+                    joint="" if joint is None else f"{joint.strategy}:{joint.total}", docs=docs,
+                    mask=mask.fingerprint() if mask is not None else 0, sinks=bool(opts.sinks))
     req = AttnRequest(
         dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
         num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=causal, window=win,
         softcap=softcap, alibi=alibi_slopes is not None, dropout_p=0.0, needs_grad=needs_grad,
-        needs_lse=R > 1 or bool(opts.return_lse), deterministic=bool(opts.deterministic),
+        needs_lse=R > 1 or bool(opts.return_lse) or bool(opts.sinks), deterministic=bool(opts.deterministic),
         key_offset=R > 1 or joint is not None,
         compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
-        device_model=_platform.device_model(device_type, q.device.index or 0), varlen=cu is not None)
-    return spec, Local(pipe.backend_for(req), plan, alibi_slopes, q.device, req, cu)
+        device_model=_platform.device_model(device_type, q.device.index or 0), varlen=cu is not None,
+        mask=mask is not None)
+    return spec, Local(pipe.backend_for(req), plan, alibi_slopes, q.device, req, cu, mask)

@@ -1,0 +1,487 @@
+"""Attention masks over *global* positions, and the block plan they give the ring.
+
+Two ways to say which keys a query sees, both over global token positions (usp-hal maps
+every rank's local rows to their global positions through the layout, so a mask never
+mentions shards):
+
+* a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:meth:`Mask.from_mod`).
+  It is called with broadcastable integer tensors (``b`` ``[B|1, 1, 1, 1]``, ``h``
+  ``[1, H|1, 1, 1]``, ``q_idx`` ``[1, 1, Lq, 1]``, ``kv_idx`` ``[1, 1, 1, Lk]``), so any
+  function written with tensor operations (comparisons, ``//``, indexing a tensor of
+  document ids by ``q_idx``) works unchanged.  ``b``/``h`` are 0 unless the mask is built
+  with ``batch=B`` / ``heads=H`` (then it may depend on them).
+* Magi-style slices ``(q_range, k_range, kind)`` (:meth:`Mask.from_slices`): the union of
+  rectangles, each ``"full"``, ``"causal"`` (bottom-right aligned: the last query of the
+  rectangle sees its last key), ``"inv_causal"`` (top-left aligned, the other triangle:
+  query ``m`` sees keys from ``m``'s own offset on) or ``"bi_causal"`` (both: a band).
+
+How a masked call runs: the mask (and'ed with ``causal``, the window and the documents of
+``cu_seqlens``) is classified once per global length on a tile grid (``tile`` tokens a
+side): a tile is *empty* (no pair), *full* (every pair) or *partial*.  Each rank's kernel
+calls then cover, per query band of one tile row and per pair of contiguous segments, the
+runs of non-empty tiles: a run of full tiles is a plain kernel call (no mask), a run with a
+partial tile one call with a dense boolean mask for just that run, empty tiles none at all
+(a ring step whose block is empty for every row makes no call).  Calls on the same rows
+are merged by lse like every ring block.
+
+:func:`balanced_layout` cuts the sequence into chunks and hands them to ring ranks by mask
+area (a greedy min-heap), so every rank scores about the same number of pairs.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .blocks import BlockCall
+from .positions import Segment
+
+KINDS = ("full", "causal", "inv_causal", "bi_causal")
+EMPTY, FULL, PARTIAL = 0, 1, 2
+
+__all__ = ["Mask", "KINDS", "prefix_lm", "block_causal", "chunked_local", "random_block_sparse", "sliding",
+           "and_masks", "or_masks", "balanced_layout", "dense_mask", "mask_work", "plan_masked", "tile_size"]
+
+
+class Mask:
+    """A mask over global positions (see the module doc).  Built by :meth:`from_mod` /
+    :meth:`from_slices` or the helpers (:func:`prefix_lm`, ...); pass it as
+    ``LongContextAttention.forward(..., mask=m)``.  The same mask must be given on every rank
+    (its kind, code and parameters are part of the cross-rank check; tensors a ``mask_mod``
+    closes over are not)."""
+
+    def __init__(self, fn: Optional[Callable] = None, slices: Optional[Sequence] = None, *,
+                 batch: Optional[int] = None, heads: Optional[int] = None, name: str = "", key: Tuple = ()):
+        if (fn is None) == (slices is None):
+            raise ValueError("a Mask needs exactly one of mask_mod and slices")
+        self.fn = fn
+        self.slices: Optional[Tuple[Tuple[int, int, int, int, str], ...]] = None
+        if slices is not None:
+            self.slices = tuple(_check_slice(s) for s in slices)
+        for label, n in (("batch", batch), ("heads", heads)):
+            if n is not None and (not isinstance(n, int) or n < 1):
+                raise ValueError(f"Mask({label}=...) must be a positive int or None, got {n!r}")
+        self.batch, self.heads = batch, heads
+        self.name = name or (getattr(fn, "__name__", "mask_mod") if fn is not None else "slices")
+        self.key = key
+        self._fp: Optional[int] = None
+        self._tiles: Dict[Tuple, torch.Tensor] = {}
+
+    # constructors --------------------------------------------------------------------
+    @classmethod
+    def from_mod(cls, mask_mod: Callable, *, batch: Optional[int] = None, heads: Optional[int] = None,
+                 name: str = "") -> "Mask":
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+        return cls(fn=mask_mod, batch=batch, heads=heads, name=name)
+
+    @classmethod
+    def from_slices(cls, slices: Sequence) -> "Mask":
+        """``slices``: ``[((q_start, q_stop), (k_start, k_stop), kind), ...]`` in global positions."""
+        return cls(slices=list(slices))
+
+    @classmethod
+    def of(cls, mask) -> "Mask":
+        """A :class:`Mask` from what ``forward(mask=...)`` accepts: a Mask, a mask_mod, or slices."""
+        if isinstance(mask, Mask):
+            return mask
+        if callable(mask):
+            return cls.from_mod(mask)
+        if isinstance(mask, (list, tuple)):
+            return cls.from_slices(mask)
+        raise TypeError(f"mask must be a usp_hal.masks.Mask, a mask_mod(b, h, q_idx, kv_idx) or a list of "
+                        f"(q_range, k_range, kind) slices, got {type(mask).__name__}")
+
+    # identity across ranks -----------------------------------------------------------
+    def fingerprint(self) -> int:
+        """A digest of what the mask is (kind, code, parameters), compared across ranks."""
+        if self._fp is None:
+            h = hashlib.blake2b(digest_size=7)
+            h.update(repr((self.name, self.batch, self.heads, self.key, self.slices)).encode())
+            code = getattr(self.fn, "__code__", None)
+            if code is not None:
+                h.update(code.co_code)
+                h.update(repr(code.co_consts).encode())
+                for cell in getattr(self.fn, "__closure__", None) or ():
+                    try:
+                        v = cell.cell_contents
+                    except ValueError:
+                        continue
+                    if isinstance(v, (int, float, str, bool, tuple)):
+                        h.update(repr(v).encode())
+                    elif isinstance(v, Mask):
+                        h.update(v.fingerprint().to_bytes(8, "little"))
+            self._fp = int.from_bytes(h.digest(), "little") | 1
+        return self._fp
+
+    def __repr__(self) -> str:
+        return f"Mask({self.name}{', slices' if self.slices else ''})"
+
+    # evaluation ----------------------------------------------------------------------
+    def keep(self, qpos: torch.Tensor, kpos: torch.Tensor, batch: int = 1,
+             heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Bool ``[B|1, H|1, Lq, Lk]``: query at global ``qpos`` sees the key at ``kpos``.
+        ``heads``: the global head indices to evaluate (a head-dependent mask only)."""
+        q = qpos.view(1, 1, -1, 1)
+        k = kpos.view(1, 1, 1, -1)
+        if self.slices is not None:
+            out = torch.zeros(q.shape[2], k.shape[3], dtype=torch.bool, device=q.device).view(1, 1, q.shape[2], -1)
+            for qa, qb, ka, kb, kind in self.slices:
+                inside = (q >= qa) & (q < qb) & (k >= ka) & (k < kb)
+                if kind in ("causal", "bi_causal"):
+                    inside = inside & (k - kb <= q - qb)
+                if kind in ("inv_causal", "bi_causal"):
+                    inside = inside & (k - ka >= q - qa)
+                out = out | inside
+            return out
+        b = torch.arange(batch, device=q.device).view(-1, 1, 1, 1) if self.batch is not None else \
+            torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+        if self.heads is not None:
+            hs = torch.as_tensor(list(heads) if heads is not None else range(self.heads), device=q.device)
+            h = hs.view(1, -1, 1, 1)
+        else:
+            h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+        assert self.fn is not None
+        got = self.fn(b, h, q, k)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.bool:
+            raise TypeError(f"mask_mod {self.name!r} must return a bool tensor, got "
+                            f"{getattr(got, 'dtype', type(got).__name__)}")
+        return torch.broadcast_to(got, (got.shape[0], got.shape[1], q.shape[2], k.shape[3]))
+
+
+def _check_slice(s) -> Tuple[int, int, int, int, str]:
+    try:
+        (qa, qb), (ka, kb), kind = s
+        qa, qb, ka, kb = int(qa), int(qb), int(ka), int(kb)
+    except (TypeError, ValueError):
+        raise ValueError(f"a mask slice is ((q_start, q_stop), (k_start, k_stop), kind), got {s!r}") from None
+    if kind not in KINDS:
+        raise ValueError(f"mask slice kind {kind!r}; valid: {', '.join(KINDS)}")
+    if not (0 <= qa <= qb and 0 <= ka <= kb):
+        raise ValueError(f"mask slice {s!r}: ranges must be 0 <= start <= stop")
+    return qa, qb, ka, kb, kind
+
+
+# --------------------------------------------------------------------------------- helpers
+def prefix_lm(prefix: int) -> Mask:
+    """Bidirectional over the first ``prefix`` tokens, causal after them."""
+    p = int(prefix)
+
+    def prefix_lm_mod(b, h, q, kv):
+        return (kv < p) | (kv <= q)
+    return Mask.from_mod(prefix_lm_mod, name=f"prefix_lm({p})")
+
+
+def block_causal(block: int) -> Mask:
+    """Frames of ``block`` tokens: a token sees every token of its own and earlier frames
+    (autoregressive video diffusion)."""
+    n = int(block)
+
+    def block_causal_mod(b, h, q, kv):
+        return kv // n <= q // n
+    return Mask.from_mod(block_causal_mod, name=f"block_causal({n})")
+
+
+def chunked_local(chunk: int) -> Mask:
+    """Causal within chunks of ``chunk`` tokens, nothing across them (Llama 4's chunked attention)."""
+    n = int(chunk)
+
+    def chunked_local_mod(b, h, q, kv):
+        return (kv // n == q // n) & (kv <= q)
+    return Mask.from_mod(chunked_local_mod, name=f"chunked_local({n})")
+
+
+def sliding(left: int, right: int = 0) -> Mask:
+    """Keys within ``left`` before and ``right`` after the query (a window as a mask)."""
+    a, c = int(left), int(right)
+
+    def sliding_mod(b, h, q, kv):
+        return (kv >= q - a) & (kv <= q + c)
+    return Mask.from_mod(sliding_mod, name=f"sliding({a},{c})")
+
+
+def random_block_sparse(seqlen: int, block: int, density: float, seed: int = 0) -> Mask:
+    """Block pairs kept at random with probability ``density`` (every query block keeps its
+    diagonal block, so no row is empty); the same on every rank for the same seed."""
+    n = int(block)
+    nb = -(-int(seqlen) // n)
+    g = torch.Generator().manual_seed(int(seed))
+    table = torch.rand(nb, nb, generator=g) < float(density)
+    table |= torch.eye(nb, dtype=torch.bool)
+
+    def random_block_sparse_mod(b, h, q, kv):
+        return table.to(q.device)[q // n, kv // n]
+    return Mask(fn=random_block_sparse_mod, name="random_block_sparse", key=(int(seqlen), n, float(density), seed))
+
+
+def and_masks(*masks: Mask) -> Mask:
+    """Pairs every mask keeps."""
+    ms = tuple(Mask.of(m) for m in masks)
+
+    def and_mod(b, h, q, kv):
+        out = ms[0].fn(b, h, q, kv) if ms[0].fn is not None else _slices_mod(ms[0], q, kv)
+        for m in ms[1:]:
+            out = out & (m.fn(b, h, q, kv) if m.fn is not None else _slices_mod(m, q, kv))
+        return out
+    return Mask(fn=and_mod, name="and(" + ",".join(m.name for m in ms) + ")",
+                key=tuple(m.fingerprint() for m in ms), batch=_first(m.batch for m in ms),
+                heads=_first(m.heads for m in ms))
+
+
+def or_masks(*masks: Mask) -> Mask:
+    """Pairs any mask keeps."""
+    ms = tuple(Mask.of(m) for m in masks)
+
+    def or_mod(b, h, q, kv):
+        out = ms[0].fn(b, h, q, kv) if ms[0].fn is not None else _slices_mod(ms[0], q, kv)
+        for m in ms[1:]:
+            out = out | (m.fn(b, h, q, kv) if m.fn is not None else _slices_mod(m, q, kv))
+        return out
+    return Mask(fn=or_mod, name="or(" + ",".join(m.name for m in ms) + ")",
+                key=tuple(m.fingerprint() for m in ms), batch=_first(m.batch for m in ms),
+                heads=_first(m.heads for m in ms))
+
+
+def _first(xs):
+    for x in xs:
+        if x is not None:
+            return x
+    return None
+
+
+def _slices_mod(m: Mask, q, kv):
+    return m.keep(q.reshape(-1), kv.reshape(-1))
+
+
+# --------------------------------------------------------------------------------- the call's predicate
+@dataclass(frozen=True)
+class Predicate:
+    """What a masked call keeps: the mask and'ed with causal, the window and the documents."""
+
+    mask: Mask
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    cu_seqlens: Optional[Tuple[int, ...]] = None
+    batch: int = 1
+
+    def keep(self, qpos: torch.Tensor, kpos: torch.Tensor, heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+        out = self.mask.keep(qpos, kpos, self.batch, heads)
+        q = qpos.view(1, 1, -1, 1)
+        k = kpos.view(1, 1, 1, -1)
+        if self.causal:
+            out = out & (k <= q)
+        left, right = self.window
+        if left >= 0:
+            out = out & (k >= q - left)
+        if right >= 0:
+            out = out & (k <= q + right)
+        if self.cu_seqlens is not None and len(self.cu_seqlens) > 2:
+            cu = torch.tensor(self.cu_seqlens[1:-1], device=qpos.device)
+            out = out & (torch.bucketize(q, cu, right=True) == torch.bucketize(k, cu, right=True))
+        return out
+
+    def tiles(self, seqlen: int, tile: int) -> torch.Tensor:
+        """``[nT, nT]`` uint8 over the global grid: EMPTY, FULL or PARTIAL (cached on the mask)."""
+        key = (seqlen, tile, self.causal, self.window, self.cu_seqlens, self.batch)
+        got = self.mask._tiles.get(key)
+        if got is not None:
+            return got
+        nt = -(-seqlen // tile)
+        out = torch.empty(nt, nt, dtype=torch.uint8)
+        kpos = torch.arange(seqlen)
+        pad = nt * tile - seqlen
+        for t in range(nt):
+            a, z = t * tile, min(seqlen, (t + 1) * tile)
+            m = self.keep(torch.arange(a, z), kpos).reshape(-1, z - a, seqlen)
+            anyk = m.any(0).any(0)
+            allk = m.all(0).all(0)
+            if pad:
+                anyk = torch.cat([anyk, anyk.new_zeros(pad)])
+                allk = torch.cat([allk, allk.new_ones(pad)])
+            anyt = anyk.view(nt, tile).any(1)
+            allt = allk.view(nt, tile).all(1)
+            out[t] = torch.where(allt, FULL, torch.where(anyt, PARTIAL, EMPTY)).to(torch.uint8)
+        if len(self.mask._tiles) > 8:
+            self.mask._tiles.clear()
+        self.mask._tiles[key] = out
+        return out
+
+
+def tile_size(seqlen: int) -> int:
+    """The tile side for a global length: 128 from 2048 tokens, down to 16 for short ones."""
+    t = 16
+    while t < 128 and t * 16 < seqlen:
+        t *= 2
+    return t
+
+
+def _contiguous(segs: Sequence[Segment]) -> List[Tuple[int, int, int]]:
+    """(global start, count, local offset) of each segment (step 1 required)."""
+    out, off = [], 0
+    for s in segs:
+        if s.count > 1 and s.step != 1:
+            raise ValueError("masks need contiguous shards (basic, zigzag or a balanced_layout), not a strided one")
+        if s.count:
+            out.append((s.start, s.count, off))
+        off += s.count
+    return out
+
+
+def plan_masked(q_segs: Sequence[Segment], k_segs: Sequence[Segment], tiles: torch.Tensor, tile: int, *,
+                split_runs: bool = True) -> List[BlockCall]:
+    """Kernel calls of local queries (``q_segs``) against one key block (``k_segs``) under a
+    tile classification (:meth:`Predicate.tiles`).  ``split_runs=False`` (a kernel without
+    an lse): one call per query band over its non-empty tiles, so no two calls share a row."""
+    classes = tiles.tolist()
+    calls: List[BlockCall] = []
+    for qa, nq, qo in _contiguous(q_segs):
+        for ka, nk, ko in _contiguous(k_segs):
+            band_calls: List[Tuple[int, int, List[Tuple[int, int, bool]]]] = []
+            r = qa
+            while r < qa + nq:
+                t = r // tile
+                r1 = min(qa + nq, (t + 1) * tile)
+                row = classes[t]
+                pieces = []
+                c = ka
+                while c < ka + nk:
+                    u = c // tile
+                    c1 = min(ka + nk, (u + 1) * tile)
+                    pieces.append((c, c1, row[u]))
+                    c = c1
+                runs = _runs(pieces, split_runs)
+                band_calls.append((r, r1, runs))
+                r = r1
+            # merge vertically adjacent bands with the same runs
+            merged: List[Tuple[int, int, List[Tuple[int, int, bool]]]] = []
+            for r0, r1, runs in band_calls:
+                if merged and merged[-1][2] == runs and merged[-1][1] == r0:
+                    merged[-1] = (merged[-1][0], r1, runs)
+                else:
+                    merged.append((r0, r1, runs))
+            for r0, r1, runs in merged:
+                for c0, c1, masked in runs:
+                    calls.append(BlockCall(qo + r0 - qa, qo + r1 - qa, ko + c0 - ka, ko + c1 - ka, False,
+                                           c0 - r0, masked=masked))
+    return calls
+
+
+def _runs(pieces, split_runs: bool) -> List[Tuple[int, int, bool]]:
+    """Runs of non-empty tiles of one band: (k start, k stop, needs a mask)."""
+    runs: List[Tuple[int, int, bool]] = []
+    if not split_runs:
+        live = [p for p in pieces if p[2] != EMPTY]
+        if not live:
+            return []
+        a, z = live[0][0], live[-1][1]
+        masked = any(p[2] != FULL for p in pieces if a <= p[0] and p[1] <= z)
+        return [(a, z, masked)]
+    for c0, c1, cls in pieces:
+        if cls == EMPTY:
+            continue
+        if runs and runs[-1][1] == c0:
+            a, _, m = runs[-1]
+            runs[-1] = (a, c1, m or cls == PARTIAL)
+        else:
+            runs.append((c0, c1, cls == PARTIAL))
+    return runs
+
+
+def dense_mask(pred: Predicate, q_segs: Sequence[Segment], k_segs: Sequence[Segment], call: BlockCall,
+               heads: Optional[Sequence[int]] = None, device=None) -> torch.Tensor:
+    """The bool mask ``[B|1, H|1, Sq, Sk]`` of one masked call (its rows and keys mapped to global positions)."""
+    qpos = _local_positions(q_segs)[call.q_start:call.q_stop]
+    kpos = _local_positions(k_segs)[call.k_start:call.k_stop]
+    m = pred.keep(qpos, kpos, heads)
+    return m.to(device) if device is not None else m
+
+
+def _local_positions(segs: Sequence[Segment]) -> torch.Tensor:
+    parts = [torch.arange(s.start, s.start + s.count * s.step, s.step) for s in segs if s.count]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------- balance
+def mask_work(pred: Predicate, segments: Sequence[Sequence[Segment]]) -> List[int]:
+    """Per ring rank: the (query, key) pairs its rows score under the predicate (per batch row and head)."""
+    S = sum(s.count for segs in segments for s in segs)
+    kpos = torch.arange(S)
+    out = []
+    for segs in segments:
+        total = 0
+        for s in segs:
+            for a in range(s.start, s.start + s.count, 1024):
+                z = min(s.start + s.count, a + 1024)
+                total += int(pred.keep(torch.arange(a, z), kpos).any(0).any(0).sum())
+        out.append(total)
+    return out
+
+
+def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int = 4, causal: bool = False,
+                    cu_seqlens=None, name: Optional[str] = None, register: bool = True):
+    """A layout that gives every ring rank about the same mask area: the sequence is cut into
+    ``ring_size * chunks_per_rank`` chunks, and chunks, largest area first, go to the rank
+    with the least work so far among those with a chunk slot left (a min-heap), so ranks
+    hold equal token counts.  Registered under ``name`` (default ``"balanced-<digest>"``)
+    for ``LongContextAttention(ring_impl_type=...)`` and ``usp_hal.shard(x, layout=...)``;
+    valid for this ``seqlen`` and ``ring_size`` only.  Returns the
+    :class:`~usp_hal.positions.Layout`."""
+    from .positions import LAYOUTS, Layout, register_layout
+    m = Mask.of(mask)
+    S, R = int(seqlen), int(ring_size)
+    C = R * int(chunks_per_rank)
+    if S < C:
+        raise ValueError(f"balanced_layout: {S} tokens cannot be cut into {C} chunks; lower chunks_per_rank")
+    cu = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
+    pred = Predicate(m, causal=bool(causal), cu_seqlens=cu)
+    bounds = [S * i // C for i in range(C + 1)]
+    kpos = torch.arange(S)
+    area = []
+    for i in range(C):
+        total = 0
+        for a in range(bounds[i], bounds[i + 1], 1024):
+            z = min(bounds[i + 1], a + 1024)
+            total += int(pred.keep(torch.arange(a, z), kpos).any(0).any(0).sum())
+        area.append(total)
+    heap = [(0, r) for r in range(R)]
+    slots = [int(chunks_per_rank)] * R
+    owner = [0] * C
+    for i in sorted(range(C), key=lambda j: (-area[j], j)):
+        held = []
+        while True:
+            work, r = heapq.heappop(heap)
+            if slots[r]:
+                break
+            held.append((work, r))
+        owner[i] = r
+        slots[r] -= 1
+        heapq.heappush(heap, (work + area[i], r))
+        for item in held:
+            heapq.heappush(heap, item)
+    per_rank: List[List[Segment]] = [[] for _ in range(R)]
+    for i in range(C):
+        segs = per_rank[owner[i]]
+        a, z = bounds[i], bounds[i + 1]
+        if segs and segs[-1].start + segs[-1].count == a:
+            segs[-1] = Segment(segs[-1].start, segs[-1].count + z - a)
+        else:
+            segs.append(Segment(a, z - a))
+    table = tuple(tuple(s) for s in per_rank)
+    digest = hashlib.blake2b(repr((S, R, table)).encode(), digest_size=4).hexdigest()
+    label = name or f"balanced-{digest}"
+
+    def split(n: int, ring: int, rank: int) -> List[Segment]:
+        if (n, ring) != (S, R):
+            raise ValueError(f"layout {label!r} was balanced for {S} tokens over {R} ring ranks, not {n} over {ring}")
+        return list(table[rank])
+
+    layout = Layout(label, split, contiguous=True, balances_causal=causal,
+                    description=f"chunks balanced by mask area ({m.name}, {S} tokens, {R} ring ranks)")
+    if register:
+        if label in LAYOUTS and LAYOUTS[label].description != layout.description:
+            raise ValueError(f"layout {label!r} is already registered for another mask")
+        register_layout(layout, override=True)
+    return layout
