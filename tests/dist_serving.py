@@ -1,0 +1,203 @@
+"""Functions that run on every rank of a WorkerPool (see tests/mp.py) for the sharded KV
+cache (usp_hal.serving): decode steps against float64 attention over the whole cache, the
+USP prefill feeding the cache, and the refusals that must be raised on every rank."""
+from __future__ import annotations
+
+import torch
+
+import usp_hal
+from usp_hal.reference import reference_attention, tolerance
+from usp_hal.serving import ShardedKVCache
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+# option sets of the decode cases: (label, decode keywords; "alibi" -> random slopes)
+OPTIONS = {
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window_size=(4, 0)),
+    "softcap_alibi": dict(causal=True, softcap=3.0, alibi=True),
+    "full": dict(causal=False),
+}
+
+
+SOFTCAP_BACKEND = "test_reference_softcap"
+
+
+def register_softcap_backend() -> str:
+    """A contract-test backend: float64 reference math behind the kernel contract, declaring
+    softcap, window, ALiBi and key offsets.  No CPU kernel of the registry has softcap, so
+    this proves the decode path (placement, block plan, merge) with softcap, not a kernel."""
+    from usp_hal.backend import AttentionBackend
+
+    class ReferenceSoftcap(AttentionBackend):
+        NAME = SOFTCAP_BACKEND
+        SUPPORTED_DEVICES = frozenset({"cpu"})
+        SUPPORTED_DTYPES = frozenset({torch.float64, torch.float32, torch.bfloat16})
+        SUPPORTS_WINDOW = SUPPORTS_SOFTCAP = SUPPORTS_ALIBI = SUPPORTS_KEY_OFFSET = True
+        HAS_BACKWARD = False
+
+        def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                           key_offset, **_):
+            out, lse = reference_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
+                                           softcap=softcap, alibi_slopes=alibi_slopes, key_offset=key_offset)
+            mdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+            return out.to(q.dtype), lse.to(mdt)
+
+    if SOFTCAP_BACKEND not in usp_hal.list_backends():
+        usp_hal.register_backend(SOFTCAP_BACKEND, ReferenceSoftcap)
+    return SOFTCAP_BACKEND
+
+
+def _mesh(U: int, R: int):
+    from tests.dist_cases import get_mesh
+    return get_mesh(U, R)
+
+
+def worst(got: torch.Tensor, ref: torch.Tensor, dtype, lse: bool = False) -> float:
+    """max |got - ref| / (atol + rtol |ref|) (<= 1 passes); -inf where both are -inf counts 0,
+    -inf on one side only counts as a failure (inf)."""
+    atol, rtol = tolerance(dtype, lse=lse)
+    g, r = got.detach().double(), ref.detach().double()
+    both = torch.isinf(g) & torch.isinf(r) & (g == r)
+    one = torch.isinf(g) ^ torch.isinf(r)
+    if bool(one.any()) or bool(torch.isnan(g).any()):
+        return float("inf")
+    err = ((g - r).abs() / (atol + rtol * r.abs())).masked_fill(both, 0.0)
+    return float(err.max()) if err.numel() else 0.0
+
+
+def _tokens(g, B, n, H, Hkv, D, dt):
+    return (torch.randn(B, n, H, D, generator=g).to(dt), torch.randn(B, n, Hkv, D, generator=g).to(dt),
+            torch.randn(B, n, Hkv, D, generator=g).to(dt))
+
+
+def _steps_against_reference(cache, ks, vs, steps, opts, g, H, Hkv, D, dt, slopes):
+    """Run decode steps of ``steps`` new tokens each; compare out and lse with float64
+    attention over every sequence's whole cache (its global K/V ``ks[b]``/``vs[b]``)."""
+    B = cache.batch_size
+    errs = {"out": 0.0, "lse": 0.0}
+    prints = []
+    for n in steps:
+        q, k, v = _tokens(g, B, n, H, Hkv, D, dt)
+        starts = cache.lengths()
+        out, lse = cache.decode(0, q, k, v, return_lse=True, alibi_slopes=slopes, **opts)
+        prints.append(float(out.double().sum()) + float(lse.masked_fill(torch.isinf(lse), 0).double().sum()))
+        for b in range(B):
+            ks[b] = torch.cat([ks[b], k[b]])
+            vs[b] = torch.cat([vs[b], v[b]])
+            sl = None if slopes is None else slopes
+            ro, rl = reference_attention(q[b:b + 1], ks[b][None], vs[b][None], key_offset=-starts[b],
+                                         alibi_slopes=sl, causal=opts.get("causal", False),
+                                         window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0))
+            errs["out"] = max(errs["out"], worst(out[b:b + 1], ro, dt))
+            errs["lse"] = max(errs["lse"], worst(lse[b:b + 1], rl, dt, lse=True))
+    return errs, prints
+
+
+def decode_case(U=1, R=1, dtype="fp64", options=("causal",), H=6, Hkv=3, D=8, lengths=(13, 5, 7, 0),
+                placements=("zigzag", "basic", -1, "zigzag"), steps=(1, 2, 3, 1), block_size=3, seed=0):
+    """A cache loaded with uneven sequences (one of them wholly on the last ring rank, one
+    empty), then decode steps: out/lse against float64 attention over the whole cache, for
+    each option set.  Also returns the placement (tokens per ring rank) for the balance check
+    and a fingerprint of the outputs (equal on every rank)."""
+    mesh = _mesh(U, R)
+    dt = DTYPES[dtype]
+    res: dict = {"errors": {}, "prints": {}, "counts": {}, "local": {}, "positions": {}}
+    for label in options:
+        opts = dict(OPTIONS[label])
+        g = torch.Generator().manual_seed(seed)
+        slopes = (torch.rand(H, generator=g) * 0.5) if opts.pop("alibi", False) else None
+        B, S = len(lengths), max(lengths)
+        K = torch.randn(B, S, Hkv, D, generator=g).to(dt)
+        V = torch.randn(B, S, Hkv, D, generator=g).to(dt)
+        attn_type = register_softcap_backend() if opts.get("softcap") else "sdpa"
+        cache = ShardedKVCache(mesh, num_layers=1, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                               dtype=dt, block_size=block_size, attn_type=attn_type)
+        place = [R - 1 if p == -1 else p for p in placements]
+        cache.load(0, K, V, list(lengths), placement=place)
+        ks = [K[b, :lengths[b]] for b in range(B)]
+        vs = [V[b, :lengths[b]] for b in range(B)]
+        errs, prints = _steps_against_reference(cache, ks, vs, steps, opts, g, H, Hkv, D, dt, slopes)
+        res["errors"][label] = errs
+        res["prints"][label] = prints
+        res["counts"][label] = cache.ring_counts()
+        res["local"][label] = cache.local_lengths()
+        res["positions"][label] = [cache.local_positions(0, b) for b in range(B)]
+    return res
+
+
+def prefill_case(U=1, R=1, dtype="fp32", layout="zigzag", B=2, S=11, H=4, Hkv=2, D=8, steps=(1, 1, 2),
+                 window=(-1, -1), block_size=2, seed=1):
+    """The USP call on the sharded prompt fills the cache (prefill output against float64),
+    then decode steps against float64 attention over the whole cache."""
+    mesh = _mesh(U, R)
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, D, generator=g).to(dt) for h in (H, Hkv, Hkv))
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    cache = ShardedKVCache(mesh, num_layers=1, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dt,
+                           block_size=block_size, attn_type="sdpa")
+    sh = [usp_hal.shard(x, layout=layout, mesh=mesh) for x in (q, k, v)]
+    out = cache.prefill(0, attn, *sh, causal=True, window_size=window)
+    full = usp_hal.unshard(out, layout=layout, mesh=mesh)
+    ro, _ = reference_attention(q, k, v, causal=True, window=window)
+    res = {"prefill": worst(full, ro, dt), "prompt_stored": cache.local_lengths()}
+    opts = dict(causal=True, window_size=window)
+    ks, vs = [k[b] for b in range(B)], [v[b] for b in range(B)]
+    res["errors"], res["prints"] = _steps_against_reference(cache, ks, vs, steps, opts, g, H, Hkv, D, dt, None)
+    res.update(stored=cache.local_lengths(), counts=cache.ring_counts(), capacity_bytes=cache.memory_bytes(),
+               used_bytes=cache.used_bytes(),
+               block_bytes=B * block_size * cache.local_heads[1] * 2 * D * torch.empty((), dtype=dt).element_size())
+    return res
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as exc:      # the refusals under test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
+    """Bad decode calls, each refused on every rank together (a rank that went on alone would
+    wait in the data all-gather and the case would time out); then a good call still works."""
+    import torch.distributed as dist
+    mesh = _mesh(U, R)
+    rank = dist.get_rank()
+    dt = torch.float64
+    B, S = 2, 6
+    g = torch.Generator().manual_seed(5)
+    K, V = torch.randn(B, S, Hkv, D, generator=g, dtype=dt), torch.randn(B, S, Hkv, D, generator=g, dtype=dt)
+
+    def fresh():
+        c = ShardedKVCache(mesh, num_layers=2, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dt,
+                           block_size=2, attn_type="sdpa")
+        c.load(0, K, V, [S, 3])
+        return c
+
+    q, k, v = _tokens(g, B, 1, H, Hkv, D, dt)
+    res = {}
+    other = _mesh(R, U) if U != R else _mesh(1, 1)
+    res["wrong_mesh"] = _error_of(lambda: fresh().decode(0, q, k, v, mesh=other))
+    c = fresh()
+    if rank == 1:
+        c.layers[0].local[1] -= 1          # this rank lost a token the others believe it holds
+    res["length_differs"] = _error_of(lambda: c.decode(0, q, k, v))
+    c = fresh()
+    if rank == 0:
+        c.layers[0].total[0] += 1          # this rank believes the sequence is longer
+    res["table_differs"] = _error_of(lambda: c.decode(0, q, k, v))
+    res["new_keys_differ"] = _error_of(lambda: fresh().decode(0, q, k + rank, v))
+    res["options_differ"] = _error_of(lambda: fresh().decode(0, q, k, v, window_size=(rank + 1, 0)))
+    res["heads_mismatch"] = _error_of(lambda: fresh().decode(0, q[:, :, :H - 1] if rank == 0 else q, k, v))
+    res["softcap_on_sdpa"] = _error_of(lambda: fresh().decode(0, q, k, v, softcap=5.0))
+    res["layer_out_of_range"] = _error_of(lambda: fresh().decode(5, q, k, v))
+    res["empty_layer_ok"] = _error_of(lambda: fresh().decode(1, q, k, v))     # nothing cached: only the new token
+    res["prefill_twice"] = _error_of(lambda: fresh().load(0, K, V, [S, 3]))
+    c = fresh()
+    out = c.decode(0, q, k, v)
+    ro, _ = reference_attention(q[:1], torch.cat([K[0], k[0]])[None], torch.cat([V[0], v[0]])[None], causal=True,
+                                key_offset=-S)
+    res["after_refusals"] = worst(out[:1], ro, dt)
+    return res

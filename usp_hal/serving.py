@@ -1,0 +1,662 @@
+"""Serving long contexts: a KV cache sharded over the ``U x R`` mesh, prefill through the USP
+call, and decode steps merged exactly by lse.
+
+Where the tokens live (:class:`ShardedKVCache`)::
+
+    U x R mesh, H query heads, Hkv KV heads, one sequence of S prompt tokens
+      rank (u, r) keeps K/V of the KV heads its query heads use (ulysses.head_plan, u)
+                       for the tokens of ring rank r (the prefill layout's ring shard)
+      new tokens go to ring ranks in blocks of ``block_size`` consecutive positions: a new
+      block goes to the ring rank holding the fewest tokens of that sequence (ties: the
+      lowest ring rank), so every ring rank holds S_b / R tokens of each sequence b plus at
+      most one block (a sequence that starts on one rank is evened out as it grows)
+
+Prefill (:meth:`ShardedKVCache.prefill`) is the module's own USP call: the Ulysses
+all-to-all that the call makes anyway delivers each rank the head-layout K/V of its ring
+shard, and the cache keeps that (one copy into the cache's storage, no extra collective).
+
+Decode (:meth:`ShardedKVCache.decode`) of ``n`` new tokens per sequence, with q/k/v of the new
+tokens on every rank of the sequence-parallel group (replicated after the projections):
+
+1. one metadata agreement (:func:`usp_hal.comm.agree`, ints on the CPU side group): the
+   cache's configuration, the call's shapes and options, a fingerprint of the new keys,
+   every rank's belief about where every token lives, and every rank's actual lengths;
+   any difference raises the same error on every rank before any data moves;
+2. the owners append the new K/V (no communication: every rank has them);
+3. each rank attends its query heads to its cached tokens through a registry backend, one
+   kernel call per contiguous run of positions (the ring's block plan, ``blocks.plan_blocks``:
+   full rectangles and square causal diagonals, with key offsets for window/ALiBi), merged
+   per rank in float32 (float64 for float64 inputs);
+4. ONE ``all_gather`` over the sequence-parallel group of every rank's partial ``(out, lse)``
+   (float32: ``B * n * h_max * (Dv + 1) * 4`` bytes sent per rank, ``W`` times that received,
+   ``h_max`` the largest head count of a Ulysses rank); every rank merges the ring ranks'
+   partials of each head group by lse (exact: weights ``exp(lse_r - max)``) and joins the
+   head groups, so every rank returns the full ``[B, n, H, Dv]`` output, bit-identical.
+
+A rank whose cached tokens are all invisible (or that holds none) contributes lse = -inf,
+weight 0.  Attention sinks are not supported (no sink term in the merge).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import platform as _platform
+from .blocks import plan_blocks
+from .capabilities import AttnRequest
+from .comm import agree, all_gather_single, collective, digest_ints, dtype_code
+from .positions import Segment, check_layout, ring_segments
+from .registry import REGISTRY
+from .ring import merge_block, merge_dtype
+from .ulysses import head_plan
+
+__all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
+
+SERVING_WHAT = "usp_hal sharded KV cache"
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of ``P`` partial attentions over disjoint key sets.
+
+    ``outs`` ``[P, B, n, h, D]`` and ``lses`` ``[P, B, h, n]`` (natural log, -inf for a part
+    that saw no key); returns ``(out [B, n, h, D], lse [B, h, n])`` in the dtype of ``outs``:
+    ``lse = log sum_p exp(lse_p)`` and ``out = sum_p exp(lse_p - lse) out_p``.  Rows that no
+    part saw give out 0 and lse -inf (never NaN)."""
+    top = lses.amax(0)
+    finite = torch.isfinite(top)
+    ref = torch.where(finite, top, torch.zeros_like(top))
+    w = torch.exp(lses - ref)                          # a part with lse -inf weighs 0
+    total = w.sum(0)
+    lse = torch.where(finite, ref + torch.log(total), top)
+    w = torch.where(finite, w / torch.where(finite, total, torch.ones_like(total)), torch.zeros_like(w))
+    out = (w.transpose(2, 3).unsqueeze(-1) * outs).sum(0)
+    return out, lse
+
+
+def decode_bytes(batch: int, new_tokens: int, heads_per_rank: int, v_dim: int, world: int,
+                 dtype: torch.dtype = torch.float32) -> Dict[str, int]:
+    """Bytes of the one data collective of a decode call (per layer and step): what each rank
+    sends and receives in the all-gather of partial (out, lse)."""
+    item = torch.empty((), dtype=merge_dtype(dtype)).element_size()
+    send = batch * new_tokens * heads_per_rank * (v_dim + 1) * item
+    return {"send": send, "recv": send * world}
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    """Cheap exact-ish fingerprint of the new keys (the same inputs give the same ints on
+    every rank: replicated q/k/v are computed by the same ops)."""
+    x = t.detach().to(torch.float64)
+    if x.numel() == 0:
+        return 0
+    w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).view(x.shape)
+    a, b = float(x.sum()), float((x * w).sum())
+    return digest_ints(list(struct.unpack("<2q", struct.pack("<2d", a, b))))
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+# --------------------------------------------------------------------------------- layer state
+@dataclass
+class _Layer:
+    """One layer's shard: storage ``[B, cap, hk, D]`` and the replicated placement table."""
+
+    batch: int
+    ring: int
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    local: List[int] = field(default_factory=list)             # per row: tokens held here
+    runs: List[List[List[int]]] = field(default_factory=list)  # per row: [start position, count] in storage order
+    counts: List[List[int]] = field(default_factory=list)      # per row, per ring rank (every rank knows all)
+    total: List[int] = field(default_factory=list)             # per row: global length
+    owner: List[int] = field(default_factory=list)             # per row: ring rank of the open block
+    left: List[int] = field(default_factory=list)              # per row: room left in the open block
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self):
+        b, r = self.batch, self.ring
+        self.k = self.v = None
+        self.local = [0] * b
+        self.runs = [[] for _ in range(b)]
+        self.counts = [[0] * r for _ in range(b)]
+        self.total = [0] * b
+        self.owner = [0] * b
+        self.left = [0] * b
+
+    @property
+    def filled(self) -> bool:
+        return any(self.total)
+
+    def table_digest(self) -> int:
+        flat: List[int] = []
+        for b in range(self.batch):
+            flat += [self.total[b], self.owner[b], self.left[b], *self.counts[b]]
+        return digest_ints(flat)
+
+
+class ShardedKVCache:
+    """This rank's shard of a KV cache on a ``U x R`` sequence-parallel mesh (see the module doc).
+
+    ``num_layers`` layers for a batch of ``batch_size`` sequences of ``num_heads`` query heads,
+    ``num_kv_heads`` KV heads (GQA/MQA), ``head_dim`` (``v_head_dim``).  ``block_size``: how
+    many consecutive new positions go to one ring rank before the next block is placed.
+    ``attn_type``: the registry backend used for the decode kernel calls (``"auto"`` picks the
+    first backend that can serve the call's options with an lse).  Every rank of the
+    sequence-parallel group must construct it with the same arguments (checked: one small
+    all-gather).  ``layout``: the prefill layout of :meth:`load` (``prefill`` takes the
+    module's own); it must be contiguous (``basic`` or ``zigzag``) for window/ALiBi.
+    """
+
+    def __init__(self, mesh=None, *, num_layers: int, batch_size: int, num_heads: int,
+                 num_kv_heads: Optional[int] = None, head_dim: int, v_head_dim: Optional[int] = None,
+                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag"):
+        from .mesh import get_default_mesh
+        self.mesh = mesh if mesh is not None else get_default_mesh()
+        m = self.mesh
+        hkv = num_heads if num_kv_heads is None else num_kv_heads
+        dv = head_dim if v_head_dim is None else v_head_dim
+        problem = None
+        try:
+            for name, val in (("num_layers", num_layers), ("batch_size", batch_size), ("num_heads", num_heads),
+                              ("num_kv_heads", hkv), ("head_dim", head_dim), ("v_head_dim", dv),
+                              ("block_size", block_size)):
+                if not isinstance(val, int) or val < 1:
+                    raise ValueError(f"{name} must be a positive int, got {val!r}")
+            if num_heads % hkv:
+                raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={hkv}")
+            if dtype not in _FLOATS:
+                raise ValueError(f"dtype {dtype} is not supported (float64, float32, bfloat16, float16)")
+            REGISTRY.canonical_name(attn_type)
+            check_layout(layout)
+        except (ValueError, TypeError) as exc:
+            problem = exc
+        self.num_layers, self.batch_size = num_layers, batch_size
+        self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim = num_heads, hkv, head_dim, dv
+        self.dtype, self.device = dtype, torch.device(device)
+        self.block_size, self.attn_type, self.layout = block_size, attn_type, layout
+        config = [m.ulysses_degree, m.ring_degree, int(num_layers) if isinstance(num_layers, int) else -1,
+                  int(batch_size) if isinstance(batch_size, int) else -1, int(num_heads) if isinstance(num_heads, int)
+                  else -1, int(hkv) if isinstance(hkv, int) else -1, int(head_dim) if isinstance(head_dim, int)
+                  else -1, int(dv) if isinstance(dv, int) else -1, dtype_code(dtype) if isinstance(dtype, torch.dtype)
+                  else -1, int(block_size) if isinstance(block_size, int) else -1,
+                  digest_ints(list(str(attn_type).encode())), digest_ints(list(str(layout).encode()))]
+        labels = ("ulysses_degree", "ring_degree", "num_layers", "batch_size", "num_heads", "num_kv_heads",
+                  "head_dim", "v_head_dim", "dtype", "block_size", "attn_type", "layout")
+        if m.sp_size > 1:
+            agree(problem, m.metadata_group, what=f"{SERVING_WHAT}: construction", where=m.where("sequence-parallel"),
+                  values=config, same=labels, ranks=m.sp_ranks)
+        elif problem is not None:
+            raise problem
+        self._config_digest = digest_ints(config)
+        self.heads = head_plan(num_heads, hkv, m.ulysses_degree)
+        u = m.ulysses_rank
+        self.q_range = self.heads.q[u]
+        self.kv_range = self.heads.kv[u]
+        self.kv_expand = self.heads.kv_expand[u]
+        self.local_heads = self.heads.local_heads(u)      # (query heads, stored KV heads)
+        self.heads_max = max(b - a for a, b in self.heads.q)
+        self.layers = [_Layer(batch_size, m.ring_degree) for _ in range(num_layers)]
+        self._backends: Dict[AttnRequest, Any] = {}
+        self.last_calls = 0          # kernel calls of the last decode on this rank (tests, benchmarks)
+
+    # ------------------------------------------------------------------ facts
+    def lengths(self, layer: int = 0) -> List[int]:
+        """Global length of every sequence of ``layer``."""
+        return list(self.layers[layer].total)
+
+    def local_lengths(self, layer: int = 0) -> List[int]:
+        """Tokens of every sequence of ``layer`` held by this rank."""
+        return list(self.layers[layer].local)
+
+    def ring_counts(self, layer: int = 0) -> List[List[int]]:
+        """Per sequence, per ring rank: how many of its tokens that ring rank holds."""
+        return [list(c) for c in self.layers[layer].counts]
+
+    def local_positions(self, layer: int, row: int) -> List[int]:
+        """Global positions of the tokens of sequence ``row`` held here, in storage order."""
+        out: List[int] = []
+        for start, count in self.layers[layer].runs[row]:
+            out += range(start, start + count)
+        return out
+
+    def memory_bytes(self) -> int:
+        """Bytes of K/V storage this rank holds (allocated capacity, all layers)."""
+        return sum(t.numel() * t.element_size() for ly in self.layers for t in (ly.k, ly.v) if t is not None)
+
+    def used_bytes(self) -> int:
+        """Bytes of the K/V tokens this rank holds (without the capacity's room)."""
+        hk = self.local_heads[1]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return sum(n * hk * (self.head_dim + self.v_head_dim) * item for ly in self.layers for n in ly.local)
+
+    def reset(self) -> None:
+        for ly in self.layers:
+            ly.reset()
+
+    # ------------------------------------------------------------------ storage
+    def _reserve(self, ly: _Layer, need: int) -> None:
+        """Room for ``need`` tokens per row, in whole blocks (at most one block unused)."""
+        cap = 0 if ly.k is None else ly.k.shape[1]
+        if need <= cap:
+            return
+        bs = self.block_size
+        new = -(-need // bs) * bs
+        hk = self.local_heads[1]
+        k = torch.zeros((self.batch_size, new, hk, self.head_dim), dtype=self.dtype, device=self.device)
+        v = torch.zeros((self.batch_size, new, hk, self.v_head_dim), dtype=self.dtype, device=self.device)
+        if ly.k is not None and ly.v is not None and cap:
+            k[:, :cap] = ly.k
+            v[:, :cap] = ly.v
+        ly.k, ly.v = k, v
+
+    def _my_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, n, Hkv, D]`` -> the KV heads this rank stores (expanded where the head plan says)."""
+        a, b = self.kv_range
+        x = x[:, :, a:b]
+        if self.kv_expand is not None:
+            x = x.index_select(2, torch.tensor(self.kv_expand, device=x.device))
+        return x
+
+    @staticmethod
+    def _add_run(runs: List[List[int]], start: int, count: int) -> None:
+        if count <= 0:
+            return
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1][1] += count
+        else:
+            runs.append([start, count])
+
+    def _place(self, ly: _Layer, row: int, n: int) -> List[Tuple[int, int, int]]:
+        """Assign the next ``n`` positions of ``row`` to ring ranks (updates the table);
+        returns ``(ring rank, first index among the n, count)`` pieces in order."""
+        pieces: List[Tuple[int, int, int]] = []
+        j = 0
+        while j < n:
+            if ly.left[row] == 0:
+                counts = ly.counts[row]
+                ly.owner[row] = min(range(len(counts)), key=lambda r: (counts[r], r))
+                ly.left[row] = self.block_size
+            take = min(ly.left[row], n - j)
+            r = ly.owner[row]
+            pieces.append((r, j, take))
+            ly.counts[row][r] += take
+            ly.left[row] -= take
+            ly.total[row] += take
+            j += take
+        return pieces
+
+    def _append(self, ly: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the new tokens ``k``/``v`` ``[B, n, Hkv, D]`` (every rank has them): the
+        table advances on every rank, the owners copy their heads in."""
+        n = k.shape[1]
+        me = self.mesh.ring_rank
+        starts = list(ly.total)
+        plan = [self._place(ly, b, n) for b in range(self.batch_size)]
+        mine = [sum(c for r, _, c in p if r == me) for p in plan]
+        if not any(mine):
+            return
+        self._reserve(ly, max(ly.local[b] + mine[b] for b in range(self.batch_size)))
+        assert ly.k is not None and ly.v is not None
+        kk, vv = self._my_heads(k), self._my_heads(v)
+        for b, pieces in enumerate(plan):
+            for r, j, c in pieces:
+                if r != me:
+                    continue
+                at = ly.local[b]
+                ly.k[b, at:at + c] = kk[b, j:j + c]
+                ly.v[b, at:at + c] = vv[b, j:j + c]
+                ly.local[b] = at + c
+                self._add_run(ly.runs[b], starts[b] + j, c)
+
+    # ------------------------------------------------------------------ filling
+    def load(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],
+             placement: Union[str, int, Sequence[Union[str, int]], None] = None) -> None:
+        """Fill ``layer`` from the global K/V ``[B, S_max, Hkv, D]`` (the same on every rank):
+        sequence ``b`` is ``k[b, :lengths[b]]``.  ``placement`` (per sequence, or one for all):
+        a layout name (its ring shards, default the cache's ``layout``) or a ring rank that
+        holds the whole sequence.  Later tokens are placed by blocks (see the module doc).
+        Collective (the ranks agree on the arguments)."""
+        m = self.mesh
+        ly = self.layers[layer] if 0 <= layer < self.num_layers else None
+        problem = None
+        per: List[Union[str, int]] = []
+        try:
+            if ly is None:
+                raise ValueError(f"layer {layer} is out of range (the cache has {self.num_layers} layers)")
+            self._check_kv(k, v, "load")
+            if len(lengths) != self.batch_size or any(int(n) < 0 or int(n) > k.shape[1] for n in lengths):
+                raise ValueError(f"lengths {list(lengths)} must give 0..{k.shape[1]} tokens for each of the "
+                                 f"{self.batch_size} sequences")
+            raw = placement if placement is not None else self.layout
+            per = list(raw) if isinstance(raw, (list, tuple)) else [raw] * self.batch_size  # type: ignore[list-item]
+            if len(per) != self.batch_size:
+                raise ValueError(f"placement has {len(per)} entries for {self.batch_size} sequences")
+            for p in per:
+                if isinstance(p, int):
+                    if not 0 <= p < m.ring_degree:
+                        raise ValueError(f"placement ring rank {p} is not in 0..{m.ring_degree - 1}")
+                else:
+                    check_layout(p)
+            if ly.filled:
+                raise ValueError(f"layer {layer} already holds tokens; reset() the cache first")
+        except (ValueError, TypeError) as exc:
+            problem = exc
+        codes = [p if isinstance(p, int) else -1 - sum(str(p).encode()) for p in per] or [0] * self.batch_size
+        self._agree(problem, "load", [layer, *[int(n) for n in lengths], *codes,
+                                      _fingerprint(k) if problem is None else 0])
+        assert ly is not None
+        me = m.ring_rank
+        self._reserve(ly, max(1, max(int(n) for n in lengths)))
+        kk, vv = self._my_heads(k), self._my_heads(v)
+        assert ly.k is not None and ly.v is not None
+        for b, (n, p) in enumerate(zip(lengths, per)):
+            n = int(n)
+            for r in range(m.ring_degree):
+                segs = [Segment(0, n)] if p == r else [] if isinstance(p, int) else \
+                    ring_segments(p, n, m.ring_degree, r)
+                ly.counts[b][r] = sum(s.count for s in segs)
+                if r != me:
+                    continue
+                for s in segs:
+                    if s.step != 1 and s.count > 1:
+                        raise ValueError(f"placement {p!r} is not contiguous; use 'basic' or 'zigzag'")
+                    at = ly.local[b]
+                    ly.k[b, at:at + s.count] = kk[b, s.start:s.start + s.count]
+                    ly.v[b, at:at + s.count] = vv[b, s.start:s.start + s.count]
+                    ly.local[b] += s.count
+                    self._add_run(ly.runs[b], s.start, s.count)
+            ly.total[b] = n
+
+    def prefill(self, layer: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None) -> torch.Tensor:
+        """Run ``attn`` (a :class:`usp_hal.LongContextAttention` on this cache's mesh) on this rank's
+        shard ``q``/``k``/``v`` ``[B, S_local, H|Hkv, D]`` (sharded as ``attn``'s layout shards)
+        and keep the head-layout K/V its Ulysses all-to-all delivers.  Returns the call's
+        output, ``[B, S_local, H, Dv]``.  Collective."""
+        from .attention import LongContextAttention
+        from .pipeline import CallOptions
+        from .pipeline import run as _run
+        m = self.mesh
+        ly = self.layers[layer] if 0 <= layer < self.num_layers else None
+        problem = None
+        try:
+            if not isinstance(attn, LongContextAttention):
+                raise TypeError(f"attn must be a usp_hal.LongContextAttention, got {type(attn).__name__}")
+            if attn.pipeline.resolve_mesh() != m:
+                raise ValueError("the attention module's mesh is not the cache's mesh")
+            if type(attn)._head_groups is not LongContextAttention._head_groups:
+                raise ValueError("prefill takes a plain LongContextAttention (not one that pipelines head groups)")
+            if not attn.pipeline.layout.contiguous:
+                raise ValueError(f"the {attn.pipeline.layout.name!r} layout is not contiguous; prefill a cache with "
+                                 "ring_impl_type='basic' or 'zigzag'")
+            if ly is None:
+                raise ValueError(f"layer {layer} is out of range (the cache has {self.num_layers} layers)")
+            if ly.filled:
+                raise ValueError(f"layer {layer} already holds {max(ly.total)} tokens: prefill fills an empty "
+                                 "layer (decode() appends); reset() the cache for a new batch")
+            self._check_kv(k, v, "prefill", q)
+        except (ValueError, TypeError) as exc:
+            problem = exc
+        self._agree(problem, "prefill", [layer])
+        assert ly is not None
+        pipe = attn.pipeline
+        opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        _, plan = pipe.prepare(m, q, k, v, opts, alibi_slopes=alibi_slopes, needs_grad=False)
+        stage = plan.stages[0]
+        ring = stage.ring
+        me = m.ring_rank
+        kept: Dict[str, torch.Tensor] = {}
+
+        class _Keep:
+            """The call's own all-to-all; its head-layout K/V are kept as they arrive."""
+
+            def __init__(self, pending):
+                self.pending = pending
+
+            def wait(self):
+                qh, kh, vh = self.pending.wait()
+                kept["k"], kept["v"] = kh, vh
+                return qh, kh, vh
+
+        with torch.no_grad():
+            out, _ = _run.run(plan, q, k, v, _Keep(stage.exchange.start_qkv(q, k, v)))  # type: ignore[arg-type]
+        kh, vh = kept["k"], kept["v"]
+        n = kh.shape[1]
+        self._reserve(ly, max(n, 1))
+        assert ly.k is not None and ly.v is not None
+        ly.k[:, :n] = kh
+        ly.v[:, :n] = vh
+        for b in range(self.batch_size):
+            ly.local[b] = n
+            ly.runs[b] = []
+            for s in ring.segments[me]:
+                self._add_run(ly.runs[b], s.start, s.count)
+            ly.counts[b] = list(ring.lengths)
+            ly.total[b] = sum(ring.lengths)
+        return out
+
+    def _check_kv(self, k, v, what: str, q=None) -> None:
+        for name, t in (("key", k), ("value", v)) + ((("query", q),) if q is not None else ()):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{what}: {name} must be a [batch, seq, heads, head_dim] tensor")
+        want_h = self.num_heads
+        if k.shape[0] != self.batch_size or k.shape[2] != self.num_kv_heads or k.shape[3] != self.head_dim:
+            raise ValueError(f"{what}: key {tuple(k.shape)} does not match the cache (batch {self.batch_size}, "
+                             f"{self.num_kv_heads} KV heads, head_dim {self.head_dim})")
+        if tuple(v.shape[:3]) != tuple(k.shape[:3]) or v.shape[3] != self.v_head_dim:
+            raise ValueError(f"{what}: value {tuple(v.shape)} does not match key {tuple(k.shape)} and v_head_dim "
+                             f"{self.v_head_dim}")
+        if q is not None and (tuple(q.shape[:2]) != tuple(k.shape[:2]) or q.shape[2] != want_h
+                              or q.shape[3] != self.head_dim):
+            raise ValueError(f"{what}: query {tuple(q.shape)} does not match the cache ({want_h} heads, head_dim "
+                             f"{self.head_dim}) and key {tuple(k.shape)}")
+        for name, t in (("key", k), ("value", v)) + ((("query", q),) if q is not None else ()):
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"{what}: {name} is {t.dtype} on {t.device}; the cache holds {self.dtype} on "
+                                 f"{self.device}")
+
+    def _agree(self, problem, what: str, values: list) -> None:
+        m = self.mesh
+        if m.sp_size > 1:
+            agree(problem, m.metadata_group, what=f"{SERVING_WHAT}: {what}", where=m.where("sequence-parallel"),
+                  values=[self._config_digest, *values], width=1 + len(values), same=True, ranks=m.sp_ranks)
+        elif problem is not None:
+            raise problem
+
+    # ------------------------------------------------------------------ decode
+    def _backend(self, req: AttnRequest):
+        got = self._backends.get(req)
+        if got is None:
+            got = self._backends[req] = REGISTRY.select(self.attn_type, req)()
+        return got
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+               softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+               return_lse: bool = False, mesh=None):
+        """Append ``n`` new tokens per sequence and attend their queries to the whole cache.
+
+        ``q`` ``[B, n, H, D]``, ``k``/``v`` ``[B, n, Hkv, D]``: the new tokens of every sequence,
+        the same on every rank of the sequence-parallel group; sequence ``b``'s new tokens
+        are at positions ``lengths()[b] ..`` (so rows may have different lengths).  Returns
+        ``out`` ``[B, n, H, Dv]`` (the input dtype), and with ``return_lse`` the lse
+        ``[B, H, n]`` (float32; float64 for float64 inputs), the same on every rank.
+        ``causal``, ``window_size`` (left, right) over global positions, ``softcap`` and
+        ``alibi_slopes`` (``[H]`` or ``[B, H]``) as for :class:`usp_hal.LongContextAttention`.
+        ``mesh``: the caller's mesh, checked against the cache's.  Collective."""
+        m = self.mesh
+        ly = self.layers[layer] if isinstance(layer, int) and 0 <= layer < self.num_layers else None
+        problem = None
+        n = int(q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
+        win = tuple(int(x) for x in window_size) if isinstance(window_size, (tuple, list)) else (-2, -2)
+        positional = win != (-1, -1) or alibi_slopes is not None
+        backend = None
+        try:
+            if mesh is not None and mesh != m:
+                raise ValueError(f"the cache was built on a {m.ulysses_degree} x {m.ring_degree} (ulysses x ring) mesh "
+                                 f"over ranks {m.sp_ranks}; this call's mesh is {mesh.ulysses_degree} x "
+                                 f"{mesh.ring_degree} over ranks {mesh.sp_ranks}: decode with the mesh the cache was "
+                                 "prefilled on")
+            if ly is None:
+                raise ValueError(f"layer {layer!r} is out of range (the cache has {self.num_layers} layers)")
+            self._check_kv(k, v, "decode", q)
+            if n < 1:
+                raise ValueError("decode needs at least one new token per sequence")
+            if len(win) != 2 or any(x < -1 for x in win):
+                raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window_size}")
+            if not float(softcap) >= 0:
+                raise ValueError(f"softcap must be >= 0, got {softcap}")
+            if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape)
+                                             not in ((self.num_heads,), (self.batch_size, self.num_heads))):
+                raise ValueError(f"alibi_slopes must be [H] or [B, H] = ({self.num_heads},) or ({self.batch_size}, "
+                                 f"{self.num_heads})")
+            backend = self._backend(self._request(q, causal, win, softcap, alibi_slopes, positional))
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            problem = exc
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
+                _float_bits(scale), _fingerprint(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0]
+        if m.sp_size > 1:
+            fixed = [self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
+                     digest_ints(opts), _fingerprint(k) if problem is None else 0,
+                     ly.table_digest() if ly is not None else 0]
+            local = list(ly.local) if ly is not None else [0] * self.batch_size
+            self._agree_decode(problem, fixed, m.ring_rank, local, ly)
+        elif problem is not None:
+            raise problem
+        assert ly is not None and backend is not None
+        starts = list(ly.total)
+        failure: Optional[BaseException] = None
+        try:      # a local failure from here on still joins the collective (flagged), so no peer waits
+            self._append(ly, k, v)
+            out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale, alibi_slopes,
+                                    positional)
+        except Exception as exc:
+            failure = exc
+            hq = self.q_range[1] - self.q_range[0]
+            out = torch.zeros((q.shape[0], n, hq, self.v_head_dim), dtype=merge_dtype(q.dtype), device=q.device)
+            lse = torch.full((q.shape[0], hq, n), float("-inf"), dtype=out.dtype, device=q.device)
+        out, lse = self._gather(out, lse, failure)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _request(self, q, causal, win, softcap, alibi_slopes, positional) -> AttnRequest:
+        device_type = _platform.device_type_of(q.device)
+        hq, hk = self.local_heads
+        return AttnRequest(dtype=q.dtype, device_type=device_type, head_dim=self.head_dim,
+                           head_dim_v=self.v_head_dim, num_heads=max(hq, 1), num_kv_heads=max(hk, 1),
+                           causal=bool(causal), window=win, softcap=float(softcap), alibi=alibi_slopes is not None,
+                           needs_lse=True, key_offset=positional,
+                           compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
+                           device_model=_platform.device_model(device_type, q.device.index or 0))
+
+    def _agree_decode(self, problem, fixed: list, ring_rank: int, local: list, ly: Optional[_Layer]) -> None:
+        m = self.mesh
+        labels = ("the cache's configuration", "ulysses degree", "ring degree", "layer", "new tokens per sequence",
+                  "the options (causal, window, softcap, scale, alibi)", "the new keys (they must be the same on "
+                  "every rank: replicated after the projections)", "the placement table (where every token lives)")
+        nf = len(fixed)
+        names = m.sp_ranks
+
+        def check(rows):
+            diffs = []
+            for j, label in enumerate(labels):
+                vals = [r[j] for r in rows]
+                if len(set(vals)) > 1:
+                    diffs.append(f"{label} differs between ranks (" + ", ".join(
+                        f"rank {names[i]}: {v}" for i, v in enumerate(vals)) + ")")
+            if diffs or ly is None:
+                return diffs
+            for i, r in enumerate(rows):
+                rr, got = r[nf], r[nf + 1:]
+                want = [ly.counts[b][rr] for b in range(self.batch_size)]
+                if list(got) != want:
+                    diffs.append(f"rank {names[i]} (ring rank {rr}) holds {list(got)} tokens per sequence, but the "
+                                 f"ranks' placement table says ring rank {rr} holds {want}")
+            return diffs
+
+        agree(problem, m.metadata_group, what=f"{SERVING_WHAT}: decode", where=m.where("sequence-parallel"),
+              values=[*fixed, ring_rank, *local], width=nf + 1 + self.batch_size, check=check, ranks=names)
+
+    def _attend(self, ly: _Layer, backend, q, starts, causal, win, softcap, scale, alibi_slopes, positional):
+        """This rank's partial ``(out [B, n, hq, Dv], lse [B, hq, n])`` over its cached tokens."""
+        qa, qb = self.q_range
+        hq = qb - qa
+        bsz, n = q.shape[0], q.shape[1]
+        mdt = merge_dtype(q.dtype)
+        out = torch.zeros((bsz, n, hq, self.v_head_dim), dtype=mdt, device=q.device)
+        lse = torch.full((bsz, hq, n), float("-inf"), dtype=mdt, device=q.device)
+        calls = 0
+        if hq == 0:
+            self.last_calls = 0
+            return out, lse
+        qh = q[:, :, qa:qb]
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[..., qa:qb].to(torch.float32)
+        for b in range(bsz):
+            runs = [Segment(s, c) for s, c in ly.runs[b]]
+            if not runs:
+                continue
+            plan = plan_blocks([Segment(starts[b], n)], runs, causal=causal, window=win, positional=positional)
+            assert ly.k is not None and ly.v is not None
+            sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b:b + 1])
+            for c in plan:
+                o, s = backend.forward(qh[b:b + 1, c.rows], ly.k[b:b + 1, c.cols], ly.v[b:b + 1, c.cols],
+                                       softmax_scale=scale, causal=c.causal, window=win, softcap=softcap,
+                                       alibi_slopes=sl, key_offset=c.key_offset if positional else 0)
+                merge_block(out[b:b + 1], lse[b:b + 1], c.rows, o, s, empty_rows=True)
+                calls += 1
+        self.last_calls = calls
+        return out, lse
+
+    def _gather(self, out: torch.Tensor, lse: torch.Tensor, failure: Optional[BaseException] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The one data collective: every rank's partial (out, lse), merged over the ring ranks
+        of each head group by lse, the head groups joined: ``[B, n, H, Dv]``, ``[B, H, n]``.
+        One trailing element per rank flags a local failure, raised on every rank."""
+        m = self.mesh
+        if m.sp_size == 1:
+            if failure is not None:
+                raise failure
+            return out, lse
+        bsz, n, hq, dv = out.shape
+        h = self.heads_max
+        size = bsz * n * h * (dv + 1)
+        send = torch.zeros(size + 1, dtype=out.dtype, device=out.device)
+        buf = send[:size].view(bsz, n, h, dv + 1)
+        buf[:, :, :hq, :dv] = out
+        buf[:, :, :, dv] = float("-inf")
+        buf[:, :, :hq, dv] = lse.transpose(1, 2)
+        send[size] = 0.0 if failure is None else 1.0
+        flat = torch.empty(m.sp_size * (size + 1), dtype=send.dtype, device=send.device)
+        collective("decode all-gather of partial out/lse", m.where("sequence-parallel"), all_gather_single,
+                   flat, send, group=m.sp_group)
+        rows = flat.view(m.sp_size, size + 1)
+        failed = [m.sp_ranks[i] for i in range(m.sp_size) if float(rows[i, size]) != 0.0]
+        if failed:
+            msg = (f"{SERVING_WHAT}: decode failed on rank(s) {failed} after the ranks agreed on the call (see "
+                   "that rank's error); the cache of this layer is no longer consistent: reset() it")
+            if failure is not None:
+                raise RuntimeError(f"{msg}: {type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(msg)
+        got = rows[:, :size].view((m.sp_size, bsz, n, h, dv + 1))
+        U, R = m.ulysses_degree, m.ring_degree
+        outs, lses = [], []
+        for u in range(U):
+            a, b = self.heads.q[u]
+            if b <= a:
+                continue
+            parts = got[[m.sp_index(r, u) for r in range(R)]][:, :, :, :b - a]     # [R, B, n, h_u, Dv+1]
+            o, s = merge_partials(parts[..., :dv], parts[..., dv].transpose(2, 3))
+            outs.append(o)
+            lses.append(s)
+        return torch.cat(outs, 2), torch.cat(lses, 1)
