@@ -29,7 +29,7 @@ What it refuses, on every rank together and before any data is exchanged: paddin
 (2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
 and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
 match the layout (missing ones, or packed ones without their boundaries), a KV cache holding
-more tokens than the query (generation), attention sinks, position biases and
+more tokens than the query (generation), position biases and
 ``output_attentions``.
 Transformers drops a 2-D mask silently for an attention implementation without a mask
 function, so one is registered too: it never builds a mask, it reports what it was asked for.
@@ -141,7 +141,6 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
 
 # ----------------------------------------------------------------------------- the attention function
 _REFUSED_KWARGS = {
-    "s_aux": "attention sinks (s_aux)",
     "position_bias": "a position bias",
     "cache": "a paged KV cache",
 }
@@ -281,9 +280,11 @@ class USPAttentionFunction:
         window = _window(kwargs.get("sliding_window"), info, causal)
         softcap = kwargs.get("softcap")
         attn = self._module_for(mesh)
+        # gpt-oss style sinks (s_aux, one logit per head): one more term of each row's denominator
+        sinks = kwargs.get("s_aux")
         out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=float(dropout),
                    softmax_scale=scaling, causal=causal, window_size=window,
-                   softcap=float(softcap) if softcap is not None else 0.0, cu_seqlens=cu)
+                   softcap=float(softcap) if softcap is not None else 0.0, cu_seqlens=cu, sinks=sinks)
         return watch(out, mesh, "transformers attn_implementation='usp_hal'"), None
 
 
