@@ -60,6 +60,7 @@ _BUILTIN = {
     "npu": "usp_hal.backends.npu:NPUBackend",
     "xpu": "usp_hal.backends.xpu:XPUBackend",
     "flex": "usp_hal.backends.flex:FlexAttentionBackend",
+    "fa4": "usp_hal.backends.fa4:FlashAttn4Backend",
 }
 
 # `auto` tries these in order (each platform entry declares its list); lossy (quantised)
