@@ -197,3 +197,27 @@ def test_flex_backward_reweights_to_the_merged_out_and_lse(monkeypatch):
     _close(torch.cat([grads[0][1], grads[1][1]], 1), ref_grads[1], dtype, "dk")
     _close(torch.cat([grads[0][2], grads[1][2]], 1), ref_grads[2], dtype, "dv")
     assert torch.count_nonzero(grads[0][0][:, 2]) == 0 and torch.count_nonzero(grads[1][0][:, 2]) == 0
+
+
+def test_flex_mask_mod_through_long_context_attention_one_rank(monkeypatch):
+    """LongContextAttention(mask=mask_mod) with attn_type='flex': the core's partial blocks reach flex as
+    dense masks (full ones without), and the result matches the float64 reference with the dense mask."""
+    seen = []
+    kernel = FlexAttentionBackend.kernel_forward
+
+    def record(self, *args, **kw):
+        seen.append("mask" in kw)
+        return kernel(self, *args, **kw)
+    monkeypatch.setattr(FlexAttentionBackend, "kernel_forward", record)
+    q, k, v, _ = _inputs(torch.float32, b=1, sq=40, h=4, d=16, seed=8)
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & ((qi - ki) % 3 != 1)
+    with torch.no_grad():
+        out, lse = usp_hal.LongContextAttention(attn_type="flex")(q, k, v, mask=mask_mod, return_attn_probs=True)
+    m = torch.arange(40)
+    dense = ((m[None] <= m[:, None]) & ((m[:, None] - m[None]) % 3 != 1)).view(1, 1, 40, 40)
+    ref_out, ref_lse = reference_attention(q, k, v, mask=dense)
+    _close(out, ref_out, torch.float32, "out")
+    _close(lse, ref_lse, torch.float32, "lse", lse=True)
+    assert any(seen), "no partial block reached the kernel with a mask"
