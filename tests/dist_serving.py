@@ -201,3 +201,74 @@ def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
                                 key_offset=-S)
     res["after_refusals"] = worst(out[:1], ro, dt)
     return res
+
+
+# ----------------------------------------------------------------------------- transformers generate()
+def tiny_mistral(seed: int = 0, window: int = 8):
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                                             max_position_embeddings=128, sliding_window=window))
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def generate_case(U=1, R=1, arch="llama", B=2, S=23, new=6, seed=0, block_size=4):
+    """Greedy generate() of a tiny random model, sequence-parallel (the prompt sharded by
+    shard_batch, a ShardedCache) against a single process: the tokens and their logits."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+    from usp_hal.integrations.cache import ShardedCache
+
+    mesh = _mesh(U, R)
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed) if arch == "llama" else tiny_mistral(seed)
+    ref.eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    prompt = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(seed + 11))
+    cache = ShardedCache(model.config, mesh=mesh, block_size=block_size)
+    kw = dict(max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(**usp.shard_batch({"input_ids": prompt}, mesh), past_key_values=cache, **kw)
+    gen = out.sequences[:, -new:]
+    logits = torch.stack(out.logits, 1)
+    res = {"tokens": gen.tolist(), "lengths": cache.core.lengths(0), "counts": cache.core.ring_counts(0),
+           "memory": cache.memory_bytes(), "logits_sum": float(logits.double().sum())}
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return res
+    with torch.no_grad():
+        want = ref.generate(prompt, **kw)
+    ref_logits = torch.stack(want.logits, 1)
+    res.update(ref_tokens=want.sequences[:, S:].tolist(),
+               logits_diff=float((logits.double() - ref_logits.double()).abs().max()),
+               logits_scale=float(ref_logits.abs().max()))
+    return res
+
+
+def generate_refusals(U=1, R=2, seed=0):
+    """generate() calls the sequence-parallel path refuses, on every rank together."""
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+
+    mesh = _mesh(U, R)
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    model = tiny_llama(seed, num_hidden_layers=1)
+    model.set_attn_implementation(name)
+    model.eval()
+    prompt = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    batch = usp.shard_batch({"input_ids": prompt}, mesh)
+    res = {}
+    with torch.no_grad():
+        res["sampling"] = _error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=True))
+        res["beams"] = _error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
+        res["no_positions"] = _error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
+        res["no_max_new_tokens"] = _error_of(lambda: model.generate(**batch, max_length=30))
+        res["ok"] = _error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0))
+    return res

@@ -481,7 +481,7 @@ class ShardedKVCache:
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-               return_lse: bool = False, mesh=None):
+               return_lse: bool = False, mesh=None, problem: Optional[str] = None):
         """Append ``n`` new tokens per sequence and attend their queries to the whole cache.
 
         ``q`` ``[B, n, H, D]``, ``k``/``v`` ``[B, n, Hkv, D]``: the new tokens of every sequence,
@@ -491,15 +491,19 @@ class ShardedKVCache:
         ``[B, H, n]`` (float32; float64 for float64 inputs), the same on every rank.
         ``causal``, ``window_size`` (left, right) over global positions, ``softcap`` and
         ``alibi_slopes`` (``[H]`` or ``[B, H]``) as for :class:`usp_hal.LongContextAttention`.
-        ``mesh``: the caller's mesh, checked against the cache's.  Collective."""
+        ``mesh``: the caller's mesh, checked against the cache's; ``problem``: a reason of the
+        caller's to refuse the call, joined to the agreement (so it is raised on every rank).
+        Collective."""
         m = self.mesh
         ly = self.layers[layer] if isinstance(layer, int) and 0 <= layer < self.num_layers else None
-        problem = None
         n = int(q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
         win = tuple(int(x) for x in window_size) if isinstance(window_size, (tuple, list)) else (-2, -2)
         positional = win != (-1, -1) or alibi_slopes is not None
         backend = None
+        refusal: Optional[BaseException] = None
         try:
+            if problem:
+                raise ValueError(problem)
             if mesh is not None and mesh != m:
                 raise ValueError(f"the cache was built on a {m.ulysses_degree} x {m.ring_degree} (ulysses x ring) mesh "
                                  f"over ranks {m.sp_ranks}; this call's mesh is {mesh.ulysses_degree} x "
@@ -520,18 +524,18 @@ class ShardedKVCache:
                                  f"{self.num_heads})")
             backend = self._backend(self._request(q, causal, win, softcap, alibi_slopes, positional))
         except (ValueError, TypeError, NotImplementedError) as exc:
-            problem = exc
+            refusal = exc
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
                 _float_bits(scale), _fingerprint(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0]
         if m.sp_size > 1:
             fixed = [self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
-                     digest_ints(opts), _fingerprint(k) if problem is None else 0,
+                     digest_ints(opts), _fingerprint(k) if refusal is None else 0,
                      ly.table_digest() if ly is not None else 0]
             local = list(ly.local) if ly is not None else [0] * self.batch_size
-            self._agree_decode(problem, fixed, m.ring_rank, local, ly)
-        elif problem is not None:
-            raise problem
+            self._agree_decode(refusal, fixed, m.ring_rank, local, ly)
+        elif refusal is not None:
+            raise refusal
         assert ly is not None and backend is not None
         starts = list(ly.total)
         failure: Optional[BaseException] = None

@@ -217,7 +217,10 @@ class USPAttentionFunction:
             return "output_attentions=True (sequence-parallel attention never forms the attention weights)"
         if query.shape[2] != key.shape[2]:
             return (f"keys/values of {key.shape[2]} tokens for {query.shape[2]} queries: generation is not supported "
-                    "yet (a KV cache), nor cross-attention; run self-attention without a cache (use_cache=False)")
+                    "yet with this KV cache (transformers' own caches hold only this rank's tokens), nor "
+                    "cross-attention; generate with model.generate(...) or pass "
+                    "past_key_values=usp_hal.integrations.cache.ShardedCache(model.config), or run without a cache "
+                    "(use_cache=False)")
         if packing_problem:
             return packing_problem
         pos = kwargs.get("position_ids")
@@ -258,6 +261,10 @@ class USPAttentionFunction:
                  attention_mask=None, dropout: float = 0.0, scaling: Optional[float] = None,
                  is_causal: Optional[bool] = None, **kwargs):
         mesh = self.mesh if self.mesh is not None else usp_hal.get_default_mesh()
+        route = getattr(key, _ROUTE_ATTR, None)
+        if route is not None:        # the key states came from a usp_hal ShardedCache: prefill or decode
+            return self._with_cache(route, mesh, module, query, key, value, attention_mask, dropout, scaling,
+                                    is_causal, kwargs)
         position_ids = kwargs.get("position_ids")
         cu_arg = kwargs.get("cu_seq_lens_q")
         cu, why = _packing(cu_arg, kwargs.get("cu_seq_lens_k"))
@@ -286,6 +293,64 @@ class USPAttentionFunction:
                    softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=float(softcap) if softcap is not None else 0.0, cu_seqlens=cu, sinks=sinks)
         return watch(out, mesh, "transformers attn_implementation='usp_hal'"), None
+
+    def _options(self, module, attention_mask, is_causal, kwargs):
+        info = attention_mask if isinstance(attention_mask, MaskInfo) else None
+        if info is not None:
+            causal = info.causal
+        else:
+            causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
+        softcap = kwargs.get("softcap")
+        return causal, _window(kwargs.get("sliding_window"), info, causal), float(softcap) if softcap else 0.0
+
+    def _with_cache(self, route, mesh, module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                    kwargs):
+        """A call whose key states a :class:`usp_hal.integrations.cache.ShardedCache` handed over:
+        the layer's first call is the prefill (the USP call on this rank's shard of the prompt,
+        which fills the layer), later ones decode the new tokens (the same on every rank)."""
+        cache, layer = route
+        problem = self._local_problem(query, key, attention_mask, kwargs)
+        if not problem and dropout:
+            problem = f"attention dropout ({dropout}) in generation; call model.eval() first"
+        if not problem and cache.mesh is not None and cache.mesh != mesh:
+            problem = ("the ShardedCache was made for another mesh than the attention function's; pass the mesh "
+                       "given to register()")
+        try:
+            causal, window, softcap = self._options(module, attention_mask, is_causal, kwargs)
+        except ValueError as exc:
+            problem = problem or str(exc)
+            causal, window, softcap = True, (-1, -1), 0.0
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        position_ids = kwargs.get("position_ids")
+        if cache.core is None or not cache.core.layers[layer].filled:
+            rows = self._agree(mesh, problem, [int(query.shape[2])]) if mesh.sp_size > 1 else [[query.shape[2]]]
+            if problem and mesh.sp_size == 1:
+                raise ValueError(f"usp_hal attention (transformers) cannot run this call: {problem}")
+            seqlen = sum(r[0] for r in rows)
+            why = self._position_problem(mesh, position_ids, seqlen) if position_ids is not None else \
+                "no position_ids: pass the batch from shard_batch(batch, mesh) to generate()"
+            if mesh.sp_size > 1:
+                self._agree(mesh, why, [])
+            elif why:
+                raise ValueError(f"usp_hal attention (transformers) cannot run this call: {why}")
+            core = cache.ensure_core(mesh, q, k, v, self.attn_type)
+            out = core.prefill(layer, self._module_for(mesh), q, k, v, causal=causal, softmax_scale=scaling,
+                               window_size=window, softcap=softcap)
+            return out, None
+        core = cache.core
+        if not problem:
+            n = int(query.shape[2])
+            starts = torch.tensor(core.lengths(layer), device=query.device).view(-1, 1)
+            want = starts + torch.arange(n, device=query.device).view(1, -1)
+            if not isinstance(position_ids, torch.Tensor) or position_ids.reshape(-1, n).shape[0] not in \
+                    (1, want.shape[0]) or not bool((position_ids.reshape(-1, n) == want).all()):
+                got = position_ids.tolist() if isinstance(position_ids, torch.Tensor) else position_ids
+                problem = (f"decode position_ids {got} are not the new tokens' global positions "
+                           f"{want.tolist()} (the cache holds {core.lengths(layer)} tokens per sequence); a second "
+                           "prefill on a filled cache (chunked prefill) is not supported: reset() the cache first")
+        out = core.decode(layer, q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
+                          softcap=softcap, mesh=mesh, problem=problem)
+        return out, None
 
 
 def _packing(cu_q, cu_k):
@@ -356,6 +421,7 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
     from transformers import AttentionInterface, AttentionMaskInterface
     fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation)
     _NAMES.add(name)
+    _FUNCTIONS[name] = fn
     _guard_generate()
     if name == ATTN_IMPLEMENTATION:
         _DEFAULT = fn
@@ -367,12 +433,14 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
 
 
 _NAMES: set = set()
+_FUNCTIONS: Dict[str, USPAttentionFunction] = {}
 _GENERATE_GUARDED = False
+_ROUTE_ATTR = "_usp_hal_cache_route"      # usp_hal.integrations.cache.ROUTE_ATTR (not imported: no cost)
 
 
 def _guard_generate():
-    """``generate()`` on a model whose attention is one of ours raises at once, before any
-    forward (otherwise its prefill fails on position ids, far from the cause)."""
+    """``generate()`` on a model whose attention is one of ours runs sequence-parallel
+    generation (:func:`_sharded_generate`); other models are untouched."""
     global _GENERATE_GUARDED
     if _GENERATE_GUARDED:
         return
@@ -385,14 +453,131 @@ def _guard_generate():
     def generate(self, *args, **kwargs):
         impl = getattr(getattr(self, "config", None), "_attn_implementation", None)
         if impl in _NAMES:
-            raise NotImplementedError(
-                f"usp_hal attention (transformers): generation is not supported yet (generate() on a model with "
-                f"attn_implementation={impl!r}: sequence-parallel decoding needs a sharded KV cache); generate with "
-                "another attention implementation, e.g. model.set_attn_implementation('sdpa') on one rank")
+            return _sharded_generate(original, self, impl, args, kwargs)
         return original(self, *args, **kwargs)
 
     GenerationMixin.generate = generate
     _GENERATE_GUARDED = True
+
+
+def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
+    """Why this generate() call cannot run sequence-parallel (None when it can)."""
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def opt(name, default=None):
+        return kwargs[name] if name in kwargs else getattr(gc, name, default)
+
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return ("input_ids must be this rank's [batch, seq] shard of the prompt: "
+                "model.generate(**shard_batch({'input_ids': prompt}, mesh), ...)")
+    if kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds (pass input_ids from shard_batch)"
+    if not isinstance(kwargs.get("position_ids"), torch.Tensor):
+        return "no position_ids: pass the batch from shard_batch(batch, mesh), which gives each rank its positions"
+    if opt("do_sample", False):
+        return ("do_sample=True (every rank would sample on its own; greedy decoding, do_sample=False, gives the "
+                "same tokens on every rank)")
+    if (opt("num_beams", 1) or 1) > 1 or (opt("num_return_sequences", 1) or 1) > 1:
+        return "beam search / several sequences per prompt (the sharded cache is not reordered); use num_beams=1"
+    if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
+        return "assisted generation (the sharded cache cannot be cropped)"
+    if opt("prefill_chunk_size") is not None:
+        return "prefill_chunk_size (the prefill is one sequence-parallel call)"
+    if kwargs.get("max_new_tokens") is None and getattr(gc, "max_new_tokens", None) is None:
+        return ("no max_new_tokens (a max_length would count each rank's shard of the prompt, not the whole "
+                "prompt); pass max_new_tokens")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        return "a padding mask (attention_mask with zeros); pass prompts of one length without padding"
+    cache = kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, cache_cls) or not cache.is_empty):
+        return ("past_key_values must be an empty usp_hal.integrations.cache.ShardedCache (got "
+                f"{type(cache).__name__}{'' if not isinstance(cache, cache_cls) else ' holding tokens'})")
+    return None
+
+
+def _sharded_generate(original, model, impl, args, kwargs):
+    """generate() on the sequence-parallel model: the prompt is this rank's shard (from
+    :func:`shard_batch`); the prefill is the USP call, filling a
+    :class:`~usp_hal.integrations.cache.ShardedCache`; the next-token logits of the prompt's last
+    position reach every rank (one all-reduce); every decode step runs the new token on every
+    rank and attends through the cache.  Returns what generate returns (this rank's prompt
+    shard followed by the generated tokens, which are the same on every rank)."""
+    import torch.distributed as dist
+
+    from usp_hal.comm import collective
+
+    from .cache import ShardedCache
+    fn = _FUNCTIONS.get(impl, _DEFAULT)
+    assert fn is not None
+    mesh = fn.mesh if fn.mesh is not None else usp_hal.get_default_mesh()
+    kwargs = dict(kwargs)
+    if args:
+        kwargs.setdefault("input_ids", args[0])
+        args = args[1:]
+    ids = kwargs.get("input_ids")
+    problem = _generation_problem(model, ids, kwargs, ShardedCache)
+    pos = kwargs.get("position_ids")
+    local = int(ids.shape[1]) if problem is None else 0
+    last = int(pos.reshape(-1, pos.shape[-1])[0].max()) if problem is None and local else -1
+    tail = int(pos.reshape(-1, pos.shape[-1])[0, -1]) if problem is None and local else -1
+
+    def holder_problem(rows):
+        total = sum(r[0] for r in rows)
+        holders = [i for i, r in enumerate(rows) if r[1] == total - 1]
+        if len(holders) != 1:
+            return (f"no single rank holds the prompt's last position {total - 1} (position_ids must be the ones "
+                    "shard_batch gives)")
+        return None
+
+    rows = agree(problem, mesh.metadata_group, what="usp_hal generate()", where=mesh.where("sequence-parallel"),
+                 values=[local, last, tail], width=3, ranks=mesh.sp_ranks, check=holder_problem) \
+        if mesh.sp_size > 1 else [[local, last, tail]]
+    if problem and mesh.sp_size == 1:
+        raise NotImplementedError(f"usp_hal generate(): {problem}")
+    prompt = sum(r[0] for r in rows)
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs["past_key_values"] = ShardedCache(model.config, mesh=mesh)
+    kwargs.setdefault("attention_mask", torch.ones_like(ids))     # not inferred from pad tokens per shard
+    here = (pos.reshape(-1, pos.shape[-1])[0] == prompt - 1).nonzero().flatten().tolist()
+    state = {"prefill": True}
+
+    def pre(module, margs, mkw):
+        mkw["attention_mask"] = None          # all ones (checked): the attention applies causality itself
+        if state["prefill"]:
+            if "logits_to_keep" in mkw:       # the prompt's last position, on the rank that holds it
+                mkw["logits_to_keep"] = torch.tensor([here[0] if here else local - 1], device=ids.device)
+            return margs, mkw
+        n = int(mkw["input_ids"].shape[1])
+        start = max(cache.core.lengths(0)) if cache.core is not None else prompt
+        mkw["position_ids"] = torch.arange(start, start + n, device=ids.device).view(1, n).expand(ids.shape[0], n)
+        return margs, mkw
+
+    def post(module, margs, mkw, output):
+        if not state["prefill"]:
+            return output
+        state["prefill"] = False
+        logits = output.logits
+        if here and logits.shape[1] == 1:
+            row = logits[:, -1:].clone()
+        elif here:
+            row = logits[:, here[0]:here[0] + 1].clone()
+        else:
+            row = torch.zeros_like(logits[:, -1:])
+        if mesh.sp_size > 1:   # only the holder's row is non-zero: the sum is its row, exactly
+            collective("all-reduce of the prompt's last logits", mesh.where("sequence-parallel"), dist.all_reduce,
+                       row, group=mesh.sp_group)
+        output.logits = row
+        return output
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(post, with_kwargs=True)]
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _check_version():
