@@ -28,9 +28,18 @@ to the attention function with every call; the attention function runs
 What it refuses, on every rank together and before any data is exchanged: padding masks
 (2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
 and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
-match the layout (missing ones, or packed ones without their boundaries), a KV cache holding
-more tokens than the query (generation), position biases and
-``output_attentions``.
+match the layout (missing ones, or packed ones without their boundaries), a KV cache other than
+the ShardedCache holding more tokens than the query, attention sinks with the ShardedCache,
+position biases and ``output_attentions``.
+
+Generation: ``model.generate(**shard_batch({"input_ids": prompt}, mesh), max_new_tokens=N,
+do_sample=False)`` runs the prefill as the USP call on the sharded prompt, keeps each rank's
+heads and tokens in a :class:`usp_hal.integrations.cache.ShardedCache`, gives every rank the
+prompt's last logits (one all-reduce), and decodes each new token on every rank through the
+sharded cache (:mod:`usp_hal.serving`): the generated tokens are the same on every rank and
+equal a single process's (tested: Llama with GQA, Mistral with a sliding window, 1, 2 and 4
+ranks).  Greedy only: sampling, beam search, assisted generation and chunked prefill are
+refused on every rank.
 Transformers drops a 2-D mask silently for an attention implementation without a mask
 function, so one is registered too: it never builds a mask, it reports what it was asked for.
 """
@@ -312,6 +321,9 @@ class USPAttentionFunction:
         problem = self._local_problem(query, key, attention_mask, kwargs)
         if not problem and dropout:
             problem = f"attention dropout ({dropout}) in generation; call model.eval() first"
+        if not problem and kwargs.get("s_aux") is not None:
+            problem = ("attention sinks (s_aux) with the sharded KV cache are not supported yet; run the model "
+                       "without a cache (use_cache=False) for sequence-parallel forwards with sinks")
         if not problem and cache.mesh is not None and cache.mesh != mesh:
             problem = ("the ShardedCache was made for another mesh than the attention function's; pass the mesh "
                        "given to register()")
