@@ -173,3 +173,40 @@ def refusal_case(what: str):
     ql, kl, vl = (usp_hal.shard(x, layout=layout, mesh=mesh) for x in (q, k, v))
     attn(ql, kl, vl, **kw)
     return "ran"
+
+
+def compile_case(U=2, R=1, layout="zigzag", S=24, backend="aot_eager"):
+    """mask= and learnable sinks under torch.compile(fullgraph=True): no graph break, and
+    output and gradients (the sinks' included) equal eager mode."""
+    torch._dynamo.reset()
+    mesh = get_mesh(U, R)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    mask = M.block_causal(5)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(3)
+            self.proj = torch.nn.Linear(16, 3 * 4 * 8, bias=False)
+            with torch.no_grad():
+                self.proj.weight.copy_(torch.randn(self.proj.weight.shape, generator=g) * 0.3)
+            self.sinks = torch.nn.Parameter(torch.randn(4, generator=g))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.proj(x).view(b, s, 3, 4, 8).unbind(2)
+            return attn(q, k, v, mask=mask, sinks=self.sinks).sum(-1)
+
+    layer = Layer().double()
+    g = torch.Generator().manual_seed(4)
+    x = usp_hal.shard(torch.randn(1, S, 16, generator=g, dtype=torch.float64), layout=layout, mesh=mesh)
+    ref = layer(x)
+    ref_g = torch.autograd.grad(ref.sum(), list(layer.parameters()))
+    explain = torch._dynamo.explain(layer)(x)
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    out = compiled(x)
+    got = torch.autograd.grad(out.sum(), list(compiled.parameters()))
+    errs = {"out": _err(out, ref, torch.float64)}
+    for i, (a, b) in enumerate(zip(got, ref_g)):
+        errs[f"grad{i}"] = _err(a, b, torch.float64)
+    return {"errs": errs, "breaks": explain.graph_break_count}

@@ -128,3 +128,11 @@ def test_balance_by_mask_area_within_ten_percent():
             work = M.mask_work(M.Predicate(mask, causal=causal), segs)
             assert max(work) / (sum(work) / R) <= 1.10, (mask, R, work)
             assert sorted(p for s in segs for x in s for p in range(x.start, x.start + x.count)) == list(range(1024))
+
+
+@pytest.mark.parametrize("split", [(2, 2, 1), (2, 1, 2)], ids=["u2", "r2"])
+def test_mask_and_sinks_under_torch_compile_fullgraph(pools, split):
+    world, U, R = split
+    for r in pools(world).run(dist_masks.compile_case, timeout=180, U=U, R=R):
+        assert r["breaks"] == 0, r
+        assert all(v <= 1.0 for v in r["errs"].values()), r

@@ -193,7 +193,14 @@ class LongContextAttention(torch.nn.Module):
                     self._options.clear()
                 self._options[raw] = opts
         if mask is not None or sinks is not None:
-            opts = self._with_mask(opts, mask, sinks is not None)
+            if torch.compiler.is_compiling():
+                from .masks import Mask
+                if mask is not None and not isinstance(mask, Mask):
+                    raise TypeError("under torch.compile pass mask= as a usp_hal.masks.Mask built outside the "
+                                    "compiled function (Mask.from_mod / from_slices), not a bare mask_mod or list")
+                opts = opts.with_(mask=mask, sinks=sinks is not None)
+            else:
+                opts = self._with_mask(opts, mask, sinks is not None)
         mesh = pipe.resolve_mesh()
         joint, err = None, None
         if joint_tensor_query is not None or joint_tensor_key is not None or joint_tensor_value is not None or \
@@ -209,13 +216,10 @@ class LongContextAttention(torch.nn.Module):
                     raise
                 err = exc
         if torch.compiler.is_compiling():
-            if mask is not None or sinks is not None:
-                raise NotImplementedError("mask= and sinks= under torch.compile: they run eagerly only for now; "
-                                          "wrap the attention call in torch.compiler.disable")
             if cu_seqlens is not None:
                 raise NotImplementedError("cu_seqlens under torch.compile: packed documents run eagerly only; wrap "
                                           "the attention call in torch.compiler.disable or compile without them")
-            out, lse = compiled_forward(pipe, query, key, value, opts, alibi_slopes, positions, joint)
+            out, lse = compiled_forward(pipe, query, key, value, opts, alibi_slopes, positions, joint, sinks)
             return (out, lse) if return_attn_probs else out
         if joint is not None:
             query, key, value = joint.extend(query, key, value)

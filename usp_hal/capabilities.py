@@ -428,7 +428,7 @@ def declared_reasons(b: Any, req: AttnRequest, ctx: Optional[RuleContext] = None
         reasons.extend(position_reasons(b.POSITIONS, req.seqlen_q, req.seqlen_k, req.causal, req.window, req.alibi))
     if req.mask and not getattr(b, "SUPPORTS_MASK", False):
         reasons.append("a boolean attention mask (the partial blocks of mask=) is not supported: the kernel takes "
-                       "no mask; use attn_type='sdpa' (or 'flex' / 'fa4' where they run)")
+                       "no mask; use attn_type='sdpa' (or 'flex' where it runs)")
     if req.varlen and not getattr(b, "SUPPORTS_VARLEN", True):
         reasons.append("packed documents (cu_seqlens) not supported: the kernel cannot take the per-document "
                        "calls of the block plan; call it per document, or use a backend that declares SUPPORTS_VARLEN")

@@ -50,15 +50,15 @@ def _prepare(handle: int, q, k, v, alibi_slopes, options: str, with_lse: bool, *
 # ------------------------------------------------------------------------------------ forward op
 @torch.library.custom_op("usp_hal::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
-                 handle: int, options: str, need_grad: bool, sp_size: int
+                 sinks: Optional[torch.Tensor], handle: int, options: str, need_grad: bool, sp_size: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _prepare(handle, q, k, v, alibi_slopes, options, need_grad, needs_grad=need_grad)
     with torch.no_grad():
-        out, lse, _ = _run.forward(plan, q, k, v, keep=False)
+        out, lse, _ = _run.forward(plan, q, k, v, keep=False, sinks=sinks)
     lengths = torch.tensor(list(plan.spec_lengths), dtype=torch.int64)
     if lse is None:
         lse = q.new_empty(0, dtype=_lse_dtype(q.dtype))
-    out, lse = _unaliased((out, lse), (q, k, v, alibi_slopes))
+    out, lse = _unaliased((out, lse), (q, k, v, alibi_slopes, sinks))
     return out, lse, lengths
 
 
@@ -79,7 +79,7 @@ def _unaliased(outputs, inputs):
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, alibi_slopes, handle, options, need_grad, sp_size):
+def _attention_fake(q, k, v, alibi_slopes, sinks, handle, options, need_grad, sp_size):
     b, s, h, _ = q.shape
     with_lse = need_grad or CallOptions.decode(options).return_lse
     out = q.new_empty((b, s, h, v.shape[3]))
@@ -91,41 +91,46 @@ def _attention_fake(q, k, v, alibi_slopes, handle, options, need_grad, sp_size):
 @torch.library.custom_op("usp_hal::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor,
-                          alibi_slopes: Optional[torch.Tensor], handle: int, options: str
-                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor], handle: int,
+                          options: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .pipeline import one_group
+    from .ring import merge_dtype
     plan = _prepare(handle, q, k, v, alibi_slopes, options, True, needs_grad=True,
                     lengths=[int(x) for x in lengths.tolist()], head_groups=one_group)
-    grads = _run.backward(plan, dout, seq=(q, k, v, out, lse))
-    return _unaliased(grads, (dout, q, k, v, out, lse))
+    dsinks = torch.zeros(sinks.shape, dtype=merge_dtype(sinks.dtype), device=sinks.device) \
+        if sinks is not None else None
+    dq, dk, dv = _run.backward(plan, dout, seq=(q, k, v, out, lse), sinks=sinks, dsinks=dsinks)
+    ds = dsinks.to(sinks.dtype) if dsinks is not None and sinks is not None else q.new_empty(0)
+    return _unaliased((dq, dk, dv, ds), (dout, q, k, v, out, lse))
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, lengths, alibi_slopes, handle, options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_backward_fake(dout, q, k, v, out, lse, lengths, alibi_slopes, sinks, handle, options):
+    ds = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alibi, handle, options, _need, _sp = inputs
+    q, k, v, alibi, sinks, handle, options, _need, _sp = inputs
     out, lse, lengths = output
-    ctx.save_for_backward(q, k, v, out, lse, lengths)
+    ctx.save_for_backward(q, k, v, out, lse, lengths, sinks)
     ctx.args = (alibi, handle, options)
     ctx.mark_non_differentiable(lse, lengths)
 
 
 def _backward(ctx, dout, _dlse, _dlengths):
-    q, k, v, out, lse, lengths = ctx.saved_tensors
+    q, k, v, out, lse, lengths, sinks = ctx.saved_tensors
     alibi, handle, options = ctx.args
-    dq, dk, dv = torch.ops.usp_hal.attention_backward(dout.contiguous(), q, k, v, out, lse, lengths, alibi, handle,
-                                                      options)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv, ds = torch.ops.usp_hal.attention_backward(dout.contiguous(), q, k, v, out, lse, lengths, alibi,
+                                                          sinks, handle, options)
+    return dq, dk, dv, None, (ds if sinks is not None else None), None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------ the traced part
-def compiled_forward(pipe, q, k, v, opts: CallOptions, alibi_slopes, positions, joint):
+def compiled_forward(pipe, q, k, v, opts: CallOptions, alibi_slopes, positions, joint, sinks=None):
     """What ``LongContextAttention.forward`` does under torch.compile: plain Python on
     static values, then the custom op.  ``joint``: the checked joint tokens (or None)."""
     if opts.dropout_p:
@@ -139,7 +144,8 @@ def compiled_forward(pipe, q, k, v, opts: CallOptions, alibi_slopes, positions, 
     scale = float(opts.scale) if opts.scale is not None else None
     window = tuple(int(x) for x in opts.window)
     opts = opts.with_(scale=scale, window=window, softcap=float(opts.softcap), dropout_p=0.0)
-    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse, _ = torch.ops.usp_hal.attention(q, k, v, alibi_slopes, pipe.handle, opts.encode(), need_grad,
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                             or (sinks is not None and sinks.requires_grad))
+    out, lse, _ = torch.ops.usp_hal.attention(q, k, v, alibi_slopes, sinks, pipe.handle, opts.encode(), need_grad,
                                               mesh.sp_size)
     return out, (lse if opts.return_lse else None)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -41,6 +42,10 @@ from .positions import Segment
 
 KINDS = ("full", "causal", "inv_causal", "bi_causal")
 EMPTY, FULL, PARTIAL = 0, 1, 2
+_HANDLES = itertools.count(1)
+#: masks by handle, for the compiled op (which carries its options as a string); the newest kept
+_BY_HANDLE: "Dict[int, Mask]" = {}
+_KEEP = 256
 
 __all__ = ["Mask", "KINDS", "prefix_lm", "block_causal", "chunked_local", "random_block_sparse", "sliding",
            "and_masks", "or_masks", "balanced_layout", "dense_mask", "mask_work", "plan_masked", "tile_size"]
@@ -69,6 +74,19 @@ class Mask:
         self.key = key
         self._fp: Optional[int] = None
         self._tiles: Dict[Tuple, torch.Tensor] = {}
+        #: an integer naming this mask in this process (how a compiled graph refers to it)
+        self.handle: int = next(_HANDLES)
+        if len(_BY_HANDLE) >= _KEEP:
+            del _BY_HANDLE[min(_BY_HANDLE)]
+        _BY_HANDLE[self.handle] = self
+
+    @staticmethod
+    def by_handle(handle: int) -> "Mask":
+        got = _BY_HANDLE.get(int(handle))
+        if got is None:
+            raise RuntimeError(f"usp_hal: mask handle {handle} of a compiled graph no longer exists; build masks "
+                               "once (outside the compiled function) and reuse them")
+        return got
 
     # constructors --------------------------------------------------------------------
     @classmethod

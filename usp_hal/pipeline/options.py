@@ -54,8 +54,15 @@ class CallOptions:
 
     # the compiled op's one string argument --------------------------------------------
     def encode(self) -> str:
-        """``name=repr(value);...`` (plain string formatting, which torch.compile traces)."""
-        return ";".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        """``name=repr(value);...`` (plain string formatting, which torch.compile traces); a
+        mask is written as its handle (:attr:`usp_hal.masks.Mask.handle`)."""
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "mask" and value is not None:
+                value = value.handle
+            parts.append(f"{f.name}={value!r}")
+        return ";".join(parts)
 
     @classmethod
     def decode(cls, text: str) -> "CallOptions":
@@ -65,6 +72,9 @@ class CallOptions:
             name, _, value = item.partition("=")
             if name in names:
                 kw[name] = ast.literal_eval(value)
+        if kw.get("mask") is not None:
+            from ..masks import Mask
+            kw["mask"] = Mask.by_handle(kw["mask"])
         return cls(**kw)
 
 
