@@ -20,9 +20,10 @@ MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 
 class RaggedRows(torch.utils.data.Dataset):
     """``n`` rows of ``S`` tokens; row i has ``S - i % 7`` real tokens (then pads, labels -100),
-    and every third row also has its first 3 labels -100 (a prompt)."""
+    and every third row also has its first 3 labels -100 (a prompt).  ``packed``: the rows without
+    their pads, for ``DataCollatorWithFlattening`` (one packed row per batch)."""
 
-    def __init__(self, n: int, S: int, seed: int = 0):
+    def __init__(self, n: int, S: int, seed: int = 0, packed: bool = False):
         g = torch.Generator().manual_seed(seed + 500)
         self.rows = []
         for i in range(n):
@@ -33,6 +34,8 @@ class RaggedRows(torch.utils.data.Dataset):
             labels[real:] = -100
             if i % 3 == 0:
                 labels[:3] = -100
+            if packed:
+                ids, labels = ids[:real], labels[:real]
             self.rows.append({"input_ids": ids, "labels": labels})
 
     def __len__(self):
@@ -61,6 +64,13 @@ class _Losses:
         return Keep()
 
 
+def _collator(packed: bool):
+    if not packed:
+        return None
+    from transformers import DataCollatorWithFlattening
+    return DataCollatorWithFlattening()      # input_ids, labels, position_ids restarting per row
+
+
 def _common(out_dir: str, steps: int, ga: int, lr: float, seed: int) -> dict:
     return dict(output_dir=out_dir, max_steps=steps, gradient_accumulation_steps=ga, learning_rate=lr, seed=seed,
                 logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
@@ -72,7 +82,7 @@ def _flat(model) -> torch.Tensor:
 
 
 def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                lr: float = 3e-3, layout: str = "zigzag"):
+                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False):
     """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
     rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
     import torch.distributed as dist
@@ -82,13 +92,14 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
     world = dist.get_world_size()
     dp = world // (U * R)
     model = tiny_llama(seed, **MODEL)
-    data = RaggedRows(steps * ga * bs * dp, S, seed)
+    data = RaggedRows(steps * ga * bs * dp, S, seed, packed)
     keep = _Losses.make()
     with tempfile.TemporaryDirectory() as tmp:
         args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
                                     usp_attn_type="sdpa", per_device_train_batch_size=bs,
                                     **_common(tmp, steps, ga, lr, seed))
-        trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep])
+        trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
+                             data_collator=_collator(packed))
         out = trainer.train()
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
            "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss)}
@@ -98,18 +109,19 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
 
 
 def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                  lr: float = 3e-3):
+                  lr: float = 3e-3, packed: bool = False):
     """The same training with the plain Trainer in this process (no process group): ``bs * dp``
     rows per micro-batch, the global batch of one optimizer step of ``trainer_run``."""
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama(seed, **MODEL)
-    data = RaggedRows(steps * ga * bs * dp, S, seed)
+    data = RaggedRows(steps * ga * bs * dp, S, seed, packed)
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = TrainingArguments(per_device_train_batch_size=bs * dp, **_common(tmp, steps, ga, lr, seed))
-            Trainer(model=model, args=args, train_dataset=data, callbacks=[keep]).train()
+            Trainer(model=model, args=args, train_dataset=data, callbacks=[keep],
+                    data_collator=_collator(packed)).train()
     finally:
         from accelerate.state import AcceleratorState
         AcceleratorState._reset_state(reset_partial_state=True)   # leave no accelerate singleton behind

@@ -196,6 +196,14 @@ class USPTrainer(Trainer):
         u = int(getattr(self.args, "usp_ulysses_degree", 1))
         r = int(getattr(self.args, "usp_ring_degree", 1))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.accelerator.num_processes != world:
+            # accelerate.state.PartialState._prepare_backend picks MULTI_CPU only with cpu=True: a
+            # CPU-only torchrun without use_cpu runs as DistributedType.NO, one process per rank
+            raise ValueError(f"USPTrainer: accelerate sees {self.accelerator.num_processes} process(es) "
+                             f"({self.accelerator.distributed_type}) but the process group has {world} ranks, so the "
+                             "Trainer would neither shard the data nor wrap the model in DDP. On a machine without "
+                             "accelerators pass use_cpu=True in the training arguments (accelerate runs gloo ranks "
+                             "as MULTI_CPU only then)")
         if mesh is not None:
             if (u, r) not in ((1, 1), (mesh.ulysses_degree, mesh.ring_degree)):
                 raise ValueError(f"USPTrainer: mesh= is {mesh.ulysses_degree} x {mesh.ring_degree} (ulysses x ring) "
