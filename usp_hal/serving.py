@@ -105,7 +105,7 @@ def _float_bits(x: float) -> int:
 # --------------------------------------------------------------------------------- layer state
 @dataclass
 class _Layer:
-    """One layer's shard: storage ``[B, cap, hk, D]`` and the replicated placement table."""
+    """One layer's shard: storage ``[B, hk, cap, D]`` and the replicated placement table."""
 
     batch: int
     ring: int
@@ -244,18 +244,20 @@ class ShardedKVCache:
 
     # ------------------------------------------------------------------ storage
     def _reserve(self, ly: _Layer, need: int) -> None:
-        """Room for ``need`` tokens per row, in whole blocks (at most one block unused)."""
-        cap = 0 if ly.k is None else ly.k.shape[1]
+        """Room for ``need`` tokens per row, in whole blocks (at most one block unused).
+        Storage is head-major, ``[B, hk, cap, D]``: each head's keys are contiguous, the
+        layout CPU and GPU kernels read fastest; kernels get ``[B, S, hk, D]`` views."""
+        cap = 0 if ly.k is None else ly.k.shape[2]
         if need <= cap:
             return
         bs = self.block_size
         new = -(-need // bs) * bs
         hk = self.local_heads[1]
-        k = torch.zeros((self.batch_size, new, hk, self.head_dim), dtype=self.dtype, device=self.device)
-        v = torch.zeros((self.batch_size, new, hk, self.v_head_dim), dtype=self.dtype, device=self.device)
+        k = torch.zeros((self.batch_size, hk, new, self.head_dim), dtype=self.dtype, device=self.device)
+        v = torch.zeros((self.batch_size, hk, new, self.v_head_dim), dtype=self.dtype, device=self.device)
         if ly.k is not None and ly.v is not None and cap:
-            k[:, :cap] = ly.k
-            v[:, :cap] = ly.v
+            k[:, :, :cap] = ly.k
+            v[:, :, :cap] = ly.v
         ly.k, ly.v = k, v
 
     def _my_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,8 +314,8 @@ class ShardedKVCache:
                 if r != me:
                     continue
                 at = ly.local[b]
-                ly.k[b, at:at + c] = kk[b, j:j + c]
-                ly.v[b, at:at + c] = vv[b, j:j + c]
+                ly.k[b, :, at:at + c] = kk[b, j:j + c].transpose(0, 1)
+                ly.v[b, :, at:at + c] = vv[b, j:j + c].transpose(0, 1)
                 ly.local[b] = at + c
                 self._add_run(ly.runs[b], starts[b] + j, c)
 
@@ -355,14 +357,16 @@ class ShardedKVCache:
                                       _fingerprint(k) if problem is None else 0])
         assert ly is not None
         me = m.ring_rank
-        self._reserve(ly, max(1, max(int(n) for n in lengths)))
+        segments = [[[Segment(0, int(n))] if p == r else [] if isinstance(p, int) else
+                     ring_segments(p, int(n), m.ring_degree, r) for r in range(m.ring_degree)]
+                    for n, p in zip(lengths, per)]
+        self._reserve(ly, max(1, max(sum(s.count for s in row[me]) for row in segments)))   # this rank's share only
         kk, vv = self._my_heads(k), self._my_heads(v)
         assert ly.k is not None and ly.v is not None
         for b, (n, p) in enumerate(zip(lengths, per)):
             n = int(n)
             for r in range(m.ring_degree):
-                segs = [Segment(0, n)] if p == r else [] if isinstance(p, int) else \
-                    ring_segments(p, n, m.ring_degree, r)
+                segs = segments[b][r]
                 ly.counts[b][r] = sum(s.count for s in segs)
                 if r != me:
                     continue
@@ -370,8 +374,8 @@ class ShardedKVCache:
                     if s.step != 1 and s.count > 1:
                         raise ValueError(f"placement {p!r} is not contiguous; use 'basic' or 'zigzag'")
                     at = ly.local[b]
-                    ly.k[b, at:at + s.count] = kk[b, s.start:s.start + s.count]
-                    ly.v[b, at:at + s.count] = vv[b, s.start:s.start + s.count]
+                    ly.k[b, :, at:at + s.count] = kk[b, s.start:s.start + s.count].transpose(0, 1)
+                    ly.v[b, :, at:at + s.count] = vv[b, s.start:s.start + s.count].transpose(0, 1)
                     ly.local[b] += s.count
                     self._add_run(ly.runs[b], s.start, s.count)
             ly.total[b] = n
@@ -433,8 +437,8 @@ class ShardedKVCache:
         n = kh.shape[1]
         self._reserve(ly, max(n, 1))
         assert ly.k is not None and ly.v is not None
-        ly.k[:, :n] = kh
-        ly.v[:, :n] = vh
+        ly.k[:, :, :n] = kh.transpose(1, 2)
+        ly.v[:, :, :n] = vh.transpose(1, 2)
         for b in range(self.batch_size):
             ly.local[b] = n
             ly.runs[b] = []
@@ -614,7 +618,8 @@ class ShardedKVCache:
             assert ly.k is not None and ly.v is not None
             sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b:b + 1])
             for c in plan:
-                o, s = backend.forward(qh[b:b + 1, c.rows], ly.k[b:b + 1, c.cols], ly.v[b:b + 1, c.cols],
+                o, s = backend.forward(qh[b:b + 1, c.rows], ly.k[b:b + 1, :, c.cols].transpose(1, 2),
+                                       ly.v[b:b + 1, :, c.cols].transpose(1, 2),
                                        softmax_scale=scale, causal=c.causal, window=win, softcap=softcap,
                                        alibi_slopes=sl, key_offset=c.key_offset if positional else 0)
                 merge_block(out[b:b + 1], lse[b:b + 1], c.rows, o, s, empty_rows=True)
