@@ -94,13 +94,20 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
     model = tiny_llama(seed, **MODEL)
     data = RaggedRows(steps * ga * bs * dp, S, seed, packed)
     keep = _Losses.make()
-    with tempfile.TemporaryDirectory() as tmp:
-        args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
-                                    usp_attn_type="sdpa", per_device_train_batch_size=bs,
-                                    **_common(tmp, steps, ga, lr, seed))
-        trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
-                             data_collator=_collator(packed))
-        out = trainer.train()
+    threads = torch.get_num_threads()      # accelerate's MULTI_CPU set-up may change it: the pool is shared
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
+                                        usp_attn_type="sdpa", per_device_train_batch_size=bs,
+                                        **_common(tmp, steps, ga, lr, seed))
+            trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
+                                 data_collator=_collator(packed))
+            out = trainer.train()
+    finally:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)   # the process group itself stays
+        GradientState._reset_state()
+        torch.set_num_threads(threads)
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
            "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss)}
     if dist.get_rank() == 0:
@@ -123,8 +130,9 @@ def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int 
             Trainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                     data_collator=_collator(packed)).train()
     finally:
-        from accelerate.state import AcceleratorState
+        from accelerate.state import AcceleratorState, GradientState
         AcceleratorState._reset_state(reset_partial_state=True)   # leave no accelerate singleton behind
+        GradientState._reset_state()
     return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}
 
 
