@@ -95,7 +95,8 @@ def _steps_against_reference(cache, ks, vs, steps, opts, g, H, Hkv, D, dt, slope
 
 
 def decode_case(U=1, R=1, dtype="fp64", options=("causal",), H=6, Hkv=3, D=8, lengths=(13, 5, 7, 0),
-                placements=("zigzag", "basic", -1, "zigzag"), steps=(1, 2, 3, 1), block_size=3, seed=0):
+                placements=("zigzag", "basic", -1, "zigzag"), steps=(1, 2, 3, 1), block_size=3, seed=0,
+                softcap_backend=None):
     """A cache loaded with uneven sequences (one of them wholly on the last ring rank, one
     empty), then decode steps: out/lse against float64 attention over the whole cache, for
     each option set.  Also returns the placement (tokens per ring rank) for the balance check
@@ -110,7 +111,7 @@ def decode_case(U=1, R=1, dtype="fp64", options=("causal",), H=6, Hkv=3, D=8, le
         B, S = len(lengths), max(lengths)
         K = torch.randn(B, S, Hkv, D, generator=g).to(dt)
         V = torch.randn(B, S, Hkv, D, generator=g).to(dt)
-        attn_type = register_softcap_backend() if opts.get("softcap") else "sdpa"
+        attn_type = (softcap_backend or register_softcap_backend()) if opts.get("softcap") else "sdpa"
         cache = ShardedKVCache(mesh, num_layers=1, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                                dtype=dt, block_size=block_size, attn_type=attn_type)
         place = [R - 1 if p == -1 else p for p in placements]

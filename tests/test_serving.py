@@ -61,6 +61,13 @@ def test_one_process_decode_lower_precision(dtype):
     _check_decode(res, 1)
 
 
+def test_softcap_alibi_decode_with_a_real_kernel():
+    """FlexAttention (the registry's flex backend) serves softcap on CPU: the split tests use
+    a reference contract backend for speed; this runs the real kernel once, on one process."""
+    res = ds.decode_case(U=1, R=1, dtype="fp64", options=("softcap_alibi",), softcap_backend="flex")
+    _check_decode(res, 1)
+
+
 def test_block_placement_evens_out_a_sequence_on_one_rank():
     """Pure placement (no process group needed): a sequence loaded wholly on ring rank 0 of 4
     receives new blocks on the least-loaded ranks until they catch up."""
