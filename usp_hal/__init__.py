@@ -34,6 +34,7 @@ _LAZY = {
     "unshard": "sharding",
     "EXTRACT_FUNC_DICT": "positions",
     "plan": "planner",
+    "ShardedKVCache": "serving",
 }
 
 __all__ = [
