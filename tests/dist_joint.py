@@ -10,10 +10,12 @@ from usp_hal.reference import reference_attention
 
 
 def joint_case(U=2, R=1, strategy="front", causal=False, layout="zigzag", S=14, J=7, H=4, Hkv=2, D=8,
-               dtype="fp64", grad=True, return_lse=False):
+               dtype="fp64", grad=True, return_lse=False, mask=None, sinks=False):
     """Joint tokens (J, split over the ranks in rank order) + main tokens (S, sharded in the
     layout) equal single-device attention on the concatenated sequence; the joint K/V
-    gradients summed over the ranks equal the reference's."""
+    gradients summed over the ranks equal the reference's.  ``mask``: a name of
+    tests.dist_masks.family, over the concatenated sequence (joint and main tokens);
+    ``sinks``: per-head sink logits too (their gradient summed over the ranks)."""
     mesh = get_mesh(U, R)
     dt = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(21)
@@ -25,8 +27,15 @@ def joint_case(U=2, R=1, strategy="front", causal=False, layout="zigzag", S=14, 
     # reference on the concatenated sequence
     cat = (lambda a, b: torch.cat([b, a], 1)) if strategy == "front" else (lambda a, b: torch.cat([a, b], 1))
     leaves = [x.double().clone().requires_grad_(grad) for x in (q, k, v, jq, jk, jv)]
+    m = keep = None
+    if mask is not None:
+        from tests.dist_masks import family
+        m = family(mask, S + J, 1, H)
+        keep = m.keep(torch.arange(S + J), torch.arange(S + J))
+    sink = torch.randn(H, generator=g).to(dt) * 2 if sinks else None
+    sink_ref = sink.double().clone().requires_grad_(grad) if sink is not None else None
     ro, rl = reference_attention(cat(leaves[0], leaves[3]), cat(leaves[1], leaves[4]), cat(leaves[2], leaves[5]),
-                                 causal=causal)
+                                 causal=causal, mask=keep, sinks=sink_ref)
     if grad:
         ro.backward(cat(dout_main, dout_joint).double())
     # distributed
@@ -37,8 +46,9 @@ def joint_case(U=2, R=1, strategy="front", causal=False, layout="zigzag", S=14, 
     jql = jq.index_select(1, share).requires_grad_(grad)
     jkl, jvl = jk.clone().requires_grad_(grad), jv.clone().requires_grad_(grad)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    sink_loc = sink.clone().requires_grad_(grad) if sink is not None else None
     res = attn(*loc, causal=causal, joint_tensor_query=jql, joint_tensor_key=jkl, joint_tensor_value=jvl,
-               joint_strategy=strategy, return_attn_probs=return_lse)
+               joint_strategy=strategy, return_attn_probs=return_lse, mask=m, sinks=sink_loc)
     out, lse = res if return_lse else (res, None)
     jn = share.numel()
     if strategy == "front":
@@ -67,6 +77,10 @@ def joint_case(U=2, R=1, strategy="front", causal=False, layout="zigzag", S=14, 
             total = t.grad.double().clone()
             dist.all_reduce(total, group=mesh.sp_group)    # every rank's part of the replicated tensor
             errs[name] = _err(total, r.grad, dt)
+        if sink_loc is not None and sink_ref is not None:
+            total = sink_loc.grad.double().clone()
+            dist.all_reduce(total, group=mesh.sp_group)
+            errs["dsinks"] = _err(total, sink_ref.grad, dt)
     return errs
 
 

@@ -27,6 +27,15 @@ def test_joint_any_length_fp32_with_lse(pools, J):
                      dtype="fp32", return_lse=True))
 
 
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+@pytest.mark.parametrize("mask", ["prefix_lm", "block_sparse", None], ids=["prefix_lm", "block_sparse", "no-mask"])
+@pytest.mark.parametrize("U,R,layout", [(2, 1, "zigzag"), (1, 2, "zigzag"), (2, 2, "basic")])
+def test_joint_tokens_with_mask_and_sinks(pools, strategy, mask, U, R, layout):
+    # the mask is over the concatenated sequence (joint and main tokens) and the sinks join every row
+    _ok(pools(U * R).run(dist_joint.joint_case, timeout=90, U=U, R=R, strategy=strategy, layout=layout, mask=mask,
+                         sinks=True, S=13, J=6, return_lse=True))
+
+
 def test_joint_stripe_non_causal(pools):
     _ok(pools(2).run(dist_joint.joint_case, timeout=60, U=1, R=2, layout="stripe", strategy="front"))
 

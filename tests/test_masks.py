@@ -70,7 +70,13 @@ def test_async_module_and_balanced_layout(pools):
     _run(pools, 4, U=1, R=4, fam="block_causal", balanced=True, S=80)
 
 
+def test_fp8_wire_with_mask_and_sinks(pools):
+    _run(pools, 4, U=2, R=2, layout="zigzag", fam="prefix_lm", fp8=True, sinks=True, S=48, dtype="fp32")
+
+
 def test_sinks_without_mask_and_forward_only(pools):
+    _run(pools, 4, U=2, R=2, layout="zigzag", fam=None, causal=True, sinks=True, S=33)
+    _run(pools, 4, U=2, R=2, layout="zigzag", fam=None, causal=False, sinks=True, grad=False, S=33)
     _run(pools, 4, U=2, R=2, layout="zigzag", fam="slices", causal=True, sinks=True, grad=False, S=33)
 
 
@@ -136,3 +142,27 @@ def test_mask_and_sinks_under_torch_compile_fullgraph(pools, split):
     for r in pools(world).run(dist_masks.compile_case, timeout=180, U=U, R=R):
         assert r["breaks"] == 0, r
         assert all(v <= 1.0 for v in r["errs"].values()), r
+
+
+@pytest.mark.parametrize("split", [(2, 2, 1), (2, 1, 2)], ids=["u2", "r2"])
+def test_flex_backend_serves_masked_forward_calls(pools, split):
+    # torch's FlexAttention on this CPU: forward with an lse, no backward (declared)
+    world, U, R = split
+    _run(pools, world, U=U, R=R, layout="zigzag", fam="block_sparse", attn_type="flex", grad=False, S=40,
+         sinks=True, dtype="fp32")
+
+
+def test_planner_prices_skipped_and_partial_blocks():
+    from usp_hal import planner
+    S = 2048
+    res = planner.plan(4, 8, S, 64, mask=M.chunked_local(S // 4), layouts=["basic", "zigzag"])
+    rows = {r["label"]: r for r in res["rows"] if r["candidate"]["ulysses"] == 1 and "p2p" in r["label"]}
+    basic, zig = rows["ring4 basic p2p"], rows["ring4 zigzag p2p"]
+    # basic shards hold whole chunks: no rank needs another's keys, so no K/V travels, and less
+    # work is priced than for zigzag (whose halves meet across ranks)
+    assert basic["comm_bytes"] == 0 and zig["comm_bytes"] > 0
+    assert basic["time"] < zig["time"]
+    dense = planner.plan(4, 8, S, 64, layouts=["basic"])["rows"]
+    full = [r for r in dense if r["label"] == "ring4 basic p2p"][0]
+    assert basic["terms"]["kernel"] < 0.5 * full["terms"]["kernel"], (basic["terms"], full["terms"])
+    assert res["problem"]["mask"] == M.chunked_local(S // 4).name

@@ -48,7 +48,8 @@ _BY_HANDLE: "Dict[int, Mask]" = {}
 _KEEP = 256
 
 __all__ = ["Mask", "KINDS", "prefix_lm", "block_causal", "chunked_local", "random_block_sparse", "sliding",
-           "and_masks", "or_masks", "balanced_layout", "dense_mask", "mask_work", "plan_masked", "tile_size"]
+           "and_masks", "or_masks", "balanced_layout", "dense_mask", "mask_work", "plan_masked", "tile_size",
+           "ring_work", "Predicate"]
 
 
 class Mask:
@@ -422,6 +423,29 @@ def _local_positions(segs: Sequence[Segment]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+def ring_work(mask, layout, seqlen: int, ring_size: int, causal: bool = False,
+              cu_seqlens: Optional[Tuple[int, ...]] = None, split_runs: bool = True):
+    """What the planner prices for a masked call: per ring rank, per step (step ``s`` meets
+    the block of rank ``(r - s) mod R``), the ``(rows, cols, False)`` of every kernel call
+    of the masked plan (empty tiles cost nothing, a partial run is priced as its whole
+    rectangle); the shard lengths; and whether no rank needs another's keys."""
+    from .positions import ring_segments
+    m = Mask.of(mask)
+    cu = None if cu_seqlens is None else tuple(cu_seqlens)
+    segs = [ring_segments(layout, seqlen, ring_size, r, cu_seqlens=cu) for r in range(ring_size)]
+    pred = Predicate(m, causal=bool(causal), cu_seqlens=cu)
+    tile = tile_size(seqlen)
+    tiles = pred.tiles(seqlen, tile)
+    R = ring_size
+    every = [[plan_masked(segs[a], segs[src], tiles, tile, split_runs=split_runs) for src in range(R)]
+             for a in range(R)]
+    steps = tuple(tuple(tuple((c.q_stop - c.q_start, c.k_stop - c.k_start, False) for c in every[r][(r - s) % R])
+                        for s in range(R)) for r in range(R))
+    lengths = tuple(sum(x.count for x in sg) for sg in segs)
+    local = R > 1 and all(not every[a][b] for a in range(R) for b in range(R) if a != b)
+    return steps, lengths, local
+
+
 # --------------------------------------------------------------------------------- balance
 def mask_work(pred: Predicate, segments: Sequence[Sequence[Segment]]) -> List[int]:
     """Per ring rank: the (query, key) pairs its rows score under the predicate (per batch row and head)."""
@@ -438,7 +462,7 @@ def mask_work(pred: Predicate, segments: Sequence[Sequence[Segment]]) -> List[in
     return out
 
 
-def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int = 4, causal: bool = False,
+def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int = 8, causal: bool = False,
                     cu_seqlens=None, name: Optional[str] = None, register: bool = True):
     """A layout that gives every ring rank about the same mask area: the sequence is cut into
     ``ring_size * chunks_per_rank`` chunks, and chunks, largest area first, go to the rank

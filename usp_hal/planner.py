@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -53,7 +53,7 @@ import torch
 from .blocks import balance, block_plans
 from .codec import CODECS, get_codec
 from .layout import LAYOUTS as _LAYOUT_TABLE
-from .layout import ring_segments
+from .layout import get_layout, ring_segments
 from .rotation import ROTATIONS as _ROTATION_TABLE
 from .rotation import AllGatherRotation, P2PRotation
 from .ulysses import head_plan
@@ -206,6 +206,7 @@ class Problem:
     causal: bool = False
     bwd: bool = False
     cu_seqlens: Optional[Tuple[int, ...]] = None      # packed documents: global boundaries
+    mask: Optional[object] = None                     # a usp_hal.masks.Mask (its plan is priced)
 
     @property
     def hkv(self) -> int:
@@ -392,7 +393,11 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     hq = [b - a for a, b in hp.q]                   # query heads per Ulysses rank
     hk = [b - a for a, b in hp.kv]                  # KV heads that travel to each Ulysses rank
     hk_local = [hp.local_heads(u)[1] for u in range(U)]
-    work, shard, local_ring = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
+    if P.mask is not None:     # the masked plan: skipped tiles cost nothing, partial runs their rectangle
+        from .masks import ring_work as masked_ring_work
+        work, shard, local_ring = masked_ring_work(P.mask, C.layout, S, R, P.causal, P.cu_seqlens)
+    else:
+        work, shard, local_ring = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
     kent = M.kernel_entry(P.dtype, D)
     fwd_rate = float(kent["fwd_flops"]) * kent["scale"]
     bwd_rate = float(kent.get("bwd_flops", fwd_rate / 1.2)) * kent["scale"]
@@ -576,8 +581,8 @@ def candidates(problem: Problem, *, layouts: Optional[Sequence[str]] = None,
                     out.append(Candidate(U, 1, "basic", "p2p", wire, pipe))
                     continue
                 # without a causal mask every layout does the same work: keep one
-                # (packed documents: layouts differ in which documents stay on one rank)
-                lays = layouts if problem.causal or problem.cu_seqlens is not None else \
+                # (packed documents and masks: layouts differ in which work stays on one rank)
+                lays = layouts if problem.causal or problem.cu_seqlens is not None or problem.mask is not None else \
                     [("basic" if "basic" in layouts else layouts[0])]
                 for lay in lays:
                     for rot in rotations:
@@ -607,6 +612,8 @@ def _invalid_reason(problem: Problem, c: Candidate) -> str:
     if c.ring > 1 and rotation_model(c.rotation) is None:
         return (f"rotation {c.rotation!r} has no cost model (derive it from P2PRotation or AllGatherRotation, "
                 "or give it cost_model = 'p2p' or 'allgather')")
+    if c.ring > 1 and problem.mask is not None and not get_layout(c.layout).contiguous:
+        return f"a mask needs contiguous shards; the {c.layout} layout is strided"
     if c.ring > 1:
         lens = [sum(s.count for s in ring_segments(c.layout, problem.seqlen, c.ring, r, cu_seqlens=problem.cu_seqlens))
                 for r in range(c.ring)]
@@ -637,20 +644,25 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
          profile="cpu", gpus_per_node: Optional[int] = None, intra_bw: Optional[float] = None,
          inter_bw: Optional[float] = None, latency: Optional[float] = None, fp8: bool = False,
          pipelines: Sequence[int] = (0,), layouts: Optional[Sequence[str]] = None,
-         rotations: Optional[Sequence[str]] = None, cu_seqlens=None) -> dict:
+         rotations: Optional[Sequence[str]] = None, cu_seqlens=None, mask=None) -> dict:
     """Every valid configuration ranked by predicted time per attention call.
 
     ``profile``: a profile name (``list_profiles()``), a path, or a dict.  Returns a dict with
     ``rows`` (best first; each a :class:`Prediction` as a dict), ``invalid``, ``winner``,
     ``init`` and ``module`` (the two lines to use), ``profile`` and ``problem``.
     ``cu_seqlens``: a packed batch's global document boundaries (the layouts then include
-    ``varlen_zigzag``; shard and call with the same boundaries)."""
+    ``varlen_zigzag``; shard and call with the same boundaries).  ``mask``: a
+    :class:`usp_hal.masks.Mask` (or what ``forward(mask=)`` takes): each candidate is priced
+    with its masked block plan (skipped tiles free, partial runs as their whole rectangle)."""
     dtype = DTYPE_ALIASES.get(str(dtype), str(dtype))
     try:
         cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
     except (TypeError, ValueError) as exc:
         raise PlanError(f"--cu-seqlens: {exc}") from None
-    problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd), cu)
+    if mask is not None:
+        from .masks import Mask
+        mask = Mask.of(mask)
+    problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd), cu, mask)
     _check(problem)
     valid_layouts = layout_candidates(cu is not None)
     per_document = [n for n in layout_candidates(True) if n not in valid_layouts]
@@ -704,7 +716,8 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     if c.pipeline:
         mod_args.append(f"head_chunks={c.pipeline}")
     module = f"usp_hal.{cls}({', '.join(mod_args)})"
-    return {"problem": asdict(problem), "profile": prof.get("name"), "rows": [p.as_dict() for p in rows],
+    pdict = {**asdict(replace(problem, mask=None)), "mask": getattr(problem.mask, "name", None)}
+    return {"problem": pdict, "profile": prof.get("name"), "rows": [p.as_dict() for p in rows],
             "invalid": invalid, "winner": best.candidate.label, "init": init, "module": module}
 
 

@@ -89,7 +89,7 @@ def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None, mask
     seqlen = sum(lengths)
     per = tuple(tuple(lengths[mesh.sp_index(r, u)] for u in range(U)) for r in range(R))
     sorted_ = True
-    if (spec.causal or spec.positional) and spec.joint:
+    if (spec.causal or spec.positional or mask is not None) and spec.joint:
         segments, sorted_ = joint_segments(pipe, mesh, spec, lengths)
     elif spec.causal or spec.positional or cu is not None or mask is not None:
         segments = tuple(tuple(ring_segments(pipe.layout, seqlen, R, r, cu_seqlens=cu)) for r in range(R))

@@ -166,9 +166,6 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
         from ..masks import Mask
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a usp_hal.masks.Mask, got {type(mask).__name__}")
-        if joint is not None:
-            raise NotImplementedError("mask= together with joint tokens is not supported; express the joint "
-                                      "tokens' visibility in the mask over the whole sequence and drop joint_*")
         if R > 1 and not layout.contiguous:
             raise NotImplementedError(f"mask= with the {layout.name} layout and ring_degree > 1 is not supported "
                                       "(its shards are not contiguous); use ring_impl_type='basic', 'zigzag' or "
