@@ -14,6 +14,7 @@ collectives (metered: the data all-gather and the int64 metadata agreement).
 
     python benchmarks/decode.py                                   # 1 x 2, S = 8k, 32k, 128k
     python benchmarks/decode.py --ulysses 2 --ring 1 --seqlens 32768 --rounds 20
+    python benchmarks/decode.py --layers 4 --verify step --seqlens 32768   # one agreement per step
     python benchmarks/decode.py --json decode.json
 
 On a shared CPU the absolute times are noisy; the ratio is the number to read.
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def rank_bench(U: int, R: int, seqlens, rounds: int, B: int, H: int, Hkv: int, D: int, block: int,
-               warmup: int, seed: int = 0) -> dict:
+               warmup: int, layers: int = 1, verify: str = "layer", seed: int = 0) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -46,15 +47,17 @@ def rank_bench(U: int, R: int, seqlens, rounds: int, B: int, H: int, Hkv: int, D
         g = torch.Generator().manual_seed(seed + S)
         K = torch.randn(B, S, Hkv, D, generator=g)
         V = torch.randn(B, S, Hkv, D, generator=g)
-        kw = dict(num_layers=1, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, block_size=block,
-                  attn_type="sdpa")
+        kw = dict(num_layers=layers, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, block_size=block,
+                  attn_type="sdpa", verify=verify)
         sharded = ShardedKVCache(mesh, **kw)
-        sharded.load(0, K, V, [S] * B)
+        for layer in range(layers):
+            sharded.load(layer, K, V, [S] * B)
         whole = None
         if rank == 0:       # a one-process mesh: no group, nothing exchanged
             one = SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,))
             whole = ShardedKVCache(one, **kw)
-            whole.load(0, K, V, [S] * B)
+            for layer in range(layers):
+                whole.load(layer, K, V, [S] * B)
         del K, V
         t_sh, t_one, ratios, t_comm = [], [], [], []
         meter_bytes = meta_bytes = calls = 0
@@ -65,21 +68,23 @@ def rank_bench(U: int, R: int, seqlens, rounds: int, B: int, H: int, Hkv: int, D
             dist.barrier()
             with CommMeter() as meter:
                 t0 = time.perf_counter()
-                sharded.decode(0, q, k, v, causal=True)
-                dt = time.perf_counter() - t0
+                for layer in range(layers):
+                    sharded.decode(layer, q, k, v, causal=True)
+                dt = (time.perf_counter() - t0) / layers
             if i == warmup:
-                meter_bytes = sum(meter.bytes.values())
+                meter_bytes = sum(meter.bytes.values()) // layers
                 meta_bytes = meter.metadata_bytes
                 calls = sum(meter.calls.values())
-            comm = meter.seconds
+            comm = meter.seconds / layers
             slowest = torch.tensor([dt], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             dist.barrier()
             d1 = None
             if whole is not None:
                 t0 = time.perf_counter()
-                whole.decode(0, q, k, v, causal=True)
-                d1 = time.perf_counter() - t0
+                for layer in range(layers):
+                    whole.decode(layer, q, k, v, causal=True)
+                d1 = (time.perf_counter() - t0) / layers
             dist.barrier()
             if i >= warmup:
                 t_sh.append(float(slowest))
@@ -88,6 +93,7 @@ def rank_bench(U: int, R: int, seqlens, rounds: int, B: int, H: int, Hkv: int, D
                     t_one.append(d1)
                     ratios.append(float(slowest) / d1)
         row = {"S": S, "world": U * R, "U": U, "R": R, "B": B, "H": H, "Hkv": Hkv, "D": D, "block": block,
+               "layers": layers, "verify": verify,
                "rank_cache_bytes": sharded.memory_bytes(), "rank_used_bytes": sharded.used_bytes(),
                "collective_bytes_sent": meter_bytes, "metadata_bytes_sent": meta_bytes, "collective_calls": calls}
         if whole is not None:
@@ -110,23 +116,28 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--block", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=1, help="layers decoded per step (times are per layer)")
+    ap.add_argument("--verify", default="layer", choices=["layer", "step"],
+                    help="metadata agreement at every layer, or once per step (at layer 0)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     a = ap.parse_args(argv)
     from benchmarks._ranks import run_on_ranks
     world = a.ulysses * a.ring
     res = run_on_ranks(rank_bench, world=world, U=a.ulysses, R=a.ring, seqlens=a.seqlens, rounds=a.rounds,
-                       B=a.batch, H=a.heads, Hkv=a.kv_heads, D=a.head_dim, block=a.block, warmup=a.warmup)
+                       B=a.batch, H=a.heads, Hkv=a.kv_heads, D=a.head_dim, block=a.block, warmup=a.warmup,
+                       layers=a.layers, verify=a.verify)
     rows = res[0]["rows"]
     for r, others in zip(rows, zip(*[x["rows"] for x in res[1:]]) if world > 1 else [()] * len(rows)):
         r["max_rank_cache_bytes"] = max([r["rank_cache_bytes"]] + [o["rank_cache_bytes"] for o in others])
-    print(f"decode step, one layer, B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} float32, "
+    print(f"decode step, per layer of {a.layers} (verify={a.verify}), B={a.batch} H={a.heads} Hkv={a.kv_heads} "
+          f"D={a.head_dim} float32, "
           f"{a.ulysses} x {a.ring} (ulysses x ring) gloo ranks, 1 thread each, {a.rounds} interleaved rounds")
     print(f"{'S':>8} {'sharded ms':>11} {'(comm ms)':>10} {'1-proc ms':>10} {'ratio':>6} {'rank cache':>11} "
-          f"{'whole':>10} {'share':>6} {'1/W+blk':>8} {'data B/step':>12} {'meta B/step':>12}")
+          f"{'whole':>10} {'share':>6} {'1/W+blk':>8} {'data B/layer':>12} {'meta B/step':>12}")
     for r in rows:
         W = r["world"]
         item = 4
-        block_bytes = r["B"] * r["block"] * (r["Hkv"] // r["U"] or 1) * 2 * r["D"] * item
+        block_bytes = r["layers"] * r["B"] * r["block"] * (r["Hkv"] // r["U"] or 1) * 2 * r["D"] * item
         target = r["whole_cache_bytes"] / W + block_bytes
         print(f"{r['S']:>8} {r['sharded_ms']:>11.3f} {r['collectives_ms']:>10.3f} {r['one_process_ms']:>10.3f} "
               f"{r['ratio']:>6.2f} "

@@ -196,6 +196,18 @@ def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
     res["layer_out_of_range"] = _error_of(lambda: fresh().decode(5, q, k, v))
     res["empty_layer_ok"] = _error_of(lambda: fresh().decode(1, q, k, v))     # nothing cached: only the new token
     res["prefill_twice"] = _error_of(lambda: fresh().load(0, K, V, [S, 3]))
+    # verify="step": layer 0 agrees, layer 1 checks itself against it; a rank whose layer 1 lost a
+    # token flags it in the data all-gather, and every rank raises
+    c = ShardedKVCache(mesh, num_layers=2, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dt,
+                       block_size=2, attn_type="sdpa", verify="step")
+    c.load(0, K, V, [S, 3])
+    c.load(1, K, V, [S, 3])
+    res["step_layer0_ok"] = _error_of(lambda: c.decode(0, q, k, v))
+    res["step_layer1_ok"] = _error_of(lambda: c.decode(1, q, k, v))
+    res["step_layer0_again_ok"] = _error_of(lambda: c.decode(0, q, k, v))
+    if rank == 1:
+        c.layers[1].local[0] -= 1
+    res["step_layer1_differs"] = _error_of(lambda: c.decode(1, q, k, v))
     c = fresh()
     out = c.decode(0, q, k, v)
     ro, _ = reference_attention(q[:1], torch.cat([K[0], k[0]])[None], torch.cat([V[0], v[0]])[None], causal=True,

@@ -149,6 +149,9 @@ def test_bad_decode_calls_fail_on_every_rank(pools):
         for key, needle in EXPECTED_REFUSALS.items():
             assert r[key] is not None and needle in r[key], (rank, key, r[key])
         assert r["empty_layer_ok"] is None, r
+        assert r["step_layer0_ok"] is None and r["step_layer1_ok"] is None and r["step_layer0_again_ok"] is None, r
+        assert r["step_layer1_differs"] and "decode failed on rank(s) [1]" in r["step_layer1_differs"], r
         assert r["after_refusals"] <= 1, r
-    for key in EXPECTED_REFUSALS:      # the same message on every rank
+        assert "this rank holds" in r["step_layer1_differs"], r
+    for key in list(EXPECTED_REFUSALS) + ["step_layer1_differs"]:      # the same message on every rank
         assert res[0][key] == res[1][key], key

@@ -48,7 +48,7 @@ import torch
 from . import platform as _platform
 from .blocks import plan_blocks
 from .capabilities import AttnRequest
-from .comm import agree, all_gather_single, collective, digest_ints, dtype_code
+from .comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
 from .positions import Segment, check_layout, ring_segments
 from .registry import REGISTRY
 from .ring import merge_block, merge_dtype
@@ -153,12 +153,19 @@ class ShardedKVCache:
     sequence-parallel group must construct it with the same arguments (checked: one small
     all-gather).  ``layout``: the prefill layout of :meth:`load` (``prefill`` takes the
     module's own); it must be contiguous (``basic`` or ``zigzag``) for window/ALiBi.
+
+    ``verify``: when decode calls agree on their metadata.  ``"layer"`` (default): every call.
+    ``"step"``: the calls on layer 0 agree; a call on another layer checks itself against what
+    layer 0 agreed in this step (new tokens, options, the placement table, this rank's
+    lengths) and a rank that finds a difference says so in the data all-gather, so every rank
+    still raises together, with one metadata collective per step instead of one per layer
+    (for models that decode their layers in order, as transformers does).
     """
 
     def __init__(self, mesh=None, *, num_layers: int, batch_size: int, num_heads: int,
                  num_kv_heads: Optional[int] = None, head_dim: int, v_head_dim: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
-                 block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag"):
+                 block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag", verify: str = "layer"):
         from .mesh import get_default_mesh
         self.mesh = mesh if mesh is not None else get_default_mesh()
         m = self.mesh
@@ -173,6 +180,8 @@ class ShardedKVCache:
                     raise ValueError(f"{name} must be a positive int, got {val!r}")
             if num_heads % hkv:
                 raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={hkv}")
+            if verify not in ("layer", "step"):
+                raise ValueError(f"verify={verify!r}; valid: 'layer', 'step'")
             if dtype not in _FLOATS:
                 raise ValueError(f"dtype {dtype} is not supported (float64, float32, bfloat16, float16)")
             REGISTRY.canonical_name(attn_type)
@@ -207,6 +216,8 @@ class ShardedKVCache:
         self.layers = [_Layer(batch_size, m.ring_degree) for _ in range(num_layers)]
         self._backends: Dict[AttnRequest, Any] = {}
         self.last_calls = 0          # kernel calls of the last decode on this rank (tests, benchmarks)
+        self.verify = verify
+        self._step: Optional[Tuple[int, int, int]] = None    # (new tokens, options, table) layer 0 agreed on
 
     # ------------------------------------------------------------------ facts
     def lengths(self, layer: int = 0) -> List[int]:
@@ -239,6 +250,7 @@ class ShardedKVCache:
         return sum(n * hk * (self.head_dim + self.v_head_dim) * item for ly in self.layers for n in ly.local)
 
     def reset(self) -> None:
+        self._step = None
         for ly in self.layers:
             ly.reset()
 
@@ -532,29 +544,59 @@ class ShardedKVCache:
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
                 _float_bits(scale), _fingerprint(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0]
-        if m.sp_size > 1:
+        failure: Optional[BaseException] = None
+        step = self._step
+        if m.sp_size > 1 and (self.verify == "layer" or layer == 0 or step is None):
             fixed = [self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
                      digest_ints(opts), _fingerprint(k) if refusal is None else 0,
                      ly.table_digest() if ly is not None else 0]
             local = list(ly.local) if ly is not None else [0] * self.batch_size
+            self._step = None
             self._agree_decode(refusal, fixed, m.ring_rank, local, ly)
+            assert ly is not None
+            if layer == 0:
+                self._step = (n, digest_ints(opts), ly.table_digest())
+        elif m.sp_size > 1:      # verify="step" past layer 0: checked here, a difference is flagged in the gather
+            assert step is not None
+            failure = refusal or self._step_problem(ly, step, n, digest_ints(opts))
+            n = step[0]
         elif refusal is not None:
             raise refusal
-        assert ly is not None and backend is not None
-        starts = list(ly.total)
-        failure: Optional[BaseException] = None
         try:      # a local failure from here on still joins the collective (flagged), so no peer waits
+            if failure is not None:
+                raise failure
+            assert ly is not None and backend is not None
+            starts = list(ly.total)
             self._append(ly, k, v)
             out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale, alibi_slopes,
                                     positional)
         except Exception as exc:
             failure = exc
             hq = self.q_range[1] - self.q_range[0]
-            out = torch.zeros((q.shape[0], n, hq, self.v_head_dim), dtype=merge_dtype(q.dtype), device=q.device)
-            lse = torch.full((q.shape[0], hq, n), float("-inf"), dtype=out.dtype, device=q.device)
+            out = torch.zeros((self.batch_size, n, hq, self.v_head_dim), dtype=merge_dtype(self.dtype),
+                              device=self.device)
+            lse = torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
         out, lse = self._gather(out, lse, failure)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
+
+    def _step_problem(self, ly: Optional[_Layer], step, n: int, opts: int) -> Optional[ValueError]:
+        """Why a call past layer 0 (``verify="step"``) differs from what layer 0 agreed."""
+        if ly is None:
+            return ValueError("layer out of range")
+        if n != step[0]:
+            return ValueError(f"{n} new tokens per sequence, but layer 0 of this step agreed on {step[0]}")
+        if opts != step[1]:
+            return ValueError("the options (causal, window, softcap, scale, alibi) differ from layer 0's in this step")
+        if ly.table_digest() != step[2]:
+            return ValueError(f"this layer's placement table differs from layer 0's at the start of the step "
+                              f"(lengths {ly.total} per sequence)")
+        me = self.mesh.ring_rank
+        want = [ly.counts[b][me] for b in range(self.batch_size)]
+        if ly.local != want:
+            return ValueError(f"this rank holds {ly.local} tokens per sequence, but the placement table says ring "
+                              f"rank {me} holds {want}")
+        return None
 
     def _request(self, q, causal, win, softcap, alibi_slopes, positional) -> AttnRequest:
         device_type = _platform.device_type_of(q.device)
@@ -650,12 +692,17 @@ class ShardedKVCache:
         collective("decode all-gather of partial out/lse", m.where("sequence-parallel"), all_gather_single,
                    flat, send, group=m.sp_group)
         rows = flat.view(m.sp_size, size + 1)
-        failed = [m.sp_ranks[i] for i in range(m.sp_size) if float(rows[i, size]) != 0.0]
-        if failed:
-            msg = (f"{SERVING_WHAT}: decode failed on rank(s) {failed} after the ranks agreed on the call (see "
-                   "that rank's error); the cache of this layer is no longer consistent: reset() it")
+        failed = [i for i in range(m.sp_size) if float(rows[i, size]) != 0.0]
+        if failed:      # every rank knows: one more (small) exchange gives every rank every reason
+            mine = f"{type(failure).__name__}: {failure}" if failure is not None else ""
+            texts = all_gather_bytes(mine.encode("utf-8", "replace"), m.metadata_group,
+                                     what=f"{SERVING_WHAT}: decode failure messages",
+                                     where=m.where("sequence-parallel"))
+            why = "; ".join(f"rank {m.sp_ranks[i]}: {texts[i].decode('utf-8', 'replace')}" for i in failed)
+            msg = (f"{SERVING_WHAT}: decode failed on rank(s) {[m.sp_ranks[i] for i in failed]} ({why}); the "
+                   "cache of this layer may be inconsistent now: reset() it and prefill again")
             if failure is not None:
-                raise RuntimeError(f"{msg}: {type(failure).__name__}: {failure}") from failure
+                raise RuntimeError(msg) from failure
             raise RuntimeError(msg)
         got = rows[:, :size].view((m.sp_size, bsz, n, h, dv + 1))
         U, R = m.ulysses_degree, m.ring_degree

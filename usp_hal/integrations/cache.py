@@ -84,13 +84,15 @@ class ShardedCache(Cache):
     """The transformers Cache of a sequence-parallel model (see the module doc).
 
     ``config``: the model config (its ``num_hidden_layers``), or pass ``num_layers``;
-    ``mesh``: default the attention function's; ``block_size``: the decode placement block
-    (:class:`usp_hal.serving.ShardedKVCache`).  The storage is created at the first prefill,
+    ``mesh``: default the attention function's; ``block_size``: the decode placement block;
+    ``verify``: ``"step"`` (default: the model decodes its layers in order, so the ranks agree
+    on the step's metadata once, at layer 0) or ``"layer"`` (see
+    :class:`usp_hal.serving.ShardedKVCache`).  The storage is created at the first prefill,
     from the shapes it sees (collective: every rank of the group does it together).
     """
 
     def __init__(self, config: Any = None, *, num_layers: Optional[int] = None, mesh=None, block_size: int = 256,
-                 attn_type: Optional[str] = None):
+                 attn_type: Optional[str] = None, verify: str = "step"):
         if num_layers is None:
             if config is None:
                 raise ValueError("ShardedCache needs the model config (or num_layers=)")
@@ -100,6 +102,7 @@ class ShardedCache(Cache):
         self.mesh = mesh
         self.block_size = block_size
         self.attn_type = attn_type
+        self.verify = verify
         self.core: Any = None        # usp_hal.serving.ShardedKVCache, built at the first prefill
 
     def ensure_core(self, mesh, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_type: str):
@@ -110,7 +113,7 @@ class ShardedCache(Cache):
                 mesh, num_layers=len(self.layers), batch_size=int(query.shape[0]), num_heads=int(query.shape[2]),
                 num_kv_heads=int(key.shape[2]), head_dim=int(query.shape[3]), v_head_dim=int(value.shape[3]),
                 dtype=query.dtype, device=query.device, block_size=self.block_size,
-                attn_type=self.attn_type or attn_type)
+                attn_type=self.attn_type or attn_type, verify=self.verify)
         return self.core
 
     @property
