@@ -166,3 +166,29 @@ def test_planner_prices_skipped_and_partial_blocks():
     full = [r for r in dense if r["label"] == "ring4 basic p2p"][0]
     assert basic["terms"]["kernel"] < 0.5 * full["terms"]["kernel"], (basic["terms"], full["terms"])
     assert res["problem"]["mask"] == M.chunked_local(S // 4).name
+
+
+def test_slices_are_classified_in_closed_form_exactly():
+    # disjoint slices are counted per tile without evaluating any pair; the result must equal
+    # the dense classification for random slice sets of every kind, lengths and tile sizes
+    import random
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(200):
+        S, T = rng.randint(5, 150), rng.choice([4, 8, 16])
+        cuts = sorted(set(rng.sample(range(1, S), min(S - 1, rng.randint(1, 5)))))
+        bounds = [0] + cuts + [S]
+        slices = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            ka = rng.randint(0, S - 1)
+            slices.append(((a, b), (ka, rng.randint(ka + 1, S)), rng.choice(M.KINDS)))
+        m = M.Mask.from_slices(slices)
+        fast = M._slice_tiles(m.slices, S, T)
+        keep = m.keep(torch.arange(S), torch.arange(S))[0, 0]
+        nt = -(-S // T)
+        dense = torch.tensor([[1 if keep[i * T:(i + 1) * T, j * T:(j + 1) * T].all() else
+                               2 if keep[i * T:(i + 1) * T, j * T:(j + 1) * T].any() else 0
+                               for j in range(nt)] for i in range(nt)], dtype=torch.uint8)
+        assert torch.equal(fast, dense), slices
+        checked += 1
+    assert checked == 200
