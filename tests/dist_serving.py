@@ -193,6 +193,7 @@ def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
     res["options_differ"] = _error_of(lambda: fresh().decode(0, q, k, v, window_size=(rank + 1, 0)))
     res["heads_mismatch"] = _error_of(lambda: fresh().decode(0, q[:, :, :H - 1] if rank == 0 else q, k, v))
     res["softcap_on_sdpa"] = _error_of(lambda: fresh().decode(0, q, k, v, softcap=5.0))
+    res["needs_grad"] = _error_of(lambda: fresh().decode(0, q.clone().requires_grad_(), k, v))
     res["layer_out_of_range"] = _error_of(lambda: fresh().decode(5, q, k, v))
     res["empty_layer_ok"] = _error_of(lambda: fresh().decode(1, q, k, v))     # nothing cached: only the new token
     res["prefill_twice"] = _error_of(lambda: fresh().load(0, K, V, [S, 3]))

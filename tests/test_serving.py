@@ -137,6 +137,7 @@ EXPECTED_REFUSALS = {
     "options_differ": "the options",
     "heads_mismatch": "does not match the cache",
     "layer_out_of_range": "out of range",
+    "needs_grad": "passes no gradient",
     "softcap_on_sdpa": "softcap=5.0 not supported",
     "prefill_twice": "already holds tokens",
 }

@@ -475,6 +475,9 @@ class ShardedKVCache:
                               or q.shape[3] != self.head_dim):
             raise ValueError(f"{what}: query {tuple(q.shape)} does not match the cache ({want_h} heads, head_dim "
                              f"{self.head_dim}) and key {tuple(k.shape)}")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) if t is not None):
+            raise ValueError(f"{what}: inputs that require gradients: the sharded KV cache serves inference and "
+                             "passes no gradient; run under torch.no_grad() (or, for training, without a cache)")
         for name, t in (("key", k), ("value", v)) + ((("query", q),) if q is not None else ()):
             if t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(f"{what}: {name} is {t.dtype} on {t.device}; the cache holds {self.dtype} on "
