@@ -332,6 +332,32 @@ class AttentionBackend:
             lse = no_lse(q)
         return out, lse
 
+    def bind(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+             key_offset=0, want_lse: bool = True):
+        """A callable ``(q, k, v) -> (out, lse)`` for repeated forward calls with these
+        options and these shapes, dtypes and device (what the core's per-signature fast path
+        calls): validated once, here, so each call runs the kernel and little else.  Strides
+        may differ between calls (each call lays them out as ``INPUT_LAYOUT`` needs).
+        ``want_lse=False``: the caller drops the lse, so it may come back in any layout."""
+        window = tuple(window)
+        self._admit(q, k, v, causal, window, softcap, alibi_slopes, 0.0, False, False, key_offset)
+        kw = dict(softmax_scale=float(softmax_scale), causal=bool(causal), window=window, softcap=softcap,
+                  alibi_slopes=alibi_slopes, dropout_p=0.0, key_offset=key_offset)
+        return self._bound_forward(kw, want_lse)
+
+    def _bound_forward(self, kw: dict, want_lse: bool):
+        """The callable :meth:`bind` returns (adapters may specialise it; the default lays the
+        inputs out and calls ``kernel_forward``)."""
+        kernel, conform = self.kernel_forward, self._conform
+        strided = type(self).INPUT_LAYOUT == "strided"
+
+        def call(q, k, v):
+            if not strided:
+                q, k, v = conform(q, k, v)
+            out, lse = kernel(q, k, v, **kw)
+            return out, (lse if lse is not None else no_lse(q))
+        return call
+
     def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0, mask=None):
         if not type(self).HAS_BACKWARD:

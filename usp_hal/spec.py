@@ -10,6 +10,7 @@ A rank that failed its local validation sends the error flag with zeros instead.
 """
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from dataclasses import dataclass, fields
@@ -67,6 +68,7 @@ class CallSpec:
         return out
 
 
+@functools.lru_cache(maxsize=None)
 def field_index(name: str) -> int:
     """Index of field ``name`` in a metadata vector (after the error flag)."""
     i = 1
@@ -77,6 +79,7 @@ def field_index(name: str) -> int:
     raise KeyError(name)
 
 
+@functools.lru_cache(maxsize=None)
 def meta_length() -> int:
     """Length of every rank's metadata vector (the same for a rank that failed)."""
     return 1 + sum(_width(f.name) for f in fields(CallSpec))

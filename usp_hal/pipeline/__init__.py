@@ -20,7 +20,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import platform as _platform
 from ..capabilities import AttnRequest
 from ..comm import CommError
 from ..registry import REGISTRY
@@ -30,7 +29,7 @@ from . import agree as _agree
 from . import plan as _plan
 from . import run as _run
 from . import validate as _validate
-from .options import CallOptions, plain
+from .options import CallOptions
 from .plan import CallPlan
 from .validate import Joint, JointInfo, USPError
 
@@ -133,6 +132,10 @@ class Pipeline:
         hit = self.signatures.get(sig) if sig is not None else None
         if hit is not None and hit[0] is mesh:
             spec, local = hit[1], hit[2]
+            if lengths is None and mesh.sp_size == 1 and hit[3] is not None:
+                # one rank: nothing to agree on and the lengths are the query's, so the plan is the last one
+                self.last_backend = hit[3].backend
+                return spec, hit[3]
         elif err is None:
             try:
                 spec, local = _validate.validate(self, mesh, q, k, v, opts, alibi_slopes, positions, joint,
@@ -145,7 +148,7 @@ class Pipeline:
                 if len(self.signatures) > _LIMIT:
                     self.signatures.clear()
                     self.plans.clear()
-                self.signatures[sig] = (mesh, spec, local)
+                self.signatures[sig] = [mesh, spec, local, None]
         if lengths is None:
             lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None)
         elif err is not None:
@@ -159,6 +162,10 @@ class Pipeline:
                 if len(self.plans) > _LIMIT:
                     self.plans.clear()
                 self.plans[pkey] = plan
+        if sig is not None and mesh.sp_size == 1 and local.cu_seqlens is None:
+            entry = hit if hit is not None else self.signatures.get(sig)
+            if entry is not None:
+                entry[3] = plan
         self.last_backend = plan.backend
         return spec, plan
 
@@ -166,7 +173,7 @@ class Pipeline:
         """What a call's validation and plan depend on, or None when it cannot be cached."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             return None
-        if not (plain(opts.scale) and plain(opts.softcap) and plain(opts.dropout_p)):
+        if not opts.plain:
             return None          # e.g. a tensor scale: read again on every call
         if cu_seqlens is None:
             cu = None
@@ -174,9 +181,10 @@ class Pipeline:
             cu = tuple(cu_seqlens)
         else:
             return None          # a tensor: its values are read (and digested) by validation
+        # the device type follows from the device; ``opts`` hashes its cached value
+        sig = (id(mesh), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               bool(needs_grad), opts, cu)
         try:
-            sig = (id(mesh), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                   _platform.device_type_of(q.device), bool(needs_grad), opts, cu)
             hash(sig)
         except TypeError:
             return None

@@ -43,6 +43,14 @@ class CallOptions:
                    joint_strategy=joint_strategy or "none", joint_total=int(joint_total), mask=mask,
                    sinks=bool(sinks))
 
+    @property
+    def plain(self) -> bool:
+        """Scale, softcap and dropout are Python numbers (the options may key a cache); computed once."""
+        got = self.__dict__.get("_plain")
+        if got is None:
+            got = self.__dict__["_plain"] = plain(self.scale) and plain(self.softcap) and plain(self.dropout_p)
+        return got
+
     def with_(self, **kw) -> "CallOptions":
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **kw})
 

@@ -4,7 +4,7 @@ the ring's rotation and the block plan of every ring step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,11 +51,14 @@ class CallPlan:
     the kernels of their neighbours (:class:`~usp_hal.AsyncLongContextAttention`)."""
 
     spec: CallSpec
-    backend: object
+    backend: Any
     stages: List[Stage]
     dtype: torch.dtype
     spec_lengths: Tuple[int, ...] = ()     # every rank's local length (sequence-parallel order)
     nan_guard: bool = True                 # the backend may hide a non-finite query: add the guard
+    #: the forward of a call that is one kernel call and nothing else (one rank, or Ulysses
+    #: degree 1 with one ring rank): bound on its first use (``run.fast_forward``); False: none
+    fast: Any = None
 
     @property
     def exchange(self) -> UlyssesExchange:
