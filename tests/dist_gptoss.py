@@ -79,3 +79,30 @@ def gpt_oss_training(U=1, R=2, layout="zigzag", steps=3, B=2, S=40, seed=0, lr=1
             "sinks_grad_scale": max(float(b.abs().max()) for b in ref_grads),
             "sinks_moved": max(float((a.self_attn.sinks - b.self_attn.sinks).abs().max())
                                for a, b in zip(ref.model.layers, tiny_gpt_oss(seed).model.layers))}
+
+
+def gpt_oss_generate(U=1, R=2, layout="zigzag", B=2, S=20, new=5, seed=0):
+    """Greedy generate() with the sharded KV cache (sinks in prefill and in every decode
+    step, a sliding-window layer) against one process; the tokens on every rank."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_gptoss_gen_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    ref = tiny_gpt_oss(seed, window=6).eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    g = torch.Generator().manual_seed(seed + 11)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    with torch.no_grad():
+        got = model.generate(**usp.shard_batch({"input_ids": ids}, mesh, layout), max_new_tokens=new,
+                             do_sample=False)
+    res = {"tokens": got[:, -new:].tolist()}
+    if mesh.sp_rank == 0:
+        with torch.no_grad():
+            want = ref.generate(input_ids=ids, max_new_tokens=new, do_sample=False)
+            no_sinks = copy.deepcopy(ref)
+            for layer in no_sinks.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+            other = no_sinks.generate(input_ids=ids, max_new_tokens=new, do_sample=False)
+        res.update(ref_tokens=want[:, -new:].tolist(), no_sink_tokens=other[:, -new:].tolist())
+    return res

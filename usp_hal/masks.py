@@ -577,7 +577,7 @@ def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int =
         return list(table[rank])
 
     layout = Layout(label, split, contiguous=True, balances_causal=causal,
-                    description=f"chunks balanced by mask area ({m.name}, {S} tokens, {R} ring ranks)")
+                    description=f"chunks balanced by mask area ({m.name}, {S} tokens, {R} ring ranks)", fixed=(S, R))
     if register:
         if label in LAYOUTS and LAYOUTS[label].description != layout.description:
             raise ValueError(f"layout {label!r} is already registered for another mask")

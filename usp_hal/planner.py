@@ -77,7 +77,8 @@ class PlanError(ValueError):
 def layout_candidates(packed: bool = False) -> Tuple[str, ...]:
     """The registered layouts (``usp_hal.layout.LAYOUTS``, in registration order); a
     per-document layout only for packed documents (``packed``)."""
-    return tuple(name for name, lay in _LAYOUT_TABLE.items() if packed or lay.per_document is None)
+    return tuple(name for name, lay in _LAYOUT_TABLE.items()
+                 if (packed or lay.per_document is None) and lay.fixed is None)
 
 
 def rotation_candidates() -> Tuple[str, ...]:

@@ -290,6 +290,8 @@ class Layout:
     description: str = ""
     yunchang_name: Optional[str] = None
     per_document: Optional[Callable[[Tuple[int, ...], int], Sequence[Sequence[Segment]]]] = None
+    #: ``(seqlen, ring_size)`` the layout was made for (``usp_hal.masks.balanced_layout``), None: any
+    fixed: Optional[Tuple[int, int]] = None
 
     def segments(self, seqlen: int, ring_size: int, ring_rank: int, cu_seqlens=None) -> List[Segment]:
         if not 0 <= ring_rank < ring_size:
@@ -321,8 +323,10 @@ def register_layout(layout: Layout, *, override: bool = False) -> Layout:
     return layout
 
 
-def layout_names() -> List[str]:
-    return list(LAYOUTS)
+def layout_names(general: bool = True) -> List[str]:
+    """The registered layouts; ``general``: only those valid for any length (not a layout made
+    for one sequence, such as a ``balanced_layout``)."""
+    return [n for n, lay in LAYOUTS.items() if not general or lay.fixed is None]
 
 
 def get_layout(layout: "Union[str, Layout]") -> Layout:

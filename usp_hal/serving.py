@@ -34,7 +34,8 @@ tokens on every rank of the sequence-parallel group (replicated after the projec
    head groups, so every rank returns the full ``[B, n, H, Dv]`` output, bit-identical.
 
 A rank whose cached tokens are all invisible (or that holds none) contributes lse = -inf,
-weight 0.  Attention sinks are not supported (no sink term in the merge).
+weight 0.  Attention sinks (``sinks=``, one logit per head) join the merged result once,
+after the merge over the ring ranks (``lse' = logaddexp(lse, sink)``), as in the USP call.
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class _Layer:
     total: List[int] = field(default_factory=list)             # per row: global length
     owner: List[int] = field(default_factory=list)             # per row: ring rank of the open block
     left: List[int] = field(default_factory=list)              # per row: room left in the open block
+    options: Optional[int] = None      # digest of the options this layer's decode last agreed on (every rank)
 
     def __post_init__(self):
         self.reset()
@@ -130,6 +132,7 @@ class _Layer:
         self.total = [0] * b
         self.owner = [0] * b
         self.left = [0] * b
+        self.options = None
 
     @property
     def filled(self) -> bool:
@@ -393,7 +396,8 @@ class ShardedKVCache:
             ly.total[b] = n
 
     def prefill(self, layer: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None) -> torch.Tensor:
+                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run ``attn`` (a :class:`usp_hal.LongContextAttention` on this cache's mesh) on this rank's
         shard ``q``/``k``/``v`` ``[B, S_local, H|Hkv, D]`` (sharded as ``attn``'s layout shards)
         and keep the head-layout K/V its Ulysses all-to-all delivers.  Returns the call's
@@ -425,7 +429,8 @@ class ShardedKVCache:
         self._agree(problem, "prefill", [layer])
         assert ly is not None
         pipe = attn.pipeline
-        opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                              sinks=sinks is not None)
         _, plan = pipe.prepare(m, q, k, v, opts, alibi_slopes=alibi_slopes, needs_grad=False)
         stage = plan.stages[0]
         ring = stage.ring
@@ -444,7 +449,8 @@ class ShardedKVCache:
                 return qh, kh, vh
 
         with torch.no_grad():
-            out, _ = _run.run(plan, q, k, v, _Keep(stage.exchange.start_qkv(q, k, v)))  # type: ignore[arg-type]
+            out, _ = _run.run(plan, q, k, v, _Keep(stage.exchange.start_qkv(q, k, v)),  # type: ignore[arg-type]
+                              sinks=sinks)
         kh, vh = kept["k"], kept["v"]
         n = kh.shape[1]
         self._reserve(ly, max(n, 1))
@@ -500,7 +506,8 @@ class ShardedKVCache:
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-               return_lse: bool = False, mesh=None, problem: Optional[str] = None):
+               return_lse: bool = False, mesh=None, problem: Optional[str] = None,
+               sinks: Optional[torch.Tensor] = None):
         """Append ``n`` new tokens per sequence and attend their queries to the whole cache.
 
         ``q`` ``[B, n, H, D]``, ``k``/``v`` ``[B, n, Hkv, D]``: the new tokens of every sequence,
@@ -509,7 +516,9 @@ class ShardedKVCache:
         ``out`` ``[B, n, H, Dv]`` (the input dtype), and with ``return_lse`` the lse
         ``[B, H, n]`` (float32; float64 for float64 inputs), the same on every rank.
         ``causal``, ``window_size`` (left, right) over global positions, ``softcap`` and
-        ``alibi_slopes`` (``[H]`` or ``[B, H]``) as for :class:`usp_hal.LongContextAttention`.
+        ``alibi_slopes`` (``[H]`` or ``[B, H]``) and ``sinks`` (``[H]``, one logit per head in
+        every row's denominator, applied once to the merged result) as for
+        :class:`usp_hal.LongContextAttention`.
         ``mesh``: the caller's mesh, checked against the cache's; ``problem``: a reason of the
         caller's to refuse the call, joined to the agreement (so it is raised on every rank).
         Collective."""
@@ -541,15 +550,22 @@ class ShardedKVCache:
                                              not in ((self.num_heads,), (self.batch_size, self.num_heads))):
                 raise ValueError(f"alibi_slopes must be [H] or [B, H] = ({self.num_heads},) or ({self.batch_size}, "
                                  f"{self.num_heads})")
+            if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (self.num_heads,)):
+                raise ValueError(f"sinks must be a [H] = ({self.num_heads},) tensor, got "
+                                 f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
             backend = self._backend(self._request(q, causal, win, softcap, alibi_slopes, positional))
         except (ValueError, TypeError, NotImplementedError) as exc:
             refusal = exc
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
-                _float_bits(scale), _fingerprint(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0]
+                _float_bits(scale), _fingerprint(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
+                _fingerprint(sinks) if isinstance(sinks, torch.Tensor) else 0]
         failure: Optional[BaseException] = None
         step = self._step
-        if m.sp_size > 1 and (self.verify == "layer" or layer == 0 or step is None):
+        # a layer decoded for the first time agrees in full (layers may differ: a sliding-window layer
+        # beside a full one, each with its own sinks); later steps compare with what it agreed then
+        first = ly is None or ly.options is None
+        if m.sp_size > 1 and (self.verify == "layer" or layer == 0 or step is None or first):
             fixed = [self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
                      digest_ints(opts), _fingerprint(k) if refusal is None else 0,
                      ly.table_digest() if ly is not None else 0]
@@ -557,6 +573,7 @@ class ShardedKVCache:
             self._step = None
             self._agree_decode(refusal, fixed, m.ring_rank, local, ly)
             assert ly is not None
+            ly.options = digest_ints(opts)
             if layer == 0:
                 self._step = (n, digest_ints(opts), ly.table_digest())
         elif m.sp_size > 1:      # verify="step" past layer 0: checked here, a difference is flagged in the gather
@@ -580,17 +597,22 @@ class ShardedKVCache:
                               device=self.device)
             lse = torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
         out, lse = self._gather(out, lse, failure)
+        if sinks is not None:        # once, on the merged rows (every rank holds every head now)
+            from .pipeline.run import add_sink
+            out, lse = add_sink(out, lse, sinks.detach())
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
     def _step_problem(self, ly: Optional[_Layer], step, n: int, opts: int) -> Optional[ValueError]:
-        """Why a call past layer 0 (``verify="step"``) differs from what layer 0 agreed."""
+        """Why a call past layer 0 (``verify="step"``) differs from what was agreed (the step's
+        size and placement at layer 0; the options at this layer's first decode step)."""
         if ly is None:
             return ValueError("layer out of range")
         if n != step[0]:
             return ValueError(f"{n} new tokens per sequence, but layer 0 of this step agreed on {step[0]}")
-        if opts != step[1]:
-            return ValueError("the options (causal, window, softcap, scale, alibi) differ from layer 0's in this step")
+        if opts != ly.options:
+            return ValueError("the options (causal, window, softcap, scale, alibi, sinks) differ from the ones this "
+                              "layer agreed on at its first decode step")
         if ly.table_digest() != step[2]:
             return ValueError(f"this layer's placement table differs from layer 0's at the start of the step "
                               f"(lengths {ly.total} per sequence)")

@@ -29,7 +29,7 @@ What it refuses, on every rank together and before any data is exchanged: paddin
 (2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
 and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
 match the layout (missing ones, or packed ones without their boundaries), a KV cache other than
-the ShardedCache holding more tokens than the query, attention sinks with the ShardedCache,
+the ShardedCache holding more tokens than the query,
 position biases and ``output_attentions``.
 
 Generation: ``model.generate(**shard_batch({"input_ids": prompt}, mesh), max_new_tokens=N,
@@ -321,9 +321,6 @@ class USPAttentionFunction:
         problem = self._local_problem(query, key, attention_mask, kwargs)
         if not problem and dropout:
             problem = f"attention dropout ({dropout}) in generation; call model.eval() first"
-        if not problem and kwargs.get("s_aux") is not None:
-            problem = ("attention sinks (s_aux) with the sharded KV cache are not supported yet; run the model "
-                       "without a cache (use_cache=False) for sequence-parallel forwards with sinks")
         if not problem and cache.mesh is not None and cache.mesh != mesh:
             problem = ("the ShardedCache was made for another mesh than the attention function's; pass the mesh "
                        "given to register()")
@@ -347,7 +344,7 @@ class USPAttentionFunction:
                 raise ValueError(f"usp_hal attention (transformers) cannot run this call: {why}")
             core = cache.ensure_core(mesh, q, k, v, self.attn_type)
             out = core.prefill(layer, self._module_for(mesh), q, k, v, causal=causal, softmax_scale=scaling,
-                               window_size=window, softcap=softcap)
+                               window_size=window, softcap=softcap, sinks=kwargs.get("s_aux"))
             return out, None
         core = cache.core
         if not problem:
@@ -361,7 +358,7 @@ class USPAttentionFunction:
                            f"{want.tolist()} (the cache holds {core.lengths(layer)} tokens per sequence); a second "
                            "prefill on a filled cache (chunked prefill) is not supported: reset() the cache first")
         out = core.decode(layer, q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
-                          softcap=softcap, mesh=mesh, problem=problem)
+                          softcap=softcap, mesh=mesh, problem=problem, sinks=kwargs.get("s_aux"))
         return out, None
 
 
