@@ -36,7 +36,7 @@ def test_mask_families_with_sinks_fp64(pools, split, fam):
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-@pytest.mark.parametrize("split", [(2, 1, 2), (4, 2, 2)], ids=lambda s: f"w{s[0]}-u{s[1]}r{s[2]}")
+@pytest.mark.parametrize("split", [(1, 1, 1), (2, 1, 2), (4, 2, 2)], ids=lambda s: f"w{s[0]}-u{s[1]}r{s[2]}")
 def test_documents_times_each_family(pools, split, fam):
     world, U, R = split
     _run(pools, world, U=U, R=R, layout="basic", fam=fam, docs=(13, 5, 22), causal=fam == "block_sparse",
