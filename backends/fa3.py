@@ -146,10 +146,7 @@ class _FA3Kernel:
     @staticmethod
     def _varlen(packing) -> dict:
         """The varlen arguments (q/k/v then hold the sequences back to back; the lse is [H, total_q])."""
-        if packing is None:
-            return {}
-        return dict(cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k, max_seqlen_q=packing.max_q,
-                    max_seqlen_k=packing.max_k)
+        return packing.flash_kwargs() if packing is not None else {}
 
     def forward(self, q, k, v, scale, causal, left, right, softcap, packing=None):
         if self.api == "new":

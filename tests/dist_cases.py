@@ -24,6 +24,26 @@ def _err(a: torch.Tensor, b: torch.Tensor, dtype, lse: bool = False) -> float:
     return compare(a, b, *tolerance(dtype, lse=lse))["worst"]
 
 
+def kernel_inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
+    """q ``[b, sq, h, d]``, k/v ``[b, sk, hkv, d]`` and dout in ``dtype``, from one seeded generator
+    (a kernel test's inputs: the reference sees exactly these values, upcast)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def error_of(fn):
+    """``"Type: message"`` of what ``fn()`` raises, or None (for cases that collect refusals)."""
+    try:
+        fn()
+    except Exception as exc:      # the refusals under test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def make_inputs(B, S, H, Hkv, D, dt, seed, alibi=False):
     """Global q, k, v, the output gradient (and alibi slopes), the same on every rank."""
     g = torch.Generator().manual_seed(seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import usp_hal
+from tests.dist_cases import error_of
 from usp_hal.reference import reference_attention, tolerance
 from usp_hal.serving import ShardedKVCache
 
@@ -152,14 +153,6 @@ def prefill_case(U=1, R=1, dtype="fp32", layout="zigzag", B=2, S=11, H=4, Hkv=2,
     return res
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as exc:      # the refusals under test
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
     """Bad decode calls, each refused on every rank together (a rank that went on alone would
     wait in the data all-gather and the case would time out); then a good call still works."""
@@ -180,35 +173,35 @@ def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
     q, k, v = _tokens(g, B, 1, H, Hkv, D, dt)
     res = {}
     other = _mesh(R, U) if U != R else _mesh(1, 1)
-    res["wrong_mesh"] = _error_of(lambda: fresh().decode(0, q, k, v, mesh=other))
+    res["wrong_mesh"] = error_of(lambda: fresh().decode(0, q, k, v, mesh=other))
     c = fresh()
     if rank == 1:
         c.layers[0].local[1] -= 1          # this rank lost a token the others believe it holds
-    res["length_differs"] = _error_of(lambda: c.decode(0, q, k, v))
+    res["length_differs"] = error_of(lambda: c.decode(0, q, k, v))
     c = fresh()
     if rank == 0:
         c.layers[0].total[0] += 1          # this rank believes the sequence is longer
-    res["table_differs"] = _error_of(lambda: c.decode(0, q, k, v))
-    res["new_keys_differ"] = _error_of(lambda: fresh().decode(0, q, k + rank, v))
-    res["options_differ"] = _error_of(lambda: fresh().decode(0, q, k, v, window_size=(rank + 1, 0)))
-    res["heads_mismatch"] = _error_of(lambda: fresh().decode(0, q[:, :, :H - 1] if rank == 0 else q, k, v))
-    res["softcap_on_sdpa"] = _error_of(lambda: fresh().decode(0, q, k, v, softcap=5.0))
-    res["needs_grad"] = _error_of(lambda: fresh().decode(0, q.clone().requires_grad_(), k, v))
-    res["layer_out_of_range"] = _error_of(lambda: fresh().decode(5, q, k, v))
-    res["empty_layer_ok"] = _error_of(lambda: fresh().decode(1, q, k, v))     # nothing cached: only the new token
-    res["prefill_twice"] = _error_of(lambda: fresh().load(0, K, V, [S, 3]))
+    res["table_differs"] = error_of(lambda: c.decode(0, q, k, v))
+    res["new_keys_differ"] = error_of(lambda: fresh().decode(0, q, k + rank, v))
+    res["options_differ"] = error_of(lambda: fresh().decode(0, q, k, v, window_size=(rank + 1, 0)))
+    res["heads_mismatch"] = error_of(lambda: fresh().decode(0, q[:, :, :H - 1] if rank == 0 else q, k, v))
+    res["softcap_on_sdpa"] = error_of(lambda: fresh().decode(0, q, k, v, softcap=5.0))
+    res["needs_grad"] = error_of(lambda: fresh().decode(0, q.clone().requires_grad_(), k, v))
+    res["layer_out_of_range"] = error_of(lambda: fresh().decode(5, q, k, v))
+    res["empty_layer_ok"] = error_of(lambda: fresh().decode(1, q, k, v))     # nothing cached: only the new token
+    res["prefill_twice"] = error_of(lambda: fresh().load(0, K, V, [S, 3]))
     # verify="step": layer 0 agrees, layer 1 checks itself against it; a rank whose layer 1 lost a
     # token flags it in the data all-gather, and every rank raises
     c = ShardedKVCache(mesh, num_layers=2, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dt,
                        block_size=2, attn_type="sdpa", verify="step")
     c.load(0, K, V, [S, 3])
     c.load(1, K, V, [S, 3])
-    res["step_layer0_ok"] = _error_of(lambda: c.decode(0, q, k, v))
-    res["step_layer1_ok"] = _error_of(lambda: c.decode(1, q, k, v))
-    res["step_layer0_again_ok"] = _error_of(lambda: c.decode(0, q, k, v))
+    res["step_layer0_ok"] = error_of(lambda: c.decode(0, q, k, v))
+    res["step_layer1_ok"] = error_of(lambda: c.decode(1, q, k, v))
+    res["step_layer0_again_ok"] = error_of(lambda: c.decode(0, q, k, v))
     if rank == 1:
         c.layers[1].local[0] -= 1
-    res["step_layer1_differs"] = _error_of(lambda: c.decode(1, q, k, v))
+    res["step_layer1_differs"] = error_of(lambda: c.decode(1, q, k, v))
     c = fresh()
     out = c.decode(0, q, k, v)
     ro, _ = reference_attention(q[:1], torch.cat([K[0], k[0]])[None], torch.cat([V[0], v[0]])[None], causal=True,
@@ -280,9 +273,9 @@ def generate_refusals(U=1, R=2, seed=0):
     batch = usp.shard_batch({"input_ids": prompt}, mesh)
     res = {}
     with torch.no_grad():
-        res["sampling"] = _error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=True))
-        res["beams"] = _error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
-        res["no_positions"] = _error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
-        res["no_max_new_tokens"] = _error_of(lambda: model.generate(**batch, max_length=30))
-        res["ok"] = _error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0))
+        res["sampling"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=True))
+        res["beams"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
+        res["no_positions"] = error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
+        res["no_max_new_tokens"] = error_of(lambda: model.generate(**batch, max_length=30))
+        res["ok"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0))
     return res

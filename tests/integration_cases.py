@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
-from tests.dist_cases import get_mesh
+from tests.dist_cases import error_of, get_mesh
 
 VOCAB = 256
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -150,14 +150,6 @@ def llama_label_control(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
             "right_padding_diff": abs(float(both[2]) - ref_padded)}
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as exc:      # the refusals under test
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def llama_refusals(U=1, R=2, B=2, S=24, seed=0):
     """Calls the transformers integration must refuse, each on every rank together (a rank that
     went on alone would hang the next collective, and the case would time out)."""
@@ -174,47 +166,47 @@ def llama_refusals(U=1, R=2, B=2, S=24, seed=0):
     local_len = batch["input_ids"].shape[1]
     res = {}
     with torch.no_grad():
-        res["no_position_ids"] = _error_of(lambda: model(input_ids=batch["input_ids"]))
+        res["no_position_ids"] = error_of(lambda: model(input_ids=batch["input_ids"]))
         mask = torch.ones(B, local_len, dtype=torch.long)
         if rank == 1:
             mask[0, 0] = 0       # padding on one rank only
-        res["padding_mask_one_rank"] = _error_of(lambda: model(**batch, attention_mask=mask))
-        res["ones_mask_ok"] = _error_of(lambda: model(**batch, attention_mask=torch.ones(B, local_len)))
+        res["padding_mask_one_rank"] = error_of(lambda: model(**batch, attention_mask=mask))
+        res["ones_mask_ok"] = error_of(lambda: model(**batch, attention_mask=torch.ones(B, local_len)))
         mask4 = torch.ones(B, 1, local_len, local_len, dtype=torch.bool).tril()
-        res["mask_4d"] = _error_of(lambda: model(**batch, attention_mask=mask4))
+        res["mask_4d"] = error_of(lambda: model(**batch, attention_mask=mask4))
         padded = torch.ones(B, S, dtype=torch.long)
         padded[1, -3:] = 0
-        res["shard_batch_padding"] = _error_of(
+        res["shard_batch_padding"] = error_of(
             lambda: usp.shard_batch({"input_ids": ids, "attention_mask": padded}, mesh, "zigzag"))
         basic = usp.shard_batch({"input_ids": ids}, mesh, "basic")
-        res["layout_mismatch"] = _error_of(lambda: model(**basic))
+        res["layout_mismatch"] = error_of(lambda: model(**basic))
         own = ids + rank
-        res["different_batches"] = _error_of(lambda: usp.shard_batch({"input_ids": own}, mesh, "zigzag"))
+        res["different_batches"] = error_of(lambda: usp.shard_batch({"input_ids": own}, mesh, "zigzag"))
 
         def generate_step():
             out = model(**batch, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             model(input_ids=nxt, position_ids=torch.full((B, 1), S), past_key_values=out.past_key_values,
                   use_cache=True)
-        res["kv_cache"] = _error_of(generate_step)
-        res["attentions"] = _error_of(lambda: model(**batch, output_attentions=True))
+        res["kv_cache"] = error_of(generate_step)
+        res["attentions"] = error_of(lambda: model(**batch, output_attentions=True))
         # packed sequences: boundaries that disagree, half of the collator's pair, positions that
         # restart per document handed to the model without their boundaries
         cu = (0, 9, 24)
         t = torch.tensor(cu, dtype=torch.int32)
-        res["packed_disagree"] = _error_of(lambda: usp.shard_batch(
+        res["packed_disagree"] = error_of(lambda: usp.shard_batch(
             {"input_ids": ids, "cu_seq_lens_q": t, "cu_seq_lens_k": t}, mesh, "zigzag", cu_seqlens=(0, 10, 24)))
-        res["packed_half"] = _error_of(lambda: usp.shard_batch({"input_ids": ids, "cu_seq_lens_q": t}, mesh,
+        res["packed_half"] = error_of(lambda: usp.shard_batch({"input_ids": ids, "cu_seq_lens_q": t}, mesh,
                                                                 "zigzag"))
         packed = usp.shard_batch({"input_ids": ids}, mesh, "zigzag", cu_seqlens=cu)
-        res["packed_without_boundaries"] = _error_of(
+        res["packed_without_boundaries"] = error_of(
             lambda: model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]))
-        res["packed_ok"] = _error_of(lambda: model(**packed))
-    res["unknown_attn_type"] = _error_of(lambda: usp.register("usp_hal_test_bad", attn_type="no_such_kernel"))
+        res["packed_ok"] = error_of(lambda: model(**packed))
+    res["unknown_attn_type"] = error_of(lambda: usp.register("usp_hal_test_bad", attn_type="no_such_kernel"))
     drop = tiny_llama(seed, num_hidden_layers=2, attention_dropout=0.1)
     drop.set_attn_implementation(name)
     drop.train()
-    res["dropout"] = _error_of(lambda: drop(**batch))
+    res["dropout"] = error_of(lambda: drop(**batch))
     with torch.no_grad():     # the group still works after every refusal
         local = model(**batch).logits
         ref = tiny_llama(seed, num_hidden_layers=2).eval()(input_ids=ids).logits
@@ -422,17 +414,17 @@ def flux_refusals(U=1, R=2, text_len=7, seed=0):
     handle = usp.parallelize(model, mesh, attn_type="sdpa")
     with torch.no_grad():
         mask = torch.ones(2, text_len + inputs["hidden_states"].shape[1], dtype=torch.bool)
-        res["attention_mask"] = _error_of(lambda: model(**inputs, joint_attention_kwargs={"attention_mask": mask}))
+        res["attention_mask"] = error_of(lambda: model(**inputs, joint_attention_kwargs={"attention_mask": mask}))
         block = model.single_transformer_blocks[0].attn
         original = block.processor
 
         def bypass(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
             return hidden_states          # attention that never calls dispatch_attention_fn
         block.processor = bypass
-        res["bypassing_processor"] = _error_of(lambda: model(**inputs))
+        res["bypassing_processor"] = error_of(lambda: model(**inputs))
         block.processor = original
-        res["twice"] = _error_of(lambda: usp.parallelize(model, mesh))
-        res["ids_3d"] = _error_of(lambda: model(**{**inputs, "txt_ids": inputs["txt_ids"][None]}))
+        res["twice"] = error_of(lambda: usp.parallelize(model, mesh))
+        res["ids_3d"] = error_of(lambda: model(**{**inputs, "txt_ids": inputs["txt_ids"][None]}))
         res["after_refusals_diff"] = _max_diff(model(**inputs).sample, want)
     handle.remove()
     with torch.no_grad():

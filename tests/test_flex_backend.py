@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import usp_hal
+from tests.dist_cases import kernel_inputs
 from usp_hal import platform
 from usp_hal.backend import Unsupported
 from usp_hal.backends import flex as flex_module
@@ -30,14 +31,7 @@ IDS = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", tor
 
 
 def _inputs(dtype, b=2, sq=13, sk=None, h=4, hkv=None, d=16, seed=0):
-    sk = sq if sk is None else sk
-    hkv = h if hkv is None else hkv
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    return q, k, v, dout
+    return kernel_inputs(b, sq, sq if sk is None else sk, h, h if hkv is None else hkv, d, dtype, seed)
 
 
 def _close(got, ref, dtype, what, lse=False):

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from tests.dist_cases import kernel_inputs
 from usp_hal.backends.sdpa import SDPABackend, normalize_cuda_lse
 from usp_hal.capabilities import AttnRequest
 from usp_hal.reference import TOLERANCES, reference_attention
@@ -16,14 +17,7 @@ KERNEL = SDPABackend()
 
 
 def _inputs(dtype, b=2, sq=24, sk=None, h=4, hkv=None, d=32, seed=0):
-    sk = sq if sk is None else sk
-    hkv = h if hkv is None else hkv
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    return q, k, v, dout
+    return kernel_inputs(b, sq, sq if sk is None else sk, h, h if hkv is None else hkv, d, dtype, seed)
 
 
 def _reference(q, k, v, dout, **kw):

@@ -42,6 +42,10 @@ class Packing:
     def total_q(self) -> int:
         return sum(self.q_lens)
 
+    def flash_kwargs(self) -> dict:
+        """The varlen keywords of the FlashAttention entry points (``cu_seqlens_q/k``, ``max_seqlen_q/k``)."""
+        return dict(cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k, max_seqlen_q=self.max_q, max_seqlen_k=self.max_k)
+
     @property
     def total_k(self) -> int:
         return sum(self.k_lens)

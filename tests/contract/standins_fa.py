@@ -827,13 +827,8 @@ def fa3_files(api: str, *, top_level: bool = True, op_namespace: "str | None" = 
 # ---------------------------------------------------------------------------------- test helpers
 def make_inputs(*, b=2, sq=16, sk=16, h=4, hkv=4, d=64, dtype, seed=0):
     """q, k, v, dout in ``dtype`` (the reference sees exactly these values, upcast)."""
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    return q, k, v, dout
+    from tests.dist_cases import kernel_inputs
+    return kernel_inputs(b, sq, sk, h, hkv, d, dtype, seed)
 
 
 def reference(q, k, v, dout, **kw):

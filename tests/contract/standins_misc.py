@@ -578,12 +578,8 @@ def install(tmp_path, monkeypatch, dist: str, version: str, files: dict):
 
 
 def make_inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    return q, k, v, dout
+    from tests.dist_cases import kernel_inputs
+    return kernel_inputs(b, sq, sk, h, hkv, d, dtype, seed)
 
 
 def reference(q, k, v, **kw):

@@ -1,0 +1,55 @@
+"""What the per-call cross-rank check costs: one small call, timed with the check on (the
+default), with ``check_ranks=False`` (the lengths are still exchanged) and with
+``static_shapes=True`` (checked once, then no host collective), in interleaved rounds on 2
+spawned gloo ranks.  Ring-2, basic layout, fp32, B=1, H=8, D=64, forward.
+
+Run from the repository root:
+
+    python -m benchmarks.agreement_cost            # S=512
+    python -m benchmarks.agreement_cost --seqlen 1024
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import usp_hal
+from benchmarks._ranks import run_on_ranks
+
+
+def job(S=512, U=1, R=2, rounds=40, calls=5):
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
+    mods = {"checked every call (default)": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh),
+            "check_ranks=False": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks=False),
+            "static_shapes=True": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, static_shapes=True)}
+    q, k, v = (torch.randn(1, S // (U * R), 8, 64) for _ in range(3))
+    times: dict = {name: [] for name in mods}
+    with torch.no_grad():
+        for _ in range(5):
+            for m in mods.values():
+                m(q, k, v)
+        for _ in range(rounds):
+            for name, m in mods.items():
+                t = time.perf_counter()
+                for _ in range(calls):
+                    m(q, k, v)
+                times[name].append((time.perf_counter() - t) / calls * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlen", type=int, default=512)
+    args = ap.parse_args(argv)
+    rows = run_on_ranks(job, world=2, S=args.seqlen)
+    print(f"Ring-2, S={args.seqlen}, forward: median ms per call over interleaved rounds (the slower rank)")
+    for name in rows[0]:
+        print(f"  {name:30s} {max(r[name] for r in rows):7.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
