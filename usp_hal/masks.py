@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -43,9 +44,8 @@ from .positions import Segment
 KINDS = ("full", "causal", "inv_causal", "bi_causal")
 EMPTY, FULL, PARTIAL = 0, 1, 2
 _HANDLES = itertools.count(1)
-#: masks by handle, for the compiled op (which carries its options as a string); the newest kept
-_BY_HANDLE: "Dict[int, Mask]" = {}
-_KEEP = 256
+#: live masks by handle, for the compiled op (which carries its options as a string)
+_BY_HANDLE: "weakref.WeakValueDictionary[int, Mask]" = weakref.WeakValueDictionary()
 
 __all__ = ["Mask", "KINDS", "prefix_lm", "block_causal", "chunked_local", "random_block_sparse", "sliding",
            "and_masks", "or_masks", "balanced_layout", "dense_mask", "mask_work", "plan_masked", "tile_size",
@@ -77,8 +77,6 @@ class Mask:
         self._tiles: Dict[Tuple, torch.Tensor] = {}
         #: an integer naming this mask in this process (how a compiled graph refers to it)
         self.handle: int = next(_HANDLES)
-        if len(_BY_HANDLE) >= _KEEP:
-            del _BY_HANDLE[min(_BY_HANDLE)]
         _BY_HANDLE[self.handle] = self
 
     @staticmethod
