@@ -356,3 +356,20 @@ def test_text_output_ends_with_the_per_backend_lines(capsys):
     assert rc == 0
     assert "Per backend (verified, refused, unavailable, failed, timeout):" in out
     assert re.search(r"^\s+sdpa\s+verified: \d+ case\(s\) pass", out, re.M)
+
+
+def test_a_backward_refused_on_this_device_is_shown_as_such(capsys):
+    # flex has a backward on CUDA but torch's CPU flex raises for inputs that require grad: the
+    # probe must not print "yes" for it on a CPU machine
+    rows = {r["name"]: r for r in verify.backend_rows()}
+    flex = rows.get("flex")
+    if flex is None or not flex["available"] or flex["device"] != "cpu":
+        pytest.skip("flex is not available on a CPU here")
+    assert flex["capabilities"]["backward"] and flex["here"]["backward"] is False
+    assert "backward on CPU" in flex["here"]["backward_reason"]
+    assert rows["sdpa"]["here"]["backward"] is True
+    assert main(["probe"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("flex "))
+    assert "no on cpu" in line, line
+    assert "Limits on this machine's device:" in out

@@ -79,12 +79,20 @@ def format_text(report: dict) -> str:
         if not c:
             rows.append([r["name"], "no", "-"] + ["?"] * (len(headers) - 3))
             continue
+        here = r.get("here") or {}
+        bwd = _yes(c["backward"])
+        if c["backward"] and here.get("backward") is False:
+            bwd = f"no on {r['device']}"          # the class has one, a declared limit refuses it here
         rows.append([r["name"], _yes(r["available"]), r["version"] or "-", _yes(c["forward"]),
-                     _yes(c["backward"]), _yes(c["lse"]), _yes(c["causal"]), _yes(c["window"]),
+                     bwd, _yes(c["lse"]), _yes(c["causal"]), _yes(c["window"]),
                      _yes(c["softcap"]), _yes(c["gqa"]), ",".join(c["dtypes"]), ",".join(c["devices"]),
                      _min_cc(c)])
     out += ["", "Backends (capabilities as declared; '?' = adapter could not be imported)",
             format_table(headers, rows)]
+    limited = [r for r in report["backends"] if (r.get("here") or {}).get("backward_reason")]
+    if limited:
+        out += ["", "Limits on this machine's device:"]
+        out += [f"  {r['name']}: {r['here']['backward_reason']}" for r in limited]
     missing = [r for r in report["backends"] if not r["available"]]
     if missing:
         out += ["", "Unavailable here:"]

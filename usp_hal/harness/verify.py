@@ -375,8 +375,24 @@ def backend_rows(registry=None) -> list:
             continue
         row.update(available=bool(avail.ok), reason=avail.reason, version=avail.version,
                    device=(avail.details or {}).get("device"))
+        if avail.ok and row["device"]:
+            row["here"] = _here(cls, row["device"])
         rows.append(row)
     return rows
+
+
+def _here(cls, device: str) -> dict:
+    """What the declared per-device limits leave of the class's capabilities on this machine's
+    device: ``{"backward": bool, "backward_reason": str}`` (a backward the class has but a
+    limit refuses here, e.g. flex on the CPU)."""
+    from ..capabilities import AttnRequest, sorted_dtypes
+    dtypes = sorted_dtypes(cls.SUPPORTED_DTYPES)
+    dtype = torch.float32 if torch.float32 in dtypes else (dtypes[0] if dtypes else torch.float32)
+    base = AttnRequest(dtype=dtype, device_type=device, head_dim=64, num_heads=1)
+    plain = set(cls.not_supported_reasons(base))
+    extra = [r for r in cls.not_supported_reasons(base.with_(needs_grad=True)) if r not in plain]
+    ok = bool(cls.HAS_BACKWARD) and not extra
+    return {"backward": ok, "backward_reason": "; ".join(extra)}
 
 
 def _probe_child(cmd: list, row0: dict, limit: float, late: str, failed: str, env=None) -> list:
