@@ -137,21 +137,18 @@ class SDPABackend(AttentionBackend):
                 return (out if out.dtype == q.dtype else out.to(q.dtype)), lse.contiguous()
         return out.transpose(1, 2).to(q.dtype), normalize_lse(lse, empty)
 
-    def _bound_forward(self, kw: dict, want_lse: bool):
+    def _bound_forward(self, q, kw: dict, want_lse: bool):
         """The CPU call without a mask in float32/float64: the op on transposed views, and the lse
         made contiguous only when the caller keeps it; anything else takes the general path."""
-        general = super()._bound_forward(kw, want_lse)
-        if self._needs_mask(kw["window"], kw["alibi_slopes"]):
+        general = super()._bound_forward(q, kw, want_lse)
+        if (self._needs_mask(kw["window"], kw["alibi_slopes"]) or device_type_of(q.device) != "cpu"
+                or q.dtype not in (torch.float32, torch.float64)):
             return general
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         scale, causal = kw["softmax_scale"], kw["causal"]
-        plain = (torch.float32, torch.float64)
-        seen: list = []  # the first call's device and dtype decide (a bound call keeps its signature)
 
         def call(q, k, v):
-            if not seen:
-                seen.append(q.device.type == "cpu" and q.dtype in plain)
-            if not seen[0] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
                 return general(q, k, v)
             out, lse = op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
             return out.transpose(1, 2), (lse.contiguous() if want_lse else lse)

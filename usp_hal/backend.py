@@ -343,11 +343,11 @@ class AttentionBackend:
         self._admit(q, k, v, causal, window, softcap, alibi_slopes, 0.0, False, False, key_offset)
         kw = dict(softmax_scale=float(softmax_scale), causal=bool(causal), window=window, softcap=softcap,
                   alibi_slopes=alibi_slopes, dropout_p=0.0, key_offset=key_offset)
-        return self._bound_forward(kw, want_lse)
+        return self._bound_forward(q, kw, want_lse)
 
-    def _bound_forward(self, kw: dict, want_lse: bool):
-        """The callable :meth:`bind` returns (adapters may specialise it; the default lays the
-        inputs out and calls ``kernel_forward``)."""
+    def _bound_forward(self, q, kw: dict, want_lse: bool):
+        """The callable :meth:`bind` returns for calls like ``q`` (adapters may specialise it by
+        its device and dtype; the default lays the inputs out and calls ``kernel_forward``)."""
         kernel, conform = self.kernel_forward, self._conform
         strided = type(self).INPUT_LAYOUT == "strided"
 

@@ -94,11 +94,9 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor], handle: int,
                           options: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .pipeline import one_group
-    from .ring import merge_dtype
     plan = _prepare(handle, q, k, v, alibi_slopes, options, True, needs_grad=True,
                     lengths=[int(x) for x in lengths.tolist()], head_groups=one_group)
-    dsinks = torch.zeros(sinks.shape, dtype=merge_dtype(sinks.dtype), device=sinks.device) \
-        if sinks is not None else None
+    dsinks = _run.sink_grad_buffer(sinks) if sinks is not None else None
     dq, dk, dv = _run.backward(plan, dout, seq=(q, k, v, out, lse), sinks=sinks, dsinks=dsinks)
     ds = dsinks.to(sinks.dtype) if dsinks is not None and sinks is not None else q.new_empty(0)
     return _unaliased((dq, dk, dv, ds), (dout, q, k, v, out, lse))

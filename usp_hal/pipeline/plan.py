@@ -57,7 +57,7 @@ class CallPlan:
     spec_lengths: Tuple[int, ...] = ()     # every rank's local length (sequence-parallel order)
     nan_guard: bool = True                 # the backend may hide a non-finite query: add the guard
     #: the forward of a call that is one kernel call and nothing else (one rank, or Ulysses
-    #: degree 1 with one ring rank): bound on its first use (``run.fast_forward``); False: none
+    #: degree 1 with one ring rank): bound on its first use (``run._bind_fast``); False: none
     fast: Any = None
 
     @property

@@ -52,6 +52,11 @@ def sink_grad(douth, outh, lse, sink):
     return -(p * d).sum((0, 1))
 
 
+def sink_grad_buffer(sinks):
+    """The zeroed merge-dtype buffer :func:`backward` adds each stage's sink gradient into."""
+    return torch.zeros(sinks.shape, dtype=merge_dtype(sinks.dtype), device=sinks.device)
+
+
 class Received:
     """Stage 0's head-layout q/k/v from all-to-alls the caller already started (the async
     projections path): ``wait()`` waits on each and gives ``(qh, kh, vh)``."""
@@ -180,24 +185,16 @@ class USPFunction(torch.autograd.Function):
                                "not supported: its saved head-layout tensors were freed by the first; run the "
                                "forward again")
         sinks = fctx.sinks
-        dsinks = torch.zeros(sinks.shape, dtype=merge_dtype(sinks.dtype), device=sinks.device) \
-            if sinks is not None and fctx.sinks_grad else None
+        dsinks = sink_grad_buffer(sinks) if sinks is not None and fctx.sinks_grad else None
         dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks)
         return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
 
 
-def fast_forward(plan: CallPlan, q, k, v):
+def _bind_fast(plan: CallPlan, q, k, v):
     """The forward of a plan whose call is exactly one kernel call on this rank's own tensors
     (one stage, nothing to exchange, one ring rank, one block call, no guard, mask or codec):
     the backend's bound call (:meth:`~usp_hal.backend.AttentionBackend.bind`), or None when
-    the plan is not of that kind (remembered in ``plan.fast``)."""
-    fast = plan.fast
-    if fast is None:
-        fast = plan.fast = _bind_fast(plan, q, k, v) or False
-    return fast or None
-
-
-def _bind_fast(plan: CallPlan, q, k, v):
+    the plan is not of that kind."""
     if len(plan.stages) != 1 or plan.nan_guard:
         return None
     st = plan.stages[0]
@@ -210,17 +207,13 @@ def _bind_fast(plan: CallPlan, q, k, v):
     if len(calls) != 1:
         return None
     c = calls[0]
-    if (c.q_start, c.q_stop, c.k_start, c.k_stop) != (0, q.shape[1], 0, k.shape[1]) or c.masked:
+    if (c.q_start, c.q_stop, c.k_start, c.k_stop) != (0, q.shape[1], 0, k.shape[1]):
         return None
     from ..backend import AttentionBackend
-    cls = type(plan.backend)
-    if getattr(cls, "forward", None) is not AttentionBackend.forward or not hasattr(cls, "bind"):
+    if type(plan.backend).forward is not AttentionBackend.forward:
         return None      # an adapter (or a test's counting subclass) with its own forward keeps it
-    bind = plan.backend.bind
-    kw = ring.kernel_kwargs(c, ring.ring_rank)
-    kw.pop("mask", None)
     want = plan.spec.return_lse
-    call = bind(q, k, v, want_lse=want, **kw)
+    call = plan.backend.bind(q, k, v, want_lse=want, **ring.kernel_kwargs(c, ring.ring_rank))
     mdt = merge_dtype(plan.dtype)
     dtype = plan.dtype
 
@@ -238,9 +231,10 @@ def run(plan: CallPlan, q, k, v, received: Optional[Received] = None, sinks=None
     """``(out, lse or None)``: through the autograd Function when the call needs gradients,
     else the forward alone (nothing saved)."""
     if not plan.spec.needs_grad and received is None and sinks is None and not HOOKS:
-        fast = plan.fast if plan.fast is not None else fast_forward(plan, q, k, v)
-        if fast:
-            return fast(q, k, v)
+        if plan.fast is None:      # bound on the plan's first forward-only call; False: not that kind
+            plan.fast = _bind_fast(plan, q, k, v) or False
+        if plan.fast:
+            return plan.fast(q, k, v)
     if plan.spec.needs_grad or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled()):
         return USPFunction.apply(q, k, v, sinks, plan, received)
     if not torch.is_grad_enabled():
