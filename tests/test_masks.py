@@ -192,3 +192,13 @@ def test_slices_are_classified_in_closed_form_exactly():
         assert torch.equal(fast, dense), slices
         checked += 1
     assert checked == 200
+
+
+def test_combined_masks_keep_exactly_the_combined_pairs():
+    pos = torch.arange(40)
+    a, b = M.prefix_lm(7), M.sliding(5, 2)
+    c = M.Mask.from_slices([((0, 20), (0, 40), "full"), ((20, 40), (10, 30), "causal")])
+    ka, kb, kc = (m.keep(pos, pos) for m in (a, b, c))
+    assert torch.equal(M.and_masks(a, b, c).keep(pos, pos), ka & kb & kc)
+    assert torch.equal(M.or_masks(a, b, c).keep(pos, pos), ka | kb | kc)
+    assert M.and_masks(a, b).fingerprint() != M.or_masks(a, b).fingerprint()

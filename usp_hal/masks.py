@@ -29,9 +29,11 @@ area (a greedy min-heap), so every rank scores about the same number of pairs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import itertools
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -49,7 +51,7 @@ _BY_HANDLE: "weakref.WeakValueDictionary[int, Mask]" = weakref.WeakValueDictiona
 
 __all__ = ["Mask", "KINDS", "prefix_lm", "block_causal", "chunked_local", "random_block_sparse", "sliding",
            "and_masks", "or_masks", "balanced_layout", "dense_mask", "mask_work", "plan_masked", "tile_size",
-           "ring_work", "Predicate"]
+           "ring_work", "masked_ring", "Predicate"]
 
 
 class Mask:
@@ -236,29 +238,22 @@ def random_block_sparse(seqlen: int, block: int, density: float, seed: int = 0) 
 
 def and_masks(*masks: Mask) -> Mask:
     """Pairs every mask keeps."""
-    ms = tuple(Mask.of(m) for m in masks)
-
-    def and_mod(b, h, q, kv):
-        out = ms[0].fn(b, h, q, kv) if ms[0].fn is not None else _slices_mod(ms[0], q, kv)
-        for m in ms[1:]:
-            out = out & (m.fn(b, h, q, kv) if m.fn is not None else _slices_mod(m, q, kv))
-        return out
-    return Mask(fn=and_mod, name="and(" + ",".join(m.name for m in ms) + ")",
-                key=tuple(m.fingerprint() for m in ms), batch=_first(m.batch for m in ms),
-                heads=_first(m.heads for m in ms))
+    return _combine(masks, "and", operator.and_)
 
 
 def or_masks(*masks: Mask) -> Mask:
     """Pairs any mask keeps."""
+    return _combine(masks, "or", operator.or_)
+
+
+def _combine(masks, label: str, op) -> Mask:
     ms = tuple(Mask.of(m) for m in masks)
 
-    def or_mod(b, h, q, kv):
-        out = ms[0].fn(b, h, q, kv) if ms[0].fn is not None else _slices_mod(ms[0], q, kv)
-        for m in ms[1:]:
-            out = out | (m.fn(b, h, q, kv) if m.fn is not None else _slices_mod(m, q, kv))
-        return out
-    return Mask(fn=or_mod, name="or(" + ",".join(m.name for m in ms) + ")",
-                key=tuple(m.fingerprint() for m in ms), batch=_first(m.batch for m in ms),
+    def combined_mod(b, h, q, kv):
+        got = [m.fn(b, h, q, kv) if m.fn is not None else _slices_mod(m, q, kv) for m in ms]
+        return functools.reduce(op, got)
+    return Mask(fn=combined_mod, name=f"{label}(" + ",".join(m.name for m in ms) + ")",
+                key=(label,) + tuple(m.fingerprint() for m in ms), batch=_first(m.batch for m in ms),
                 heads=_first(m.heads for m in ms))
 
 
@@ -403,12 +398,12 @@ def _contiguous(segs: Sequence[Segment]) -> List[Tuple[int, int, int]]:
     return out
 
 
-def plan_masked(q_segs: Sequence[Segment], k_segs: Sequence[Segment], tiles: torch.Tensor, tile: int, *,
+def plan_masked(q_segs: Sequence[Segment], k_segs: Sequence[Segment], tiles, tile: int, *,
                 split_runs: bool = True) -> List[BlockCall]:
     """Kernel calls of local queries (``q_segs``) against one key block (``k_segs``) under a
     tile classification (:meth:`Predicate.tiles`).  ``split_runs=False`` (a kernel without
     an lse): one call per query band over its non-empty tiles, so no two calls share a row."""
-    classes = tiles.tolist()
+    classes = tiles.tolist() if isinstance(tiles, torch.Tensor) else tiles   # converted once by masked_ring
     calls: List[BlockCall] = []
     for qa, nq, qo in _contiguous(q_segs):
         for ka, nk, ko in _contiguous(k_segs):
@@ -477,6 +472,19 @@ def _local_positions(segs: Sequence[Segment]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+def masked_ring(pred: Predicate, segments: Sequence[Sequence[Segment]], seqlen: int, *, split_runs: bool = True):
+    """Every ring rank's calls against every source block under the predicate
+    (``[rank][src]`` lists of :class:`~usp_hal.blocks.BlockCall`), and whether no rank needs
+    another's keys (then the ring exchanges nothing)."""
+    tile = tile_size(seqlen)
+    classes = pred.tiles(seqlen, tile).tolist()
+    R = len(segments)
+    every = [[plan_masked(segments[a], segments[src], classes, tile, split_runs=split_runs) for src in range(R)]
+             for a in range(R)]
+    local = R > 1 and all(not every[a][b] for a in range(R) for b in range(R) if a != b)
+    return every, local
+
+
 def ring_work(mask, layout, seqlen: int, ring_size: int, causal: bool = False,
               cu_seqlens: Optional[Tuple[int, ...]] = None, split_runs: bool = True):
     """What the planner prices for a masked call: per ring rank, per step (step ``s`` meets
@@ -487,33 +495,29 @@ def ring_work(mask, layout, seqlen: int, ring_size: int, causal: bool = False,
     m = Mask.of(mask)
     cu = None if cu_seqlens is None else tuple(cu_seqlens)
     segs = [ring_segments(layout, seqlen, ring_size, r, cu_seqlens=cu) for r in range(ring_size)]
-    pred = Predicate(m, causal=bool(causal), cu_seqlens=cu)
-    tile = tile_size(seqlen)
-    tiles = pred.tiles(seqlen, tile)
+    every, local = masked_ring(Predicate(m, causal=bool(causal), cu_seqlens=cu), segs, seqlen,
+                               split_runs=split_runs)
     R = ring_size
-    every = [[plan_masked(segs[a], segs[src], tiles, tile, split_runs=split_runs) for src in range(R)]
-             for a in range(R)]
     steps = tuple(tuple(tuple((c.q_stop - c.q_start, c.k_stop - c.k_start, False) for c in every[r][(r - s) % R])
                         for s in range(R)) for r in range(R))
-    lengths = tuple(sum(x.count for x in sg) for sg in segs)
-    local = R > 1 and all(not every[a][b] for a in range(R) for b in range(R) if a != b)
-    return steps, lengths, local
+    return steps, tuple(sum(x.count for x in sg) for sg in segs), local
 
 
 # --------------------------------------------------------------------------------- balance
+def _area(pred: Predicate, start: int, stop: int, kpos: torch.Tensor) -> int:
+    """The (query, key) pairs the predicate keeps for queries ``start .. stop`` against ``kpos``
+    (any batch row or head), evaluated 1024 query rows at a time."""
+    total = 0
+    for a in range(start, stop, 1024):
+        z = min(stop, a + 1024)
+        total += int(pred.keep(torch.arange(a, z), kpos).any(0).any(0).sum())
+    return total
+
+
 def mask_work(pred: Predicate, segments: Sequence[Sequence[Segment]]) -> List[int]:
     """Per ring rank: the (query, key) pairs its rows score under the predicate (per batch row and head)."""
-    S = sum(s.count for segs in segments for s in segs)
-    kpos = torch.arange(S)
-    out = []
-    for segs in segments:
-        total = 0
-        for s in segs:
-            for a in range(s.start, s.start + s.count, 1024):
-                z = min(s.start + s.count, a + 1024)
-                total += int(pred.keep(torch.arange(a, z), kpos).any(0).any(0).sum())
-        out.append(total)
-    return out
+    kpos = torch.arange(sum(s.count for segs in segments for s in segs))
+    return [sum(_area(pred, s.start, s.start + s.count, kpos) for s in segs) for segs in segments]
 
 
 def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int = 8, causal: bool = False,
@@ -535,13 +539,7 @@ def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int =
     pred = Predicate(m, causal=bool(causal), cu_seqlens=cu)
     bounds = [S * i // C for i in range(C + 1)]
     kpos = torch.arange(S)
-    area = []
-    for i in range(C):
-        total = 0
-        for a in range(bounds[i], bounds[i + 1], 1024):
-            z = min(bounds[i + 1], a + 1024)
-            total += int(pred.keep(torch.arange(a, z), kpos).any(0).any(0).sum())
-        area.append(total)
+    area = [_area(pred, bounds[i], bounds[i + 1], kpos) for i in range(C)]
     heap = [(0, r) for r in range(R)]
     slots = [int(chunks_per_rank)] * R
     owner = [0] * C

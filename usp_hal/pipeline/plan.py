@@ -118,18 +118,13 @@ def masked_shape(mesh, spec: CallSpec, heads, per, segments, seqlen: int, cu, ma
     """The shape of a ``mask=`` call: every ring rank's calls against every block from the
     mask's tile classification (the same on every rank, so every rank checks every rank's
     blocks); a ring whose off-diagonal blocks are all empty exchanges no K/V."""
-    from ..masks import Predicate, plan_masked, tile_size
+    from ..masks import Predicate, masked_ring
     R, me = mesh.ring_degree, mesh.ring_rank
     pred = Predicate(mask, causal=spec.causal, window=(int(spec.window[0]), int(spec.window[1])), cu_seqlens=cu,
                      batch=spec.batch)
-    tile = tile_size(seqlen)
-    tiles = pred.tiles(seqlen, tile)
-    split = bool(getattr(backend, "RETURNS_LSE", True))
-    every = [[plan_masked(segments[a], segments[src], tiles, tile, split_runs=split) for src in range(R)]
-             for a in range(R)]
+    every, local_only = masked_ring(pred, segments, seqlen, split_runs=bool(getattr(backend, "RETURNS_LSE", True)))
     blocks = frozenset((c.q_stop - c.q_start, c.k_stop - c.k_start, False) for per_a in every for cs in per_a
                        for c in cs)
-    local_only = R > 1 and all(not every[a][src] for a in range(R) for src in range(R) if a != src)
     return Shape(heads, per, segments, tuple(sum(p) for p in per), {src: every[me][src] for src in range(R)},
                  blocks, local_only=local_only, cu=cu, predicate=pred)
 
