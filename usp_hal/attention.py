@@ -228,30 +228,18 @@ class LongContextAttention(torch.nn.Module):
         return (out, lse) if return_attn_probs else out
 
     def _with_mask(self, opts: CallOptions, mask, sinks: bool) -> CallOptions:
-        """``opts`` with the call's mask (one :class:`~usp_hal.masks.Mask` per mask_mod or
-        slice list object, kept so its tile classification is computed once) and sinks flag."""
-        m = None
-        if mask is not None:
+        """``opts`` with the call's mask and sinks flag, cached per (options, mask object, sinks):
+        a bare mask_mod or slice list becomes one :class:`~usp_hal.masks.Mask` per object, so
+        its tile classification is computed once."""
+        cache = self.__dict__.setdefault("_mask_options", {})
+        key = (opts, id(mask), sinks)
+        got = cache.get(key)
+        if got is None or got[0] is not mask:      # the object itself: an id may be reused
             from .masks import Mask
-            if isinstance(mask, Mask):
-                m = mask
-            else:
-                cache = self.__dict__.setdefault("_masks", {})
-                key = id(mask)
-                got = cache.get(key)
-                if got is None or got[0] is not mask:
-                    if len(cache) > 16:
-                        cache.clear()
-                    got = cache[key] = (mask, Mask.of(mask))
-                m = got[1]
-        key2 = (opts, id(m), sinks)
-        cache2 = self.__dict__.setdefault("_mask_options", {})
-        got2 = cache2.get(key2)
-        if got2 is None or got2[0] is not m:
-            if len(cache2) > 16:
-                cache2.clear()
-            got2 = cache2[key2] = (m, opts.with_(mask=m, sinks=sinks))
-        return got2[1]
+            if len(cache) > 16:
+                cache.clear()
+            got = cache[key] = (mask, opts.with_(mask=Mask.of(mask) if mask is not None else None, sinks=sinks))
+        return got[1]
 
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
         return [heads]
