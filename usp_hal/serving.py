@@ -53,6 +53,7 @@ from .comm import agree, all_gather_bytes, all_gather_single, collective, digest
 from .positions import Segment, check_layout, ring_segments
 from .registry import REGISTRY
 from .ring import merge_block, merge_dtype
+from .spec import TensorDigests
 from .ulysses import head_plan
 
 __all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
@@ -209,6 +210,7 @@ class ShardedKVCache:
         elif problem is not None:
             raise problem
         self._config_digest = digest_ints(config)
+        self._digests = TensorDigests()
         self.heads = head_plan(num_heads, hkv, m.ulysses_degree)
         u = m.ulysses_rank
         self.q_range = self.heads.q[u]
@@ -557,9 +559,10 @@ class ShardedKVCache:
         except (ValueError, TypeError, NotImplementedError) as exc:
             refusal = exc
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        # alibi slopes and sinks are the same tensors step after step: digested once per tensor version
         opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
-                _float_bits(scale), _fingerprint(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
-                _fingerprint(sinks) if isinstance(sinks, torch.Tensor) else 0]
+                _float_bits(scale), self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
+                self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0]
         failure: Optional[BaseException] = None
         step = self._step
         # a layer decoded for the first time agrees in full (layers may differ: a sliding-window layer

@@ -181,5 +181,24 @@ def digest_tensor(t: torch.Tensor) -> int:
     return ((h << 31) ^ h2) | 1
 
 
-__all__ = ["CallSpec", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
+class TensorDigests:
+    """:func:`digest_tensor` of small tensors that calls pass again and again (alibi slopes,
+    sink logits), cached per tensor object and version, so a reused tensor costs no
+    device->host copy after its first call."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._seen: Dict[tuple, int] = {}
+
+    def __call__(self, t: torch.Tensor) -> int:
+        key = (id(t), t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), t.dtype)
+        got = self._seen.get(key)
+        if got is None:
+            if len(self._seen) > self.limit:
+                self._seen.clear()
+            got = self._seen[key] = digest_tensor(t)
+        return got
+
+
+__all__ = ["CallSpec", "TensorDigests", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
            "field_index", "meta_length"]

@@ -23,7 +23,7 @@ import torch
 from ..capabilities import AttnRequest
 from ..comm import CommError
 from ..registry import REGISTRY
-from ..spec import CallSpec, digest_tensor
+from ..spec import CallSpec, TensorDigests
 from ..ulysses import HeadPlan
 from . import agree as _agree
 from . import plan as _plan
@@ -74,7 +74,7 @@ class Pipeline:
         self.backends: Dict[AttnRequest, Any] = {}
         self.shapes: dict = {}
         self.frozen: Optional[Tuple[CallSpec, list]] = None
-        self.digests: dict = {}
+        self.digests = TensorDigests(_LIMIT)
         self.checked_blocks: set = set()
         self.checked_layouts: set = set()
         self.metas: Dict[CallSpec, list] = {}
@@ -92,14 +92,8 @@ class Pipeline:
         return got
 
     def digest(self, t: torch.Tensor) -> int:
-        """Digest of small tensors (alibi slopes), cached per tensor object and version so a
-        reused tensor costs no device->host copy after its first call."""
-        key = (id(t), t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), t.dtype)
-        if key not in self.digests:
-            if len(self.digests) > _LIMIT:
-                self.digests.clear()
-            self.digests[key] = digest_tensor(t)
-        return self.digests[key]
+        """Digest of small tensors (alibi slopes), cached per tensor object and version."""
+        return self.digests(t)
 
     def meta_of(self, spec: CallSpec) -> list:
         got = self.metas.get(spec)
