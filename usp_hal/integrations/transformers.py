@@ -288,22 +288,17 @@ class USPAttentionFunction:
         elif problem:
             raise ValueError(f"usp_hal attention (transformers) cannot run this call: {problem}")
 
-        info = attention_mask if isinstance(attention_mask, MaskInfo) else None
-        if info is not None:
-            causal = info.causal
-        else:
-            causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
-        window = _window(kwargs.get("sliding_window"), info, causal)
-        softcap = kwargs.get("softcap")
+        causal, window, softcap = self._options(module, attention_mask, is_causal, kwargs)
         attn = self._module_for(mesh)
         # gpt-oss style sinks (s_aux, one logit per head): one more term of each row's denominator
         sinks = kwargs.get("s_aux")
         out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=float(dropout),
-                   softmax_scale=scaling, causal=causal, window_size=window,
-                   softcap=float(softcap) if softcap is not None else 0.0, cu_seqlens=cu, sinks=sinks)
+                   softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap, cu_seqlens=cu,
+                   sinks=sinks)
         return watch(out, mesh, "transformers attn_implementation='usp_hal'"), None
 
     def _options(self, module, attention_mask, is_causal, kwargs):
+        """``(causal, window, softcap)`` of a call, from the mask transformers asked for and the layer."""
         info = attention_mask if isinstance(attention_mask, MaskInfo) else None
         if info is not None:
             causal = info.causal
