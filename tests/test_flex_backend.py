@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import usp_hal
-from tests.dist_cases import kernel_inputs
+from tests.dist_cases import kernel_inputs, merged_key_blocks
 from usp_hal import platform
 from usp_hal.backend import Unsupported
 from usp_hal.backends import flex as flex_module
@@ -175,21 +175,16 @@ def test_flex_backward_reweights_to_the_merged_out_and_lse(monkeypatch):
     mask[..., 2, :] = False                                  # a row without keys anywhere
     kw = dict(softmax_scale=0.25, window=(8, 8), softcap=2.0)
     with platform.emulate("cuda", compute_capability=(9, 0)):
-        parts = [KERNEL.forward(q, k[:, a:z], v[:, a:z], key_offset=a, mask=mask[..., a:z], **kw)
-                 for a, z in ((0, 7), (7, sk))]
-        lse = torch.logaddexp(parts[0][1], parts[1][1])
-        weights = [torch.exp(pl - lse).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1) for _, pl in parts]
-        out = sum(po * w for (po, _), w in zip(parts, weights))
-        grads = [KERNEL.backward(dout, q, k[:, a:z], v[:, a:z], out, lse, key_offset=a, mask=mask[..., a:z], **kw)
-                 for a, z in ((0, 7), (7, sk))]
+        out, lse, dq, dk, dv, grads = merged_key_blocks(
+            KERNEL, q, k, v, dout, ((0, 7), (7, sk)), lambda a, z: {"key_offset": a, "mask": mask[..., a:z]}, **kw)
     qr, kr, vr = (x.to(torch.float64).requires_grad_() for x in (q, k, v))
     ref_out, ref_lse = reference_attention(qr, kr, vr, mask=mask, **kw)
     ref_grads = torch.autograd.grad(ref_out, (qr, kr, vr), dout.to(torch.float64))
     _close(out, ref_out.detach(), dtype, "merged out")
     _close(lse, ref_lse.detach(), dtype, "merged lse", lse=True)
-    _close(grads[0][0] + grads[1][0], ref_grads[0], dtype, "dq")
-    _close(torch.cat([grads[0][1], grads[1][1]], 1), ref_grads[1], dtype, "dk")
-    _close(torch.cat([grads[0][2], grads[1][2]], 1), ref_grads[2], dtype, "dv")
+    _close(dq, ref_grads[0], dtype, "dq")
+    _close(dk, ref_grads[1], dtype, "dk")
+    _close(dv, ref_grads[2], dtype, "dv")
     assert torch.count_nonzero(grads[0][0][:, 2]) == 0 and torch.count_nonzero(grads[1][0][:, 2]) == 0
 
 

@@ -23,6 +23,7 @@ import torch
 
 import usp_hal.platform
 import usp_hal.registry
+from tests.dist_cases import merged_key_blocks
 from usp_hal.backend import BackendUnavailable
 from usp_hal.backends.fa3 import FlashAttn3Backend
 from usp_hal.capabilities import AttnRequest
@@ -116,14 +117,7 @@ def test_contract_fa3_ring_merged_out_lse_in_backward(fa3, api):
     backend = fa3(api)
     q, k, v, dout = make_inputs(sk=24, h=4, hkv=2, d=40, dtype=dtype, seed=3)
     scale = 40 ** -0.5
-    blocks = [(k[:, :10], v[:, :10]), (k[:, 10:], v[:, 10:])]
-    parts = [backend.forward(q, kb, vb, softmax_scale=scale) for kb, vb in blocks]
-    lse = torch.logaddexp(parts[0][1], parts[1][1])
-    out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
-    grads = [backend.backward(dout, q, kb, vb, out, lse, softmax_scale=scale) for kb, vb in blocks]
-    dq = grads[0][0].float() + grads[1][0].float()
-    dk = torch.cat([grads[0][1], grads[1][1]], dim=1)
-    dv = torch.cat([grads[0][2], grads[1][2]], dim=1)
+    out, lse, dq, dk, dv, _ = merged_key_blocks(backend, q, k, v, dout, ((0, 10), (10, 24)), softmax_scale=scale)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, softmax_scale=scale)
     assert_matches(out, ref_out, dtype, "merged out")
     assert_matches(lse, ref_lse, dtype, "merged lse")

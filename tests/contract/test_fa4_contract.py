@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import usp_hal
+from tests.dist_cases import merged_key_blocks
 from usp_hal import platform
 from usp_hal.backend import Refusal
 from usp_hal.backends.fa4 import FlashAttn4Backend
@@ -120,17 +121,13 @@ def test_contract_fa4_ring_merged_out_lse_in_backward(fa4):
     dtype = torch.bfloat16
     q, k, v, dout = _inputs(dtype, sk=24, h=4, hkv=2, d=40, seed=3)
     scale = 40 ** -0.5
-    blocks = [(k[:, :10], v[:, :10]), (k[:, 10:], v[:, 10:])]
-    parts = [fa4.forward(q, kb, vb, softmax_scale=scale) for kb, vb in blocks]
-    lse = torch.logaddexp(parts[0][1], parts[1][1])
-    out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
-    grads = [fa4.backward(dout, q, kb, vb, out, lse, softmax_scale=scale) for kb, vb in blocks]
+    out, lse, dq, dk, dv, _ = merged_key_blocks(fa4, q, k, v, dout, ((0, 10), (10, 24)), softmax_scale=scale)
     ref = _reference(q, k, v, dout, softmax_scale=scale)
     _close(out, ref[0], dtype, "merged out")
     _close(lse, ref[1], dtype, "merged lse", lse=True)
-    _close(grads[0][0].float() + grads[1][0].float(), ref[2], dtype, "dq")
-    _close(torch.cat([grads[0][1], grads[1][1]], 1), ref[3], dtype, "dk")
-    _close(torch.cat([grads[0][2], grads[1][2]], 1), ref[4], dtype, "dv")
+    _close(dq, ref[2], dtype, "dq")
+    _close(dk, ref[3], dtype, "dk")
+    _close(dv, ref[4], dtype, "dv")
 
 
 def test_contract_fa4_rows_without_keys(fa4):
