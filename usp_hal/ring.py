@@ -16,6 +16,7 @@ import torch
 
 from .blocks import BlockCall, pack_groups, plan_blocks
 from .positions import Segment
+from .rotation import Accum
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rotation import Rotation
@@ -378,6 +379,7 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             else:
                 acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols],
                                                 **ctx.kernel_kwargs(c, src)))
+        del kb, vb      # so the block can go before the next one's hop allocates
     return acc.result()
 
 
@@ -398,26 +400,33 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
     one = _single_call(ctx, q, k)
     if one is not None and ctx.rotation.codecs is None:
         return kernel_backward(one, ctx.ring_rank, k, v)
-    dq = torch.zeros(q.shape, dtype=mdt, device=q.device)
+    # every accumulator starts empty: a kernel gradient over a whole block becomes it (no
+    # zeros, no add); each step's gradients, the K/V block and the sent partial dK/dV are let
+    # go as soon as they are used, before the next large allocation
+    dq = Accum(q.shape, mdt, q.device)
     rot = ctx.rotation
-    for step, (src, kb, vb) in enumerate(rot.blocks(k, v)):
+    b, step = q.shape[0], -1
+    for src, kb, vb in rot.blocks(k, v):     # (not enumerate: its cached tuple would keep the block alive)
+        step += 1
         part = rot.new_grad(src, k, v, mdt)
-        gk_acc, gv_acc = part.kv
         for c in ctx.steps(src):
             if isinstance(c, PackedCall):
                 gq, gk, gv = ctx.backend.backward_packed(
                     c.gather(dout, "q"), c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"), c.gather(out, "q"),
-                    c.gather_lse(lse), c.packing(q.shape[0], q.device), deterministic=ctx.deterministic,
+                    c.gather_lse(lse), c.packing(b, q.device), deterministic=ctx.deterministic,
                     **ctx.packed_kwargs(c))
-                c.scatter_add(dq, gq, "q")
-                c.scatter_add(gk_acc, gk, "k")
-                c.scatter_add(gv_acc, gv, "k")
-                continue
-            gq, gk, gv = kernel_backward(c, src, kb, vb)
-            dq[:, c.rows] += gq
-            gk_acc[:, c.cols] += gk
-            gv_acc[:, c.cols] += gv
+                dq.add(gq.view(b, -1, *gq.shape[1:]), c.q_span if c.q_span is not None else c.index("q", q.device))
+                gq = None
+                part.add(gk.view(b, -1, *gk.shape[1:]), gv.view(b, -1, *gv.shape[1:]),
+                         c.k_span if c.k_span is not None else c.index("k", k.device))
+            else:
+                gq, gk, gv = kernel_backward(c, src, kb, vb)
+                dq.add(gq, (c.q_start, c.q_stop))
+                gq = None
+                part.add(gk, gv, (c.k_start, c.k_stop))
+            gk = gv = None
+        del kb, vb
         rot.add_grad(step, src, part)
-    own = rot.own_grad()
-    dk, dv = own.kv
-    return dq, dk, dv
+        del part
+    dk, dv = rot.own_grad()
+    return dq.take(), dk, dv

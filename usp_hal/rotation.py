@@ -19,7 +19,7 @@ A new rotation is one class added to :data:`ROTATIONS`.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,103 @@ def _with_len(shape, n: int, seq_dim: int = 1):
     return tuple(s)
 
 
+# ------------------------------------------------------------------ gradient accumulators
+Where = Union[Tuple[int, int], torch.Tensor]
+"""Where a kernel's gradient piece falls along dim 1: a ``(start, stop)`` range, or an index tensor."""
+
+
+class Accum:
+    """One float accumulator ``[B, N, ...]`` (the merge dtype) summed from the kernel's
+    gradient pieces, allocated only when it must be.
+
+    The first piece that covers every position *becomes* the accumulator (converted to the
+    dtype only when it is not in it already: no zero buffer, no add); a piece over part of
+    the positions is kept as it is while it is the only one, so that :meth:`into` can add it
+    straight into another buffer (the partial dK/dV that arrived from the previous ring rank)
+    instead of into zeros; a second piece starts zeros and adds both.  Every sum is the one
+    a zeroed buffer would hold (``0 + x`` is ``x``)."""
+
+    __slots__ = ("shape", "dtype", "device", "full", "piece")
+
+    def __init__(self, shape, dtype: torch.dtype, device) -> None:
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.full: Optional[torch.Tensor] = None
+        self.piece: Optional[Tuple[torch.Tensor, Where]] = None
+
+    def add(self, g: torch.Tensor, where: Where) -> None:
+        """Add the piece ``g`` ``[B, n, ...]`` at ``where`` (dim 1)."""
+        if self.full is None:
+            if self.piece is None:
+                if isinstance(where, tuple) and where == (0, self.shape[1]) and tuple(g.shape) == self.shape:
+                    self.full = _owned(g, self.dtype)
+                else:
+                    self.piece = (g, where)
+                return
+            self.full = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            _add_at(self.full, *self.piece)
+            self.piece = None
+        _add_at(self.full, g, where)
+
+    def into(self, acc: torch.Tensor) -> torch.Tensor:
+        """``acc`` (full shape, this dtype) += what this holds, in place; returns ``acc``.
+        This accumulator is empty afterwards."""
+        if self.full is not None:
+            acc += self.full
+        elif self.piece is not None:
+            _add_at(acc, *self.piece)
+        self.full = self.piece = None
+        return acc
+
+    def take(self) -> torch.Tensor:
+        """The summed tensor (zeros where no piece fell); this accumulator is empty afterwards."""
+        got = self.full
+        if got is None:
+            got = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            if self.piece is not None:
+                _add_at(got, *self.piece)
+        self.full = self.piece = None
+        return got
+
+
+def _owned(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` as an accumulator of ``dtype`` that may be written in place: itself when it is in
+    the dtype, contiguous and alone in its storage, else a converted (or compact) copy."""
+    if g.dtype != dtype:
+        g = g.to(dtype)
+    if not g.is_contiguous():
+        return g.contiguous()
+    if g.untyped_storage().nbytes() != g.numel() * g.element_size():   # a view into a larger buffer
+        return g.clone()
+    return g
+
+
+def _add_at(acc: torch.Tensor, g: torch.Tensor, where: Where) -> None:
+    if isinstance(where, tuple):
+        acc[:, where[0]:where[1]] += g
+    else:
+        acc.index_add_(1, where, g.to(acc.dtype))
+
+
+class GradPart:
+    """This rank's part of one ring block's dK/dV: an :class:`Accum` for each."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k_shape, v_shape, dtype: torch.dtype, device) -> None:
+        self.k, self.v = Accum(k_shape, dtype, device), Accum(v_shape, dtype, device)
+
+    def add(self, gk: torch.Tensor, gv: torch.Tensor, where: Where) -> None:
+        self.k.add(gk, where)
+        self.v.add(gv, where)
+
+    def into(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` += this part, in place (what arrived from the previous rank, say)."""
+        return self.k.into(k), self.v.into(v)
+
+    def take(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.k.take(), self.v.take()
+
+
 # byte layout of a coded block: each codec part of k, then of v, 16-byte aligned
 def _coded_parts(shape, dtype, codec: Codec):
     probe = codec.encode(torch.empty((1,) * (len(shape) - 1) + (shape[-1],), dtype=dtype))
@@ -101,7 +198,7 @@ class Rotation:
         self.codecs = codecs if codecs and self.size > 1 and not all(c.identity for c in codecs) else None
         self.next = self.ring_ranks[(ring_rank + 1) % self.size]
         self.prev = self.ring_ranks[(ring_rank - 1) % self.size]
-        self._own: Optional[KVBlock] = None
+        self._own: Optional[GradPart] = None
 
     # ------------------------------------------------------------------ blocks
     def own_block(self, k, v) -> KVBlock:
@@ -124,22 +221,24 @@ class Rotation:
         kk, vv = self.local_kv(k, v)
         yield self.me, kk, vv
 
-    # ------------------------------------------------------------------ gradients
-    def new_grad(self, src: int, k, v, dtype) -> KVBlock:
-        """Zeroed float accumulators for the dK/dV of block ``src`` (one flat buffer)."""
-        n = self.lengths[src]
-        ks, vs = _with_len(k.shape, n), _with_len(v.shape, n)
-        buf = torch.zeros(_numel(ks) + _numel(vs), dtype=dtype, device=k.device)
-        return KVBlock(buf, ks, vs, dtype)
+    def block_done(self) -> None:
+        """The current block's kernels have run (its K/V is no longer needed here)."""
 
-    def add_grad(self, step: int, src: int, grad: KVBlock) -> None:
+    # ------------------------------------------------------------------ gradients
+    def new_grad(self, src: int, k, v, dtype) -> GradPart:
+        """This rank's (still empty) part of the dK/dV of block ``src``, in ``dtype``."""
+        n = self.lengths[src]
+        return GradPart(_with_len(k.shape, n), _with_len(v.shape, n), dtype, k.device)
+
+    def add_grad(self, step: int, src: int, grad: GradPart) -> None:
         """Hand over this rank's part of block ``src``'s dK/dV (after computing it)."""
         self._own = grad
 
-    def own_grad(self) -> KVBlock:
-        """After the loop: this rank's block's dK/dV summed over every ring rank."""
+    def own_grad(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """After the loop: this rank's block's (dK, dV) summed over every ring rank."""
         assert self._own is not None, "own_grad() before add_grad()"
-        return self._own
+        own, self._own = self._own, None
+        return own.take()
 
 
 class P2PRotation(Rotation):
@@ -165,72 +264,98 @@ class P2PRotation(Rotation):
                dist.P2POp(dist.irecv, recv[1], self.prev, self.group)]
         return collective(what, self.where, dist.batch_isend_irecv, ops)
 
+    #: the block in use, the next block in flight (block, works), whether the current block
+    #: still counts as in use, the partial dK/dV in flight to this rank (tensors, works)
+    _cur: Any = None
+    _hop: Any = None
+    _live = False
+    _incoming: Any = None
+
     def blocks(self, k, v):
+        """The block in use is held on the rotation (``_cur``), not in the generator, so that
+        :meth:`block_done` can let it go as soon as its kernels ran (before the backward's
+        dK/dV hop allocates); the next block travels while the current one computes."""
+        self._cur, self._hop, self._live = None, None, False
         if self.size == 1:
             yield from super().blocks(k, v)
             return
-        if self.codecs is None:
-            yield from self._plain_blocks(k, v)
-            return
         R, me = self.size, self.me
-        blk = self.own_block(k, v)
         label = "ring p2p rotation of K/V"
+        plain = self.codecs is None
+        # uncoded K and V travel as they are, side by side in one batch of p2p ops: no packing
+        # copy (none at all for contiguous inputs) and no buffer holding both
+        self._cur = ((k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous())
+                     if plain else self.own_block(k, v))
         for step in range(R):
             src = (me - step) % R
             if step < R - 1:   # the next block travels while this one computes
-                nxt = self._recv_like(blk, self.lengths[(src - 1) % R])
-                reqs = self._start(blk.buf, nxt.buf, label)
-            kk, vv = (k, v) if (step == 0 and self.codecs is None) else blk.kv
-            yield src, kk, vv
-            if step < R - 1:
-                wait(label, self.where, reqs)
-                blk = nxt
+                n, cur = self.lengths[(src - 1) % R], self._cur
+                if plain:
+                    nxt = (cur[0].new_empty(_with_len(cur[0].shape, n)),
+                           cur[1].new_empty(_with_len(cur[1].shape, n)))
+                    self._hop = (nxt, self._start_kv(cur, nxt, label))
+                else:
+                    nxt = self._recv_like(cur, n)
+                    self._hop = (nxt, self._start(cur.buf, nxt.buf, label))
+                del nxt, cur
+            self._live = True
+            if not plain:
+                yield (src,) + self._cur.kv
+            elif step == 0:
+                yield src, k, v
+            else:
+                yield (src,) + self._cur
+            self.block_done()          # a no-op when the backward's add_grad called it already
+        self._cur = None
 
-    def _plain_blocks(self, k, v):
-        """Uncoded K and V travel as they are, side by side in one batch of p2p ops: no packing
-        copy (none at all for contiguous inputs) and no buffer holding both."""
-        R, me = self.size, self.me
-        label = "ring p2p rotation of K/V"
-        cur = (k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous())
-        for step in range(R):
-            src = (me - step) % R
-            if step < R - 1:   # the next block travels while this one computes
-                n = self.lengths[(src - 1) % R]
-                nxt = (cur[0].new_empty(_with_len(cur[0].shape, n)), cur[1].new_empty(_with_len(cur[1].shape, n)))
-                reqs = self._start_kv(cur, nxt, label)
-            yield (src, k, v) if step == 0 else (src, cur[0], cur[1])
-            if step < R - 1:
-                wait(label, self.where, reqs)
-                cur = nxt
-        del cur
+    def block_done(self) -> None:
+        """Let the current block go (it may still be on its way to the next rank: the hop in
+        flight is waited for here, and the next block becomes the current one)."""
+        if not self._live:
+            return
+        self._live, self._cur = False, None
+        if self._hop is not None:
+            nxt, reqs = self._hop
+            self._hop = None
+            wait("ring p2p rotation of K/V", self.where, reqs)
+            del reqs
+            self._cur = nxt
+
+    def _arrived(self, label: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The partial dK/dV from the previous rank, once it (and this rank's last send) completed."""
+        inc, reqs = self._incoming
+        self._incoming = None
+        wait(label, self.where, reqs)
+        return inc
 
     def add_grad(self, step, src, grad):
+        self.block_done()
         if self.size == 1 or step == 0:
             self._own = grad
             self._incoming = None
             return
         label = "ring p2p hop of dK/dV (backward)"
         if self._incoming is not None:   # earlier ranks' part of this block, arrived meanwhile
-            inc, reqs = self._incoming
-            wait(label, self.where, reqs)
-            grad.buf += inc.buf
-        n_next = self.lengths[(src - 1) % self.size]
-        nxt = KVBlock(grad.buf.new_empty(_numel(_with_len(grad.k_shape, n_next)) +
-                                         _numel(_with_len(grad.v_shape, n_next))),
-                      _with_len(grad.k_shape, n_next), _with_len(grad.v_shape, n_next), grad.dtype)
-        self._incoming = (nxt, self._start(grad.buf, nxt.buf, label))
+            send = grad.into(*self._arrived(label))
+        else:
+            send = grad.take()
+        del grad
+        send = tuple(t if t.is_contiguous() else t.contiguous() for t in send)
+        n = self.lengths[(src - 1) % self.size]
+        recv = (send[0].new_empty(_with_len(send[0].shape, n)), send[1].new_empty(_with_len(send[1].shape, n)))
+        self._incoming = (recv, self._start_kv(send, recv, label))
 
     def own_grad(self):
+        own, self._own = self._own, None
+        assert own is not None, "own_grad() before add_grad()"
         if self.size > 1 and self._incoming is not None:   # every other rank's part of our block
-            inc, reqs = self._incoming
-            wait("ring p2p hop of dK/dV (backward)", self.where, reqs)
-            self._own.buf += inc.buf
-            self._incoming = None
-        return self._own
+            return own.into(*self._arrived("ring p2p hop of dK/dV (backward)"))
+        return own.take()
 
 
 class AllGatherRotation(Rotation):
     name = "allgather"
+    _grads: Dict[int, GradPart]
 
     def blocks(self, k, v):
         if self.size == 1:
@@ -281,33 +406,32 @@ class AllGatherRotation(Rotation):
         self._grads[src] = grad
 
     def own_grad(self):
+        grads, self._grads = self._grads, {}
         if self.size == 1:
-            return self._grads[self.me]
+            return grads[self.me].take()
         R, me = self.size, self.me
         width = max(self.lengths)
-        own = self._grads[me]
-        ks, vs = _with_len(own.k_shape, width), _with_len(own.v_shape, width)
+        own = grads[me]
+        ks, vs = _with_len(own.k.shape, width), _with_len(own.v.shape, width)
         n = _numel(ks) + _numel(vs)
-        send = own.buf.new_zeros(R * n)
-        for src, g in self._grads.items():
+        send = torch.zeros(R * n, dtype=own.k.dtype, device=own.k.device)
+        for src, g in grads.items():     # each part goes straight into its (zeroed, padded) slot
             blk = send.narrow(0, src * n, n)
-            gk = g.buf.narrow(0, 0, _numel(g.k_shape)).view(g.k_shape)
-            blk.narrow(0, 0, _numel(ks)).view(ks)[:, :g.k_shape[1]] = gk
-            blk.narrow(0, _numel(ks), _numel(vs)).view(vs)[:, :g.v_shape[1]] = \
-                g.buf.narrow(0, _numel(g.k_shape), _numel(g.v_shape)).view(g.v_shape)
+            g.into(blk.narrow(0, 0, _numel(ks)).view(ks)[:, :g.k.shape[1]],
+                   blk.narrow(0, _numel(ks), _numel(vs)).view(vs)[:, :g.v.shape[1]])
+        del grads, g
         recv = torch.empty_like(send)
         collective("ring all-to-all of dK/dV to their owners (backward)", self.where, dist.all_to_all_single,
                    recv, send, [n] * R, [n] * R, group=self.group)
+        del send
         total = recv.view(R, n).sum(0)
+        del recv
         ln = self.lengths[me]
-        dk = total.narrow(0, 0, _numel(ks)).view(ks)[:, :ln]
-        dv = total.narrow(0, _numel(ks), _numel(vs)).view(vs)[:, :ln]
-        buf = torch.empty(_numel(own.k_shape) + _numel(own.v_shape), dtype=own.dtype, device=own.buf.device)
-        out = KVBlock(buf, own.k_shape, own.v_shape, own.dtype)
-        ok, ov = out.kv
-        ok.copy_(dk)
-        ov.copy_(dv)
-        return out
+        dk = total.narrow(0, 0, _numel(ks)).view(ks)
+        dv = total.narrow(0, _numel(ks), _numel(vs)).view(vs)
+        if ln == width:
+            return dk, dv
+        return dk[:, :ln].contiguous(), dv[:, :ln].contiguous()
 
 
 ROTATIONS: Dict[str, Type[Rotation]] = {"p2p": P2PRotation, "allgather": AllGatherRotation}
