@@ -166,7 +166,8 @@ class Pending:
         self._work, self._finish, self._what, self._where = work, finish, what, where
 
     def wait(self):
-        wait(self._what, self._where, self._work)
+        if self._work is not None:
+            wait(self._what, self._where, self._work)
         return self._finish()
 
 
@@ -189,6 +190,15 @@ class UlyssesExchange:
         self.where = where
         self.codecs = {name: IDENTITY for name in ("q", "k", "v", "out")}
         self.codecs.update(codecs or {})
+        # steady state: what depends only on the plan, the lengths and the call's shapes is
+        # worked out once (see :class:`_Route`); a call looks its route up by shapes and dtypes
+        self._rows_to = [1] * self.size         # one block per destination (dim 0 of a gathered buffer)
+        self._lens = list(self.seq_lens)        # rows of a sequence-major buffer per rank
+        self._routes: dict = {}
+        self._labels: dict = {}
+        exp = plan.kv_expand[rank] if 0 <= rank < plan.size else None
+        self._expand = exp
+        self._expand_idx: dict = {}             # device -> the index tensor of ``exp``
 
     # ------------------------------------------------------------------ forward in
     def qkv_to_heads(self, q, k, v):
@@ -200,10 +210,19 @@ class UlyssesExchange:
         plan, me = self.plan, self.rank
         if self.size == 1:
             return _Done(self._local_qkv(q, k, v))
+        key = ("qkv", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._route_heads((q, k, v), (plan.q, plan.kv, plan.kv), ("q", "k", "v"))
+        label = self._labels.get(what)
+        if label is None:
+            label = self._labels[what] = f"Ulysses all-to-all of q/k/v ({what})"
+        if route:
+            recv, work = self._send_gathered(route, (q, k, v), async_op, label)
+            return Pending(work, lambda: self._finish_qkv(route, recv), label, self.where)
         parts, names = [_Part(q, plan.q)], ["q"]
         parts += [_Part(k, plan.kv), _Part(v, plan.kv)]
         names += ["k", "v"]
-        label = f"Ulysses all-to-all of q/k/v ({what})"
         enc = [self.codecs[n] for n in names]
         if all(c.identity for c in enc) and _homogeneous([q, k, v]):
             recv, work = self._heads_fast(parts, async_op, label)
@@ -241,11 +260,18 @@ class UlyssesExchange:
 
     def expand(self, qh, kh, vh):
         """Repeat KV heads for a rank whose query heads cut a GQA group (else as they are)."""
-        exp = self.plan.kv_expand[self.rank]
+        exp = self._expand
         if exp is not None:
-            idx = torch.tensor(exp, dtype=torch.long, device=kh.device)
+            idx = self._index(kh.device)
             kh, vh = kh.index_select(2, idx), vh.index_select(2, idx)
         return qh, kh, vh
+
+    def _index(self, device) -> torch.Tensor:
+        """``kv_expand`` of this rank as a long tensor on ``device`` (built once per device)."""
+        idx = self._expand_idx.get(device)
+        if idx is None:
+            idx = self._expand_idx[device] = torch.tensor(self._expand, dtype=torch.long, device=device)
+        return idx
 
     # ------------------------------------------------------------------ one tensor
     def start_heads(self, x: torch.Tensor, kind: str, *, async_op: bool = False,
@@ -263,9 +289,17 @@ class UlyssesExchange:
         label = f"Ulysses all-to-all of {name or kind} ({what})"
         codec = self.codecs[name or ("q" if kind == "q" else "k")]
         if codec.identity:
-            recv, work = self._heads_fast([_Part(x, rows)], async_op, label)
-            p = Pending(work, lambda: recv.permute(1, 0, 2, 3), label, self.where)
-            p.result = recv.permute(1, 0, 2, 3)
+            key = ("heads", kind, x.shape, x.dtype)
+            route = self._routes.get(key)
+            if route is None:
+                route = self._routes[key] = self._route_heads((x,), (rows,))
+            if route:
+                recv, work = self._send_gathered(route, (x,), async_op, label)
+            else:
+                recv, work = self._heads_fast([_Part(x, rows)], async_op, label)
+            res = recv.permute(1, 0, 2, 3)
+            p = Pending(work, lambda: res, label, self.where)
+            p.result = res
             return p
         pieces = codec.encode(x)
         unpack, work = self._heads_bytes([_Part(t, rows) for t in pieces], async_op, label)
@@ -350,6 +384,13 @@ class UlyssesExchange:
             return _Done((local, lse, out if keep_heads else None))
         label = "Ulysses all-to-all of the output (forward)"
         codec = self.codecs["out"]
+        if lse is None:
+            key = ("out", out.shape, out.dtype, dtype)
+            route = self._routes.get(key)
+            if route is None:
+                route = self._routes[key] = self._route_out(out)
+            if route and (into is not None or route.tiles):
+                return self._start_out_routed(route, out, dtype, q_guard, keep_heads, into, async_op, label)
         if lse is None and codec.identity:
             # the converted output, sequence-major, is the send buffer: chunk u = rows of u
             send = torch.empty((self.total, b, h, dv), dtype=dtype, device=out.device)
@@ -399,7 +440,14 @@ class UlyssesExchange:
             a, c = plan.q[0]
             return _Done(dout if (a, c) == (0, dout.shape[2]) else dout.narrow(2, a, c - a))
         label = "Ulysses all-to-all of the output gradient (backward)"
-        recv, work = self._heads_fast([_Part(dout, plan.q)], async_op, label)
+        key = ("dout", dout.shape, dout.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._route_heads((dout,), (plan.q,))
+        if route:
+            recv, work = self._send_gathered(route, (dout,), async_op, label)
+        else:
+            recv, work = self._heads_fast([_Part(dout, plan.q)], async_op, label)
         return Pending(work, lambda: recv.permute(1, 0, 2, 3), label, self.where)
 
     def grads_to_seq(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype):
@@ -425,7 +473,7 @@ class UlyssesExchange:
         exp = plan.kv_expand[me]
         if exp is not None:   # repeated KV heads: sum their gradients back to the distinct ones
             a, c = plan.kv[me]
-            idx = torch.tensor(exp, dtype=torch.long, device=dk.device)
+            idx = self._index(dk.device)
             dk = dk.new_zeros(dk.shape[0], dk.shape[1], c - a, dk.shape[3]).index_add_(2, idx, dk)
             dv = dv.new_zeros(dv.shape[0], dv.shape[1], c - a, dv.shape[3]).index_add_(2, idx, dv)
         if self.size == 1:
@@ -483,6 +531,93 @@ class UlyssesExchange:
                                        into=None if into is None else [into[1], into[2]])
             return gq, gk, gv
         return Pending(work, finish_bytes, label, self.where)
+
+    # ------------------------------------------------------------------ routes (steady state)
+    def _route_heads(self, xs, rows_per, names: Optional[Sequence[str]] = None):
+        """The :class:`_Route` of a sequence -> heads exchange of these tensors (their shapes
+        and dtypes), or False when the general path must run: a codec that is not the
+        identity (``names``: the tensors' codecs; None: full precision whatever the codecs),
+        tensors that cannot share one buffer along heads, or a rank whose heads of some
+        tensor do not follow the same pattern as every other rank's (:func:`_regular`)."""
+        if names is not None and not all(self.codecs[n].identity for n in names):
+            return False
+        x0 = xs[0]
+        if any(x.dim() != 4 or x.shape[1] != x0.shape[1] for x in xs) or not _homogeneous(xs):
+            return False
+        b, s, _, d = x0.shape
+        views, widths = [], []
+        for x, rows in zip(xs, rows_per):
+            reg = _regular(rows, x.shape[2])
+            if reg is None:
+                return False
+            off, step, w = reg
+            views.append(((self.size, s, b, w, d), off, step))
+            widths.append(w)
+        return _Route(views, (self.total, b, sum(widths), d), widths)
+
+    def _send_gathered(self, route: "_Route", xs, async_op: bool, label: str):
+        """Sequence -> heads along a route: every tensor's heads for every destination as one
+        strided view (destinations outermost), side by side in ONE copy (``cat``), one
+        all-to-all of whole blocks; returns (the ``[S, B, W, d]`` receive buffer, the work)."""
+        views = [_strided(x, size, off, step) for x, (size, off, step) in zip(xs, route.views)]
+        buf = torch.cat(views, 3)
+        if not buf.is_contiguous():
+            buf = buf.contiguous()
+        recv = torch.empty(route.recv_shape, dtype=buf.dtype, device=buf.device)
+        work = collective(label, self.where, dist.all_to_all_single, recv, buf, self._lens, self._rows_to,
+                          group=self.group, async_op=async_op)
+        return recv, work
+
+    def _finish_qkv(self, route: "_Route", recv: torch.Tensor):
+        qh, kh, vh = recv.permute(1, 0, 2, 3).split_with_sizes(route.widths, 2)
+        return self.expand(qh, kh, vh)
+
+    def _route_out(self, out: torch.Tensor):
+        """The :class:`_Route` of the output's heads -> sequence exchange (identity codec,
+        no lse) for ``out`` of this shape, or False (the general path)."""
+        if not self.codecs["out"].identity or out.dim() != 4:
+            return False
+        plan = self.plan
+        reg = _regular(plan.q, plan.num_heads)
+        if reg is None:
+            return False
+        off, step, w = reg
+        b, S, h, dv = out.shape
+        if step < w or h != w or S != self.total:
+            return False
+        s_me = self.seq_lens[self.rank]
+        shape = (self.size, s_me, b, w, dv)
+        route = _Route([(shape, off, step)], shape, None)
+        route.result_shape = (b, s_me, plan.num_heads, dv)
+        route.tiles = off == 0 and step == w and self.size * w == plan.num_heads
+        return route
+
+    def _start_out_routed(self, route: "_Route", out, dtype, q_guard, keep_heads: bool, into, async_op: bool,
+                          label: str) -> "Pending":
+        """:meth:`start_out` along a route: the output in ``dtype``, sequence-major, is the
+        send buffer (the kernel's own output when it already is that: same dtype, no guard,
+        ``[S, B]`` contiguous); the receive buffer, destinations outermost, lands in the
+        result with one copy (a new ``[B, s, H, Dv]``, or this plan's heads of ``into``)."""
+        if q_guard is None and out.dtype == dtype:
+            send = out.transpose(0, 1)
+            if not send.is_contiguous():
+                send = send.contiguous()
+        else:
+            b, _, h, dv = out.shape
+            send = torch.empty((self.total, b, h, dv), dtype=dtype, device=out.device)
+            _convert(out, dtype, q_guard, into=send.permute(1, 0, 2, 3))
+        recv = torch.empty(route.recv_shape, dtype=dtype, device=out.device)
+        work = collective(label, self.where, dist.all_to_all_single, recv, send, self._rows_to, self._lens,
+                          group=self.group, async_op=async_op)
+
+        def finish():
+            # a new tensor (never a view: the caller may return it from an autograd Function
+            # and have it modified in place), or this plan's heads of ``into``
+            local = torch.empty(route.result_shape, dtype=dtype, device=out.device) if into is None else into
+            (size, off, step), = route.views
+            _strided(local, size, off, step).copy_(recv)
+            return local, None, (send.permute(1, 0, 2, 3) if keep_heads else None)
+        return Pending(work, finish, label, self.where)
 
     # ------------------------------------------------------------------ the collectives
     def _heads_fast(self, parts: List[_Part], async_op: bool, label: str):
@@ -678,6 +813,47 @@ class _Done(Pending):
 
     def wait(self):
         return self.value
+
+
+class _Route:
+    """What one exchange does for given shapes and dtypes, worked out once per exchange.
+
+    ``views``: per tensor, ``(size, off, step)``: the ``[U, s, B, w, d]`` strided view of
+    the ``[B, s, H, d]`` tensor (``H`` its heads) whose ``u``-th block holds heads ``off +
+    u * step`` .. ``+ w`` (see :func:`_strided`); ``recv_shape``: the receive buffer;
+    ``widths``: per tensor, the heads each rank receives (sequence -> heads).  For the
+    output (heads -> sequence): ``result_shape``, and ``tiles`` when the ranks' heads tile
+    ``[0, H)`` in rank order (the result can be a new tensor rather than ``into``).
+    """
+
+    __slots__ = ("views", "recv_shape", "widths", "result_shape", "tiles")
+
+    def __init__(self, views, recv_shape, widths):
+        self.views, self.recv_shape, self.widths = views, recv_shape, widths
+        self.result_shape: Tuple[int, ...] = ()
+        self.tiles = False
+
+
+def _regular(rows, total: int) -> Optional[Tuple[int, int, int]]:
+    """``(off, step, w)`` when rank ``u`` holds heads ``off + u * step`` .. ``+ w`` of
+    ``total`` (``w > 0``; ``step`` 0 when every rank holds the same heads): the pattern one
+    strided view takes.  None otherwise (uneven counts, a rank without heads)."""
+    a0, c0 = rows[0]
+    w = c0 - a0
+    step = rows[1][0] - a0 if len(rows) > 1 else 0
+    if w <= 0 or step < 0 or a0 < 0 or a0 + (len(rows) - 1) * step + w > total:
+        return None
+    for u, (a, c) in enumerate(rows):
+        if a != a0 + u * step or c != a + w:
+            return None
+    return a0, step, w
+
+
+def _strided(x: torch.Tensor, size, off: int, step: int) -> torch.Tensor:
+    """The ``[U, s, B, w, d]`` view ``size`` of ``x`` ``[B, s, H, d]`` (any strides) whose
+    block ``u`` is heads ``off + u * step`` .. ``+ w``, sequence-major."""
+    sb, ss, sh, sd = x.stride()
+    return x.as_strided(size, (step * sh, ss, sb, sh, sd), x.storage_offset() + off * sh)
 
 
 def _even_width(rows, total: int, size: int) -> Optional[int]:
