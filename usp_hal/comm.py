@@ -16,9 +16,11 @@ collective, so none waits in it.
 """
 from __future__ import annotations
 
+import array
 import builtins
 import datetime
 import struct
+import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -42,12 +44,16 @@ def group_timeout(group) -> Optional[datetime.timedelta]:
     return None
 
 
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
 def collective(what: str, where: str, fn: Callable, *args, **kwargs):
     """Run one collective; any failure becomes a :class:`CommError` naming ``what`` and ``where``.
     Under ``torch.profiler`` the call is labelled ``usp_hal: <what>`` in the trace (the check
-    costs ~40 ns when no profiler runs; the label itself, ~7 us, only while one does)."""
+    costs ~40 ns when no profiler runs; the label itself, ~7 us, only while one does).  The
+    steady state builds no string: names are formatted only for a trace or an error."""
     try:
-        if torch._C._autograd._profiler_enabled():
+        if _profiler_enabled():
             with torch.profiler.record_function(f"usp_hal: {what}"):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
@@ -58,13 +64,23 @@ def collective(what: str, where: str, fn: Callable, *args, **kwargs):
 
 
 def wait(what: str, where: str, works) -> None:
-    """Wait on the work handle(s) of an asynchronous collective, naming it on failure."""
+    """Wait on the work handle(s) of an asynchronous collective, naming it (``wait for
+    <what>``) in a trace and on failure."""
     if works is None:
         return
     if not isinstance(works, (list, tuple)):
         works = [works]
     for w in works:
-        collective(f"wait for {what}", where, w.wait)
+        try:
+            if _profiler_enabled():
+                with torch.profiler.record_function(f"usp_hal: wait for {what}"):
+                    w.wait()
+            else:
+                w.wait()
+        except CommError:
+            raise
+        except RuntimeError as exc:
+            raise CommError(f"wait for {what} on the {where} failed: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -87,6 +103,38 @@ def digest_ints(values: Sequence[int]) -> int:
     length data (document boundaries, a batch's fingerprints) enters a fixed-length vector."""
     raw = struct.pack(f"<{len(values)}q", *[int(v) for v in values]) if values else b""
     return ((zlib.crc32(raw) << 31) ^ zlib.adler32(raw)) | 1
+
+
+#: per process group: ``[its size, the device of its small host-side exchanges or None
+#: until asked]``; neither changes while the group lives, and each costs microseconds to
+#: ask for on every call
+_GROUP_INFO: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+
+
+def _group_info(group) -> list:
+    pg = group if group is not None else dist.group.WORLD
+    info = _GROUP_INFO.get(pg) if pg is not None else None
+    if info is None:
+        info = [dist.get_world_size(group), None]
+        if pg is not None:
+            try:
+                _GROUP_INFO[pg] = info
+            except TypeError:        # a group object that takes no weak reference: asked every call
+                pass
+    return info
+
+
+def _group_size(group) -> int:
+    """``dist.get_world_size(group)``, asked once per group."""
+    return _group_info(group)[0]
+
+
+def _group_meta(group) -> tuple:
+    """``(_meta_device(group), dist.get_world_size(group))``, asked once per group."""
+    info = _group_info(group)
+    if info[1] is None:
+        info[1] = _meta_device(group)
+    return info[1], info[0]
 
 
 def _meta_device(group) -> torch.device:
@@ -113,11 +161,23 @@ _all_gather_single = all_gather_single     # the former private name (rotation, 
 def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata all-gather",
                     where: str = "sequence-parallel group") -> List[List[int]]:
     """Every rank's list of integers (all the same length), in group-rank order."""
-    t = torch.tensor(list(values), dtype=torch.long, device=_meta_device(group))
-    n = dist.get_world_size(group)
-    out = torch.empty(n * t.numel(), dtype=torch.long, device=t.device)
-    collective(what, where, all_gather_single, out, t, group=group)
-    return out.view(n, -1).tolist()
+    device, n = _group_meta(group)
+    vals = values if isinstance(values, (list, tuple)) else list(values)
+    t = None
+    if device.type == "cpu" and len(vals):
+        try:   # int64 straight from a C array: several times cheaper than from a list of ints
+            t = torch.frombuffer(array.array("q", vals), dtype=torch.long)
+        except (TypeError, OverflowError, ValueError):
+            t = None      # not plain int64 values: as torch.tensor takes them (or refuses them)
+    if t is None:
+        t = torch.tensor(list(vals), dtype=torch.long, device=device)
+    m = t.numel()
+    out = torch.empty(n * m, dtype=torch.long, device=t.device)
+    # as all_gather_single() does, looked up at call time (wrappers installed on dist see it)
+    collective(what, where, getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, out, t,
+               group=group)
+    flat = out.tolist()
+    return [flat[i * m:(i + 1) * m] for i in range(n)]
 
 
 def all_gather_bytes(data: bytes, group=None, *, what: str = "message all-gather",
@@ -229,12 +289,12 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     text = _problem_text(problem)
     row: List[int] = []
     try:
-        row = [int(v) for v in values]
+        row = list(map(int, values))
     except (TypeError, ValueError) as exc:
         text = text or f"{what}: the agreement values are not integers ({exc})"
     n_values = len(row) if width is None else int(width)
     row = (row + [0] * n_values)[:n_values]
-    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+    single = not (dist.is_available() and dist.is_initialized()) or _group_size(group) == 1
     if single:
         if text:
             if isinstance(problem, BaseException):
@@ -261,7 +321,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
             if isinstance(problem, BaseException):
                 raise err from problem
             raise err
-        rows = [list(r[1:]) for r in gathered]
+        rows = [r[1:] for r in gathered]      # all_gather_ints gives lists: slices are new lists
     diffs = _differences(rows, same, ranks if ranks is not None else _group_ranks(group, len(rows))) \
         if same else []
     if not diffs and check is not None:
