@@ -76,7 +76,7 @@ def make_inputs(B, S, H, Hkv, D, dt, seed, alibi=False):
 
 def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, dtype="fp32", B=1, S=16, H=4,
              Hkv=None, D=8, window=(-1, -1), softcap=0.0, alibi=False, grad=True, return_lse=True, seed=0,
-             attn_type="sdpa", scale=None, head_chunks=None):
+             attn_type="sdpa", scale=None, head_chunks=None, low_memory=False):
     """Sharded USP attention vs the float64 single-process reference on this rank's part.
     Returns {name: normalised error} (<= 1 passes)."""
     mesh = get_mesh(U, R, low)
@@ -94,7 +94,8 @@ def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, d
 
     ql, kl, vl = (sh(x).requires_grad_(grad) for x in (q, k, v))
     if head_chunks is None:
-        attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh, rotation=rotation)
+        attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh, rotation=rotation,
+                                            low_memory=low_memory)
     else:
         attn = usp_hal.AsyncLongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh,
                                                  rotation=rotation, head_chunks=head_chunks)

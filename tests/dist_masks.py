@@ -111,8 +111,10 @@ def mask_case(U=1, R=1, low=True, layout="basic", fam="prefix_lm", causal=False,
     kw_mod = dict(ring_impl_type=layout, attn_type=attn_type, mesh=mesh)
     if fp8:                # the lossy wire: compared as RMS error against the budget, like every fp8 case
         kw_mod.update(ulysses_float8=True, ring_float8=True)
-    attn = usp_hal.AsyncLongContextAttention(head_chunks=2, **kw_mod) if module == "async" else \
-        usp_hal.LongContextAttention(**kw_mod)
+    if module == "async":
+        attn = usp_hal.AsyncLongContextAttention(head_chunks=2, **kw_mod)
+    else:
+        attn = usp_hal.LongContextAttention(low_memory=module == "low_memory", **kw_mod)
     q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed, alibi)
     g = torch.Generator().manual_seed(seed + 99)
     sink = (torch.randn(H, generator=g) * 2).to(dt) if sinks else None

@@ -8,7 +8,7 @@ op (:mod:`usp_hal.compiled`) over the same pipeline.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -53,6 +53,15 @@ class LongContextAttention(torch.nn.Module):
     registered codec (``usp_hal.codec.register_codec``) per tensor: keys ``q``, ``k``, ``v``,
     ``out`` (Ulysses) and ``ring_k``, ``ring_v`` (ring blocks), values codec names.
 
+    ``low_memory``: trade time for a smaller per-rank peak.  The heads are split into
+    groups (``True``: as many as the heads allow, one KV group per rank and group; an int:
+    that many) that run one after another, each group's exchange buffers, K/V blocks and
+    accumulators gone before the next starts; the forward keeps only sequence-layout
+    tensors (its inputs, its output and the lse), and the backward moves each group's
+    q/k/v/out/dout to the head layout again.  Same results; more collectives and kernel
+    calls (one set per group), and with Ulysses the backward moves q/k/v/out again.  See
+    docs/performance.md for what it saves and costs.
+
     Note on layouts: lengths alone cannot tell a zigzag shard from a basic one of the same
     size.  Shard inputs with ``usp_hal.shard(x, layout=ring_impl_type)``; to have every call
     verify it, pass ``positions=mesh.local_positions(S, layout)`` (a debugging aid).
@@ -71,8 +80,10 @@ class LongContextAttention(torch.nn.Module):
                  attn_processor=None, *, mesh: Optional[SequenceParallelMesh] = None,
                  rotation: str = "p2p", check_ranks: bool = True, static_shapes: bool = False,
                  ulysses_float8: bool = False, float8_key: bool = False, ring_float8: bool = False,
-                 q_descale=None, k_descale=None, v_descale=None, wire_codecs: Optional[Dict[str, str]] = None):
+                 q_descale=None, k_descale=None, v_descale=None, wire_codecs: Optional[Dict[str, str]] = None,
+                 low_memory: Union[bool, int] = False):
         super().__init__()
+        self.low_memory = _low_memory_chunks(low_memory)
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError(
                 f"scatter_idx={scatter_idx}, gather_idx={gather_idx}: only the [B, S, H, D] layout "
@@ -97,7 +108,8 @@ class LongContextAttention(torch.nn.Module):
             (wire if name in wire else ring_wire)[name] = codec_name
         self._pipe = Pipeline(layout=layout, rotation_cls=rotation_cls, attn_type=attn_type, wire=wire,
                               ring_wire=(ring_wire["ring_k"], ring_wire["ring_v"]), check_ranks=check_ranks,
-                              static_shapes=static_shapes, mesh=mesh, head_groups=self._head_groups)
+                              static_shapes=static_shapes, mesh=mesh, head_groups=self._head_groups,
+                              sequential=self.low_memory != 0)
         self.layout = layout
         self.ring_impl_type = layout.name
         self.rotation_cls = rotation_cls
@@ -242,10 +254,35 @@ class LongContextAttention(torch.nn.Module):
         return got[1]
 
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
+        if self.low_memory:
+            return split_plan(heads, most_groups(heads) if self.low_memory < 0 else self.low_memory)
         return [heads]
 
     def extra_repr(self) -> str:
         return f"attn_type={self.attn_type!r}, ring_impl_type={self.ring_impl_type!r}, rotation={self.rotation!r}"
+
+
+def _low_memory_chunks(value) -> int:
+    """``low_memory`` as a group count: 0 off, -1 as many groups as the heads allow, n >= 2."""
+    if value is True:
+        return -1
+    if value is False or value is None:
+        return 0
+    if isinstance(value, int) and value >= 0:
+        return 0 if value <= 1 else value
+    raise ValueError(f"low_memory must be True, False or a number of head groups (0 or 1: off), got {value!r}")
+
+
+def most_groups(heads: HeadPlan) -> int:
+    """The most head groups :func:`~usp_hal.ulysses.split_plan` can make: one KV group (or
+    one query head, where a rank's heads cut its KV groups) per rank and group."""
+    most = 1
+    for u in range(heads.size):
+        a, b = heads.q[u]
+        ka, kb = heads.kv[u]
+        units = kb - ka if heads.kv_expand[u] is None and kb - ka >= 2 else b - a
+        most = max(most, units)
+    return most
 
 
 class AsyncLongContextAttention(LongContextAttention):
@@ -261,6 +298,10 @@ class AsyncLongContextAttention(LongContextAttention):
     def __init__(self, *args, head_chunks: int = 2, **kw):
         if not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
+        if kw.get("low_memory"):
+            raise ValueError("AsyncLongContextAttention keeps head groups in flight together to overlap them; "
+                             "low_memory runs them one after another: use LongContextAttention(low_memory=...) "
+                             "for the smaller peak, or this class without low_memory for the overlap")
         self.head_chunks = head_chunks
         super().__init__(*args, **kw)
 

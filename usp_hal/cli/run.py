@@ -55,6 +55,7 @@ def format_report(res: dict, launcher: str) -> str:
         f"{mode}, seed {cfg.seed}",
         f"  layout     {cfg.ring_impl}, rotation {cfg.rotate}" + "".join(
             f", {k} {v}" for k, v in (("fp8", cfg.fp8), ("ring fp8", cfg.ring_fp8), ("pipeline", cfg.pipeline),
+                                      ("low memory", {-1: "most groups"}.get(cfg.low_memory, cfg.low_memory)),
                                       ("projections", cfg.proj)) if v not in ("none", False, 0)),
         f"  backend    {res['backend']} (attn-type {cfg.attn_type})",
     ]
@@ -151,6 +152,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ring-fp8", action="store_true", help="the ring's V blocks (K too with --fp8 qkvo) in fp8")
     p.add_argument("--pipeline", type=int, default=0, metavar="N",
                    help="AsyncLongContextAttention with N head groups (0: the synchronous module)")
+    p.add_argument("--low-memory", type=int, nargs="?", const=-1, default=0, metavar="N",
+                   help="LongContextAttention(low_memory=...): head groups one after another, the backward "
+                        "re-exchanging each group from the sequence layout (N groups; without N as many as the "
+                        "heads allow)")
     p.add_argument("--proj", default="none", choices=PROJ_CHOICES,
                    help="also project q/k/v from hidden states in the timed call: sync, or overlap (each projection "
                         "overlapped with the previous all-to-all); only the output is checked")
@@ -194,7 +199,8 @@ def config_from_args(args) -> RunConfig:
                     dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                     threads_per_rank=args.threads_per_rank, seed=args.seed, check=args.check,
                     device_type=device_type_from(args), fp8=args.fp8, ring_fp8=args.ring_fp8,
-                    pipeline=args.pipeline, proj=args.proj, cu_seqlens=_cu_seqlens_arg(args))
+                    pipeline=args.pipeline, low_memory=args.low_memory, proj=args.proj,
+                    cu_seqlens=_cu_seqlens_arg(args))
     validate(cfg)
     return cfg
 

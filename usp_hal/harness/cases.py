@@ -84,6 +84,7 @@ class RunConfig:
     fp8: str = "none"            # Ulysses wire: none | qvo (q, v, out in fp8) | qkvo (k too)
     ring_fp8: bool = False       # the ring's V blocks (and K with qkvo) in fp8
     pipeline: int = 0            # >0: AsyncLongContextAttention with this many head groups
+    low_memory: int = 0          # LongContextAttention(low_memory=...): 0 off, -1 the most groups, n groups
     proj: str = "none"           # none | sync (project, then attend) | overlap (async_qkv_attention)
     cu_seqlens: str = ""         # packed documents: "0,l1,l1+l2,...,S" ("" = one sequence)
 
@@ -163,6 +164,9 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("--threads-per-rank must be >= 1")
     if cfg.pipeline < 0:
         raise ValueError("--pipeline must be >= 0")
+    if cfg.low_memory < -1 or (cfg.low_memory and cfg.pipeline):
+        raise ValueError("--low-memory takes a number of head groups (or none: as many as the heads allow) and "
+                         "cannot be combined with --pipeline (which keeps the groups in flight together)")
     if cfg.seqlen < cfg.nproc:
         raise ValueError(f"--seqlen {cfg.seqlen} is shorter than the number of ranks ({cfg.nproc}); "
                          "every rank needs at least one token")
@@ -319,7 +323,8 @@ def rank_prepare(cfg: Any, case: str) -> dict:
     if cfg.pipeline:
         st.attn = usp_hal.AsyncLongContextAttention(mesh=mesh, head_chunks=cfg.pipeline, **cfg.module_kwargs())
     else:
-        st.attn = usp_hal.LongContextAttention(mesh=mesh, **cfg.module_kwargs())
+        st.attn = usp_hal.LongContextAttention(mesh=mesh, low_memory=True if cfg.low_memory < 0 else cfg.low_memory,
+                                               **cfg.module_kwargs())
     st.leaves = [st.q, st.k, st.v]
     st.call = lambda: st.attn(st.q, st.k, st.v, causal=cfg.causal, cu_seqlens=cu)
     if cfg.proj != "none":

@@ -57,7 +57,7 @@ class Pipeline:
 
     def __init__(self, *, layout, rotation_cls, attn_type, wire: Dict[str, str], ring_wire: Tuple[str, str],
                  check_ranks: bool = True, static_shapes: bool = False, mesh=None,
-                 head_groups: Callable[[HeadPlan], List[HeadPlan]] = one_group):
+                 head_groups: Callable[[HeadPlan], List[HeadPlan]] = one_group, sequential: bool = False):
         self.layout = layout
         self.rotation_cls = rotation_cls
         self.rotation: str = rotation_cls.name
@@ -71,6 +71,9 @@ class Pipeline:
         self.static_shapes = static_shapes
         self.mesh = mesh
         self.head_groups = head_groups
+        #: run the head groups one after another, each group's buffers gone before the next
+        #: starts, and keep only sequence-layout tensors for the backward (``low_memory``)
+        self.sequential = sequential
         self.backends: Dict[AttnRequest, Any] = {}
         self.shapes: dict = {}
         self.frozen: Optional[Tuple[CallSpec, list]] = None

@@ -59,6 +59,9 @@ class CallPlan:
     #: the forward of a call that is one kernel call and nothing else (one rank, or Ulysses
     #: degree 1 with one ring rank): bound on its first use (``run._bind_fast``); False: none
     fast: Any = None
+    #: head groups run one at a time (nothing in flight across groups) and the backward
+    #: re-exchanges each group's q/k/v/out from the sequence layout (``low_memory``)
+    sequential: bool = False
 
     @property
     def exchange(self) -> UlyssesExchange:
@@ -202,4 +205,5 @@ def build(pipe, mesh, spec: CallSpec, lengths, local: Local, head_groups=None) -
         stages.append(Stage(exchange, ring, (qa, qc)))
     # a kernel declared to carry a non-finite query into its row (PROPAGATES_NAN: device types) needs no guard
     guard = spec.device_type not in type(local.backend).PROPAGATES_NAN
-    return CallPlan(spec, local.backend, stages, spec.dtype, tuple(lengths), nan_guard=guard)
+    return CallPlan(spec, local.backend, stages, spec.dtype, tuple(lengths), nan_guard=guard,
+                    sequential=bool(getattr(pipe, "sequential", False)) and len(stages) > 1)

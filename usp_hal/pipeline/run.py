@@ -8,7 +8,7 @@ output gradient to heads, the ring's backward, dq/dk/dv back in one all-to-all.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -73,6 +73,8 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
     """``(out, lse or None, saved)``; ``saved`` holds per stage what the backward needs
     (head-layout q, k, v, out and lse) when ``keep``.  ``sinks`` ``[H]``: per-head sink
     logits (:func:`add_sink`, after the ring's merge)."""
+    if plan.sequential:
+        return _forward_sequential(plan, q, k, v, keep, received, sinks)
     spec, stages = plan.spec, plan.stages
     many = len(stages) > 1
     out = lse = None
@@ -142,7 +144,7 @@ def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None
             qh, kh, vh, outh, lse_h = saved[i]
             saved[i] = None        # this stage's saved tensors go as soon as its ring backward has run
         else:
-            qh, kh, vh, outh, douth, lse_h = st.exchange.saved_to_heads(seq[0], seq[1], seq[2], seq[3], dout, seq[4])
+            qh, kh, vh, outh, douth, lse_h = _seq_to_heads(st, seq, dout)
         if HOOKS:
             step("ring")
         if sinks is not None and dsinks is not None:
@@ -153,11 +155,76 @@ def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None
         if HOOKS:
             step("exchange")
         # handed over in a list the exchange empties: the head-layout gradients go once packed
-        sends.append(st.exchange.start_grads(grads, dtype=plan.dtype, into=into, async_op=many))
+        sent: Any = st.exchange.start_grads(grads, dtype=plan.dtype, into=into, async_op=many and not plan.sequential)
+        if plan.sequential:       # this group's buffers go before the next group's exchange
+            sent = _Waited(sent.wait())
+        sends.append(sent)
     done = [p.wait() for p in sends]
     if HOOKS:
         step(None)
     return into if many else done[0]
+
+
+class _Waited:
+    """A result already waited for (so the loop's final ``wait()`` pass is uniform)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+def _own_heads(st, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+    """A one-rank exchange sees full-width tensors: the stage's query heads of ``x``
+    (``dim`` 2 for ``[B, s, H, D]``, 1 for an lse ``[B, H, s]``); a wider group's exchange
+    picks each rank's heads itself."""
+    a, c = st.exchange.plan.q[0]
+    return x if st.exchange.size != 1 or (a, c) == (0, x.shape[dim]) else x.narrow(dim, a, c - a)
+
+
+def _seq_to_heads(st, seq, dout):
+    """One stage's ``(qh, kh, vh, outh, douth, lse_h)`` from the sequence-layout tensors the
+    forward kept: one all-to-all (nothing travels for a one-rank group)."""
+    q, k, v, out, lse = seq
+    q, out, dout, lse = _own_heads(st, q), _own_heads(st, out), _own_heads(st, dout), _own_heads(st, lse, 1)
+    return st.exchange.saved_to_heads(q, k, v, out, dout, lse)
+
+
+def _forward_sequential(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received], sinks):
+    """The forward of a ``low_memory`` plan: one head group after another, each group's
+    exchange buffers, K/V blocks and accumulators gone before the next group starts.  Keeps
+    nothing in the head layout: ``saved`` is ``[lse]`` (full width, for the backward's
+    re-exchange) when ``keep``."""
+    spec, stages = plan.spec, plan.stages
+    b, s = q.shape[0], q.shape[1]
+    out = torch.empty((b, s, spec.heads, spec.v_dim), dtype=plan.dtype, device=q.device)
+    want_lse = keep or spec.return_lse
+    lse = torch.empty((b, spec.heads, s), dtype=merge_dtype(plan.dtype), device=q.device) if want_lse else None
+    for i, st in enumerate(stages):
+        if HOOKS:
+            step("exchange")
+        if i == 0 and received is not None:
+            qh, kh, vh = received.wait()
+        else:
+            qh, kh, vh = st.exchange.start_qkv(_own_heads(st, q), k, v).wait()
+        guard = nan_guard(qh) if plan.nan_guard else None
+        if HOOKS:
+            step("ring")
+        out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
+        del qh, kh, vh
+        if sinks is not None:
+            out_acc, lse_h = add_sink(out_acc, lse_h, sinks[st.heads[0]:st.heads[1]])
+        if HOOKS:
+            step("exchange")
+        if guard is not None and want_lse:
+            lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
+        st.exchange.start_out(out_acc, plan.dtype, lse_h if want_lse else None, guard, into=out,
+                              lse_into=lse).wait()
+        del out_acc, lse_h, guard
+    if HOOKS:
+        step(None)
+    return out, (lse if spec.return_lse else None), ([lse] if keep else [])
 
 
 class USPFunction(torch.autograd.Function):
@@ -168,6 +235,9 @@ class USPFunction(torch.autograd.Function):
     def forward(fctx, q, k, v, sinks, plan: CallPlan, received=None):
         out, lse, saved = forward(plan, q, k, v, keep=True, received=received, sinks=sinks)
         fctx.plan = plan
+        if plan.sequential:     # low_memory: sequence-layout tensors only (inputs, output, lse)
+            fctx.save_for_backward(q, k, v, out, saved[0])
+            saved = None
         fctx.sinks = sinks.detach() if sinks is not None else None
         fctx.sinks_grad = sinks is not None and sinks.requires_grad
         # head-layout intermediates (never this node's outputs), kept on the context rather than
@@ -179,6 +249,12 @@ class USPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dout, _dlse):
+        if fctx.plan.sequential:
+            sinks = fctx.sinks
+            dsinks = sink_grad_buffer(sinks) if sinks is not None and fctx.sinks_grad else None
+            q, k, v, out, lse = fctx.saved_tensors
+            dq, dk, dv = backward(fctx.plan, dout.contiguous(), seq=(q, k, v, out, lse), sinks=sinks, dsinks=dsinks)
+            return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
         saved, fctx.saved = fctx.saved, None
         if saved is None:
             raise RuntimeError("usp_hal attention: a second backward through the same call (retain_graph=True) is "
