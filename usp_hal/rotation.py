@@ -13,9 +13,12 @@ The ring forward and backward (``usp_hal.ring``) each have one loop over
                block computes); memory holds all ``R`` blocks.  Backward: the partials go to
                their owners in one ``all_to_all``.
 
-K and V travel together in one buffer (one message per hop).  A wire codec (``usp_hal.codec``)
-can code the blocks; the own block is coded too, so every key sees the same rounding.
-A new rotation is one class added to :data:`ROTATIONS`.
+K and V (and dK and dV) travel side by side in one batch of p2p ops; a wire codec
+(``usp_hal.codec``) codes the K/V blocks into one byte buffer; the own block is coded too, so
+every key sees the same rounding.  A rank's part of a block's dK/dV is a :class:`GradPart`
+(:class:`Accum` each): nothing is allocated until a kernel call adds to it, and a kernel
+gradient over the whole block is the part itself, so a rotation mostly sends (or adds into
+what arrived) the kernel's own gradients.  A new rotation is one class added to :data:`ROTATIONS`.
 """
 from __future__ import annotations
 
