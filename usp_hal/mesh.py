@@ -39,9 +39,16 @@ class SequenceParallelMesh:
     timeout: Optional[datetime.timedelta] = field(default=None, compare=False)
 
     def where(self, kind: str) -> str:
-        """A group's name for messages, e.g. ``"ulysses group (ranks 0, 1)"``."""
-        ranks = {"ulysses": self.ulysses_ranks, "ring": self.ring_ranks, "sequence-parallel": self.sp_ranks}[kind]
-        return f"{kind} group (ranks {', '.join(map(str, ranks))})"
+        """A group's name for messages, e.g. ``"ulysses group (ranks 0, 1)"`` (made once per kind)."""
+        names = self.__dict__.get("_where")
+        if names is None:
+            names = {}
+            object.__setattr__(self, "_where", names)    # a cache on a frozen mesh: not a field
+        got = names.get(kind)
+        if got is None:
+            ranks = {"ulysses": self.ulysses_ranks, "ring": self.ring_ranks, "sequence-parallel": self.sp_ranks}[kind]
+            got = names[kind] = f"{kind} group (ranks {', '.join(map(str, ranks))})"
+        return got
 
     @property
     def metadata_group(self):
