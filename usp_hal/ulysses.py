@@ -333,17 +333,42 @@ class UlyssesExchange:
         return self._place_heads([chunks], [rows], g.shape[3], dtype, g.device, total=total, reduce=reduce)[0]
 
     def saved_to_heads(self, q, k, v, out, dout, lse):
-        """Everything a backward needs, in the head layout, in one all-to-all: ``(qh, kh, vh,
-        outh, douth, lse_h)`` with KV heads repeated for cut groups and ``lse_h`` ``[B, h, S]``
-        (``lse`` is the local ``[B, H, s]``)."""
+        """Everything a backward needs, in the head layout: ``(qh, kh, vh, outh, douth,
+        lse_h)`` with KV heads repeated for cut groups and ``lse_h`` ``[B, h, S]`` (``lse`` is
+        the local ``[B, H, s]``).
+
+        When q, k, v and out share dtype and head dim they travel from one gathered copy in
+        one all-to-all and come back as views of its receive buffer (no unpack copies); dout
+        follows in a second one (its own buffer: kernels take a contiguous output gradient
+        without a copy, and this send buffer is the smaller), the lse, in its own dtype, in a
+        third, small one.  Each send buffer goes as soon as its all-to-all has completed, so
+        the peak is the first exchange's send and receive buffers (4 + 4 of the 5 + 5 one
+        all-to-all of everything would hold).  Otherwise every part travels as bytes in one
+        all-to-all."""
         plan = self.plan
-        lse4 = lse.transpose(1, 2).unsqueeze(-1)            # [B, s, H, 1]
         if self.size == 1:
             kh, vh = self._local_qkv(q, k, v)[1:]
             return q, kh, vh, out, dout, lse
+        lse4 = lse.transpose(1, 2).unsqueeze(-1)            # [B, s, H, 1]
         label = "Ulysses all-to-all of q/k/v/out/dout/lse (compiled backward)"
-        parts = [_Part(q, plan.q), _Part(k, plan.kv), _Part(v, plan.kv), _Part(out, plan.q), _Part(dout, plan.q),
-                 _Part(lse4, plan.q)]
+        xs, rows = (q, k, v, out), (plan.q, plan.kv, plan.kv, plan.q)
+        key = ("saved", q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape,
+               q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._route_saved(xs, rows, dout, lse4)
+        if route:
+            r_main, r_dout, r_lse = route
+            recv = self._gather_heads(r_main, xs, rows, label)
+            drecv = self._gather_heads(r_dout, (dout,), (plan.q,), label)
+            lrecv = self._gather_heads(r_lse, (lse4,), (plan.q,), label)
+            me = self.rank
+            hq, hk = plan.q[me][1] - plan.q[me][0], plan.kv[me][1] - plan.kv[me][0]
+            qh, kh, vh, oh = recv.permute(1, 0, 2, 3).split_with_sizes((hq, hk, hk, hq), 2)
+            qh, kh, vh = self.expand(qh, kh, vh)
+            return qh, kh, vh, oh, drecv.permute(1, 0, 2, 3), lrecv.squeeze(-1).permute(1, 2, 0).contiguous()
+        xs, rows = xs + (dout, lse4), rows + (plan.q, plan.q)
+        parts = [_Part(x, r) for x, r in zip(xs, rows)]
         unpack, work = self._heads_bytes(parts, False, label)
         wait(label, self.where, work)
         qh, kh, vh, oh, dh, lh = (t.permute(1, 0, 2, 3) for t in unpack())
@@ -496,10 +521,15 @@ class UlyssesExchange:
         if dvd == d and dk.shape[3] == d:
             device = dq.device
             send = torch.empty((self.total, b, hq + 2 * hk, d), dtype=dtype, device=device)
-            send[:, :, :hq].copy_(dq.transpose(0, 1))
-            send[:, :, hq:hq + hk].copy_(dk.transpose(0, 1))
-            send[:, :, hq + hk:].copy_(dv.transpose(0, 1))
+            # one launch packs (and converts) all three, sequence-major
+            torch.cat((dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)), 2, out=send)
             del dq, dk, dv      # packed: a caller that kept no reference frees them before the receive buffer
+            key = ("grads", send.shape, dtype, into is None)
+            route = self._routes.get(key)
+            if route is None:
+                route = self._routes[key] = self._route_grads(b, hq, hk, d, into is None)
+            if route:
+                return self._start_grads_routed(route, send, dtype, into, async_op, label)
             widths = [(plan.q[u][1] - plan.q[u][0]) + 2 * (plan.kv[u][1] - plan.kv[u][0])
                       for u in range(self.size)]
             recv, work = self._seq_fast(send, widths, label, async_op)
@@ -555,6 +585,29 @@ class UlyssesExchange:
             widths.append(w)
         return _Route(views, (self.total, b, sum(widths), d), widths)
 
+    def _route_saved(self, xs, rows_per, dout, lse4):
+        """For :meth:`saved_to_heads`: the routes of its three sequence -> heads exchanges
+        (q/k/v/out, dout, lse; None where that exchange packs per destination,
+        :meth:`_heads_fast`), or False when q/k/v/out cannot share one buffer along heads
+        (the bytes path)."""
+        x0 = xs[0]
+        if any(x.dim() != 4 or x.shape[1] != x0.shape[1] for x in xs + (dout,)) or not _homogeneous(xs):
+            return False
+        q_rows = (self.plan.q,)
+        return (self._route_heads(xs, rows_per) or None, self._route_heads((dout,), q_rows) or None,
+                self._route_heads((lse4,), q_rows) or None)
+
+    def _gather_heads(self, route, xs, rows_per, label: str) -> torch.Tensor:
+        """One blocking sequence -> heads all-to-all of ``xs`` (one dtype and head dim) along
+        ``route`` (None: packed per destination): the ``[S, B, W, d]`` receive buffer.  The
+        send buffer is gone when this returns."""
+        if route is not None:
+            recv, work = self._send_gathered(route, xs, False, label)
+        else:
+            recv, work = self._heads_fast([_Part(x, r) for x, r in zip(xs, rows_per)], False, label)
+        wait(label, self.where, work)
+        return recv
+
     def _send_gathered(self, route: "_Route", xs, async_op: bool, label: str):
         """Sequence -> heads along a route: every tensor's heads for every destination as one
         strided view (destinations outermost), side by side in ONE copy (``cat``), one
@@ -571,6 +624,67 @@ class UlyssesExchange:
     def _finish_qkv(self, route: "_Route", recv: torch.Tensor):
         qh, kh, vh = recv.permute(1, 0, 2, 3).split_with_sizes(route.widths, 2)
         return self.expand(qh, kh, vh)
+
+    def _route_grads(self, b: int, hq: int, hk: int, d: int, fresh: bool):
+        """The :class:`_Route` of the dq/dk/dv heads -> sequence exchange (packed, one head
+        dim), or False (the general path): every rank's query heads and KV heads follow one
+        pattern each (:func:`_regular`), so every source's block has the same width and the
+        receive buffer is ``[U, s, B, hq + 2 hk, d]``.  ``views``: the strided views of the
+        results that take dq and dk/dv (``None``: placed source by source); ``add`` when
+        dk/dv are added into ``into`` (else copied into a new result)."""
+        plan = self.plan
+        rq, rk = _regular(plan.q, plan.num_heads), _regular(plan.kv, plan.num_kv_heads)
+        if rq is None or rk is None or rq[2] != hq or rk[2] != hk:
+            return False
+        s_me = self.seq_lens[self.rank]
+        views: List[Optional[Tuple]] = []
+        for (off, step, w), total in ((rq, plan.num_heads), (rk, plan.num_kv_heads)):
+            if fresh:   # a new result: the ranks' heads must tile it in rank order
+                ok = off == 0 and step == w and self.size * w == total
+            else:       # into ``into``: one strided view needs the ranks' heads apart
+                ok = step >= w
+            views.append(((self.size, s_me, b, w, d), off, step) if ok else None)
+        route = _Route(views, (self.size, s_me, b, hq + 2 * hk, d), [hq, hk, hk])
+        route.result_shape = (b, s_me)
+        route.add = not fresh
+        return route
+
+    def _start_grads_routed(self, route: "_Route", send, dtype, into, async_op: bool, label: str) -> "Pending":
+        """:meth:`start_grads` along a route: one all-to-all of whole blocks; dq lands with
+        one strided copy, dk and dv with one strided copy (a new result) or add (into
+        ``into``) each, or source by source where the ranks' heads overlap."""
+        plan = self.plan
+        recv = torch.empty(route.recv_shape, dtype=dtype, device=send.device)
+        work = collective(label, self.where, dist.all_to_all_single, recv, send, self._rows_to, self._lens,
+                          group=self.group, async_op=async_op)
+        del send
+
+        def finish():
+            b, s_me = route.result_shape
+            d = route.recv_shape[-1]
+            parts = recv.split_with_sizes(route.widths, 3)     # each [U, s, B, w, d]
+            qv, kv = route.views
+            res = []
+            for i, (part, view) in enumerate(zip(parts, (qv, kv, kv))):
+                n = plan.num_heads if i == 0 else plan.num_kv_heads
+                target = into[i] if into is not None else None
+                if view is None:       # overlapping heads (summed) or no single pattern: source by source
+                    rows = plan.q if i == 0 else plan.kv
+                    res.append(self._place_heads([list(part.unbind(0))], [rows], d, dtype, recv.device,
+                                                 total=n, reduce=i > 0 and (plan.kv_shared or into is not None),
+                                                 into=None if target is None else [target])[0])
+                    continue
+                if target is None:
+                    target = torch.empty((b, s_me, n, d), dtype=dtype, device=recv.device)
+                size, off, step = view
+                dst = _strided(target, size, off, step)
+                if i > 0 and route.add:
+                    dst.add_(part)     # KV heads of several groups add up in ``into``
+                else:
+                    dst.copy_(part)
+                res.append(target)
+            return tuple(res)
+        return Pending(work, finish, label, self.where)
 
     def _route_out(self, out: torch.Tensor):
         """The :class:`_Route` of the output's heads -> sequence exchange (identity codec,
@@ -823,15 +937,17 @@ class _Route:
     u * step`` .. ``+ w`` (see :func:`_strided`); ``recv_shape``: the receive buffer;
     ``widths``: per tensor, the heads each rank receives (sequence -> heads).  For the
     output (heads -> sequence): ``result_shape``, and ``tiles`` when the ranks' heads tile
-    ``[0, H)`` in rank order (the result can be a new tensor rather than ``into``).
+    ``[0, H)`` in rank order (the result can be a new tensor rather than ``into``).  For the
+    gradients (heads -> sequence): ``add`` when dk/dv are added into ``into``.
     """
 
-    __slots__ = ("views", "recv_shape", "widths", "result_shape", "tiles")
+    __slots__ = ("views", "recv_shape", "widths", "result_shape", "tiles", "add")
 
     def __init__(self, views, recv_shape, widths):
         self.views, self.recv_shape, self.widths = views, recv_shape, widths
         self.result_shape: Tuple[int, ...] = ()
         self.tiles = False
+        self.add = False
 
 
 def _regular(rows, total: int) -> Optional[Tuple[int, int, int]]:
