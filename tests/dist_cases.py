@@ -63,6 +63,23 @@ def error_of(fn):
     return None
 
 
+def lowest_peak(call, leaves, times=3):
+    """``(bytes, method)``: the lowest of ``times`` peaks above the start (MemoryMeter, what
+    ``usp-hal run`` reports) of ``call()``, each after clearing the ``leaves``' gradients; the
+    lowest, since a gloo worker may hold a buffer past the meter's pause now and then."""
+    from usp_hal.harness import meter
+    peak = None
+    for _ in range(times):
+        for t in leaves:
+            t.grad = None
+        mem = meter.MemoryMeter("cpu")
+        mem.start()
+        call()
+        got = mem.stop()
+        peak = got if peak is None else min(peak, got)
+    return peak, mem.method
+
+
 def make_inputs(B, S, H, Hkv, D, dt, seed, alibi=False):
     """Global q, k, v, the output gradient (and alibi slopes), the same on every rank."""
     g = torch.Generator().manual_seed(seed)

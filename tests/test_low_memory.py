@@ -49,7 +49,6 @@ def peak_case(U=1, R=2, S=1024, H=8, D=64, low=True):
     ``S`` with the default module and with ``low_memory`` (in local q-sized tensors)."""
     import torch
 
-    from usp_hal.harness import meter
     mesh = dist_cases.get_mesh(U, R)
     q, k, v, dout, _ = dist_cases.make_inputs(1, S, H, H, D, torch.float32, seed=1)
     ql, kl, vl = (usp_hal.shard(x, layout="zigzag", mesh=mesh).contiguous().requires_grad_() for x in (q, k, v))
@@ -59,17 +58,9 @@ def peak_case(U=1, R=2, S=1024, H=8, D=64, low=True):
     for name, mod in (("default", usp_hal.LongContextAttention(ring_impl_type="zigzag", mesh=mesh)),
                       ("low", usp_hal.LongContextAttention(ring_impl_type="zigzag", mesh=mesh, low_memory=low))):
         mod(ql, kl, vl, causal=True).backward(dl)          # warm: plan, backend, groups
-        best = None
-        for _ in range(3):                                 # the lowest of three: gloo's workers may lag a moment
-            for t in (ql, kl, vl):
-                t.grad = None
-            mem = meter.MemoryMeter("cpu")
-            mem.start()
-            mod(ql, kl, vl, causal=True).backward(dl)
-            peak = mem.stop()
-            best = peak if best is None else min(best, peak)
+        best, method = dist_cases.lowest_peak(lambda m=mod: m(ql, kl, vl, causal=True).backward(dl), (ql, kl, vl))
         peaks[name] = best / (ql.numel() * ql.element_size())
-    peaks["method"] = mem.method
+    peaks["method"] = method
     return peaks
 
 

@@ -17,7 +17,6 @@ def ring_peak_case(R=2, layout="zigzag", causal=True, S=1024, H=8, D=64, check_S
     import torch
 
     import usp_hal
-    from usp_hal.harness import meter
 
     errs = dist_cases.usp_case(U=1, R=R, layout=layout, causal=causal, S=check_S, H=4, D=8)
     mesh = dist_cases.get_mesh(1, R)
@@ -27,18 +26,8 @@ def ring_peak_case(R=2, layout="zigzag", causal=True, S=1024, H=8, D=64, check_S
     del q, k, v, dout
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, mesh=mesh)
     attn(ql, kl, vl, causal=causal).backward(dl)          # warm: plan, backend, groups
-    for t in (ql, kl, vl):
-        t.grad = None
-    peak = None
-    for _ in range(3):       # the lowest of three: a gloo worker may hold a buffer past the meter's pause
-        for t in (ql, kl, vl):
-            t.grad = None
-        mem = meter.MemoryMeter("cpu")
-        mem.start()
-        attn(ql, kl, vl, causal=causal).backward(dl)
-        got = mem.stop()
-        peak = got if peak is None else min(peak, got)
-    return {"errs": errs, "tensors": peak / (ql.numel() * ql.element_size()), "method": mem.method}
+    peak, method = dist_cases.lowest_peak(lambda: attn(ql, kl, vl, causal=causal).backward(dl), (ql, kl, vl))
+    return {"errs": errs, "tensors": peak / (ql.numel() * ql.element_size()), "method": method}
 
 
 # (ring, layout, causal, bound in local tensors).  Measured at S=1024 (worst rank): 9.8, 10.3 and 15.7;
