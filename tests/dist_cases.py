@@ -305,7 +305,8 @@ def property_case(**kw):
         return ("refused", f"{type(exc).__name__}: {exc}")
 
 
-def qkv_overlap_case(U=2, R=1, H=4, Hkv=2, D=8, S=14, causal=True, layout="zigzag", flat=True, grad=True):
+def qkv_overlap_case(U=2, R=1, H=4, Hkv=2, D=8, S=14, causal=True, layout="zigzag", flat=True, grad=True,
+                     low_memory=False):
     """async_qkv_attention (projections overlapped with the all-to-alls) vs projecting first and
     calling the module: same output, same gradients for the hidden states and the weights."""
     mesh = get_mesh(U, R)
@@ -318,7 +319,7 @@ def qkv_overlap_case(U=2, R=1, H=4, Hkv=2, D=8, S=14, causal=True, layout="zigza
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
     hl = usp_hal.shard(hidden, layout=layout, mesh=mesh).requires_grad_(grad)
-    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh, low_memory=low_memory)
 
     def projs():
         if flat:

@@ -38,6 +38,11 @@ def test_low_memory_forward_only(pools):
                      low_memory=True, grad=False))
 
 
+def test_low_memory_under_async_qkv_attention(pools):
+    """The projection-overlap face takes a low-memory module too (it projects, then attends)."""
+    _ok(pools(2).run(dist_cases.qkv_overlap_case, timeout=60, U=2, R=1, H=4, Hkv=2, low_memory=True))
+
+
 @pytest.mark.parametrize("U,R", [(1, 2), (2, 1)])
 def test_low_memory_with_mask_and_sinks(pools, U, R):
     _ok(pools(U * R).run(dist_masks.mask_case, timeout=120, U=U, R=R, fam="prefix_half", causal=True, S=32,

@@ -62,8 +62,10 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     kvh = kv_heads or heads
     d = q.shape[-1]
     dv = v_head_dim or d
-    if mesh.ulysses_degree == 1 or type(attn)._head_groups is not LongContextAttention._head_groups:
-        # nothing to overlap (or the module pipelines head groups itself): project, then attend
+    if mesh.ulysses_degree == 1 or type(attn)._head_groups is not LongContextAttention._head_groups \
+            or attn.low_memory:
+        # nothing to overlap (or the module pipelines head groups itself, or runs them one after
+        # another to save memory): project, then attend
         k = _as_heads(k_proj(hidden), kvh, d, "k_proj")
         v = _as_heads(v_proj(hidden), kvh, dv, "v_proj")
         return attn(q, k, v, **kw)
