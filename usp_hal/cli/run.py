@@ -286,7 +286,7 @@ def run(args) -> int:
             else:
                 executor.close()
     if torchrun and executor.rank != 0:
-        return 0 if res["check"].get("ok", True) else 1
+        return _leave(0 if res["check"].get("ok", True) else 1)
     print(format_report(res, launcher))
     if args.json:
         text = json.dumps(res, indent=2, default=str)
@@ -295,4 +295,19 @@ def run(args) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
-    return 0 if res["check"].get("ok", True) else 1
+    rc = 0 if res["check"].get("ok", True) else 1
+    return _leave(rc) if torchrun else rc
+
+
+def _leave(rc: int) -> int:
+    """A torchrun rank whose groups are torn down: end the process here, output flushed.  The
+    interpreter's own teardown would destroy what is left of the communication library's
+    threads in no set order, and now and then that aborts the process ("terminate called
+    without an active exception", exit -6) after the run has passed.  Outside a real torchrun
+    launch (no ``TORCHELASTIC_RUN_ID``: e.g. a test calling this in-process) it just returns."""
+    import os
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return rc
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
