@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from ..ring import merge_dtype, ring_backward, ring_forward
+from ..ulysses import _Done
 from .plan import CallPlan
 
 #: Timing hooks (the harness installs one; empty, the loops below pay one ``if`` per step).
@@ -72,26 +73,34 @@ class Received:
 def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None, saved)``; ``saved`` holds per stage what the backward needs
     (head-layout q, k, v, out and lse) when ``keep``.  ``sinks`` ``[H]``: per-head sink
-    logits (:func:`add_sink`, after the ring's merge)."""
-    if plan.sequential:
-        return _forward_sequential(plan, q, k, v, keep, received, sinks)
-    spec, stages = plan.spec, plan.stages
+    logits (:func:`add_sink`, after the ring's merge).
+
+    A ``low_memory`` plan (``plan.sequential``) runs its stages one after another, each
+    stage's exchange buffers, K/V blocks and accumulators gone before the next starts, and
+    keeps nothing in the head layout: ``saved`` is then ``[lse]`` (full width, for the
+    backward's re-exchange) when ``keep``."""
+    spec, stages, seq = plan.spec, plan.stages, plan.sequential
     many = len(stages) > 1
+    keep_heads = keep and not seq
+    want_lse = spec.return_lse or (keep and seq)
     out = lse = None
     if many:   # every stage writes its heads into the full-width results
         b, s = q.shape[0], q.shape[1]
         out = torch.empty((b, s, spec.heads, spec.v_dim), dtype=plan.dtype, device=q.device)
         lse = torch.empty((b, spec.heads, s), dtype=merge_dtype(plan.dtype), device=q.device) \
-            if spec.return_lse else None
+            if want_lse else None
     saved: List[list] = []
-    sends = []
+    sends: List[Any] = []
     if HOOKS:
         step("exchange")
-    pending = received if received is not None else stages[0].exchange.start_qkv(q, k, v, async_op=many)
+    pending: Any = received
     for i, st in enumerate(stages):
+        if pending is None:
+            pending = st.exchange.start_qkv(_own_heads(st, q), k, v, async_op=many and not seq)
         qh, kh, vh = pending.wait()
-        if i + 1 < len(stages):
-            pending = stages[i + 1].exchange.start_qkv(q, k, v, async_op=True)
+        pending = None
+        if i + 1 < len(stages) and not seq:      # the next stage's q/k/v travel while this one computes
+            pending = stages[i + 1].exchange.start_qkv(_own_heads(stages[i + 1], q), k, v, async_op=True)
         guard = nan_guard(qh) if plan.nan_guard else None
         if HOOKS:
             step("ring")
@@ -102,17 +111,23 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
             step("exchange")
         if guard is not None and (keep or spec.return_lse):
             lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
-        sends.append(st.exchange.start_out(out_acc, plan.dtype, lse_h if spec.return_lse else None, guard,
-                                           keep_heads=keep, into=out, lse_into=lse, async_op=many))
-        saved.append([qh, kh, vh, None, lse_h] if keep else [])
+        sent: Any = st.exchange.start_out(out_acc, plan.dtype, lse_h if want_lse else None, guard,
+                                          keep_heads=keep_heads, into=out, lse_into=lse, async_op=many and not seq)
+        if seq:       # this stage's buffers go before the next stage's exchange
+            sent = _Done(sent.wait())
+        sends.append(sent)
+        saved.append([qh, kh, vh, None, lse_h] if keep_heads else [])
+        del qh, kh, vh, out_acc, lse_h, guard
     for i, p in enumerate(sends):
         o, l, outh = p.wait()
-        if keep:
+        if keep_heads:
             saved[i][3] = outh
         if not many:
             out, lse = o, l
     if HOOKS:
         step(None)
+    if seq:
+        return out, (lse if spec.return_lse else None), ([lse] if keep else [])
     return out, lse, [tuple(x) for x in saved]
 
 
@@ -157,22 +172,12 @@ def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None
         # handed over in a list the exchange empties: the head-layout gradients go once packed
         sent: Any = st.exchange.start_grads(grads, dtype=plan.dtype, into=into, async_op=many and not plan.sequential)
         if plan.sequential:       # this group's buffers go before the next group's exchange
-            sent = _Waited(sent.wait())
+            sent = _Done(sent.wait())
         sends.append(sent)
     done = [p.wait() for p in sends]
     if HOOKS:
         step(None)
     return into if many else done[0]
-
-
-class _Waited:
-    """A result already waited for (so the loop's final ``wait()`` pass is uniform)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
 
 
 def _own_heads(st, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
@@ -189,42 +194,6 @@ def _seq_to_heads(st, seq, dout):
     q, k, v, out, lse = seq
     q, out, dout, lse = _own_heads(st, q), _own_heads(st, out), _own_heads(st, dout), _own_heads(st, lse, 1)
     return st.exchange.saved_to_heads(q, k, v, out, dout, lse)
-
-
-def _forward_sequential(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received], sinks):
-    """The forward of a ``low_memory`` plan: one head group after another, each group's
-    exchange buffers, K/V blocks and accumulators gone before the next group starts.  Keeps
-    nothing in the head layout: ``saved`` is ``[lse]`` (full width, for the backward's
-    re-exchange) when ``keep``."""
-    spec, stages = plan.spec, plan.stages
-    b, s = q.shape[0], q.shape[1]
-    out = torch.empty((b, s, spec.heads, spec.v_dim), dtype=plan.dtype, device=q.device)
-    want_lse = keep or spec.return_lse
-    lse = torch.empty((b, spec.heads, s), dtype=merge_dtype(plan.dtype), device=q.device) if want_lse else None
-    for i, st in enumerate(stages):
-        if HOOKS:
-            step("exchange")
-        if i == 0 and received is not None:
-            qh, kh, vh = received.wait()
-        else:
-            qh, kh, vh = st.exchange.start_qkv(_own_heads(st, q), k, v).wait()
-        guard = nan_guard(qh) if plan.nan_guard else None
-        if HOOKS:
-            step("ring")
-        out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
-        del qh, kh, vh
-        if sinks is not None:
-            out_acc, lse_h = add_sink(out_acc, lse_h, sinks[st.heads[0]:st.heads[1]])
-        if HOOKS:
-            step("exchange")
-        if guard is not None and want_lse:
-            lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
-        st.exchange.start_out(out_acc, plan.dtype, lse_h if want_lse else None, guard, into=out,
-                              lse_into=lse).wait()
-        del out_acc, lse_h, guard
-    if HOOKS:
-        step(None)
-    return out, (lse if spec.return_lse else None), ([lse] if keep else [])
 
 
 class USPFunction(torch.autograd.Function):
@@ -249,20 +218,17 @@ class USPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dout, _dlse):
-        if fctx.plan.sequential:
-            sinks = fctx.sinks
-            dsinks = sink_grad_buffer(sinks) if sinks is not None and fctx.sinks_grad else None
-            q, k, v, out, lse = fctx.saved_tensors
-            dq, dk, dv = backward(fctx.plan, dout.contiguous(), seq=(q, k, v, out, lse), sinks=sinks, dsinks=dsinks)
-            return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
-        saved, fctx.saved = fctx.saved, None
-        if saved is None:
-            raise RuntimeError("usp_hal attention: a second backward through the same call (retain_graph=True) is "
-                               "not supported: its saved head-layout tensors were freed by the first; run the "
-                               "forward again")
         sinks = fctx.sinks
         dsinks = sink_grad_buffer(sinks) if sinks is not None and fctx.sinks_grad else None
-        dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks)
+        if fctx.plan.sequential:      # low_memory: the stages move q/k/v/out to the head layout again
+            dq, dk, dv = backward(fctx.plan, dout.contiguous(), seq=fctx.saved_tensors, sinks=sinks, dsinks=dsinks)
+        else:
+            saved, fctx.saved = fctx.saved, None
+            if saved is None:
+                raise RuntimeError("usp_hal attention: a second backward through the same call (retain_graph=True) "
+                                   "is not supported: its saved head-layout tensors were freed by the first; run "
+                                   "the forward again")
+            dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks)
         return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
 
 
