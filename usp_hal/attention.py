@@ -22,7 +22,7 @@ from .pipeline.validate import check_joint
 from .registry import REGISTRY
 from .ring import merge_dtype
 from .rotation import get_rotation
-from .ulysses import HeadPlan, split_plan
+from .ulysses import HeadPlan, most_groups, split_plan
 
 
 class LongContextAttention(torch.nn.Module):
@@ -271,18 +271,6 @@ def _low_memory_chunks(value) -> int:
     if isinstance(value, int) and value >= 0:
         return 0 if value <= 1 else value
     raise ValueError(f"low_memory must be True, False or a number of head groups (0 or 1: off), got {value!r}")
-
-
-def most_groups(heads: HeadPlan) -> int:
-    """The most head groups :func:`~usp_hal.ulysses.split_plan` can make: one KV group (or
-    one query head, where a rank's heads cut its KV groups) per rank and group."""
-    most = 1
-    for u in range(heads.size):
-        a, b = heads.q[u]
-        ka, kb = heads.kv[u]
-        units = kb - ka if heads.kv_expand[u] is None and kb - ka >= 2 else b - a
-        most = max(most, units)
-    return most
 
 
 class AsyncLongContextAttention(LongContextAttention):

@@ -109,6 +109,21 @@ def _kv_for(a: int, b: int, g: int):
     return (ga, gb), (None if len(set(counts)) == 1 else tuple(h // g - ga for h in range(a, b)))
 
 
+def _split_units(plan: HeadPlan, u: int) -> Tuple[int, int]:
+    """``(units, heads per unit)`` rank ``u``'s heads split into: whole KV groups where it runs
+    GQA locally on two or more KV heads, else single query heads."""
+    a, b = plan.q[u]
+    ka, kb = plan.kv[u]
+    if plan.kv_expand[u] is None and kb - ka >= 2:
+        return kb - ka, (b - a) // (kb - ka)
+    return b - a, 1
+
+
+def most_groups(plan: HeadPlan) -> int:
+    """The most head groups :func:`split_plan` makes without an empty group on every rank."""
+    return max([1] + [_split_units(plan, u)[0] for u in range(plan.size)])
+
+
 def split_plan(plan: HeadPlan, chunks: int) -> List[HeadPlan]:
     """Split every rank's heads into ``chunks`` consecutive groups (for pipelining the
     all-to-all of one group with the kernel of another).  Where a rank runs GQA locally the
@@ -118,12 +133,8 @@ def split_plan(plan: HeadPlan, chunks: int) -> List[HeadPlan]:
     g = plan.num_heads // plan.num_kv_heads
     rows = []   # per rank: the chunks' query ranges
     for u in range(plan.size):
-        a, b = plan.q[u]
-        ka, kb = plan.kv[u]
-        if plan.kv_expand[u] is None and kb - ka >= 2:   # whole KV groups per chunk
-            units, step = kb - ka, (b - a) // (kb - ka)
-        else:                                             # query heads (a KV head may travel twice)
-            units, step = b - a, 1
+        a = plan.q[u][0]
+        units, step = _split_units(plan, u)
         base, extra = divmod(units, chunks)
         cur, mine = a, []
         for c in range(chunks):
