@@ -251,8 +251,7 @@ def _bind_fast(plan: CallPlan, q, k, v):
     c = calls[0]
     if (c.q_start, c.q_stop, c.k_start, c.k_stop) != (0, q.shape[1], 0, k.shape[1]):
         return None
-    from ..backend import AttentionBackend
-    if type(plan.backend).forward is not AttentionBackend.forward:
+    if not plan.backend.binds_forward():
         return None      # an adapter (or a test's counting subclass) with its own forward keeps it
     want = plan.spec.return_lse
     call = plan.backend.bind(q, k, v, want_lse=want, **ring.kernel_kwargs(c, ring.ring_rank))
