@@ -136,11 +136,7 @@ class CommMeter:
                 res = orig(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
-            if isinstance(res, list):
-                return [_TimedWork(w, self) for w in res]
-            if res is not None and hasattr(res, "wait"):
-                return _TimedWork(res, self)
-            return res
+            return _wrap_works(res, lambda w: _TimedWork(w, self))
         functools.update_wrapper(wrapped, orig)
         return wrapped
 
@@ -344,15 +340,22 @@ class _Settled:
         return getattr(self._work, name)
 
 
+def _wrap_works(res, wrap: Callable):
+    """What a ``torch.distributed`` call returned, each Work in it (one, or a list) wrapped."""
+    if isinstance(res, list):
+        return [wrap(w) if hasattr(w, "wait") else w for w in res]
+    if res is not None and hasattr(res, "wait"):
+        return wrap(res)
+    return res
+
+
 def _settling(orig):
     def wrapped(*args, **kwargs):
         res = orig(*args, **kwargs)
-        if isinstance(res, list):
-            return [_Settled(w) if hasattr(w, "wait") else w for w in res]
-        if res is not None and hasattr(res, "wait"):
-            return _Settled(res)
-        time.sleep(SETTLE_S)     # a synchronous collective: done, its worker about to let go
-        return res
+        if res is None:
+            time.sleep(SETTLE_S)     # a synchronous collective: done, its worker about to let go
+            return res
+        return _wrap_works(res, _Settled)
     functools.update_wrapper(wrapped, orig)
     return wrapped
 
