@@ -285,8 +285,9 @@ def run(args) -> int:
                 executor.close(ok=finished)
             else:
                 executor.close()
+    rc = 0 if res["check"].get("ok", True) else 1
     if torchrun and executor.rank != 0:
-        return _leave(0 if res["check"].get("ok", True) else 1)
+        return _leave(rc)
     print(format_report(res, launcher))
     if args.json:
         text = json.dumps(res, indent=2, default=str)
@@ -295,7 +296,6 @@ def run(args) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
-    rc = 0 if res["check"].get("ok", True) else 1
     return _leave(rc) if torchrun else rc
 
 
