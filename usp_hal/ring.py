@@ -111,11 +111,8 @@ class PackedCall:
 
     def gather(self, x: torch.Tensor, which: str) -> torch.Tensor:
         """``x`` [B, L, h, D] -> the packed ``[B * total, h, D]`` (a view when the calls tile one range and B == 1)."""
-        span = self.q_span if which == "q" else self.k_span
-        if span is not None:
-            part = x[:, span[0]:span[1]]
-        else:
-            part = x.index_select(1, self.index(which, x.device))
+        where = self.where(which, x.device)
+        part = x[:, where[0]:where[1]] if isinstance(where, tuple) else x.index_select(1, where)
         return part.reshape(-1, *x.shape[2:])
 
     def gather_lse(self, lse: torch.Tensor) -> torch.Tensor:
@@ -124,15 +121,21 @@ class PackedCall:
             lse.index_select(2, self.index("q", lse.device))
         return part.transpose(0, 1).reshape(lse.shape[1], -1)
 
+    def where(self, which: str, device):
+        """Where this call's rows (``"q"``) or keys (``"k"``) lie along dim 1: one
+        ``(start, stop)`` range when they tile one, else their index tensor."""
+        span = self.q_span if which == "q" else self.k_span
+        return span if span is not None else self.index(which, device)
+
     def scatter_add(self, acc: torch.Tensor, grad: torch.Tensor, which: str) -> None:
         """``acc`` [B, L, h, D] += the packed ``grad`` [B * total, h, D] at this call's rows/keys."""
         b = acc.shape[0]
         g = grad.view(b, -1, *grad.shape[1:]).to(acc.dtype)
-        span = self.q_span if which == "q" else self.k_span
-        if span is not None:
-            acc[:, span[0]:span[1]] += g
+        where = self.where(which, acc.device)
+        if isinstance(where, tuple):
+            acc[:, where[0]:where[1]] += g
         else:
-            acc.index_add_(1, self.index(which, acc.device), g)
+            acc.index_add_(1, where, g)
 
     def split(self, out: torch.Tensor, lse: torch.Tensor, batch: int):
         """Per call: (call, out [B, n, H, D], lse [B, H, n]), views of the packed results."""
@@ -443,10 +446,9 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
                     c.gather(dout, "q"), c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"), c.gather(out, "q"),
                     c.gather_lse(lse), c.packing(b, q.device), deterministic=ctx.deterministic,
                     **ctx.packed_kwargs(c))
-                dq.add(gq.view(b, -1, *gq.shape[1:]), c.q_span if c.q_span is not None else c.index("q", q.device))
+                dq.add(gq.view(b, -1, *gq.shape[1:]), c.where("q", q.device))
                 gq = None
-                part.add(gk.view(b, -1, *gk.shape[1:]), gv.view(b, -1, *gv.shape[1:]),
-                         c.k_span if c.k_span is not None else c.index("k", k.device))
+                part.add(gk.view(b, -1, *gk.shape[1:]), gv.view(b, -1, *gv.shape[1:]), c.where("k", k.device))
             else:
                 gq, gk, gv = kernel_backward(c, src, kb, vb)
                 dq.add(gq, (c.q_start, c.q_stop))
