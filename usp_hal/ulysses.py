@@ -220,7 +220,7 @@ class UlyssesExchange:
         compute their heads; ``wait()`` gives ``(qh, kh, vh)`` ``[B, S, h, D]`` views."""
         plan, me = self.plan, self.rank
         if self.size == 1:
-            return _Done(self._local_qkv(q, k, v))
+            return Done(self._local_qkv(q, k, v))
         key = ("qkv", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
         route = self._routes.get(key)
         if route is None:
@@ -294,7 +294,7 @@ class UlyssesExchange:
         rows = self.plan.q if kind == "q" else self.plan.kv
         if self.size == 1:
             a, c = rows[0]
-            done = _Done(x if (a, c) == (0, x.shape[2]) else x.narrow(2, a, c - a))
+            done = Done(x if (a, c) == (0, x.shape[2]) else x.narrow(2, a, c - a))
             done.result = done.value
             return done
         label = f"Ulysses all-to-all of {name or kind} ({what})"
@@ -417,7 +417,7 @@ class UlyssesExchange:
                 if lse is not None and lse_into is not None:
                     lse_into[:, a:c] = lse
                     lse = lse_into
-            return _Done((local, lse, out if keep_heads else None))
+            return Done((local, lse, out if keep_heads else None))
         label = "Ulysses all-to-all of the output (forward)"
         codec = self.codecs["out"]
         if lse is None:
@@ -474,7 +474,7 @@ class UlyssesExchange:
         plan = self.plan
         if self.size == 1:
             a, c = plan.q[0]
-            return _Done(dout if (a, c) == (0, dout.shape[2]) else dout.narrow(2, a, c - a))
+            return Done(dout if (a, c) == (0, dout.shape[2]) else dout.narrow(2, a, c - a))
         label = "Ulysses all-to-all of the output gradient (backward)"
         key = ("dout", dout.shape, dout.dtype)
         route = self._routes.get(key)
@@ -514,7 +514,7 @@ class UlyssesExchange:
             dv = dv.new_zeros(dv.shape[0], dv.shape[1], c - a, dv.shape[3]).index_add_(2, idx, dv)
         if self.size == 1:
             if into is None and plan.q[0] == (0, plan.num_heads) and plan.kv[0] == (0, plan.num_kv_heads):
-                return _Done((dq.to(dtype), dk.to(dtype), dv.to(dtype)))
+                return Done((dq.to(dtype), dk.to(dtype), dv.to(dtype)))
             b, s = dq.shape[0], dq.shape[1]
             res = into if into is not None else (
                 torch.zeros(b, s, plan.num_heads, dq.shape[3], dtype=dtype, device=dq.device),
@@ -524,7 +524,7 @@ class UlyssesExchange:
             res[0][:, :, qa:qc] += dq
             res[1][:, :, ka:kc] += dk
             res[2][:, :, ka:kc] += dv
-            return _Done(tuple(res))
+            return Done(tuple(res))
         label = "Ulysses all-to-all of dq/dk/dv (backward)"
         b, _, hq, d = dq.shape
         hk, dvd = dk.shape[2], dv.shape[3]
@@ -930,7 +930,7 @@ class UlyssesExchange:
         return results
 
 
-class _Done(Pending):
+class Done(Pending):
     """An exchange that needed no communication (a group of one)."""
 
     def __init__(self, value):

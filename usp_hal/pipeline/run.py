@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from ..ring import merge_dtype, ring_backward, ring_forward
-from ..ulysses import _Done
+from ..ulysses import Done
 from .plan import CallPlan
 
 #: Timing hooks (the harness installs one; empty, the loops below pay one ``if`` per step).
@@ -114,7 +114,7 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         sent: Any = st.exchange.start_out(out_acc, plan.dtype, lse_h if want_lse else None, guard,
                                           keep_heads=keep_heads, into=out, lse_into=lse, async_op=many and not seq)
         if seq:       # this stage's buffers go before the next stage's exchange
-            sent = _Done(sent.wait())
+            sent = Done(sent.wait())
         sends.append(sent)
         saved.append([qh, kh, vh, None, lse_h] if keep_heads else [])
         del qh, kh, vh, out_acc, lse_h, guard
@@ -172,7 +172,7 @@ def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None
         # handed over in a list the exchange empties: the head-layout gradients go once packed
         sent: Any = st.exchange.start_grads(grads, dtype=plan.dtype, into=into, async_op=many and not plan.sequential)
         if plan.sequential:       # this group's buffers go before the next group's exchange
-            sent = _Done(sent.wait())
+            sent = Done(sent.wait())
         sends.append(sent)
     done = [p.wait() for p in sends]
     if HOOKS:
