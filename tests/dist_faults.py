@@ -229,3 +229,32 @@ def block_refused_before_data(U=1, R=2):
             return {"error": None, "counts": dict(meter.calls)}
         except ValueError as exc:
             return {"error": str(exc), "counts": dict(meter.calls)}
+
+
+def repeat_then_change(U=1, R=2):
+    """The agreement of a call seen before (one all-gather, one comparison) still sees what
+    another rank changed: calls of one shape, then rank 1 alone changes an option (refused on
+    both), its length (uneven lengths are allowed here: the new plan must be right), back."""
+    mesh = get_mesh(U, R)
+    rank = dist.get_rank()
+    H, D = 4, 8
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    pipe = attn.pipeline
+
+    def call(lengths, causal=(False, False)):
+        g = torch.Generator().manual_seed(sum(lengths))
+        S = sum(lengths)
+        q, k, v = (torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+        a = sum(lengths[:rank])
+        mine = slice(a, a + lengths[rank])
+        try:
+            out = attn(q[:, mine], k[:, mine], v[:, mine], causal=causal[rank])
+        except ValueError as exc:
+            return {"error": str(exc)}
+        ref, _ = reference_attention(q[:, mine], k, v)
+        return {"error": None, "max_err": float((out - ref).abs().max()),
+                "hit": any(r.hit for r in pipe.repeats.values())}
+
+    steps = [call((8, 8)), call((8, 8)), call((8, 8)), call((8, 8), causal=(False, True)), call((8, 8)),
+             call((8, 5)), call((8, 5)), call((8, 8))]
+    return {"steps": steps}

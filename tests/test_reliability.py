@@ -74,6 +74,20 @@ def test_alibi_slope_values_are_compared(pools):
         assert msg and "alibi" in msg and "disagree" in msg, msg
 
 
+def test_repeated_agreement_still_sees_another_ranks_change(pools):
+    """After calls of one shape (their agreement a single comparison), rank 1 alone changing an
+    option is refused on both ranks, and rank 1 alone changing its length gives a new, right
+    plan: the repeat lane never hides what another rank did."""
+    for r in pools(2).run(dist_faults.repeat_then_change, timeout=90):
+        steps = r["steps"]
+        ok = [0, 1, 2, 4, 5, 6, 7]
+        for i in ok:
+            assert steps[i]["error"] is None, (i, steps[i])
+            assert steps[i]["max_err"] < 1e-10, (i, steps[i])
+        assert steps[1]["hit"] and steps[2]["hit"], steps      # the repeat lane was taken
+        assert steps[3]["error"] and "disagree" in steps[3]["error"] and "causal" in steps[3]["error"], steps[3]
+
+
 def test_positions_reveal_a_wrong_layout(pools):
     for r in pools(2).run(dist_faults.positions_check, timeout=60, given="basic"):
         assert r["error"] and "positions" in r["error"], r

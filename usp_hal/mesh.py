@@ -167,8 +167,8 @@ def _resolve_timeout(timeout) -> Optional[datetime.timedelta]:
 
 
 def _needs_cpu_side_group(group) -> bool:
-    backend = str(dist.get_backend(group))
-    return "gloo" not in backend and backend != "undefined"
+    from .comm import host_transport
+    return not host_transport(group)
 
 
 def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,

@@ -81,6 +81,7 @@ class Pipeline:
         self.checked_blocks: set = set()
         self.checked_layouts: set = set()
         self.metas: Dict[CallSpec, list] = {}
+        self.repeats: dict = {}          # (spec, metadata group) -> comm.Repeat of its agreement
         self.signatures: dict = {}       # call signature -> (mesh, spec, local)
         self.plans: dict = {}            # (signature, lengths) -> plan
         self.last_backend: Any = None

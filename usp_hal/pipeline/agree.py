@@ -44,12 +44,18 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     group = mesh.metadata_group
     where = mesh.where("sequence-parallel")
     problem = None if err is None else f"{type(err).__name__}: {err}"
+    rep = pipe.repeats.get((spec, group)) if err is None and spec is not None else None
     if pipe.check_ranks:
-        values = [] if spec is None or err is not None else pipe.meta_of(spec)[1:]
         width = meta_length() - 1
+        values = [] if spec is None or err is not None else rep.values if rep is not None else pipe.meta_of(spec)[1:]
     else:
         values = [] if spec is None or err is not None else [spec.local_len]
         width = 1
+    if rep is None and err is None and spec is not None:
+        # a call of this spec again: one all-gather into the same buffer and one comparison
+        if len(pipe.repeats) > 64:
+            pipe.repeats.clear()
+        rep = pipe.repeats[(spec, group)] = comm.Repeat(values)
 
     def differences(rows):
         if not pipe.check_ranks or all(r == rows[0] for r in rows[1:]):
@@ -58,7 +64,7 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
 
     try:   # one all-gather of every rank's metadata (a second one with the reasons, only on a refusal)
         rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width, ranks=mesh.sp_ranks,
-                     check=differences)
+                          check=differences, repeat=rep)
     except AgreementError as exc:
         if err is not None:
             raise err from None          # this rank's own refusal, as it was raised here
@@ -69,12 +75,16 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
                        "(every rank must pass the same shapes and options):\n  " + found) from None
     assert spec is not None      # no rank flagged an error, so this one has a spec
+    if rep is not None and rep.hit and rep.result is not None:
+        return rep.result       # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]
     if pipe.check_ranks:
         lengths = [r[field_index("local_len")] for r in rows]
     else:
         lengths = [r[1] for r in rows]
     check_layout(pipe, mesh, spec, lengths, rows if pipe.check_ranks else None, cu_seqlens)
+    if rep is not None:
+        rep.result = lengths
     if pipe.static_shapes:
         pipe.frozen = (spec, lengths)
     return lengths
