@@ -57,3 +57,11 @@ def test_every_path_reports_its_exchange_and_ring_steps(pools, path):
         assert steps.count("ring") == (4 if path == "async" else 2), steps   # one per stage and pass
         assert r["layout"] > 0 and r["merge"] > 0, r
         assert r["hooks"] == 0 and r["open"] is None, r
+
+
+def test_memory_meter_sees_collective_buffers_freed(pools):
+    """A collective's buffers count as live until the caller frees them, not to the end of the
+    region: over eight 4 MiB all-to-alls the peak is one send + receive pair, 8 MiB."""
+    for r in pools(2).run(dist_meter.collective_buffers_freed, timeout=120):
+        assert "profiler" in r["method"], r
+        assert all(7.9 <= p <= 9.0 for p in r["peaks_mib"]), r
