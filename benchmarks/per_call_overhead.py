@@ -11,9 +11,18 @@
    all-to-alls and the kernel, against the same call's raw kernel time on the local block
    of heads (measured on the rank between calls).
 
+3. No communication at all (``--fake``, or ``--fake-only``): Ulysses-2 and Ring-2 as rank 0 of
+   torch's ``fake`` process group (one process; every collective returns at once, having
+   copied its input into its output), so what is timed is host work alone, free of this
+   machine's gloo slowdowns: usp-hal (the default, and ``static_shapes=True``), yunchang
+   0.6.4 given the same CPU kernel (``attn_processor``, when installed), and the floor: the
+   kernel on the rank's block plus the bare ``torch.distributed`` calls the call must make,
+   all in interleaved rounds.
+
 Run from the repository root:
 
     python -m benchmarks.per_call_overhead
+    python -m benchmarks.per_call_overhead --fake-only     # part 3 alone
     PYTHONPATH=path/to/other/tree python -m benchmarks.per_call_overhead   # another tree
 """
 from __future__ import annotations
@@ -90,12 +99,99 @@ def _ulysses_host(calls: int, S: int) -> dict:
     return {"host_minus_comm_us": statistics.median(host), "kernel_us": statistics.median(kernel)}
 
 
+def _fake_host(U: int, R: int, calls: int, rounds: int, S: int = 32) -> dict:
+    """Part 3 (run in a fresh process: it installs the fake group and wraps one dist call)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=U * R)
+    bare_a2a = dist.all_to_all_single
+
+    def a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        # the fake group copies input into output and wants one shape: give it flat views (as many bytes)
+        return bare_a2a(output.view(-1), input.reshape(-1), None, None, group=group, async_op=async_op)
+    dist.all_to_all_single = a2a
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
+    H, D, n = 8, 8, S // (U * R)
+    q, k, v = (torch.randn(1, n, H, D) for _ in range(3))
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    variants = {"usp-hal": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh),
+                "usp-hal static_shapes": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh,
+                                                                      static_shapes=True)}
+    calls_of = {name: (lambda m=m: m(q, k, v)) for name, m in variants.items()}
+    try:
+        from yunchang import LongContextAttention as YunchangAttention
+        from yunchang import set_seq_parallel_pg
+
+        from usp_hal.harness.cases import yunchang_cpu_processor
+        set_seq_parallel_pg(U, R, 0, U * R)
+        yc = YunchangAttention(ring_impl_type="basic", attn_type=None, attn_processor=yunchang_cpu_processor)
+        calls_of["yunchang (same kernel)"] = lambda: yc(q, k, v)
+    except ImportError:
+        pass
+    meta, gathered = torch.zeros(25, dtype=torch.long), torch.empty(25 * U * R, dtype=torch.long)
+    if U > 1:       # the floor: two all-to-alls (q/k/v in, out back), one metadata all-gather, the kernel
+        hq = H // U
+        send, recv = torch.randn(U, n, 1, 3 * hq, D), torch.empty(U * n, 1, 3 * hq, D)
+        kq, kk, kv = (torch.randn(1, hq, U * n, D) for _ in range(3))
+
+        def floor():
+            dist.all_gather_into_tensor(gathered, meta)
+            dist.all_to_all_single(recv, send, [n] * U, [1] * U)
+            op(kq, kk, kv, 0.0, False, scale=0.3)
+            dist.all_to_all_single(recv, send, [n] * U, [1] * U)
+    else:           # one K/V exchange per step, one kernel per step (no merge counted)
+        kq, kk, kv = (torch.randn(1, H, n, D) for _ in range(3))
+        kvbuf, kvrecv = torch.randn(2, 1, n, H, D), torch.empty(2, 1, n, H, D)
+
+        def floor():
+            dist.all_gather_into_tensor(gathered, meta)
+            for _ in range(R - 1):
+                ops = [dist.P2POp(dist.isend, kvbuf, 1), dist.P2POp(dist.irecv, kvrecv, R - 1)]
+                works = dist.batch_isend_irecv(ops)
+                for w in works:
+                    w.wait()
+            for _ in range(R):
+                op(kq, kk, kv, 0.0, False, scale=0.3)
+    calls_of["floor: kernel + bare collectives"] = floor
+    times: dict = {name: [] for name in calls_of}
+    with torch.no_grad():
+        for fn in calls_of.values():
+            _timed(fn, 100)
+        for _ in range(rounds):
+            for name, fn in calls_of.items():
+                times[name].append(_timed(fn, calls))
+    dist.destroy_process_group()
+    return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
+
+
+def fake_host_report(calls: int = 400, rounds: int = 9) -> str:
+    import json
+    import subprocess
+    import sys
+    lines = ["no communication (torch's fake group, rank 0 of 2, one process), [1, 16, 8, 8] per rank, forward, "
+             f"best and median of {rounds} interleaved rounds of {calls} calls:"]
+    for U, R in ((2, 1), (1, 2)):
+        code = ("import json, benchmarks.per_call_overhead as b; "
+                f"print('RESULT', json.dumps(b._fake_host({U}, {R}, {calls}, {rounds})))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        res = json.loads(out.split("RESULT", 1)[1])
+        lines.append(f"  {'Ulysses-2' if U > 1 else 'Ring-2'}:")
+        for name, (best, med) in res.items():
+            lines.append(f"    {name:34s} best {best:7.1f} us  median {med:7.1f} us")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--skip-ulysses", action="store_true")
+    ap.add_argument("--fake", action="store_true", help="also time part 3 (no communication)")
+    ap.add_argument("--fake-only", action="store_true", help="time part 3 alone")
     args = ap.parse_args(argv)
+    if args.fake_only:
+        print(fake_host_report())
+        return 0
     res = one_rank(args.calls, args.rounds)
     print("one rank, tiny block [1, 16, 2, 8] fp32, forward, best of interleaved rounds:")
     for name, us in res["best_us"].items():
@@ -110,6 +206,8 @@ def main(argv=None) -> int:
               "torch.distributed calls and waits (median over 500 calls, the slower rank):")
         print(f"  host time without collectives {worst['host_minus_comm_us']:6.1f} us, the kernel alone on the "
               f"rank's heads {worst['kernel_us']:6.1f} us")
+    if args.fake:
+        print(fake_host_report())
     return 0
 
 
