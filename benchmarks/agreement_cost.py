@@ -1,7 +1,8 @@
 """What the per-call cross-rank check costs: one small call, timed with the check on (the
 default), with ``check_ranks=False`` (the lengths are still exchanged) and with
 ``static_shapes=True`` (checked once, then no host collective), in interleaved rounds on 2
-spawned gloo ranks.  Ring-2, basic layout, fp32, B=1, H=8, D=64, forward.
+spawned gloo ranks.  Ring-2, basic layout, fp32, B=1, H=8, D=64, forward.  Then the latency
+of one bare all-gather of the check's size, alone, on the same ranks.
 
 Run from the repository root:
 
@@ -15,6 +16,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 import usp_hal
 from benchmarks._ranks import run_on_ranks
@@ -37,7 +39,16 @@ def job(S=512, U=1, R=2, rounds=40, calls=5):
                 for _ in range(calls):
                     m(q, k, v)
                 times[name].append((time.perf_counter() - t) / calls * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    res = {name: statistics.median(ts) for name, ts in times.items()}
+    # what one bare host collective of the check's size costs here, alone (no attention around it)
+    meta, out = torch.zeros(25, dtype=torch.long), torch.empty(25 * dist.get_world_size(), dtype=torch.long)
+    lat = []
+    for _ in range(200):
+        t = time.perf_counter()
+        dist.all_gather_into_tensor(out, meta)
+        lat.append((time.perf_counter() - t) * 1e3)
+    res["one bare 25-int all-gather"] = statistics.median(lat)
+    return res
 
 
 def main(argv=None) -> int:

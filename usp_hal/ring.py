@@ -358,32 +358,38 @@ def _single_call(ctx: RingContext, q, k) -> Optional[BlockCall]:
     return None
 
 
-def _single_forward(ctx: RingContext, one: BlockCall):
-    """The kernel call of a one-call ring (e.g. every Ulysses-only call): the backend's bound
-    call (:meth:`~usp_hal.backend.AttentionBackend.bind`, validated once per shape, dtype and
-    device on this context, which lives as long as its plan), or its ``forward`` where the
-    backend has a forward of its own (an adapter, a meter's wrapper) or the call is masked."""
-    got = ctx.__dict__.get("_single")
-    if got is not None and got[0] is one:
+def _kernel_call(ctx: RingContext, call: BlockCall, src: int):
+    """The forward of one block call of the plan, ``(q, k, v) -> (out, lse)`` on the call's
+    rows and keys: the backend's bound call (:meth:`~usp_hal.backend.AttentionBackend.bind`,
+    validated once per shape, dtype and device; kept on this context, which lives as long
+    as its plan), or its ``forward`` where the backend has a forward of its own (an
+    adapter, a meter's wrapper) or the call is masked."""
+    calls = ctx.__dict__.setdefault("_kernel_calls", {})
+    got = calls.get((id(call), src))
+    if got is not None and got[0] is call:
         return got[1]
     backend = ctx.backend
-    kw = ctx.kernel_kwargs(one, ctx.ring_rank)
+    kw = ctx.kernel_kwargs(call, src)
     if "mask" in kw or not backend.binds_forward():
-        return lambda q, k, v: backend.forward(q, k, v, **kw)
-    cache: dict = {}
-
-    def call(q, k, v):
-        if not backend.binds_forward():        # wrapped since (the harness's kernel timer): go through it
+        def fn(q, k, v):
             return backend.forward(q, k, v, **kw)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device)
-        bound = cache.get(key)
-        if bound is None:
-            if len(cache) > 8:
-                cache.clear()
-            bound = cache[key] = backend.bind(q, k, v, **kw)
-        return bound(q, k, v)
-    ctx.__dict__["_single"] = (one, call)
-    return call
+    else:
+        cache: dict = {}
+
+        def fn(q, k, v):
+            if not backend.binds_forward():        # wrapped since (the harness's kernel timer): go through it
+                return backend.forward(q, k, v, **kw)
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device)
+            bound = cache.get(key)
+            if bound is None:
+                if len(cache) > 8:
+                    cache.clear()
+                bound = cache[key] = backend.bind(q, k, v, **kw)
+            return bound(q, k, v)
+    if len(calls) > 256:
+        calls.clear()
+    calls[(id(call), src)] = (call, fn)
+    return fn
 
 
 def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -394,12 +400,13 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if q.shape[2] != 0 and ctx.rotation.codecs is None:
         one = _single_call(ctx, q, k)
         if one is not None:
-            out, lse = _single_forward(ctx, one)(q, k, v)
+            out, lse = _kernel_call(ctx, one, ctx.ring_rank)(q, k, v)
             mdt = merge_dtype(q.dtype)
             return out, (lse if lse.dtype == mdt else lse.to(mdt))
     acc = _Accumulator(q, v.shape[-1], empty_rows=tuple(ctx.window) != (-1, -1) or ctx.predicate is not None)
     if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
         return acc.result()
+    n = q.shape[1]
     for src, kb, vb in ctx.rotation.blocks(k, v):
         for c in ctx.steps(src):
             if isinstance(c, PackedCall):
@@ -407,9 +414,12 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 out, lse = ctx.backend.forward_packed(c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
                                                       c.packing(b, q.device), **ctx.packed_kwargs(c))
                 acc.add_packed(c, out, lse)
-            else:
-                acc.add(c, *ctx.backend.forward(q[:, c.rows], kb[:, c.cols], vb[:, c.cols],
-                                                **ctx.kernel_kwargs(c, src)))
+            else:       # whole tensors where the call spans them (a slice is a dispatch of its own)
+                qc = q if c.q_start == 0 and c.q_stop == n else q[:, c.rows]
+                if c.k_start == 0 and c.k_stop == kb.shape[1]:
+                    acc.add(c, *_kernel_call(ctx, c, src)(qc, kb, vb))
+                else:
+                    acc.add(c, *_kernel_call(ctx, c, src)(qc, kb[:, c.cols], vb[:, c.cols]))
         del kb, vb      # so the block can go before the next one's hop allocates
     return acc.result()
 
