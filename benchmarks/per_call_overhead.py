@@ -15,9 +15,10 @@
    torch's ``fake`` process group (one process; every collective returns at once, having
    copied its input into its output), so what is timed is host work alone, free of this
    machine's gloo slowdowns: usp-hal (the default, and ``static_shapes=True``), yunchang
-   0.6.4 given the same CPU kernel (``attn_processor``, when installed), and the floor: the
-   kernel on the rank's block plus the bare ``torch.distributed`` calls the call must make,
-   all in interleaved rounds.
+   0.6.4 given the same CPU kernel (``attn_processor``, when installed), the floor (the
+   kernel on the rank's block plus the bare ``torch.distributed`` calls the call must make)
+   and, for Ulysses, the same tensor ops as usp-hal's forward written out by hand with
+   nothing around them, all in interleaved rounds.
 
 Run from the repository root:
 
@@ -139,6 +140,25 @@ def _fake_host(U: int, R: int, calls: int, rounds: int, S: int = 32) -> dict:
             dist.all_to_all_single(recv, send, [n] * U, [1] * U)
             op(kq, kk, kv, 0.0, False, scale=0.3)
             dist.all_to_all_single(recv, send, [n] * U, [1] * U)
+
+        grp = mesh.ulysses_group
+        w, S = H // U, U * n
+        by_dest = ((U, n, 1, w, D), (w * D, H * D, n * H * D, D, 1))   # [U, s, B, w, D] view of [1, s, H, D]
+
+        def by_hand():
+            """The same tensor ops as usp-hal's Ulysses forward, written out with nothing around them."""
+            dist.all_gather_into_tensor(gathered, meta)
+            buf = torch.cat([x.as_strided(*by_dest) for x in (q, k, v)], 3)
+            got = torch.empty((S, 1, 3 * w, D))
+            dist.all_to_all_single(got, buf, [n] * U, [1] * U, group=grp)
+            qh, kh, vh = got.permute(1, 0, 2, 3).split_with_sizes([w, w, w], 2)
+            out = op(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), 0.0, False, scale=0.3)[0]
+            back = torch.empty((U, n, 1, w, D))
+            dist.all_to_all_single(back, out.transpose(1, 2).transpose(0, 1), [1] * U, [n] * U, group=grp)
+            res = torch.empty((1, n, H, D))
+            res.as_strided(*by_dest).copy_(back)
+            return res
+        calls_of["by hand: the same ops, no library"] = by_hand
     else:           # one K/V exchange per step, one kernel per step (no merge counted)
         kq, kk, kv = (torch.randn(1, H, n, D) for _ in range(3))
         kvbuf, kvrecv = torch.randn(2, 1, n, H, D), torch.empty(2, 1, n, H, D)

@@ -95,3 +95,23 @@ def test_profiler_trace_names_every_collective(pools):
         assert any("ring" in n and "dK/dV" in n for n in names), text
         assert any(n.startswith("usp_hal: wait for ") for n in names), text
         assert any("metadata" in n for n in names), text
+
+
+@pytest.mark.parametrize("world,kw,bound", [
+    (2, dict(), True),
+    (2, dict(H=8, Hkv=2, causal=True, layout="zigzag", S=20), True),
+    (2, dict(S=13), True),                                   # uneven lengths (basic, non-causal)
+    (2, dict(dtype="bf16", causal=True, layout="stripe"), True),
+    (4, dict(U=4, H=8, Hkv=4, causal=True, layout="zigzag"), True),
+    (4, dict(U=4, H=6, Hkv=6, S=16), False),                 # heads that do not split evenly: the general path
+    (2, dict(return_lse=True), False),                       # the lse travels: the general path
+], ids=["mha", "gqa-zigzag", "uneven", "bf16-stripe", "u4-gqa", "u4-uneven-heads", "with-lse"])
+def test_ulysses_forward_only_bound_path(pools, world, kw, bound):
+    """Forward-only Ulysses calls without lse run the bound path (checked: the plan took it,
+    or the general path where it does not apply) and match the float64 reference, call after
+    call, contiguous or not."""
+    for r in pools(world).run(dist_cases.ulysses_bound_case, timeout=120, **kw):
+        assert r["bound"] == [bound], r
+        for e in r["errs"]:
+            assert e["shape"] and e["dtype"], r
+            _check({k: v for k, v in e.items() if k not in ("shape", "dtype")})

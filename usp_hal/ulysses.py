@@ -262,6 +262,35 @@ class UlyssesExchange:
             return self.expand(*got)
         return Pending(work, finish_bytes, label, self.where)
 
+    def bind_forward(self, q, k, v):
+        """For forward-only calls of these shapes and dtypes: ``(to_heads, to_seq)``, the two
+        exchanges of a Ulysses forward with nothing around them, when both take their routes
+        (identity codecs, heads in one regular pattern, the output's heads tiling ``[0, H)``
+        in rank order, no kv-head repeat): ``to_heads(q, k, v) -> (qh, kh, vh)`` as
+        :meth:`start_qkv` gives them, ``to_seq(out, dtype) -> [B, s, H, Dv]`` as
+        :meth:`start_out` does without lse, guard or head-layout copy.  None otherwise."""
+        plan = self.plan
+        if self.size == 1 or self._expand is not None:
+            return None
+        route = self._route_heads((q, k, v), (plan.q, plan.kv, plan.kv), ("q", "k", "v"))
+        if not route:
+            return None
+        me = self.rank
+        out_shape = (q.shape[0], self.total, plan.q[me][1] - plan.q[me][0], v.shape[3])
+        oroute = self._route_out(out_shape)
+        if not oroute or not oroute.tiles:
+            return None
+        qlabel, olabel = "Ulysses all-to-all of q/k/v (forward)", "Ulysses all-to-all of the output (forward)"
+
+        def to_heads(q, k, v):
+            recv, _ = self._send_gathered(route, (q, k, v), False, qlabel)
+            return self._finish_qkv(route, recv)
+
+        def to_seq(out, dtype):
+            local, _, _ = self._start_out_routed(oroute, out, dtype, None, False, None, False, olabel).wait()
+            return local
+        return to_heads, to_seq
+
     def _local_qkv(self, q, k, v):
         # one Ulysses rank: nothing travels, so no codec applies
         a, b = self.plan.kv[0]
@@ -424,7 +453,7 @@ class UlyssesExchange:
             key = ("out", out.shape, out.dtype, dtype)
             route = self._routes.get(key)
             if route is None:
-                route = self._routes[key] = self._route_out(out)
+                route = self._routes[key] = self._route_out(out.shape)
             if route and (into is not None or route.tiles):
                 return self._start_out_routed(route, out, dtype, q_guard, keep_heads, into, async_op, label)
         if lse is None and codec.identity:
@@ -697,17 +726,17 @@ class UlyssesExchange:
             return tuple(res)
         return Pending(work, finish, label, self.where)
 
-    def _route_out(self, out: torch.Tensor):
+    def _route_out(self, shape):
         """The :class:`_Route` of the output's heads -> sequence exchange (identity codec,
-        no lse) for ``out`` of this shape, or False (the general path)."""
-        if not self.codecs["out"].identity or out.dim() != 4:
+        no lse) for an output ``[B, S, h, Dv]`` of this shape, or False (the general path)."""
+        if not self.codecs["out"].identity or len(shape) != 4:
             return False
         plan = self.plan
         reg = _regular(plan.q, plan.num_heads)
         if reg is None:
             return False
         off, step, w = reg
-        b, S, h, dv = out.shape
+        b, S, h, dv = shape
         if step < w or h != w or S != self.total:
             return False
         s_me = self.seq_lens[self.rank]

@@ -241,18 +241,13 @@ def _bind_fast(plan: CallPlan, q, k, v):
         return None
     st = plan.stages[0]
     ex, ring = st.exchange, st.ring
-    if ex.size != 1 or ex.plan.kv_expand[0] is not None or tuple(ex.plan.kv[0]) != (0, k.shape[2]):
+    if ex.size != 1:
+        return _bind_heads(plan, q, k, v)
+    if ex.plan.kv_expand[0] is not None or tuple(ex.plan.kv[0]) != (0, k.shape[2]):
         return None
-    if ring.ring_size != 1 or ring.rotation.codecs is not None or ring.predicate is not None or q.shape[2] == 0:
+    c = _one_call(plan, q.shape[1], k.shape[1], q.shape[2])
+    if c is None:
         return None
-    calls = ring.calls(ring.ring_rank)
-    if len(calls) != 1:
-        return None
-    c = calls[0]
-    if (c.q_start, c.q_stop, c.k_start, c.k_stop) != (0, q.shape[1], 0, k.shape[1]):
-        return None
-    if not plan.backend.binds_forward():
-        return None      # an adapter (or a test's counting subclass) with its own forward keeps it
     want = plan.spec.return_lse
     call = plan.backend.bind(q, k, v, want_lse=want, **ring.kernel_kwargs(c, ring.ring_rank))
     mdt = merge_dtype(plan.dtype)
@@ -266,6 +261,55 @@ def _bind_fast(plan: CallPlan, q, k, v):
             return out, None
         return out, (lse if lse.dtype == mdt else lse.to(mdt))
     return forward_one
+
+
+def _one_call(plan: CallPlan, rows: int, keys: int, heads: int):
+    """The ring's one block call when the stage's ring is exactly one kernel call over
+    ``rows`` queries and ``keys`` keys (one ring rank, no codec or mask, heads to compute) on
+    a backend whose bound call may stand for its forward; else None."""
+    ring = plan.stages[0].ring
+    if ring.ring_size != 1 or ring.rotation.codecs is not None or ring.predicate is not None or heads == 0:
+        return None
+    calls = ring.calls(ring.ring_rank)
+    if len(calls) != 1:
+        return None
+    c = calls[0]
+    if (c.q_start, c.q_stop, c.k_start, c.k_stop) != (0, rows, 0, keys):
+        return None
+    if not plan.backend.binds_forward():
+        return None      # an adapter (or a test's counting subclass) with its own forward keeps it
+    return c
+
+
+def _bind_heads(plan: CallPlan, q, k, v):
+    """The forward of a Ulysses-only plan without lse whose ring is one kernel call: the
+    exchange's two bound all-to-alls (:meth:`~usp_hal.ulysses.UlyssesExchange.bind_forward`)
+    around the backend's bound call, bound on the first head-layout tensors; None when the
+    plan is not of that kind."""
+    ex = plan.stages[0].exchange
+    if plan.spec.return_lse:
+        return None
+    bound = ex.bind_forward(q, k, v)
+    if bound is None:
+        return None
+    to_heads, to_seq = bound
+    me = ex.rank
+    hq = ex.plan.q[me][1] - ex.plan.q[me][0]
+    c = _one_call(plan, ex.total, ex.total, hq)
+    if c is None:
+        return None
+    ring = plan.stages[0].ring
+    kw = ring.kernel_kwargs(c, ring.ring_rank)
+    backend, dtype = plan.backend, plan.dtype
+    cell: list = []
+
+    def forward_heads(q, k, v):
+        qh, kh, vh = to_heads(q, k, v)
+        if not cell:
+            cell.append(backend.bind(qh, kh, vh, want_lse=False, **kw))
+        out, _ = cell[0](qh, kh, vh)
+        return to_seq(out, dtype), None
+    return forward_heads
 
 
 def run(plan: CallPlan, q, k, v, received: Optional[Received] = None, sinks=None):
