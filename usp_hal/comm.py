@@ -275,13 +275,14 @@ class Repeat:
     of these rows need not run again: it may keep what it made of them in ``result``).  Any
     difference, on any rank, takes the full path."""
 
-    __slots__ = ("values", "send", "recv", "last", "rows", "hit", "result")
+    __slots__ = ("values", "send", "recv", "flat", "last", "rows", "hit", "result")
 
     def __init__(self, values: Sequence[int]):
         self.values = [int(x) for x in values]
         self.send: Optional[torch.Tensor] = None
         self.recv: Optional[torch.Tensor] = None
-        self.last: Optional[torch.Tensor] = None
+        self.flat: Optional[List[int]] = None     # the last gathered result
+        self.last: Optional[List[int]] = None     # the last one every check accepted
         self.rows: Optional[List[List[int]]] = None
         self.hit = False
         #: what the caller worked out from the accepted rows once its own checks passed
@@ -299,11 +300,12 @@ def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[Lis
         rep.last = None
     collective(what, where, getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, recv, send,
                group=group)
-    if rep.last is not None and torch.equal(recv, rep.last):
+    flat = recv.tolist()      # read on the host: no tensor op (the comparison launches nothing)
+    if flat == rep.last:
         rep.hit = True
         return None
+    rep.flat = flat
     m = send.numel()
-    flat = recv.tolist()
     return [flat[i * m:(i + 1) * m] for i in range(n)]
 
 
@@ -346,8 +348,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
                 assert repeat.rows is not None
                 return repeat.rows
             rows = _settle(gathered, problem, text, group, what, where, same, check, ranks)
-            assert repeat.recv is not None
-            repeat.last, repeat.rows = repeat.recv.clone(), rows
+            repeat.last, repeat.rows = repeat.flat, rows
             return rows
     row: List[int] = []
     try:
