@@ -251,10 +251,14 @@ def repeat_then_change(U=1, R=2):
             out = attn(q[:, mine], k[:, mine], v[:, mine], causal=causal[rank])
         except ValueError as exc:
             return {"error": str(exc)}
-        ref, _ = reference_attention(q[:, mine], k, v)
-        return {"error": None, "max_err": float((out - ref).abs().max()),
+        ref, _ = reference_attention(q, k, v, causal=causal[rank])
+        return {"error": None, "max_err": float((out - ref[:, mine]).abs().max()),
                 "hit": any(r.hit for r in pipe.repeats.values())}
 
     steps = [call((8, 8)), call((8, 8)), call((8, 8)), call((8, 8), causal=(False, True)), call((8, 8)),
              call((8, 5)), call((8, 5)), call((8, 8))]
-    return {"steps": steps}
+    # rows the metadata check accepts but the layout check refuses (uneven causal lengths),
+    # twice: the second time is a repeat of rows whose checks failed, refused again on both
+    both = (True, True)
+    layout = [call((8, 8), both), call((8, 8), both), call((8, 5), both), call((8, 5), both), call((8, 8), both)]
+    return {"steps": steps, "layout": layout}

@@ -86,6 +86,11 @@ def test_repeated_agreement_still_sees_another_ranks_change(pools):
             assert steps[i]["max_err"] < 1e-10, (i, steps[i])
         assert steps[1]["hit"] and steps[2]["hit"], steps      # the repeat lane was taken
         assert steps[3]["error"] and "disagree" in steps[3]["error"] and "causal" in steps[3]["error"], steps[3]
+        layout = r["layout"]
+        for i in (0, 1, 4):
+            assert layout[i]["error"] is None and layout[i]["max_err"] < 1e-10, (i, layout[i])
+        for i in (2, 3):
+            assert layout[i]["error"] and "do not match" in layout[i]["error"], (i, layout[i])
 
 
 def test_positions_reveal_a_wrong_layout(pools):

@@ -275,23 +275,23 @@ class Repeat:
     of these rows need not run again: it may keep what it made of them in ``result``).  Any
     difference, on any rank, takes the full path."""
 
-    __slots__ = ("values", "send", "recv", "flat", "last", "rows", "hit", "result")
+    __slots__ = ("values", "send", "recv", "last", "rows", "hit", "result")
 
     def __init__(self, values: Sequence[int]):
         self.values = [int(x) for x in values]
         self.send: Optional[torch.Tensor] = None
         self.recv: Optional[torch.Tensor] = None
-        self.flat: Optional[List[int]] = None     # the last gathered result
-        self.last: Optional[List[int]] = None     # the last one every check accepted
+        self.last: Optional[List[int]] = None     # the last gathered result every check accepted
         self.rows: Optional[List[List[int]]] = None
         self.hit = False
         #: what the caller worked out from the accepted rows once its own checks passed
+        #: (cleared whenever other rows are accepted: it belongs to ``last`` alone)
         self.result: Any = None
 
 
-def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[List[int]]]:
-    """The gathered ``[flag, *values]`` rows of a :class:`Repeat` (None: ``rep.hit`` is set
-    and its rows stand)."""
+def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[int]]:
+    """The gathered ``[flag, *values]`` of every rank of a :class:`Repeat`, flat (None:
+    the same as ``rep.last``, ``rep.hit`` is set and its rows stand)."""
     device, n = _group_meta(group)
     send, recv = rep.send, rep.recv
     if send is None or recv is None or send.device != device:
@@ -304,9 +304,7 @@ def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[Lis
     if flat == rep.last:
         rep.hit = True
         return None
-    rep.flat = flat
-    m = send.numel()
-    return [flat[i * m:(i + 1) * m] for i in range(n)]
+    return flat
 
 
 def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-parallel group",
@@ -343,12 +341,15 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     if repeat is not None:
         repeat.hit = False
         if not text and dist.is_available() and dist.is_initialized() and _group_size(group) > 1:
-            gathered = _agree_again(repeat, group, f"{what}: agreement check", where)
-            if gathered is None:
+            flat = _agree_again(repeat, group, f"{what}: agreement check", where)
+            if flat is None:
                 assert repeat.rows is not None
                 return repeat.rows
+            m = len(repeat.values) + 1
+            gathered = [flat[i:i + m] for i in range(0, len(flat), m)]
             rows = _settle(gathered, problem, text, group, what, where, same, check, ranks)
-            repeat.last, repeat.rows = repeat.flat, rows
+            # other rows accepted: what the caller made of the last ones no longer stands
+            repeat.last, repeat.rows, repeat.result = flat, rows, None
             return rows
     row: List[int] = []
     try:
