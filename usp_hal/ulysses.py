@@ -221,10 +221,7 @@ class UlyssesExchange:
         plan, me = self.plan, self.rank
         if self.size == 1:
             return Done(self._local_qkv(q, k, v))
-        key = ("qkv", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
-        route = self._routes.get(key)
-        if route is None:
-            route = self._routes[key] = self._route_heads((q, k, v), (plan.q, plan.kv, plan.kv), ("q", "k", "v"))
+        route = self._qkv_route(q, k, v)
         label = self._labels.get(what)
         if label is None:
             label = self._labels[what] = f"Ulysses all-to-all of q/k/v ({what})"
@@ -272,7 +269,7 @@ class UlyssesExchange:
         plan = self.plan
         if self.size == 1 or self._expand is not None:
             return None
-        route = self._route_heads((q, k, v), (plan.q, plan.kv, plan.kv), ("q", "k", "v"))
+        route = self._qkv_route(q, k, v)
         if not route:
             return None
         me = self.rank
@@ -290,6 +287,16 @@ class UlyssesExchange:
             local, _, _ = self._start_out_routed(oroute, out, dtype, None, False, None, False, olabel).wait()
             return local
         return to_heads, to_seq
+
+    def _qkv_route(self, q, k, v):
+        """The route of q/k/v of these shapes and dtypes to the head layout (worked out once;
+        False: the general path)."""
+        key = ("qkv", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            plan = self.plan
+            route = self._routes[key] = self._route_heads((q, k, v), (plan.q, plan.kv, plan.kv), ("q", "k", "v"))
+        return route
 
     def _local_qkv(self, q, k, v):
         # one Ulysses rank: nothing travels, so no codec applies
