@@ -1,5 +1,7 @@
 """What the per-call cross-rank check costs: one small call, timed with the check on (the
-default), with ``check_ranks=False`` (the lengths are still exchanged) and with
+default: a steady module's call goes ahead of its agreement, whose all-gather is waited for
+once the first exchange completed), agreeing before every call (``go_ahead`` off: the
+repeat lane), with ``check_ranks=False`` (the lengths are still exchanged) and with
 ``static_shapes=True`` (checked once, then no host collective), in interleaved rounds on 2
 spawned gloo ranks.  Ring-2, basic layout, fp32, B=1, H=8, D=64, forward.  Then the latency
 of one bare all-gather of the check's size, alone, on the same ranks.
@@ -8,6 +10,7 @@ Run from the repository root:
 
     python -m benchmarks.agreement_cost            # S=512
     python -m benchmarks.agreement_cost --seqlen 1024
+    python -m benchmarks.agreement_cost --ulysses      # Ulysses-2
 """
 from __future__ import annotations
 
@@ -23,8 +26,12 @@ from benchmarks._ranks import run_on_ranks
 
 
 def job(S=512, U=1, R=2, rounds=40, calls=5):
+    """Ring-2 by default; ``U=2, R=1`` for Ulysses-2."""
     mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
-    mods = {"checked every call (default)": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh),
+    first = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    first.pipeline.go_ahead = False
+    mods = {"checked, going ahead (default)": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh),
+            "checked before the call": first,
             "check_ranks=False": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks=False),
             "static_shapes=True": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, static_shapes=True)}
     q, k, v = (torch.randn(1, S // (U * R), 8, 64) for _ in range(3))
@@ -54,9 +61,12 @@ def job(S=512, U=1, R=2, rounds=40, calls=5):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--ulysses", action="store_true", help="Ulysses-2 instead of Ring-2")
     args = ap.parse_args(argv)
-    rows = run_on_ranks(job, world=2, S=args.seqlen)
-    print(f"Ring-2, S={args.seqlen}, forward: median ms per call over interleaved rounds (the slower rank)")
+    U, R = (2, 1) if args.ulysses else (1, 2)
+    rows = run_on_ranks(job, world=2, S=args.seqlen, U=U, R=R)
+    print(f"{'Ulysses' if args.ulysses else 'Ring'}-2, S={args.seqlen}, forward: median ms per call over "
+          "interleaved rounds (the slower rank)")
     for name in rows[0]:
         print(f"  {name:30s} {max(r[name] for r in rows):7.2f} ms")
     return 0

@@ -20,6 +20,7 @@ import array
 import builtins
 import datetime
 import struct
+import threading
 import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -55,12 +56,16 @@ def collective(what: str, where: str, fn: Callable, *args, **kwargs):
     try:
         if _profiler_enabled():
             with torch.profiler.record_function(f"usp_hal: {what}"):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+                got = fn(*args, **kwargs)
+        else:
+            got = fn(*args, **kwargs)
     except CommError:
         raise
     except RuntimeError as exc:
         raise CommError(f"{what} on the {where} failed: {exc}") from exc
+    if got is None and _GATES:      # a blocking exchange completed: an agreement in flight is due
+        pass_gate()
+    return got
 
 
 def wait(what: str, where: str, works) -> None:
@@ -81,6 +86,67 @@ def wait(what: str, where: str, works) -> None:
             raise
         except RuntimeError as exc:
             raise CommError(f"wait for {what} on the {where} failed: {exc}") from exc
+    if _GATES:      # the first exchange of a call that went ahead completed: its agreement is due
+        pass_gate()
+
+
+# ------------------------------------------------------------------------ going ahead
+class Retry(Exception):
+    """Raised (on every rank at the same point) when a call that went ahead of its agreement
+    finds that some rank did not run that call: ``flat`` is every rank's gathered
+    ``[flag, *values]``; the caller settles them and runs the call again, or raises."""
+
+    def __init__(self, flat: List[int], width: int):
+        super().__init__("an agreement in flight found a change")
+        self.flat, self.width = flat, width
+
+    def rows(self) -> List[List[int]]:
+        m = self.width
+        return [self.flat[i:i + m] for i in range(0, len(self.flat), m)]
+
+
+class Gate:
+    """An agreement all-gather in flight while the call it checks goes ahead (see
+    :func:`open_gate`)."""
+
+    __slots__ = ("work", "recv", "width", "what", "where", "thread")
+
+    def __init__(self, work, recv: torch.Tensor, width: int, what: str, where: str):
+        self.work, self.recv, self.width, self.what, self.where = work, recv, width, what, where
+        self.thread = threading.get_ident()
+
+
+#: the agreement of the call that went ahead of it, at most one (a thread's calls run one
+#: at a time; another thread's exchanges leave it alone)
+_GATES: List[Gate] = []
+
+
+def open_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str) -> Gate:
+    """Start the all-gather of every rank's ``[flag, *values]`` (``send``, into ``recv``)
+    without waiting: it is waited for when the call's first exchange completes (the first
+    blocking collective, or the first :func:`wait`), and :class:`Retry` is raised there,
+    on every rank, when any rank's flag is not 0.  Every rank must then be running the
+    same exchanges (of the same sizes) ahead of it, so none is left waiting either way."""
+    work = collective(what, where, all_gather_single, recv, send, group=group, async_op=True)
+    g = Gate(work, recv, send.numel(), what, where)
+    _GATES[:] = [g]
+    return g
+
+
+def pass_gate() -> None:
+    """Wait for the agreement in flight (if any) and check every rank's flag."""
+    if not _GATES or _GATES[0].thread != threading.get_ident():
+        return
+    g = _GATES.pop()
+    wait(g.what, g.where, g.work)
+    flat = g.recv.tolist()
+    if any(flat[0::g.width]):
+        raise Retry(flat, g.width)
+
+
+def drop_gate() -> None:
+    """Forget an agreement in flight (its call failed on this rank for another reason)."""
+    _GATES.clear()
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -129,7 +195,7 @@ def _group_size(group) -> int:
     return _group_info(group)[0]
 
 
-def _group_meta(group) -> tuple:
+def group_meta(group) -> tuple:
     """``(_meta_device(group), dist.get_world_size(group))``, asked once per group."""
     info = _group_info(group)
     if info[1] is None:
@@ -167,7 +233,7 @@ _all_gather_single = all_gather_single     # the former private name (rotation, 
 def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata all-gather",
                     where: str = "sequence-parallel group") -> List[List[int]]:
     """Every rank's list of integers (all the same length), in group-rank order."""
-    device, n = _group_meta(group)
+    device, n = group_meta(group)
     vals = values if isinstance(values, (list, tuple)) else list(values)
     t = None
     if device.type == "cpu" and len(vals):
@@ -275,10 +341,12 @@ class Repeat:
     of these rows need not run again: it may keep what it made of them in ``result``).  Any
     difference, on any rank, takes the full path."""
 
-    __slots__ = ("values", "send", "recv", "last", "rows", "hit", "result")
+    __slots__ = ("values", "flag", "send", "recv", "last", "rows", "flags", "hit", "result")
 
-    def __init__(self, values: Sequence[int]):
+    def __init__(self, values: Sequence[int], flag: int = 0):
         self.values = [int(x) for x in values]
+        self.flag = int(flag)      # this rank's flag bits besides a refusal (see agree's ``flag``)
+        self.flags: List[int] = []     # every rank's flag in ``last``
         self.send: Optional[torch.Tensor] = None
         self.recv: Optional[torch.Tensor] = None
         self.last: Optional[List[int]] = None     # the last gathered result every check accepted
@@ -292,10 +360,10 @@ class Repeat:
 def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[int]]:
     """The gathered ``[flag, *values]`` of every rank of a :class:`Repeat`, flat (None:
     the same as ``rep.last``, ``rep.hit`` is set and its rows stand)."""
-    device, n = _group_meta(group)
+    device, n = group_meta(group)
     send, recv = rep.send, rep.recv
     if send is None or recv is None or send.device != device:
-        send = rep.send = torch.tensor([0] + rep.values, dtype=torch.long, device=device)
+        send = rep.send = torch.tensor([rep.flag] + rep.values, dtype=torch.long, device=device)
         recv = rep.recv = torch.empty(n * send.numel(), dtype=torch.long, device=device)
         rep.last = None
     collective(what, where, getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, recv, send,
@@ -310,7 +378,8 @@ def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[int
 def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-parallel group",
           values: Sequence[int] = (), width: Optional[int] = None, same: Union[bool, Sequence[str]] = False,
           check: Optional[Callable[[List[List[int]]], Union[None, str, Sequence[str]]]] = None,
-          ranks: Optional[Sequence[Any]] = None, repeat: Optional[Repeat] = None) -> List[List[int]]:
+          ranks: Optional[Sequence[Any]] = None, repeat: Optional[Repeat] = None, flag: int = 0,
+          flags: Optional[List[int]] = None) -> List[List[int]]:
     """Agree across ``group`` (None = the default group) that a call may go on; every rank
     must call it at the same point.  Returns every rank's ``values``, in group-rank order.
 
@@ -336,6 +405,10 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     ``repeat``: this call's :class:`Repeat` (its values stand for ``values``, its width for
     ``width``; used only when this rank has no ``problem``): the all-gather reuses its
     buffers, and a result equal to the last accepted one returns that one's rows at once.
+
+    ``flag``: more bits (2 and up) this rank sends beside its refusal bit (1), for the
+    caller's own use (the pipeline's "this call is the same as my last one"); ``flags``, a
+    list filled with every rank's flag once the agreement passed.
     """
     text = _problem_text(problem)
     if repeat is not None:
@@ -344,12 +417,17 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
             flat = _agree_again(repeat, group, f"{what}: agreement check", where)
             if flat is None:
                 assert repeat.rows is not None
+                if flags is not None:
+                    flags[:] = repeat.flags
                 return repeat.rows
             m = len(repeat.values) + 1
             gathered = [flat[i:i + m] for i in range(0, len(flat), m)]
-            rows = _settle(gathered, problem, text, group, what, where, same, check, ranks)
+            rows = settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
             # other rows accepted: what the caller made of the last ones no longer stands
             repeat.last, repeat.rows, repeat.result = flat, rows, None
+            repeat.flags = [r[0] for r in gathered]
+            if flags is not None:
+                flags[:] = repeat.flags
             return rows
     row: List[int] = []
     try:
@@ -364,23 +442,34 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
             if isinstance(problem, BaseException):
                 raise problem
             raise _error_class()(f"{what}: {text}", {0: text})
-        return _settle([[0] + row], problem, text, group, what, where, same, check, ranks)
-    gathered = all_gather_ints([1 if text else 0] + row, group, what=f"{what}: agreement check", where=where)
-    return _settle(gathered, problem, text, group, what, where, same, check, ranks)
+        if flags is not None:
+            flags[:] = [int(flag)]
+        return settle([[int(flag)] + row], problem, group, what=what, where=where, same=same, check=check,
+                      ranks=ranks)
+    gathered = all_gather_ints([(1 if text else 0) | int(flag)] + row, group, what=f"{what}: agreement check",
+                               where=where)
+    rows = settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
+    if flags is not None:
+        flags[:] = [r[0] for r in gathered]
+    return rows
 
 
-def _settle(gathered: List[List[int]], problem: Problem, text: str, group, what: str, where: str,
-            same: Union[bool, Sequence[str]], check, ranks) -> List[List[int]]:
+def settle(gathered: List[List[int]], problem: Problem, group=None, *, what: str,
+           where: str = "sequence-parallel group", same: Union[bool, Sequence[str]] = False,
+           check=None, ranks=None) -> List[List[int]]:
     """The rest of :func:`agree` once every rank's ``[flag, *values]`` is here (a second
-    all-gather, of the reasons, only when some rank flagged)."""
-    if len(gathered) > 1 and any(r[0] for r in gathered):
+    all-gather, of the reasons, only when some rank's refusal bit (1) is set): raises as
+    :func:`agree` does, or returns every rank's values.  Every rank must call it with the
+    same ``gathered``."""
+    text = _problem_text(problem)
+    if len(gathered) > 1 and any(r[0] & 1 for r in gathered):
         names = list(ranks) if ranks is not None else _group_ranks(group, len(gathered))
         kind = type(problem).__name__ if isinstance(problem, BaseException) else ""
         texts = all_gather_bytes(f"{kind}\0{text}".encode("utf-8", "replace") if text else b"", group,
                                  what=f"{what}: agreement messages", where=where)
         problems, kinds = {}, set()
         for i, (r, raw) in enumerate(zip(gathered, texts)):
-            if r[0]:
+            if r[0] & 1:
                 k, _, msg = raw.decode("utf-8", "replace").partition("\0")
                 if msg.startswith(f"{what}: "):      # the reason names the call already
                     msg = msg[len(what) + 2:]

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import comm
 from ..capabilities import AttnRequest
 from ..comm import CommError
 from ..registry import REGISTRY
@@ -55,6 +56,10 @@ def one_group(heads: HeadPlan) -> List[HeadPlan]:
 class Pipeline:
     """One module's call configuration and caches; see the module doc."""
 
+    #: a steady module's calls go ahead of their agreement (:class:`~usp_hal.pipeline.agree.Ahead`);
+    #: False (set on every rank alike) agrees before every call
+    go_ahead = True
+
     def __init__(self, *, layout, rotation_cls, attn_type, wire: Dict[str, str], ring_wire: Tuple[str, str],
                  check_ranks: bool = True, static_shapes: bool = False, mesh=None,
                  head_groups: Callable[[HeadPlan], List[HeadPlan]] = one_group, sequential: bool = False):
@@ -85,6 +90,13 @@ class Pipeline:
         self.signatures: dict = {}       # call signature -> (mesh, spec, local)
         self.plans: dict = {}            # (signature, lengths) -> plan
         self.last_backend: Any = None
+        #: the last agreement found every rank's call the same as its last one
+        self.steady = False
+        self.last_sig: Any = None        # this rank's last call's signature (through __call__)
+        #: the plan the next call runs ahead of its agreement (None: it agrees first)
+        self.ahead: Optional[_agree.Ahead] = None
+        #: calls that went ahead of their agreement: ``[confirmed, dropped and run again]``
+        self.ahead_counts = [0, 0]
         self.handle = next(_NEXT)
         _PIPELINES[self.handle] = self
 
@@ -119,7 +131,18 @@ class Pipeline:
                 cu_seqlens=None) -> Tuple[CallSpec, CallPlan]:
         """Validate locally, agree across ranks (unless ``lengths`` are given: a plan is
         rebuilt for a backward), and build the call's plan; raises the same error on every
-        rank."""
+        rank.  (The faces that start their own exchanges use this; a call through it ends
+        the module's steady run, so the next :meth:`__call__` does not go ahead.)"""
+        if lengths is None:
+            self.ahead = None
+        loc = self._local(mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, head_groups,
+                          cu_seqlens)
+        return self._finish(mesh, *loc, lengths=lengths, head_groups=head_groups)
+
+    def _local(self, mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, head_groups,
+               cu_seqlens) -> tuple:
+        """``(signature, cache entry, spec, local, err)``: this rank's call checked (or found
+        in the signature cache), nothing communicated."""
         sig = None
         if err is None and alibi_slopes is None and positions is None and joint is None and head_groups is None:
             if needs_grad is None:
@@ -130,11 +153,8 @@ class Pipeline:
         hit = self.signatures.get(sig) if sig is not None else None
         if hit is not None and hit[0] is mesh:
             spec, local = hit[1], hit[2]
-            if lengths is None and mesh.sp_size == 1 and hit[3] is not None:
-                # one rank: nothing to agree on and the lengths are the query's, so the plan is the last one
-                self.last_backend = hit[3].backend
-                return spec, hit[3]
         elif err is None:
+            hit = None
             try:
                 spec, local = _validate.validate(self, mesh, q, k, v, opts, alibi_slopes, positions, joint,
                                                  needs_grad, cu_seqlens)
@@ -147,8 +167,21 @@ class Pipeline:
                     self.signatures.clear()
                     self.plans.clear()
                 self.signatures[sig] = [mesh, spec, local, None]
+        else:
+            hit = None
+        return sig, hit, spec, local, err
+
+    def _finish(self, mesh, sig, hit, spec, local, err, *, lengths=None, head_groups=None, same=False,
+                gathered=None) -> Tuple[CallSpec, CallPlan]:
+        """Agree (unless ``lengths`` are given) and plan: the rest of :meth:`prepare`."""
+        self.steady = False
+        if hit is not None and lengths is None and mesh.sp_size == 1 and hit[3] is not None:
+            # one rank: nothing to agree on and the lengths are the query's, so the plan is the last one
+            self.last_backend = hit[3].backend
+            return spec, hit[3]
         if lengths is None:
-            lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None)
+            lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None, same=same,
+                                   gathered=gathered)
         elif err is not None:
             raise err
         assert spec is not None and local is not None
@@ -190,17 +223,83 @@ class Pipeline:
 
     def __call__(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None, joint=None,
                  err=None, cu_seqlens=None, received=None, sinks=None):
-        """Run one call: ``(out, lse or None)``."""
+        """Run one call: ``(out, lse or None)``.  A steady module's call goes ahead of its
+        agreement (:class:`~usp_hal.pipeline.agree.Ahead`)."""
         needs_grad = None
         if sinks is not None:
             if err is None:
                 err = check_sinks(sinks, q)
             if err is None and sinks.requires_grad and torch.is_grad_enabled():
                 needs_grad = True
-        _, plan = self.prepare(mesh, q, k, v, opts, alibi_slopes=alibi_slopes, positions=positions,
-                               joint=joint, err=err, cu_seqlens=cu_seqlens, needs_grad=needs_grad)
-        return _run.run(plan, q, k, v, received, sinks)
+        args = (mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, None, cu_seqlens)
+        ahead, gathered = self.ahead, None
+        if ahead is not None and received is None:
+            done, gathered, loc = self._run_ahead(ahead, args, sinks)
+            if gathered is None:
+                self.ahead_counts[0] += 1
+                return done
+            self.ahead_counts[1] += 1
+            self.ahead = None     # a rank's call changed: agreed on in full from the gathered rows
+            if any(r[0] & _agree.MOVED for r in gathered):
+                # ... which came from the last call's group: its refusals are raised there, and the
+                # call is agreed on again on the mesh it runs on now
+                _agree.agree(self, ahead.mesh, loc[2], loc[4], gathered=gathered, refusals_only=True)
+                gathered = None
+        else:
+            self.ahead = None
+            loc = self._local(*args)
+        sig = loc[0]
+        # (with go_ahead off, no rank needs to know: the flag stays 0 and the repeat lane's key with it)
+        same = not self.go_ahead or (received is None and sig is not None and sig == self.last_sig)
+        spec, plan = self._finish(mesh, *loc, same=same, gathered=gathered)
+        got = _run.run(plan, q, k, v, received, sinks)
+        self.last_sig = sig if received is None else None
+        if self.steady and sig is not None and self.go_ahead and not self.static_shapes:
+            # every rank called the same as last time: the next call goes ahead with this plan
+            self.ahead = _agree.Ahead(self, mesh, sig, spec, plan, q, k, v, sinks)
+        return got
 
+    def _run_ahead(self, ahead, args, sinks):
+        """``(result, None, None)`` when the call, run ahead of its agreement with the last
+        call's plan, is confirmed on every rank; else ``(None, gathered rows, this rank's
+        local record)`` (the agreement found some rank's call changed)."""
+        mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, _, cu_seqlens = args
+        sig = None
+        if err is None and alibi_slopes is None and positions is None and joint is None:
+            grad = needs_grad if needs_grad is not None else \
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            sig = self._signature(mesh, q, k, v, opts, grad, cu_seqlens)
+        plan = ahead.plan
+        gathered = None
+        if sig is not None and sig == ahead.sig and mesh is ahead.mesh:
+            ahead.start()
+            try:
+                got = _run.run(plan, q, k, v, None, sinks)
+                comm.pass_gate()            # a plan with no exchange to wait on: the agreement now
+            except comm.Retry as exc:
+                gathered = exc.rows()
+            finally:
+                comm.drop_gate()
+            if gathered is None:
+                self.last_backend = plan.backend
+                return got, None, None
+            return None, gathered, self._local(*args)
+        # this rank's call is not the last one: checked here, then the last plan runs on zeros
+        # of the last shapes (every rank's exchanges keep their sizes) until the agreement
+        # shows every rank the change
+        loc = self._local(*args)
+        ahead.start(ahead.row(self, loc[2], loc[4], mesh))
+        zq, zk, zv, zs = ahead.zeros()
+        try:
+            with torch.no_grad():
+                _run.run(plan, zq, zk, zv, None, zs)
+            comm.pass_gate()
+        except comm.Retry as exc:
+            gathered = exc.rows()
+        finally:
+            comm.drop_gate()
+        assert gathered is not None, "the agreement of a changed call passed"
+        return None, gathered, loc
 
 def check_sinks(sinks, q) -> Optional[Exception]:
     """The error for sink logits that do not fit the call (None: they do)."""

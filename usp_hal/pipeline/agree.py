@@ -20,10 +20,24 @@ def joint_total(spec: CallSpec) -> int:
     return int(spec.joint.split(":")[1])
 
 
-def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[int]:
+#: the flag bit a rank sets when this call is not the same as its last one (see :class:`Ahead`)
+CHANGED = 2
+#: ... and when it is on another mesh than the last one (its rows are then agreed on again there)
+MOVED = 4
+
+
+def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None, *, same: bool = False,
+          gathered: Optional[List[List[int]]] = None, refusals_only: bool = False) -> List[int]:
     """Every rank's local length, after making sure every rank can run this call and all
     agree on it; raises the same error on every rank otherwise.  ``cu_seqlens``: the
-    validated document boundaries of a packed call (their digest is in the spec)."""
+    validated document boundaries of a packed call (their digest is in the spec).
+
+    ``same``: this rank's call is the same as its last one (same signature and mesh);
+    ``pipe.steady`` is then set to whether every rank said so.  ``gathered``: every rank's
+    ``[flag, *values]`` already exchanged (by a call that went ahead, :class:`Ahead`);
+    ``refusals_only``: only raise the refusals among them (rows from another mesh's group:
+    returns ``[]``)."""
+    pipe.steady = False
     n = mesh.sp_size
     if n == 1:
         if err is not None:
@@ -44,27 +58,32 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     group = mesh.metadata_group
     where = mesh.where("sequence-parallel")
     problem = None if err is None else f"{type(err).__name__}: {err}"
-    rep = pipe.repeats.get((spec, group)) if err is None and spec is not None else None
-    if pipe.check_ranks:
-        width = meta_length() - 1
-        values = [] if spec is None or err is not None else rep.values if rep is not None else pipe.meta_of(spec)[1:]
+    flag = 0 if same else CHANGED
+    if gathered is not None:
+        rep = None
     else:
-        values = [] if spec is None or err is not None else [spec.local_len]
-        width = 1
-    if rep is None and err is None and spec is not None:
+        rep = pipe.repeats.get((spec, group, flag)) if err is None and spec is not None else None
+    width, values = row_values(pipe, spec, err, rep)
+    if rep is None and err is None and spec is not None and gathered is None:
         # a call of this spec again: one all-gather into the same buffer and one comparison
         if len(pipe.repeats) > 64:
             pipe.repeats.clear()
-        rep = pipe.repeats[(spec, group)] = comm.Repeat(values)
+        rep = pipe.repeats[(spec, group, flag)] = comm.Repeat(values, flag)
 
     def differences(rows):
         if not pipe.check_ranks or all(r == rows[0] for r in rows[1:]):
             return None
         return compare([[0] + r for r in rows], mesh.sp_ranks, spec)
 
+    flags: List[int] = []
     try:   # one all-gather of every rank's metadata (a second one with the reasons, only on a refusal)
-        rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width, ranks=mesh.sp_ranks,
-                          check=differences, repeat=rep)
+        if gathered is not None:
+            rows = comm.settle(gathered, problem, group, what=_WHAT, where=where,
+                               ranks=mesh.sp_ranks, check=None if refusals_only else differences)
+            flags = [r[0] for r in gathered]
+        else:
+            rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width,
+                              ranks=mesh.sp_ranks, check=differences, repeat=rep, flag=flag, flags=flags)
     except AgreementError as exc:
         if err is not None:
             raise err from None          # this rank's own refusal, as it was raised here
@@ -74,8 +93,12 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         found = str(exc)[len(_WHAT) + 2:].strip()
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
                        "(every rank must pass the same shapes and options):\n  " + found) from None
+    if refusals_only:
+        return []
     assert spec is not None      # no rank flagged an error, so this one has a spec
+    steady = not any(flags)
     if rep is not None and rep.hit and rep.result is not None:
+        pipe.steady = steady
         return rep.result       # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]
     if pipe.check_ranks:
@@ -87,7 +110,71 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         rep.result = lengths
     if pipe.static_shapes:
         pipe.frozen = (spec, lengths)
+    pipe.steady = steady
     return lengths
+
+
+def row_values(pipe, spec: Optional[CallSpec], err, rep=None):
+    """``(width, values)``: what this rank sends after its flag in the agreement (its spec's
+    metadata, or only its length when ``check_ranks=False``; nothing for a refusal)."""
+    if pipe.check_ranks:
+        width = meta_length() - 1
+        values = [] if spec is None or err is not None else rep.values if rep is not None else pipe.meta_of(spec)[1:]
+    else:
+        values = [] if spec is None or err is not None else [spec.local_len]
+        width = 1
+    return width, values
+
+
+class Ahead:
+    """A module whose calls are steady (its last call was, on every rank, the same as the
+    one before) runs its next call *ahead of* the agreement: the agreement's all-gather
+    starts, the call's plan runs at once, and the all-gather is waited for when the call's
+    first exchange has completed (:func:`usp_hal.comm.open_gate`), so its latency hides
+    behind that exchange (and, in a ring, behind the rank's own block) instead of coming
+    before it.
+
+    Every rank goes ahead with the *last* call's plan, so every exchange has the last
+    call's sizes on every rank: a rank whose call changed (or failed its local checks)
+    runs that plan on zeros of the last call's shapes, sets its flag, and at the first
+    exchange every rank sees the flag and drops what it ran (:class:`usp_hal.comm.Retry`);
+    the call is then agreed on in full from the gathered rows (refused on every rank, or
+    planned and run; when some rank's call is on another mesh, its refusals are raised and
+    the call is agreed on again on the new mesh).  What goes ahead therefore never reaches the caller unless every
+    rank ran it on its own call, and no rank is left waiting in an exchange."""
+
+    __slots__ = ("mesh", "sig", "plan", "lengths", "send", "recv", "group", "inputs", "sinks")
+
+    def __init__(self, pipe, mesh, sig, spec: CallSpec, plan, q, k, v, sinks):
+        import torch
+        self.mesh, self.sig, self.plan = mesh, sig, plan
+        self.group = mesh.metadata_group
+        width, values = row_values(pipe, spec, None)
+        device, n = comm.group_meta(self.group)
+        self.send = torch.tensor([0] + values, dtype=torch.long, device=device)
+        self.recv = torch.empty(n * (width + 1), dtype=torch.long, device=device)
+        self.inputs = tuple((t.shape, t.dtype, t.device) for t in (q, k, v))
+        self.sinks = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
+
+    def start(self, send=None) -> None:
+        """Start the agreement of this call (``send``: this rank's row when it changed)."""
+        comm.open_gate(self.send if send is None else send, self.recv, self.group,
+                       what=f"{_WHAT}: agreement check", where=self.mesh.where("sequence-parallel"))
+
+    def row(self, pipe, spec: Optional[CallSpec], err, mesh):
+        """This rank's ``[flag, *values]`` for a call that is not the last one."""
+        import torch
+        width, values = row_values(pipe, spec, err)
+        row = ([1 if err is not None or spec is None else 0] + list(values) + [0] * width)[:width + 1]
+        row[0] |= CHANGED | (MOVED if mesh is not self.mesh else 0)
+        return torch.tensor(row, dtype=torch.long, device=self.send.device)
+
+    def zeros(self):
+        """Zeros of the last call's q, k, v (and sinks) shapes: what a rank whose call changed runs."""
+        import torch
+        q, k, v = (torch.zeros(s, dtype=d, device=dev) for s, d, dev in self.inputs)
+        sinks = None if self.sinks is None else torch.zeros(self.sinks[0], dtype=self.sinks[1], device=self.sinks[2])
+        return q, k, v, sinks
 
 
 def check_layout(pipe, mesh, spec: CallSpec, lengths, rows, cu=None) -> None:
