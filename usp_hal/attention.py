@@ -138,6 +138,7 @@ class LongContextAttention(torch.nn.Module):
     @check_ranks.setter
     def check_ranks(self, value: bool) -> None:
         self._pipe.check_ranks = bool(value)
+        self._pipe.ahead = None       # (set on every rank) the next call agrees before it runs
 
     @property
     def static_shapes(self) -> bool:
@@ -146,6 +147,7 @@ class LongContextAttention(torch.nn.Module):
     @static_shapes.setter
     def static_shapes(self, value: bool) -> None:
         self._pipe.static_shapes = bool(value)
+        self._pipe.ahead = None       # (set on every rank) the next call agrees before it runs
 
     @property
     def last_backend(self) -> Any:

@@ -288,6 +288,9 @@ class Pipeline:
         # of the last shapes (every rank's exchanges keep their sizes) until the agreement
         # shows every rank the change
         loc = self._local(*args)
+        if _agree.row_values(self, None, None)[0] + 1 != ahead.send.numel():
+            loc = loc[:4] + (USPError("check_ranks was changed on the pipeline while its calls went ahead; set it "
+                                      "through the module (LongContextAttention.check_ranks), on every rank"),)
         ahead.start(ahead.row(self, loc[2], loc[4], mesh))
         zq, zk, zv, zs = ahead.zeros()
         try:

@@ -165,7 +165,10 @@ class Ahead:
         """This rank's ``[flag, *values]`` for a call that is not the last one."""
         import torch
         width, values = row_values(pipe, spec, err)
-        row = ([1 if err is not None or spec is None else 0] + list(values) + [0] * width)[:width + 1]
+        refused = err is not None or spec is None
+        if width + 1 != self.send.numel():     # check_ranks changed on this rank: the last width, refused
+            width, refused = self.send.numel() - 1, True
+        row = ([1 if refused else 0] + list(values) + [0] * width)[:width + 1]
         row[0] |= CHANGED | (MOVED if mesh is not self.mesh else 0)
         return torch.tensor(row, dtype=torch.long, device=self.send.device)
 
