@@ -101,8 +101,7 @@ class Retry(Exception):
         self.flat, self.width = flat, width
 
     def rows(self) -> List[List[int]]:
-        m = self.width
-        return [self.flat[i:i + m] for i in range(0, len(self.flat), m)]
+        return _split_rows(self.flat, self.width)
 
 
 class Gate:
@@ -250,6 +249,11 @@ def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata 
                group=group)
     flat = out.tolist()
     return [flat[i * m:(i + 1) * m] for i in range(n)]
+
+
+def _split_rows(flat: List[int], m: int) -> List[List[int]]:
+    """A flat all-gather result cut into every rank's row of ``m`` (>= 1) values."""
+    return [flat[i:i + m] for i in range(0, len(flat), m)]
 
 
 def all_gather_bytes(data: bytes, group=None, *, what: str = "message all-gather",
@@ -420,8 +424,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
                 if flags is not None:
                     flags[:] = repeat.flags
                 return repeat.rows
-            m = len(repeat.values) + 1
-            gathered = [flat[i:i + m] for i in range(0, len(flat), m)]
+            gathered = _split_rows(flat, len(repeat.values) + 1)
             rows = settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
             # other rows accepted: what the caller made of the last ones no longer stands
             repeat.last, repeat.rows, repeat.result = flat, rows, None

@@ -143,11 +143,8 @@ class Pipeline:
                cu_seqlens) -> tuple:
         """``(signature, cache entry, spec, local, err)``: this rank's call checked (or found
         in the signature cache), nothing communicated."""
-        sig = None
-        if err is None and alibi_slopes is None and positions is None and joint is None and head_groups is None:
-            if needs_grad is None:
-                needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            sig = self._signature(mesh, q, k, v, opts, needs_grad, cu_seqlens)
+        sig, needs_grad = self._call_signature(mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad,
+                                               head_groups, cu_seqlens)
         spec: Optional[CallSpec] = None
         local: Optional[_validate.Local] = None
         hit = self.signatures.get(sig) if sig is not None else None
@@ -199,6 +196,19 @@ class Pipeline:
                 entry[3] = plan
         self.last_backend = plan.backend
         return spec, plan
+
+    def _call_signature(self, mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, head_groups,
+                        cu_seqlens):
+        """``(signature, needs_grad)``: the call's signature (:meth:`_signature`, with
+        ``needs_grad`` worked out from the inputs when None), or None (and ``needs_grad`` as
+        given) for a call that is never cached: one that failed already, or has alibi slopes,
+        positions, joint tokens or head groups."""
+        if err is not None or alibi_slopes is not None or positions is not None or joint is not None \
+                or head_groups is not None:
+            return None, needs_grad
+        if needs_grad is None:
+            needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return self._signature(mesh, q, k, v, opts, needs_grad, cu_seqlens), needs_grad
 
     def _signature(self, mesh, q, k, v, opts, needs_grad, cu_seqlens):
         """What a call's validation and plan depend on, or None when it cannot be cached."""
@@ -263,12 +273,8 @@ class Pipeline:
         """``(result, None, None)`` when the call, run ahead of its agreement with the last
         call's plan, is confirmed on every rank; else ``(None, gathered rows, this rank's
         local record)`` (the agreement found some rank's call changed)."""
-        mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, _, cu_seqlens = args
-        sig = None
-        if err is None and alibi_slopes is None and positions is None and joint is None:
-            grad = needs_grad if needs_grad is not None else \
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            sig = self._signature(mesh, q, k, v, opts, grad, cu_seqlens)
+        mesh, q, k, v = args[:4]
+        sig = self._call_signature(*args)[0]
         plan = ahead.plan
         gathered = None
         if sig is not None and sig == ahead.sig and mesh is ahead.mesh:
@@ -288,7 +294,7 @@ class Pipeline:
         # of the last shapes (every rank's exchanges keep their sizes) until the agreement
         # shows every rank the change
         loc = self._local(*args)
-        if _agree.row_values(self, None, None)[0] + 1 != ahead.send.numel():
+        if ahead.width_changed(self):
             loc = loc[:4] + (USPError("check_ranks was changed on the pipeline while its calls went ahead; set it "
                                       "through the module (LongContextAttention.check_ranks), on every rank"),)
         ahead.start(ahead.row(self, loc[2], loc[4], mesh))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch
+
 from .. import comm
 from ..comm import AgreementError
 from ..layout import local_lengths, local_positions
@@ -140,14 +142,15 @@ class Ahead:
     exchange every rank sees the flag and drops what it ran (:class:`usp_hal.comm.Retry`);
     the call is then agreed on in full from the gathered rows (refused on every rank, or
     planned and run; when some rank's call is on another mesh, its refusals are raised and
-    the call is agreed on again on the new mesh).  What goes ahead therefore never reaches the caller unless every
-    rank ran it on its own call, and no rank is left waiting in an exchange."""
+    the call is agreed on again on the new mesh).  What goes ahead therefore never reaches
+    the caller unless every rank ran it on its own call, and no rank is left waiting in an
+    exchange."""
 
-    __slots__ = ("mesh", "sig", "plan", "lengths", "send", "recv", "group", "inputs", "sinks")
+    __slots__ = ("mesh", "sig", "plan", "send", "recv", "group", "inputs", "sinks", "what", "where")
 
     def __init__(self, pipe, mesh, sig, spec: CallSpec, plan, q, k, v, sinks):
-        import torch
         self.mesh, self.sig, self.plan = mesh, sig, plan
+        self.what, self.where = f"{_WHAT}: agreement check", mesh.where("sequence-parallel")
         self.group = mesh.metadata_group
         width, values = row_values(pipe, spec, None)
         device, n = comm.group_meta(self.group)
@@ -158,23 +161,23 @@ class Ahead:
 
     def start(self, send=None) -> None:
         """Start the agreement of this call (``send``: this rank's row when it changed)."""
-        comm.open_gate(self.send if send is None else send, self.recv, self.group,
-                       what=f"{_WHAT}: agreement check", where=self.mesh.where("sequence-parallel"))
+        comm.open_gate(self.send if send is None else send, self.recv, self.group, what=self.what, where=self.where)
+
+    def width_changed(self, pipe) -> bool:
+        """The pipeline's row width is not this agreement's (its ``check_ranks`` changed)."""
+        return row_values(pipe, None, None)[0] + 1 != self.send.numel()
 
     def row(self, pipe, spec: Optional[CallSpec], err, mesh):
-        """This rank's ``[flag, *values]`` for a call that is not the last one."""
-        import torch
-        width, values = row_values(pipe, spec, err)
-        refused = err is not None or spec is None
-        if width + 1 != self.send.numel():     # check_ranks changed on this rank: the last width, refused
-            width, refused = self.send.numel() - 1, True
-        row = ([1 if refused else 0] + list(values) + [0] * width)[:width + 1]
+        """This rank's ``[flag, *values]`` for a call that is not the last one, as wide as
+        this agreement's rows (the caller refuses a call whose width changed)."""
+        _, values = row_values(pipe, spec, err)
+        width = self.send.numel() - 1
+        row = ([1 if err is not None or spec is None else 0] + list(values) + [0] * width)[:width + 1]
         row[0] |= CHANGED | (MOVED if mesh is not self.mesh else 0)
         return torch.tensor(row, dtype=torch.long, device=self.send.device)
 
     def zeros(self):
         """Zeros of the last call's q, k, v (and sinks) shapes: what a rank whose call changed runs."""
-        import torch
         q, k, v = (torch.zeros(s, dtype=d, device=dev) for s, d, dev in self.inputs)
         sinks = None if self.sinks is None else torch.zeros(self.sinks[0], dtype=self.sinks[1], device=self.sinks[2])
         return q, k, v, sinks
