@@ -322,7 +322,7 @@ def reset_peak_rss() -> bool:
 
 #: how long a measured CPU region lets a collective's worker threads finish after each
 #: collective returns (and after each wait), so that the caller, not a worker, frees its buffers
-SETTLE_S = 0.001
+SETTLE_S = 0.003
 
 
 class _Settled:
