@@ -56,6 +56,69 @@ def test_peer_ratios_of_medians_and_paired():
     assert r["ratio_peer_vs_usp_hal"] == pytest.approx(1.0)
     assert r["ratio_usp_hal_vs_peer_paired"] == pytest.approx(1.0)     # median of 0.5, 1, 1.5
     assert peer_ratios([1.0, 1.0], [4.0, 2.0])["ratio_usp_hal_vs_peer_paired"] == pytest.approx(0.375)
+    q = peer_ratios([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5)
+    assert (q["ratio_paired_q1"], q["ratio_usp_hal_vs_peer_paired"], q["ratio_paired_q3"]) == (2.0, 3.0, 4.0)
+    assert peer_ratios([1.0], [2.0])["ratio_paired_q1"] is None
+
+
+def test_a_sample_is_the_slowest_rank_per_call_averaged_over_the_calls():
+    from usp_hal.harness.sweep import _sample
+    ranks = [[{"time": 1.0}, {"time": 4.0}], [{"time": 2.0}, {"time": 3.0}]]
+    assert _sample(ranks) == pytest.approx(3.0)        # calls: max(1, 2) = 2, max(4, 3) = 4
+
+
+def test_calls_per_sample_fill_the_sample_time_on_both_sides(monkeypatch):
+    from usp_hal.harness import sweep
+
+    class Pool:
+        def run(self, fn, timeout, case, n):
+            t = {"c0": 0.004, "p0": 0.006}[case]       # usp-hal 4 ms, the peer 6 ms: the slower decides
+            return [[{"time": t}] * n, [{"time": t / 2}] * n]
+    monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 0.05)
+    assert sweep._calls_per_sample(Pool(), 10.0, 0) == 9              # ceil(50 / 6)
+    monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 0.001)
+    assert sweep._calls_per_sample(Pool(), 10.0, 0) == 1
+    monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 10.0)
+    assert sweep._calls_per_sample(Pool(), 10.0, 0) == sweep.PEER_MAX_CALLS
+
+
+def test_bare_usp_hal_calls_run_with_no_meter_then_restore_them(monkeypatch):
+    """The usp-hal side of the peer comparison: no step hook, the backend's timer paused
+    (a timed backend call adds nothing), no collective wrapped; all back afterwards."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from usp_hal.harness import cases, meter
+    from usp_hal.pipeline import run
+
+    class Backend:
+        def forward(self, *a, **k):
+            return "out"
+
+        def backward(self, *a, **k):
+            return "grads"
+    backend = Backend()
+    times = meter.KernelTimes()
+    meter.time_backend(backend, times)
+    meter.instrument_core()
+    seen = []
+
+    def call():
+        seen.append((meter.step_hook in run.HOOKS, backend._usp_hal_times, meter.ACTIVE["comm"]))
+        return backend.forward(None, None, None)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setitem(cases._CASES, "bare", SimpleNamespace(attn=SimpleNamespace(last_backend=backend),
+                                                             call=call, cfg=SimpleNamespace(device_type="cpu")))
+    try:
+        recs = cases.rank_plain_steps("bare", 3)
+        assert len(recs) == 3 and all(r["time"] >= 0 for r in recs)
+        assert seen == [(False, None, None)] * 3 and times.fwd_calls == 0
+        assert meter.step_hook in run.HOOKS and backend._usp_hal_times is times
+        backend.forward(None, None, None)
+        assert times.fwd_calls == 1                     # the timer is back
+    finally:
+        meter.uninstrument_core()
 
 
 @needs_yunchang
@@ -108,7 +171,9 @@ def test_bench_peers_same_kernel_checked_and_named(tmp_path, capsys):
         assert p["same_kernel"] and CPU_PEER_KERNEL in p["kernel"] and p["usp_hal_kernel"] == CPU_PEER_KERNEL
         assert p["check_mode"] == "fp64" and p["correct"] and p["error_worst"] <= 1.0, p
         assert len(p["iter_times"]) == 2 and p["ratio_usp_hal_vs_peer"] > 0
+        assert len(p["usp_hal_iter_times"]) == 2 and 1 <= p["calls_per_sample"] <= 16
         assert p["ratio_usp_hal_vs_peer_paired"] > 0
+        assert p["ratio_paired_q1"] <= p["ratio_usp_hal_vs_peer_paired"] <= p["ratio_paired_q3"]
     skipped = [p for p in rep["peers"] if p["status"] == "skipped"]
     assert {p["config"] for p in skipped} == {"ring2 zigzag p2p"} and len(skipped) == 2
     assert "attn_processor" in skipped[0]["note"]

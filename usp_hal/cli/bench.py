@@ -125,21 +125,26 @@ def format_results(rep: dict) -> str:
                           for p in r["per_rank"])
         lines.append(f"  S={r['seqlen']} {r['mode']} {'causal' if r['causal'] else 'full'} {r['config']}: {parts}")
     if rep["peers"]:
-        lines += ["", "peers (forward, timed in the same interleaved rounds as usp-hal; usp/peer = median usp-hal "
-                      "time / median peer time, paired = median over rounds of the two times' ratio; error = worst "
-                      "|err| / tolerance against the same reference, <= 1 passes)"]
-        ph = ["S", "mask", "config", "peer", "peer kernel", "same kernel", "ms", "usp/peer", "paired", "x floor",
-              "mem/rank", "check", "error", "status"]
+        lines += ["", "peers (forward, in the same interleaved rounds, each next to usp-hal's own calls of the "
+                      "configuration made with no meter at work; a sample = calls x the mean call; usp/peer = median "
+                      "usp-hal time / median peer time, paired = median over rounds of the two samples' ratio, "
+                      "q1-q3 = its quartiles over the rounds; error = worst |err| / tolerance against the same "
+                      "reference, <= 1 passes)"]
+        ph = ["S", "mask", "config", "peer", "peer kernel", "same kernel", "calls", "ms", "usp/peer", "paired",
+              "q1-q3", "x floor", "mem/rank", "check", "error", "status"]
         prow = []
         for p in rep["peers"]:
             if p["status"] != "ok":
                 prow.append([p.get("seqlen", "-"), "causal" if p.get("causal") else "full", p["config"], p["peer"],
-                             "-", "-", "-", "-", "-", "-", "-", "-", "-", f"{p['status']}: {p['note'][:90]}"])
+                             "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"{p['status']}: {p['note'][:90]}"])
                 continue
             err = p.get("error_worst")
             prow.append([p["seqlen"], "causal" if p["causal"] else "full", p["config"], f"{p['peer']} {p['version']}",
-                         p["kernel"], "yes" if p.get("same_kernel") else "NO", fmt_ms(p["time"]),
-                         _x(p.get("ratio_usp_hal_vs_peer")), _x(p.get("ratio_usp_hal_vs_peer_paired")),
+                         p["kernel"], "yes" if p.get("same_kernel") else "NO", p.get("calls_per_sample", "-"),
+                         fmt_ms(p["time"]), _x(p.get("ratio_usp_hal_vs_peer")),
+                         _x(p.get("ratio_usp_hal_vs_peer_paired")),
+                         "-" if p.get("ratio_paired_q1") is None else
+                         f"{p['ratio_paired_q1']:.2f}-{p['ratio_paired_q3']:.2f}",
                          _x(p.get("ratio_vs_floor")), fmt_bytes(p["mem_per_rank"]), p.get("check_mode") or "-",
                          "-" if err is None else f"{err:.3g}",
                          "ok" if p.get("correct", True) else "WRONG RESULT"])

@@ -790,9 +790,29 @@ def rank_peer_prepare(cfg: Any, case: str, usp_backend: str = "sdpa") -> dict:
 
 def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
     """``n`` timed forward calls of the peer, each after a barrier (as rank_steps)."""
-    import torch.distributed as dist
-
     st = _CASES[case]
+    return _bare_calls(st, lambda: st.attn(st.q, st.k, st.v, causal=st.cfg.causal), n, memory)
+
+
+def rank_plain_steps(case: str, n: int) -> list:
+    """``n`` timed forward calls of usp-hal's ``case`` (prepared by rank_prepare) with no
+    meter at work: no collective wrapped, no step hook, the backend's timer paused.  The
+    usp-hal side of the peer comparison, as bare as the peer's own calls
+    (:func:`rank_peer_steps`); the breakdown comes from rank_steps."""
+    st = _CASES[case]
+    backend = st.attn.last_backend
+    times = getattr(backend, "_usp_hal_times", None)
+    meter.uninstrument_core()
+    backend._usp_hal_times = None
+    try:
+        return _bare_calls(st, st.call, n, False)
+    finally:
+        backend._usp_hal_times = times
+        meter.instrument_core()
+
+
+def _bare_calls(st, call, n: int, memory: bool) -> list:
+    import torch.distributed as dist
     recs = []
     for _ in range(n):
         dist.barrier()
@@ -800,7 +820,7 @@ def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
         if memory:
             st.mem.start()
         t0 = time.perf_counter()
-        out = st.attn(st.q, st.k, st.v, causal=st.cfg.causal)
+        out = call()
         _sync(st.cfg.device_type)
         t = time.perf_counter() - t0
         del out

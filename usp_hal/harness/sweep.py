@@ -15,9 +15,13 @@ every entry alike):
   (absent peers are skipped with a note), given the kernel usp-hal runs wherever yunchang
   can take it (:func:`usp_hal.harness.cases.yunchang_kernel`: on CPU its ``attn_processor``
   hook with usp-hal's CPU kernel, on GPUs FA/FA3 or the same aten op), checked against the
-  same reference, and timed in the same rounds right after the usp-hal configuration it
-  mirrors.  Each peer row names both kernels and gives usp-hal/peer as the ratio of the
-  medians and as the median of the per-round ratios.
+  same reference, and timed in the same rounds right after usp-hal's own calls of the
+  configuration it mirrors.  That side of the comparison runs with no meter at work
+  (:func:`usp_hal.harness.cases.rank_plain_steps`: the breakdown's collective wrappers,
+  step hook and kernel timer would cost usp-hal alone), and each side's sample is as
+  many calls as make :data:`PEER_SAMPLE_S` (the same count on both sides).  Each peer row
+  names both kernels and gives usp-hal/peer as the ratio of the medians and as the
+  median of the per-round ratios, with that ratio's quartiles over the rounds.
 
 Every entry runs the tasks of :mod:`usp_hal.harness.cases` on a
 :class:`~usp_hal.harness.pool.RankPool`; the options come as an ``argparse`` namespace with
@@ -25,8 +29,9 @@ the attributes ``usp-hal bench`` defines.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, replace
-from statistics import median
+from statistics import median, quantiles
 from typing import Any, Callable, Optional
 
 from .cases import (
@@ -42,6 +47,7 @@ from .cases import (
     rank_clear,
     rank_peer_prepare,
     rank_peer_steps,
+    rank_plain_steps,
     rank_prepare,
     rank_release,
     rank_steps,
@@ -171,7 +177,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
             else:
                 notes.append(f"peer {name} skipped: {note}")
     per_group = [len(c) + (0 if args.no_baseline else len(_thread_counts(b))) +
-                 (len([x for x in c if not x.bwd]) if peers else 0) for _, b, c in groups]
+                 (2 * len([x for x in c if not x.bwd]) if peers else 0) for _, b, c in groups]
     bar = (progress or _NoProgress)(sum(n * (rounds + 1) for n in per_group))
     results, baselines, peer_rows = [], [], []
     pool: Any = None
@@ -195,7 +201,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                 single_inputs = single.run(single_prepare, timeout=args.timeout, cfg=asdict(base),
                                            case="single")[0]["input_bytes"]
                 entries += [("single", th) for th in _thread_counts(base)]
-            peer_prep = {}
+            peer_prep, calls = {}, {}
             if peers and not base.bwd:
                 for i, c in enumerate(cfgs):
                     got = pool.run(rank_peer_prepare, timeout=args.timeout, cfg=asdict(c), case=f"p{i}",
@@ -208,10 +214,12 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                             break
                     else:
                         peer_prep[i] = got
-                # each peer right after its usp-hal configuration, so the two stay neighbours in every round
+                        calls[i] = _calls_per_sample(pool, args.timeout, i)
+                # each peer right after usp-hal's bare calls of its configuration, so the two stay
+                # neighbours in every round
                 order = []
                 for i in range(len(cfgs)):
-                    order += [("dist", i)] + ([("peer", i)] if i in peer_prep else [])
+                    order += [("dist", i)] + ([("plain", i), ("peer", i)] if i in peer_prep else [])
                 entries = order + [e for e in entries if e[0] == "single"]
             elif peers and base.bwd:
                 notes.append(f"{label}: peers timed forward only (yunchang's backward does not take the "
@@ -227,8 +235,11 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                     elif kind == "single":
                         out = single.run(single_steps, timeout=args.timeout, case="single", n=1, threads=key)[0]
                         text = f"single process {key} thread(s)"
+                    elif kind == "plain":
+                        out = _sample(pool.run(rank_plain_steps, timeout=args.timeout, case=f"c{key}", n=calls[key]))
+                        text = f"{config_label(cfgs[key])} (no meters)"
                     else:
-                        out = pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=1)
+                        out = _sample(pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=calls[key]))
                         text = f"yunchang {config_label(cfgs[key])}"
                     if rnd >= args.warmup:
                         recs[(kind, key)].append(out)
@@ -263,22 +274,20 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                 pool.run(rank_release, timeout=args.timeout, case=f"c{i}")
                 results.append(_result_row(label, c, prep[i], summary, check, base_row))
             for i in peer_prep:
-                rs = [[per[0] for per in rnd] for rnd in recs[("peer", i)]]     # round -> rank records
-                it_max = [max(r["time"] for r in per) for per in rs]
+                it_max = recs[("peer", i)]          # per round: seconds per call (see _sample)
                 p0 = peer_prep[i][0]
                 row = {"group": label, **_group_fields(base), "config": config_label(cfgs[i]), "peer": "yunchang",
                        "status": "ok", "version": p0["version"], "attn_type": p0["kernel"], "kernel": p0["kernel"],
                        "usp_hal_kernel": p0["usp_hal_kernel"], "same_kernel": p0["same_kernel"],
                        "check_mode": p0["check_mode"], "time": median(it_max), "iter_times": it_max,
+                       "usp_hal_iter_times": recs[("plain", i)], "calls_per_sample": calls[i],
                        "mem_per_rank": max(r[0]["mem"] for r in mems[("peer", i)])}
                 errs = [p["error"] for p in peer_prep[i] if p["error"] is not None]
                 if errs:
                     row["error_max_abs"] = max(e["max_abs"] for e in errs)
                     row["error_worst"] = max(e["worst"] for e in errs)
                     row["correct"] = row["error_worst"] <= 1.0
-                ours = next((r for r in results if r["group"] == label and r["config"] == row["config"]), None)
-                if ours:
-                    row.update(peer_ratios(ours["iter_times"], it_max))
+                row.update(peer_ratios(recs[("plain", i)], it_max))
                 if base_row:
                     row["ratio_vs_floor"] = row["time"] / (base_row[f"t{base.threads_per_rank}"]["time"] / base.nproc)
                 peer_rows.append(row)
@@ -292,13 +301,39 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
 
 def peer_ratios(ours: list, peer: list) -> dict:
     """usp-hal against the peer from the per-round times of the same interleaved rounds:
-    the ratio of the medians, and the median of the per-round ratios (each round's two
-    times were taken minutes apart at most, so a load burst elsewhere cancels in the pair)."""
+    the ratio of the medians, the median of the per-round ratios (``paired``: each round's
+    two samples ran next to each other, so the machine's drift cancels) and that median's
+    spread over the rounds (quartiles of the per-round ratios; None under 2 rounds)."""
     t_ours, t_peer = median(ours), median(peer)
     paired = [a / b for a, b in zip(ours, peer) if b > 0]
+    q1 = q3 = None
+    if len(paired) >= 2:
+        q1, _, q3 = quantiles(paired, n=4, method="inclusive")
     return {"usp_hal_time": t_ours, "ratio_peer_vs_usp_hal": t_peer / t_ours,
             "ratio_usp_hal_vs_peer": t_ours / t_peer,
-            "ratio_usp_hal_vs_peer_paired": median(paired) if paired else None}
+            "ratio_usp_hal_vs_peer_paired": median(paired) if paired else None,
+            "ratio_paired_q1": q1, "ratio_paired_q3": q3}
+
+
+# the peer comparison's samples: each is this many seconds of calls at least (the calls of one
+# side, back to back after a barrier each), so one call's noise does not decide a short call's round
+PEER_SAMPLE_S = 0.05
+PEER_MAX_CALLS = 16
+
+
+def _calls_per_sample(pool, timeout: float, i: int) -> int:
+    """Calls per sample for configuration ``i`` and its peer: one bare call of each, untimed
+    for the result (a warm-up besides), decides; the same count on both sides."""
+    t = max(_sample(pool.run(rank_plain_steps, timeout=timeout, case=f"c{i}", n=1)),
+            _sample(pool.run(rank_peer_steps, timeout=timeout, case=f"p{i}", n=1)))
+    return max(1, min(PEER_MAX_CALLS, math.ceil(PEER_SAMPLE_S / max(t, 1e-9))))
+
+
+def _sample(per_rank: list) -> float:
+    """One sample of a side of the peer comparison from every rank's records of its calls:
+    per call the slowest rank's time, averaged over the calls."""
+    per_call = [max(recs[j]["time"] for recs in per_rank) for j in range(len(per_rank[0]))]
+    return sum(per_call) / len(per_call)
 
 
 def _group_fields(cfg: RunConfig) -> dict:
