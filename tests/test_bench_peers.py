@@ -75,16 +75,17 @@ def test_calls_per_sample_fill_the_sample_time_on_both_sides(monkeypatch):
             t = {"c0": 0.004, "p0": 0.006}[case]       # usp-hal 4 ms, the peer 6 ms: the slower decides
             return [[{"time": t}] * n, [{"time": t / 2}] * n]
     monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 0.05)
-    assert sweep._calls_per_sample(Pool(), 10.0, 0) == 9              # ceil(50 / 6)
+    assert sweep._calls_per_sample(Pool(), 10.0, 0) == (9, False)      # ceil(50 / 6); no record says bound
     monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 0.001)
-    assert sweep._calls_per_sample(Pool(), 10.0, 0) == 1
+    assert sweep._calls_per_sample(Pool(), 10.0, 0)[0] == 1
     monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 10.0)
-    assert sweep._calls_per_sample(Pool(), 10.0, 0) == sweep.PEER_MAX_CALLS
+    assert sweep._calls_per_sample(Pool(), 10.0, 0)[0] == sweep.PEER_MAX_CALLS
 
 
 def test_bare_usp_hal_calls_run_with_no_meter_then_restore_them(monkeypatch):
-    """The usp-hal side of the peer comparison: no step hook, the backend's timer paused
-    (a timed backend call adds nothing), no collective wrapped; all back afterwards."""
+    """The usp-hal side of the peer comparison: no step hook, the backend's own methods
+    (so binds_forward holds and a plan may bind its call), no collective wrapped; all back
+    afterwards."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -105,18 +106,23 @@ def test_bare_usp_hal_calls_run_with_no_meter_then_restore_them(monkeypatch):
     seen = []
 
     def call():
-        seen.append((meter.step_hook in run.HOOKS, backend._usp_hal_times, meter.ACTIVE["comm"]))
+        seen.append((meter.step_hook in run.HOOKS, "forward" in vars(backend), "backward" in vars(backend),
+                     meter.ACTIVE["comm"]))
         return backend.forward(None, None, None)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
-    monkeypatch.setitem(cases._CASES, "bare", SimpleNamespace(attn=SimpleNamespace(last_backend=backend),
-                                                             call=call, cfg=SimpleNamespace(device_type="cpu")))
+    plan = SimpleNamespace(fast=None)
+    attn = SimpleNamespace(last_backend=backend, pipeline=SimpleNamespace(plans={"p": plan}))
+    monkeypatch.setitem(cases._CASES, "bare", SimpleNamespace(attn=attn, call=call,
+                                                             cfg=SimpleNamespace(device_type="cpu")))
     try:
         recs = cases.rank_plain_steps("bare", 3)
-        assert len(recs) == 3 and all(r["time"] >= 0 for r in recs)
-        assert seen == [(False, None, None)] * 3 and times.fwd_calls == 0
-        assert meter.step_hook in run.HOOKS and backend._usp_hal_times is times
+        assert len(recs) == 3 and all(r["time"] >= 0 and r["bound"] is False for r in recs)
+        assert seen == [(False, False, False, None)] * 3 and times.fwd_calls == 0
+        assert meter.step_hook in run.HOOKS and "forward" in vars(backend)
         backend.forward(None, None, None)
         assert times.fwd_calls == 1                     # the timer is back
+        plan.fast = lambda q, k, v: None
+        assert cases.rank_plain_steps("bare", 1)[0]["bound"] is True
     finally:
         meter.uninstrument_core()
 
@@ -172,6 +178,8 @@ def test_bench_peers_same_kernel_checked_and_named(tmp_path, capsys):
         assert p["check_mode"] == "fp64" and p["correct"] and p["error_worst"] <= 1.0, p
         assert len(p["iter_times"]) == 2 and p["ratio_usp_hal_vs_peer"] > 0
         assert len(p["usp_hal_iter_times"]) == 2 and 1 <= p["calls_per_sample"] <= 16
+        # the bare calls take the user's path: Ulysses-2 forward without lse binds its plan
+        assert p["usp_hal_bound"] is (p["config"] == "ulysses2"), p
         assert p["ratio_usp_hal_vs_peer_paired"] > 0
         assert p["ratio_paired_q1"] <= p["ratio_usp_hal_vs_peer_paired"] <= p["ratio_paired_q3"]
     skipped = [p for p in rep["peers"] if p["status"] == "skipped"]

@@ -796,19 +796,22 @@ def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
 
 def rank_plain_steps(case: str, n: int) -> list:
     """``n`` timed forward calls of usp-hal's ``case`` (prepared by rank_prepare) with no
-    meter at work: no collective wrapped, no step hook, the backend's timer paused.  The
-    usp-hal side of the peer comparison, as bare as the peer's own calls
-    (:func:`rank_peer_steps`); the breakdown comes from rank_steps."""
+    meter at work: no collective wrapped, no step hook, the backend's own methods instead
+    of its timers, so the call takes the path a user's call takes (a plan's bound fast path
+    where it has one: the hook and the timers each turn that off).  The usp-hal side of the
+    peer comparison, as bare as the peer's own calls (:func:`rank_peer_steps`); the
+    breakdown comes from rank_steps."""
     st = _CASES[case]
-    backend = st.attn.last_backend
-    times = getattr(backend, "_usp_hal_times", None)
     meter.uninstrument_core()
-    backend._usp_hal_times = None
     try:
-        return _bare_calls(st, st.call, n, False)
+        with meter.untimed(st.attn.last_backend):
+            recs = _bare_calls(st, st.call, n, False)
     finally:
-        backend._usp_hal_times = times
         meter.instrument_core()
+    bound = any(bool(p.fast) for p in st.attn.pipeline.plans.values())
+    for r in recs:
+        r["bound"] = bound          # the call took its plan's bound fast path
+    return recs
 
 
 def _bare_calls(st, call, n: int, memory: bool) -> list:

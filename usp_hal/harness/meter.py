@@ -16,6 +16,7 @@ Timed iterations and the memory iteration are separate (the profiler costs time)
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import re
@@ -271,9 +272,9 @@ def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]]
 
     def timed(fn, first: int, field: str, count: str, entries):
         def call(*args, **kwargs):
-            kt = backend._usp_hal_times
-            if inside[0] or kt is None:     # None: timing paused (see usp_hal.harness.cases.rank_plain_steps)
+            if inside[0]:
                 return fn(*args, **kwargs)
+            kt = backend._usp_hal_times
             kt.work += entries(args, kwargs, first)
             if sync:
                 sync()
@@ -298,6 +299,22 @@ def time_backend(backend, times: KernelTimes, sync: Optional[Callable[[], None]]
         backend.backward_packed = timed(bwd_p, 1, "bwd_s", "bwd_calls", packed_score_entries)
     backend._usp_hal_times = times
     backend._usp_hal_timed = True
+
+
+TIMED = ("forward", "backward", "forward_packed", "backward_packed")
+
+
+@contextlib.contextmanager
+def untimed(backend):
+    """Inside: ``backend`` as it was before :func:`time_backend` (its class's methods, so
+    :meth:`~usp_hal.backend.AttentionBackend.binds_forward` holds again and a plan may bind
+    its call as a user's would); the timers are back afterwards."""
+    wrapped = {name: vars(backend).pop(name) for name in TIMED if name in vars(backend)}
+    try:
+        yield backend
+    finally:
+        for name, fn in wrapped.items():
+            setattr(backend, name, fn)
 
 
 def proc_status_kib(field: str) -> Optional[int]:
