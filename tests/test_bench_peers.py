@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from usp_hal.harness.cases import CPU_PEER_KERNEL, usp_hal_kernel_label, yunchang_cpu_processor
-from usp_hal.harness.sweep import peer_ratios
+from usp_hal.harness.sweep import PEER_MAX_CALLS, peer_ratios
 from usp_hal.reference import reference_attention
 
 HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
@@ -71,7 +71,7 @@ def test_calls_per_sample_fill_the_sample_time_on_both_sides(monkeypatch):
     from usp_hal.harness import sweep
 
     class Pool:
-        def run(self, fn, timeout, case, n):
+        def run(self, fn, timeout, case, n, run):
             t = {"c0": 0.004, "p0": 0.006}[case]       # usp-hal 4 ms, the peer 6 ms: the slower decides
             return [[{"time": t}] * n, [{"time": t / 2}] * n]
     monkeypatch.setattr(sweep, "PEER_SAMPLE_S", 0.05)
@@ -123,6 +123,10 @@ def test_bare_usp_hal_calls_run_with_no_meter_then_restore_them(monkeypatch):
         assert times.fwd_calls == 1                     # the timer is back
         plan.fast = lambda q, k, v: None
         assert cases.rank_plain_steps("bare", 1)[0]["bound"] is True
+        # a run: the calls back to back after one barrier, one record of the mean call
+        del seen[:]
+        run_recs = cases.rank_plain_steps("bare", 5, run=True)
+        assert len(run_recs) == 1 and run_recs[0]["time"] >= 0 and len(seen) == 5
     finally:
         meter.uninstrument_core()
 
@@ -177,7 +181,7 @@ def test_bench_peers_same_kernel_checked_and_named(tmp_path, capsys):
         assert p["same_kernel"] and CPU_PEER_KERNEL in p["kernel"] and p["usp_hal_kernel"] == CPU_PEER_KERNEL
         assert p["check_mode"] == "fp64" and p["correct"] and p["error_worst"] <= 1.0, p
         assert len(p["iter_times"]) == 2 and p["ratio_usp_hal_vs_peer"] > 0
-        assert len(p["usp_hal_iter_times"]) == 2 and 1 <= p["calls_per_sample"] <= 16
+        assert len(p["usp_hal_iter_times"]) == 2 and 1 <= p["calls_per_sample"] <= PEER_MAX_CALLS
         # the bare calls take the user's path: Ulysses-2 forward without lse binds its plan
         assert p["usp_hal_bound"] is (p["config"] == "ulysses2"), p
         assert p["ratio_usp_hal_vs_peer_paired"] > 0

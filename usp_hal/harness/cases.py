@@ -788,24 +788,25 @@ def rank_peer_prepare(cfg: Any, case: str, usp_backend: str = "sdpa") -> dict:
             "usp_hal_kernel": usp_hal_kernel_label(usp_backend, cfg.device_type, cfg.dtype)}
 
 
-def rank_peer_steps(case: str, n: int, memory: bool = False) -> list:
-    """``n`` timed forward calls of the peer, each after a barrier (as rank_steps)."""
+def rank_peer_steps(case: str, n: int, memory: bool = False, run: bool = False) -> list:
+    """``n`` timed forward calls of the peer, each after a barrier (as rank_steps); ``run``:
+    one barrier, then the ``n`` calls back to back, one record of the mean call."""
     st = _CASES[case]
-    return _bare_calls(st, lambda: st.attn(st.q, st.k, st.v, causal=st.cfg.causal), n, memory)
+    return _bare_calls(st, lambda: st.attn(st.q, st.k, st.v, causal=st.cfg.causal), n, memory, run)
 
 
-def rank_plain_steps(case: str, n: int) -> list:
+def rank_plain_steps(case: str, n: int, run: bool = False) -> list:
     """``n`` timed forward calls of usp-hal's ``case`` (prepared by rank_prepare) with no
     meter at work: no collective wrapped, no step hook, the backend's own methods instead
     of its timers, so the call takes the path a user's call takes (a plan's bound fast path
     where it has one: the hook and the timers each turn that off).  The usp-hal side of the
-    peer comparison, as bare as the peer's own calls (:func:`rank_peer_steps`); the
-    breakdown comes from rank_steps."""
+    peer comparison, as bare as the peer's own calls (:func:`rank_peer_steps`, ``run`` as
+    there); the breakdown comes from rank_steps."""
     st = _CASES[case]
     meter.uninstrument_core()
     try:
         with meter.untimed(st.attn.last_backend):
-            recs = _bare_calls(st, st.call, n, False)
+            recs = _bare_calls(st, st.call, n, False, run)
     finally:
         meter.instrument_core()
     bound = any(bool(p.fast) for p in st.attn.pipeline.plans.values())
@@ -814,8 +815,20 @@ def rank_plain_steps(case: str, n: int) -> list:
     return recs
 
 
-def _bare_calls(st, call, n: int, memory: bool) -> list:
+def _bare_calls(st, call, n: int, memory: bool, run: bool = False) -> list:
+    """Records of ``n`` calls, each timed after a barrier; ``run``: the calls back to back
+    after one barrier, as a model makes them (the ranks' skew at a barrier's exit then counts
+    once, not per call), and one record of the mean call."""
     import torch.distributed as dist
+    if run:
+        dist.barrier()
+        _sync(st.cfg.device_type)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = call()
+            del out
+        _sync(st.cfg.device_type)
+        return [{"time": (time.perf_counter() - t0) / n, "mem": None}]
     recs = []
     for _ in range(n):
         dist.barrier()

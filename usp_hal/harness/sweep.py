@@ -19,7 +19,8 @@ every entry alike):
   configuration it mirrors.  That side of the comparison runs with no meter at work
   (:func:`usp_hal.harness.cases.rank_plain_steps`: the breakdown's collective wrappers,
   step hook and kernel timer would cost usp-hal alone), and each side's sample is as
-  many calls as make :data:`PEER_SAMPLE_S` (the same count on both sides).  Each peer row
+  many calls as make :data:`PEER_SAMPLE_S` (the same count on both sides), made back to
+  back after one barrier as a model makes them.  Each peer row
   names both kernels and gives usp-hal/peer as the ratio of the medians and as the
   median of the per-round ratios, with that ratio's quartiles over the rounds.
 
@@ -236,10 +237,12 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                         out = single.run(single_steps, timeout=args.timeout, case="single", n=1, threads=key)[0]
                         text = f"single process {key} thread(s)"
                     elif kind == "plain":
-                        out = _sample(pool.run(rank_plain_steps, timeout=args.timeout, case=f"c{key}", n=calls[key]))
+                        out = _sample(pool.run(rank_plain_steps, timeout=args.timeout, case=f"c{key}", n=calls[key],
+                                                run=True))
                         text = f"{config_label(cfgs[key])} (no meters)"
                     else:
-                        out = _sample(pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=calls[key]))
+                        out = _sample(pool.run(rank_peer_steps, timeout=args.timeout, case=f"p{key}", n=calls[key],
+                                                run=True))
                         text = f"yunchang {config_label(cfgs[key])}"
                     if rnd >= args.warmup:
                         recs[(kind, key)].append(out)
@@ -317,24 +320,24 @@ def peer_ratios(ours: list, peer: list) -> dict:
 
 
 # the peer comparison's samples: each is this many seconds of calls at least (the calls of one
-# side, back to back after a barrier each), so one call's noise does not decide a short call's round
-PEER_SAMPLE_S = 0.05
-PEER_MAX_CALLS = 16
+# side back to back after one barrier), so one call's noise does not decide a short call's round
+PEER_SAMPLE_S = 0.2
+PEER_MAX_CALLS = 64
 
 
 def _calls_per_sample(pool, timeout: float, i: int):
     """``(calls, bound)``: calls per sample for configuration ``i`` and its peer (one bare
     call of each, untimed for the result and a warm-up besides, decides; the same count on
     both sides), and whether usp-hal's call took its plan's bound fast path on every rank."""
-    ours = pool.run(rank_plain_steps, timeout=timeout, case=f"c{i}", n=1)
-    t = max(_sample(ours), _sample(pool.run(rank_peer_steps, timeout=timeout, case=f"p{i}", n=1)))
+    ours = pool.run(rank_plain_steps, timeout=timeout, case=f"c{i}", n=1, run=True)
+    t = max(_sample(ours), _sample(pool.run(rank_peer_steps, timeout=timeout, case=f"p{i}", n=1, run=True)))
     return (max(1, min(PEER_MAX_CALLS, math.ceil(PEER_SAMPLE_S / max(t, 1e-9)))),
             all(recs[0].get("bound", False) for recs in ours))
 
 
 def _sample(per_rank: list) -> float:
-    """One sample of a side of the peer comparison from every rank's records of its calls:
-    per call the slowest rank's time, averaged over the calls."""
+    """One sample of a side of the peer comparison from every rank's records (one record of
+    the run's mean call each, or one per call): per record the slowest rank's, averaged."""
     per_call = [max(recs[j]["time"] for recs in per_rank) for j in range(len(per_rank[0]))]
     return sum(per_call) / len(per_call)
 
