@@ -33,3 +33,32 @@ def run_on_ranks(fn, world: int = 2, timeout: float = 900, **kwargs) -> list:
                 if p.is_alive():
                     p.kill()
     return [results[r] for r in range(world)]
+
+
+def interleaved_rounds(variants: dict, rounds: int, calls: int) -> dict:
+    """Per variant, ``rounds`` samples of seconds per call: each sample ``calls`` calls back to
+    back after a barrier over the default group; the variants' order rotates every round."""
+    import time
+    names = list(variants)
+    times: dict = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(calls):
+                variants[n]()
+            times[n].append((time.perf_counter() - t) / calls)
+    return times
+
+
+def paired_lines(rows: list, base: str) -> list:
+    """From every rank's :func:`interleaved_rounds` result: one line per variant, the median
+    ms per call of the slower rank and the median over the rounds of its ratio to ``base``."""
+    import statistics
+    per = {n: [max(ts) for ts in zip(*(r[n] for r in rows))] for n in rows[0]}
+    lines = []
+    for n, ts in per.items():
+        paired = statistics.median(a / b for a, b in zip(ts, per[base]))
+        lines.append(f"  {n:30s} {statistics.median(ts) * 1e3:7.3f} ms  {paired:.3f}")
+    return lines

@@ -34,11 +34,14 @@ python benchmarks/memory_phases.py --ulysses 1 --ring 2 --seqlen 8192 --causal -
 # 5. peers on the same kernel, forward only (needs `pip install yunchang==0.6.4 --no-deps`;
 #    skipped with a note otherwise; yunchang's zigzag ring cannot take the kernel, so basic)
 usp-hal bench --seqlens 512,1024,4096,8192 --splits 2x1,1x2 --ring-impls basic --modes fwd \
-    --causal off --peers --no-baseline --check fp64 --iters 9 --warmup 2 \
+    --causal off --peers --no-baseline --check fp64 --iters 15 --warmup 2 \
     --json "$out/peers.json" > "$out/peers.log"
 
 # 6. the lean call: launches, host time (with and without communication), the per-call check
 python benchmarks/launches_per_call.py --ops > "$out/launches.txt"
 python -m benchmarks.per_call_overhead --fake > "$out/host-time.txt"
 python -m benchmarks.agreement_cost > "$out/agreement.txt"
+python -m benchmarks.message_cost > "$out/message-cost.txt"
+python -m benchmarks.peer_steady > "$out/peer-steady-r2.txt"             # needs yunchang, as step 5
+python -m benchmarks.peer_steady --ulysses > "$out/peer-steady-u2.txt"
 python -m benchmarks.low_memory > "$out/low-memory.txt"
