@@ -6,7 +6,9 @@ run it again on the received block.  Then the same with 25 integers more on the 
 as an all-gather started before the swap (what the per-call check does), as one more
 send/receive pair inside the swap's own batch, and as a pair of their own sent first.  In
 interleaved rounds of ``--calls`` steps back to back; the ratio is the median over the
-rounds of each variant against the swap alone.
+rounds of each variant against the swap alone.  Two more variants carry no extra data:
+K and V as two messages each way (two tensors in one batch), and K and V copied into one
+buffer first, then swapped as one message.
 
 Run from the repository root:
 
@@ -25,6 +27,7 @@ from benchmarks._ranks import interleaved_rounds, paired_lines, run_on_ranks
 def job(rounds=40, calls=16, S=256):
     peer = 1 - dist.get_rank()
     kv, got = torch.randn(2, 1, S, 8, 64), torch.empty(2, 1, S, 8, 64)
+    k, v = torch.randn(1, S, 8, 64), torch.randn(1, S, 8, 64)
     meta, meta_got = torch.zeros(25, dtype=torch.long), torch.empty(25, dtype=torch.long)
     gathered = torch.empty(50, dtype=torch.long)
     q = torch.randn(1, 8, S, 64)
@@ -46,8 +49,23 @@ def job(rounds=40, calls=16, S=256):
             w.wait()
         kernel()
 
+    def two():
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, k, peer), dist.P2POp(dist.isend, v, peer),
+                                        dist.P2POp(dist.irecv, got[0], peer), dist.P2POp(dist.irecv, got[1], peer)])
+        kernel()
+        for w in works:
+            w.wait()
+        kernel()
+
+    def packed():
+        kv[0].copy_(k)
+        kv[1].copy_(v)
+        step()
+
     variants = {
         "K/V swap alone": lambda: step(),
+        "K and V as two messages": two,
+        "K, V copied into one, swapped": packed,
         "+ all-gather started first": lambda: step(lambda: [gather(gathered, meta, async_op=True)]),
         "+ a pair in the swap's batch": lambda: step(extra=((dist.isend, meta), (dist.irecv, meta_got))),
         "+ a pair of its own, first": lambda: step(lambda: swap_meta()),
