@@ -20,9 +20,9 @@ every entry alike):
   (:func:`usp_hal.harness.cases.rank_plain_steps`: the breakdown's collective wrappers,
   step hook and kernel timer would cost usp-hal alone), and each side's sample is as
   many calls as make :data:`PEER_SAMPLE_S` (the same count on both sides), made back to
-  back after one barrier as a model makes them.  Each peer row
-  names both kernels and gives usp-hal/peer as the ratio of the medians and as the
-  median of the per-round ratios, with that ratio's quartiles over the rounds.
+  back after one barrier as a model makes them.  Each peer row names both kernels and
+  gives usp-hal/peer as the ratio of the medians and as the median of the per-round
+  ratios, with that ratio's quartiles over the rounds.
 
 Every entry runs the tasks of :mod:`usp_hal.harness.cases` on a
 :class:`~usp_hal.harness.pool.RankPool`; the options come as an ``argparse`` namespace with
