@@ -317,7 +317,9 @@ def ahead_then_change(U=1, R=2, rotation="p2p", grad=False):
              call(even), call(even), call(even),                      # all change: run again; agreed; ahead
              call(even, bad=0),                                       # rank 0's bad dtype: refused everywhere
              call(even), call(even)]                                  # agreed, ahead
-    return {"steps": steps, "counts": list(pipe.ahead_counts), "rank": rank}
+    # whether the steady calls' flag rode in the ring's K/V messages (no all-gather of its own)
+    carry = pipe.ahead.carry if pipe.ahead is not None else None
+    return {"steps": steps, "counts": list(pipe.ahead_counts), "rank": rank, "carry": carry}
 
 
 def ahead_then_new_mesh():

@@ -106,13 +106,19 @@ class Retry(Exception):
 
 class Gate:
     """An agreement all-gather in flight while the call it checks goes ahead (see
-    :func:`open_gate`)."""
+    :func:`open_gate`), or a flag the call's data carries (``work`` None, see
+    :func:`open_carried_gate`)."""
 
-    __slots__ = ("work", "recv", "width", "what", "where", "thread")
+    __slots__ = ("work", "recv", "width", "what", "where", "thread", "send", "group", "flag", "seen", "carried",
+                 "complete")
 
     def __init__(self, work, recv: torch.Tensor, width: int, what: str, where: str):
         self.work, self.recv, self.width, self.what, self.where = work, recv, width, what, where
         self.thread = threading.get_ident()
+        self.send: Optional[torch.Tensor] = None
+        self.group = None
+        self.flag = self.seen = 0          # this rank's flag; the OR of the flags its blocks carried
+        self.carried = self.complete = False
 
 
 #: the agreement of the call that went ahead of it, at most one (a thread's calls run one
@@ -132,11 +138,43 @@ def open_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where
     return g
 
 
-def pass_gate() -> None:
-    """Wait for the agreement in flight (if any) and check every rank's flag."""
+def open_carried_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str) -> Gate:
+    """Like :func:`open_gate`, but with no collective: this rank's flag (``send[0]``) rides
+    on the call's own data (a ring that carries it, see
+    :meth:`usp_hal.rotation.Rotation.carries_flag`, sets ``carried``, adds the flags of the
+    blocks it received to ``seen`` and ``complete`` once every block arrived), and the
+    gate is passed at the call's end (:func:`pass_gate` with ``final``): when every flag
+    it saw is 0, with nothing more sent; else (or when no data carried it) the rows are
+    all-gathered then, as :func:`open_gate` would have, and :class:`Retry` raised on
+    every rank alike."""
+    g = Gate(None, recv, send.numel(), what, where)
+    g.send, g.group, g.flag = send, group, int(send[0])
+    _GATES[:] = [g]
+    return g
+
+
+def carried_gate() -> Optional[Gate]:
+    """This thread's open gate whose flag the call's data is to carry, or None."""
+    if _GATES and _GATES[0].work is None and _GATES[0].thread == threading.get_ident():
+        return _GATES[0]
+    return None
+
+
+def pass_gate(final: bool = False) -> None:
+    """Wait for the agreement in flight (if any) and check every rank's flag.  A carried
+    flag (:func:`open_carried_gate`) is settled only at the call's end (``final``)."""
     if not _GATES or _GATES[0].thread != threading.get_ident():
         return
-    g = _GATES.pop()
+    g = _GATES[0]
+    if g.work is None:
+        if not final:
+            return
+        _GATES.pop()
+        if g.carried and g.complete and not (g.flag | g.seen):
+            return          # every rank's flag reached every rank in the data: all the same call
+        g.work = collective(g.what, g.where, all_gather_single, g.recv, g.send, group=g.group, async_op=True)
+    else:
+        _GATES.pop()
     wait(g.what, g.where, g.work)
     flat = g.recv.tolist()
     if any(flat[0::g.width]):

@@ -27,9 +27,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, U
 import torch
 import torch.distributed as dist
 
-from . import wire
+from . import comm, wire
 from .codec import Codec
-from .comm import _all_gather_single, collective, wait
+from .comm import _all_gather_single, collective, host_transport, wait
 
 
 class KVBlock:
@@ -50,6 +50,15 @@ class KVBlock:
             else:
                 self._kv = _decode_bytes(self.buf, self.k_shape, self.v_shape, self.dtype, self.codecs)
         return self._kv
+
+
+def _packed(k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """K and V side by side in one new flat buffer (what :class:`KVBlock` views), with
+    ``extra`` elements after them."""
+    buf = torch.empty(k.numel() + v.numel() + extra, dtype=k.dtype, device=k.device)
+    buf.narrow(0, 0, k.numel()).view(k.shape).copy_(k)
+    buf.narrow(0, k.numel(), v.numel()).view(v.shape).copy_(v)
+    return buf
 
 
 def _numel(shape) -> int:
@@ -208,10 +217,7 @@ class Rotation:
         """This rank's K/V packed (and coded) as it travels."""
         if self.codecs is not None:
             return KVBlock(_encode_bytes(k, v, self.codecs), k.shape, v.shape, k.dtype, self.codecs)
-        buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
-        buf.narrow(0, 0, k.numel()).view(k.shape).copy_(k)
-        buf.narrow(0, k.numel(), v.numel()).view(v.shape).copy_(v)
-        return KVBlock(buf, k.shape, v.shape, k.dtype)
+        return KVBlock(_packed(k, v), k.shape, v.shape, k.dtype)
 
     def local_kv(self, k, v):
         """The own block as the kernel sees it (coded and decoded when a codec is on)."""
@@ -226,6 +232,12 @@ class Rotation:
 
     def block_done(self) -> None:
         """The current block's kernels have run (its K/V is no longer needed here)."""
+
+    def carries_flag(self, k_shape, v_shape, dtype) -> bool:
+        """Whether this rotation carries a call's agreement flag in its own K/V messages
+        (:func:`usp_hal.comm.open_carried_gate`) for K/V of these shapes and dtype; the same
+        answer on every ring rank.  None here."""
+        return False
 
     # ------------------------------------------------------------------ gradients
     def new_grad(self, src: int, k, v, dtype) -> GradPart:
@@ -246,6 +258,20 @@ class Rotation:
 
 class P2PRotation(Rotation):
     name = "p2p"
+
+    #: The largest uncoded K/V block (bytes, at the ring's longest block) that carries a call's
+    #: agreement flag on a host transport (gloo): K, V and the flag go packed in one message
+    #: each way, so the agreement costs no message of its own.  On this kind of transport every
+    #: message costs about what copying a few MiB does (``benchmarks/message_cost.py``), which
+    #: is what the packing copy costs at this size; larger blocks travel as they are, next to
+    #: the agreement's all-gather.  0: never carried.
+    CARRY_BYTES = 4 << 20
+
+    def carries_flag(self, k_shape, v_shape, dtype) -> bool:
+        if self.codecs is not None or self.size == 1 or self.CARRY_BYTES <= 0 or not host_transport(self.group):
+            return False
+        per_token = _numel(tuple(k_shape[:1]) + tuple(k_shape[2:])) + _numel(tuple(v_shape[:1]) + tuple(v_shape[2:]))
+        return max(self.lengths) * per_token * dtype.itemsize <= self.CARRY_BYTES
 
     def _start(self, send: torch.Tensor, recv: torch.Tensor, what: str):
         ops = [dist.P2POp(dist.isend, send, self.next, self.group),
@@ -282,6 +308,10 @@ class P2PRotation(Rotation):
         if self.size == 1:
             yield from super().blocks(k, v)
             return
+        gate = comm.carried_gate() if self.codecs is None else None
+        if gate is not None:
+            yield from self._carrying(k, v, gate)
+            return
         R, me = self.size, self.me
         label = "ring p2p rotation of K/V"
         plain = self.codecs is None
@@ -310,6 +340,36 @@ class P2PRotation(Rotation):
                 yield (src,) + self._cur
             self.block_done()          # a no-op when the backward's add_grad called it already
         self._cur = None
+
+    def _carrying(self, k, v, gate):
+        """:meth:`blocks` carrying the call's agreement flag: each rank's K and V travel packed
+        with its flag as one more element, forwarded as they arrived, so every rank sees every
+        other rank's flag once its last block has arrived (``gate.seen``)."""
+        R, me = self.size, self.me
+        label = "ring p2p rotation of K/V"
+        ks, vs = tuple(k.shape), tuple(v.shape)
+        own = _packed(k, v, 1)
+        own[-1] = gate.flag
+        self._cur = KVBlock(own, ks, vs, k.dtype)
+        del own
+        gate.carried = True
+        for step in range(R):
+            src = (me - step) % R
+            if step < R - 1:
+                n, cur = self.lengths[(src - 1) % R], self._cur
+                nk, nv = _with_len(ks, n), _with_len(vs, n)
+                nxt = KVBlock(cur.buf.new_empty(_numel(nk) + _numel(nv) + 1), nk, nv, k.dtype)
+                self._hop = (nxt, self._start(cur.buf, nxt.buf, label))
+                del nxt, cur
+            self._live = True
+            if step == 0:
+                yield src, k, v
+            else:
+                gate.seen |= int(self._cur.buf[-1].item())
+                yield (src,) + self._cur.kv
+            self.block_done()
+        self._cur = None
+        gate.complete = True
 
     def block_done(self) -> None:
         """Let the current block go (it may still be on its way to the next rank: the hop in

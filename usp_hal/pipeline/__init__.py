@@ -281,7 +281,7 @@ class Pipeline:
             ahead.start()
             try:
                 got = _run.run(plan, q, k, v, None, sinks)
-                comm.pass_gate()            # a plan with no exchange to wait on: the agreement now
+                comm.pass_gate(final=True)  # the agreement now, if no exchange waited on it
             except comm.Retry as exc:
                 gathered = exc.rows()
             finally:
@@ -302,7 +302,7 @@ class Pipeline:
         try:
             with torch.no_grad():
                 _run.run(plan, zq, zk, zv, None, zs)
-            comm.pass_gate()
+            comm.pass_gate(final=True)
         except comm.Retry as exc:
             gathered = exc.rows()
         finally:

@@ -146,7 +146,7 @@ class Ahead:
     the caller unless every rank ran it on its own call, and no rank is left waiting in an
     exchange."""
 
-    __slots__ = ("mesh", "sig", "plan", "send", "recv", "group", "inputs", "sinks", "what", "where")
+    __slots__ = ("mesh", "sig", "plan", "send", "recv", "group", "inputs", "sinks", "what", "where", "carry")
 
     def __init__(self, pipe, mesh, sig, spec: CallSpec, plan, q, k, v, sinks):
         self.mesh, self.sig, self.plan = mesh, sig, plan
@@ -158,10 +158,19 @@ class Ahead:
         self.recv = torch.empty(n * (width + 1), dtype=torch.long, device=device)
         self.inputs = tuple((t.shape, t.dtype, t.device) for t in (q, k, v))
         self.sinks = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
+        # a ring-only plan on host tensors whose rotation can carry the flag in its K/V
+        # messages needs no all-gather unless some rank's flag is set (comm.open_carried_gate)
+        st = plan.stages
+        self.carry = (len(st) == 1 and st[0].exchange.size == 1 and k.device.type == "cpu"
+                      and st[0].ring.rotation.carries_flag(k.shape, v.shape, k.dtype))
 
     def start(self, send=None) -> None:
         """Start the agreement of this call (``send``: this rank's row when it changed)."""
-        comm.open_gate(self.send if send is None else send, self.recv, self.group, what=self.what, where=self.where)
+        row = self.send if send is None else send
+        if self.carry:
+            comm.open_carried_gate(row, self.recv, self.group, what=self.what, where=self.where)
+        else:
+            comm.open_gate(row, self.recv, self.group, what=self.what, where=self.where)
 
     def width_changed(self, pipe) -> bool:
         """The pipeline's row width is not this agreement's (its ``check_ranks`` changed)."""
