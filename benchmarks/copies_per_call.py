@@ -61,6 +61,8 @@ def _call(attn, q, k, v, dout, bwd):
 
 def measure(seqlen, dim):
     import usp_hal
+    from usp_hal.rotation import P2PRotation
+    P2PRotation.CARRY_BYTES = 0     # as on a device transport: no agreement flag packed into the ring's K/V
     rows = []
     for label, u, r, layout, h, hkv, bwd in CASES:
         mesh = usp_hal.init_sequence_parallel(u, r, set_default=False)
@@ -87,7 +89,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     a = ap.parse_args()
     results = run_on_ranks(measure, 2, seqlen=a.seqlen, dim=a.head_dim)
-    print(f"bytes copied per call outside the kernels (max over 2 ranks), S={a.seqlen}, D={a.head_dim}, fp32")
+    print(f"bytes copied per call outside the kernels (max over 2 ranks), S={a.seqlen}, D={a.head_dim}, fp32; "
+          "the ring's K/V as on a device transport (not packed with the agreement flag, as gloo's host path does)")
     print(f"{'case':28s} {'MiB':>8s} {'x q+k+v':>8s}  largest ops")
     for i in range(len(CASES)):
         worst = max((res[i] for res in results), key=lambda row: row[1])

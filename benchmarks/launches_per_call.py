@@ -169,8 +169,11 @@ def _measure_one(attn, q, k, v, dout, causal, bwd):
             "copied": m.copied, "ops": m.ops}
 
 
-def measure(cases, seqlen, heads, dim, peers):
+def measure(cases, seqlen, heads, dim, peers, carry=False):
     import usp_hal
+    if not carry:   # as on a device transport, where a ring never carries the agreement flag in its K/V
+        from usp_hal.rotation import P2PRotation
+        P2PRotation.CARRY_BYTES = 0
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     have_yunchang = False
@@ -213,16 +216,21 @@ def main():
     ap.add_argument("--ops", action="store_true", help="also print rank 0's ops per row")
     ap.add_argument("--json", default=None, help="write every rank's rows as JSON")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for the ranks (default 600)")
+    ap.add_argument("--host-carry", action="store_true",
+                    help="let the ring carry the agreement flag in its K/V messages, as it does on gloo with "
+                         "host tensors (off by default: device transports never do)")
     a = ap.parse_args()
     import usp_hal
     tree = os.path.dirname(os.path.dirname(os.path.abspath(usp_hal.__file__)))
-    kw = dict(seqlen=a.seqlen, heads=a.heads, dim=a.head_dim, peers=not a.no_peers)
+    kw = dict(seqlen=a.seqlen, heads=a.heads, dim=a.head_dim, peers=not a.no_peers, carry=a.host_carry)
     two = run_on_ranks(measure, 2, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 2], **kw)
     four = run_on_ranks(measure, 4, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 4], **kw)
     per_rank = [list(x) for x in zip(*two)] + [list(x) for x in zip(*four)]   # row -> [rank results]
     print(f"launches per call, per rank: usp-hal from {tree} (usp_hal {getattr(usp_hal, '__version__', '?')}), "
           f"torch {torch.__version__}, S={a.seqlen} H={a.heads} D={a.head_dim} fp32 B=1, basic layout, "
           f"one call after 2 warm-up calls")
+    print("ring agreement flag carried in the K/V messages (the gloo host-tensor path): " +
+          ("on (--host-carry)" if a.host_carry else "off, as on a device transport (--host-carry turns it on)"))
     print("kernel = attention kernel ops; other = other launching aten ops; coll = collectives; "
           "launches = their sum (rank 0; all ranks in 'per rank'); copied = bytes copied outside the kernel, "
           "max over ranks")

@@ -138,8 +138,10 @@ def open_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where
     return g
 
 
-def open_carried_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str) -> Gate:
-    """Like :func:`open_gate`, but with no collective: this rank's flag (``send[0]``) rides
+def open_carried_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str,
+                      flag: int = 0) -> Gate:
+    """Like :func:`open_gate`, but with no collective: this rank's flag (``flag``, what
+    ``send[0]`` holds) rides
     on the call's own data (a ring that carries it, see
     :meth:`usp_hal.rotation.Rotation.carries_flag`, sets ``carried``, adds the flags of the
     blocks it received to ``seen`` and ``complete`` once every block arrived), and the
@@ -148,7 +150,7 @@ def open_carried_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: st
     all-gathered then, as :func:`open_gate` would have, and :class:`Retry` raised on
     every rank alike."""
     g = Gate(None, recv, send.numel(), what, where)
-    g.send, g.group, g.flag = send, group, int(send[0])
+    g.send, g.group, g.flag = send, group, int(flag)
     _GATES[:] = [g]
     return g
 

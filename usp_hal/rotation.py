@@ -52,10 +52,13 @@ class KVBlock:
         return self._kv
 
 
-def _packed(k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
-    """K and V side by side in one new flat buffer (what :class:`KVBlock` views), with
-    ``extra`` elements after them."""
-    buf = torch.empty(k.numel() + v.numel() + extra, dtype=k.dtype, device=k.device)
+#: one-element flag tensors by (value, dtype, device), made once: what a carrying ring appends
+_FLAGS: Dict[Any, torch.Tensor] = {}
+
+
+def _packed(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V side by side in one new flat buffer (what :class:`KVBlock` views)."""
+    buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
     buf.narrow(0, 0, k.numel()).view(k.shape).copy_(k)
     buf.narrow(0, k.numel(), v.numel()).view(v.shape).copy_(v)
     return buf
@@ -348,10 +351,10 @@ class P2PRotation(Rotation):
         R, me = self.size, self.me
         label = "ring p2p rotation of K/V"
         ks, vs = tuple(k.shape), tuple(v.shape)
-        own = _packed(k, v, 1)
-        own[-1] = gate.flag
-        self._cur = KVBlock(own, ks, vs, k.dtype)
-        del own
+        flag = _FLAGS.get((gate.flag, k.dtype, k.device))
+        if flag is None:
+            flag = _FLAGS[(gate.flag, k.dtype, k.device)] = torch.full((1,), gate.flag, dtype=k.dtype, device=k.device)
+        self._cur = KVBlock(torch.cat((k.reshape(-1), v.reshape(-1), flag)), ks, vs, k.dtype)
         gate.carried = True
         for step in range(R):
             src = (me - step) % R

@@ -167,8 +167,9 @@ class Ahead:
     def start(self, send=None) -> None:
         """Start the agreement of this call (``send``: this rank's row when it changed)."""
         row = self.send if send is None else send
-        if self.carry:
-            comm.open_carried_gate(row, self.recv, self.group, what=self.what, where=self.where)
+        if self.carry:      # (a steady call's flag is 0: read back only from a changed call's row)
+            comm.open_carried_gate(row, self.recv, self.group, what=self.what, where=self.where,
+                                   flag=0 if send is None else int(send[0]))
         else:
             comm.open_gate(row, self.recv, self.group, what=self.what, where=self.where)
 
