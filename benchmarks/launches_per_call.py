@@ -1,6 +1,7 @@
 """Launches and bytes copied per attention call, per rank: usp-hal and yunchang on the same kernel.
 
-One call (after two warm-up calls, so caches are in their steady state) runs under a
+One call (after three warm-up calls, so caches are in their steady state and the call goes
+ahead of its agreement as a steady module's calls do) runs under a
 TorchDispatchMode and with the ``torch.distributed`` functions wrapped; per rank it counts
 
 * **kernel**: attention kernel ops (aten ``_scaled_dot_product_*`` forward/backward, or any op
@@ -159,7 +160,7 @@ def _measure_one(attn, q, k, v, dout, causal, bwd):
             out.backward(dout)
             for t in (q, k, v):
                 t.grad = None
-    for _ in range(2):
+    for _ in range(3):
         call()
     dist.barrier()
     m = LaunchMeter()
@@ -228,7 +229,7 @@ def main():
     per_rank = [list(x) for x in zip(*two)] + [list(x) for x in zip(*four)]   # row -> [rank results]
     print(f"launches per call, per rank: usp-hal from {tree} (usp_hal {getattr(usp_hal, '__version__', '?')}), "
           f"torch {torch.__version__}, S={a.seqlen} H={a.heads} D={a.head_dim} fp32 B=1, basic layout, "
-          f"one call after 2 warm-up calls")
+          f"one call after 3 warm-up calls")
     print("ring agreement flag carried in the K/V messages (the gloo host-tensor path): " +
           ("on (--host-carry)" if a.host_carry else "off, as on a device transport (--host-carry turns it on)"))
     print("kernel = attention kernel ops; other = other launching aten ops; coll = collectives; "
