@@ -273,6 +273,8 @@ class P2PRotation(Rotation):
     def carries_flag(self, k_shape, v_shape, dtype) -> bool:
         if self.codecs is not None or self.size == 1 or self.CARRY_BYTES <= 0 or not host_transport(self.group):
             return False
+        if "gloo" not in str(dist.get_backend(self.group)):
+            return False        # torch's fake group moves no data: nothing would arrive to read
         per_token = _numel(tuple(k_shape[:1]) + tuple(k_shape[2:])) + _numel(tuple(v_shape[:1]) + tuple(v_shape[2:]))
         return max(self.lengths) * per_token * dtype.itemsize <= self.CARRY_BYTES
 
@@ -368,7 +370,10 @@ class P2PRotation(Rotation):
             if step == 0:
                 yield src, k, v
             else:
-                gate.seen |= int(self._cur.buf[-1].item())
+                got = self._cur.buf[-1].item()
+                # a flag is a small integer; anything else counts as set (the rows are then
+                # all-gathered and decide)
+                gate.seen |= int(got) if 0 <= got < 8 and got == int(got) else 1    # (NaN fails the first)
                 yield (src,) + self._cur.kv
             self.block_done()
         self._cur = None
