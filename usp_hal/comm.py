@@ -109,8 +109,7 @@ class Gate:
     :func:`open_gate`), or a flag the call's data carries (``work`` None, see
     :func:`open_carried_gate`)."""
 
-    __slots__ = ("work", "recv", "width", "what", "where", "thread", "send", "group", "flag", "seen", "carried",
-                 "complete")
+    __slots__ = ("work", "recv", "width", "what", "where", "thread", "send", "group", "flag", "seen", "complete")
 
     def __init__(self, work, recv: torch.Tensor, width: int, what: str, where: str):
         self.work, self.recv, self.width, self.what, self.where = work, recv, width, what, where
@@ -118,7 +117,7 @@ class Gate:
         self.send: Optional[torch.Tensor] = None
         self.group = None
         self.flag = self.seen = 0          # this rank's flag; the OR of the flags its blocks carried
-        self.carried = self.complete = False
+        self.complete = False              # a ring carried the flag and every block arrived
 
 
 #: the agreement of the call that went ahead of it, at most one (a thread's calls run one
@@ -141,14 +140,12 @@ def open_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where
 def open_carried_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str,
                       flag: int = 0) -> Gate:
     """Like :func:`open_gate`, but with no collective: this rank's flag (``flag``, what
-    ``send[0]`` holds) rides
-    on the call's own data (a ring that carries it, see
-    :meth:`usp_hal.rotation.Rotation.carries_flag`, sets ``carried``, adds the flags of the
-    blocks it received to ``seen`` and ``complete`` once every block arrived), and the
-    gate is passed at the call's end (:func:`pass_gate` with ``final``): when every flag
-    it saw is 0, with nothing more sent; else (or when no data carried it) the rows are
-    all-gathered then, as :func:`open_gate` would have, and :class:`Retry` raised on
-    every rank alike."""
+    ``send[0]`` holds) rides on the call's own data (a ring that carries it, see
+    :meth:`usp_hal.rotation.Rotation.carries_flag`, adds the flags of the blocks it
+    received to ``seen`` and sets ``complete`` once every block arrived), and the gate is
+    passed at the call's end (:func:`pass_gate` with ``final``): when every flag it saw is
+    0, with nothing more sent; else (or when no data carried it) the rows are all-gathered
+    then, as :func:`open_gate` would have, and :class:`Retry` raised on every rank alike."""
     g = Gate(None, recv, send.numel(), what, where)
     g.send, g.group, g.flag = send, group, int(flag)
     _GATES[:] = [g]
@@ -172,7 +169,7 @@ def pass_gate(final: bool = False) -> None:
         if not final:
             return
         _GATES.pop()
-        if g.carried and g.complete and not (g.flag | g.seen):
+        if g.complete and not (g.flag | g.seen):
             return          # every rank's flag reached every rank in the data: all the same call
         g.work = collective(g.what, g.where, all_gather_single, g.recv, g.send, group=g.group, async_op=True)
     else:

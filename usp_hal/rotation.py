@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import comm, wire
 from .codec import Codec
-from .comm import _all_gather_single, collective, host_transport, wait
+from .comm import _all_gather_single, collective, wait
 
 
 class KVBlock:
@@ -54,14 +54,6 @@ class KVBlock:
 
 #: one-element flag tensors by (value, dtype, device), made once: what a carrying ring appends
 _FLAGS: Dict[Any, torch.Tensor] = {}
-
-
-def _packed(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """K and V side by side in one new flat buffer (what :class:`KVBlock` views)."""
-    buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
-    buf.narrow(0, 0, k.numel()).view(k.shape).copy_(k)
-    buf.narrow(0, k.numel(), v.numel()).view(v.shape).copy_(v)
-    return buf
 
 
 def _numel(shape) -> int:
@@ -220,7 +212,10 @@ class Rotation:
         """This rank's K/V packed (and coded) as it travels."""
         if self.codecs is not None:
             return KVBlock(_encode_bytes(k, v, self.codecs), k.shape, v.shape, k.dtype, self.codecs)
-        return KVBlock(_packed(k, v), k.shape, v.shape, k.dtype)
+        buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
+        buf.narrow(0, 0, k.numel()).view(k.shape).copy_(k)
+        buf.narrow(0, k.numel(), v.numel()).view(v.shape).copy_(v)
+        return KVBlock(buf, k.shape, v.shape, k.dtype)
 
     def local_kv(self, k, v):
         """The own block as the kernel sees it (coded and decoded when a codec is on)."""
@@ -236,10 +231,10 @@ class Rotation:
     def block_done(self) -> None:
         """The current block's kernels have run (its K/V is no longer needed here)."""
 
-    def carries_flag(self, k_shape, v_shape, dtype) -> bool:
+    def carries_flag(self, k_shape, v_shape, dtype, device) -> bool:
         """Whether this rotation carries a call's agreement flag in its own K/V messages
-        (:func:`usp_hal.comm.open_carried_gate`) for K/V of these shapes and dtype; the same
-        answer on every ring rank.  None here."""
+        (:func:`usp_hal.comm.open_carried_gate`) for K/V of these shapes, dtype and device;
+        the same answer on every ring rank.  None here."""
         return False
 
     # ------------------------------------------------------------------ gradients
@@ -270,11 +265,13 @@ class P2PRotation(Rotation):
     #: the agreement's all-gather.  0: never carried.
     CARRY_BYTES = 4 << 20
 
-    def carries_flag(self, k_shape, v_shape, dtype) -> bool:
-        if self.codecs is not None or self.size == 1 or self.CARRY_BYTES <= 0 or not host_transport(self.group):
+    def carries_flag(self, k_shape, v_shape, dtype, device) -> bool:
+        # host tensors on gloo only: device transports keep the all-gather on the side group,
+        # and torch's fake group moves no data (nothing would arrive to read)
+        if self.codecs is not None or self.size == 1 or self.CARRY_BYTES <= 0 or torch.device(device).type != "cpu":
             return False
         if "gloo" not in str(dist.get_backend(self.group)):
-            return False        # torch's fake group moves no data: nothing would arrive to read
+            return False
         per_token = _numel(tuple(k_shape[:1]) + tuple(k_shape[2:])) + _numel(tuple(v_shape[:1]) + tuple(v_shape[2:]))
         return max(self.lengths) * per_token * dtype.itemsize <= self.CARRY_BYTES
 
@@ -283,13 +280,14 @@ class P2PRotation(Rotation):
                dist.P2POp(dist.irecv, recv, self.prev, self.group)]
         return collective(what, self.where, dist.batch_isend_irecv, ops)
 
-    def _recv_like(self, blk: KVBlock, n: int) -> KVBlock:
+    def _recv_like(self, blk: KVBlock, n: int, extra: int = 0) -> KVBlock:
+        """A receive buffer for ``blk``'s K/V at ``n`` tokens, ``extra`` elements after them."""
         ks, vs = _with_len(blk.k_shape, n), _with_len(blk.v_shape, n)
         if blk.codecs is not None:
             size = _coded_size(ks, vs, blk.dtype, blk.codecs)
         else:
             size = _numel(ks) + _numel(vs)
-        return KVBlock(blk.buf.new_empty(size), ks, vs, blk.dtype, blk.codecs)
+        return KVBlock(blk.buf.new_empty(size + extra), ks, vs, blk.dtype, blk.codecs)
 
     def _start_kv(self, send: Tuple[torch.Tensor, torch.Tensor], recv: Tuple[torch.Tensor, torch.Tensor], what: str):
         ops = [dist.P2POp(dist.isend, send[0], self.next, self.group),
@@ -313,17 +311,26 @@ class P2PRotation(Rotation):
         if self.size == 1:
             yield from super().blocks(k, v)
             return
-        gate = comm.carried_gate() if self.codecs is None else None
-        if gate is not None:
-            yield from self._carrying(k, v, gate)
-            return
         R, me = self.size, self.me
         label = "ring p2p rotation of K/V"
-        plain = self.codecs is None
+        # a steady call's agreement flag to carry (comm.open_carried_gate): K, V and the flag
+        # travel packed as one message, forwarded as they arrived, so every rank has seen every
+        # other rank's flag once its last block has arrived (gate.seen)
+        gate = comm.carried_gate() if self.codecs is None else None
+        plain = self.codecs is None and gate is None
         # uncoded K and V travel as they are, side by side in one batch of p2p ops: no packing
         # copy (none at all for contiguous inputs) and no buffer holding both
-        self._cur = ((k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous())
-                     if plain else self.own_block(k, v))
+        if plain:
+            self._cur = (k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous())
+        elif gate is not None:
+            key = (gate.flag, k.dtype, k.device)
+            flag = _FLAGS.get(key)
+            if flag is None:
+                flag = _FLAGS[key] = torch.full((1,), gate.flag, dtype=k.dtype, device=k.device)
+            self._cur = KVBlock(torch.cat((k.reshape(-1), v.reshape(-1), flag)), k.shape, v.shape, k.dtype)
+        else:
+            self._cur = self.own_block(k, v)
+        extra = 0 if gate is None else 1
         for step in range(R):
             src = (me - step) % R
             if step < R - 1:   # the next block travels while this one computes
@@ -333,51 +340,25 @@ class P2PRotation(Rotation):
                            cur[1].new_empty(_with_len(cur[1].shape, n)))
                     self._hop = (nxt, self._start_kv(cur, nxt, label))
                 else:
-                    nxt = self._recv_like(cur, n)
+                    nxt = self._recv_like(cur, n, extra)
                     self._hop = (nxt, self._start(cur.buf, nxt.buf, label))
                 del nxt, cur
             self._live = True
-            if not plain:
-                yield (src,) + self._cur.kv
-            elif step == 0:
-                yield src, k, v
-            else:
+            if step == 0 and self.codecs is None:
+                yield src, k, v          # the own block as it is (a packed copy only travels)
+            elif plain:
                 yield (src,) + self._cur
+            else:
+                if gate is not None:
+                    got = self._cur.buf[-1].item()
+                    # a flag is a small integer; anything else counts as set (the rows are then
+                    # all-gathered and decide); NaN fails the first comparison
+                    gate.seen |= int(got) if 0 <= got < 8 and got == int(got) else 1
+                yield (src,) + self._cur.kv
             self.block_done()          # a no-op when the backward's add_grad called it already
         self._cur = None
-
-    def _carrying(self, k, v, gate):
-        """:meth:`blocks` carrying the call's agreement flag: each rank's K and V travel packed
-        with its flag as one more element, forwarded as they arrived, so every rank sees every
-        other rank's flag once its last block has arrived (``gate.seen``)."""
-        R, me = self.size, self.me
-        label = "ring p2p rotation of K/V"
-        ks, vs = tuple(k.shape), tuple(v.shape)
-        flag = _FLAGS.get((gate.flag, k.dtype, k.device))
-        if flag is None:
-            flag = _FLAGS[(gate.flag, k.dtype, k.device)] = torch.full((1,), gate.flag, dtype=k.dtype, device=k.device)
-        self._cur = KVBlock(torch.cat((k.reshape(-1), v.reshape(-1), flag)), ks, vs, k.dtype)
-        gate.carried = True
-        for step in range(R):
-            src = (me - step) % R
-            if step < R - 1:
-                n, cur = self.lengths[(src - 1) % R], self._cur
-                nk, nv = _with_len(ks, n), _with_len(vs, n)
-                nxt = KVBlock(cur.buf.new_empty(_numel(nk) + _numel(nv) + 1), nk, nv, k.dtype)
-                self._hop = (nxt, self._start(cur.buf, nxt.buf, label))
-                del nxt, cur
-            self._live = True
-            if step == 0:
-                yield src, k, v
-            else:
-                got = self._cur.buf[-1].item()
-                # a flag is a small integer; anything else counts as set (the rows are then
-                # all-gathered and decide)
-                gate.seen |= int(got) if 0 <= got < 8 and got == int(got) else 1    # (NaN fails the first)
-                yield (src,) + self._cur.kv
-            self.block_done()
-        self._cur = None
-        gate.complete = True
+        if gate is not None:
+            gate.complete = True
 
     def block_done(self) -> None:
         """Let the current block go (it may still be on its way to the next rank: the hop in

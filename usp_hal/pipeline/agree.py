@@ -161,8 +161,8 @@ class Ahead:
         # a ring-only plan on host tensors whose rotation can carry the flag in its K/V
         # messages needs no all-gather unless some rank's flag is set (comm.open_carried_gate)
         st = plan.stages
-        self.carry = (len(st) == 1 and st[0].exchange.size == 1 and k.device.type == "cpu"
-                      and st[0].ring.rotation.carries_flag(k.shape, v.shape, k.dtype))
+        self.carry = (len(st) == 1 and st[0].exchange.size == 1
+                      and st[0].ring.rotation.carries_flag(k.shape, v.shape, k.dtype, k.device))
 
     def start(self, send=None) -> None:
         """Start the agreement of this call (``send``: this rank's row when it changed)."""
