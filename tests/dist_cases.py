@@ -399,33 +399,38 @@ def profiler_labels(U=2, R=2, S=16, H=4, D=8):
 
 
 def ulysses_bound_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D=8, dtype="fp32", calls=3,
-                       return_lse=False):
+                       return_lse=False, vary=False):
     """Forward-only calls (no gradient): a Ulysses-only plan without lse runs its bound path
     (the exchange's two bound all-to-alls around the backend's bound call).  Every call is
-    compared with the float64 reference; ``bound``: whether the plan took that path."""
+    compared with the float64 reference; ``bound``: whether the plan took that path.  With
+    ``vary``, every call has inputs of its own and every output is kept and compared only
+    after the last call (the CPU path reuses its exchange buffers: no result may share them)."""
     mesh = get_mesh(U, 1)
     dt = DTYPES[dtype]
     Hkv = Hkv or H
-    q, k, v, _, _ = make_inputs(1, S, H, Hkv, D, dt, seed=S + H)
-    ro, rl = reference_attention(q.double(), k.double(), v.double(), causal=causal)
 
     def sh(x, seq_dim=1):
         return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=seq_dim)
 
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh)
-    errs = []
+    kept = []
     with torch.no_grad():
         for i in range(calls):
+            q, k, v, _, _ = make_inputs(1, S, H, Hkv, D, dt, seed=S + H + (i if vary else 0))
             # fresh (non-contiguous, for the odd calls) views each call: the bound path re-reads every tensor
             ql, kl, vl = (sh(x) for x in (q, k, v))
             if i % 2:
                 ql, kl, vl = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ql, kl, vl))
             res = attn(ql, kl, vl, causal=causal, return_attn_probs=return_lse)
             out, lse = res if return_lse else (res, None)
-            e = {"out": _err(out, sh(ro), dt), "shape": list(out.shape) == list(ql.shape[:3]) + [D],
-                 "dtype": out.dtype == dt}
-            if lse is not None:
-                e["lse"] = _err(lse, sh(rl, seq_dim=2), dt, lse=True)
-            errs.append(e)
+            kept.append((q, k, v, ql, out, lse))
+    errs = []
+    for q, k, v, ql, out, lse in kept:
+        ro, rl = reference_attention(q.double(), k.double(), v.double(), causal=causal)
+        e = {"out": _err(out, sh(ro), dt), "shape": list(out.shape) == list(ql.shape[:3]) + [D],
+             "dtype": out.dtype == dt}
+        if lse is not None:
+            e["lse"] = _err(lse, sh(rl, seq_dim=2), dt, lse=True)
+        errs.append(e)
     bound = [callable(p.fast) for p in attn.pipeline.plans.values()]
     return {"errs": errs, "bound": bound}

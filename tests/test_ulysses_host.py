@@ -448,3 +448,58 @@ def test_grads_routes_match_the_general_path(monkeypatch, H, Hkv, U, lens, B, dt
         o = sum(lens[:u])
         for x, w in zip(res, want):
             torch.testing.assert_close(x.double(), w[:, o:o + lens[u]], **tol)
+
+
+def test_bound_forward_reuses_its_cpu_buffers_and_returns_new_results(monkeypatch):
+    """The bound forward exchange on the CPU reuses the thread's send and receive buffers call
+    after call (the same storage), moves each call's own data exactly, and its result never
+    shares them (every kept result is intact after the later calls)."""
+    from usp_hal import ulysses as mod
+    monkeypatch.setattr(mod, "_SCRATCH", mod._Scratch())
+    H, U, lens, B, D = 4, 2, (6, 6), 1, 8
+    plan = head_plan(H, H, U)
+    net = ThreadNet(U)
+    monkeypatch.setattr(dist, "all_to_all_single", net)
+    exs = [UlyssesExchange(plan, None, u, lens) for u in range(U)]
+    g = torch.Generator().manual_seed(7)
+    calls = [[torch.randn(B, sum(lens), H, D, generator=g) for _ in range(3)] for _ in range(3)]
+
+    def body(u):      # one thread per rank for all the calls, as a rank's process runs them
+        seen, res = [], []
+        to_heads, to_seq = exs[u].bind_forward(*(x[:, :lens[u]] for x in calls[0]))
+        o, (a, c) = sum(lens[:u]), plan.q[u]
+        for full in calls:
+            qh, kh, vh = to_heads(*(x[:, o:o + lens[u]] for x in full))
+            seen.append(qh.untyped_storage().data_ptr())
+            for got, x in zip((qh, kh, vh), full):
+                torch.testing.assert_close(got, x[:, :, a:c], rtol=0, atol=0)
+            res.append(to_seq((qh * 2 + kh - vh).contiguous(), torch.float32))   # a stand-in kernel
+        return seen, res
+    got = net.run(body)
+    for u, (seen, res) in enumerate(got):
+        assert len(set(seen)) == 1, seen                 # one receive buffer for every call
+        o = sum(lens[:u])
+        for full, local in zip(calls, res):              # every kept result is its own call's
+            want = (full[0] * 2 + full[1] - full[2])[:, o:o + lens[u]]
+            torch.testing.assert_close(local, want, rtol=0, atol=0)
+    assert got[0][0][0] != got[1][0][0]                  # each rank's thread its own buffers
+    assert not mod._SCRATCH.bufs                         # and this (main) thread's untouched
+
+
+def test_scratch_keeps_at_most_its_cap_least_recently_used_first():
+    from usp_hal.ulysses import _Scratch
+    s = _Scratch()
+    s.KEEP_BYTES = 3 * 4096                              # three 1024-float buffers
+    a = s.take("send", (1024,), torch.float32)
+    assert s.take("send", (1024,), torch.float32) is a   # same role, shape, dtype: the same buffer
+    r = s.take("recv", (1024,), torch.float32)
+    assert r is not a
+    assert s.take("send", (1024,), torch.float32) is a   # used again: now the most recent
+    assert s.take("send", (1024,), torch.float64) is not a
+    assert s.held == 3 * 4096 and len(s.bufs) == 2       # the float64 one evicted the oldest (recv)
+    assert s.take("send", (1024,), torch.float32) is a
+    assert s.take("recv", (1024,), torch.float32) is not r
+    big = s.take("send", (4096,), torch.float32)         # over the cap: handed out, never held
+    assert big.numel() == 4096 and len(s.bufs) == 2 and s.held <= s.KEEP_BYTES
+    s.clear()
+    assert not s.bufs and s.held == 0

@@ -105,11 +105,15 @@ def test_profiler_trace_names_every_collective(pools):
     (4, dict(U=4, H=8, Hkv=4, causal=True, layout="zigzag"), True),
     (4, dict(U=4, H=6, Hkv=6, S=16), False),                 # heads that do not split evenly: the general path
     (2, dict(return_lse=True), False),                       # the lse travels: the general path
-], ids=["mha", "gqa-zigzag", "uneven", "bf16-stripe", "u4-gqa", "u4-uneven-heads", "with-lse"])
+    (2, dict(vary=True, calls=4), True),                     # new inputs per call, outputs kept
+    (4, dict(U=4, H=8, Hkv=4, vary=True), True),
+], ids=["mha", "gqa-zigzag", "uneven", "bf16-stripe", "u4-gqa", "u4-uneven-heads", "with-lse", "vary",
+        "u4-vary"])
 def test_ulysses_forward_only_bound_path(pools, world, kw, bound):
     """Forward-only Ulysses calls without lse run the bound path (checked: the plan took it,
     or the general path where it does not apply) and match the float64 reference, call after
-    call, contiguous or not."""
+    call, contiguous or not; with new inputs every call, every kept output still matches its
+    own reference after the last call (the CPU path's reused buffers leak into no result)."""
     for r in pools(world).run(dist_cases.ulysses_bound_case, timeout=120, **kw):
         assert r["bound"] == [bound], r
         for e in r["errs"]:

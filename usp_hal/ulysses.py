@@ -23,6 +23,8 @@ default, FP8 with per-token, per-head scales when asked.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -278,9 +280,13 @@ class UlyssesExchange:
         if not oroute or not oroute.tiles:
             return None
         qlabel, olabel = "Ulysses all-to-all of q/k/v (forward)", "Ulysses all-to-all of the output (forward)"
+        # on the CPU the send and receive buffers are this thread's scratch (:class:`_Scratch`):
+        # everything read from them is consumed before the call returns (the result is a new
+        # tensor), and the call is synchronous
+        scratch = _SCRATCH if q.device.type == "cpu" else None
 
         def to_heads(q, k, v):
-            recv, _ = self._send_gathered(route, (q, k, v), False, qlabel)
+            recv, _ = self._send_gathered(route, (q, k, v), False, qlabel, scratch)
             return self._finish_qkv(route, recv)
 
         def to_seq(out, dtype):
@@ -655,15 +661,24 @@ class UlyssesExchange:
         wait(label, self.where, work)
         return recv
 
-    def _send_gathered(self, route: "_Route", xs, async_op: bool, label: str):
+    def _send_gathered(self, route: "_Route", xs, async_op: bool, label: str,
+                       scratch: Optional["_Scratch"] = None):
         """Sequence -> heads along a route: every tensor's heads for every destination as one
         strided view (destinations outermost), side by side in ONE copy (``cat``), one
-        all-to-all of whole blocks; returns (the ``[S, B, W, d]`` receive buffer, the work)."""
+        all-to-all of whole blocks; returns (the ``[S, B, W, d]`` receive buffer, the work).
+        With ``scratch`` (a synchronous call whose buffers are dead when it returns), both
+        buffers are that thread's reused ones."""
         views = [_strided(x, size, off, step) for x, (size, off, step) in zip(xs, route.views)]
-        buf = torch.cat(views, 3)
-        if not buf.is_contiguous():
-            buf = buf.contiguous()
-        recv = torch.empty(route.recv_shape, dtype=buf.dtype, device=buf.device)
+        if scratch is not None:
+            v0 = views[0]
+            shape = v0.shape[:3] + (sum(v.shape[3] for v in views),) + v0.shape[4:]
+            buf = torch.cat(views, 3, out=scratch.take("send", shape, v0.dtype))
+            recv = scratch.take("recv", route.recv_shape, v0.dtype)
+        else:
+            buf = torch.cat(views, 3)
+            if not buf.is_contiguous():
+                buf = buf.contiguous()
+            recv = torch.empty(route.recv_shape, dtype=buf.dtype, device=buf.device)
         work = collective(label, self.where, dist.all_to_all_single, recv, buf, self._lens, self._rows_to,
                           group=self.group, async_op=async_op)
         return recv, work
@@ -974,6 +989,52 @@ class Done(Pending):
 
     def wait(self):
         return self.value
+
+
+class _Scratch(threading.local):
+    """One thread's reused CPU buffers for the synchronous exchanges of bound forward calls
+    (:meth:`UlyssesExchange.bind_forward`), keyed by role, shape and dtype and shared by every
+    exchange on the thread (a model's layers of one shape share one pair).
+
+    Why: the CPU has no caching allocator.  A fresh send or receive buffer of several MiB per
+    call is handed back to the OS when freed and comes back as new pages, one page fault per
+    4 KiB: at Ulysses-2, S=4096 (12 MiB each way per rank) about 1,000-2,000 minor faults and
+    1-2% of the call (``benchmarks/peer_steady.py --ulysses --seqlen 4096``).  Accelerators'
+    caching allocators already reuse their blocks, so only CPU calls take this.
+
+    At most :attr:`KEEP_BYTES` stay held per thread, the least recently used going first; a
+    buffer larger than that is never held.  :meth:`clear` lets them go."""
+
+    KEEP_BYTES = 256 << 20
+
+    def __init__(self):
+        self.bufs: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        self.held = 0
+
+    def take(self, role: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The thread's ``role`` buffer of ``shape`` and ``dtype`` (uninitialised when new)."""
+        key = (role, tuple(shape), dtype)
+        buf = self.bufs.get(key)
+        if buf is not None:
+            self.bufs.move_to_end(key)
+            return buf
+        buf = torch.empty(key[1], dtype=dtype)
+        size = buf.numel() * buf.element_size()
+        if size > self.KEEP_BYTES:
+            return buf
+        self.bufs[key] = buf
+        self.held += size
+        while self.held > self.KEEP_BYTES:
+            _, old = self.bufs.popitem(last=False)
+            self.held -= old.numel() * old.element_size()
+        return buf
+
+    def clear(self) -> None:
+        self.bufs.clear()
+        self.held = 0
+
+
+_SCRATCH = _Scratch()
 
 
 class _Route:
