@@ -172,9 +172,13 @@ def _measure_one(attn, q, k, v, dout, causal, bwd):
 
 def measure(cases, seqlen, heads, dim, peers, carry=False):
     import usp_hal
-    if not carry:   # as on a device transport, where a ring never carries the agreement flag in its K/V
+    if not carry:
+        # as on a device transport: a ring never carries the agreement flag in its K/V, and
+        # q/k/v always travel packed
         from usp_hal.rotation import P2PRotation
+        from usp_hal.ulysses import UlyssesExchange
         P2PRotation.CARRY_BYTES = 0
+        UlyssesExchange.SPLIT_BYTES = 0
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     have_yunchang = False
@@ -218,8 +222,9 @@ def main():
     ap.add_argument("--json", default=None, help="write every rank's rows as JSON")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for the ranks (default 600)")
     ap.add_argument("--host-carry", action="store_true",
-                    help="let the ring carry the agreement flag in its K/V messages, as it does on gloo with "
-                         "host tensors (off by default: device transports never do)")
+                    help="the gloo host-tensor path: the ring carries the agreement flag in its K/V messages, "
+                         "and q/k/v of 4 MiB or more a rank travel in an all-to-all each (off by default: "
+                         "device transports never do either)")
     a = ap.parse_args()
     import usp_hal
     tree = os.path.dirname(os.path.dirname(os.path.abspath(usp_hal.__file__)))
@@ -230,7 +235,7 @@ def main():
     print(f"launches per call, per rank: usp-hal from {tree} (usp_hal {getattr(usp_hal, '__version__', '?')}), "
           f"torch {torch.__version__}, S={a.seqlen} H={a.heads} D={a.head_dim} fp32 B=1, basic layout, "
           f"one call after 3 warm-up calls")
-    print("ring agreement flag carried in the K/V messages (the gloo host-tensor path): " +
+    print("ring agreement flag carried in the K/V messages, big q/k/v split (the gloo host-tensor path): " +
           ("on (--host-carry)" if a.host_carry else "off, as on a device transport (--host-carry turns it on)"))
     print("kernel = attention kernel ops; other = other launching aten ops; coll = collectives; "
           "launches = their sum (rank 0; all ranks in 'per rank'); copied = bytes copied outside the kernel, "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from usp_hal.harness.cases import CPU_PEER_KERNEL, usp_hal_kernel_label, yunchang_cpu_processor
-from usp_hal.harness.sweep import PEER_MAX_CALLS, peer_ratios
+from usp_hal.harness.sweep import PEER_MAX_CALLS, peer_ratios, round_order
 from usp_hal.reference import reference_attention
 
 HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
@@ -59,6 +59,22 @@ def test_peer_ratios_of_medians_and_paired():
     q = peer_ratios([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5)
     assert (q["ratio_paired_q1"], q["ratio_usp_hal_vs_peer_paired"], q["ratio_paired_q3"]) == (2.0, 3.0, 4.0)
     assert peer_ratios([1.0], [2.0])["ratio_paired_q1"] is None
+
+
+def test_rounds_rotate_and_swap_each_peer_with_usp_hals_bare_sample_every_other_round():
+    entries = [("dist", 0), ("plain", 0), ("peer", 0), ("dist", 1), ("plain", 1), ("peer", 1), ("single", 1)]
+    assert round_order(entries, 0) == entries
+    assert round_order(entries, 1) == [("peer", 0), ("plain", 0), ("dist", 1), ("peer", 1), ("plain", 1),
+                                       ("single", 1), ("dist", 0)]
+    first = {0: set(), 1: set()}
+    for rnd in range(2 * len(entries)):
+        order = round_order(entries, rnd)
+        assert sorted(order) == sorted(entries)                      # every entry once a round
+        for i in (0, 1):
+            a, b = order.index(("plain", i)), order.index(("peer", i))
+            if abs(a - b) == 1:
+                first[i].add("plain" if a < b else "peer")
+    assert first == {0: {"plain", "peer"}, 1: {"plain", "peer"}}     # each side goes first in some rounds
 
 
 def test_a_sample_is_the_slowest_rank_per_call_averaged_over_the_calls():

@@ -503,3 +503,44 @@ def test_scratch_keeps_at_most_its_cap_least_recently_used_first():
     assert big.numel() == 4096 and len(s.bufs) == 2 and s.held <= s.KEEP_BYTES
     s.clear()
     assert not s.bufs and s.held == 0
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bound_forward_splits_big_host_tensors_on_gloo(monkeypatch, split):
+    """On gloo, host q/k/v whose largest share reaches ``SPLIT_BYTES`` travel in one
+    all-to-all each (same bytes to every destination as packed), and the kernel gets
+    contiguous q, k, v; below it, or on another backend, one packed all-to-all.  The
+    decision uses the largest rank's share, so uneven ranks send alike."""
+    from usp_hal import ulysses as mod
+    monkeypatch.setattr(mod, "_SCRATCH", mod._Scratch())
+    H, Hkv, U, lens, B, D = 4, 2, 2, (7, 5), 2, 8
+    plan = head_plan(H, Hkv, U)
+    net = ThreadNet(U)
+    monkeypatch.setattr(dist, "all_to_all_single", net)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    most = max(lens) * B * H * D * 4                 # q's share on the longer rank
+    monkeypatch.setattr(UlyssesExchange, "SPLIT_BYTES", most if split else most + 1)
+    exs = [UlyssesExchange(plan, None, u, lens) for u in range(U)]
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(B, sum(lens), h, D, generator=g) for h in (H, Hkv, Hkv)]
+
+    def body(u):
+        o = sum(lens[:u])
+        mine = [x[:, o:o + lens[u]] for x in full]
+        to_heads, _ = exs[u].bind_forward(*mine)
+        got = [to_heads(*mine) for _ in range(2)]
+        return got, len(net.wire[u])
+    res = net.run(body)
+    for u, (got, sent) in enumerate(res):
+        assert sent == (6 if split else 2), sent     # two calls: three all-to-alls each, or one
+        (a, c), (ka, kc) = plan.q[u], plan.kv[u]
+        for qh, kh, vh in got:
+            torch.testing.assert_close(qh, full[0][:, :, a:c], rtol=0, atol=0)
+            torch.testing.assert_close(kh, full[1][:, :, ka:kc], rtol=0, atol=0)
+            torch.testing.assert_close(vh, full[2][:, :, ka:kc], rtol=0, atol=0)
+            # split: each its own buffer, [S, B, h, D] seen as [B, S, h, D]; packed: views of one
+            assert (len({t.untyped_storage().data_ptr() for t in (qh, kh, vh)}) == 3) == split
+            assert all(t.permute(1, 0, 2, 3).is_contiguous() for t in (qh, kh, vh)) == split
+    for u, w in enumerate(net.take()):                # the same bytes either way: each head once
+        heads = sum(c - a for a, c in plan.q) + 2 * sum(c - a for a, c in plan.kv)
+        assert sum(c.numel() for call in w for c in call) == 2 * lens[u] * B * heads * D * 4

@@ -191,6 +191,13 @@ class UlyssesExchange:
     rank computes.  ``codecs`` maps ``"q"``, ``"k"``, ``"v"``, ``"out"`` to a wire codec.
     """
 
+    #: a bound forward on host tensors over gloo sends q, k and v in one all-to-all each, not
+    #: packed, once the largest rank's share of one of them is this many bytes (0: never).
+    #: There the three messages cost what one does (gloo moves big messages at memory speed)
+    #: and the CPU kernel reads contiguous tensors instead of views with a 3x row stride
+    #: (1-2% of its time at Ulysses-2, S=8192).  Devices always pack: one launch, not three.
+    SPLIT_BYTES = 4 << 20
+
     def __init__(self, plan: HeadPlan, group, rank: int, seq_lens: Sequence[int], *,
                  where: str = "ulysses group", codecs: Optional[dict] = None):
         if plan.size != len(seq_lens):
@@ -284,15 +291,35 @@ class UlyssesExchange:
         # everything read from them is consumed before the call returns (the result is a new
         # tensor), and the call is synchronous
         scratch = _SCRATCH if q.device.type == "cpu" else None
+        each = self._split_routes(q, k, v) if scratch is not None else None
 
-        def to_heads(q, k, v):
-            recv, _ = self._send_gathered(route, (q, k, v), False, qlabel, scratch)
-            return self._finish_qkv(route, recv)
+        if each is not None:
+            labels = [f"Ulysses all-to-all of {n} (forward)" for n in ("q", "k", "v")]
+
+            def to_heads(q, k, v):
+                return tuple(self._send_gathered(r, (x,), False, lab, scratch, n)[0].permute(1, 0, 2, 3)
+                             for x, r, lab, n in zip((q, k, v), each, labels, ("q", "k", "v")))
+        else:
+            def to_heads(q, k, v):
+                recv, _ = self._send_gathered(route, (q, k, v), False, qlabel, scratch)
+                return self._finish_qkv(route, recv)
 
         def to_seq(out, dtype):
             local, _, _ = self._start_out_routed(oroute, out, dtype, None, False, None, False, olabel).wait()
             return local
         return to_heads, to_seq
+
+    def _split_routes(self, q, k, v):
+        """The three one-tensor routes of a bound forward that sends q, k and v apart
+        (:attr:`SPLIT_BYTES`), or None (they travel packed).  Decided from what every rank
+        knows alike (the group's backend, the largest rank's share), so all send the same
+        number of messages."""
+        plan, most = self.plan, max(self.seq_lens)
+        share = max(most * x.shape[0] * x.shape[2] * x.shape[3] * x.element_size() for x in (q, k, v))
+        if self.SPLIT_BYTES <= 0 or share < self.SPLIT_BYTES or "gloo" not in str(dist.get_backend(self.group)):
+            return None
+        routes = [self._route_heads((x,), (rows,)) for x, rows in zip((q, k, v), (plan.q, plan.kv, plan.kv))]
+        return routes if all(routes) else None
 
     def _qkv_route(self, q, k, v):
         """The route of q/k/v of these shapes and dtypes to the head layout (worked out once;
@@ -662,18 +689,18 @@ class UlyssesExchange:
         return recv
 
     def _send_gathered(self, route: "_Route", xs, async_op: bool, label: str,
-                       scratch: Optional["_Scratch"] = None):
+                       scratch: Optional["_Scratch"] = None, tag: str = ""):
         """Sequence -> heads along a route: every tensor's heads for every destination as one
         strided view (destinations outermost), side by side in ONE copy (``cat``), one
         all-to-all of whole blocks; returns (the ``[S, B, W, d]`` receive buffer, the work).
         With ``scratch`` (a synchronous call whose buffers are dead when it returns), both
-        buffers are that thread's reused ones."""
+        buffers are that thread's reused ones (``tag``: which of a call's exchanges)."""
         views = [_strided(x, size, off, step) for x, (size, off, step) in zip(xs, route.views)]
         if scratch is not None:
             v0 = views[0]
             shape = v0.shape[:3] + (sum(v.shape[3] for v in views),) + v0.shape[4:]
-            buf = torch.cat(views, 3, out=scratch.take("send", shape, v0.dtype))
-            recv = scratch.take("recv", route.recv_shape, v0.dtype)
+            buf = torch.cat(views, 3, out=scratch.take("send" + tag, shape, v0.dtype))
+            recv = scratch.take("recv" + tag, route.recv_shape, v0.dtype)
         else:
             buf = torch.cat(views, 3)
             if not buf.is_contiguous():

@@ -16,7 +16,8 @@ every entry alike):
   can take it (:func:`usp_hal.harness.cases.yunchang_kernel`: on CPU its ``attn_processor``
   hook with usp-hal's CPU kernel, on GPUs FA/FA3 or the same aten op), checked against the
   same reference, and timed in the same rounds right after usp-hal's own calls of the
-  configuration it mirrors.  That side of the comparison runs with no meter at work
+  configuration it mirrors (right before them, every other round: :func:`round_order`).
+  That side of the comparison runs with no meter at work
   (:func:`usp_hal.harness.cases.rank_plain_steps`: the breakdown's collective wrappers,
   step hook and kernel timer would cost usp-hal alone), and each side's sample is as
   many calls as make :data:`PEER_SAMPLE_S` (the same count on both sides), made back to
@@ -228,8 +229,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                              if device_type == "cpu" else f"{label}: peers timed forward only")
             recs: Any = {e: [] for e in entries}
             for rnd in range(rounds):
-                shift = rnd % len(entries)
-                for kind, key in entries[shift:] + entries[:shift]:
+                for kind, key in round_order(entries, rnd):
                     if kind == "dist":
                         out = pool.run(rank_steps, timeout=args.timeout, case=f"c{key}", n=1)
                         text = config_label(cfgs[key])
@@ -301,6 +301,22 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
             if p is not None:
                 p.close()
     return {"results": results, "baselines": baselines, "peers": peer_rows, "notes": notes}
+
+
+def round_order(entries: list, rnd: int) -> list:
+    """The entries of round ``rnd``: rotated by ``rnd`` (a burst of load elsewhere hits every
+    entry alike), and each usp-hal bare sample and its peer's (``("plain", i)``, ``("peer",
+    i)``, neighbours in ``entries``) swapped every other round, so neither side always runs
+    right after the metered entry (whose different buffers leave the allocator and the caches
+    in another state) and the other always right after a call like its own."""
+    shift = rnd % len(entries)
+    out = entries[shift:] + entries[:shift]
+    if rnd % 2:
+        for j in range(len(out) - 1):
+            (k0, i0), (k1, i1) = out[j], out[j + 1]
+            if k0 == "plain" and k1 == "peer" and i0 == i1:
+                out[j], out[j + 1] = out[j + 1], out[j]
+    return out
 
 
 def peer_ratios(ours: list, peer: list) -> dict:
