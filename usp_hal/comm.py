@@ -239,11 +239,16 @@ def group_meta(group) -> tuple:
     return info[1], info[0]
 
 
+def gloo_transport(group) -> bool:
+    """The group moves host tensors' data over gloo (alone or beside a device backend).
+    torch's ``fake`` group does not count: it moves nothing."""
+    return "gloo" in str(dist.get_backend(group))
+
+
 def host_transport(group) -> bool:
     """The group moves host tensors itself: gloo (alone or beside a device backend), or
     torch's ``fake`` group (no communication: host-time measurements)."""
-    backend = str(dist.get_backend(group))
-    return "gloo" in backend or backend in ("undefined", "fake")
+    return gloo_transport(group) or str(dist.get_backend(group)) in ("undefined", "fake")
 
 
 def _meta_device(group) -> torch.device:

@@ -270,7 +270,7 @@ class P2PRotation(Rotation):
         # and torch's fake group moves no data (nothing would arrive to read)
         if self.codecs is not None or self.size == 1 or self.CARRY_BYTES <= 0 or torch.device(device).type != "cpu":
             return False
-        if "gloo" not in str(dist.get_backend(self.group)):
+        if not comm.gloo_transport(self.group):
             return False
         per_token = _numel(tuple(k_shape[:1]) + tuple(k_shape[2:])) + _numel(tuple(v_shape[:1]) + tuple(v_shape[2:]))
         return max(self.lengths) * per_token * dtype.itemsize <= self.CARRY_BYTES

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import wire
 from .codec import IDENTITY
-from .comm import collective, wait
+from .comm import collective, gloo_transport, wait
 
 
 # ------------------------------------------------------------------------------------ heads
@@ -316,7 +316,7 @@ class UlyssesExchange:
         number of messages."""
         plan, most = self.plan, max(self.seq_lens)
         share = max(most * x.shape[0] * x.shape[2] * x.shape[3] * x.element_size() for x in (q, k, v))
-        if self.SPLIT_BYTES <= 0 or share < self.SPLIT_BYTES or "gloo" not in str(dist.get_backend(self.group)):
+        if self.SPLIT_BYTES <= 0 or share < self.SPLIT_BYTES or not gloo_transport(self.group):
             return None
         routes = [self._route_heads((x,), (rows,)) for x, rows in zip((q, k, v), (plan.q, plan.kv, plan.kv))]
         return routes if all(routes) else None
@@ -697,10 +697,10 @@ class UlyssesExchange:
         buffers are that thread's reused ones (``tag``: which of a call's exchanges)."""
         views = [_strided(x, size, off, step) for x, (size, off, step) in zip(xs, route.views)]
         if scratch is not None:
-            v0 = views[0]
-            shape = v0.shape[:3] + (sum(v.shape[3] for v in views),) + v0.shape[4:]
-            buf = torch.cat(views, 3, out=scratch.take("send" + tag, shape, v0.dtype))
-            recv = scratch.take("recv" + tag, route.recv_shape, v0.dtype)
+            u, s, b, _, d = route.views[0][0]
+            dtype = xs[0].dtype
+            buf = torch.cat(views, 3, out=scratch.take("send" + tag, (u, s, b, sum(route.widths), d), dtype))
+            recv = scratch.take("recv" + tag, route.recv_shape, dtype)
         else:
             buf = torch.cat(views, 3)
             if not buf.is_contiguous():
