@@ -49,6 +49,10 @@ _SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout"
                "varlen")
 
 
+def __dir__():
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+
+
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
