@@ -1,0 +1,383 @@
+"""Recurrences and short convolutions over a sequence-sharded timeline, by passing state.
+
+A linear recurrence (gated DeltaNet, Mamba2's SSD, linear attention) needs the whole
+timeline, but not the whole timeline's *tokens*: what one stretch of the sequence hands the
+next is a state.  Here every rank keeps its own tokens and all heads, and only states travel
+(LASP-2's scheme):
+
+1. each rank runs every contiguous piece of the sequence it holds from a zero state, and also
+   learns the piece's *transition*: the recurrences here are linear in their state, column by
+   column (``S_t = A_t S_{t-1} + k_t u_t^T``, ``u_t`` linear in ``S_{t-1}`` and the value), so
+   ``final(S_0) = P S_0 + final(0)``.  ``P`` comes from the same kernel call: the value gets
+   ``dk`` zero columns more and the initial state is ``[0 | I]``, so the extra columns of the
+   final state are ``P``;
+2. one all-gather over the sequence-parallel group of every piece's ``[P | final(0)]``
+   (``H dk (dk + dv)`` numbers per piece: independent of the sequence length);
+3. each rank scans the pieces in global order (an exclusive prefix: ``S_in(c+1) = P_c S_in(c)
+   + final_c(0)``, reset to 0 at every document start) and runs each of its pieces again from
+   the state it receives.  A piece that starts a document (or the sequence) keeps its first
+   run's output.
+
+Pieces are the maximal runs of consecutive global positions a rank holds, cut at document
+boundaries: one per rank for ``basic``, two for ``zigzag`` (a scan over 2R chunks), more for
+packed documents.  Backward is autograd through the kernel and the all-gather (whose
+backward sums each piece's gradient back to its owner): gradients flow to every rank whose
+state another used.
+
+The causal depthwise convolution needs no state: a piece needs the ``kernel_size - 1`` tokens
+before it (its *halo*).  One all-gather of every piece's last ``kernel_size - 1`` tokens gives
+each rank the halos it needs (from several pieces back when a piece is shorter than that);
+a document start gets a zero halo.
+
+Kernels are passed in: ``kernel(q, k, v, g, beta, initial_state=..., output_final_state=True)
+-> (out, final_state)`` in the layout of transformers' ``torch_chunk_gated_delta_rule`` and
+FLA's ``chunk_gated_delta_rule`` (``[B, T, H, d]`` tensors, state ``[B, H, dk, dv]``), and
+``ssd_kernel(x, dt, A, B, C, initial_state=...) -> (y, final_state)`` (state ``[B, H, N, P]``).
+:func:`delta_rule_reference`, :func:`ssd_chunked` and :func:`ssd_reference` are plain torch
+ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["Piece", "pieces", "state_passing", "gated_delta_rule", "ssd", "causal_conv1d",
+           "delta_rule_reference", "ssd_reference", "ssd_chunked", "conv1d_reference", "state_bytes"]
+
+
+# ----------------------------------------------------------------------------- the piece plan
+@dataclass(frozen=True)
+class Piece:
+    rank: int           # position in the sequence-parallel group
+    local: int          # first local index on that rank
+    start: int          # first global position
+    length: int
+    doc_start: bool     # starts the sequence or a document: its incoming state is zero
+
+
+def _runs(pos: Sequence[int], cuts: set) -> List[Tuple[int, int, int]]:
+    """(local index, global start, length) of each run of consecutive positions, cut at ``cuts``."""
+    out: List[Tuple[int, int, int]] = []
+    for i, p in enumerate(pos):
+        if out and p == out[-1][1] + out[-1][2] and p not in cuts:
+            li, st, n = out[-1]
+            out[-1] = (li, st, n + 1)
+        else:
+            out.append((i, p, 1))
+    return out
+
+
+def pieces(mesh, seqlen: int, layout: str, cu_seqlens: Optional[Sequence[int]] = None) -> List[Piece]:
+    """Every rank's pieces, in global order (pure: every rank computes the same list)."""
+    from .positions import check_layout, local_positions
+    layout = check_layout(layout)
+    cu = tuple(int(c) for c in cu_seqlens) if cu_seqlens is not None else None
+    cuts = set(cu) if cu else {0}
+    found = []
+    for i in range(mesh.sp_size):
+        pos = local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_of(i),
+                              mesh.ulysses_of(i), cu_seqlens=cu).tolist()
+        for li, st, n in _runs(pos, cuts):
+            found.append(Piece(i, li, st, n, st in cuts))
+    return sorted(found, key=lambda p: p.start)
+
+
+def _mine(plan: List[Piece], me: int) -> List[Tuple[int, Piece]]:
+    return [(j, p) for j, p in enumerate(plan) if p.rank == me]
+
+
+def state_bytes(num_heads: int, dk: int, dv: int, pieces_per_rank: int, elem: int = 4) -> int:
+    """Bytes each rank sends for one state-passing call: its pieces' ``[P | S]``."""
+    return pieces_per_rank * num_heads * dk * (dk + dv) * elem
+
+
+# ----------------------------------------------------------------------------- the exchange
+class _Gather(torch.autograd.Function):
+    """Every rank's ``x`` stacked ``[size, ...]``; backward: the sum of every rank's gradient
+    for this rank's part (an all-reduce of the small stacked gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        import torch.distributed as dist
+        x = x.contiguous()
+        out = x.new_empty(size * x.shape[0], *x.shape[1:])
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the name before 2.13
+        gather(out, x, group=group)
+        ctx.group = group
+        return out.view(size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None, None
+
+
+class _Tie(torch.autograd.Function):
+    """``y`` unchanged, made to depend on ``dep``: every rank's backward then reaches the
+    gather's backward collective, also a rank whose own result did not use another's state
+    (else that rank would skip the collective and the others would wait for it)."""
+
+    @staticmethod
+    def forward(ctx, y, dep):
+        ctx.dep = (dep.shape, dep.dtype, dep.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.dep
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _all_gather(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Every rank's ``x`` (equal shapes) stacked in group order, differentiable."""
+    if mesh.sp_size == 1:
+        return x.unsqueeze(0)
+    return _Gather.apply(x, mesh.sp_group, mesh.sp_size)
+
+
+def _tie(y: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and gathered.requires_grad):
+        return y
+    return _Tie.apply(y, gathered)
+
+
+def _slot_table(plan: List[Piece], size: int) -> Tuple[int, List[Tuple[int, int]]]:
+    """Pieces per rank (the padded count every rank sends) and, per global piece, its
+    (rank, slot) in the gathered tensors."""
+    count = [0] * size
+    where = []
+    for p in plan:
+        where.append((p.rank, count[p.rank]))
+        count[p.rank] += 1
+    return max(count), where
+
+
+# ----------------------------------------------------------------------------- recurrences
+def _carry_in(finals: torch.Tensor, plan: List[Piece], where, dv: int) -> List[Optional[torch.Tensor]]:
+    """The state each piece starts from, in global order: the exclusive prefix over the
+    gathered ``[P | S]`` (``P`` acting on the state's rows), zero at document starts."""
+    states: List[Optional[torch.Tensor]] = []
+    carry: Optional[torch.Tensor] = None
+    for j, p in enumerate(plan):
+        if p.doc_start:
+            carry = None
+        states.append(carry)
+        r, s = where[j]
+        ps = finals[r][s]                       # [B, H, dk, dv + dk]
+        S, P = ps[..., :dv], ps[..., dv:]
+        carry = S if carry is None else S + P @ carry
+    return states
+
+
+def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_index: int, key_dim: int, mesh,
+                  layout: str = "basic", cu_seqlens=None, seq_dim: int = 1, seqlen: Optional[int] = None
+                  ) -> torch.Tensor:
+    """Run a column-separable linear recurrence over the group's sequence-sharded timeline.
+
+    ``kernel(*inputs, initial_state=state or None) -> (out, final_state)`` runs the recurrence
+    on one contiguous stretch (the inputs sliced along ``seq_dim``); its state is ``[B, H,
+    key_dim, dv]`` and ``inputs[value_index]`` is ``[B, T, H, dv]``, the value whose columns
+    the state's columns follow.  ``seqlen``: the global length, if known (else one small
+    all-gather of the local lengths on the metadata group finds it).  Returns this rank's
+    output, in local order."""
+    me = mesh.sp_rank
+    total = seqlen if seqlen is not None else _global_length(inputs[0].shape[seq_dim], mesh)
+    plan = pieces(mesh, total, layout, cu_seqlens)
+    mine = _mine(plan, me)
+    per_rank, where = _slot_table(plan, mesh.sp_size)
+    v = inputs[value_index]
+    B, _, H, dv = v.shape
+    sdt = torch.promote_types(v.dtype, torch.float32)     # states in float32 at least
+    outs: List[torch.Tensor] = []
+    finals: List[torch.Tensor] = []
+    first: List[torch.Tensor] = []
+    for _, p in mine:
+        part = [x.narrow(seq_dim, p.local, p.length) for x in inputs]
+        va = part[value_index]
+        part[value_index] = torch.cat([va, va.new_zeros(*va.shape[:-1], key_dim)], dim=-1)
+        eye = torch.eye(key_dim, dtype=sdt, device=va.device).expand(B, H, key_dim, key_dim)
+        init = torch.cat([torch.zeros(B, H, key_dim, dv, dtype=sdt, device=va.device), eye], dim=-1)
+        out, final = kernel(*part, initial_state=init)
+        first.append(out[..., :dv])
+        finals.append(final.to(sdt))
+    pad = per_rank - len(finals)
+    ref = finals[0] if finals else torch.zeros(B, H, key_dim, dv + key_dim, dtype=sdt, device=v.device)
+    stacked = torch.stack(finals + [ref.new_zeros(ref.shape)] * pad) if per_rank else ref.new_zeros(0)
+    gathered = _all_gather(stacked, mesh)
+    starts = _carry_in(gathered, plan, where, dv)
+    for (j, p), out0 in zip(mine, first):
+        s_in = starts[j]
+        if s_in is None:
+            outs.append(out0)
+            continue
+        part = [x.narrow(seq_dim, p.local, p.length) for x in inputs]
+        out, _ = kernel(*part, initial_state=s_in)
+        outs.append(out)
+    order = sorted(range(len(mine)), key=lambda i: mine[i][1].local)
+    out = torch.cat([outs[i] for i in order], dim=seq_dim) if outs else v.new_zeros(v.shape)
+    return _tie(out, gathered)
+
+
+def _global_length(local: int, mesh) -> int:
+    """The global length from every rank's local length (one small all-gather of ints on the
+    metadata group; no device sync)."""
+    import torch.distributed as dist
+    if mesh.sp_size == 1:
+        return local
+    got = [None] * mesh.sp_size
+    dist.all_gather_object(got, int(local), group=mesh.metadata_group)
+    return int(sum(got))  # type: ignore[arg-type]
+
+
+def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None,
+                     **kernel_kwargs) -> torch.Tensor:
+    """Gated DeltaNet over the group: ``q, k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T,
+    Hv]`` (this rank's tokens); ``kernel`` as transformers' ``torch_chunk_gated_delta_rule``
+    (default :func:`delta_rule_reference`).  Returns ``[B, T, Hv, dv]``."""
+    kern = kernel or delta_rule_reference
+
+    def run(q, k, v, g, beta, initial_state=None):
+        return kern(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, **kernel_kwargs)
+    return state_passing(run, [q, k, v, g, beta], value_index=2, key_dim=k.shape[-1], mesh=mesh, layout=layout,
+                         cu_seqlens=cu_seqlens)
+
+
+def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None) -> torch.Tensor:
+    """Mamba2's SSD scan over the group: ``x [B, T, H, P]``, ``dt [B, T, H]`` (after softplus),
+    ``A [H]``, ``B, C [B, T, G, N]`` (heads share groups as in GQA).  Returns ``y [B, T, H, P]``
+    (without the ``D x`` skip, which is per token)."""
+    kern = kernel or ssd_chunked
+
+    def run(x, dt, B, C, initial_state=None):
+        return kern(x, dt, A, B, C, initial_state=initial_state)
+    return state_passing(run, [x, dt, B, C], value_index=0, key_dim=B.shape[-1], mesh=mesh, layout=layout,
+                         cu_seqlens=cu_seqlens)
+
+
+# ----------------------------------------------------------------------------- convolution
+def causal_conv1d(x, weight, bias=None, *, mesh, layout: str = "basic", cu_seqlens=None,
+                  activation: Optional[str] = None) -> torch.Tensor:
+    """Causal depthwise convolution over the group: ``x [B, T, C]`` (this rank's tokens),
+    ``weight [C, K]`` (or ``[C, 1, K]``), optional ``bias [C]``; ``activation`` None or "silu".
+    Each piece gets the ``K - 1`` tokens before it from the pieces that hold them."""
+    w = weight.reshape(weight.shape[0], -1)
+    K = w.shape[-1]
+    total = _global_length(x.shape[1], mesh)
+    plan = pieces(mesh, total, layout, cu_seqlens)
+    mine = _mine(plan, mesh.sp_rank)
+    per_rank, where = _slot_table(plan, mesh.sp_size)
+    halo = K - 1
+    tails = []
+    for _, p in mine:
+        t = x.narrow(1, p.local, p.length)[:, -halo:] if halo else x[:, :0]
+        tails.append(torch.nn.functional.pad(t, (0, 0, halo - t.shape[1], 0)))
+    pad = per_rank - len(tails)
+    blank = x.new_zeros(x.shape[0], halo, x.shape[2])
+    gathered = _all_gather(torch.stack(tails + [blank] * pad), mesh)
+    outs = []
+    for j, p in mine:
+        before = _halo(gathered, plan, where, j, halo, blank)
+        seg = torch.cat([before, x.narrow(1, p.local, p.length)], dim=1)
+        y = torch.nn.functional.conv1d(seg.transpose(1, 2), w.unsqueeze(1), bias, groups=w.shape[0])
+        outs.append(y.transpose(1, 2))
+    y = _tie(torch.cat(outs, dim=1), gathered)
+    return torch.nn.functional.silu(y) if activation in ("silu", "swish") else y
+
+
+def _halo(gathered: torch.Tensor, plan: List[Piece], where, j: int, halo: int, blank: torch.Tensor) -> torch.Tensor:
+    """The ``halo`` tokens before piece ``j``: the tails of the pieces before it in its document."""
+    got: List[torch.Tensor] = []
+    have = 0
+    i = j
+    while have < halo and not plan[i].doc_start:
+        i -= 1
+        r, s = where[i]
+        n = min(plan[i].length, halo)
+        got.insert(0, gathered[r][s][:, halo - n:])
+        have += n
+    if not got:
+        return blank
+    h = torch.cat(got, dim=1)[:, -halo:]
+    return torch.nn.functional.pad(h, (0, 0, halo - h.shape[1], 0))
+
+
+# ----------------------------------------------------------------------------- plain kernels
+def delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=True, scale=None, **_):
+    """The gated delta rule token by token, in the inputs' dtype (float64 for references):
+    ``S_t = e^{g_t} S_{t-1} + k_t (beta_t (v_t - e^{g_t} S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t
+    * scale`` (``scale`` default ``dk^-1/2``), as transformers' ``torch_recurrent_gated_delta_rule``
+    computes it without its fp32 cast.  q/k heads repeat over value heads (``Hv % Hk == 0``)."""
+    Bsz, T, Hk, dk = k.shape
+    Hv, dv = v.shape[-2:]
+    if Hk != Hv:
+        q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
+    scale = dk ** -0.5 if scale is None else scale
+    S = (initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(Bsz, Hv, dk, dv))
+    outs = []
+    for t in range(T):
+        qt, kt, vt = q[:, t] * scale, k[:, t], v[:, t]
+        S = S * g[:, t].exp()[..., None, None]
+        pred = (S * kt.unsqueeze(-1)).sum(-2)
+        delta = (vt - pred) * beta[:, t].unsqueeze(-1)
+        S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((S * qt.unsqueeze(-1)).sum(-2))
+    out = torch.stack(outs, dim=1) if outs else v.new_zeros(Bsz, 0, Hv, dv)
+    return out, (S if output_final_state else None)
+
+
+def _expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.repeat_interleave(heads // t.shape[2], dim=2) if t.shape[2] != heads else t
+
+
+def ssd_reference(x, dt, A, B, C, initial_state=None):
+    """Mamba2's SSD token by token: ``h_t = e^{dt_t A} h_{t-1} + dt_t B_t x_t^T``, ``y_t = h_t^T
+    C_t`` (state ``[B, H, N, P]``), in the inputs' dtype."""
+    Bsz, T, H, P = x.shape
+    Bh, Ch = _expand_groups(B, H), _expand_groups(C, H)
+    N = Bh.shape[-1]
+    h = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(Bsz, H, N, P)
+    ys = []
+    for t in range(T):
+        h = h * (dt[:, t] * A).exp()[..., None, None] + (dt[:, t, :, None, None] * Bh[:, t, :, :, None]
+                                                        * x[:, t, :, None, :])
+        ys.append((h * Ch[:, t, :, :, None]).sum(-2))
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(Bsz, 0, H, P)
+    return y, h
+
+
+def ssd_chunked(x, dt, A, B, C, initial_state=None, chunk: int = 64):
+    """The same scan in chunks (quadratic inside a chunk, a state between chunks), in the
+    inputs' dtype: what a long sequence needs on the CPU."""
+    Bsz, T, H, P = x.shape
+    Bh, Ch = _expand_groups(B, H), _expand_groups(C, H)
+    N = Bh.shape[-1]
+    h = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(Bsz, H, N, P)
+    ys = []
+    for s in range(0, T, chunk):
+        xs, ds, bs, cs = x[:, s:s + chunk], dt[:, s:s + chunk], Bh[:, s:s + chunk], Ch[:, s:s + chunk]
+        L = xs.shape[1]
+        a = torch.cumsum(ds * A, dim=1)                              # [B, L, H] log decay from the chunk start
+        diff = a.unsqueeze(2) - a.unsqueeze(1)                       # [B, Lt, Ls, H]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        decay = torch.where(causal[None, :, :, None], diff, torch.full_like(diff, float("-inf"))).exp()
+        scores = torch.einsum("bthn,bshn->btsh", cs, bs) * decay * ds.unsqueeze(1)
+        y = torch.einsum("btsh,bshp->bthp", scores, xs)
+        y = y + torch.einsum("bthn,bhnp->bthp", cs * a.exp().unsqueeze(-1), h)
+        to_end = (a[:, -1:] - a).exp() * ds                           # [B, L, H]
+        h = h * a[:, -1].exp()[..., None, None] + torch.einsum("bsh,bshn,bshp->bhnp", to_end, bs, xs)
+        ys.append(y)
+    y = torch.cat(ys, dim=1) if ys else x.new_zeros(Bsz, 0, H, P)
+    return y, h
+
+
+def conv1d_reference(x, weight, bias=None, activation=None):
+    """Causal depthwise convolution of a whole sequence ``[B, T, C]`` (zero history)."""
+    w = weight.reshape(weight.shape[0], -1)
+    K = w.shape[-1]
+    y = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (K - 1, 0)), w.unsqueeze(1), bias,
+                                   groups=w.shape[0]).transpose(1, 2)
+    return torch.nn.functional.silu(y) if activation in ("silu", "swish") else y
