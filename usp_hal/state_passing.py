@@ -234,7 +234,7 @@ def _global_length(local: int, mesh) -> int:
 
 
 def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None,
-                     **kernel_kwargs) -> torch.Tensor:
+                     seqlen: Optional[int] = None, **kernel_kwargs) -> torch.Tensor:
     """Gated DeltaNet over the group: ``q, k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T,
     Hv]`` (this rank's tokens); ``kernel`` as transformers' ``torch_chunk_gated_delta_rule``
     (default :func:`delta_rule_reference`).  Returns ``[B, T, Hv, dv]``."""
@@ -243,10 +243,11 @@ def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlen
     def run(q, k, v, g, beta, initial_state=None):
         return kern(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, **kernel_kwargs)
     return state_passing(run, [q, k, v, g, beta], value_index=2, key_dim=k.shape[-1], mesh=mesh, layout=layout,
-                         cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, seqlen=seqlen)
 
 
-def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None) -> torch.Tensor:
+def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None,
+        seqlen: Optional[int] = None) -> torch.Tensor:
     """Mamba2's SSD scan over the group: ``x [B, T, H, P]``, ``dt [B, T, H]`` (after softplus),
     ``A [H]``, ``B, C [B, T, G, N]`` (heads share groups as in GQA).  Returns ``y [B, T, H, P]``
     (without the ``D x`` skip, which is per token)."""
@@ -255,18 +256,18 @@ def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=
     def run(x, dt, B, C, initial_state=None):
         return kern(x, dt, A, B, C, initial_state=initial_state)
     return state_passing(run, [x, dt, B, C], value_index=0, key_dim=B.shape[-1], mesh=mesh, layout=layout,
-                         cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, seqlen=seqlen)
 
 
 # ----------------------------------------------------------------------------- convolution
 def causal_conv1d(x, weight, bias=None, *, mesh, layout: str = "basic", cu_seqlens=None,
-                  activation: Optional[str] = None) -> torch.Tensor:
+                  activation: Optional[str] = None, seqlen: Optional[int] = None) -> torch.Tensor:
     """Causal depthwise convolution over the group: ``x [B, T, C]`` (this rank's tokens),
     ``weight [C, K]`` (or ``[C, 1, K]``), optional ``bias [C]``; ``activation`` None or "silu".
     Each piece gets the ``K - 1`` tokens before it from the pieces that hold them."""
     w = weight.reshape(weight.shape[0], -1)
     K = w.shape[-1]
-    total = _global_length(x.shape[1], mesh)
+    total = seqlen if seqlen is not None else _global_length(x.shape[1], mesh)
     plan = pieces(mesh, total, layout, cu_seqlens)
     mine = _mine(plan, mesh.sp_rank)
     per_rank, where = _slot_table(plan, mesh.sp_size)
