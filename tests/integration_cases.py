@@ -562,7 +562,7 @@ def tiny_gemma2(seed: int = 0):
     from transformers import Gemma2Config, Gemma2ForCausalLM
     cfg = Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=128,
-                       attn_logit_softcapping=5.0, final_logit_softcapping=30.0, sliding_window=64,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=30.0, sliding_window=8,
                        attention_dropout=0.0)
     torch.manual_seed(seed)
     model = Gemma2ForCausalLM(cfg)
