@@ -69,3 +69,11 @@ def test_tiny_deepseek_v3_matches_one_process(pools, world, U, R):
     assert r["grad_diff"] <= 2e-5 * max(1.0, r["grad_scale"]), r
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 5e-5, r
     assert r["losses"][-1] < r["losses"][0], r          # the AdamW steps trained the model
+
+
+def test_mla_forward_through_flex(pools):
+    """flex on the CPU (forward only): Dk != Dv with softcap across ring blocks."""
+    for errs in pools(2).run(dist_cases.usp_case, timeout=120, U=1, R=2, layout="zigzag", causal=True, dtype="fp32",
+                             S=24, H=4, Hkv=2, D=12, Dv=8, softcap=3.0, grad=False, attn_type="flex"):
+        assert set(errs) == {"out", "lse"}
+        _ok(errs)
