@@ -234,3 +234,17 @@ def test_gemma2_softcap_trains_on_the_cpu(pools, U, R):
     assert r["grad_diff"] <= 2e-5 * max(1.0, r["grad_scale"]), r
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 5e-5, r
     assert r["losses"][-1] < r["losses"][0], r
+
+
+@pytest.mark.multirank
+def test_portable_with_masks_sinks_and_documents_on_a_ring(pools):
+    """mask= with sinks, softcap and ALiBi, and packed documents with softcap and a window, on a
+    2-rank ring through the portable backend (Dk != Dv): output, lse and gradients vs float64."""
+    from tests import dist_masks, dist_varlen
+    pool = pools(2)
+    for res in pool.run(dist_masks.mask_case, timeout=120, U=1, R=2, layout="zigzag", fam="prefix_lm", dtype="fp64",
+                        H=4, Hkv=2, D=12, Dv=8, sinks=True, softcap=2.0, alibi=True, attn_type="portable"):
+        assert "dsinks" in res["errs"] and max(res["errs"].values()) <= 1.0, res["errs"]
+    for res in pool.run(dist_varlen.packed_case, timeout=120, U=1, R=2, layout="zigzag", causal=True, dtype="fp64",
+                        H=4, Hkv=2, D=12, Dv=8, softcap=2.0, window=(3, 0), docs=((5, 7, 4),), attn_type="portable"):
+        assert max(res[0].values()) <= 1.0, res[0]
