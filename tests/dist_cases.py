@@ -140,13 +140,13 @@ def sharded_errors(res, return_lse, sh, dt, ro, rl, rg=None, dout=None, grads=No
 
 
 def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=16, H=4, D=8, return_lse=False,
-                      Hkv=None, static=False, calls=1):
+                      Hkv=None, static=False, calls=1, Dv=None):
     """Count the collectives one forward and one backward issue on this rank (the last of
-    ``calls`` calls of one module)."""
+    ``calls`` calls of one module); ``Dv``: a value head dim of its own."""
     mesh = get_mesh(U, R)
     g = torch.Generator().manual_seed(1)
-    x = [usp_hal.shard(torch.randn(1, S, h, D, generator=g), layout=layout, mesh=mesh).requires_grad_()
-         for h in (H, Hkv or H, Hkv or H)]
+    x = [usp_hal.shard(torch.randn(1, S, h, d, generator=g), layout=layout, mesh=mesh).requires_grad_()
+         for h, d in ((H, D), (Hkv or H, D), (Hkv or H, Dv or D))]
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation,
                                         static_shapes=static)
     for _ in range(calls - 1):

@@ -77,3 +77,12 @@ def test_mla_forward_through_flex(pools):
                              S=24, H=4, Hkv=2, D=12, Dv=8, softcap=3.0, grad=False, attn_type="flex"):
         assert set(errs) == {"out", "lse"}
         _ok(errs)
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2)])
+def test_mla_ulysses_moves_qkv_in_one_all_to_all(pools, H, Hkv):
+    """A value head dim of its own costs no extra collective: q, k and v still travel in one
+    all-to-all (and dq/dk/dv in one), the output and its gradient in one each."""
+    for res in pools(2).run(dist_cases.count_collectives, U=2, R=1, H=H, Hkv=Hkv, D=12, Dv=8):
+        assert res["fwd"]["all_to_all_single"] == 2, res
+        assert res["bwd"]["all_to_all_single"] == 2, res
