@@ -29,6 +29,12 @@ Packed documents (``VARLEN_KERNEL``): the same two functions take ``cu_seqlens_q
 ``FLASHATTENTION_DISABLE_VARLEN`` refuses them; the adapter notices on the first packed call
 and serves packed calls with one dense call per sequence from then on.
 
+A value head dim of its own (MLA) is taken on Hopper for Q/K in (128, 192] with V in
+(96, 128] (DeepSeek's 192/128), or Q/K <= 64 with V <= 512 (``hopper/flash_api.cpp``
+``mha_fwd`` at 0251105a); the backward rounds ``max(Dk, Dv)`` and takes at most 256
+(``mha_bwd``), so this adapter declares V <= 256.  q/k and v are padded to 8 apart and out/dv
+sliced to the value head dim.
+
 FA3 has no dropout and no alibi; softcap and sliding windows are supported (without a
 position offset between ring blocks).  Its kernels are compiled for ``sm_90a`` (plus sm80
 kernels unless built without them, ``hopper/setup.py``); this adapter declares sm90 only,
@@ -210,6 +216,8 @@ class FlashAttn3Backend(AttentionBackend):
     SUPPORTED_DEVICES = frozenset({"cuda"})
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
     HEAD_DIM_MAX = 256
+    # Dk != Dv: the pairs FA3 takes are checked in not_supported_reasons (hopper/flash_api.cpp mha_fwd)
+    SUPPORTS_DIFFERENT_V_DIM = True
     SUPPORTS_CAUSAL = True
     SUPPORTS_WINDOW = True
     SUPPORTS_SOFTCAP = True
@@ -237,10 +245,32 @@ class FlashAttn3Backend(AttentionBackend):
                                                       "c7697bbf, fde4bc0c"),
         ("sm_90a kernels (plus sm80 unless disabled); window normalisation; deterministic backward below 256",
          f"{SRC} hopper/setup.py, hopper/flash_api.cpp"),
+        ("a value head dim of its own: Q/K in (128, 192] with V in (96, 128], or Q/K <= 64 with V <= 512, Hopper "
+         "only; the backward rounds max(Dk, Dv), at most 256", f"{SRC} hopper/flash_api.cpp mha_fwd, mha_bwd at "
+                                                               "0251105a"),
         ("varlen through cu_seqlens_q/k and max_seqlen_q/k of the same functions; lse [H, total_q]; builds with "
          "FLASHATTENTION_DISABLE_VARLEN refuse it", f"{SRC} hopper/flash_api.cpp mha_fwd/mha_bwd at 7a802796 and "
                                                      "0251105a; hopper/flash_attn_interface.py"),
     )
+
+    @classmethod
+    def not_supported_reasons(cls, request):
+        """The declared rules, and for Dk != Dv the pairs of ``mha_fwd`` (on head dims padded to
+        8): Q/K in (128, 192] with V in (96, 128], or Q/K <= 64 with V <= 512, on Hopper only;
+        ``mha_bwd`` rounds ``max(Dk, Dv)`` and takes at most 256 (so V <= 256 here), and its
+        deterministic backward stays below a rounded 256."""
+        reasons = super().not_supported_reasons(request)
+        dk, dv = request.head_dim, request.v_dim
+        if dk == dv:
+            return reasons
+        pk, pv = (-(-x // KERNEL_HEAD_DIM_MULTIPLE) * KERNEL_HEAD_DIM_MULTIPLE for x in (dk, dv))
+        if not ((128 < pk <= 192 and 96 < pv <= 128) or (pk <= 64 and pv <= 256)):
+            reasons.append(f"(head_dim, value head_dim)=({dk}, {dv}): FA3 takes a value head dim of its own only for "
+                           "Q/K in (128, 192] with V in (96, 128], or Q/K <= 64 with V <= 256 (the backward's limit)")
+        elif request.deterministic and request.needs_grad and max(pk, pv) > 192:
+            reasons.append(f"deterministic backward is not available for head dims ({dk}, {dv}) (FA3 rounds the larger "
+                           "up to 256)")
+        return reasons
 
     @classmethod
     def availability(cls) -> Availability:
@@ -261,11 +291,11 @@ class FlashAttn3Backend(AttentionBackend):
     def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
                        key_offset):
         kernel = self._kernel()
-        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+        sq, sk = q.shape[1], k.shape[1]
         k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window)
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
         out, lse = kernel.forward(qp, kp, vp, softmax_scale, k_causal, left, right, softcap or 0.0)
-        return unpad(out, d), normalize_lse(lse)
+        return unpad(out, v.shape[-1]), normalize_lse(lse)
 
     def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
                         dropout_p, deterministic, key_offset):
@@ -277,7 +307,7 @@ class FlashAttn3Backend(AttentionBackend):
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale,
                                      k_causal, left, right, softcap or 0.0, deterministic)
-        return unpad(dq, d), unpad(dk, d), unpad(dv, d)
+        return unpad(dq, d), unpad(dk, d), unpad(dv, v.shape[-1])
 
     # a build compiled with FLASHATTENTION_DISABLE_VARLEN (Dao-AILab/flash-attention hopper/flash_api.cpp
     # mha_fwd/mha_bwd since 7a802796: TORCH_CHECK(!is_varlen, ...)) refuses cu_seqlens: such a build is
@@ -289,7 +319,6 @@ class FlashAttn3Backend(AttentionBackend):
             return super().kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
                                                  window=window, softcap=softcap)
         kernel = self._kernel()
-        d = q.shape[-1]
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
         try:
             out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, window[0], window[1], softcap or 0.0,
@@ -300,7 +329,7 @@ class FlashAttn3Backend(AttentionBackend):
             self._dense_only = True
             return self.kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
                                               window=window, softcap=softcap)
-        return unpad(out, d), normalize_lse(lse)
+        return unpad(out, v.shape[-1]), normalize_lse(lse)
 
     def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
                                deterministic):
@@ -315,4 +344,4 @@ class FlashAttn3Backend(AttentionBackend):
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, window[0], window[1],
                                      softcap or 0.0, deterministic, packing=packing)
-        return unpad(dq, d), unpad(dk, d), unpad(dv, d)
+        return unpad(dq, d), unpad(dk, d), unpad(dv, v.shape[-1])

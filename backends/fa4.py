@@ -12,7 +12,9 @@ backward can be given the merged ones.  Facts read from that file (and cited whe
   ``num_head % num_head_kv == 0``; head dims divisible by ``16 // element_size`` = 8 (the
   adapter pads to 8 and slices), 8..256 on SM90, 8..128 or 256 on SM100/SM110
   (``_validate_head_dims``); no check on SM80/SM120 (the shared-memory fit is not checked:
-  ``# TODO: check @can_implement``).
+  ``# TODO: check @can_implement``).  A value head dim of its own (MLA) is taken:
+  ``head_dim_v = v.shape[-1]`` sizes out and dv, and ``_validate_head_dims`` checks the pair
+  (SM90 both 8..256; SM100/SM110 both 8..128, or (192, 128), or (64, 512)).
 * forward dispatches compute capability 8.x-12.x; the backward asserts 9.x-12.x; on 12.x the
   backward asserts no score_mod (softcap is implemented as one) and no deterministic mode.
 * lse ``[B, H, Sq]`` float32 (varlen ``[H, total_q]``), natural log (``softmax.py``
@@ -106,6 +108,9 @@ class FlashAttn4Backend(AttentionBackend):
     SUPPORTED_DEVICES = frozenset({"cuda"})
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
     HEAD_DIM_MAX = 256                # padded to a multiple of 8 by the adapter
+    # Dk != Dv: out and dv take v's head dim (interface.py _flash_attn_fwd: head_dim_v = v.shape[-1]); the pairs
+    # each architecture takes are checked in not_supported_reasons (_validate_head_dims)
+    SUPPORTS_DIFFERENT_V_DIM = True
     SUPPORTS_CAUSAL = True
     SUPPORTS_WINDOW = True
     SUPPORTS_SOFTCAP = True
@@ -132,6 +137,7 @@ class FlashAttn4Backend(AttentionBackend):
               source=f"{SRC} _flash_attn_bwd (assert arch // 10 in [9, 10, 11, 12])"),
         Limit("head_dim={head_dim} on {cc}: flash-attn-4 takes head dims 8..128 or 256 on SM100/SM110",
               devices=("cuda",), archs=("sm8x", "sm9x", "sm12x"), head_dims=(129, 248), pad_to=HEAD_DIM_MULTIPLE,
+              unless=("dk_ne_dv",),      # the pairs (Dk, Dv) are checked by not_supported_reasons
               source=f"{SRC} _validate_head_dims (compute_capability in [10, 11])"),
         Limit("head_dim={head_dim} on {cc}: not checked to fit SM120's shared memory (flash-attn-4 does not check "
               "either: '# TODO: check @can_implement')", devices=("cuda",), archs=("sm8x", "sm9x", "sm10x", "sm11x"),
@@ -156,6 +162,28 @@ class FlashAttn4Backend(AttentionBackend):
     )
 
     @classmethod
+    def not_supported_reasons(cls, request):
+        """The declared rules, and for Dk != Dv the (Dk, Dv) pairs of ``_validate_head_dims``
+        (on head dims padded to 8): SM90 both 8..256; SM100/SM110 both 8..128 or (192, 128)
+        (the (64, 512) absorbed shape is past this adapter's 256); SM120 no check upstream, so
+        a value head dim above 128 is refused as the query one is (shared memory not checked)."""
+        reasons = super().not_supported_reasons(request)
+        dk, dv = request.head_dim, request.v_dim
+        if dk == dv or request.device_type != "cuda":
+            return reasons
+        pk, pv = (-(-x // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE for x in (dk, dv))
+        if pv > 256:
+            reasons.append(f"value head_dim={dv}: flash-attn-4 takes at most 256")
+        cc = request.compute_capability
+        if cc is not None and cc[0] in (10, 11) and not ((pk <= 128 and pv <= 128) or (pk, pv) == (192, 128)):
+            reasons.append(f"(head_dim, value head_dim)=({dk}, {dv}) on sm{cc[0]}{cc[1]}: flash-attn-4 takes both "
+                           "8..128 or (192, 128) on SM100/SM110 (_validate_head_dims)")
+        if cc is not None and cc[0] == 12 and pv > 128:
+            reasons.append(f"value head_dim={dv} on sm{cc[0]}{cc[1]}: not checked to fit SM120's shared memory "
+                           "(flash-attn-4 does not check either)")
+        return reasons
+
+    @classmethod
     def extra_availability(cls, device_type, version):
         if interface_path() is None:
             return "flash-attn-4 is installed but flash_attn/cute/interface.py is not found"
@@ -173,7 +201,6 @@ class FlashAttn4Backend(AttentionBackend):
         return packing.flash_kwargs() if packing is not None else {}
 
     def _fwd(self, q, k, v, scale, causal, left, right, softcap, packing=None):
-        d = q.shape[-1]
         qp, kp, vp = (pad_head_dim(x, HEAD_DIM_MULTIPLE) for x in (q, k, v))
         res = self._iface()._flash_attn_fwd(qp, kp, vp, softmax_scale=scale, causal=bool(causal),
                                             softcap=float(softcap or 0.0), window_size_left=_side(left),
@@ -182,10 +209,10 @@ class FlashAttn4Backend(AttentionBackend):
         out, lse = res[0], res[1]
         if lse is None:
             raise RuntimeError("fa4: _flash_attn_fwd returned no lse although return_lse=True")
-        return out[..., :d], normalize_lse(lse)
+        return out[..., :v.shape[-1]], normalize_lse(lse)
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic, packing=None):
-        d = q.shape[-1]
+        d, dv = q.shape[-1], v.shape[-1]
         dop, qp, kp, vp, op = (pad_head_dim(x, HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
@@ -193,7 +220,7 @@ class FlashAttn4Backend(AttentionBackend):
                                             softcap=float(softcap or 0.0), window_size_left=_side(left),
                                             window_size_right=_side(right), deterministic=bool(deterministic),
                                             **self._varlen(packing))
-        return tuple(g[..., :d] for g in res[:3])
+        return res[0][..., :d], res[1][..., :d], res[2][..., :dv]
 
     def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
                        key_offset):

@@ -133,6 +133,9 @@ class FlexAttentionBackend(AttentionBackend):
     SUPPORTS_KEY_OFFSET = True      # the mods see global positions through a captured offset
     SUPPORTS_MASK = True            # indexed by the mask_mod
     SUPPORTS_GQA = True             # enable_gqa=True
+    # Dk != Dv: flex checks only that q and k share a head dim (_validate_embed_dim); the Triton lowering takes a
+    # value head dim of its own forward and backward (v_head_dim, "it is okay that the v_head_dim is different")
+    SUPPORTS_DIFFERENT_V_DIM = True
     SUPPORTS_DROPOUT = False
     RETURNS_LSE = True              # return_aux=AuxRequest(lse=True), on both devices (see the module docstring)
     HAS_BACKWARD = True             # cuda only: LIMITS
@@ -161,6 +164,9 @@ class FlexAttentionBackend(AttentionBackend):
          "without keys) in fp64/fp32/bf16/fp16, GQA through enable_gqa, lengths that are not multiples of 128; "
          "raises for inputs that require grad", "torch 2.13.0 (run here)"),
         ("CPU compiled kernel: no return_lse", f"{SRC} torch/_inductor/kernel/flex/flex_cpu.py"),
+        ("a value head dim other than the query/key one: only q and k must match; the CUDA lowering sizes out and "
+         "dv by v_head_dim", f"{SRC} torch/nn/attention/flex_attention.py _validate_embed_dim; "
+                           "torch/_inductor/kernel/flex/flex_attention.py flex_attention, flex_attention_backward"),
         ("CUDA: base-2 stats scaled by ln 2, -inf lse for empty rows, indices bounded for partial blocks, "
          "head dim >= 16", f"{SRC} torch/nn/attention/flex_attention.py _finalize_outputs; "
                            "torch/_inductor/kernel/flex/templates/flex_attention.py.jinja, common.py.jinja"),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_head_dim, position_mask
+from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_head_dim, pad_to, position_mask
 from usp_hal.capabilities import Limit
 from usp_hal.platform import compute_capability, device_type_of
 
@@ -64,6 +64,9 @@ class SDPABackend(AttentionBackend):
     SUPPORTS_KEY_OFFSET = True
     SUPPORTS_MASK = True         # a boolean mask becomes part of the additive mask / bias
     SUPPORTS_GQA = True
+    # Dk != Dv: q/k/v are zero-padded to one head dim (the CPU op requires equal head sizes: "Q/K/V should have
+    # the same head size", torch 2.13.0 run here; the CUDA path pads as well rather than rely on either op)
+    SUPPORTS_DIFFERENT_V_DIM = True
     RETURNS_LSE = True
     HAS_BACKWARD = True
     IS_DETERMINISTIC = True   # on CPU; the CUDA efficient backward is refused below
@@ -111,6 +114,13 @@ class SDPABackend(AttentionBackend):
     # ------------------------------------------------------------------ forward
     def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
                        key_offset, mask=None):
+        dk, dv = q.shape[-1], v.shape[-1]
+        if dk != dv:        # Dk != Dv: one common head dim (zero columns change no score and no output column)
+            d = max(dk, dv)
+            out, lse = self.kernel_forward(pad_to(q, d), pad_to(k, d), pad_to(v, d), softmax_scale=softmax_scale,
+                                           causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                           dropout_p=dropout_p, key_offset=key_offset, mask=mask)
+            return out[..., :dv], lse
         dev = device_type_of(q.device)
         if dev == "cpu":
             return self._forward_cpu(q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset, mask)
@@ -148,7 +158,7 @@ class SDPABackend(AttentionBackend):
         scale, causal = kw["softmax_scale"], kw["causal"]
 
         def call(q, k, v):
-            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.shape[-1] != v.shape[-1]:
                 return general(q, k, v)
             out, lse = op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
             return out.transpose(1, 2), (lse.contiguous() if want_lse else lse)
@@ -198,6 +208,15 @@ class SDPABackend(AttentionBackend):
     # ------------------------------------------------------------------ backward
     def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
                         dropout_p, deterministic, key_offset, mask=None):
+        dk_, dv_ = q.shape[-1], v.shape[-1]
+        if dk_ != dv_:      # Dk != Dv: the forward's common head dim; the zero columns get gradients that are dropped
+            d = max(dk_, dv_)
+            dq, dk, dv = self.kernel_backward(pad_to(dout, d), pad_to(q, d), pad_to(k, d), pad_to(v, d),
+                                              pad_to(out, d), lse, softmax_scale=softmax_scale, causal=causal,
+                                              window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                              dropout_p=dropout_p, deterministic=deterministic,
+                                              key_offset=key_offset, mask=mask)
+            return dq[..., :dk_], dk[..., :dk_], dv[..., :dv_]
         lse = lse_for_backward(lse)
         dev = device_type_of(q.device)
         if dev == "cpu":

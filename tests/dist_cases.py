@@ -80,26 +80,29 @@ def lowest_peak(call, leaves, times=3):
     return peak, mem.method
 
 
-def make_inputs(B, S, H, Hkv, D, dt, seed, alibi=False):
-    """Global q, k, v, the output gradient (and alibi slopes), the same on every rank."""
+def make_inputs(B, S, H, Hkv, D, dt, seed, alibi=False, Dv=None):
+    """Global q, k, v, the output gradient (and alibi slopes), the same on every rank
+    (``Dv``: the value head dim when it differs from the query/key one)."""
     g = torch.Generator().manual_seed(seed)
+    Dv = Dv or D
     q = torch.randn(B, S, H, D, generator=g).to(dt)
     k = torch.randn(B, S, Hkv, D, generator=g).to(dt)
-    v = torch.randn(B, S, Hkv, D, generator=g).to(dt)
-    dout = torch.randn(B, S, H, D, generator=g).to(dt)
+    v = torch.randn(B, S, Hkv, Dv, generator=g).to(dt)
+    dout = torch.randn(B, S, H, Dv, generator=g).to(dt)
     slopes = torch.rand(H, generator=g) * 0.5 if alibi else None
     return q, k, v, dout, slopes
 
 
 def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, dtype="fp32", B=1, S=16, H=4,
              Hkv=None, D=8, window=(-1, -1), softcap=0.0, alibi=False, grad=True, return_lse=True, seed=0,
-             attn_type="sdpa", scale=None, head_chunks=None, low_memory=False):
-    """Sharded USP attention vs the float64 single-process reference on this rank's part.
-    Returns {name: normalised error} (<= 1 passes)."""
+             attn_type="sdpa", scale=None, head_chunks=None, low_memory=False, Dv=None):
+    """Sharded USP attention vs the float64 single-process reference on this rank's part
+    (``Dv``: a value head dim other than ``D``, as in MLA).  Returns {name: normalised error}
+    (<= 1 passes)."""
     mesh = get_mesh(U, R, low)
     dt = DTYPES[dtype]
     Hkv = Hkv or H
-    q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed, alibi)
+    q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed, alibi, Dv=Dv)
     # reference on the same (rounded) inputs, float64
     qr, kr, vr = (x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v))
     kw = dict(softmax_scale=scale, causal=causal, window=tuple(window), softcap=softcap, alibi_slopes=slopes)
@@ -137,13 +140,13 @@ def sharded_errors(res, return_lse, sh, dt, ro, rl, rg=None, dout=None, grads=No
 
 
 def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=16, H=4, D=8, return_lse=False,
-                      Hkv=None, static=False, calls=1):
+                      Hkv=None, static=False, calls=1, Dv=None):
     """Count the collectives one forward and one backward issue on this rank (the last of
-    ``calls`` calls of one module)."""
+    ``calls`` calls of one module); ``Dv``: a value head dim of its own."""
     mesh = get_mesh(U, R)
     g = torch.Generator().manual_seed(1)
-    x = [usp_hal.shard(torch.randn(1, S, h, D, generator=g), layout=layout, mesh=mesh).requires_grad_()
-         for h in (H, Hkv or H, Hkv or H)]
+    x = [usp_hal.shard(torch.randn(1, S, h, d, generator=g), layout=layout, mesh=mesh).requires_grad_()
+         for h, d in ((H, D), (Hkv or H, D), (Hkv or H, Dv or D))]
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation,
                                         static_shapes=static)
     for _ in range(calls - 1):

@@ -91,7 +91,7 @@ def _reference_keep(mask: M.Mask, S: int, B: int, H: int, causal: bool, cu) -> t
 
 def mask_case(U=1, R=1, low=True, layout="basic", fam="prefix_lm", causal=False, dtype="fp64", B=1, S=40, H=4,
               Hkv=None, D=8, sinks=False, docs=None, grad=True, seed=0, attn_type="sdpa", softcap=0.0,
-              alibi=False, module="plain", balanced=False, fp8=False):
+              alibi=False, module="plain", balanced=False, fp8=False, Dv=None):
     """One masked USP call against float64 attention with the mask applied densely: output,
     lse and gradients on this rank's part (the sinks' gradient summed over the group).
     Returns {name: normalised error} (<= 1 passes) and the kernel-call record."""
@@ -115,7 +115,7 @@ def mask_case(U=1, R=1, low=True, layout="basic", fam="prefix_lm", causal=False,
         attn = usp_hal.AsyncLongContextAttention(head_chunks=2, **kw_mod)
     else:
         attn = usp_hal.LongContextAttention(low_memory=module == "low_memory", **kw_mod)
-    q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed, alibi)
+    q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed, alibi, Dv=Dv)
     g = torch.Generator().manual_seed(seed + 99)
     sink = (torch.randn(H, generator=g) * 2).to(dt) if sinks else None
     keep = _reference_keep(mask, S, B, H, causal, cu)

@@ -49,7 +49,7 @@ def _register():
 
 def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True, dtype="fp64", B=1, H=4, Hkv=None,
                 D=8, window=(-1, -1), softcap=0.0, alibi=False, grad=True, return_lse=True, seed=0,
-                attn_type="sdpa", docs=((5, 7),), module="plain", cu_as="tensor", head_chunks=2):
+                attn_type="sdpa", docs=((5, 7),), module="plain", cu_as="tensor", head_chunks=2, Dv=None):
     """For every document-length list in ``docs``: a packed USP call (sharded with
     ``cu_seqlens``) against float64 single-process attention of each document alone, output,
     lse and gradients on this rank's part.  Returns one {name: normalised error} per list
@@ -70,7 +70,7 @@ def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True,
         cu = cu_seqlens_from_lengths(lengths)
         S = cu[-1]
         cu_arg = torch.tensor(cu, dtype=torch.int32) if cu_as == "tensor" else list(cu)
-        q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed + i, alibi)
+        q, k, v, dout, slopes = make_inputs(B, S, H, Hkv, D, dt, seed + i, alibi, Dv=Dv)
         qr, kr, vr = (x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v))
         kw = dict(causal=causal, window=tuple(window), softcap=softcap, alibi_slopes=slopes)
         ro, rl = reference_packed_attention(qr, kr, vr, cu, **kw)

@@ -502,3 +502,69 @@ def llama_packed(U=2, R=1, layout="zigzag", docs=(17, 5, 28), source="cu_seqlens
                grad_diff=max(_max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
                grad_scale=max(float(q.grad.abs().max()) for q in ref.parameters()))
     return res
+
+
+def tiny_deepseek_v3(seed: int = 0):
+    """A tiny DeepSeek-V3 (multi-head latent attention: query/key head dim 24, value head dim 16)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                           topk_group=1, vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def model_matches_one_process(family="deepseek_v3", U=2, R=1, layout="zigzag", B=2, S=24, seed=0,
+                              attn_type="sdpa", steps=0, lr=1e-3):
+    """A tiny model of ``family`` (``deepseek_v3``: MLA, Dk != Dv; ``gemma2``: attention softcap)
+    through ``attn_implementation="usp_hal"`` against the same model in one process: logits,
+    loss and every parameter's gradient, then ``steps`` AdamW steps (their losses).  Rank 0
+    returns the differences and the size of the reference's gradients."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_{family}_u{U}r{R}_{layout}_{attn_type}", mesh=mesh, layout=layout,
+                        attn_type=attn_type)
+    ref = tiny_deepseek_v3(seed) if family == "deepseek_v3" else tiny_gemma2(seed)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    ids = _batches(1, B, S, seed)[0]
+    batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    res: dict = {"losses": [], "ref_losses": []}
+    for i in range(steps + 1):
+        out = model(**batch)
+        out.loss.backward()
+        loss = usp.sync_gradients(model, mesh, out.loss)
+        logits = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh)
+        rout = ref(input_ids=ids, labels=ids)
+        rout.loss.backward()
+        if i == 0:
+            res.update(logits_diff=_max_diff(logits, rout.logits), loss_diff=abs(loss.item() - rout.loss.item()),
+                       grad_diff=max(_max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+                       grad_scale=max(float(q.grad.abs().max()) for q in ref.parameters()))
+        res["losses"].append(loss.item())
+        res["ref_losses"].append(rout.loss.item())
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    return res if mesh.sp_rank == 0 else {}
+
+
+def tiny_gemma2(seed: int = 0):
+    """A tiny Gemma2 with its attention logit softcap (and the final logit softcap)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=128,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=30.0, sliding_window=8,
+                       attention_dropout=0.0)
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(cfg)
+    model.set_attn_implementation("eager")
+    return model

@@ -30,8 +30,13 @@ KERNEL = FlexAttentionBackend()
 IDS = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _inputs(dtype, b=2, sq=13, sk=None, h=4, hkv=None, d=16, seed=0):
-    return kernel_inputs(b, sq, sq if sk is None else sk, h, h if hkv is None else hkv, d, dtype, seed)
+def _inputs(dtype, b=2, sq=13, sk=None, h=4, hkv=None, d=16, seed=0, dv=None):
+    q, k, v, dout = kernel_inputs(b, sq, sq if sk is None else sk, h, h if hkv is None else hkv, d, dtype, seed)
+    if dv is not None:      # a value head dim of its own (MLA)
+        g = torch.Generator().manual_seed(seed + 1)
+        v = torch.randn(*v.shape[:3], dv, generator=g).to(dtype)
+        dout = torch.randn(*dout.shape[:3], dv, generator=g).to(dtype)
+    return q, k, v, dout
 
 
 def _close(got, ref, dtype, what, lse=False):
@@ -49,7 +54,7 @@ def _forward_check(dtype, shape=None, **kw):
     q, k, v, _ = _inputs(dtype, **(shape or {}))
     kw.setdefault("softmax_scale", 0.3)
     out, lse = KERNEL.forward(q, k, v, **kw)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     ref_out, ref_lse = reference_attention(q, k, v, **kw)
@@ -88,6 +93,12 @@ def test_flex_per_head_mask_window_key_offset_gqa():
     b, h, sq, sk = 1, 4, 12, 20
     mask = _mask(1, h, sq, sk, seed=3, p=0.7)
     _forward_check(torch.float32, dict(b=b, sq=sq, sk=sk, h=h, hkv=1), window=(6, 3), key_offset=-4, mask=mask)
+
+
+def test_flex_value_head_dim_differs():
+    """Dk != Dv (MLA shapes, both ways), GQA, causal with softcap: out has the value head dim."""
+    _forward_check(torch.float64, dict(sq=11, h=4, hkv=2, d=24, dv=16), causal=True, softcap=2.0)
+    _forward_check(torch.float32, dict(sq=9, sk=14, h=2, d=8, dv=20), window=(3, 2), key_offset=2)
 
 
 def test_flex_alibi_softcap_across_offset():
@@ -164,13 +175,15 @@ def _unfused_flex_with_grad(device_type):
     return call, create_block_mask, aux
 
 
-def test_flex_backward_reweights_to_the_merged_out_and_lse(monkeypatch):
+@pytest.mark.parametrize("dv", [None, 24], ids=["dv=dk", "dv!=dk"])
+def test_flex_backward_reweights_to_the_merged_out_and_lse(monkeypatch, dv):
     """The CUDA backward (emulated): two key blocks' gradients, each from the merged (global)
-    out/lse, with a mask, a window and GQA, sum to the float64 reference gradients."""
+    out/lse, with a mask, a window and GQA (and a value head dim of its own), sum to the
+    float64 reference gradients."""
     dtype = torch.float32
     monkeypatch.setattr(flex_module, "flex_ops", _unfused_flex_with_grad)
     b, h, hkv, sq, sk, d = 1, 4, 2, 10, 16, 16
-    q, k, v, dout = _inputs(dtype, b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, seed=6)
+    q, k, v, dout = _inputs(dtype, b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, seed=6, dv=dv)
     mask = _mask(1, 1, sq, sk, seed=7, p=0.7)
     mask[..., 2, :] = False                                  # a row without keys anywhere
     kw = dict(softmax_scale=0.25, window=(8, 8), softcap=2.0)

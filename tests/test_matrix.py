@@ -182,7 +182,7 @@ def test_docs_content(reg):
             for line in text.splitlines() if line.startswith("| ") and line.count("|") == 4}
     assert rows["devices"] == ["cpu, cuda, rocm", "cuda"]
     assert rows["dtypes"] == ["fp64, fp32, bf16, fp16 (cpu); fp32, bf16, fp16 (cuda, rocm)", "bf16, fp16"]
-    assert rows["head dims"] == ["1..any", "1..256, multiple of 8"]
+    assert rows["head dims"] == ["1..any; V may differ", "1..256, multiple of 8"]
     assert rows["backward"] == ["yes", "no"]
     assert rows["ring (returns lse)"] == ["yes", "no"]
     assert rows["limited to Ulysses-only meshes"] == ["no", "yes (no lse)"]

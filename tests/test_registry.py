@@ -120,8 +120,9 @@ def test_foreign_enum_member_is_taken_by_name(reg):
 
 def test_auto_error_lists_every_candidate_with_reasons(reg):
     reg.register("cpunolse", CpuNoLse)
-    req = CPU.with_(softcap=30.0, needs_lse=True)
+    req = CPU.with_(softcap=30.0, needs_lse=True, dropout_p=0.1)      # dropout: the fallback refuses it too
     assert reg.priority("cpu") == ["sdpa", "cpunolse"]
+    assert reg.candidates("cpu") == ["sdpa", "cpunolse", "portable"]
     with pytest.raises(NotImplementedError) as info:
         reg.select("auto", req)
     msg = str(info.value)
@@ -130,6 +131,8 @@ def test_auto_error_lists_every_candidate_with_reasons(reg):
     assert "`sdpa` is not supported because:\n    - softcap=30.0 not supported" in msg
     assert "`cpunolse` is not supported because:" in msg
     assert "does not return a log-sum-exp" in msg.split("`cpunolse`")[1]
+    assert "`portable` is not supported because:\n    - dropout_p=0.1 not supported" in msg
+    assert "`flex (not tried by auto)` is not supported because:" in msg
 
 
 def test_auto_with_no_candidate_for_a_device(reg):

@@ -165,6 +165,7 @@ FEATURES = {
     "deterministic": lambda r: bool(r.deterministic and r.needs_grad),
     "gqa": lambda r: r.kv_heads != r.num_heads,
     "key_offset": lambda r: bool(r.key_offset),
+    "dk_ne_dv": lambda r: r.v_dim != r.head_dim,
     "fp16": lambda r: r.dtype == torch.float16,
     "bf16": lambda r: r.dtype == torch.bfloat16,
     "fp32": lambda r: r.dtype == torch.float32,

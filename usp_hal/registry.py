@@ -61,11 +61,16 @@ _BUILTIN = {
     "xpu": "usp_hal.backends.xpu:XPUBackend",
     "flex": "usp_hal.backends.flex:FlexAttentionBackend",
     "fa4": "usp_hal.backends.fa4:FlashAttn4Backend",
+    "portable": "usp_hal.backends.portable:PortableBackend",
 }
 
 # `auto` tries these in order (each platform entry declares its list); lossy (quantised)
 # kernels are never picked automatically.
 AUTO_PRIORITY = {name: list(p.auto_priority) for name, p in _platform.PLATFORMS.items()}
+#: what `auto` falls back to, on every device, when no backend of the device's list serves a
+#: call (plain torch: every option, bounded memory, slow); each reason it does so is logged once
+FALLBACK = "portable"
+_FELL_BACK: set = set()
 
 
 class Registry:
@@ -166,6 +171,17 @@ class Registry:
                     base.append(name)
         return base
 
+    def candidates(self, device_type: str) -> list:
+        """What ``auto`` tries, in order: the device's list (:meth:`priority`), then the fallback."""
+        base = self.priority(device_type)
+        if FALLBACK in self._entries and FALLBACK not in base:
+            try:
+                if device_type in self.get(FALLBACK).SUPPORTED_DEVICES:
+                    base.append(FALLBACK)
+            except Exception:     # replaced by an entry that cannot load here: auto keeps the device's list
+                pass
+        return base
+
     @staticmethod
     def _complete(request: AttnRequest) -> AttnRequest:
         """Fill in the device model when the caller did not (rules on device models need it)."""
@@ -195,13 +211,27 @@ class Registry:
             if why:
                 raise self.refusal(name, request, why)
             return self.get(name)
-        report = {}
-        for cand in self.priority(request.device_type):
+        report: dict = {}
+        for cand in self.candidates(request.device_type):
             why = self.reasons(cand, request)
             if not why:
+                if cand == FALLBACK and report:
+                    _say_fallback(request, report)
                 log.info("usp_hal: attn_type='auto' chose %r for %s", cand, request.describe())
                 return self.get(cand)
             report[cand] = why
+        # every other registered backend of the device: its reasons too (auto does not try it)
+        for cand in self.names():
+            if cand in report:
+                continue
+            try:
+                cls = self.get(cand)
+            except Exception as exc:      # a registered adapter that cannot load here
+                report[f"{cand} (not tried by auto)"] = [f"cannot load: {exc}"]
+                continue
+            if request.device_type in cls.SUPPORTED_DEVICES:
+                why = self.reasons(cand, request)
+                report[f"{cand} (not tried by auto)"] = why or [f"it would run the call: pass attn_type={cand!r}"]
         raise NotImplementedError(_format_not_supported_reasons(request, report))
 
     # ------------------------------------------------------------ refusals
@@ -212,7 +242,7 @@ class Registry:
         request = self._complete(request)
         skip = {exclude} if isinstance(exclude, str) else set(exclude)
         names = []
-        for cand in self.priority(request.device_type):
+        for cand in self.candidates(request.device_type):
             if cand in skip:
                 continue
             try:
@@ -238,6 +268,17 @@ class Registry:
     def refusal(self, name: str, request: AttnRequest, reasons) -> Refusal:
         """The error for backend ``name`` refusing ``request`` for ``reasons`` (a NotImplementedError)."""
         return Refusal(name, request, reasons, self.refusal_message(name, self._complete(request), reasons))
+
+
+def _say_fallback(request: AttnRequest, report: dict) -> None:
+    """Log (once per distinct set of reasons) that ``auto`` fell back, and why."""
+    key = (request.device_type, tuple((c, tuple(w)) for c, w in report.items()))
+    if key in _FELL_BACK:
+        return
+    _FELL_BACK.add(key)
+    why = "; ".join(f"{c}: {', '.join(w)}" for c, w in report.items())
+    log.warning("usp_hal: attn_type='auto' runs %s with the slow %r backend, since no faster backend serves it (%s)",
+                request.describe(), FALLBACK, why)
 
 
 def _format_not_supported_reasons(request: AttnRequest, report: dict) -> str:

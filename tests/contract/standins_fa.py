@@ -97,7 +97,7 @@ def _standin_forward(q, k, v, scale, causal, left, right, softcap, alibi_slopes,
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if sk == 0:
-        return torch.zeros_like(q), torch.full((b, h, sq), float("inf"))
+        return q.new_zeros(b, sq, h, v.shape[-1]), torch.full((b, h, sq), float("inf"))
     s, _ = _standin_scores(q, k, scale, causal, left, right, softcap, alibi_slopes, additive_causal_alibi,
                            fa3_normalisation)
     lse = torch.logsumexp(s, dim=-1)
@@ -135,7 +135,7 @@ def _standin_backward(dout, q, k, v, out, lse, scale, causal, left, right, softc
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
 
     def per_kv_head(x):
-        return x.view(b, hkv, g, sk, d).sum(2).transpose(1, 2)
+        return x.view(b, hkv, g, sk, x.shape[-1]).sum(2).transpose(1, 2)
     return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)
 
 
@@ -635,13 +635,23 @@ _FA3_EXT = textwrap.dedent('''
             raise RuntimeError("stand-in: only dense or cu_seqlens-packed q/k/v are modelled")
         _fa3_arch_check()
         _standin_check_inputs((q, k, v), pad_ok=False, name="mha_fwd")
+        head_size, head_size_v = q.shape[-1], v.shape[-1]
+        if head_size_v % 8:
+            raise RuntimeError("head_size_v should be a multiple of 8")
+        if head_size_v != head_size:
+            # hopper/flash_api.cpp mha_fwd (0251105a)
+            if not ((128 < head_size <= 192 and 96 < head_size_v <= 128) or (head_size <= 64 and head_size_v <= 512)):
+                raise RuntimeError("If V headdim is different from Q/K dim, we only support Q/K headdim in (128, 192] "
+                                   "and V headdim in (96, 128], or (Q/K <= 64 and V <= 512).")
+            if _standin_device()[1][0] != 9:
+                raise RuntimeError("Only Hopper supports different V headdim")
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             VARLEN_CALLS.append(("fwd", is_causal, cu_seqlens_q.numel() - 1))
             _check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             h = q.shape[1]
-            out = torch.zeros_like(q)
+            out = q.new_zeros(*q.shape[:-1], v.shape[-1])
             # hopper/flash_api.cpp mha_fwd: varlen lse is [num_heads, total_q]
             softmax_lse = torch.full((h, q.shape[0]), float("nan"))
             for a, b, c, d in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -663,13 +673,17 @@ _FA3_EXT = textwrap.dedent('''
                               window=(window_size_left, window_size_right)))
         _fa3_arch_check()
         _standin_check_inputs((q, k, v, out, dout), pad_ok=False, name="mha_bwd")
+        if v.shape[-1] % 8 or max(q.shape[-1], v.shape[-1]) > 256:
+            # hopper/flash_api.cpp mha_bwd (0251105a): head_size_v % 8, max(head_size, head_size_v) <= max_headdim
+            raise RuntimeError("head_size_v should be a multiple of 8; FlashAttention forward only supports head "
+                               "dimension at most 256")
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             return _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, window_size_left,
                                window_size_right, softcap)
         if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
             raise RuntimeError("softmax_lse must be float32 [B, H, Sq]")
-        if deterministic and -(-q.shape[-1] // 64) * 64 >= 256 and q.shape[-1] > 192:
+        if deterministic and max(q.shape[-1], v.shape[-1]) > 192:
             # hopper/flash_api.cpp mha_bwd: !deterministic || head_size_rounded < 256
             raise RuntimeError("Deterministic backward not supported for hdim 256.")
         gq, gk, gv = _standin_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,

@@ -61,6 +61,8 @@ CASES = {
     "head_dim_72": (dict(d=72), dict()),
     "rect_window": (dict(sq=12, sk=20, d=32), dict(window=(4, 10))),
     "rect_causal": (dict(sq=20, sk=12, d=32), dict(causal=True)),
+    "mla_192_128": (dict(h=2, hkv=1, d=192, dv=128, sq=9, sk=9), dict(causal=True)),
+    "mla_20_44_padded": (dict(d=20, dv=44), dict(causal=True, softcap=1.5)),
 }
 
 
@@ -75,11 +77,17 @@ def fa3(tmp_path, monkeypatch):
 
 
 def _check_against_reference(backend, dtype, shape, call):
+    shape = dict(shape)
+    dv = shape.pop("dv", None)
     q, k, v, dout = make_inputs(dtype=dtype, **shape)
+    if dv is not None:          # a value head dim of its own (MLA)
+        g = torch.Generator().manual_seed(5)
+        v = torch.randn(*v.shape[:3], dv, generator=g).to(dtype)
+        dout = torch.randn(*dout.shape[:3], dv, generator=g).to(dtype)
     kw = dict(call)
     kw.setdefault("softmax_scale", q.shape[-1] ** -0.5)
     out, lse = backend.forward(q, k, v, **kw)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == dout.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, **kw)
     assert_matches(out, ref_out, dtype, "out")
@@ -221,6 +229,14 @@ def test_contract_fa3_declared_rules_reach_the_core():
     assert FlashAttn3Backend.not_supported_reasons(req.with_(head_dim=256, deterministic=True))
     assert not FlashAttn3Backend.not_supported_reasons(req.with_(head_dim=256))
     assert FlashAttn3Backend.not_supported_reasons(req.with_(device_type="rocm"))
+    # Dk != Dv (hopper/flash_api.cpp mha_fwd): (128, 192] with (96, 128], or <= 64 with V up to 256 here
+    assert not FlashAttn3Backend.not_supported_reasons(req.with_(head_dim=192, head_dim_v=128))
+    assert not FlashAttn3Backend.not_supported_reasons(req.with_(head_dim=64, head_dim_v=256))
+    for dk, dv in ((128, 96), (96, 64), (192, 64), (64, 512)):
+        why = FlashAttn3Backend.not_supported_reasons(req.with_(head_dim=dk, head_dim_v=dv))
+        assert any("value head dim of its own only for" in r for r in why), (dk, dv, why)
+    assert any("rounds the larger up to 256" in r for r in FlashAttn3Backend.not_supported_reasons(
+        req.with_(head_dim=64, head_dim_v=256, deterministic=True)))
 
 
 # --------------------------------------------------------------------------- availability

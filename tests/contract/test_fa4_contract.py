@@ -43,6 +43,8 @@ CASES = {
     "head_dim_20_padded": (dict(d=20), dict(causal=True)),
     "rect_causal": (dict(sq=20, sk=12), dict(causal=True)),
     "rect_window": (dict(sq=12, sk=20), dict(window=(4, 10))),
+    "mla_192_128": (dict(h=2, hkv=1, d=192, dv=128, sq=9), dict(causal=True)),
+    "mla_20_12_padded": (dict(d=20, dv=12), dict(causal=True, softcap=1.5)),
 }
 
 
@@ -58,12 +60,13 @@ def _iface():
     return importlib.import_module("flash_attn.cute.interface")
 
 
-def _inputs(dtype, b=2, sq=16, sk=None, h=4, hkv=None, d=32, seed=0):
+def _inputs(dtype, b=2, sq=16, sk=None, h=4, hkv=None, d=32, seed=0, dv=None):
     sk = sq if sk is None else sk
     hkv = h if hkv is None else hkv
+    dv = d if dv is None else dv
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*s, generator=g).to(dtype) for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d),
-                                                                  (b, sq, h, d)))
+    return tuple(torch.randn(*s, generator=g).to(dtype) for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, dv),
+                                                                  (b, sq, h, dv)))
 
 
 def _reference(q, k, v, dout, **kw):
@@ -88,7 +91,7 @@ def _check(backend, dtype, shape, call):
     kw = dict(call)
     kw.setdefault("softmax_scale", q.shape[-1] ** -0.5)
     out, lse = backend.forward(q, k, v, **kw)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == dout.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     ref = _reference(q, k, v, dout, **kw)
     _close(out, ref[0], dtype, "out")
@@ -189,6 +192,10 @@ def _req(**kw):
     ((9, 0), dict(mask=True), "'flex'"),
     ((9, 0), dict(alibi=True), "alibi"),
     ((9, 0), dict(dtype=torch.float32), "dtype=fp32"),
+    ((10, 0), dict(head_dim=192, head_dim_v=96), "8..128 or (192, 128) on SM100"),
+    ((10, 0), dict(head_dim=64, head_dim_v=192), "8..128 or (192, 128) on SM100"),
+    ((9, 0), dict(head_dim=64, head_dim_v=512), "at most 256"),
+    ((12, 0), dict(head_dim=64, head_dim_v=192, needs_grad=False), "SM120's shared memory"),
 ])
 def test_contract_fa4_declares_what_the_source_gates(cc, extra, needle):
     why = FlashAttn4Backend.not_supported_reasons(_req(compute_capability=cc, **extra))
@@ -197,7 +204,10 @@ def test_contract_fa4_declares_what_the_source_gates(cc, extra, needle):
 
 @pytest.mark.parametrize("cc,extra", [((9, 0), dict(head_dim=256)), ((10, 0), dict(head_dim=256)),
                                       ((10, 0), dict(head_dim=100)), ((12, 0), dict(head_dim=128)),
-                                      ((8, 0), dict(needs_grad=False, softcap=1.0)), ((12, 0), {})])
+                                      ((8, 0), dict(needs_grad=False, softcap=1.0)), ((12, 0), {}),
+                                      ((10, 0), dict(head_dim=192, head_dim_v=128)),
+                                      ((10, 0), dict(head_dim=100, head_dim_v=60)),
+                                      ((9, 0), dict(head_dim=192, head_dim_v=256))])
 def test_contract_fa4_serves_what_the_source_allows(cc, extra):
     assert FlashAttn4Backend.not_supported_reasons(_req(compute_capability=cc, **extra)) == []
 

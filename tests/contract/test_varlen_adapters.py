@@ -385,3 +385,18 @@ def test_packed_fa_calls_in_the_other_modules(pools, module):
             bad = {k: v for k, v in errs.items() if not v <= 1.0}
             assert not bad and set(errs) >= {"out", "lse", "dq", "dk", "dv"}, errs
         assert [c[0] for c in rank["varlen_calls"]].count("fwd") >= 1, rank["varlen_calls"]
+
+
+@pytest.mark.multirank
+def test_packed_documents_with_a_value_head_dim_of_its_own_through_fa3(pools):
+    """Dk != Dv (16 and 40) with packed documents on a 2-rank ring through FA3's varlen entry
+    point (stand-in): out, lse and gradients against float64 per-document attention."""
+    docs = ((9, 1, 2, 12), (1, 2, 1, 1, 2, 17))
+    res = pools(2).run(usp_cases.packed_adapter_case, timeout=120, standin={"kind": "fa3", "arg": "new"},
+                       emulate=CUDA90, attn_type="fa3", U=1, R=2, layout="varlen_zigzag", dtype="bf16", docs=docs,
+                       H=4, Hkv=2, D=16, Dv=40)
+    for rank in res:
+        for errs in rank["errors"]:
+            bad = {k: v for k, v in errs.items() if not v <= 1.0}
+            assert not bad and set(errs) >= {"out", "lse", "dq", "dk", "dv"}, errs
+        assert any(c[0] == "fwd" for c in rank["varlen_calls"]), rank["varlen_calls"]
