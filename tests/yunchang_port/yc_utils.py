@@ -1,3 +1,6 @@
+# ruff: noqa
+# yunchang 0.6.4's test/test_utils.py, verbatim (feifeibear/long-context-attention, tag 0.6.4, commit 8aa888f;
+# Apache-2.0, see LICENSE.yunchang); the ported hybrid script imports its attention_ref.
 from einops import rearrange, repeat
 import math
 
