@@ -86,8 +86,11 @@ class LongContextAttention(torch.nn.Module):
         self.low_memory = _low_memory_chunks(low_memory)
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError(
-                f"scatter_idx={scatter_idx}, gather_idx={gather_idx}: only the [B, S, H, D] layout "
-                "(scatter_idx=2, gather_idx=1) is supported; transpose your inputs to [B, S, H, D]")
+                f"scatter_idx={scatter_idx!r}, gather_idx={gather_idx!r}: only scatter_idx=2, gather_idx=1 (yunchang's "
+                "default: q/k/v [B, S_local, H, D], heads scattered, sequence gathered) is supported"
+                + ("; UlyssesAttention takes its process group first, LongContextAttention takes none (build the "
+                   "mesh with set_seq_parallel_pg or init_sequence_parallel, or pass mesh=)"
+                   if not isinstance(scatter_idx, int) else ""))
         if attn_processor is not None:           # yunchang's user kernel (usp_hal.processor)
             from .processor import processor_attn_type
             attn_type = processor_attn_type(attn_processor, attn_type)
