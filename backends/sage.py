@@ -106,7 +106,7 @@ LIMITS = (
                   source=f"{SRC} v2.0.1 sageattention/triton/attn_qk_int8_per_block.py _attn_fwd_inner (sm86 route); "
                          "masked from 499828b (2025-08-04, v2.2.0)"),
     Limit("sageattention {version} has no return_lse (the v1 API), so it cannot give the lse that ring "
-          "degree > 1 and return_attn_probs=True need: use ring_degree=1, or build sageattention >= 2 from source",
+          "degree > 1 and return_lse=True need: use ring_degree=1, or build sageattention >= 2 from source",
           uses=("lse",), version="<2",
           source="sageattention 1.0.6 wheel, sageattention/core.py sageattn (returns o only)"),
     _arch_limit(">=2,<2.1.1", ("sm80", "sm86", "sm89", "sm90"),

@@ -120,7 +120,7 @@ def usp_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=False, d
         attn = usp_hal.AsyncLongContextAttention(ring_impl_type=layout, attn_type=attn_type, mesh=mesh,
                                                  rotation=rotation, head_chunks=head_chunks)
     res = attn(ql, kl, vl, softmax_scale=scale, causal=causal, window_size=tuple(window), softcap=softcap,
-               alibi_slopes=slopes, return_attn_probs=return_lse)
+               alibi_slopes=slopes, return_lse=return_lse)
     return sharded_errors(res, return_lse, sh, dt, ro, rl, rg, dout, lambda: (ql.grad, kl.grad, vl.grad))
 
 
@@ -150,9 +150,9 @@ def count_collectives(U=2, R=1, layout="basic", rotation="p2p", causal=True, S=1
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation,
                                         static_shapes=static)
     for _ in range(calls - 1):
-        attn(*x, causal=causal, return_attn_probs=return_lse)
+        attn(*x, causal=causal, return_lse=return_lse)
     with CommMeter() as meter:
-        res = attn(*x, causal=causal, return_attn_probs=return_lse)
+        res = attn(*x, causal=causal, return_lse=return_lse)
         out = res[0] if return_lse else res
         fwd = dict(meter.calls)
         meter.reset()
@@ -263,8 +263,9 @@ def api_surface(U=2, R=1):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
-    mesh = usp_hal.set_seq_parallel_pg(U, R, rank, world)
-    assert usp_hal.get_default_mesh() is mesh
+    assert usp_hal.set_seq_parallel_pg(U, R, rank, world) is None      # as yunchang's
+    mesh = usp_hal.get_default_mesh()
+    assert (mesh.ulysses_degree, mesh.ring_degree) == (U, R)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 11, 3, 8, generator=g)
     for layout in ("basic", "zigzag", "stripe"):
@@ -438,7 +439,7 @@ def ulysses_bound_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D
                 if i % 2:
                     ql, kl, vl = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ql, kl, vl))
                 count[0] = 0
-                res = attn(ql, kl, vl, causal=causal, return_attn_probs=return_lse)
+                res = attn(ql, kl, vl, causal=causal, return_lse=return_lse)
                 a2a.append(count[0])
                 out, lse = res if return_lse else (res, None)
                 kept.append((q, k, v, ql, out, lse))

@@ -170,7 +170,7 @@ def nan_input(U=1, R=2, which="q", row=3, S=16, causal=True, layout="zigzag"):
     expect[0, :, 0] = rows
     sh = {n: usp_hal.shard(x, layout=layout, mesh=mesh) for n, x in t.items()}
     attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
-    out, lse = attn(sh["q"], sh["k"], sh["v"], causal=causal, return_attn_probs=True)
+    out, lse = attn(sh["q"], sh["k"], sh["v"], causal=causal, return_lse=True)
     ro = usp_hal.shard(ref, layout=layout, mesh=mesh)
     ex = usp_hal.shard(expect, layout=layout, mesh=mesh)
     out_nan = out.isnan().any(-1)

@@ -48,7 +48,7 @@ def joint_case(U=2, R=1, strategy="front", causal=False, layout="zigzag", S=14, 
     attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
     sink_loc = sink.clone().requires_grad_(grad) if sink is not None else None
     res = attn(*loc, causal=causal, joint_tensor_query=jql, joint_tensor_key=jkl, joint_tensor_value=jvl,
-               joint_strategy=strategy, return_attn_probs=return_lse, mask=m, sinks=sink_loc)
+               joint_strategy=strategy, return_lse=return_lse, mask=m, sinks=sink_loc)
     out, lse = res if return_lse else (res, None)
     jn = share.numel()
     if strategy == "front":

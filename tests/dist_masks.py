@@ -131,7 +131,7 @@ def mask_case(U=1, R=1, low=True, layout="basic", fam="prefix_lm", causal=False,
     ql, kl, vl = (sh(x).detach().requires_grad_(grad) for x in (q, k, v))
     sl = sink.clone().requires_grad_(grad) if sinks else None
     MaskCountingSDPA.calls = []
-    out, lse = attn(ql, kl, vl, causal=causal, mask=mask, sinks=sl, return_attn_probs=True, cu_seqlens=cu,
+    out, lse = attn(ql, kl, vl, causal=causal, mask=mask, sinks=sl, return_lse=True, cu_seqlens=cu,
                     softcap=softcap, alibi_slopes=slopes)
     fwd_calls = list(MaskCountingSDPA.calls)
     err = _lossy if fp8 else _err

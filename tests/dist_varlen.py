@@ -81,7 +81,7 @@ def packed_case(U=1, R=1, low=True, layout="basic", rotation="p2p", causal=True,
 
         ql, kl, vl = (sh(x).requires_grad_(grad) for x in (q, k, v))
         call = dict(causal=causal, window_size=tuple(window), softcap=softcap, alibi_slopes=slopes,
-                    return_attn_probs=return_lse, cu_seqlens=cu_arg)
+                    return_lse=return_lse, cu_seqlens=cu_arg)
         if module == "qkvpacked":
             if Hkv != H:
                 raise ValueError("qkvpacked needs H == Hkv")

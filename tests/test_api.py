@@ -36,7 +36,7 @@ def test_single_process_without_process_group():
     q = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 9, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
     attn = usp_hal.LongContextAttention(attn_type="auto")
-    out, lse = attn(q, k, k, causal=True, return_attn_probs=True)
+    out, lse = attn(q, k, k, causal=True, return_lse=True)
     ref, ref_lse = reference_attention(q, k, k, causal=True)
     assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
     assert lse.dtype == torch.float64 and out.shape == q.shape
@@ -60,10 +60,12 @@ def test_forward_only_path_saves_nothing_and_matches():
     (dict(attn_type="nope"), "valid options"),
     (dict(ring_impl_type="spiral"), "valid: basic, zigzag, stripe"),
     (dict(rotation="ring"), "valid: p2p, allgather"),
-    (dict(attn_processor=object()), "register_backend"),
+    (dict(attn_processor=object()), "must be callable"),
+    (dict(attn_processor=lambda *a, **k: None, attn_type="sdpa"), "SPARSE_SAGE"),
+    (dict(attn_processor=lambda *a, **k: None, attn_type=usp_hal.AttnType.FA), "leave it unused"),
 ])
 def test_constructor_errors(kwargs, needle):
-    with pytest.raises((ValueError, NotImplementedError), match=needle):
+    with pytest.raises((ValueError, NotImplementedError, TypeError), match=needle):
         usp_hal.LongContextAttention(**kwargs)
 
 

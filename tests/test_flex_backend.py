@@ -142,7 +142,7 @@ def test_flex_through_long_context_attention_one_rank():
     q, k, v, _ = _inputs(dtype, b=1, sq=24, h=4, hkv=2, d=16, seed=4)
     attn = usp_hal.LongContextAttention(attn_type="flex")
     with torch.no_grad():
-        out, lse = attn(q, k, v, causal=True, return_attn_probs=True)
+        out, lse = attn(q, k, v, causal=True, return_lse=True)
     ref_out, ref_lse = reference_attention(q, k, v, causal=True)
     _close(out, ref_out, dtype, "out")
     _close(lse, ref_lse, dtype, "lse", lse=True)
@@ -216,7 +216,7 @@ def test_flex_mask_mod_through_long_context_attention_one_rank(monkeypatch):
     def mask_mod(b, h, qi, ki):
         return (ki <= qi) & ((qi - ki) % 3 != 1)
     with torch.no_grad():
-        out, lse = usp_hal.LongContextAttention(attn_type="flex")(q, k, v, mask=mask_mod, return_attn_probs=True)
+        out, lse = usp_hal.LongContextAttention(attn_type="flex")(q, k, v, mask=mask_mod, return_lse=True)
     m = torch.arange(40)
     dense = ((m[None] <= m[:, None]) & ((m[:, None] - m[None]) % 3 != 1)).view(1, 1, 40, 40)
     ref_out, ref_lse = reference_attention(q, k, v, mask=dense)

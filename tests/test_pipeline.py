@@ -15,7 +15,7 @@ def _close(a, b, dtype=torch.float64):
 
 def test_options_round_trip_through_the_compiled_string():
     o = CallOptions.of(causal=True, softmax_scale=0.125, window_size=[3, -1], softcap=2.5, deterministic=True,
-                       return_attn_probs=True)
+                       return_lse=True)
     back = CallOptions.decode(o.encode())
     assert back == o and hash(back) == hash(o)
     assert back.window == (3, -1) and back.scale == 0.125 and back.softcap == 2.5
@@ -37,7 +37,7 @@ def test_cached_signature_still_serves_every_shape_and_option():
     cases = [(9, False, (-1, -1)), (12, True, (-1, -1)), (9, True, (2, 0)), (12, False, (-1, -1)), (9, False, (-1, -1))]
     for S, causal, window in cases * 2:
         q, k, v = (torch.randn(1, S, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
-        out, lse = attn(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+        out, lse = attn(q, k, v, causal=causal, window_size=window, return_lse=True)
         ref, ref_lse = reference_attention(q, k, v, causal=causal, window=window)
         _close(out, ref)
         _close(lse, ref_lse)

@@ -13,9 +13,9 @@ from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.cli import main, probe
 from usp_hal.harness import verify
 from usp_hal.reference import TOLERANCES
-from usp_hal.registry import AttnType, Registry
+from usp_hal.registry import NO_BACKEND, AttnType, Registry
 
-DOCUMENTED = {t.value for t in AttnType} - {"auto"}   # the built-in names of the public API
+DOCUMENTED = {t.value for t in AttnType} - {"auto"} - set(NO_BACKEND)   # the built-in names of the public API
 CPU_ONLY = platform.available_device_types() == ("cpu",)
 
 

@@ -35,6 +35,21 @@ _LAZY = {
     "EXTRACT_FUNC_DICT": "positions",
     "plan": "planner",
     "ShardedKVCache": "serving",
+    # yunchang 0.6.4's other top-level names (usp_hal.compat)
+    "RING_IMPL_DICT": "compat",
+    "RING_IMPL_QKVPACKED_DICT": "compat",
+    "basic_extract_local": "compat",
+    "zigzag_extract_local": "compat",
+    "stripe_extract_local": "compat",
+    **{name: "compat" for name in (
+        "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+        "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func",
+        "ring_flash_attn_varlen_qkvpacked_func", "zigzag_ring_flash_attn_func",
+        "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+        "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_qkvpacked_func",
+        "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+        "ring_pytorch_attn_func", "ring_flashinfer_attn_func", "ring_flashinfer_attn_kvpacked_func",
+        "ring_flashinfer_attn_qkvpacked_func", "ring_npu_flash_attn_func")},
 }
 
 __all__ = [
@@ -44,9 +59,9 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "planner",
-               "platform", "positions", "reference", "registry", "ring", "rotation", "sharding", "spec", "ulysses",
-               "varlen")
+_SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "compat", "kernels", "layout", "mesh",
+               "overlap", "planner", "platform", "positions", "processor", "reference", "registry", "ring",
+               "rotation", "sharding", "spec", "ulysses", "varlen")
 
 
 def __dir__():

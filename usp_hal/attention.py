@@ -15,7 +15,7 @@ import torch
 from .codec import get_codec
 from .compiled import compiled_forward
 from .layout import get_layout
-from .mesh import SequenceParallelMesh
+from .mesh import SequenceParallelMesh, mesh_of_group
 from .pipeline import CallOptions, CallPlan, Pipeline, USPError
 from .pipeline.options import plain
 from .pipeline.validate import check_joint
@@ -86,11 +86,15 @@ class LongContextAttention(torch.nn.Module):
         self.low_memory = _low_memory_chunks(low_memory)
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError(
-                f"scatter_idx={scatter_idx}, gather_idx={gather_idx}: only the [B, S, H, D] layout "
-                "(scatter_idx=2, gather_idx=1) is supported; transpose your inputs to [B, S, H, D]")
-        if attn_processor is not None:
-            raise NotImplementedError("attn_processor is not supported; register a backend with "
-                                      "usp_hal.register_backend(name, cls) and pass attn_type=name")
+                f"scatter_idx={scatter_idx!r}, gather_idx={gather_idx!r}: only scatter_idx=2, gather_idx=1 (yunchang's "
+                "default: q/k/v [B, S_local, H, D], heads scattered, sequence gathered) is supported"
+                + ("; UlyssesAttention takes its process group first, LongContextAttention takes none (build the "
+                   "mesh with set_seq_parallel_pg or init_sequence_parallel, or pass mesh=)"
+                   if not isinstance(scatter_idx, int) else ""))
+        if attn_processor is not None:           # yunchang's user kernel (usp_hal.processor)
+            from .processor import processor_attn_type
+            attn_type = processor_attn_type(attn_processor, attn_type)
+        self.attn_processor = attn_processor
         if any(x is not None for x in (q_descale, k_descale, v_descale)):
             raise NotImplementedError("fp8 descale factors are not supported by the USP path "
                                       "(use ulysses_float8=True for an fp8 wire format)")
@@ -161,11 +165,17 @@ class LongContextAttention(torch.nn.Module):
     # ------------------------------------------------------------------ public call
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, *args, positions: Optional[torch.Tensor] = None,
+                return_attn_probs=False, *args, return_lse: bool = False, positions: Optional[torch.Tensor] = None,
                 joint_tensor_query: Optional[torch.Tensor] = None, joint_tensor_key: Optional[torch.Tensor] = None,
                 joint_tensor_value: Optional[torch.Tensor] = None, joint_strategy: str = "none", cu_seqlens=None,
                 mask=None, sinks: Optional[torch.Tensor] = None):
         """Attention over this rank's part of the sequence (see the class doc).
+
+        Returns the output ``[B, S_local, H, D]``; with ``return_lse=True``, ``(out, lse)``
+        (lse ``[B, H, S_local]``, float32).  ``return_attn_probs`` is accepted for yunchang's
+        signature and, as there, changes nothing: yunchang 0.6.4's ``LongContextAttention``,
+        ``LongContextAttentionQKVPacked`` and ``UlyssesAttention`` return the output tensor
+        alone whatever it is (yunchang/hybrid/attn_layer.py, yunchang/ulysses/attn_layer.py).
 
         Joint (MMDiT) tokens: with ``joint_strategy`` "front" or "rear", the global sequence is
         the joint tokens followed by the main ones ("front") or the main ones followed by the
@@ -193,7 +203,7 @@ class LongContextAttention(torch.nn.Module):
         raw: Optional[tuple] = None
         opts = None
         if plain(softmax_scale) and plain(softcap):
-            raw = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+            raw = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_lse)
             try:
                 opts = self._options.get(raw)
             except TypeError:
@@ -201,7 +211,7 @@ class LongContextAttention(torch.nn.Module):
         if opts is None:
             opts = CallOptions.of(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, softcap=softcap, deterministic=deterministic,
-                                  return_attn_probs=return_attn_probs)
+                                  return_lse=return_lse)
             if raw is not None and not torch.compiler.is_compiling():
                 if len(self._options) > 64:
                     self._options.clear()
@@ -234,12 +244,12 @@ class LongContextAttention(torch.nn.Module):
                 raise NotImplementedError("cu_seqlens under torch.compile: packed documents run eagerly only; wrap "
                                           "the attention call in torch.compiler.disable or compile without them")
             out, lse = compiled_forward(pipe, query, key, value, opts, alibi_slopes, positions, joint, sinks)
-            return (out, lse) if return_attn_probs else out
+            return (out, lse) if return_lse else out
         if joint is not None:
             query, key, value = joint.extend(query, key, value)
         out, lse = pipe(mesh, query, key, value, opts, alibi_slopes=alibi_slopes, positions=positions, joint=joint,
                         err=err, cu_seqlens=cu_seqlens, sinks=sinks)
-        return (out, lse) if return_attn_probs else out
+        return (out, lse) if return_lse else out
 
     def _with_mask(self, opts: CallOptions, mask, sinks: bool) -> CallOptions:
         """``opts`` with the call's mask and sinks flag, cached per (options, mask object, sinks):
@@ -285,7 +295,8 @@ class AsyncLongContextAttention(LongContextAttention):
     the output-gradient and dq/dk/dv exchanges the same way.  Results equal the
     synchronous path's.  With one Ulysses rank there is nothing to overlap."""
 
-    def __init__(self, *args, head_chunks: int = 2, **kw):
+    def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic", *args,
+                 head_chunks: int = 2, **kw):
         if not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}")
         if kw.get("low_memory"):
@@ -293,7 +304,7 @@ class AsyncLongContextAttention(LongContextAttention):
                              "low_memory runs them one after another: use LongContextAttention(low_memory=...) "
                              "for the smaller peak, or this class without low_memory for the overlap")
         self.head_chunks = head_chunks
-        super().__init__(*args, **kw)
+        super().__init__(scatter_idx, gather_idx, ring_impl_type, *args, **kw)
 
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:
         if heads.size == 1 or self.head_chunks == 1:
@@ -302,14 +313,38 @@ class AsyncLongContextAttention(LongContextAttention):
 
 
 class UlyssesAttention(LongContextAttention):
-    """Ulysses only (ring degree 1): all-to-all over the mesh's Ulysses group."""
+    """Ulysses only (ring degree 1): all-to-all over ``sequence_process_group``.
 
-    def forward(self, *args, **kw):
+    yunchang's signature (yunchang/ulysses/attn_layer.py, 0.6.4): the group first, then
+    ``scatter_idx``, ``gather_idx``, ``use_sync``, ``attn_type``, positional or keyword.  The
+    module works from the group it is given (None: the default process group), with no mesh
+    set up first; ``mesh=`` (a mesh with ring degree 1) instead of a group is usp-hal's own
+    way, and the other keywords of :class:`LongContextAttention` are accepted by keyword."""
+
+    def __init__(self, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 1,
+                 use_sync: bool = False, attn_type="auto", *, mesh: Optional[SequenceParallelMesh] = None, **kw):
+        if mesh is not None and sequence_process_group is not None:
+            raise ValueError("UlyssesAttention: pass sequence_process_group or mesh=, not both")
+        if isinstance(sequence_process_group, int):
+            raise TypeError(f"UlyssesAttention's first argument is the sequence_process_group (yunchang's "
+                            f"signature), got the int {sequence_process_group}; pass scatter_idx= by keyword")
+        if mesh is None and (sequence_process_group is not None or dist_ready()):
+            mesh = mesh_of_group(sequence_process_group, "ulysses")
+        super().__init__(scatter_idx, gather_idx, use_sync=use_sync, attn_type=attn_type, mesh=mesh, **kw)
+        self.spg = sequence_process_group
+
+    def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, **kw):
         mesh = self._pipe.resolve_mesh()
         if mesh.ring_degree != 1:
             raise ValueError(f"UlyssesAttention needs a mesh with ring_degree=1 (got {mesh.ring_degree}); "
                              "use LongContextAttention for ulysses x ring")
-        return super().forward(*args, **kw)
+        return super().forward(query, key, value, dropout_p, softmax_scale, causal, window_size, softcap,
+                               alibi_slopes, deterministic, return_attn_probs, *args, **kw)
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class RingAttention(LongContextAttention):
@@ -324,16 +359,29 @@ class RingAttention(LongContextAttention):
 
 
 class LongContextAttentionQKVPacked(LongContextAttention):
-    """Packed input ``qkv [B, S_local, 3, H, D]`` (yunchang-compatible)."""
+    """Packed input ``qkv [B, S_local, 3, H, D]``, yunchang's signature
+    (yunchang/hybrid/attn_layer.py, 0.6.4): ``scatter_idx=3`` (the heads dim of the packed
+    tensor), ``gather_idx=1``, ``ring_impl_type``, ``use_sync``, ``attn_type``; the other
+    keywords of :class:`LongContextAttention` by keyword."""
+
+    def __init__(self, scatter_idx: int = 3, gather_idx: int = 1, ring_impl_type: str = "basic",
+                 use_sync: bool = False, attn_type="auto", **kw):
+        if (scatter_idx, gather_idx) not in ((3, 1), (2, 1)):
+            raise NotImplementedError(
+                f"scatter_idx={scatter_idx}, gather_idx={gather_idx}: packed qkv is [B, S, 3, H, D], scattered on "
+                "its heads (scatter_idx=3, yunchang's default) and gathered on the sequence (gather_idx=1)")
+        super().__init__(2, 1, ring_impl_type, use_sync=use_sync, attn_type=attn_type, **kw)
 
     def forward(self, qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None,
-                cu_seqlens=None):
+                alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, return_lse=False,
+                positions=None, cu_seqlens=None):
+        """The output ``[B, S_local, H, D]``; ``(out, lse)`` with ``return_lse=True``
+        (``return_attn_probs`` changes nothing, as in yunchang)."""
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
         q, k, v = qkv.unbind(2)
         return super().forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_attn_probs, positions=positions, cu_seqlens=cu_seqlens)
+                               deterministic, return_lse=return_lse, positions=positions, cu_seqlens=cu_seqlens)
 
 
 __all__ = ["LongContextAttention", "AsyncLongContextAttention", "LongContextAttentionQKVPacked", "UlyssesAttention",

@@ -407,7 +407,7 @@ def declared_reasons(b: Any, req: AttnRequest, ctx: Optional[RuleContext] = None
         reasons.append("window/alibi across ring blocks needs position offsets the kernel cannot take "
                        "(use ring_degree=1, or the sdpa backend)")
     if req.needs_lse and not b.RETURNS_LSE:
-        reasons.append("does not return a log-sum-exp (needed for ring degree > 1 and return_attn_probs)")
+        reasons.append("does not return a log-sum-exp (needed for ring degree > 1 and return_lse)")
     if req.needs_grad and not b.HAS_BACKWARD:
         reasons.append("forward-only kernel: no backward")
     if req.deterministic and req.needs_grad and not (b.IS_DETERMINISTIC or b.SUPPORTS_DETERMINISTIC):

@@ -18,6 +18,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
+from . import positions as _positions
+
 _DEFAULT_MESH: "Optional[SequenceParallelMesh]" = None
 
 
@@ -407,6 +409,13 @@ def _set_default(mesh: SequenceParallelMesh) -> None:
     _DEFAULT_MESH = mesh
 
 
+def _current_default() -> Optional[SequenceParallelMesh]:
+    return _DEFAULT_MESH
+
+
+_positions.default_mesh = _current_default    # EXTRACT_FUNC_DICT honours the default mesh's placement
+
+
 def get_default_mesh() -> SequenceParallelMesh:
     if _DEFAULT_MESH is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -417,8 +426,10 @@ def get_default_mesh() -> SequenceParallelMesh:
 
 
 def set_seq_parallel_pg(sp_ulysses_degree: int, sp_ring_degree: int, rank: int, world_size: int,
-                        use_ulysses_low: bool = True) -> SequenceParallelMesh:
-    """yunchang-compatible: build the mesh and make it the default one."""
+                        use_ulysses_low: bool = True) -> None:
+    """yunchang-compatible: build the mesh and make it the default one (read it back with
+    :func:`get_default_mesh`).  Returns None, as yunchang 0.6.4's does (yunchang/globals.py,
+    ``set_seq_parallel_pg``, which stores its two groups in ``PROCESS_GROUP``)."""
     if dist.is_initialized():
         from .comm import agree
         problem = None
@@ -426,5 +437,32 @@ def set_seq_parallel_pg(sp_ulysses_degree: int, sp_ring_degree: int, rank: int, 
             problem = (f"rank/world_size ({rank}/{world_size}) differ from the process group "
                        f"({dist.get_rank()}/{dist.get_world_size()})")
         agree(problem, None, what="set_seq_parallel_pg", where="default process group")
-    return init_sequence_parallel(sp_ulysses_degree, sp_ring_degree, use_ulysses_low=use_ulysses_low,
-                                  set_default=True)
+    init_sequence_parallel(sp_ulysses_degree, sp_ring_degree, use_ulysses_low=use_ulysses_low, set_default=True)
+
+
+def mesh_of_group(group, kind: str) -> SequenceParallelMesh:
+    """A one-dimensional mesh over an existing process group (None: the default group):
+    ``kind`` "ulysses" (all-to-all over it) or "ring" (blocks rotate over it).  Creates no
+    group and runs no collective, so any rank may build it at any time.
+
+    The per-call metadata check runs over ``group`` itself; on a group without a host
+    transport (plain nccl) that is one small device all-gather per call (the meshes of
+    ``init_sequence_parallel`` add a gloo side group for it instead)."""
+    if kind not in ("ulysses", "ring"):
+        raise ValueError(f"kind must be 'ulysses' or 'ring', got {kind!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,))
+    if group is None:
+        group = dist.group.WORLD
+    ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not a member of the given process group (ranks {ranks})")
+    n = len(ranks)
+    if kind == "ulysses":
+        return SequenceParallelMesh(n, 1, rank, world, True, ulysses_ranks=ranks, ring_ranks=(rank,), sp_ranks=ranks,
+                                    ulysses_group=group, ring_group=None, sp_group=group)
+    return SequenceParallelMesh(1, n, rank, world, True, ulysses_ranks=(rank,), ring_ranks=ranks, sp_ranks=ranks,
+                                ulysses_group=None, ring_group=group, sp_group=group)

@@ -48,7 +48,7 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
                         v_proj: Callable, *, heads: int, kv_heads: Optional[int] = None,
                         head_dim: Optional[int] = None, v_head_dim: Optional[int] = None, causal: bool = False,
                         softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                        deterministic: bool = False, return_attn_probs: bool = False, cu_seqlens=None):
+                        deterministic: bool = False, return_lse: bool = False, cu_seqlens=None):
     """Project q, k, v from ``hidden`` and run ``attn`` on them, each all-to-all in flight
     while the next projection computes (see the module doc).  Returns what
     ``attn(q, k, v, ...)`` returns; ``cu_seqlens``: packed documents, as for ``attn``."""
@@ -56,7 +56,7 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
         raise TypeError(f"attn must be a usp_hal.LongContextAttention, got {type(attn).__name__}")
     mesh = attn.pipeline.resolve_mesh()
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-              alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+              alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
               cu_seqlens=cu_seqlens)
     q = _as_heads(q_proj(hidden), heads, head_dim, "q_proj")
     kvh = kv_heads or heads
@@ -76,7 +76,7 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     vp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, dv)
     pipe = attn.pipeline
     opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                          deterministic=deterministic, return_attn_probs=return_attn_probs)
+                          deterministic=deterministic, return_lse=return_lse)
     _, plan = pipe.prepare(mesh, q, kp, vp, opts, alibi_slopes=alibi_slopes, needs_grad=grad,
                            cu_seqlens=cu_seqlens)
     ex = plan.stages[0].exchange
@@ -92,7 +92,7 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     _check_like(v, (b, s, kvh, dv), q, "v_proj")
     pending.append(ex.start_heads(v, "kv", async_op=True, what=what, name="v"))
     out, lse = _run.run(plan, q, k, v, _run.Received(ex, pending))
-    return (out, lse) if return_attn_probs else out
+    return (out, lse) if return_lse else out
 
 
 def _check_like(x: torch.Tensor, shape, q: torch.Tensor, what: str) -> None:

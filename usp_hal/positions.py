@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -319,8 +319,19 @@ def register_layout(layout: Layout, *, override: bool = False) -> Layout:
     if layout.name in LAYOUTS and not override:
         raise ValueError(f"layout {layout.name!r} is already registered (pass override=True to replace it)")
     LAYOUTS[layout.name] = layout
-    EXTRACT_FUNC_DICT[layout.yunchang_name or layout.name] = _yunchang_extract(layout.name)
+    extract = _yunchang_extract(layout.name)
+    EXTRACT_FUNC_DICT[layout.name] = extract
+    if layout.yunchang_name:
+        EXTRACT_FUNC_DICT[layout.yunchang_name] = extract
     return layout
+
+
+#: yunchang 0.6.4's other ``ring_impl_type`` names, as the layout each shards with
+#: (yunchang/hybrid/utils.py ``RING_IMPL_DICT``, yunchang/comm/extract_local.py ``EXTRACT_FUNC_DICT``):
+#: "strip" is the stripe layout; the ``basic_*`` rings (torch SDPA, FlashInfer, Ascend NPU kernels)
+#: shard like "basic" (the kernel is ``attn_type`` here)
+LAYOUT_ALIASES: Dict[str, str] = {"strip": "stripe", "basic_pytorch": "basic", "basic_flashinfer": "basic",
+                                  "basic_npu": "basic"}
 
 
 def layout_names(general: bool = True) -> List[str]:
@@ -333,10 +344,12 @@ def get_layout(layout: "Union[str, Layout]") -> Layout:
     """The :class:`Layout` for a name (or the object itself); ValueError listing the valid names."""
     if isinstance(layout, Layout):
         return layout
+    name = str(layout)
     try:
-        return LAYOUTS[str(layout)]
+        return LAYOUTS[LAYOUT_ALIASES.get(name, name)]
     except KeyError:
-        raise ValueError(f"unknown layout / ring_impl_type {layout!r}; valid: {', '.join(LAYOUTS)}") from None
+        raise ValueError(f"unknown layout / ring_impl_type {layout!r}; valid: {', '.join([*LAYOUTS, *LAYOUT_ALIASES])}"
+                         ) from None
 
 
 def check_layout(layout: "Union[str, Layout]") -> str:
@@ -395,18 +408,64 @@ def permutation(layout: str, seqlen: int, ring_size: int, ulysses_size: int = 1,
                       for r in range(ring_size) for u in range(ulysses_size)])
 
 
+def _no_mesh() -> Any:
+    return None
+
+
+#: the default sequence-parallel mesh, or None: ``usp_hal.mesh`` installs its reader here (this
+#: module imports nothing of the package); the yunchang-style extract functions read its placement
+default_mesh: Callable[[], Any] = _no_mesh
+
+
+def extract_ranks(rank: int, rd: int, ud: int, use_ulysses_low: Optional[bool] = None) -> Tuple[int, int]:
+    """``(ring_rank, ulysses_rank)`` of sequence-parallel rank ``rank`` (or a global rank: replicas
+    are ``rd * ud`` consecutive ranks) under the placement ``use_ulysses_low``.
+
+    ``None``: the placement of the default mesh (``set_seq_parallel_pg`` /
+    ``init_sequence_parallel``) when its degrees are ``ud`` x ``rd`` (this process's own rank
+    then reads the mesh's own ring and Ulysses ranks, as yunchang's ``zigzag_extract_local``
+    reads its groups'); yunchang's default placement (Ulysses ranks consecutive) without one."""
+    default = default_mesh()
+    if default is not None and (default.ulysses_degree, default.ring_degree) != (ud, rd):
+        default = None
+    if use_ulysses_low is None:
+        if default is not None and rank == default.rank:
+            return default.ring_rank, default.ulysses_rank
+        use_ulysses_low = True if default is None else default.use_ulysses_low
+    sp = rank % (rd * ud)
+    if use_ulysses_low:
+        return sp // ud, sp % ud
+    return sp % rd, sp // rd
+
+
 def _yunchang_extract(layout: str):
-    def extract(value, rank, world_size, rd, ud, *args, cu_seqlens=None, **kwargs):
-        """yunchang-compatible: ``value`` is global along dim 1; ``rank`` is the rank inside the
-        sequence-parallel group with Ulysses ranks contiguous (``use_ulysses_low=True``).
-        ``cu_seqlens``: document boundaries of a packed ``value``."""
+    keep_graph = layout != "basic"      # yunchang's basic_extract_local detaches; zigzag/strip ones do not
+
+    def extract(value, rank, world_size, rd=None, ud=None, dim=1, *args, cu_seqlens=None,
+                use_ulysses_low: Optional[bool] = None, **kwargs):
+        """yunchang-compatible: ``value`` is global along ``dim``; returns the part rank ``rank``
+        holds.  ``rd``/``ud``: ring and Ulysses degrees (``rd * ud == world_size``; without them,
+        as yunchang's ``basic_extract_local(value, rank, world_size)`` allows, the default mesh's,
+        else a ring of ``world_size``).  The placement of ``rank`` in the ring x Ulysses grid is
+        the default mesh's (so ``set_seq_parallel_pg(..., use_ulysses_low=False)`` is honoured),
+        or ``use_ulysses_low`` when given (see :func:`extract_ranks`).  ``cu_seqlens``: document
+        boundaries of a packed ``value``."""
+        if rd is None or ud is None:
+            default = default_mesh()
+            if rd is None and ud is None and default is not None and default.sp_size == world_size:
+                rd, ud = default.ring_degree, default.ulysses_degree
+            elif rd is None and ud is None:
+                rd, ud = world_size, 1
+            else:
+                raise ValueError(f"{layout}_extract_local: give both rd and ud (got rd={rd}, ud={ud})")
         if rd * ud != world_size:
             raise ValueError(f"ring degree {rd} x ulysses degree {ud} != world size {world_size}")
-        ring_rank, ulysses_rank = divmod(rank, ud)
-        pos = local_positions(layout, value.shape[1], rd, ud, ring_rank, ulysses_rank,
+        ring_rank, ulysses_rank = extract_ranks(rank, rd, ud, use_ulysses_low)
+        pos = local_positions(layout, value.shape[dim], rd, ud, ring_rank, ulysses_rank,
                               cu_seqlens=cu_seqlens).to(value.device)
-        return value.index_select(1, pos).detach().clone()
-    extract.__name__ = f"{layout}_extract_local"
+        local = value.index_select(dim, pos)
+        return local if keep_graph else local.detach().clone()
+    extract.__name__ = extract.__qualname__ = f"{layout}_extract_local"
     return extract
 
 
@@ -417,8 +476,10 @@ register_layout(Layout("basic", _basic, contiguous=True, balances_causal=False,
 register_layout(Layout("zigzag", _zigzag, contiguous=True, balances_causal=True,
                        description="2R chunks; rank r holds chunks r and 2R-1-r", yunchang_name="zigzag"))
 register_layout(Layout("stripe", _stripe, contiguous=False, balances_causal=True,
-                       description="rank r holds positions r, r+R, r+2R, ...", yunchang_name="stripe"))
+                       description="rank r holds positions r, r+R, r+2R, ...", yunchang_name="strip"))
 register_layout(Layout("varlen_zigzag", _zigzag, contiguous=True, balances_causal=True,
                        description="packed documents (cu_seqlens): each document in 2R chunks, chunk pair "
                                    "(j, 2R-1-j) to one rank, balanced per document",
                        per_document=_varlen_zigzag))
+for _alias, _layout in LAYOUT_ALIASES.items():
+    EXTRACT_FUNC_DICT.setdefault(_alias, EXTRACT_FUNC_DICT[_layout])

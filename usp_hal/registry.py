@@ -39,17 +39,42 @@ class AttnType(str, enum.Enum):
     NPU = "npu"
     XPU = "xpu"
 
+    # yunchang 0.6.4's members (yunchang/kernels/__init__.py AttnType) that have no usp-hal
+    # backend: choosing one raises (see NO_BACKEND) unless a backend of that name is registered
+    AITER = "aiter"
+    SAGE_FP16 = "sage_fp16"
+    SAGE_FP16_TRITON = "sage_fp16_triton"
+    SPARSE_SAGE = "sparse_sage"
+
     # yunchang-compatible aliases (enum aliases: same value, other name)
     FA = "fa2"
     TORCH = "sdpa"
+    TORCH_MATH = "sdpa"
     TORCH_EFFICIENT = "sdpa"
     TORCH_FLASH = "sdpa"
+    TORCH_CUDNN = "sdpa"
     SAGE_AUTO = "sage_fp8"
     SAGE_FP8_SM90 = "sage_fp8"
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
         return self.value
 
+
+#: yunchang 0.6.4 kernel choices usp-hal has no backend for, and what to use instead
+#: (the yunchang kernels are those of yunchang/kernels/__init__.py ``select_flash_attn_impl``)
+NO_BACKEND = {
+    "aiter": "yunchang's AttnType.AITER runs AMD aiter's flash_attn_func (forward only); usp-hal has no aiter "
+             "backend: use attn_type='auto' or 'sdpa', or register one with usp_hal.register_backend('aiter', cls)",
+    "sage_fp16": "yunchang's AttnType.SAGE_FP16 runs SageAttention's int8-QK fp16-PV CUDA kernel "
+                 "(sageattn_qk_int8_pv_fp16_cuda); usp-hal's sage backend runs SageAttention's sageattn (yunchang's "
+                 "SAGE_AUTO): use attn_type='sage_fp8', or 'auto'/'sdpa' for an exact kernel",
+    "sage_fp16_triton": "yunchang's AttnType.SAGE_FP16_TRITON runs SageAttention's int8-QK fp16-PV Triton kernel "
+                        "(sageattn_qk_int8_pv_fp16_triton); usp-hal's sage backend runs SageAttention's sageattn "
+                        "(yunchang's SAGE_AUTO): use attn_type='sage_fp8', or 'auto'/'sdpa' for an exact kernel",
+    "sparse_sage": "yunchang's AttnType.SPARSE_SAGE is its SparseAttentionMeansim module passed as attn_processor: "
+                   "pass that module as attn_processor= (usp-hal runs any attn_processor as the kernel, "
+                   "forward only, ring degree 1), or use attn_type='auto'/'sdpa'",
+}
 
 _BUILTIN = {
     "sdpa": "usp_hal.backends.sdpa:SDPABackend",
@@ -116,23 +141,37 @@ class Registry:
 
     # ------------------------------------------------------------ lookup
     def canonical_name(self, attn_type) -> str:
-        """Map an AttnType / yunchang enum / string to a registered name (or 'auto')."""
+        """Map an AttnType / yunchang enum / string to a registered name (or 'auto'); a backend
+        class itself (an AttentionBackend subclass, registered or not) gives its ``NAME``."""
         self._load_plugins()
+        if isinstance(attn_type, type) and issubclass(attn_type, AttentionBackend):
+            return attn_type.NAME
         if isinstance(attn_type, AttnType):
-            return attn_type.value
-        if isinstance(attn_type, enum.Enum):  # e.g. yunchang.kernels.AttnType members
-            attn_type = attn_type.name
-        text = str(attn_type)
-        low = text.lower()
-        if low == "auto" or low in self._entries:
-            return low
-        upper = text.upper()
-        if upper in AttnType.__members__:
-            return AttnType.__members__[upper].value
+            name = attn_type.value
+        elif isinstance(attn_type, enum.Enum):  # e.g. yunchang.kernels.AttnType members
+            return self.canonical_name(attn_type.name)
+        else:
+            text = str(attn_type)
+            low = text.lower()
+            if low == "auto" or low in self._entries:
+                return low
+            upper = text.upper()
+            if upper not in AttnType.__members__:
+                name = ""
+            else:
+                name = AttnType.__members__[upper].value
+        if name == "auto" or name in self._entries:
+            return name
+        if name in NO_BACKEND:
+            raise ValueError(f"attn_type {attn_type!r}: {NO_BACKEND[name]}")
+        if name:
+            return name
         valid = ["auto"] + self.names() + sorted(k for k in AttnType.__members__ if AttnType[k].value != k.lower())
         raise ValueError(f"unknown attn_type {attn_type!r}; valid options are: {', '.join(valid)}")
 
     def get(self, attn_type) -> "type[AttentionBackend]":
+        if isinstance(attn_type, type) and issubclass(attn_type, AttentionBackend):
+            return attn_type          # a class given itself (e.g. a module's attn_processor kernel)
         name = self.canonical_name(attn_type)
         if name == "auto":
             raise ValueError("'auto' is not a backend; use select(request)")
@@ -193,8 +232,10 @@ class Registry:
 
     def reasons(self, name: str, request: AttnRequest) -> list:
         """Availability problem (if any) then every capability reason."""
-        cls = self.get(name)
-        request = self._complete(request)
+        return self._reasons_of(self.get(name), self._complete(request))
+
+    @staticmethod
+    def _reasons_of(cls, request: AttnRequest) -> list:
         out = []
         avail = cls.availability()
         if not avail.ok:
@@ -206,6 +247,11 @@ class Registry:
         """Validate an explicit choice, or pick the first fitting backend for 'auto'."""
         name = self.canonical_name(attn_type)
         request = self._complete(request)
+        if isinstance(attn_type, type):
+            why = self._reasons_of(attn_type, request)
+            if why:
+                raise self.refusal(name, request, why)
+            return attn_type
         if name != "auto":
             why = self.reasons(name, request)
             if why:

@@ -244,7 +244,7 @@ def test_contract_fa4_through_long_context_attention_one_rank(fa4):
     q, k, v, dout = _inputs(dtype, b=1, sq=24, h=4, hkv=2, d=24, seed=5)
     ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
     out, lse = usp_hal.LongContextAttention(attn_type="fa4")(ql, kl, vl, causal=True, softcap=2.0,
-                                                             return_attn_probs=True)
+                                                             return_lse=True)
     out.backward(dout)
     ref = _reference(q, k, v, dout, causal=True, softcap=2.0)
     _close(out.detach(), ref[0], dtype, "out")

@@ -112,7 +112,7 @@ def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1
         attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
         with CommMeter(_COLLECTIVES) as meter:
             try:
-                attn(*x, causal=causal, return_attn_probs=return_lse)
+                attn(*x, causal=causal, return_lse=return_lse)
                 error = None
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"

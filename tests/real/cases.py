@@ -124,7 +124,7 @@ def usp_case(name: str, dtype: str, U=1, R=1, layout="basic", B=1, S=64, H=4, Hk
         ql, kl, vl = (sh(x).requires_grad_(grad) for x in (q, k, v))
         attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type=name, mesh=mesh)
         try:
-            res = attn(ql, kl, vl, causal=causal, return_attn_probs=return_lse)
+            res = attn(ql, kl, vl, causal=causal, return_lse=return_lse)
             out, lse = res if return_lse else (res, None)
             pairs = [("out", out, sh(ro))] + ([("lse", lse, sh(rl, seq_dim=2))] if return_lse else [])
             if grad:

@@ -33,13 +33,13 @@ class CallOptions:
 
     @classmethod
     def of(cls, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-           deterministic=False, return_attn_probs=False, joint_strategy="none", joint_total=0, mask=None,
+           deterministic=False, return_lse=False, joint_strategy="none", joint_total=0, mask=None,
            sinks=False) -> "CallOptions":
         """From ``forward``'s keyword names (a list window becomes a tuple so the value hashes)."""
         if isinstance(window_size, list):
             window_size = tuple(window_size)
         return cls(causal=bool(causal), scale=softmax_scale, window=window_size, softcap=softcap,
-                   deterministic=bool(deterministic), return_lse=bool(return_attn_probs), dropout_p=dropout_p,
+                   deterministic=bool(deterministic), return_lse=bool(return_lse), dropout_p=dropout_p,
                    joint_strategy=joint_strategy or "none", joint_total=int(joint_total), mask=mask,
                    sinks=bool(sinks))
 
