@@ -40,12 +40,6 @@ class HeadPlan:
         exp = self.kv_expand[u]
         return b - a, (len(exp) if exp is not None else self.kv[u][1] - self.kv[u][0])
 
-    def q_heads(self, u: int) -> range:
-        return range(*self.q[u])
-
-    def kv_heads(self, u: int) -> range:
-        return range(*self.kv[u])
-
     @property
     def kv_shared(self) -> bool:
         """Some KV head is received by more than one rank (its gradients must be summed)."""
