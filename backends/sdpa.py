@@ -71,9 +71,9 @@ class SDPABackend(AttentionBackend):
     HAS_BACKWARD = True
     IS_DETERMINISTIC = True   # on CPU; the CUDA efficient backward is refused below
     INPUT_LAYOUT = "last-dim-contiguous"
-    # a query row with a NaN/inf comes out NaN (out and lse) from the CPU op: no guard needed there
-    # (checked on torch 2.13.0 here); the CUDA ops are not checked, so the core guards them
-    PROPAGATES_NAN = frozenset({"cpu"})
+    # PROPAGATES_NAN stays empty (the core guards every device): on torch 2.13.0 the CPU op
+    # returns a finite out and lse for a float32/bfloat16 query row holding a NaN (float64
+    # carries it); tests/test_trust.py checks the guarded result
     LIMITS = (
         Limit("fp64 is only supported on cpu (the CUDA attention ops take fp16/bf16/fp32)",
               uses=("fp64",), devices=("cuda", "rocm"),

@@ -1,8 +1,7 @@
-"""What the per-call cross-rank check costs: one small call, timed with the check on (the
-default: a steady module's call goes ahead of its agreement, whose all-gather is waited for
-once the first exchange completed), agreeing before every call (``go_ahead`` off: the
-repeat lane), with ``check_ranks=False`` (the lengths are still exchanged) and with
-``static_shapes=True`` (checked once, then no host collective), in interleaved rounds on 2
+"""What the per-call cross-rank check costs: one small call, timed with
+``check_ranks="every_call"`` (the default: one metadata all-gather before every call),
+``"off"`` (the lengths are still exchanged) and ``"first_call"`` (checked once, then no
+host collective), in interleaved rounds on 2
 spawned gloo ranks.  Ring-2, basic layout, fp32, B=1, H=8, D=64, forward.  Then the latency
 of one bare all-gather of the check's size, alone, on the same ranks.
 
@@ -28,12 +27,8 @@ from benchmarks._ranks import run_on_ranks
 def job(S=512, U=1, R=2, rounds=40, calls=5):
     """Ring-2 by default; ``U=2, R=1`` for Ulysses-2."""
     mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
-    first = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
-    first.pipeline.go_ahead = False
-    mods = {"checked, going ahead (default)": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh),
-            "checked before the call": first,
-            "check_ranks=False": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks=False),
-            "static_shapes=True": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, static_shapes=True)}
+    mods = {f"check_ranks={mode!r}": usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks=mode)
+            for mode in ("every_call", "off", "first_call")}
     q, k, v = (torch.randn(1, S // (U * R), 8, 64) for _ in range(3))
     times: dict = {name: [] for name in mods}
     with torch.no_grad():

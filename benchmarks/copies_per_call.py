@@ -61,10 +61,6 @@ def _call(attn, q, k, v, dout, bwd):
 
 def measure(seqlen, dim):
     import usp_hal
-    from usp_hal.rotation import P2PRotation
-    from usp_hal.ulysses import UlyssesExchange
-    P2PRotation.CARRY_BYTES = 0     # as on a device transport: no agreement flag packed into the ring's K/V
-    UlyssesExchange.SPLIT_BYTES = 0  # ... and q/k/v packed into one all-to-all whatever their size
     rows = []
     for label, u, r, layout, h, hkv, bwd in CASES:
         mesh = usp_hal.init_sequence_parallel(u, r, set_default=False)

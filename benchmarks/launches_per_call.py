@@ -1,7 +1,6 @@
 """Launches and bytes copied per attention call, per rank: usp-hal and yunchang on the same kernel.
 
-One call (after three warm-up calls, so caches are in their steady state and the call goes
-ahead of its agreement as a steady module's calls do) runs under a
+One call (after three warm-up calls, so caches are in their steady state) runs under a
 TorchDispatchMode and with the ``torch.distributed`` functions wrapped; per rank it counts
 
 * **kernel**: attention kernel ops (aten ``_scaled_dot_product_*`` forward/backward, or any op
@@ -170,15 +169,8 @@ def _measure_one(attn, q, k, v, dout, causal, bwd):
             "copied": m.copied, "ops": m.ops}
 
 
-def measure(cases, seqlen, heads, dim, peers, carry=False):
+def measure(cases, seqlen, heads, dim, peers):
     import usp_hal
-    if not carry:
-        # as on a device transport: a ring never carries the agreement flag in its K/V, and
-        # q/k/v always travel packed
-        from usp_hal.rotation import P2PRotation
-        from usp_hal.ulysses import UlyssesExchange
-        P2PRotation.CARRY_BYTES = 0
-        UlyssesExchange.SPLIT_BYTES = 0
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     have_yunchang = False
@@ -221,22 +213,16 @@ def main():
     ap.add_argument("--ops", action="store_true", help="also print rank 0's ops per row")
     ap.add_argument("--json", default=None, help="write every rank's rows as JSON")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for the ranks (default 600)")
-    ap.add_argument("--host-carry", action="store_true",
-                    help="the gloo host-tensor path: the ring carries the agreement flag in its K/V messages, "
-                         "and q/k/v of 4 MiB or more a rank travel in an all-to-all each (off by default: "
-                         "device transports never do either)")
     a = ap.parse_args()
     import usp_hal
     tree = os.path.dirname(os.path.dirname(os.path.abspath(usp_hal.__file__)))
-    kw = dict(seqlen=a.seqlen, heads=a.heads, dim=a.head_dim, peers=not a.no_peers, carry=a.host_carry)
+    kw = dict(seqlen=a.seqlen, heads=a.heads, dim=a.head_dim, peers=not a.no_peers)
     two = run_on_ranks(measure, 2, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 2], **kw)
     four = run_on_ranks(measure, 4, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 4], **kw)
     per_rank = [list(x) for x in zip(*two)] + [list(x) for x in zip(*four)]   # row -> [rank results]
     print(f"launches per call, per rank: usp-hal from {tree} (usp_hal {getattr(usp_hal, '__version__', '?')}), "
           f"torch {torch.__version__}, S={a.seqlen} H={a.heads} D={a.head_dim} fp32 B=1, basic layout, "
           f"one call after 3 warm-up calls")
-    print("ring agreement flag carried in the K/V messages, big q/k/v split (the gloo host-tensor path): " +
-          ("on (--host-carry)" if a.host_carry else "off, as on a device transport (--host-carry turns it on)"))
     print("kernel = attention kernel ops; other = other launching aten ops; coll = collectives; "
           "launches = their sum (rank 0; all ranks in 'per rank'); copied = bytes copied outside the kernel, "
           "max over ranks")

@@ -402,16 +402,12 @@ def profiler_labels(U=2, R=2, S=16, H=4, D=8):
     return sorted({e.name for e in prof.events() if e.name.startswith("usp_hal: ")})
 
 
-def ulysses_bound_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D=8, dtype="fp32", calls=3,
-                       return_lse=False, vary=False, split_bytes=None):
-    """Forward-only calls (no gradient): a Ulysses-only plan without lse runs its bound path
-    (the exchange's two bound all-to-alls around the backend's bound call).  Every call is
-    compared with the float64 reference; ``bound``: whether the plan took that path.  With
-    ``vary``, every call has inputs of its own and every output is kept and compared only
-    after the last call (the CPU path reuses its exchange buffers: no result may share them).
-    ``split_bytes``: ``UlyssesExchange.SPLIT_BYTES`` for these calls (1: q, k and v travel
-    apart); ``a2a``: the all-to-alls of each call."""
-    from usp_hal.ulysses import UlyssesExchange
+def ulysses_forward_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D=8, dtype="fp32", calls=3,
+                         return_lse=False, vary=False):
+    """Forward-only Ulysses calls (no gradient), each compared with the float64 reference.
+    With ``vary``, every call has inputs of its own and every output is kept and compared
+    only after the last call (no result may share a buffer of a later call); ``a2a``: the
+    all-to-alls of each call."""
     mesh = get_mesh(U, 1)
     dt = DTYPES[dtype]
     Hkv = Hkv or H
@@ -421,20 +417,18 @@ def ulysses_bound_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D
 
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh)
     kept, a2a = [], []
-    real_a2a, real_split = dist.all_to_all_single, UlyssesExchange.SPLIT_BYTES
+    real_a2a = dist.all_to_all_single
     count = [0]
 
     def counted(*a, **kw):
         count[0] += 1
         return real_a2a(*a, **kw)
     dist.all_to_all_single = counted
-    if split_bytes is not None:
-        UlyssesExchange.SPLIT_BYTES = split_bytes
     try:
         with torch.no_grad():
             for i in range(calls):
                 q, k, v, _, _ = make_inputs(1, S, H, Hkv, D, dt, seed=S + H + (i if vary else 0))
-                # fresh (non-contiguous, for the odd calls) views each call: the bound path re-reads every tensor
+                # fresh (non-contiguous, for the odd calls) views each call
                 ql, kl, vl = (sh(x) for x in (q, k, v))
                 if i % 2:
                     ql, kl, vl = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ql, kl, vl))
@@ -444,7 +438,7 @@ def ulysses_bound_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D
                 out, lse = res if return_lse else (res, None)
                 kept.append((q, k, v, ql, out, lse))
     finally:
-        dist.all_to_all_single, UlyssesExchange.SPLIT_BYTES = real_a2a, real_split
+        dist.all_to_all_single = real_a2a
     errs = []
     for q, k, v, ql, out, lse in kept:
         ro, rl = reference_attention(q.double(), k.double(), v.double(), causal=causal)
@@ -453,5 +447,4 @@ def ulysses_bound_case(U=2, layout="basic", causal=False, S=16, H=4, Hkv=None, D
         if lse is not None:
             e["lse"] = _err(lse, sh(rl, seq_dim=2), dt, lse=True)
         errs.append(e)
-    bound = [callable(p.fast) for p in attn.pipeline.plans.values()]
-    return {"errs": errs, "bound": bound, "a2a": a2a}
+    return {"errs": errs, "a2a": a2a}

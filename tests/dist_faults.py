@@ -240,7 +240,6 @@ def repeat_then_change(U=1, R=2):
     H, D = 4, 8
     attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
     pipe = attn.pipeline
-    pipe.go_ahead = False       # the repeat lane itself (steady calls would otherwise go ahead of it)
 
     def call(lengths, causal=(False, False)):
         g = torch.Generator().manual_seed(sum(lengths))
@@ -265,84 +264,21 @@ def repeat_then_change(U=1, R=2):
     return {"steps": steps, "layout": layout}
 
 
-def ahead_then_change(U=1, R=2, rotation="p2p", grad=False):
-    """Steady calls go ahead of their agreement; then one rank alone changes its length (the
-    call is dropped and run again with the new plan), one rank alone changes an option or
-    passes a bad tensor (refused on every rank), and every rank changes.  Each step: the
-    lane it took, its error, and its float64 errors (output, and dq/dk/dv with ``grad``)."""
-    mesh = get_mesh(U, R)
-    rank, n = dist.get_rank(), U * R
-    H, D = 4, 8
-    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, rotation=rotation)
-    pipe = attn.pipeline
-
-    def call(lengths, causal=None, bad=None):
-        causal = causal or (False,) * n
-        g = torch.Generator().manual_seed(sum(lengths) * 7 + len(lengths))
-        S = sum(lengths)
-        q, k, v = (torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
-        a = sum(lengths[:rank])
-        mine = slice(a, a + lengths[rank])
-        ql, kl, vl = (t[:, mine].clone().requires_grad_(grad) for t in (q, k, v))
-        if bad == rank:
-            ql = ql.detach().float()
-        before = list(pipe.ahead_counts)
-        lane = "ahead" if pipe.ahead is not None else "agreed"
-        try:
-            out = attn(ql, kl, vl, causal=causal[rank])
-        except (ValueError, TypeError) as exc:
-            return {"error": str(exc), "lane": "retried" if pipe.ahead_counts[1] > before[1] else lane}
-        if pipe.ahead_counts[1] > before[1]:
-            lane = "retried"
-        elif pipe.ahead_counts[0] > before[0]:
-            lane = "ahead"
-        qr, kr, vr = (t.clone().requires_grad_(grad) for t in (q, k, v))
-        ref, _ = reference_attention(qr, kr, vr, causal=causal[rank])
-        res = {"error": None, "lane": lane, "max_err": float((out - ref[:, mine]).abs().max())}
-        if grad:
-            dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-            ref.backward(dout)
-            out.backward(dout[:, mine])
-            res["grad_err"] = max(float((x.grad - r.grad[:, mine]).abs().max())
-                                  for x, r in ((ql, qr), (kl, kr), (vl, vr)))
-        return res
-
-    even, uneven = (8,) * n, (8,) * (n - 1) + (5,)
-    last_causal = (False,) * (n - 1) + (True,)
-    steps = [call(even), call(even), call(even), call(even),          # agreed, agreed, ahead, ahead
-             call(uneven),                                            # the last rank alone changes: run again
-             call(uneven), call(uneven),                              # agreed (steady again), ahead
-             call(uneven, causal=last_causal),                        # refused on every rank
-             call(uneven), call(uneven),                              # agreed, ahead
-             call(even), call(even), call(even),                      # all change: run again; agreed; ahead
-             call(even, bad=0),                                       # rank 0's bad dtype: refused everywhere
-             call(even), call(even)]                                  # agreed, ahead
-    # whether the steady calls' flag rode in the ring's K/V messages (no all-gather of its own)
-    carry = pipe.ahead.carry if pipe.ahead is not None else None
-    return {"steps": steps, "counts": list(pipe.ahead_counts), "rank": rank, "carry": carry}
-
-
-def ahead_then_new_mesh():
-    """A steady module (its calls going ahead) moved to another mesh of the same ranks (ring
-    to Ulysses): the call that went ahead on the old mesh is dropped and agreed on again on
-    the new one; the results are the float64 reference's throughout.  Then ``check_ranks``
-    changes (on every rank): the next call agrees first, the one after goes ahead again."""
+def new_mesh_and_modes():
+    """One module moved to another mesh of the same ranks (ring to Ulysses), then its
+    ``check_ranks`` changed on every rank (``"off"``, ``"first_call"``, back): every call
+    is the float64 reference's."""
     rank = dist.get_rank()
     ring, uly = get_mesh(1, 2), get_mesh(2, 1)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=ring)
-    pipe = attn.pipeline
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
     ref, _ = reference_attention(q, k, v)
     mine = slice(8 * rank, 8 * rank + 8)
-    lanes, errs = [], []
-    for i, mesh in enumerate((ring, ring, ring, uly, uly, uly, uly, uly)):
+    errs = []
+    for i, mesh in enumerate((ring, ring, uly, uly, uly, uly, ring, ring)):
         attn.mesh = mesh
-        if i == 6:      # a setting changed on every rank: the next call agrees before it runs
-            attn.check_ranks = False
-        before = list(pipe.ahead_counts)
+        attn.check_ranks = {4: "off", 5: "first_call", 7: True}.get(i, attn.check_ranks)
         out = attn(q[:, mine], k[:, mine], v[:, mine])
-        lanes.append("retried" if pipe.ahead_counts[1] > before[1] else
-                     "ahead" if pipe.ahead_counts[0] > before[0] else "agreed")
         errs.append(float((out - ref[:, mine]).abs().max()))
-    return {"lanes": lanes, "errs": errs}
+    return {"errs": errs, "mode": attn.check_ranks}

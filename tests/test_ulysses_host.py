@@ -1,5 +1,5 @@
-"""The Ulysses exchange's steady-state routes (one gathered copy, one all-to-all of whole
-blocks, views back) against the general path and against the plain head/sequence slices,
+"""The Ulysses exchange (per-destination packing, one all-to-all, views back) against the
+plain head/sequence slices and sums (and the bytes path),
 for U simulated ranks in one process: ``torch.distributed.all_to_all_single`` is replaced
 by a recorder, and the recorded sends are delivered by hand before each rank waits."""
 import threading
@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from usp_hal import ulysses
 from usp_hal.ulysses import UlyssesExchange, head_plan, split_plan
 
 
@@ -65,11 +66,6 @@ def _run_out(exs, outs, dtype, net, **kw):
     return [p.wait() for p in pend], wire
 
 
-def _no_routes(monkeypatch):
-    monkeypatch.setattr(UlyssesExchange, "_route_heads", lambda self, *a, **k: False)
-    monkeypatch.setattr(UlyssesExchange, "_route_out", lambda self, *a, **k: False)
-
-
 CASES = [  # heads, kv heads, ulysses, lengths, batch
     (4, 4, 2, (16, 16), 1),      # the per-call overhead benchmark's shape
     (8, 2, 2, (5, 3), 2),        # GQA, uneven lengths, B > 1
@@ -81,7 +77,7 @@ CASES = [  # heads, kv heads, ulysses, lengths, batch
 
 @pytest.mark.parametrize("H,Hkv,U,lens,B", CASES)
 @pytest.mark.parametrize("strided", [False, True])
-def test_routes_match_the_slices_and_send_the_same_bytes(monkeypatch, H, Hkv, U, lens, B, strided):
+def test_exchange_matches_the_slices(monkeypatch, H, Hkv, U, lens, B, strided):
     g = torch.Generator().manual_seed(H * 100 + U)
     D, S = 8, sum(lens)
     full = [torch.randn(B, S, h, D, generator=g) for h in (H, Hkv, Hkv)]
@@ -113,15 +109,9 @@ def test_routes_match_the_slices_and_send_the_same_bytes(monkeypatch, H, Hkv, U,
         torch.testing.assert_close(local, out_full[:, o:o + lens[u]].float(), rtol=0, atol=0)
         assert local.is_contiguous() and local._base is None and lse is None and kept is None
 
-    _no_routes(monkeypatch)
-    _, wire_ref = _run_qkv(exchanges(), *shards, net)
-    _, wire_out_ref = _run_out(exchanges(), outs, torch.float32, net)
-    for a, b in zip(wire + wire_out, wire_ref + wire_out_ref):
-        assert torch.equal(a, b)
-
 
 @pytest.mark.parametrize("H,Hkv,U,chunks", [(8, 4, 2, 2), (8, 8, 2, 4), (12, 4, 2, 3)])
-def test_head_group_routes_write_into_the_full_width_output(monkeypatch, H, Hkv, U, chunks):
+def test_head_groups_write_into_the_full_width_output(monkeypatch, H, Hkv, U, chunks):
     g = torch.Generator().manual_seed(7)
     B, D, lens = 1, 4, (3, 5)
     S = sum(lens)
@@ -146,7 +136,7 @@ def test_head_group_routes_write_into_the_full_width_output(monkeypatch, H, Hkv,
         torch.testing.assert_close(t, out_full[:, o:o + lens[u]], rtol=0, atol=0)
 
 
-def test_out_route_guard_dtype_and_kept_heads(monkeypatch):
+def test_out_guard_dtype_and_kept_heads(monkeypatch):
     H, U, lens, B, D = 4, 2, (4, 2), 2, 8
     S = sum(lens)
     plan = head_plan(H, H, U)
@@ -303,11 +293,9 @@ def _run_saved(net, plan, lens, full, lse):
 
 
 @pytest.mark.parametrize("H,Hkv,U,lens,B,dtype,groups", SAVED_CASES)
-def test_saved_to_heads_routes_match_the_slices_and_the_general_path(monkeypatch, H, Hkv, U, lens, B, dtype,
-                                                                       groups):
+def test_saved_to_heads_matches_the_slices_and_the_bytes_path(monkeypatch, H, Hkv, U, lens, B, dtype, groups):
     net = ThreadNet(U)
     monkeypatch.setattr(dist, "all_to_all_single", net)
-    routed = _count(monkeypatch, "_send_gathered")
     for strided in (False, True):
         full, lse = _saved_inputs(H, Hkv, lens, B, dtype, H * 10 + U + groups, strided)
         for sub in split_plan(head_plan(H, Hkv, U), groups):
@@ -325,31 +313,15 @@ def test_saved_to_heads_routes_match_the_slices_and_the_general_path(monkeypatch
                     # q, k, v and out are views of one receive buffer (no unpack copies)
                     ptr = qh.untyped_storage().data_ptr()
                     assert all(t.untyped_storage().data_ptr() == ptr for t in (kh, vh, oh))
-            # the same bytes as when every exchange packs per destination (the general packed path)
+            assert len(wire) == U
+            # the same values as the bytes path (every part as bytes, unpacked by copies)
             with monkeypatch.context() as m:
-                m.setattr(UlyssesExchange, "_route_heads", lambda self, *a, **k: False)
-                ref = _run_saved(net, sub, lens, full, lse)
-                _same_wire(wire, net.take())
-                # and the same values as the bytes path (every part as bytes, unpacked by copies)
-                m.setattr(UlyssesExchange, "_route_saved", lambda self, *a, **k: False)
+                m.setattr(ulysses, "_homogeneous", lambda tensors: False)
                 ref_bytes = _run_saved(net, sub, lens, full, lse)
                 net.take()
-            for r, rb, gt in zip(ref, ref_bytes, got):
-                for x, y, z in zip(r, rb, gt):
-                    _same_bits(x, z)
+            for rb, gt in zip(ref_bytes, got):
+                for y, z in zip(rb, gt):
                     _same_bits(y, z)
-    assert routed[0] > 0 or (H, U) == (6, 4)   # uneven head counts: no route (packed per destination)
-
-
-def _count(monkeypatch, name):
-    """Counts calls of ``UlyssesExchange.<name>`` (which route ran)."""
-    n, orig = [0], getattr(UlyssesExchange, name)
-
-    def counted(self, *a, **k):
-        n[0] += 1
-        return orig(self, *a, **k)
-    monkeypatch.setattr(UlyssesExchange, name, counted)
-    return n
 
 
 def test_saved_to_heads_one_rank_narrows_kv_of_its_head_group():
@@ -414,25 +386,22 @@ def _run_grads(net, subs, lens, grads, dtype, use_into, async_op):
 
 
 @pytest.mark.parametrize("H,Hkv,U,lens,B,dtype,groups", GRAD_CASES)
-def test_grads_routes_match_the_general_path(monkeypatch, H, Hkv, U, lens, B, dtype, groups):
+def test_grads_match_the_plain_sums(monkeypatch, H, Hkv, U, lens, B, dtype, groups):
     net = ThreadNet(U)
     monkeypatch.setattr(dist, "all_to_all_single", net)
-    routed = _count(monkeypatch, "_start_grads_routed")
     subs = split_plan(head_plan(H, Hkv, U), groups)
     grads = [_grads_inputs(sub, lens, B, H + U + groups + i) for i, sub in enumerate(subs)]
     use_into = groups > 1
+    ref = None
     for async_op in (False, True):
         got = _run_grads(net, subs, lens, grads, dtype, use_into, async_op)
-        wire = net.take()
-        with monkeypatch.context() as m:
-            m.setattr(UlyssesExchange, "_route_grads", lambda self, *a, **k: False)
-            ref = _run_grads(net, subs, lens, grads, dtype, use_into, async_op)
-            _same_wire(wire, net.take())
-        assert routed[0] > 0 or (H, U) == (6, 4)
-        for r, gt in zip(ref, got):
-            for x, y in zip(r, gt):
-                _same_bits(x, y)
-                assert y.is_contiguous()
+        net.take()
+        if ref is not None:      # asynchronous: the same bits as synchronous
+            for r, gt in zip(ref, got):
+                for x, y in zip(r, gt):
+                    _same_bits(x, y)
+                    assert y.is_contiguous()
+        ref = got
     # and against the plain sums: each rank's heads of every group, KV heads summed over ranks
     # (and over the repeated heads of a cut group), in float64
     S, D = sum(lens), 8
@@ -448,99 +417,3 @@ def test_grads_routes_match_the_general_path(monkeypatch, H, Hkv, U, lens, B, dt
         o = sum(lens[:u])
         for x, w in zip(res, want):
             torch.testing.assert_close(x.double(), w[:, o:o + lens[u]], **tol)
-
-
-def test_bound_forward_reuses_its_cpu_buffers_and_returns_new_results(monkeypatch):
-    """The bound forward exchange on the CPU reuses the thread's send and receive buffers call
-    after call (the same storage), moves each call's own data exactly, and its result never
-    shares them (every kept result is intact after the later calls)."""
-    from usp_hal import ulysses as mod
-    monkeypatch.setattr(mod, "_SCRATCH", mod._Scratch())
-    H, U, lens, B, D = 4, 2, (6, 6), 1, 8
-    plan = head_plan(H, H, U)
-    net = ThreadNet(U)
-    monkeypatch.setattr(dist, "all_to_all_single", net)
-    exs = [UlyssesExchange(plan, None, u, lens) for u in range(U)]
-    g = torch.Generator().manual_seed(7)
-    calls = [[torch.randn(B, sum(lens), H, D, generator=g) for _ in range(3)] for _ in range(3)]
-
-    def body(u):      # one thread per rank for all the calls, as a rank's process runs them
-        seen, res = [], []
-        to_heads, to_seq = exs[u].bind_forward(*(x[:, :lens[u]] for x in calls[0]))
-        o, (a, c) = sum(lens[:u]), plan.q[u]
-        for full in calls:
-            qh, kh, vh = to_heads(*(x[:, o:o + lens[u]] for x in full))
-            seen.append(qh.untyped_storage().data_ptr())
-            for got, x in zip((qh, kh, vh), full):
-                torch.testing.assert_close(got, x[:, :, a:c], rtol=0, atol=0)
-            res.append(to_seq((qh * 2 + kh - vh).contiguous(), torch.float32))   # a stand-in kernel
-        return seen, res
-    got = net.run(body)
-    for u, (seen, res) in enumerate(got):
-        assert len(set(seen)) == 1, seen                 # one receive buffer for every call
-        o = sum(lens[:u])
-        for full, local in zip(calls, res):              # every kept result is its own call's
-            want = (full[0] * 2 + full[1] - full[2])[:, o:o + lens[u]]
-            torch.testing.assert_close(local, want, rtol=0, atol=0)
-    assert got[0][0][0] != got[1][0][0]                  # each rank's thread its own buffers
-    assert not mod._SCRATCH.bufs                         # and this (main) thread's untouched
-
-
-def test_scratch_keeps_at_most_its_cap_least_recently_used_first():
-    from usp_hal.ulysses import _Scratch
-    s = _Scratch()
-    s.KEEP_BYTES = 3 * 4096                              # three 1024-float buffers
-    a = s.take("send", (1024,), torch.float32)
-    assert s.take("send", (1024,), torch.float32) is a   # same role, shape, dtype: the same buffer
-    r = s.take("recv", (1024,), torch.float32)
-    assert r is not a
-    assert s.take("send", (1024,), torch.float32) is a   # used again: now the most recent
-    assert s.take("send", (1024,), torch.float64) is not a
-    assert s.held == 3 * 4096 and len(s.bufs) == 2       # the float64 one evicted the oldest (recv)
-    assert s.take("send", (1024,), torch.float32) is a
-    assert s.take("recv", (1024,), torch.float32) is not r
-    big = s.take("send", (4096,), torch.float32)         # over the cap: handed out, never held
-    assert big.numel() == 4096 and len(s.bufs) == 2 and s.held <= s.KEEP_BYTES
-    s.clear()
-    assert not s.bufs and s.held == 0
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_bound_forward_splits_big_host_tensors_on_gloo(monkeypatch, split):
-    """On gloo, host q/k/v whose largest share reaches ``SPLIT_BYTES`` travel in one
-    all-to-all each (same bytes to every destination as packed), and the kernel gets
-    contiguous q, k, v; below it, or on another backend, one packed all-to-all.  The
-    decision uses the largest rank's share, so uneven ranks send alike."""
-    from usp_hal import ulysses as mod
-    monkeypatch.setattr(mod, "_SCRATCH", mod._Scratch())
-    H, Hkv, U, lens, B, D = 4, 2, 2, (7, 5), 2, 8
-    plan = head_plan(H, Hkv, U)
-    net = ThreadNet(U)
-    monkeypatch.setattr(dist, "all_to_all_single", net)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    most = max(lens) * B * H * D * 4                 # q's share on the longer rank
-    monkeypatch.setattr(UlyssesExchange, "SPLIT_BYTES", most if split else most + 1)
-    exs = [UlyssesExchange(plan, None, u, lens) for u in range(U)]
-    g = torch.Generator().manual_seed(3)
-    full = [torch.randn(B, sum(lens), h, D, generator=g) for h in (H, Hkv, Hkv)]
-
-    def body(u):
-        o = sum(lens[:u])
-        mine = [x[:, o:o + lens[u]] for x in full]
-        to_heads, _ = exs[u].bind_forward(*mine)
-        got = [to_heads(*mine) for _ in range(2)]
-        return got, len(net.wire[u])
-    res = net.run(body)
-    for u, (got, sent) in enumerate(res):
-        assert sent == (6 if split else 2), sent     # two calls: three all-to-alls each, or one
-        (a, c), (ka, kc) = plan.q[u], plan.kv[u]
-        for qh, kh, vh in got:
-            torch.testing.assert_close(qh, full[0][:, :, a:c], rtol=0, atol=0)
-            torch.testing.assert_close(kh, full[1][:, :, ka:kc], rtol=0, atol=0)
-            torch.testing.assert_close(vh, full[2][:, :, ka:kc], rtol=0, atol=0)
-            # split: each its own buffer, [S, B, h, D] seen as [B, S, h, D]; packed: views of one
-            assert (len({t.untyped_storage().data_ptr() for t in (qh, kh, vh)}) == 3) == split
-            assert all(t.permute(1, 0, 2, 3).is_contiguous() for t in (qh, kh, vh)) == split
-    for u, w in enumerate(net.take()):                # the same bytes either way: each head once
-        heads = sum(c - a for a, c in plan.q) + 2 * sum(c - a for a, c in plan.kv)
-        assert sum(c.numel() for call in w for c in call) == 2 * lens[u] * B * heads * D * 4

@@ -97,31 +97,23 @@ def test_profiler_trace_names_every_collective(pools):
         assert any("metadata" in n for n in names), text
 
 
-@pytest.mark.parametrize("world,kw,bound", [
-    (2, dict(), True),
-    (2, dict(H=8, Hkv=2, causal=True, layout="zigzag", S=20), True),
-    (2, dict(S=13), True),                                   # uneven lengths (basic, non-causal)
-    (2, dict(dtype="bf16", causal=True, layout="stripe"), True),
-    (4, dict(U=4, H=8, Hkv=4, causal=True, layout="zigzag"), True),
-    (4, dict(U=4, H=6, Hkv=6, S=16), False),                 # heads that do not split evenly: the general path
-    (2, dict(return_lse=True), False),                       # the lse travels: the general path
-    (2, dict(vary=True, calls=4), True),                     # new inputs per call, outputs kept
-    (4, dict(U=4, H=8, Hkv=4, vary=True), True),
-    (2, dict(vary=True, calls=4, split_bytes=1), True),     # q, k, v in an all-to-all each
-    (2, dict(H=8, Hkv=2, S=13, vary=True, split_bytes=1), True),
-    (4, dict(U=4, H=8, Hkv=4, vary=True, split_bytes=1), True),
-], ids=["mha", "gqa-zigzag", "uneven", "bf16-stripe", "u4-gqa", "u4-uneven-heads", "with-lse", "vary",
-        "u4-vary", "split", "split-gqa-uneven", "u4-split"])
-def test_ulysses_forward_only_bound_path(pools, world, kw, bound):
-    """Forward-only Ulysses calls without lse run the bound path (checked: the plan took it,
-    or the general path where it does not apply) and match the float64 reference, call after
-    call, contiguous or not; with new inputs every call, every kept output still matches its
-    own reference after the last call (the CPU path's reused buffers leak into no result);
-    with ``split_bytes=1`` q, k and v travel in an all-to-all each, to the same results."""
-    for r in pools(world).run(dist_cases.ulysses_bound_case, timeout=120, **kw):
-        assert r["bound"] == [bound], r
-        if bound:   # q/k/v in one all-to-all (or, split, one each), the output in one
-            assert r["a2a"] == [4 if kw.get("split_bytes") else 2] * len(r["errs"]), r
+@pytest.mark.parametrize("world,kw", [
+    (2, dict()),
+    (2, dict(H=8, Hkv=2, causal=True, layout="zigzag", S=20)),
+    (2, dict(S=13)),                                   # uneven lengths (basic, non-causal)
+    (2, dict(dtype="bf16", causal=True, layout="stripe")),
+    (4, dict(U=4, H=8, Hkv=4, causal=True, layout="zigzag")),
+    (4, dict(U=4, H=6, Hkv=6, S=16)),                  # heads that do not split evenly
+    (2, dict(return_lse=True)),                        # the lse travels with the output
+    (2, dict(vary=True, calls=4)),                     # new inputs per call, outputs kept
+    (4, dict(U=4, H=8, Hkv=4, vary=True)),
+], ids=["mha", "gqa-zigzag", "uneven", "bf16-stripe", "u4-gqa", "u4-uneven-heads", "with-lse", "vary", "u4-vary"])
+def test_ulysses_forward_only(pools, world, kw):
+    """Forward-only Ulysses calls match the float64 reference call after call, contiguous or
+    not, with q/k/v in one all-to-all and the output in one; with new inputs every call,
+    every kept output still matches its own reference after the last call."""
+    for r in pools(world).run(dist_cases.ulysses_forward_case, timeout=120, **kw):
+        assert r["a2a"] == [2] * len(r["errs"]), r
         for e in r["errs"]:
             assert e["shape"] and e["dtype"], r
             _check({k: v for k, v in e.items() if k not in ("shape", "dtype")})

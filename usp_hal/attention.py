@@ -14,15 +14,15 @@ import torch
 
 from .codec import get_codec
 from .compiled import compiled_forward
+from .heads import HeadPlan, most_groups, split_plan
 from .layout import get_layout
 from .mesh import SequenceParallelMesh, mesh_of_group
 from .pipeline import CallOptions, CallPlan, Pipeline, USPError
-from .pipeline.options import plain
+from .pipeline.options import check_mode
 from .pipeline.validate import check_joint
 from .registry import REGISTRY
 from .ring import merge_dtype
 from .rotation import get_rotation
-from .ulysses import HeadPlan, most_groups, split_plan
 
 
 class LongContextAttention(torch.nn.Module):
@@ -39,10 +39,13 @@ class LongContextAttention(torch.nn.Module):
     balance causal work).  ``rotation``: "p2p" (next block in flight while this one
     computes) or "allgather".
 
-    ``check_ranks`` (default on): every call exchanges a small metadata vector so that a
-    cross-rank mismatch ends in the same error on every rank.  ``static_shapes=True``:
-    after the first checked call, a call with the same spec runs no host-side collective
-    at all (CUDA-graph friendly); a call whose spec differs raises on the rank that sees it.
+    ``check_ranks``: ``"every_call"`` (the default) exchanges a small metadata vector on
+    every call (on the CPU side group), so that a cross-rank mismatch ends in the same error
+    on every rank.  ``"first_call"`` (or ``static_shapes=True``): after the first checked
+    call, a call with the same spec runs no host-side collective at all (CUDA-graph
+    friendly); a call whose spec differs raises on the rank that sees it.  ``"off"``: every
+    call exchanges only the local lengths (and any rank's refusal).  True and False are
+    aliases of ``"every_call"`` and ``"off"``.
 
     ``ulysses_float8=True``: q, v and the output travel through the Ulysses all-to-all as
     float8_e4m3fn with a scale per token and head (``float8_key=True``: k too; the default
@@ -78,7 +81,7 @@ class LongContextAttention(torch.nn.Module):
     def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic",
                  use_pack_qkv: bool = False, use_sync: bool = False, attn_type="auto",
                  attn_processor=None, *, mesh: Optional[SequenceParallelMesh] = None,
-                 rotation: str = "p2p", check_ranks: bool = True, static_shapes: bool = False,
+                 rotation: str = "p2p", check_ranks: Union[str, bool] = "every_call", static_shapes: bool = False,
                  ulysses_float8: bool = False, float8_key: bool = False, ring_float8: bool = False,
                  q_descale=None, k_descale=None, v_descale=None, wire_codecs: Optional[Dict[str, str]] = None,
                  low_memory: Union[bool, int] = False):
@@ -124,7 +127,7 @@ class LongContextAttention(torch.nn.Module):
         self.wire = self._pipe.wire
         self.ring_wire = self._pipe.ring_wire
         self._wire_name = self._pipe.wire_name
-        self._options: Dict[tuple, CallOptions] = {}
+        self._options: Dict[Any, CallOptions] = {}
 
     # the pipeline's settings, readable and settable on the module ----------------------
     @property
@@ -136,22 +139,26 @@ class LongContextAttention(torch.nn.Module):
         self._pipe.mesh = value
 
     @property
-    def check_ranks(self) -> bool:
+    def check_ranks(self) -> str:
+        """``"every_call"``, ``"first_call"`` or ``"off"`` (set on every rank alike; True and
+        False are taken as ``"every_call"`` and ``"off"``)."""
         return self._pipe.check_ranks
 
     @check_ranks.setter
-    def check_ranks(self, value: bool) -> None:
-        self._pipe.check_ranks = bool(value)
-        self._pipe.ahead = None       # (set on every rank) the next call agrees before it runs
+    def check_ranks(self, value: Union[str, bool]) -> None:
+        self._pipe.check_ranks = check_mode(value)
+        self._pipe.frozen = None
 
     @property
     def static_shapes(self) -> bool:
-        return self._pipe.static_shapes
+        """``check_ranks == "first_call"`` (setting True selects it, False ``"every_call"``)."""
+        return self._pipe.check_ranks == "first_call"
 
     @static_shapes.setter
     def static_shapes(self, value: bool) -> None:
-        self._pipe.static_shapes = bool(value)
-        self._pipe.ahead = None       # (set on every rank) the next call agrees before it runs
+        if bool(value) != self.static_shapes:
+            self._pipe.check_ranks = "first_call" if value else "every_call"
+            self._pipe.frozen = None
 
     @property
     def last_backend(self) -> Any:
@@ -198,24 +205,11 @@ class LongContextAttention(torch.nn.Module):
         that rank's part (sum it over the sequence-parallel group, as ``sync_gradients`` does).
         """
         pipe = self._pipe
-        # the same keywords give the same options: one dict lookup per call (not for a tensor
-        # scale or softcap, whose value may change, nor an unhashable window)
-        raw: Optional[tuple] = None
-        opts = None
-        if plain(softmax_scale) and plain(softcap):
-            raw = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_lse)
-            try:
-                opts = self._options.get(raw)
-            except TypeError:
-                raw = None
-        if opts is None:
-            opts = CallOptions.of(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, softcap=softcap, deterministic=deterministic,
-                                  return_lse=return_lse)
-            if raw is not None and not torch.compiler.is_compiling():
-                if len(self._options) > 64:
-                    self._options.clear()
-                self._options[raw] = opts
+        # the same keywords give the same options: one dict lookup per call, keyed by every
+        # keyword passed here (CallOptions.cached)
+        opts = CallOptions.cached(None if torch.compiler.is_compiling() else self._options, dropout_p=dropout_p,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  softcap=softcap, deterministic=deterministic, return_lse=return_lse)
         if mask is not None or sinks is not None:
             if torch.compiler.is_compiling():
                 from .masks import Mask

@@ -20,7 +20,6 @@ import array
 import builtins
 import datetime
 import struct
-import threading
 import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -63,8 +62,6 @@ def collective(what: str, where: str, fn: Callable, *args, **kwargs):
         raise
     except RuntimeError as exc:
         raise CommError(f"{what} on the {where} failed: {exc}") from exc
-    if got is None and _GATES:      # a blocking exchange completed: an agreement in flight is due
-        pass_gate()
     return got
 
 
@@ -86,103 +83,6 @@ def wait(what: str, where: str, works) -> None:
             raise
         except RuntimeError as exc:
             raise CommError(f"wait for {what} on the {where} failed: {exc}") from exc
-    if _GATES:      # the first exchange of a call that went ahead completed: its agreement is due
-        pass_gate()
-
-
-# ------------------------------------------------------------------------ going ahead
-class Retry(Exception):
-    """Raised (on every rank at the same point) when a call that went ahead of its agreement
-    finds that some rank did not run that call: ``flat`` is every rank's gathered
-    ``[flag, *values]``; the caller settles them and runs the call again, or raises."""
-
-    def __init__(self, flat: List[int], width: int):
-        super().__init__("an agreement in flight found a change")
-        self.flat, self.width = flat, width
-
-    def rows(self) -> List[List[int]]:
-        return _split_rows(self.flat, self.width)
-
-
-class Gate:
-    """An agreement all-gather in flight while the call it checks goes ahead (see
-    :func:`open_gate`), or a flag the call's data carries (``work`` None, see
-    :func:`open_carried_gate`)."""
-
-    __slots__ = ("work", "recv", "width", "what", "where", "thread", "send", "group", "flag", "seen", "complete")
-
-    def __init__(self, work, recv: torch.Tensor, width: int, what: str, where: str):
-        self.work, self.recv, self.width, self.what, self.where = work, recv, width, what, where
-        self.thread = threading.get_ident()
-        self.send: Optional[torch.Tensor] = None
-        self.group = None
-        self.flag = self.seen = 0          # this rank's flag; the OR of the flags its blocks carried
-        self.complete = False              # a ring carried the flag and every block arrived
-
-
-#: the agreement of the call that went ahead of it, at most one (a thread's calls run one
-#: at a time; another thread's exchanges leave it alone)
-_GATES: List[Gate] = []
-
-
-def open_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str) -> Gate:
-    """Start the all-gather of every rank's ``[flag, *values]`` (``send``, into ``recv``)
-    without waiting: it is waited for when the call's first exchange completes (the first
-    blocking collective, or the first :func:`wait`), and :class:`Retry` is raised there,
-    on every rank, when any rank's flag is not 0.  Every rank must then be running the
-    same exchanges (of the same sizes) ahead of it, so none is left waiting either way."""
-    work = collective(what, where, all_gather_single, recv, send, group=group, async_op=True)
-    g = Gate(work, recv, send.numel(), what, where)
-    _GATES[:] = [g]
-    return g
-
-
-def open_carried_gate(send: torch.Tensor, recv: torch.Tensor, group, *, what: str, where: str,
-                      flag: int = 0) -> Gate:
-    """Like :func:`open_gate`, but with no collective: this rank's flag (``flag``, what
-    ``send[0]`` holds) rides on the call's own data (a ring that carries it, see
-    :meth:`usp_hal.rotation.Rotation.carries_flag`, adds the flags of the blocks it
-    received to ``seen`` and sets ``complete`` once every block arrived), and the gate is
-    passed at the call's end (:func:`pass_gate` with ``final``): when every flag it saw is
-    0, with nothing more sent; else (or when no data carried it) the rows are all-gathered
-    then, as :func:`open_gate` would have, and :class:`Retry` raised on every rank alike."""
-    g = Gate(None, recv, send.numel(), what, where)
-    g.send, g.group, g.flag = send, group, int(flag)
-    _GATES[:] = [g]
-    return g
-
-
-def carried_gate() -> Optional[Gate]:
-    """This thread's open gate whose flag the call's data is to carry, or None."""
-    if _GATES and _GATES[0].work is None and _GATES[0].thread == threading.get_ident():
-        return _GATES[0]
-    return None
-
-
-def pass_gate(final: bool = False) -> None:
-    """Wait for the agreement in flight (if any) and check every rank's flag.  A carried
-    flag (:func:`open_carried_gate`) is settled only at the call's end (``final``)."""
-    if not _GATES or _GATES[0].thread != threading.get_ident():
-        return
-    g = _GATES[0]
-    if g.work is None:
-        if not final:
-            return
-        _GATES.pop()
-        if g.complete and not (g.flag | g.seen):
-            return          # every rank's flag reached every rank in the data: all the same call
-        g.work = collective(g.what, g.where, all_gather_single, g.recv, g.send, group=g.group, async_op=True)
-    else:
-        _GATES.pop()
-    wait(g.what, g.where, g.work)
-    flat = g.recv.tolist()
-    if any(flat[0::g.width]):
-        raise Retry(flat, g.width)
-
-
-def drop_gate() -> None:
-    """Forget an agreement in flight (its call failed on this rank for another reason)."""
-    _GATES.clear()
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -239,16 +139,11 @@ def group_meta(group) -> tuple:
     return info[1], info[0]
 
 
-def gloo_transport(group) -> bool:
-    """The group moves host tensors' data over gloo (alone or beside a device backend).
-    torch's ``fake`` group does not count: it moves nothing."""
-    return "gloo" in str(dist.get_backend(group))
-
-
 def host_transport(group) -> bool:
     """The group moves host tensors itself: gloo (alone or beside a device backend), or
     torch's ``fake`` group (no communication: host-time measurements)."""
-    return gloo_transport(group) or str(dist.get_backend(group)) in ("undefined", "fake")
+    name = str(dist.get_backend(group))
+    return "gloo" in name or name in ("undefined", "fake")
 
 
 def _meta_device(group) -> torch.device:
@@ -274,23 +169,9 @@ _all_gather_single = all_gather_single     # the former private name (rotation, 
 def all_gather_ints(values: Sequence[int], group=None, *, what: str = "metadata all-gather",
                     where: str = "sequence-parallel group") -> List[List[int]]:
     """Every rank's list of integers (all the same length), in group-rank order."""
-    device, n = group_meta(group)
-    vals = values if isinstance(values, (list, tuple)) else list(values)
-    t = None
-    if device.type == "cpu" and len(vals):
-        try:   # int64 straight from a C array: several times cheaper than from a list of ints
-            t = torch.frombuffer(array.array("q", vals), dtype=torch.long)
-        except (TypeError, OverflowError, ValueError):
-            t = None      # not plain int64 values: as torch.tensor takes them (or refuses them)
-    if t is None:
-        t = torch.tensor(list(vals), dtype=torch.long, device=device)
-    m = t.numel()
-    out = torch.empty(n * m, dtype=torch.long, device=t.device)
-    # as all_gather_single() does, looked up at call time (wrappers installed on dist see it)
-    collective(what, where, getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, out, t,
-               group=group)
-    flat = out.tolist()
-    return [flat[i * m:(i + 1) * m] for i in range(n)]
+    vals = list(values)
+    return _split_rows(_gather_flat(vals, group, what, where), len(vals)) if vals else \
+        [[] for _ in range(group_meta(group)[1])]
 
 
 def _split_rows(flat: List[int], m: int) -> List[List[int]]:
@@ -380,21 +261,18 @@ def _group_ranks(group, n: int) -> List[Any]:
 
 class Repeat:
     """One agreement a caller makes again and again with the same values on the same group
-    (a module's calls of one shape): the int64 vector this rank sends, built once, and the
-    gathered result the last time every check passed.  :func:`agree` with ``repeat=`` then
-    costs one all-gather into a reused buffer and one comparison while nothing changes;
-    ``hit`` says whether the last call found the same result (the caller's own later checks
-    of these rows need not run again: it may keep what it made of them in ``result``).  Any
-    difference, on any rank, takes the full path."""
+    (a module's calls of one shape): this rank's values, and the gathered result the last
+    time every check passed.  :func:`agree` with ``repeat=`` then costs one all-gather and
+    one comparison of host integers while nothing changes; ``hit`` says whether the last
+    call found the same result (the caller's own later checks of these rows need not run
+    again: it may keep what it made of them in ``result``).  Any difference, on any rank,
+    takes the full path.  Every exchange uses new tensors, so calls under
+    ``torch.inference_mode``, ``torch.no_grad`` and with gradients may interleave."""
 
-    __slots__ = ("values", "flag", "send", "recv", "last", "rows", "flags", "hit", "result")
+    __slots__ = ("values", "last", "rows", "hit", "result")
 
-    def __init__(self, values: Sequence[int], flag: int = 0):
+    def __init__(self, values: Sequence[int]):
         self.values = [int(x) for x in values]
-        self.flag = int(flag)      # this rank's flag bits besides a refusal (see agree's ``flag``)
-        self.flags: List[int] = []     # every rank's flag in ``last``
-        self.send: Optional[torch.Tensor] = None
-        self.recv: Optional[torch.Tensor] = None
         self.last: Optional[List[int]] = None     # the last gathered result every check accepted
         self.rows: Optional[List[List[int]]] = None
         self.hit = False
@@ -403,29 +281,26 @@ class Repeat:
         self.result: Any = None
 
 
-def _agree_again(rep: Repeat, group, what: str, where: str) -> Optional[List[int]]:
-    """The gathered ``[flag, *values]`` of every rank of a :class:`Repeat`, flat (None:
-    the same as ``rep.last``, ``rep.hit`` is set and its rows stand)."""
+def _gather_flat(values: List[int], group, what: str, where: str) -> List[int]:
+    """Every rank's ``values`` (all the same length), one flat list in group-rank order."""
     device, n = group_meta(group)
-    send, recv = rep.send, rep.recv
-    if send is None or recv is None or send.device != device:
-        send = rep.send = torch.tensor([rep.flag] + rep.values, dtype=torch.long, device=device)
-        recv = rep.recv = torch.empty(n * send.numel(), dtype=torch.long, device=device)
-        rep.last = None
-    collective(what, where, getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, recv, send,
-               group=group)
-    flat = recv.tolist()      # read on the host: no tensor op (the comparison launches nothing)
-    if flat == rep.last:
-        rep.hit = True
-        return None
-    return flat
+    t = None
+    if device.type == "cpu" and values:
+        try:   # int64 straight from a C array: several times cheaper than from a list of ints
+            t = torch.frombuffer(array.array("q", values), dtype=torch.long)
+        except (TypeError, OverflowError, ValueError):
+            t = None      # not plain int64 values: as torch.tensor takes them (or refuses them)
+    if t is None:
+        t = torch.tensor(list(values), dtype=torch.long, device=device)
+    out = torch.empty(n * t.numel(), dtype=torch.long, device=t.device)
+    collective(what, where, all_gather_single, out, t, group=group)
+    return out.tolist()
 
 
 def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-parallel group",
           values: Sequence[int] = (), width: Optional[int] = None, same: Union[bool, Sequence[str]] = False,
           check: Optional[Callable[[List[List[int]]], Union[None, str, Sequence[str]]]] = None,
-          ranks: Optional[Sequence[Any]] = None, repeat: Optional[Repeat] = None, flag: int = 0,
-          flags: Optional[List[int]] = None) -> List[List[int]]:
+          ranks: Optional[Sequence[Any]] = None, repeat: Optional[Repeat] = None) -> List[List[int]]:
     """Agree across ``group`` (None = the default group) that a call may go on; every rank
     must call it at the same point.  Returns every rank's ``values``, in group-rank order.
 
@@ -448,31 +323,24 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     Outside a process group, or on a group of one rank, nothing is exchanged: ``problem``
     itself is raised (the exception, or an :class:`AgreementError` with the message).
 
-    ``repeat``: this call's :class:`Repeat` (its values stand for ``values``, its width for
-    ``width``; used only when this rank has no ``problem``): the all-gather reuses its
-    buffers, and a result equal to the last accepted one returns that one's rows at once.
-
-    ``flag``: more bits (2 and up) this rank sends beside its refusal bit (1), for the
-    caller's own use (the pipeline's "this call is the same as my last one"); ``flags``, a
-    list filled with every rank's flag once the agreement passed.
+    ``repeat``: this call's :class:`Repeat` (its values stand for ``values``; used only when
+    this rank has no ``problem``): a result equal to the last accepted one returns that
+    one's rows at once.
     """
     text = _problem_text(problem)
+    multi = dist.is_available() and dist.is_initialized() and _group_size(group) > 1
     if repeat is not None:
         repeat.hit = False
-        if not text and dist.is_available() and dist.is_initialized() and _group_size(group) > 1:
-            flat = _agree_again(repeat, group, f"{what}: agreement check", where)
-            if flat is None:
+        if not text and multi:
+            flat = _gather_flat([0] + repeat.values, group, f"{what}: agreement check", where)
+            if flat == repeat.last:
+                repeat.hit = True
                 assert repeat.rows is not None
-                if flags is not None:
-                    flags[:] = repeat.flags
                 return repeat.rows
             gathered = _split_rows(flat, len(repeat.values) + 1)
             rows = settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
             # other rows accepted: what the caller made of the last ones no longer stands
             repeat.last, repeat.rows, repeat.result = flat, rows, None
-            repeat.flags = [r[0] for r in gathered]
-            if flags is not None:
-                flags[:] = repeat.flags
             return rows
     row: List[int] = []
     try:
@@ -481,22 +349,15 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
         text = text or f"{what}: the agreement values are not integers ({exc})"
     n_values = len(row) if width is None else int(width)
     row = (row + [0] * n_values)[:n_values]
-    single = not (dist.is_available() and dist.is_initialized()) or _group_size(group) == 1
-    if single:
+    if not multi:
         if text:
             if isinstance(problem, BaseException):
                 raise problem
             raise _error_class()(f"{what}: {text}", {0: text})
-        if flags is not None:
-            flags[:] = [int(flag)]
-        return settle([[int(flag)] + row], problem, group, what=what, where=where, same=same, check=check,
-                      ranks=ranks)
-    gathered = all_gather_ints([(1 if text else 0) | int(flag)] + row, group, what=f"{what}: agreement check",
-                               where=where)
-    rows = settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
-    if flags is not None:
-        flags[:] = [r[0] for r in gathered]
-    return rows
+        return settle([[0] + row], problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
+    gathered = _split_rows(_gather_flat([1 if text else 0] + row, group, f"{what}: agreement check", where),
+                           n_values + 1)
+    return settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
 
 
 def settle(gathered: List[List[int]], problem: Problem, group=None, *, what: str,

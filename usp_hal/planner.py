@@ -8,7 +8,7 @@ The model (docs/planning.md has the long form) predicts the time of one attentio
 
 * **kernel**: the query-key pairs each rank scores, counted with the library's own block
   plans (``usp_hal.blocks.block_plans``: every ring rank x source block), times the heads
-  the rank holds after the Ulysses split (``usp_hal.ulysses.head_plan``; ranks beyond H hold
+  the rank holds after the Ulysses split (``usp_hal.heads.head_plan``; ranks beyond H hold
   none), at the profile's throughput per (dtype, head dim), plus a cost per kernel call.
   Causal squares cost ``causal_factor`` of a full square (measured on CPU); a profile
   that measured it per size gives ``causal_tile`` instead: an n x n causal square costs
@@ -52,11 +52,11 @@ import torch
 
 from .blocks import balance, block_plans
 from .codec import CODECS, get_codec
+from .heads import head_plan
 from .layout import LAYOUTS as _LAYOUT_TABLE
 from .layout import get_layout, ring_segments
 from .rotation import ROTATIONS as _ROTATION_TABLE
 from .rotation import AllGatherRotation, P2PRotation
-from .ulysses import head_plan
 from .varlen import as_cu_seqlens
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")

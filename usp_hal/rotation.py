@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, U
 import torch
 import torch.distributed as dist
 
-from . import comm, wire
+from . import wire
 from .codec import Codec
 from .comm import _all_gather_single, collective, wait
 
@@ -50,10 +50,6 @@ class KVBlock:
             else:
                 self._kv = _decode_bytes(self.buf, self.k_shape, self.v_shape, self.dtype, self.codecs)
         return self._kv
-
-
-#: one-element flag tensors by (value, dtype, device), made once: what a carrying ring appends
-_FLAGS: Dict[Any, torch.Tensor] = {}
 
 
 def _numel(shape) -> int:
@@ -231,12 +227,6 @@ class Rotation:
     def block_done(self) -> None:
         """The current block's kernels have run (its K/V is no longer needed here)."""
 
-    def carries_flag(self, k_shape, v_shape, dtype, device) -> bool:
-        """Whether this rotation carries a call's agreement flag in its own K/V messages
-        (:func:`usp_hal.comm.open_carried_gate`) for K/V of these shapes, dtype and device;
-        the same answer on every ring rank.  None here."""
-        return False
-
     # ------------------------------------------------------------------ gradients
     def new_grad(self, src: int, k, v, dtype) -> GradPart:
         """This rank's (still empty) part of the dK/dV of block ``src``, in ``dtype``."""
@@ -257,37 +247,19 @@ class Rotation:
 class P2PRotation(Rotation):
     name = "p2p"
 
-    #: The largest uncoded K/V block (bytes, at the ring's longest block) that carries a call's
-    #: agreement flag on a host transport (gloo): K, V and the flag go packed in one message
-    #: each way, so the agreement costs no message of its own.  On this kind of transport every
-    #: message costs about what copying a few MiB does (``benchmarks/message_cost.py``), which
-    #: is what the packing copy costs at this size; larger blocks travel as they are, next to
-    #: the agreement's all-gather.  0: never carried.
-    CARRY_BYTES = 4 << 20
-
-    def carries_flag(self, k_shape, v_shape, dtype, device) -> bool:
-        # host tensors on gloo only: device transports keep the all-gather on the side group,
-        # and torch's fake group moves no data (nothing would arrive to read)
-        if self.codecs is not None or self.size == 1 or self.CARRY_BYTES <= 0 or torch.device(device).type != "cpu":
-            return False
-        if not comm.gloo_transport(self.group):
-            return False
-        per_token = _numel(tuple(k_shape[:1]) + tuple(k_shape[2:])) + _numel(tuple(v_shape[:1]) + tuple(v_shape[2:]))
-        return max(self.lengths) * per_token * dtype.itemsize <= self.CARRY_BYTES
-
     def _start(self, send: torch.Tensor, recv: torch.Tensor, what: str):
         ops = [dist.P2POp(dist.isend, send, self.next, self.group),
                dist.P2POp(dist.irecv, recv, self.prev, self.group)]
         return collective(what, self.where, dist.batch_isend_irecv, ops)
 
-    def _recv_like(self, blk: KVBlock, n: int, extra: int = 0) -> KVBlock:
-        """A receive buffer for ``blk``'s K/V at ``n`` tokens, ``extra`` elements after them."""
+    def _recv_like(self, blk: KVBlock, n: int) -> KVBlock:
+        """A receive buffer for ``blk``'s K/V at ``n`` tokens."""
         ks, vs = _with_len(blk.k_shape, n), _with_len(blk.v_shape, n)
         if blk.codecs is not None:
             size = _coded_size(ks, vs, blk.dtype, blk.codecs)
         else:
             size = _numel(ks) + _numel(vs)
-        return KVBlock(blk.buf.new_empty(size + extra), ks, vs, blk.dtype, blk.codecs)
+        return KVBlock(blk.buf.new_empty(size), ks, vs, blk.dtype, blk.codecs)
 
     def _start_kv(self, send: Tuple[torch.Tensor, torch.Tensor], recv: Tuple[torch.Tensor, torch.Tensor], what: str):
         ops = [dist.P2POp(dist.isend, send[0], self.next, self.group),
@@ -313,24 +285,13 @@ class P2PRotation(Rotation):
             return
         R, me = self.size, self.me
         label = "ring p2p rotation of K/V"
-        # a steady call's agreement flag to carry (comm.open_carried_gate): K, V and the flag
-        # travel packed as one message, forwarded as they arrived, so every rank has seen every
-        # other rank's flag once its last block has arrived (gate.seen)
-        gate = comm.carried_gate() if self.codecs is None else None
-        plain = self.codecs is None and gate is None
+        plain = self.codecs is None
         # uncoded K and V travel as they are, side by side in one batch of p2p ops: no packing
         # copy (none at all for contiguous inputs) and no buffer holding both
         if plain:
             self._cur = (k if k.is_contiguous() else k.contiguous(), v if v.is_contiguous() else v.contiguous())
-        elif gate is not None:
-            key = (gate.flag, k.dtype, k.device)
-            flag = _FLAGS.get(key)
-            if flag is None:
-                flag = _FLAGS[key] = torch.full((1,), gate.flag, dtype=k.dtype, device=k.device)
-            self._cur = KVBlock(torch.cat((k.reshape(-1), v.reshape(-1), flag)), k.shape, v.shape, k.dtype)
         else:
             self._cur = self.own_block(k, v)
-        extra = 0 if gate is None else 1
         for step in range(R):
             src = (me - step) % R
             if step < R - 1:   # the next block travels while this one computes
@@ -340,7 +301,7 @@ class P2PRotation(Rotation):
                            cur[1].new_empty(_with_len(cur[1].shape, n)))
                     self._hop = (nxt, self._start_kv(cur, nxt, label))
                 else:
-                    nxt = self._recv_like(cur, n, extra)
+                    nxt = self._recv_like(cur, n)
                     self._hop = (nxt, self._start(cur.buf, nxt.buf, label))
                 del nxt, cur
             self._live = True
@@ -349,16 +310,9 @@ class P2PRotation(Rotation):
             elif plain:
                 yield (src,) + self._cur
             else:
-                if gate is not None:
-                    got = self._cur.buf[-1].item()
-                    # a flag is a small integer; anything else counts as set (the rows are then
-                    # all-gathered and decide); NaN fails the first comparison
-                    gate.seen |= int(got) if 0 <= got < 8 and got == int(got) else 1
                 yield (src,) + self._cur.kv
             self.block_done()          # a no-op when the backward's add_grad called it already
         self._cur = None
-        if gate is not None:
-            gate.complete = True
 
     def block_done(self) -> None:
         """Let the current block go (it may still be on its way to the next rank: the hop in

@@ -4,7 +4,7 @@ call, and decode steps merged exactly by lse.
 Where the tokens live (:class:`ShardedKVCache`)::
 
     U x R mesh, H query heads, Hkv KV heads, one sequence of S prompt tokens
-      rank (u, r) keeps K/V of the KV heads its query heads use (ulysses.head_plan, u)
+      rank (u, r) keeps K/V of the KV heads its query heads use (heads.head_plan, u)
                        for the tokens of ring rank r (the prefill layout's ring shard)
       new tokens go to ring ranks in blocks of ``block_size`` consecutive positions: a new
       block goes to the ring rank holding the fewest tokens of that sequence (ties: the
@@ -50,11 +50,11 @@ from . import platform as _platform
 from .blocks import plan_blocks
 from .capabilities import AttnRequest
 from .comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
+from .heads import head_plan
 from .positions import Segment, check_layout, ring_segments
 from .registry import REGISTRY
 from .ring import merge_block, merge_dtype
 from .spec import TensorDigests
-from .ulysses import head_plan
 
 __all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
 

@@ -809,9 +809,6 @@ def rank_plain_steps(case: str, n: int, run: bool = False) -> list:
             recs = _bare_calls(st, st.call, n, False, run)
     finally:
         meter.instrument_core()
-    bound = any(bool(p.fast) for p in st.attn.pipeline.plans.values())
-    for r in recs:
-        r["bound"] = bound          # the call took its plan's bound fast path
     return recs
 
 

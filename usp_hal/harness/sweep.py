@@ -203,7 +203,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                 single_inputs = single.run(single_prepare, timeout=args.timeout, cfg=asdict(base),
                                            case="single")[0]["input_bytes"]
                 entries += [("single", th) for th in _thread_counts(base)]
-            peer_prep, calls, bound = {}, {}, {}
+            peer_prep, calls = {}, {}
             if peers and not base.bwd:
                 for i, c in enumerate(cfgs):
                     got = pool.run(rank_peer_prepare, timeout=args.timeout, cfg=asdict(c), case=f"p{i}",
@@ -216,7 +216,7 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                             break
                     else:
                         peer_prep[i] = got
-                        calls[i], bound[i] = _calls_per_sample(pool, args.timeout, i)
+                        calls[i] = _calls_per_sample(pool, args.timeout, i)
                 # each peer right after usp-hal's bare calls of its configuration, so the two stay
                 # neighbours in every round
                 order = []
@@ -284,7 +284,6 @@ def run_sweep(args, groups: list, device_type: str, progress: Optional[Callable]
                        "usp_hal_kernel": p0["usp_hal_kernel"], "same_kernel": p0["same_kernel"],
                        "check_mode": p0["check_mode"], "time": median(it_max), "iter_times": it_max,
                        "usp_hal_iter_times": recs[("plain", i)], "calls_per_sample": calls[i],
-                       "usp_hal_bound": bound[i],
                        "mem_per_rank": max(r[0]["mem"] for r in mems[("peer", i)])}
                 errs = [p["error"] for p in peer_prep[i] if p["error"] is not None]
                 if errs:
@@ -342,13 +341,11 @@ PEER_MAX_CALLS = 64
 
 
 def _calls_per_sample(pool, timeout: float, i: int):
-    """``(calls, bound)``: calls per sample for configuration ``i`` and its peer (one bare
-    call of each, untimed for the result and a warm-up besides, decides; the same count on
-    both sides), and whether usp-hal's call took its plan's bound fast path on every rank."""
+    """Calls per sample for configuration ``i`` and its peer (one bare call of each, untimed
+    for the result and a warm-up besides, decides; the same count on both sides)."""
     ours = pool.run(rank_plain_steps, timeout=timeout, case=f"c{i}", n=1, run=True)
     t = max(_sample(ours), _sample(pool.run(rank_peer_steps, timeout=timeout, case=f"p{i}", n=1, run=True)))
-    return (max(1, min(PEER_MAX_CALLS, math.ceil(PEER_SAMPLE_S / max(t, 1e-9)))),
-            all(recs[0].get("bound", False) for recs in ours))
+    return max(1, min(PEER_MAX_CALLS, math.ceil(PEER_SAMPLE_S / max(t, 1e-9))))
 
 
 def _sample(per_rank: list) -> float:

@@ -10,27 +10,26 @@ op in :mod:`usp_hal.compiled`, :func:`usp_hal.async_qkv_attention`).
 A :class:`Pipeline` holds one module's configuration and its caches.  A call whose
 signature (shapes, dtypes, devices, options, mesh) was seen before skips validation and
 planning: it reuses the checked spec and the plan, and only the agreement step (unless
-``static_shapes``) runs again, since another rank may have changed.
+``check_ranks="first_call"``) runs again, since another rank may have changed.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .. import comm
 from ..capabilities import AttnRequest
 from ..comm import CommError
+from ..heads import HeadPlan
 from ..registry import REGISTRY
 from ..spec import CallSpec, TensorDigests
-from ..ulysses import HeadPlan
 from . import agree as _agree
 from . import plan as _plan
 from . import run as _run
 from . import validate as _validate
-from .options import CallOptions
+from .options import CallOptions, check_mode
 from .plan import CallPlan
 from .validate import Joint, JointInfo, USPError
 
@@ -54,14 +53,12 @@ def one_group(heads: HeadPlan) -> List[HeadPlan]:
 
 
 class Pipeline:
-    """One module's call configuration and caches; see the module doc."""
-
-    #: a steady module's calls go ahead of their agreement (:class:`~usp_hal.pipeline.agree.Ahead`);
-    #: False (set on every rank alike) agrees before every call
-    go_ahead = True
+    """One module's call configuration and caches; see the module doc.  ``check_ranks``:
+    ``"every_call"``, ``"first_call"`` or ``"off"`` (see :func:`~usp_hal.pipeline.agree.agree`;
+    True/False and ``static_shapes=True`` are taken as their aliases)."""
 
     def __init__(self, *, layout, rotation_cls, attn_type, wire: Dict[str, str], ring_wire: Tuple[str, str],
-                 check_ranks: bool = True, static_shapes: bool = False, mesh=None,
+                 check_ranks: Union[str, bool] = "every_call", static_shapes: bool = False, mesh=None,
                  head_groups: Callable[[HeadPlan], List[HeadPlan]] = one_group, sequential: bool = False):
         self.layout = layout
         self.rotation_cls = rotation_cls
@@ -72,8 +69,7 @@ class Pipeline:
         self.wire_name = ",".join(f"{n}={c}" for n, c in self.wire.items())
         if self.ring_wire != ("identity", "identity"):
             self.wire_name += f",ring_k={self.ring_wire[0]},ring_v={self.ring_wire[1]}"
-        self.check_ranks = check_ranks
-        self.static_shapes = static_shapes
+        self.check_ranks = check_mode(check_ranks, static_shapes)
         self.mesh = mesh
         self.head_groups = head_groups
         #: run the head groups one after another, each group's buffers gone before the next
@@ -90,13 +86,6 @@ class Pipeline:
         self.signatures: dict = {}       # call signature -> (mesh, spec, local)
         self.plans: dict = {}            # (signature, lengths) -> plan
         self.last_backend: Any = None
-        #: the last agreement found every rank's call the same as its last one
-        self.steady = False
-        self.last_sig: Any = None        # this rank's last call's signature (through __call__)
-        #: the plan the next call runs ahead of its agreement (None: it agrees first)
-        self.ahead: Optional[_agree.Ahead] = None
-        #: calls that went ahead of their agreement: ``[confirmed, dropped and run again]``
-        self.ahead_counts = [0, 0]
         self.handle = next(_NEXT)
         _PIPELINES[self.handle] = self
 
@@ -131,10 +120,7 @@ class Pipeline:
                 cu_seqlens=None) -> Tuple[CallSpec, CallPlan]:
         """Validate locally, agree across ranks (unless ``lengths`` are given: a plan is
         rebuilt for a backward), and build the call's plan; raises the same error on every
-        rank.  (The faces that start their own exchanges use this; a call through it ends
-        the module's steady run, so the next :meth:`__call__` does not go ahead.)"""
-        if lengths is None:
-            self.ahead = None
+        rank.  (The faces that start their own exchanges use this.)"""
         loc = self._local(mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, head_groups,
                           cu_seqlens)
         return self._finish(mesh, *loc, lengths=lengths, head_groups=head_groups)
@@ -168,17 +154,14 @@ class Pipeline:
             hit = None
         return sig, hit, spec, local, err
 
-    def _finish(self, mesh, sig, hit, spec, local, err, *, lengths=None, head_groups=None, same=False,
-                gathered=None) -> Tuple[CallSpec, CallPlan]:
+    def _finish(self, mesh, sig, hit, spec, local, err, *, lengths=None, head_groups=None) -> Tuple[CallSpec, CallPlan]:
         """Agree (unless ``lengths`` are given) and plan: the rest of :meth:`prepare`."""
-        self.steady = False
         if hit is not None and lengths is None and mesh.sp_size == 1 and hit[3] is not None:
             # one rank: nothing to agree on and the lengths are the query's, so the plan is the last one
             self.last_backend = hit[3].backend
             return spec, hit[3]
         if lengths is None:
-            lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None, same=same,
-                                   gathered=gathered)
+            lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None)
         elif err is not None:
             raise err
         assert spec is not None and local is not None
@@ -233,82 +216,17 @@ class Pipeline:
 
     def __call__(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None, joint=None,
                  err=None, cu_seqlens=None, received=None, sinks=None):
-        """Run one call: ``(out, lse or None)``.  A steady module's call goes ahead of its
-        agreement (:class:`~usp_hal.pipeline.agree.Ahead`)."""
+        """Run one call: ``(out, lse or None)``."""
         needs_grad = None
         if sinks is not None:
             if err is None:
                 err = check_sinks(sinks, q)
             if err is None and sinks.requires_grad and torch.is_grad_enabled():
                 needs_grad = True
-        args = (mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, None, cu_seqlens)
-        ahead, gathered = self.ahead, None
-        if ahead is not None and received is None:
-            done, gathered, loc = self._run_ahead(ahead, args, sinks)
-            if gathered is None:
-                self.ahead_counts[0] += 1
-                return done
-            self.ahead_counts[1] += 1
-            self.ahead = None     # a rank's call changed: agreed on in full from the gathered rows
-            if any(r[0] & _agree.MOVED for r in gathered):
-                # ... which came from the last call's group: its refusals are raised there, and the
-                # call is agreed on again on the mesh it runs on now
-                _agree.agree(self, ahead.mesh, loc[2], loc[4], gathered=gathered, refusals_only=True)
-                gathered = None
-        else:
-            self.ahead = None
-            loc = self._local(*args)
-        sig = loc[0]
-        # (with go_ahead off, no rank needs to know: the flag stays 0 and the repeat lane's key with it)
-        same = not self.go_ahead or (received is None and sig is not None and sig == self.last_sig)
-        spec, plan = self._finish(mesh, *loc, same=same, gathered=gathered)
-        got = _run.run(plan, q, k, v, received, sinks)
-        self.last_sig = sig if received is None else None
-        if self.steady and sig is not None and self.go_ahead and not self.static_shapes:
-            # every rank called the same as last time: the next call goes ahead with this plan
-            self.ahead = _agree.Ahead(self, mesh, sig, spec, plan, q, k, v, sinks)
-        return got
+        loc = self._local(mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, None, cu_seqlens)
+        _, plan = self._finish(mesh, *loc)
+        return _run.run(plan, q, k, v, received, sinks)
 
-    def _run_ahead(self, ahead, args, sinks):
-        """``(result, None, None)`` when the call, run ahead of its agreement with the last
-        call's plan, is confirmed on every rank; else ``(None, gathered rows, this rank's
-        local record)`` (the agreement found some rank's call changed)."""
-        mesh, q, k, v = args[:4]
-        sig = self._call_signature(*args)[0]
-        plan = ahead.plan
-        gathered = None
-        if sig is not None and sig == ahead.sig and mesh is ahead.mesh:
-            ahead.start()
-            try:
-                got = _run.run(plan, q, k, v, None, sinks)
-                comm.pass_gate(final=True)  # the agreement now, if no exchange waited on it
-            except comm.Retry as exc:
-                gathered = exc.rows()
-            finally:
-                comm.drop_gate()
-            if gathered is None:
-                self.last_backend = plan.backend
-                return got, None, None
-            return None, gathered, self._local(*args)
-        # this rank's call is not the last one: checked here, then the last plan runs on zeros
-        # of the last shapes (every rank's exchanges keep their sizes) until the agreement
-        # shows every rank the change
-        loc = self._local(*args)
-        if ahead.width_changed(self):
-            loc = loc[:4] + (USPError("check_ranks was changed on the pipeline while its calls went ahead; set it "
-                                      "through the module (LongContextAttention.check_ranks), on every rank"),)
-        ahead.start(ahead.row(self, loc[2], loc[4], mesh))
-        zq, zk, zv, zs = ahead.zeros()
-        try:
-            with torch.no_grad():
-                _run.run(plan, zq, zk, zv, None, zs)
-            comm.pass_gate(final=True)
-        except comm.Retry as exc:
-            gathered = exc.rows()
-        finally:
-            comm.drop_gate()
-        assert gathered is not None, "the agreement of a changed call passed"
-        return None, gathered, loc
 
 def check_sinks(sinks, q) -> Optional[Exception]:
     """The error for sink logits that do not fit the call (None: they do)."""

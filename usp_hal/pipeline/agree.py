@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import torch
-
 from .. import comm
 from ..comm import AgreementError
 from ..layout import local_lengths, local_positions
@@ -22,24 +20,15 @@ def joint_total(spec: CallSpec) -> int:
     return int(spec.joint.split(":")[1])
 
 
-#: the flag bit a rank sets when this call is not the same as its last one (see :class:`Ahead`)
-CHANGED = 2
-#: ... and when it is on another mesh than the last one (its rows are then agreed on again there)
-MOVED = 4
-
-
-def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None, *, same: bool = False,
-          gathered: Optional[List[List[int]]] = None, refusals_only: bool = False) -> List[int]:
+def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[int]:
     """Every rank's local length, after making sure every rank can run this call and all
     agree on it; raises the same error on every rank otherwise.  ``cu_seqlens``: the
     validated document boundaries of a packed call (their digest is in the spec).
 
-    ``same``: this rank's call is the same as its last one (same signature and mesh);
-    ``pipe.steady`` is then set to whether every rank said so.  ``gathered``: every rank's
-    ``[flag, *values]`` already exchanged (by a call that went ahead, :class:`Ahead`);
-    ``refusals_only``: only raise the refusals among them (rows from another mesh's group:
-    returns ``[]``)."""
-    pipe.steady = False
+    ``pipe.check_ranks`` picks what is exchanged: ``"every_call"`` (every call: the spec's
+    metadata vector, compared), ``"first_call"`` (that once; later calls of the same spec
+    exchange nothing, a call of another spec raises on the rank that sees it), ``"off"``
+    (every call: the local lengths and refusals only)."""
     n = mesh.sp_size
     if n == 1:
         if err is not None:
@@ -48,44 +37,35 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None, *, same: b
         if cu_seqlens is not None:
             check_layout(pipe, mesh, spec, [spec.local_len], None, cu_seqlens)
         return [spec.local_len]
-    if pipe.static_shapes and pipe.frozen is not None and err is None and spec is not None:
+    compare_meta = pipe.check_ranks != "off"
+    if pipe.check_ranks == "first_call" and pipe.frozen is not None and err is None and spec is not None:
         frozen, lengths = pipe.frozen
         if spec == frozen:
             return lengths
         diffs = compare([frozen.meta(), spec.meta()], ["frozen", "this call"], spec)
-        raise USPError("static_shapes=True: this call differs from the first (checked) one, so it cannot "
-                       "run without a metadata exchange; use a module with static_shapes=False for "
-                       "changing shapes (this rank only; the other ranks stop at the group timeout):\n  "
-                       + "\n  ".join(diffs))
+        raise USPError("check_ranks='first_call' (static_shapes=True): this call differs from the first (checked) "
+                       "one, so it cannot run without a metadata exchange; use a module with "
+                       "check_ranks='every_call' for changing shapes (this rank only; the other ranks stop at the "
+                       "group timeout):\n  " + "\n  ".join(diffs))
     group = mesh.metadata_group
     where = mesh.where("sequence-parallel")
     problem = None if err is None else f"{type(err).__name__}: {err}"
-    flag = 0 if same else CHANGED
-    if gathered is not None:
-        rep = None
-    else:
-        rep = pipe.repeats.get((spec, group, flag)) if err is None and spec is not None else None
+    rep = pipe.repeats.get((spec, group)) if err is None and spec is not None else None
     width, values = row_values(pipe, spec, err, rep)
-    if rep is None and err is None and spec is not None and gathered is None:
-        # a call of this spec again: one all-gather into the same buffer and one comparison
+    if rep is None and err is None and spec is not None:
+        # a call of this spec again: one all-gather and one comparison of host integers
         if len(pipe.repeats) > 64:
             pipe.repeats.clear()
-        rep = pipe.repeats[(spec, group, flag)] = comm.Repeat(values, flag)
+        rep = pipe.repeats[(spec, group)] = comm.Repeat(values)
 
     def differences(rows):
-        if not pipe.check_ranks or all(r == rows[0] for r in rows[1:]):
+        if not compare_meta or all(r == rows[0] for r in rows[1:]):
             return None
         return compare([[0] + r for r in rows], mesh.sp_ranks, spec)
 
-    flags: List[int] = []
     try:   # one all-gather of every rank's metadata (a second one with the reasons, only on a refusal)
-        if gathered is not None:
-            rows = comm.settle(gathered, problem, group, what=_WHAT, where=where,
-                               ranks=mesh.sp_ranks, check=None if refusals_only else differences)
-            flags = [r[0] for r in gathered]
-        else:
-            rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width,
-                              ranks=mesh.sp_ranks, check=differences, repeat=rep, flag=flag, flags=flags)
+        rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width,
+                          ranks=mesh.sp_ranks, check=differences, repeat=rep)
     except AgreementError as exc:
         if err is not None:
             raise err from None          # this rank's own refusal, as it was raised here
@@ -95,102 +75,29 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None, *, same: b
         found = str(exc)[len(_WHAT) + 2:].strip()
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
                        "(every rank must pass the same shapes and options):\n  " + found) from None
-    if refusals_only:
-        return []
     assert spec is not None      # no rank flagged an error, so this one has a spec
-    steady = not any(flags)
     if rep is not None and rep.hit and rep.result is not None:
-        pipe.steady = steady
         return rep.result       # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]
-    if pipe.check_ranks:
-        lengths = [r[field_index("local_len")] for r in rows]
-    else:
-        lengths = [r[1] for r in rows]
-    check_layout(pipe, mesh, spec, lengths, rows if pipe.check_ranks else None, cu_seqlens)
+    lengths = [r[field_index("local_len")] for r in rows] if compare_meta else [r[1] for r in rows]
+    check_layout(pipe, mesh, spec, lengths, rows if compare_meta else None, cu_seqlens)
     if rep is not None:
         rep.result = lengths
-    if pipe.static_shapes:
+    if pipe.check_ranks == "first_call":
         pipe.frozen = (spec, lengths)
-    pipe.steady = steady
     return lengths
 
 
 def row_values(pipe, spec: Optional[CallSpec], err, rep=None):
     """``(width, values)``: what this rank sends after its flag in the agreement (its spec's
-    metadata, or only its length when ``check_ranks=False``; nothing for a refusal)."""
-    if pipe.check_ranks:
+    metadata, or only its length with ``check_ranks="off"``; nothing for a refusal)."""
+    if pipe.check_ranks != "off":
         width = meta_length() - 1
         values = [] if spec is None or err is not None else rep.values if rep is not None else pipe.meta_of(spec)[1:]
     else:
         values = [] if spec is None or err is not None else [spec.local_len]
         width = 1
     return width, values
-
-
-class Ahead:
-    """A module whose calls are steady (its last call was, on every rank, the same as the
-    one before) runs its next call *ahead of* the agreement: the agreement's all-gather
-    starts, the call's plan runs at once, and the all-gather is waited for when the call's
-    first exchange has completed (:func:`usp_hal.comm.open_gate`), so its latency hides
-    behind that exchange (and, in a ring, behind the rank's own block) instead of coming
-    before it.
-
-    Every rank goes ahead with the *last* call's plan, so every exchange has the last
-    call's sizes on every rank: a rank whose call changed (or failed its local checks)
-    runs that plan on zeros of the last call's shapes, sets its flag, and at the first
-    exchange every rank sees the flag and drops what it ran (:class:`usp_hal.comm.Retry`);
-    the call is then agreed on in full from the gathered rows (refused on every rank, or
-    planned and run; when some rank's call is on another mesh, its refusals are raised and
-    the call is agreed on again on the new mesh).  What goes ahead therefore never reaches
-    the caller unless every rank ran it on its own call, and no rank is left waiting in an
-    exchange."""
-
-    __slots__ = ("mesh", "sig", "plan", "send", "recv", "group", "inputs", "sinks", "what", "where", "carry")
-
-    def __init__(self, pipe, mesh, sig, spec: CallSpec, plan, q, k, v, sinks):
-        self.mesh, self.sig, self.plan = mesh, sig, plan
-        self.what, self.where = f"{_WHAT}: agreement check", mesh.where("sequence-parallel")
-        self.group = mesh.metadata_group
-        width, values = row_values(pipe, spec, None)
-        device, n = comm.group_meta(self.group)
-        self.send = torch.tensor([0] + values, dtype=torch.long, device=device)
-        self.recv = torch.empty(n * (width + 1), dtype=torch.long, device=device)
-        self.inputs = tuple((t.shape, t.dtype, t.device) for t in (q, k, v))
-        self.sinks = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
-        # a ring-only plan on host tensors whose rotation can carry the flag in its K/V
-        # messages needs no all-gather unless some rank's flag is set (comm.open_carried_gate)
-        st = plan.stages
-        self.carry = (len(st) == 1 and st[0].exchange.size == 1
-                      and st[0].ring.rotation.carries_flag(k.shape, v.shape, k.dtype, k.device))
-
-    def start(self, send=None) -> None:
-        """Start the agreement of this call (``send``: this rank's row when it changed)."""
-        row = self.send if send is None else send
-        if self.carry:      # (a steady call's flag is 0: read back only from a changed call's row)
-            comm.open_carried_gate(row, self.recv, self.group, what=self.what, where=self.where,
-                                   flag=0 if send is None else int(send[0]))
-        else:
-            comm.open_gate(row, self.recv, self.group, what=self.what, where=self.where)
-
-    def width_changed(self, pipe) -> bool:
-        """The pipeline's row width is not this agreement's (its ``check_ranks`` changed)."""
-        return row_values(pipe, None, None)[0] + 1 != self.send.numel()
-
-    def row(self, pipe, spec: Optional[CallSpec], err, mesh):
-        """This rank's ``[flag, *values]`` for a call that is not the last one, as wide as
-        this agreement's rows (the caller refuses a call whose width changed)."""
-        _, values = row_values(pipe, spec, err)
-        width = self.send.numel() - 1
-        row = ([1 if err is not None or spec is None else 0] + list(values) + [0] * width)[:width + 1]
-        row[0] |= CHANGED | (MOVED if mesh is not self.mesh else 0)
-        return torch.tensor(row, dtype=torch.long, device=self.send.device)
-
-    def zeros(self):
-        """Zeros of the last call's q, k, v (and sinks) shapes: what a rank whose call changed runs."""
-        q, k, v = (torch.zeros(s, dtype=d, device=dev) for s, d, dev in self.inputs)
-        sinks = None if self.sinks is None else torch.zeros(self.sinks[0], dtype=self.sinks[1], device=self.sinks[2])
-        return q, k, v, sinks
 
 
 def check_layout(pipe, mesh, spec: CallSpec, lengths, rows, cu=None) -> None:

@@ -43,6 +43,35 @@ class CallOptions:
                    joint_strategy=joint_strategy or "none", joint_total=int(joint_total), mask=mask,
                    sinks=bool(sinks))
 
+    @classmethod
+    def key(cls, **kw) -> Optional[tuple]:
+        """The cache key of :meth:`of` with these keywords: every keyword's name and value, so a
+        keyword added to a call site is part of the key without further edits.  None when
+        the options must be made again on every call (a tensor scale or softcap, whose value
+        may change, or an unhashable value)."""
+        if not all(plain(kw.get(n)) for n in ("softmax_scale", "softcap", "dropout_p")):
+            return None
+        key = tuple(kw.items())
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    @classmethod
+    def cached(cls, cache: Optional[dict], **kw) -> "CallOptions":
+        """``cls.of(**kw)``, kept in ``cache`` (None: no cache) under :meth:`key`."""
+        key = cls.key(**kw) if cache is not None else None
+        got = cache.get(key) if key is not None else None     # type: ignore[union-attr]
+        if got is None:
+            got = cls.of(**kw)
+            if key is not None:
+                assert cache is not None
+                if len(cache) > 64:
+                    cache.clear()
+                cache[key] = got
+        return got
+
     @property
     def plain(self) -> bool:
         """Scale, softcap and dropout are Python numbers (the options may key a cache); computed once."""
@@ -97,3 +126,28 @@ def window_pair(window) -> Tuple[int, ...]:
         return tuple(int(x) for x in window)
     except (TypeError, ValueError):
         return ()
+
+
+#: the values of ``check_ranks`` (see :func:`usp_hal.pipeline.agree.agree`)
+CHECK_MODES = ("every_call", "first_call", "off")
+
+
+def check_mode(check_ranks, static_shapes: bool = False) -> str:
+    """``check_ranks`` as one of :data:`CHECK_MODES`: True is ``"every_call"``, False
+    ``"off"``; ``static_shapes=True`` is ``"first_call"`` (with ``check_ranks`` left at its
+    default or True)."""
+    if check_ranks is True or check_ranks is None:
+        mode = "every_call"
+    elif check_ranks is False:
+        mode = "off"
+    elif isinstance(check_ranks, str) and check_ranks in CHECK_MODES:
+        mode = check_ranks
+    else:
+        raise ValueError(f"check_ranks={check_ranks!r}; valid: {', '.join(map(repr, CHECK_MODES))} "
+                         "(or True for 'every_call', False for 'off')")
+    if static_shapes:
+        if mode == "off":
+            raise ValueError("static_shapes=True with check_ranks=False: the first call must be checked; pass "
+                             "check_ranks='first_call' (checked once, then no host collective)")
+        mode = "first_call"
+    return mode

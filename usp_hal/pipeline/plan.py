@@ -10,11 +10,12 @@ import torch
 
 from ..blocks import plan_ring
 from ..codec import get_codec
+from ..heads import HeadPlan
 from ..layout import Segment, local_positions, ring_segments, segments_from_positions
 from ..ring import RingContext
 from ..rotation import Rotation
 from ..spec import CallSpec
-from ..ulysses import HeadPlan, UlyssesExchange
+from ..ulysses import UlyssesExchange
 from .agree import joint_total
 from .validate import Local, USPError, share
 
@@ -56,9 +57,6 @@ class CallPlan:
     dtype: torch.dtype
     spec_lengths: Tuple[int, ...] = ()     # every rank's local length (sequence-parallel order)
     nan_guard: bool = True                 # the backend may hide a non-finite query: add the guard
-    #: the forward of a call that is one kernel call and nothing else (one rank, or Ulysses
-    #: degree 1 with one ring rank): bound on its first use (``run._bind_fast``); False: none
-    fast: Any = None
     #: head groups run one at a time (nothing in flight across groups) and the backward
     #: re-exchanges each group's q/k/v/out from the sequence layout (``low_memory``)
     sequential: bool = False

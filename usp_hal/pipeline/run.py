@@ -196,6 +196,20 @@ def _seq_to_heads(st, seq, dout):
     return st.exchange.saved_to_heads(q, k, v, out, dout, lse)
 
 
+def _keeps_graph() -> bool:
+    """The running backward keeps the graph (``retain_graph=True``, ``create_graph=True``, or a
+    ``torch.autograd.grad`` that retains it), so the saved tensors must outlive it.  Read as
+    torch's compiled autograd functions read it to free theirs early (torch 2.13,
+    torch/_functorch/_aot_autograd/runtime_wrappers.py); True (keep) when it cannot be read."""
+    get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if get is None:
+        return True
+    try:
+        return bool(get())
+    except RuntimeError:
+        return True
+
+
 class USPFunction(torch.autograd.Function):
     """The call as one autograd node: every rank issues the same collectives in the same
     order in backward too."""
@@ -210,7 +224,8 @@ class USPFunction(torch.autograd.Function):
         fctx.sinks = sinks.detach() if sinks is not None else None
         fctx.sinks_grad = sinks is not None and sinks.requires_grad
         # head-layout intermediates (never this node's outputs), kept on the context rather than
-        # through save_for_backward so the backward can free each stage's as soon as it is used
+        # through save_for_backward so that a backward that does not keep the graph can free each
+        # stage's as soon as it is used (:func:`_keeps_graph`)
         fctx.saved = saved
         if lse is not None:
             fctx.mark_non_differentiable(lse)
@@ -223,103 +238,21 @@ class USPFunction(torch.autograd.Function):
         if fctx.plan.sequential:      # low_memory: the stages move q/k/v/out to the head layout again
             dq, dk, dv = backward(fctx.plan, dout.contiguous(), seq=fctx.saved_tensors, sinks=sinks, dsinks=dsinks)
         else:
-            saved, fctx.saved = fctx.saved, None
+            saved = fctx.saved
             if saved is None:
-                raise RuntimeError("usp_hal attention: a second backward through the same call (retain_graph=True) "
-                                   "is not supported: its saved head-layout tensors were freed by the first; run "
-                                   "the forward again")
+                raise RuntimeError("usp_hal attention: trying to backward through the same call a second time, after "
+                                   "its saved tensors were freed; pass retain_graph=True to the first backward")
+            if _keeps_graph():      # another backward may follow: this one uses a copy of the list
+                saved = list(saved)
+            else:
+                fctx.saved = None
             dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks)
         return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
-
-
-def _bind_fast(plan: CallPlan, q, k, v):
-    """The forward of a plan whose call is exactly one kernel call on this rank's own tensors
-    (one stage, nothing to exchange, one ring rank, one block call, no guard, mask or codec):
-    the backend's bound call (:meth:`~usp_hal.backend.AttentionBackend.bind`), or None when
-    the plan is not of that kind."""
-    if len(plan.stages) != 1 or plan.nan_guard:
-        return None
-    st = plan.stages[0]
-    ex, ring = st.exchange, st.ring
-    if ex.size != 1:
-        return _bind_heads(plan, q, k, v)
-    if ex.plan.kv_expand[0] is not None or tuple(ex.plan.kv[0]) != (0, k.shape[2]):
-        return None
-    c = _one_call(plan, q.shape[1], k.shape[1], q.shape[2])
-    if c is None:
-        return None
-    want = plan.spec.return_lse
-    call = plan.backend.bind(q, k, v, want_lse=want, **ring.kernel_kwargs(c, ring.ring_rank))
-    mdt = merge_dtype(plan.dtype)
-    dtype = plan.dtype
-
-    def forward_one(q, k, v):
-        out, lse = call(q, k, v)
-        if out.dtype != dtype or not out.is_contiguous():
-            out = out.to(dtype).contiguous()
-        if not want:
-            return out, None
-        return out, (lse if lse.dtype == mdt else lse.to(mdt))
-    return forward_one
-
-
-def _one_call(plan: CallPlan, rows: int, keys: int, heads: int):
-    """The ring's one block call when the stage's ring is exactly one kernel call over
-    ``rows`` queries and ``keys`` keys (one ring rank, no codec or mask, heads to compute) on
-    a backend whose bound call may stand for its forward; else None."""
-    ring = plan.stages[0].ring
-    if ring.ring_size != 1 or ring.rotation.codecs is not None or ring.predicate is not None or heads == 0:
-        return None
-    calls = ring.calls(ring.ring_rank)
-    if len(calls) != 1:
-        return None
-    c = calls[0]
-    if (c.q_start, c.q_stop, c.k_start, c.k_stop) != (0, rows, 0, keys):
-        return None
-    if not plan.backend.binds_forward():
-        return None      # an adapter (or a test's counting subclass) with its own forward keeps it
-    return c
-
-
-def _bind_heads(plan: CallPlan, q, k, v):
-    """The forward of a Ulysses-only plan without lse whose ring is one kernel call: the
-    exchange's two bound all-to-alls (:meth:`~usp_hal.ulysses.UlyssesExchange.bind_forward`)
-    around the backend's bound call, bound on the first head-layout tensors; None when the
-    plan is not of that kind."""
-    ex = plan.stages[0].exchange
-    if plan.spec.return_lse:
-        return None
-    bound = ex.bind_forward(q, k, v)
-    if bound is None:
-        return None
-    to_heads, to_seq = bound
-    me = ex.rank
-    hq = ex.plan.q[me][1] - ex.plan.q[me][0]
-    c = _one_call(plan, ex.total, ex.total, hq)
-    if c is None:
-        return None
-    ring = plan.stages[0].ring
-    kw = ring.kernel_kwargs(c, ring.ring_rank)
-    backend, dtype = plan.backend, plan.dtype
-    cell: list = []
-
-    def forward_heads(q, k, v):
-        qh, kh, vh = to_heads(q, k, v)
-        if not cell:
-            cell.append(backend.bind(qh, kh, vh, want_lse=False, **kw))
-        out, _ = cell[0](qh, kh, vh)
-        return to_seq(out, dtype), None
-    return forward_heads
 
 
 def run(plan: CallPlan, q, k, v, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None)``: through the autograd Function when the call needs gradients,
     else the forward alone (nothing saved)."""
-    if not plan.spec.needs_grad and received is None and sinks is None and not HOOKS:
-        if plan.fast is None:      # bound on the plan's first forward-only call; False: not that kind
-            plan.fast = _bind_fast(plan, q, k, v) or False
-        if plan.fast:
-            return plan.fast(q, k, v)
     if plan.spec.needs_grad or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled()):
         return USPFunction.apply(q, k, v, sinks, plan, received)
     if not torch.is_grad_enabled():

@@ -12,8 +12,8 @@ import torch
 
 from .. import platform as _platform
 from ..capabilities import AttnRequest
+from ..heads import HeadPlan, head_plan
 from ..spec import CallSpec, digest_ints
-from ..ulysses import HeadPlan, head_plan
 from ..varlen import as_cu_seqlens
 from .options import CallOptions, window_pair
 
