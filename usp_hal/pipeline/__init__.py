@@ -30,6 +30,7 @@ from . import agree as _agree
 from . import plan as _plan
 from . import run as _run
 from . import validate as _validate
+from .maskcheck import agree_mask
 from .options import CallOptions
 from .plan import CallPlan
 from .validate import Joint, JointInfo, USPError
@@ -90,6 +91,8 @@ class Pipeline:
         self.signatures: dict = {}       # call signature -> (mesh, spec, local)
         self.plans: dict = {}            # (signature, lengths) -> plan
         self.last_backend: Any = None
+        #: the global length of the last masked call (what a mask is digested at before the agreement)
+        self.mask_seqlen = 0
         #: the last agreement found every rank's call the same as its last one
         self.steady = False
         self.last_sig: Any = None        # this rank's last call's signature (through __call__)
@@ -155,7 +158,7 @@ class Pipeline:
             try:
                 spec, local = _validate.validate(self, mesh, q, k, v, opts, alibi_slopes, positions, joint,
                                                  needs_grad, cu_seqlens)
-            except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
+            except Exception as exc:     # any failure of this rank's call is a refusal every rank sees
                 if isinstance(exc, CommError):
                     raise
                 err = exc
@@ -179,6 +182,8 @@ class Pipeline:
         if lengths is None:
             lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None, same=same,
                                    gathered=gathered)
+            if local is not None and local.mask is not None:
+                agree_mask(self, mesh, spec, local, lengths)
         elif err is not None:
             raise err
         assert spec is not None and local is not None
@@ -225,6 +230,8 @@ class Pipeline:
         # the device type follows from the device; ``opts`` hashes its cached value
         sig = (id(mesh), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                bool(needs_grad), opts, cu)
+        if opts.mask is not None:      # the spec holds the mask's digest: valid for this state and length
+            sig += (opts.mask.state(), self.mask_seqlen)
         try:
             hash(sig)
         except TypeError:

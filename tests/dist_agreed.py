@@ -1,0 +1,171 @@
+"""Rank-side functions of tests/test_agreed_errors.py: one rank's bad input or mask is an
+error on every rank (never a hang, never a silently wrong result), masks are compared by what
+they select, and a mask's data is never stale."""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+
+import usp_hal
+from tests.dist_cases import _err, get_mesh
+from usp_hal import masks as M
+from usp_hal.reference import reference_attention
+
+S, H, D = 32, 2, 8
+GLOBAL_N = 4          # read by global_chunk_mod (a bare mask_mod reading a global)
+
+
+def _inputs(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, S, H, D, generator=g, dtype=dtype) for _ in range(3))
+
+
+def _ref(q, k, v, mask=None, causal=False, scale=None):
+    dense = None if mask is None else M.Mask.of(mask).keep(torch.arange(S), torch.arange(S))
+    return reference_attention(q, k, v, causal=causal, mask=dense, softmax_scale=scale)[0]
+
+
+def _call(attn, mesh, q, k, v, **kw):
+    """(error text or None, error of the output against float64 or None, seconds)."""
+    t0 = time.monotonic()
+    ql, kl, vl = (usp_hal.shard(x, mesh=mesh) for x in (q, k, v))
+    try:
+        out = attn(ql, kl, vl, **kw)
+    except Exception as exc:     # noqa: BLE001 - the error text is the result
+        return f"{type(exc).__name__}: {exc}", None, time.monotonic() - t0
+    ref = _ref(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), scale=kw.get("softmax_scale"))
+    return None, _err(out, usp_hal.shard(ref, mesh=mesh), torch.float64), time.monotonic() - t0
+
+
+def _after(attn, mesh):
+    """The group still pairs calls correctly: a plain call matches float64."""
+    q, k, v = _inputs(7)
+    return _call(attn, mesh, q, k, v, causal=True)[1]
+
+
+# ----------------------------------------------------------------------------- 8: scales
+def scale_case(scale, only_rank=None):
+    mesh = get_mesh(1, 2)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    q, k, v = _inputs()
+    mine = scale if only_rank is None or dist.get_rank() == only_rank else 0.5
+    err, worst, _ = _call(attn, mesh, q, k, v, causal=True, softmax_scale=mine)
+    return {"error": err, "worst": worst, "after": _after(attn, mesh)}
+
+
+# ----------------------------------------------------------------------------- 10: wrong shape
+def wrong_shape_case():
+    mesh = get_mesh(1, 2)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+
+    def flat_mask_mod(b, h, q, kv):
+        return (kv <= q).reshape(-1)
+    q, k, v = _inputs()
+    return {"error": _call(attn, mesh, q, k, v, mask=flat_mask_mod)[0], "after": _after(attn, mesh)}
+
+
+# ----------------------------------------------------------------------------- 3: every form
+def _chunk(b, h, q, kv, n):
+    return kv // n == q // n
+
+
+class ChunkMask:
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, b, h, q, kv):
+        return kv // self.n == q // self.n
+
+
+def global_chunk_mod(b, h, q, kv):
+    return kv // GLOBAL_N == q // GLOBAL_N
+
+
+def make_mask(form: str, p: int):
+    """A mask of ``form`` with parameter ``p`` (1 <= p <= S)."""
+    global GLOBAL_N
+    if form == "partial":
+        return functools.partial(_chunk, n=p)
+    if form == "default":
+        return lambda b, h, q, kv, n=p: kv // n == q // n
+    if form == "object":
+        return ChunkMask(p)
+    if form == "list":
+        box = [p]
+        return lambda b, h, q, kv: kv // box[0] == q // box[0]
+    if form == "tensor":
+        docs = torch.arange(S) // p
+
+        def doc_mod(b, h, q, kv):
+            return docs[q] == docs[kv]
+        return doc_mod
+    if form == "global":
+        GLOBAL_N = p
+        return global_chunk_mod
+    if form == "mask":
+        return M.Mask.from_mod(lambda b, h, q, kv: (kv // p == q // p) | (kv < 1))
+    if form == "slices":
+        return M.Mask.from_slices([((0, S), (0, p), "full"), ((p, S), (p, S), "causal")])
+    if form == "helper":
+        return M.chunked_local(p)
+    raise ValueError(form)
+
+
+def forms_case(forms, params, causal=False):
+    """Rank r passes ``make_mask(forms[r], params[r])``; returns the error and the float64 error."""
+    mesh = get_mesh(1, dist.get_world_size())
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    r = dist.get_rank()
+    q, k, v = _inputs()
+    err, worst, elapsed = _call(attn, mesh, q, k, v, mask=make_mask(forms[r], params[r]), causal=causal)
+    # a second call (the steady state: the digest compared in the first agreement)
+    err2, worst2, _ = _call(attn, mesh, q, k, v, mask=make_mask(forms[r], params[r]), causal=causal)
+    return {"error": err, "worst": worst, "error2": err2, "worst2": worst2, "elapsed": elapsed,
+            "after": _after(attn, mesh)}
+
+
+# ----------------------------------------------------------------------------- 4: stale data
+def changing_data_case(how="tensor", ranks_differ=False):
+    """The mask's data change between calls (in place, or a global a bare mask_mod reads):
+    every call matches float64 with the data of that call."""
+    global GLOBAL_N
+    mesh = get_mesh(1, dist.get_world_size())
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    q, k, v = _inputs(3)
+    docs = torch.zeros(S, dtype=torch.long)
+
+    def docs_mod(b, h, q, kv):
+        return docs[q] == docs[kv]
+    mask = M.Mask.from_mod(docs_mod) if how == "tensor" else global_chunk_mod
+    out = []
+    for step, n in enumerate((32, 4, 8, 8, 16)):
+        if ranks_differ and step == 2 and dist.get_rank() == 1:
+            n = 2
+        if how == "tensor":
+            docs.copy_(torch.arange(S) // n)       # in place: the same tensor, a new version
+        else:
+            GLOBAL_N = n
+        err, worst, _ = _call(attn, mesh, q, k, v, mask=mask)
+        out.append((err, worst))
+    return out
+
+
+# ----------------------------------------------------------------------------- 2: a raising mask_mod
+def raising_mask_case(steady: bool):
+    """Rank 1's mask_mod indexes a closed-over tensor that is too short there (an IndexError)."""
+    mesh = get_mesh(1, 2)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    q, k, v = _inputs()
+    docs = torch.arange(S) // 8
+
+    def short_docs_mod(b, h, q, kv):
+        return docs[q] == docs[kv]
+    if steady:      # a first call of the same length passes on both ranks
+        _call(attn, mesh, q, k, v, mask=M.chunked_local(8))
+    if dist.get_rank() == 1:
+        docs = docs[:S // 2]
+    err, _, elapsed = _call(attn, mesh, q, k, v, mask=short_docs_mod)
+    return {"error": err, "elapsed": elapsed, "after": _after(attn, mesh)}
