@@ -169,3 +169,55 @@ def raising_mask_case(steady: bool):
         docs = docs[:S // 2]
     err, _, elapsed = _call(attn, mesh, q, k, v, mask=short_docs_mod)
     return {"error": err, "elapsed": elapsed, "after": _after(attn, mesh)}
+
+
+# ----------------------------------------------------------------------------- 6: sinks
+def sinks_case(what: str):
+    """Sink logits: ``what`` = "same" (they agree: float64 result and gradients), "values"
+    (rank 1's differ), "grad" (rank 1's do not require grad), "inplace" (rank 1 changes its
+    sinks in place after two equal calls).  Also counts the digests taken (host reads of the
+    sinks) over the steady calls."""
+    from usp_hal import spec as _spec
+    mesh = get_mesh(1, 2)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    r = dist.get_rank()
+    q, k, v = _inputs(2)
+    base = torch.tensor([0.3, -1.2], dtype=torch.float64)
+    sinks = base.clone()
+    if what == "values" and r == 1:
+        sinks = base * 2
+    sinks.requires_grad_(not (what == "grad" and r == 1))
+    ql, kl, vl = (usp_hal.shard(x, mesh=mesh).requires_grad_() for x in (q, k, v))
+    reads = [0]
+    real = _spec.digest_tensor
+
+    def counting(t):
+        reads[0] += 1
+        return real(t)
+    _spec.digest_tensor = counting
+    try:
+        errors, outs = [], []
+        for step in range(4):
+            if what == "inplace" and step == 2 and r == 1:
+                with torch.no_grad():
+                    sinks.mul_(3)
+            try:
+                outs.append(attn(ql, kl, vl, causal=True, sinks=sinks))
+                errors.append(None)
+            except Exception as exc:      # noqa: BLE001
+                errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        _spec.digest_tensor = real
+    res = {"errors": errors, "reads": reads[0], "after": _after(attn, mesh)}
+    if what == "same":
+        qr, kr, vr, sr = (x.clone().requires_grad_() for x in (q, k, v, base))
+        ref, _ = reference_attention(qr, kr, vr, causal=True, sinks=sr)
+        w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        (ref * w).sum().backward()
+        out = outs[-1]
+        (out * usp_hal.shard(w, mesh=mesh)).sum().backward()
+        dist.all_reduce(sinks.grad)       # each rank's share of the sink gradient, summed
+        res["out"] = _err(out, usp_hal.shard(ref, mesh=mesh), torch.float64)
+        res["dq"] = _err(ql.grad, usp_hal.shard(qr.grad, mesh=mesh), torch.float64)
+        res["dsinks"] = _err(sinks.grad, sr.grad, torch.float64)
+    return res

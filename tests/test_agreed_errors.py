@@ -143,3 +143,29 @@ def test_mask_mod_raising_on_one_rank_raises_on_every_rank(pools, steady):
         assert r["error"] and "IndexError" in r["error"], res
         assert r["elapsed"] < 10, res
         assert r["after"] <= 1, res
+
+
+# ----------------------------------------------------------------------------- 6
+@pytest.mark.timeout(120)
+def test_equal_sinks_match_float64_and_are_read_once_per_version(pools):
+    for r in pools(2).run(da.sinks_case, timeout=60, what="same"):
+        assert r["errors"] == [None] * 4, r
+        assert r["out"] <= 1 and r["dq"] <= 1 and r["dsinks"] <= 1, r
+        assert r["reads"] == 1, r         # four calls with one tensor version: one digest
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["values", "grad"])
+def test_sinks_that_differ_on_one_rank_raise_on_every_rank(pools, what):
+    res = pools(2).run(da.sinks_case, timeout=60, what=what)
+    for r in res:
+        assert all(e is not None and "sinks" in e for e in r["errors"]), r
+        assert r["after"] <= 1, r
+    assert res[0]["errors"] == res[1]["errors"]
+
+
+@pytest.mark.timeout(120)
+def test_sinks_changed_in_place_on_one_rank_raise_on_every_rank(pools):
+    for r in pools(2).run(da.sinks_case, timeout=60, what="inplace"):
+        assert r["errors"][:2] == [None, None], r
+        assert all(e is not None and "sinks" in e for e in r["errors"][2:]), r

@@ -93,6 +93,7 @@ class Pipeline:
         self.last_backend: Any = None
         #: the global length of the last masked call (what a mask is digested at before the agreement)
         self.mask_seqlen = 0
+        self.sink_opts: dict = {}        # (options, sink digest) -> the options with it
         #: the last agreement found every rank's call the same as its last one
         self.steady = False
         self.last_sig: Any = None        # this rank's last call's signature (through __call__)
@@ -246,8 +247,10 @@ class Pipeline:
         if sinks is not None:
             if err is None:
                 err = check_sinks(sinks, q)
-            if err is None and sinks.requires_grad and torch.is_grad_enabled():
-                needs_grad = True
+            if err is None:
+                grad = sinks.requires_grad and torch.is_grad_enabled()
+                needs_grad = True if grad else None
+                opts = sink_options(self, opts, sinks, grad)
         args = (mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, None, cu_seqlens)
         ahead, gathered = self.ahead, None
         if ahead is not None and received is None:
@@ -316,6 +319,20 @@ class Pipeline:
             comm.drop_gate()
         assert gathered is not None, "the agreement of a changed call passed"
         return None, gathered, loc
+
+def sink_options(pipe: Pipeline, opts: CallOptions, sinks: torch.Tensor, grad: bool) -> CallOptions:
+    """``opts`` whose ``sinks`` field is a digest of the sink logits' values and of whether
+    they take a gradient here, so the ranks compare both like ALiBi slopes (the values are
+    read once per tensor version: no host read per call in steady state)."""
+    token = comm.digest_ints([pipe.digest(sinks), int(bool(grad))])
+    key = (opts, token)
+    got = pipe.sink_opts.get(key)
+    if got is None:
+        if len(pipe.sink_opts) > _LIMIT:
+            pipe.sink_opts.clear()
+        got = pipe.sink_opts[key] = opts.with_(sinks=token)
+    return got
+
 
 def check_sinks(sinks, q) -> Optional[Exception]:
     """The error for sink logits that do not fit the call (None: they do)."""

@@ -228,7 +228,7 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
                     rotation=pipe.rotation, ulysses=U, ring=R, wire=pipe.wire_name, positions=pos_digest,
                     joint="" if joint is None else f"{joint.strategy}:{joint.total}", docs=docs,
                     mask=mask_digest(pipe, mask, causal, win, cu, b) if mask is not None else 0,
-                    sinks=bool(opts.sinks))
+                    sinks=int(opts.sinks))
     req = AttnRequest(
         dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
         num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=causal, window=win,
