@@ -221,3 +221,73 @@ def sinks_case(what: str):
         res["dq"] = _err(ql.grad, usp_hal.shard(qr.grad, mesh=mesh), torch.float64)
         res["dsinks"] = _err(sinks.grad, sr.grad, torch.float64)
     return res
+
+
+# ----------------------------------------------------------------------------- 7 + serving: decode
+class _HostReads:
+    """Counts reads of floating-point tensor data into Python (``.item()``, ``float()``,
+    ``.tolist()``): on a GPU each is a device->host copy and a sync.  (The agreement's integer
+    rows are host tensors of the CPU side group on a GPU mesh, so integer reads are not counted.)"""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+        self.reads = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and args[0].is_floating_point():
+                    counter.reads += 1
+                return func(*args, **(kwargs or {}))
+        self._mode = Mode()
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t):
+            if t.is_floating_point():
+                counter.reads += 1
+            return counter._tolist(t)
+        torch.Tensor.tolist = tolist
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+
+
+def decode_inputs_case(which: str, check_inputs: bool, layers: int = 2, steps: int = 3):
+    """Rank 1's new ``which`` ("q", "k", "v" or "none") differs.  Returns per step the error
+    text or the worst float64 error, and the host reads of tensor data over the steady steps."""
+    from usp_hal.serving import ShardedKVCache
+    mesh = get_mesh(1, 2)
+    r = dist.get_rank()
+    dt = torch.float64
+    B, S0, Hq, Hkv, Dh = 2, 6, 4, 2, 8
+    g = torch.Generator().manual_seed(11)
+    K, V = torch.randn(B, S0, Hkv, Dh, generator=g, dtype=dt), torch.randn(B, S0, Hkv, Dh, generator=g, dtype=dt)
+    cache = ShardedKVCache(mesh, num_layers=layers, batch_size=B, num_heads=Hq, num_kv_heads=Hkv, head_dim=Dh,
+                           dtype=dt, block_size=2, attn_type="sdpa", check_inputs=check_inputs)
+    for ly in range(layers):
+        cache.load(ly, K, V, [S0, S0])
+    ks, vs = [K.clone() for _ in range(layers)], [V.clone() for _ in range(layers)]
+    out: list = []
+    reads = []
+    for step in range(steps):
+        q = torch.randn(B, 1, Hq, Dh, generator=g, dtype=dt)
+        k = torch.randn(B, 1, Hkv, Dh, generator=g, dtype=dt)
+        v = torch.randn(B, 1, Hkv, Dh, generator=g, dtype=dt)
+        bad = step == 1 and r == 1 and which != "none"
+        mq, mk, mv = (x + 1 if bad and which == name else x for name, x in (("q", q), ("k", k), ("v", v)))
+        for ly in range(layers):
+            try:
+                with _HostReads() as hr:
+                    got = cache.decode(ly, mq, mk, mv, causal=True)
+                reads.append(hr.reads)
+            except Exception as exc:     # noqa: BLE001
+                out.append(f"{type(exc).__name__}: {exc}")
+                continue
+            ks[ly] = torch.cat([ks[ly], k], 1)
+            vs[ly] = torch.cat([vs[ly], v], 1)
+            ref, _ = reference_attention(q, ks[ly], vs[ly], causal=True, key_offset=-(ks[ly].shape[1] - 1))
+            out.append(_err(got, ref, dt))
+    return {"steps": out, "reads": reads}

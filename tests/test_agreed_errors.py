@@ -169,3 +169,23 @@ def test_sinks_changed_in_place_on_one_rank_raise_on_every_rank(pools):
     for r in pools(2).run(da.sinks_case, timeout=60, what="inplace"):
         assert r["errors"][:2] == [None, None], r
         assert all(e is not None and "sinks" in e for e in r["errors"][2:]), r
+
+
+# ----------------------------------------------------------------------------- 7 + decode host reads
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_decode_inputs_that_differ_raise_on_every_rank_with_check_inputs(pools, which):
+    res = pools(2).run(da.decode_inputs_case, timeout=60, which=which, check_inputs=True)
+    for r in res:
+        steps = r["steps"]
+        assert all(isinstance(x, float) and x <= 1 for x in steps[:2] + steps[4:]), steps
+        assert all(isinstance(x, str) and "q, k and v" in x for x in steps[2:4]), steps
+        assert all(n == 1 for n in r["reads"]), r      # the debug mode: one device->host read per call
+    assert res[0]["steps"][2:4] == res[1]["steps"][2:4]
+
+
+@pytest.mark.timeout(120)
+def test_default_decode_reads_nothing_from_the_device(pools):
+    for r in pools(2).run(da.decode_inputs_case, timeout=60, which="none", check_inputs=False):
+        assert all(isinstance(x, float) and x <= 1 for x in r["steps"]), r
+        assert r["reads"] == [0] * 6, r
