@@ -291,3 +291,44 @@ def decode_inputs_case(which: str, check_inputs: bool, layers: int = 2, steps: i
             ref, _ = reference_attention(q, ks[ly], vs[ly], causal=True, key_offset=-(ks[ly].shape[1] - 1))
             out.append(_err(got, ref, dt))
     return {"steps": out, "reads": reads}
+
+
+# ----------------------------------------------------------------------------- 9: re-initialised groups
+def _resources():
+    """Open file descriptors and threads (native ones too: gloo's) of this process."""
+    import os
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def reinit_case(ports, cycles=8):
+    """The pool's own group is destroyed; then ``cycles`` times: a new world group and mesh, a
+    call of a module built in the first cycle, a destroy.  Returns the error a module gets on a
+    destroyed group, the results of the calls, and file descriptors and threads per cycle."""
+    import gc
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v = _inputs(4)
+    ref = _ref(q, k, v, causal=True)
+    dist.destroy_process_group()
+    res = {"stale": None, "errs": [], "fds": [], "threads": [], "rebound": []}
+    attn = usp_hal.LongContextAttention(attn_type="sdpa")
+    ext = None
+    for port in ports[:cycles]:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = usp_hal.init_sequence_parallel(1, world)
+        if ext is None:
+            ext = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)      # bound to this cycle's mesh
+        elif res["stale"] is None:
+            try:
+                ext(*(usp_hal.shard(x, mesh=mesh) for x in (q, k, v)), causal=True)
+            except Exception as exc:      # noqa: BLE001
+                res["stale"] = f"{type(exc).__name__}: {exc}"
+        out = attn(*(usp_hal.shard(x, mesh=mesh) for x in (q, k, v)), causal=True)   # the default mesh
+        res["errs"].append(_err(out, usp_hal.shard(ref, mesh=mesh), torch.float64))
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()
+        fds, threads = _resources()
+        res["fds"].append(fds)
+        res["threads"].append(threads)
+    return res

@@ -189,3 +189,32 @@ def test_default_decode_reads_nothing_from_the_device(pools):
     for r in pools(2).run(da.decode_inputs_case, timeout=60, which="none", check_inputs=False):
         assert all(isinstance(x, float) and x <= 1 for x in r["steps"]), r
         assert r["reads"] == [0] * 6, r
+
+
+# ----------------------------------------------------------------------------- 9
+def _free_ports(n):
+    import socket
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.mark.timeout(180)
+def test_reinitialised_groups(pools):
+    from tests.mp import WorkerPool
+    pool = WorkerPool(2)          # its group is destroyed: a pool of its own
+    try:
+        res = pool.run(da.reinit_case, timeout=150, ports=_free_ports(8))
+    finally:
+        pool.close()
+    for r in res:
+        assert r["stale"] and "usp_hal" in r["stale"] and "destroyed" in r["stale"], r
+        assert all(e <= 1 for e in r["errs"]), r
+        # flat after the first cycles: nothing keeps the destroyed groups (and their sockets, threads) alive
+        assert r["fds"][-1] <= r["fds"][1] + 1 and r["threads"][-1] <= r["threads"][1], r

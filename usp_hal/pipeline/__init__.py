@@ -19,6 +19,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..capabilities import AttnRequest
@@ -103,6 +104,8 @@ class Pipeline:
         self.ahead_counts = [0, 0]
         self.handle = next(_NEXT)
         _PIPELINES[self.handle] = self
+        #: the mesh of the last call (its caches are dropped once its groups are destroyed)
+        self.bound: Any = None
 
     # ------------------------------------------------------------------ caches
     def backend_for(self, req: AttnRequest):
@@ -124,10 +127,30 @@ class Pipeline:
         return got
 
     def resolve_mesh(self):
+        """The mesh of this call (the module's, else the default one), checked to be on live
+        process groups; a call on another mesh than the last one drops the caches of a mesh
+        whose groups were destroyed, so they do not keep those groups (sockets, threads) alive."""
         if self.mesh is not None:
-            return self.mesh
-        from ..mesh import get_default_mesh
-        return get_default_mesh()
+            mesh = self.mesh
+        else:
+            from ..mesh import get_default_mesh
+            mesh = get_default_mesh()
+        check_live(mesh)
+        if mesh is not self.bound:
+            if self.bound is not None and not is_live(self.bound):
+                self.forget()
+            self.bound = mesh
+        return mesh
+
+    def forget(self) -> None:
+        """Drop every cache that holds a mesh, a group or a plan (they are rebuilt on use)."""
+        for cache in (self.shapes, self.metas, self.repeats, self.signatures, self.plans,
+                      self.checked_layouts, self.checked_blocks, self.sink_opts):
+            cache.clear()
+        self.frozen = None
+        self.ahead = None
+        self.last_sig = None
+        self.steady = False
 
     # ------------------------------------------------------------------ the call
     def prepare(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None,
@@ -332,6 +355,25 @@ def sink_options(pipe: Pipeline, opts: CallOptions, sinks: torch.Tensor, grad: b
             pipe.sink_opts.clear()
         got = pipe.sink_opts[key] = opts.with_(sinks=token)
     return got
+
+
+def is_live(mesh) -> bool:
+    """The mesh's process groups are registered (not destroyed by ``destroy_process_group``)."""
+    group = getattr(mesh, "sp_group", None)
+    if group is None:
+        return True
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return pg_map is None or group in pg_map
+
+
+def check_live(mesh) -> None:
+    if not is_live(mesh):
+        raise USPError(f"usp_hal: the sequence-parallel mesh of this call ({mesh.ulysses_degree} x "
+                       f"{mesh.ring_degree}, ranks {list(mesh.sp_ranks)}) is on process groups that were destroyed "
+                       "(torch.distributed.destroy_process_group); build a new mesh with "
+                       "usp_hal.init_sequence_parallel(...) after init_process_group and pass it to the module "
+                       "(module.mesh = mesh, or a new module), or use the default mesh (mesh=None)")
 
 
 def check_sinks(sinks, q) -> Optional[Exception]:
