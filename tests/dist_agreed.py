@@ -332,3 +332,43 @@ def reinit_case(ports, cycles=8):
         res["fds"].append(fds)
         res["threads"].append(threads)
     return res
+
+
+# ----------------------------------------------------------------------------- 1: errors before the agreement
+class OddError(Exception):
+    """An exception type of the caller's own."""
+
+
+def bad_argument_case(what: str):
+    """Rank 1 alone passes a bad argument (and catches the error); then both ranks call again
+    with good inputs.  Returns the error text and class names, and the next call's float64 error."""
+    import numpy as np
+    mesh = get_mesh(1, 2)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    q, k, v = _inputs(5)
+    ql, kl, vl = (usp_hal.shard(x, mesh=mesh) for x in (q, k, v))
+    kw: dict = {"causal": True}
+    if what == "odd_mask":      # a steady masked module first: the mask is evaluated before the agreement
+        kw["mask"] = M.chunked_local(8)
+        attn(ql, kl, vl, **kw)
+
+    def odd_mod(b, h, q, kv):
+        raise OddError("the caller's own failure")
+    if dist.get_rank() == 1:
+        if what == "list":
+            ql = ql.tolist()
+        elif what == "numpy":
+            ql = np.asarray(ql)
+        elif what == "mask_type":
+            kw["mask"] = 42
+        elif what == "odd_mask":
+            kw["mask"] = odd_mod
+        elif what == "window":
+            kw["window_size"] = object()
+    t0 = time.monotonic()
+    try:
+        attn(ql, kl, vl, **kw)
+        err, kinds = None, []
+    except Exception as exc:     # noqa: BLE001
+        err, kinds = str(exc), [c.__name__ for c in type(exc).__mro__]
+    return {"error": err, "kinds": kinds, "elapsed": time.monotonic() - t0, "after": _after(attn, mesh)}

@@ -218,3 +218,22 @@ def test_reinitialised_groups(pools):
         assert all(e <= 1 for e in r["errs"]), r
         # flat after the first cycles: nothing keeps the destroyed groups (and their sockets, threads) alive
         assert r["fds"][-1] <= r["fds"][1] + 1 and r["threads"][-1] <= r["threads"][1], r
+
+
+# ----------------------------------------------------------------------------- 1
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what,needle,kind", [
+    ("list", "query must be a torch.Tensor, got list", "TypeError"),
+    ("numpy", "query must be a torch.Tensor, got ndarray", "TypeError"),
+    ("mask_type", "mask must be a usp_hal.masks.Mask", "TypeError"),
+    ("odd_mask", "OddError: the caller's own failure", "USPError"),
+    ("window", "window_size", "USPError"),
+])
+def test_an_error_on_one_rank_before_the_agreement_is_raised_on_every_rank(pools, what, needle, kind):
+    res = pools(2).run(da.bad_argument_case, timeout=30, what=what)
+    for r in res:
+        assert r["error"] and "rank(s) [1]" in r["error"] and needle in r["error"], res
+        assert kind in r["kinds"] and "USPError" in r["kinds"], res
+        assert r["elapsed"] < 10, res
+        assert r["after"] <= 1, res       # the group pairs the next calls correctly
+    assert res[0]["error"] == res[1]["error"]

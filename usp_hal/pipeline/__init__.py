@@ -235,6 +235,8 @@ class Pipeline:
         if err is not None or alibi_slopes is not None or positions is not None or joint is not None \
                 or head_groups is not None:
             return None, needs_grad
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return None, needs_grad          # validation refuses it
         if needs_grad is None:
             needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         return self._signature(mesh, q, k, v, opts, needs_grad, cu_seqlens), needs_grad
