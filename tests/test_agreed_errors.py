@@ -237,3 +237,34 @@ def test_an_error_on_one_rank_before_the_agreement_is_raised_on_every_rank(pools
         assert r["elapsed"] < 10, res
         assert r["after"] <= 1, res       # the group pairs the next calls correctly
     assert res[0]["error"] == res[1]["error"]
+
+
+def test_steady_masked_calls_evaluate_no_mask(monkeypatch):
+    """Steady state (same length, same mask state): the mask is not evaluated again; a change of
+    its data is (and the result follows it)."""
+    import usp_hal
+    import usp_hal.masks as M
+    attn = usp_hal.LongContextAttention(attn_type="sdpa")
+    q, k, v = da._inputs(6)
+    docs = torch.arange(da.S) // 8
+
+    def docs_mod(b, h, q, kv):
+        return docs[q] == docs[kv]
+    mask = M.Mask.from_mod(docs_mod)
+    for _ in range(2):
+        attn(q, k, v, mask=mask)
+    seen = [0]
+    keep = M.Mask.keep
+
+    def counting(self, *a, **kw):
+        seen[0] += 1
+        return keep(self, *a, **kw)
+    monkeypatch.setattr(M.Mask, "keep", counting)
+    for _ in range(3):
+        out = attn(q, k, v, mask=mask)
+    assert seen[0] == 0
+    assert da._err(out, da._ref(q, k, v, mask=mask), torch.float64) <= 1
+    docs[:] = torch.arange(da.S) // 4          # in place
+    out = attn(q, k, v, mask=mask)
+    assert seen[0] > 0
+    assert da._err(out, da._ref(q, k, v, mask=mask), torch.float64) <= 1
