@@ -372,3 +372,20 @@ def bad_argument_case(what: str):
     except Exception as exc:     # noqa: BLE001
         err, kinds = str(exc), [c.__name__ for c in type(exc).__mro__]
     return {"error": err, "kinds": kinds, "elapsed": time.monotonic() - t0, "after": _after(attn, mesh)}
+
+
+def bad_packed_case():
+    """Rank 1 alone passes a qkv of the wrong shape to the packed module; then a good call."""
+    mesh = get_mesh(1, 2)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    packed = usp_hal.LongContextAttentionQKVPacked(attn_type="sdpa", mesh=mesh)
+    q, k, v = _inputs(8)
+    qkv = torch.stack([usp_hal.shard(x, mesh=mesh) for x in (q, k, v)], 2)
+    if dist.get_rank() == 1:
+        qkv = qkv[:, :, :2]
+    try:
+        packed(qkv, causal=True)
+        err = None
+    except Exception as exc:     # noqa: BLE001
+        err = f"{type(exc).__name__}: {exc}"
+    return {"error": err, "after": _after(attn, mesh)}

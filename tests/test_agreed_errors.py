@@ -268,3 +268,11 @@ def test_steady_masked_calls_evaluate_no_mask(monkeypatch):
     out = attn(q, k, v, mask=mask)
     assert seen[0] > 0
     assert da._err(out, da._ref(q, k, v, mask=mask), torch.float64) <= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_packed_qkv_on_one_rank_is_refused_on_every_rank(pools):
+    res = pools(2).run(da.bad_packed_case, timeout=30)
+    for r in res:
+        assert r["error"] and "rank(s) [1]" in r["error"] and "qkv must be" in r["error"], res
+        assert r["after"] <= 1, res

@@ -338,7 +338,12 @@ class LongContextAttentionQKVPacked(LongContextAttention):
                 alibi_slopes=None, deterministic=False, return_attn_probs=False, *args, positions=None,
                 cu_seqlens=None):
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
+            err = ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
+            if torch.compiler.is_compiling():
+                raise err
+            # a refusal every rank sees (this rank alone raising would leave the others waiting)
+            self._pipe(self._pipe.resolve_mesh(), None, None, None, CallOptions(), err=err)
+            raise err     # (not reached: the agreement raises)
         q, k, v = qkv.unbind(2)
         return super().forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                deterministic, return_attn_probs, positions=positions, cu_seqlens=cu_seqlens)
