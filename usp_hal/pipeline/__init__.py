@@ -345,6 +345,7 @@ class Pipeline:
         assert gathered is not None, "the agreement of a changed call passed"
         return None, gathered, loc
 
+
 def sink_options(pipe: Pipeline, opts: CallOptions, sinks: torch.Tensor, grad: bool) -> CallOptions:
     """``opts`` whose ``sinks`` field is a digest of the sink logits' values and of whether
     they take a gradient here, so the ranks compare both like ALiBi slopes (the values are
