@@ -164,9 +164,9 @@ def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
     g = torch.Generator().manual_seed(5)
     K, V = torch.randn(B, S, Hkv, D, generator=g, dtype=dt), torch.randn(B, S, Hkv, D, generator=g, dtype=dt)
 
-    def fresh():
+    def fresh(check_inputs=False):
         c = ShardedKVCache(mesh, num_layers=2, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dt,
-                           block_size=2, attn_type="sdpa")
+                           block_size=2, attn_type="sdpa", check_inputs=check_inputs)
         c.load(0, K, V, [S, 3])
         return c
 
@@ -182,7 +182,8 @@ def refusal_case(U=1, R=2, H=4, Hkv=2, D=8):
     if rank == 0:
         c.layers[0].total[0] += 1          # this rank believes the sequence is longer
     res["table_differs"] = error_of(lambda: c.decode(0, q, k, v))
-    res["new_keys_differ"] = error_of(lambda: fresh().decode(0, q, k + rank, v))
+    # q, k and v the same on every rank: the caller's contract, verified with check_inputs=True
+    res["new_keys_differ"] = error_of(lambda: fresh(True).decode(0, q, k + rank, v))
     res["options_differ"] = error_of(lambda: fresh().decode(0, q, k, v, window_size=(rank + 1, 0)))
     res["heads_mismatch"] = error_of(lambda: fresh().decode(0, q[:, :, :H - 1] if rank == 0 else q, k, v))
     res["softcap_on_sdpa"] = error_of(lambda: fresh().decode(0, q, k, v, softcap=5.0))

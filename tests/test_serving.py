@@ -133,7 +133,7 @@ EXPECTED_REFUSALS = {
     "wrong_mesh": "decode with the mesh the cache was prefilled on",
     "length_differs": "tokens per sequence, but the ranks' placement table says",
     "table_differs": "the placement table",
-    "new_keys_differ": "the new keys",
+    "new_keys_differ": "q, k and v",
     "options_differ": "the options",
     "heads_mismatch": "does not match the cache",
     "layer_out_of_range": "out of range",

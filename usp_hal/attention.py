@@ -205,31 +205,39 @@ class LongContextAttention(torch.nn.Module):
         that rank's part (sum it over the sequence-parallel group, as ``sync_gradients`` does).
         """
         pipe = self._pipe
-        # the same keywords give the same options: one dict lookup per call, keyed by every
-        # keyword passed here (CallOptions.cached)
-        opts = CallOptions.cached(None if torch.compiler.is_compiling() else self._options, dropout_p=dropout_p,
-                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  softcap=softcap, deterministic=deterministic, return_lse=return_lse)
-        if mask is not None or sinks is not None:
+        # anything that fails while this rank prepares its call (options, the mask, argument
+        # types) is a refusal carried into the agreement, so every rank raises it together
+        err: Optional[Exception] = None
+        try:
+            # the same keywords give the same options: one dict lookup per call, keyed by every
+            # keyword passed here (CallOptions.cached)
+            opts = CallOptions.cached(None if torch.compiler.is_compiling() else self._options, dropout_p=dropout_p,
+                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                      softcap=softcap, deterministic=deterministic, return_lse=return_lse)
+            if mask is not None or sinks is not None:
+                if torch.compiler.is_compiling():
+                    from .masks import Mask
+                    if mask is not None and not isinstance(mask, Mask):
+                        raise TypeError("under torch.compile pass mask= as a usp_hal.masks.Mask built outside the "
+                                        "compiled function (Mask.from_mod / from_slices), not a bare mask_mod or list")
+                    opts = opts.with_(mask=mask, sinks=sinks is not None)
+                else:
+                    opts = self._with_mask(opts, mask, sinks is not None)
+        except Exception as exc:
             if torch.compiler.is_compiling():
-                from .masks import Mask
-                if mask is not None and not isinstance(mask, Mask):
-                    raise TypeError("under torch.compile pass mask= as a usp_hal.masks.Mask built outside the "
-                                    "compiled function (Mask.from_mod / from_slices), not a bare mask_mod or list")
-                opts = opts.with_(mask=mask, sinks=sinks is not None)
-            else:
-                opts = self._with_mask(opts, mask, sinks is not None)
+                raise
+            err, opts = exc, CallOptions()
         mesh = pipe.resolve_mesh()
-        joint, err = None, None
-        if joint_tensor_query is not None or joint_tensor_key is not None or joint_tensor_value is not None or \
-                joint_strategy not in (None, "none"):
+        joint = None
+        if err is None and (joint_tensor_query is not None or joint_tensor_key is not None
+                            or joint_tensor_value is not None or joint_strategy not in (None, "none")):
             try:
                 joint = check_joint(mesh, query, joint_tensor_query, joint_tensor_key, joint_tensor_value,
                                     joint_strategy)
                 if joint is not None and cu_seqlens is not None:
                     raise NotImplementedError("cu_seqlens together with joint tokens is not supported; pack the "
                                               "joint tokens into the documents (cu_seqlens) or drop cu_seqlens")
-            except (ValueError, NotImplementedError, TypeError) as exc:
+            except Exception as exc:
                 if torch.compiler.is_compiling():
                     raise
                 err = exc
@@ -372,7 +380,12 @@ class LongContextAttentionQKVPacked(LongContextAttention):
         """The output ``[B, S_local, H, D]``; ``(out, lse)`` with ``return_lse=True``
         (``return_attn_probs`` changes nothing, as in yunchang)."""
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
+            err = ValueError(f"qkv must be [batch, seq, 3, heads, head_dim], got {tuple(getattr(qkv, 'shape', ()))}")
+            if torch.compiler.is_compiling():
+                raise err
+            # a refusal every rank sees (this rank alone raising would leave the others waiting)
+            self._pipe(self._pipe.resolve_mesh(), None, None, None, CallOptions(), err=err)
+            raise err     # (not reached: the agreement raises)
         q, k, v = qkv.unbind(2)
         return super().forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                deterministic, return_lse=return_lse, positions=positions, cu_seqlens=cu_seqlens)

@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .pipeline import CallOptions, pipeline_of
+from .pipeline import CallOptions, pipeline_of, sink_options
 from .pipeline import run as _run
 from .pipeline.validate import joint_info
 
@@ -36,11 +36,13 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _prepare(handle: int, q, k, v, alibi_slopes, options: str, with_lse: bool, **kw):
+def _prepare(handle: int, q, k, v, alibi_slopes, options: str, with_lse: bool, sinks=None, **kw):
     """The call's plan (the backward needs the lse, so a call with gradients computes it)."""
     pipe = pipeline_of(handle)
     mesh = pipe.resolve_mesh()
     opts = CallOptions.decode(options)
+    if sinks is not None:     # compared across ranks by value (and whether they take a gradient: 2)
+        opts = sink_options(pipe, opts, sinks, opts.sinks == 2)
     if with_lse and not opts.return_lse:
         opts = opts.with_(return_lse=True)
     joint = joint_info(mesh, opts.joint_strategy, opts.joint_total)
@@ -52,7 +54,7 @@ def _prepare(handle: int, q, k, v, alibi_slopes, options: str, with_lse: bool, *
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                  sinks: Optional[torch.Tensor], handle: int, options: str, need_grad: bool, sp_size: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _prepare(handle, q, k, v, alibi_slopes, options, need_grad, needs_grad=need_grad)
+    plan = _prepare(handle, q, k, v, alibi_slopes, options, need_grad, sinks=sinks, needs_grad=need_grad)
     with torch.no_grad():
         out, lse, _ = _run.forward(plan, q, k, v, keep=False, sinks=sinks)
     lengths = torch.tensor(list(plan.spec_lengths), dtype=torch.int64)
@@ -144,6 +146,8 @@ def compiled_forward(pipe, q, k, v, opts: CallOptions, alibi_slopes, positions, 
     opts = opts.with_(scale=scale, window=window, softcap=float(opts.softcap), dropout_p=0.0)
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                              or (sinks is not None and sinks.requires_grad))
+    if sinks is not None:
+        opts = opts.with_(sinks=2 if torch.is_grad_enabled() and sinks.requires_grad else 1)
     out, lse, _ = torch.ops.usp_hal.attention(q, k, v, alibi_slopes, sinks, pipe.handle, opts.encode(), need_grad,
                                               mesh.sp_size)
     return out, (lse if opts.return_lse else None)

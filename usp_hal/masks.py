@@ -29,11 +29,13 @@ area (a greedy min-heap), so every rank scores about the same number of pairs.
 """
 from __future__ import annotations
 
+import dis
 import functools
 import hashlib
 import heapq
 import itertools
 import operator
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -57,9 +59,13 @@ __all__ = ["Mask", "KINDS", "prefix_lm", "block_causal", "chunked_local", "rando
 class Mask:
     """A mask over global positions (see the module doc).  Built by :meth:`from_mod` /
     :meth:`from_slices` or the helpers (:func:`prefix_lm`, ...); pass it as
-    ``LongContextAttention.forward(..., mask=m)``.  The same mask must be given on every rank
-    (its kind, code and parameters are part of the cross-rank check; tensors a ``mask_mod``
-    closes over are not)."""
+    ``LongContextAttention.forward(..., mask=m)``.  Every rank must give a mask that selects
+    the same pairs: the cross-rank check compares a digest of what the mask selects (its tile
+    classification and the bits of its partial tiles), whatever form the mask takes.  The
+    classification is cached per global length and per *state* of what the mask reads
+    (:meth:`state`: the values of its closure, defaults, ``functools.partial`` arguments,
+    attributes of a callable object and globals the function reads, tensors by their version),
+    so a mask whose data change between calls is classified again."""
 
     def __init__(self, fn: Optional[Callable] = None, slices: Optional[Sequence] = None, *,
                  batch: Optional[int] = None, heads: Optional[int] = None, name: str = "", key: Tuple = ()):
@@ -76,7 +82,7 @@ class Mask:
         self.name = name or (getattr(fn, "__name__", "mask_mod") if fn is not None else "slices")
         self.key = key
         self._fp: Optional[int] = None
-        self._tiles: Dict[Tuple, torch.Tensor] = {}
+        self._tiles: Dict[Tuple, Tuple[object, torch.Tensor, int]] = {}
         #: an integer naming this mask in this process (how a compiled graph refers to it)
         self.handle: int = next(_HANDLES)
         _BY_HANDLE[self.handle] = self
@@ -136,6 +142,20 @@ class Mask:
             self._fp = int.from_bytes(h.digest(), "little") | 1
         return self._fp
 
+    def state(self):
+        """A token that changes whenever what the mask reads may have changed: the values its
+        function reads (closure cells, defaults, ``functools.partial`` arguments, a callable
+        object's attributes, the globals its code loads, recursively), with tensors as
+        ``(identity, version, storage pointer, shape)``.  A value it cannot see into makes the
+        token unique per call (the mask is then classified on every call: never stale)."""
+        if self.slices is not None:
+            return ()
+        acc: list = []
+        if not _walk(self.fn, acc, 0, set(), [0]):
+            return _Unseen()
+        acc.append((self.batch, self.heads))
+        return tuple(acc)
+
     def __repr__(self) -> str:
         return f"Mask({self.name}{', slices' if self.slices else ''})"
 
@@ -168,7 +188,115 @@ class Mask:
         if not isinstance(got, torch.Tensor) or got.dtype != torch.bool:
             raise TypeError(f"mask_mod {self.name!r} must return a bool tensor, got "
                             f"{getattr(got, 'dtype', type(got).__name__)}")
-        return torch.broadcast_to(got, (got.shape[0], got.shape[1], q.shape[2], k.shape[3]))
+        want = (b.shape[0], h.shape[1], q.shape[2], k.shape[3])
+        have = (1,) * (4 - got.dim()) + tuple(got.shape) if got.dim() <= 4 else tuple(got.shape)
+        if len(have) != 4 or any(x not in (1, w) for x, w in zip(have, want)):
+            raise ValueError(f"mask_mod {self.name!r} returned a tensor of shape {tuple(got.shape)}; it must "
+                             f"broadcast to [B|1, H|1, Lq, Lk] = [{want[0]}|1, {want[1]}|1, {want[2]}, {want[3]}] "
+                             f"(it is called with b {list(b.shape)}, h {list(h.shape)}, q_idx {list(q.shape)}, "
+                             f"kv_idx {list(k.shape)}: write it with elementwise tensor operations)")
+        return torch.broadcast_to(got.reshape(have), (have[0], have[1], want[2], want[3]))
+
+
+class _Unseen:
+    """A state token equal to nothing but itself (a mask whose data cannot be tracked)."""
+
+    __slots__ = ()
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_LOADED: Dict[int, Tuple[object, Tuple[str, ...]]] = {}
+_BUDGET = 200_000       # values walked per state token, at most (then: untracked, classified every call)
+
+
+def _globals_loaded(code) -> Tuple[str, ...]:
+    """The global names ``code`` (and the code nested in it) loads, computed once per code object."""
+    got = _LOADED.get(id(code))
+    if got is not None and got[0] is code:
+        return got[1]
+    names: List[str] = []
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names += [i.argval for i in dis.get_instructions(c) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    out = tuple(dict.fromkeys(n for n in names if isinstance(n, str)))
+    if len(_LOADED) > 4096:
+        _LOADED.clear()
+    _LOADED[id(code)] = (code, out)
+    return out
+
+
+def _walk(obj, acc: list, depth: int, seen: set, count: List[int]) -> bool:
+    """Append to ``acc`` what ``obj`` holds that a mask function may read; False when some
+    value cannot be tracked (see :meth:`Mask.state`)."""
+    count[0] += 1
+    if count[0] > _BUDGET or depth > 8:
+        return False
+    if isinstance(obj, _SCALARS):
+        acc.append(obj)
+        return True
+    if isinstance(obj, torch.Tensor):
+        ptr = obj.data_ptr() if obj.device.type != "meta" else 0
+        acc.append(("tensor", id(obj), obj._version, ptr, tuple(obj.shape), obj.dtype, obj.device))
+        return True
+    if isinstance(obj, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)) or \
+            callable(obj) and type(obj).__module__ in ("torch._ops", "torch") and not hasattr(obj, "__code__"):
+        acc.append(("code", id(obj)))           # code, not data
+        return True
+    if id(obj) in seen:
+        acc.append(("seen", id(obj)))
+        return True
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        acc.append((type(obj).__name__, len(obj)))
+        items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+        return all(_walk(x, acc, depth + 1, seen, count) for x in items)
+    if isinstance(obj, dict):
+        acc.append(("dict", len(obj)))
+        return all(_walk(k, acc, depth + 1, seen, count) and _walk(v, acc, depth + 1, seen, count)
+                   for k, v in obj.items())
+    if isinstance(obj, Mask):
+        acc.append(("mask", obj.batch, obj.heads, obj.slices))
+        return obj.fn is None or _walk(obj.fn, acc, depth + 1, seen, count)
+    if isinstance(obj, functools.partial):
+        acc.append("partial")
+        return (_walk(obj.func, acc, depth + 1, seen, count) and _walk(obj.args, acc, depth + 1, seen, count)
+                and _walk(obj.keywords, acc, depth + 1, seen, count))
+    if isinstance(obj, types.MethodType):
+        return _walk(obj.__func__, acc, depth + 1, seen, count) and _walk(obj.__self__, acc, depth + 1, seen, count)
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        acc.append(("fn", id(code)))
+        for cell in obj.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                acc.append("empty cell")
+                continue
+            if not _walk(value, acc, depth + 1, seen, count):
+                return False
+        if not (_walk(obj.__defaults__, acc, depth + 1, seen, count)
+                and _walk(obj.__kwdefaults__, acc, depth + 1, seen, count)):
+            return False
+        g = obj.__globals__
+        for name in _globals_loaded(code):
+            if name in g:
+                acc.append(name)
+                if not _walk(g[name], acc, depth + 1, seen, count):
+                    return False
+        return True
+    if type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):
+        acc.append(("array", hashlib.blake2b(obj.tobytes(), digest_size=8).digest(), getattr(obj, "shape", ())))
+        return True
+    if callable(obj) and hasattr(obj, "__dict__"):       # a callable object: its class's __call__ and its attributes
+        call = type(obj).__call__
+        acc.append(("object", type(obj)))
+        return _walk(call, acc, depth + 1, seen, count) and _walk(vars(obj), acc, depth + 1, seen, count)
+    if hasattr(obj, "__dict__") and not callable(obj):
+        acc.append(("value", type(obj)))
+        return _walk(vars(obj), acc, depth + 1, seen, count)
+    return False
 
 
 def _check_slice(s) -> Tuple[int, int, int, int, str]:
@@ -296,37 +424,79 @@ class Predicate:
         return out
 
     def tiles(self, seqlen: int, tile: int) -> torch.Tensor:
-        """``[nT, nT]`` uint8 over the global grid: EMPTY, FULL or PARTIAL (cached on the mask)."""
+        """``[nT, nT]`` uint8 over the global grid: EMPTY, FULL or PARTIAL (cached on the mask
+        per length, tile, options and :meth:`Mask.state`)."""
+        return self.classify(seqlen, tile)[0]
+
+    def digest(self, seqlen: int) -> int:
+        """A non-zero 63-bit digest of what the predicate keeps over ``seqlen`` tokens: its tile
+        classification and the bits of its partial tiles (at the tile size the plan uses), so
+        two predicates that keep different pairs differ, whatever their form."""
+        return self.classify(seqlen, tile_size(seqlen))[1]
+
+    def classify(self, seqlen: int, tile: int) -> Tuple[torch.Tensor, int]:
+        """``(tiles, digest)`` (see :meth:`tiles` and :meth:`digest`), computed once per length,
+        tile, options and mask state."""
+        state = self.mask.state()
         key = (seqlen, tile, self.causal, self.window, self.cu_seqlens, self.batch)
         got = self.mask._tiles.get(key)
-        if got is not None:
-            return got
+        if got is not None and got[0] == state:
+            return got[1], got[2]
         nt = -(-seqlen // tile)
+        h = hashlib.blake2b(repr((seqlen, tile)).encode(), digest_size=8)
+        dims = (self.batch if self.mask.batch is not None else 1, self.mask.heads or 1)
         if (self.mask.slices is not None and not self.causal and tuple(self.window) == (-1, -1)
                 and (self.cu_seqlens is None or len(self.cu_seqlens) <= 2) and _disjoint(self.mask.slices)):
             out = _slice_tiles(self.mask.slices, seqlen, tile)
-            if len(self.mask._tiles) > 8:
-                self.mask._tiles.clear()
-            self.mask._tiles[key] = out
-            return out
-        out = torch.empty(nt, nt, dtype=torch.uint8)
-        kpos = torch.arange(seqlen)
-        pad = nt * tile - seqlen
-        for t in range(nt):
-            a, z = t * tile, min(seqlen, (t + 1) * tile)
-            m = self.keep(torch.arange(a, z), kpos).reshape(-1, z - a, seqlen)
-            anyk = m.any(0).any(0)
-            allk = m.all(0).all(0)
-            if pad:
-                anyk = torch.cat([anyk, anyk.new_zeros(pad)])
-                allk = torch.cat([allk, allk.new_ones(pad)])
-            anyt = anyk.view(nt, tile).any(1)
-            allt = allk.view(nt, tile).all(1)
-            out[t] = torch.where(allt, FULL, torch.where(anyt, PARTIAL, EMPTY)).to(torch.uint8)
+            h.update(out.numpy().tobytes())
+            kpos = torch.arange(seqlen)
+            for t in range(nt):
+                cols = _partial_columns(out[t], tile, seqlen)
+                if cols is not None:
+                    a, z = t * tile, min(seqlen, (t + 1) * tile)
+                    _update_bits(h, self.keep(torch.arange(a, z), kpos.index_select(0, cols)), dims)
+        else:
+            out = torch.empty(nt, nt, dtype=torch.uint8)
+            kpos = torch.arange(seqlen)
+            pad = nt * tile - seqlen
+            rows = []
+            for t in range(nt):
+                a, z = t * tile, min(seqlen, (t + 1) * tile)
+                keep = self.keep(torch.arange(a, z), kpos)
+                m = keep.reshape(-1, z - a, seqlen)
+                anyk = m.any(0).any(0)
+                allk = m.all(0).all(0)
+                if pad:
+                    anyk = torch.cat([anyk, anyk.new_zeros(pad)])
+                    allk = torch.cat([allk, allk.new_ones(pad)])
+                anyt = anyk.view(nt, tile).any(1)
+                allt = allk.view(nt, tile).all(1)
+                out[t] = torch.where(allt, FULL, torch.where(anyt, PARTIAL, EMPTY)).to(torch.uint8)
+                cols = _partial_columns(out[t], tile, seqlen)
+                rows.append(None if cols is None else keep.index_select(-1, cols.to(keep.device)))
+            h.update(out.numpy().tobytes())
+            for bits in rows:
+                if bits is not None:
+                    _update_bits(h, bits, dims)
+        digest = (int.from_bytes(h.digest(), "little") >> 1) | 1
         if len(self.mask._tiles) > 8:
             self.mask._tiles.clear()
-        self.mask._tiles[key] = out
-        return out
+        self.mask._tiles[key] = (state, out, digest)
+        return out, digest
+
+
+def _partial_columns(row: torch.Tensor, tile: int, seqlen: int) -> Optional[torch.Tensor]:
+    """The key positions of a tile row's partial tiles (None: there are none)."""
+    us = (row == PARTIAL).nonzero().view(-1).tolist()
+    if not us:
+        return None
+    return torch.cat([torch.arange(u * tile, min(seqlen, (u + 1) * tile)) for u in us])
+
+
+def _update_bits(h, keep: torch.Tensor, dims: Tuple[int, int]) -> None:
+    """Hash a bool ``[B|1, H|1, rows, cols]`` tensor's values over ``dims`` (batch rows, heads)."""
+    full = keep.detach().expand(dims[0], dims[1], keep.shape[2], keep.shape[3])
+    h.update(full.to("cpu", torch.uint8).contiguous().numpy().tobytes())
 
 
 def _disjoint(slices) -> bool:

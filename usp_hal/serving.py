@@ -51,6 +51,7 @@ from .blocks import plan_blocks
 from .capabilities import AttnRequest
 from .comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
 from .heads import head_plan
+from .pipeline.validate import check_scale
 from .positions import Segment, check_layout, ring_segments
 from .registry import REGISTRY
 from .ring import merge_block, merge_dtype
@@ -89,15 +90,17 @@ def decode_bytes(batch: int, new_tokens: int, heads_per_rank: int, v_dim: int, w
     return {"send": send, "recv": send * world}
 
 
-def _fingerprint(t: torch.Tensor) -> int:
-    """Cheap exact-ish fingerprint of the new keys (the same inputs give the same ints on
-    every rank: replicated q/k/v are computed by the same ops)."""
-    x = t.detach().to(torch.float64)
-    if x.numel() == 0:
-        return 0
-    w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).view(x.shape)
-    a, b = float(x.sum()), float((x * w).sum())
-    return digest_ints(list(struct.unpack("<2q", struct.pack("<2d", a, b))))
+def _fingerprint(*ts: torch.Tensor) -> int:
+    """Cheap exact-ish fingerprint of tensors (the same inputs give the same ints on every
+    rank: replicated q/k/v are computed by the same ops): two weighted sums per tensor, read
+    to the host together (one device->host copy)."""
+    sums = []
+    for t in ts:
+        x = t.detach().to(torch.float64).reshape(-1)
+        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        sums += [x.sum(), (x * w).sum()]
+    vals = torch.stack(sums).tolist() if sums else []
+    return digest_ints(list(struct.unpack(f"<{len(vals)}q", struct.pack(f"<{len(vals)}d", *vals))))
 
 
 def _float_bits(x: float) -> int:
@@ -139,6 +142,15 @@ class _Layer:
     def filled(self) -> bool:
         return any(self.total)
 
+    def table(self) -> tuple:
+        """The placement state (not the storage): what :meth:`restore` puts back."""
+        return (list(self.local), [[list(r) for r in row] for row in self.runs], [list(c) for c in self.counts],
+                list(self.total), list(self.owner), list(self.left))
+
+    def restore(self, table: tuple) -> None:
+        """Undo appends since :meth:`table` (the storage past ``local`` is simply unused)."""
+        self.local, self.runs, self.counts, self.total, self.owner, self.left = table
+
     def table_digest(self) -> int:
         flat: List[int] = []
         for b in range(self.batch):
@@ -158,18 +170,30 @@ class ShardedKVCache:
     all-gather).  ``layout``: the prefill layout of :meth:`load` (``prefill`` takes the
     module's own); it must be contiguous (``basic`` or ``zigzag``) for window/ALiBi.
 
-    ``verify``: when decode calls agree on their metadata.  ``"layer"`` (default): every call.
-    ``"step"``: the calls on layer 0 agree; a call on another layer checks itself against what
-    layer 0 agreed in this step (new tokens, options, the placement table, this rank's
-    lengths) and a rank that finds a difference says so in the data all-gather, so every rank
-    still raises together, with one metadata collective per step instead of one per layer
-    (for models that decode their layers in order, as transformers does).
+    ``verify``: when decode calls agree on their metadata.  ``"layer"`` (default): every call,
+    after this rank's local work (validation, append, attention: launched, not waited for), so a
+    local failure is one more refusal in that agreement; the agreement is one small all-gather
+    of integers on the mesh's CPU side group, and nothing is read from the device (no host
+    sync per layer or step).  ``"step"``: the calls on layer 0 agree; a call on another layer
+    checks itself against what layer 0 agreed in this step (new tokens, options, the placement
+    table, this rank's lengths) and a rank that finds a difference says so in the data
+    all-gather, so every rank still raises together, with one metadata collective per step
+    instead of one per layer (for models that decode their layers in order), at the price of
+    reading that flag from the device in every layer past 0 (a host sync per layer).
+
+    The caller's contract: q, k and v of the new tokens are the same on every rank of the
+    sequence-parallel group (replicated after the projections).  What the agreement compares
+    is the cache's configuration, the layer, the number of new tokens, the options (causal,
+    window, softcap, scale, ALiBi slopes and sinks by value), the placement table and every
+    rank's lengths.  ``check_inputs=True`` (a debugging aid) also compares a fingerprint of q,
+    k and v, at the cost of one device->host read per agreed call.
     """
 
     def __init__(self, mesh=None, *, num_layers: int, batch_size: int, num_heads: int,
                  num_kv_heads: Optional[int] = None, head_dim: int, v_head_dim: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
-                 block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag", verify: str = "layer"):
+                 block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag", verify: str = "layer",
+                 check_inputs: bool = False):
         from .mesh import get_default_mesh
         self.mesh = mesh if mesh is not None else get_default_mesh()
         m = self.mesh
@@ -222,6 +246,9 @@ class ShardedKVCache:
         self._backends: Dict[AttnRequest, Any] = {}
         self.last_calls = 0          # kernel calls of the last decode on this rank (tests, benchmarks)
         self.verify = verify
+        #: debug mode: every agreed decode call also compares a fingerprint of q, k and v (one
+        #: device->host read per call); off, their equality on every rank is the caller's contract
+        self.check_inputs = bool(check_inputs)
         self._step: Optional[Tuple[int, int, int]] = None    # (new tokens, options, table) layer 0 agreed on
 
     # ------------------------------------------------------------------ facts
@@ -531,6 +558,7 @@ class ShardedKVCache:
         positional = win != (-1, -1) or alibi_slopes is not None
         backend = None
         refusal: Optional[BaseException] = None
+        scale = 1.0 / math.sqrt(self.head_dim)
         try:
             if problem:
                 raise ValueError(problem)
@@ -556,9 +584,11 @@ class ShardedKVCache:
                 raise ValueError(f"sinks must be a [H] = ({self.num_heads},) tensor, got "
                                  f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
             backend = self._backend(self._request(q, causal, win, softcap, alibi_slopes, positional))
-        except (ValueError, TypeError, NotImplementedError) as exc:
+            if softmax_scale is not None:
+                scale = float(softmax_scale)
+                check_scale(scale)
+        except Exception as exc:      # any failure of this rank's call is a refusal every rank sees
             refusal = exc
-        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         # alibi slopes and sinks are the same tensors step after step: digested once per tensor version
         opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
                 _float_bits(scale), self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
@@ -568,38 +598,65 @@ class ShardedKVCache:
         # a layer decoded for the first time agrees in full (layers may differ: a sliding-window layer
         # beside a full one, each with its own sinks); later steps compare with what it agreed then
         first = ly is None or ly.options is None
+        out = lse = None
         if m.sp_size > 1 and (self.verify == "layer" or layer == 0 or step is None or first):
+            inputs = 0
+            if self.check_inputs and refusal is None:
+                inputs = _fingerprint(q, k, v)           # debug mode: one device->host read
+            table = ly.table_digest() if ly is not None else 0
             fixed = [self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
-                     digest_ints(opts), _fingerprint(k) if refusal is None else 0,
-                     ly.table_digest() if ly is not None else 0]
-            local = list(ly.local) if ly is not None else [0] * self.batch_size
+                     digest_ints(opts), inputs, table]
             self._step = None
-            self._agree_decode(refusal, fixed, m.ring_rank, local, ly)
-            assert ly is not None
+            # this rank's work first (append, then the kernels: launched, not waited for), so that a
+            # failure of it is a refusal in the agreement; undone on every rank if the agreement fails
+            undo = None
+            failure = refusal
+            if failure is None:
+                assert ly is not None and backend is not None
+                undo = ly.table()
+                try:
+                    starts = list(ly.total)
+                    self._append(ly, k, v)
+                    out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale,
+                                            alibi_slopes, positional)
+                except Exception as exc:
+                    failure = exc
+            local = list(ly.local) if ly is not None else [0] * self.batch_size
+            try:
+                self._agree_decode(failure, fixed, m.ring_rank, local, ly)
+            except BaseException:
+                if undo is not None and ly is not None:
+                    ly.restore(undo)
+                raise
+            assert ly is not None and out is not None and lse is not None
             ly.options = digest_ints(opts)
             if layer == 0:
-                self._step = (n, digest_ints(opts), ly.table_digest())
-        elif m.sp_size > 1:      # verify="step" past layer 0: checked here, a difference is flagged in the gather
-            assert step is not None
-            failure = refusal or self._step_problem(ly, step, n, digest_ints(opts))
-            n = step[0]
-        elif refusal is not None:
-            raise refusal
-        try:      # a local failure from here on still joins the collective (flagged), so no peer waits
-            if failure is not None:
-                raise failure
-            assert ly is not None and backend is not None
-            starts = list(ly.total)
-            self._append(ly, k, v)
-            out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale, alibi_slopes,
-                                    positional)
-        except Exception as exc:
-            failure = exc
-            hq = self.q_range[1] - self.q_range[0]
-            out = torch.zeros((self.batch_size, n, hq, self.v_head_dim), dtype=merge_dtype(self.dtype),
-                              device=self.device)
-            lse = torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
-        out, lse = self._gather(out, lse, failure)
+                self._step = (n, digest_ints(opts), table)
+            out, lse = self._gather(out, lse, flagged=False)
+        else:
+            if m.sp_size > 1:      # verify="step" past layer 0: checked here, a difference is flagged in the gather
+                assert step is not None
+                failure = refusal or self._step_problem(ly, step, n, digest_ints(opts))
+                n = step[0]
+            elif refusal is not None:
+                raise refusal
+            try:      # a local failure from here on still joins the collective (flagged), so no peer waits
+                if failure is not None:
+                    raise failure
+                assert ly is not None and backend is not None
+                starts = list(ly.total)
+                self._append(ly, k, v)
+                out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale,
+                                        alibi_slopes, positional)
+            except Exception as exc:
+                if m.sp_size == 1:
+                    raise
+                failure = exc
+                hq = self.q_range[1] - self.q_range[0]
+                out = torch.zeros((self.batch_size, n, hq, self.v_head_dim), dtype=merge_dtype(self.dtype),
+                                  device=self.device)
+                lse = torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
+            out, lse = self._gather(out, lse, failure)
         if sinks is not None:        # once, on the merged rows (every rank holds every head now)
             from .pipeline.run import add_sink
             out, lse = add_sink(out, lse, sinks.detach())
@@ -639,8 +696,9 @@ class ShardedKVCache:
     def _agree_decode(self, problem, fixed: list, ring_rank: int, local: list, ly: Optional[_Layer]) -> None:
         m = self.mesh
         labels = ("the cache's configuration", "ulysses degree", "ring degree", "layer", "new tokens per sequence",
-                  "the options (causal, window, softcap, scale, alibi)", "the new keys (they must be the same on "
-                  "every rank: replicated after the projections)", "the placement table (where every token lives)")
+                  "the options (causal, window, softcap, scale, alibi, sinks)", "the new tokens' q, k and v "
+                  "(check_inputs=True: they must be the same on every rank, replicated after the projections)",
+                  "the placement table (where every token lives)")
         nf = len(fixed)
         names = m.sp_ranks
 
@@ -697,11 +755,13 @@ class ShardedKVCache:
         self.last_calls = calls
         return out, lse
 
-    def _gather(self, out: torch.Tensor, lse: torch.Tensor, failure: Optional[BaseException] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, out: torch.Tensor, lse: torch.Tensor, failure: Optional[BaseException] = None,
+                flagged: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """The one data collective: every rank's partial (out, lse), merged over the ring ranks
         of each head group by lse, the head groups joined: ``[B, n, H, Dv]``, ``[B, H, n]``.
-        One trailing element per rank flags a local failure, raised on every rank."""
+        ``flagged``: one trailing element per rank flags a local failure, raised on every rank
+        (read on the host: a device sync); False after an agreement that already saw every
+        rank's failures (nothing is read from the device)."""
         m = self.mesh
         if m.sp_size == 1:
             if failure is not None:
@@ -710,17 +770,21 @@ class ShardedKVCache:
         bsz, n, hq, dv = out.shape
         h = self.heads_max
         size = bsz * n * h * (dv + 1)
-        send = torch.zeros(size + 1, dtype=out.dtype, device=out.device)
+        extra = 1 if flagged else 0
+        send = torch.empty(size + extra, dtype=out.dtype, device=out.device)
         buf = send[:size].view(bsz, n, h, dv + 1)
+        if hq < h:
+            buf[:, :, hq:, :dv] = 0.0
         buf[:, :, :hq, :dv] = out
         buf[:, :, :, dv] = float("-inf")
         buf[:, :, :hq, dv] = lse.transpose(1, 2)
-        send[size] = 0.0 if failure is None else 1.0
-        flat = torch.empty(m.sp_size * (size + 1), dtype=send.dtype, device=send.device)
+        if flagged:
+            send[size] = 0.0 if failure is None else 1.0
+        flat = torch.empty(m.sp_size * (size + extra), dtype=send.dtype, device=send.device)
         collective("decode all-gather of partial out/lse", m.where("sequence-parallel"), all_gather_single,
                    flat, send, group=m.sp_group)
-        rows = flat.view(m.sp_size, size + 1)
-        failed = [i for i in range(m.sp_size) if float(rows[i, size]) != 0.0]
+        rows = flat.view(m.sp_size, size + extra)
+        failed = [i for i in range(m.sp_size) if float(rows[i, size]) != 0.0] if flagged else []
         if failed:      # every rank knows: one more (small) exchange gives every rank every reason
             mine = f"{type(failure).__name__}: {failure}" if failure is not None else ""
             texts = all_gather_bytes(mine.encode("utf-8", "replace"), m.metadata_group,

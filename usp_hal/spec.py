@@ -53,8 +53,8 @@ class CallSpec:
     positions: int = 0         # 0: not given; else a digest of this rank's global positions
     docs: int = 0              # 0: one sequence; else a digest of the document boundaries
     joint: str = ""            # "": none; else joint strategy and joint token count
-    mask: int = 0              # 0: no mask=; else the mask's fingerprint (usp_hal.masks.Mask)
-    sinks: bool = False        # per-head sink logits in every row's denominator
+    mask: int = 0              # 0: no mask=; else a digest of what the mask selects (validate.mask_digest)
+    sinks: int = 0             # per-head sink logits: 0 none; else a digest of their values and requires_grad
 
     @property
     def positional(self) -> bool:
@@ -159,6 +159,11 @@ def _show(name: str, enc, mine, local, _row) -> str:
         return f"<{enc:#x}>"
     if name == "docs":     # the document boundaries of a packed call
         return "none (no cu_seqlens)" if enc == 0 else f"cu_seqlens digest {enc & 0xffffffff:08x}"
+    if name == "mask":      # what the mask selects (usp_hal.masks.Predicate.digest)
+        return "none" if enc == 0 else "a mask" if enc == 1 else \
+            f"a mask selecting different pairs, digest {enc & 0xffffffff:08x}"
+    if name == "sinks":
+        return "none" if enc == 0 else f"sink logits with digest {enc & 0xffffffff:08x} (values and requires_grad)"
     if name in ("alibi", "positions"):
         return "none" if enc == 0 else f"digest {enc & 0xffffffff:08x}"
     return str(enc)

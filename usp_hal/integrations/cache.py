@@ -85,14 +85,17 @@ class ShardedCache(Cache):
 
     ``config``: the model config (its ``num_hidden_layers``), or pass ``num_layers``;
     ``mesh``: default the attention function's; ``block_size``: the decode placement block;
-    ``verify``: ``"step"`` (default: the model decodes its layers in order, so the ranks agree
-    on the step's metadata once, at layer 0) or ``"layer"`` (see
-    :class:`usp_hal.serving.ShardedKVCache`).  The storage is created at the first prefill,
-    from the shapes it sees (collective: every rank of the group does it together).
+    ``verify``: ``"layer"`` (default: every layer's decode agrees on the CPU side group after
+    its local work; nothing is read from the device) or ``"step"`` (the ranks agree once per
+    step, at layer 0, and every later layer reads a failure flag from the device: a host sync
+    per layer); ``check_inputs=True``: a debugging aid that also compares a fingerprint of
+    each layer's new q, k and v (see :class:`usp_hal.serving.ShardedKVCache`).  The storage is
+    created at the first prefill, from the shapes it sees (collective: every rank of the
+    group does it together).
     """
 
     def __init__(self, config: Any = None, *, num_layers: Optional[int] = None, mesh=None, block_size: int = 256,
-                 attn_type: Optional[str] = None, verify: str = "step"):
+                 attn_type: Optional[str] = None, verify: str = "layer", check_inputs: bool = False):
         if num_layers is None:
             if config is None:
                 raise ValueError("ShardedCache needs the model config (or num_layers=)")
@@ -103,6 +106,7 @@ class ShardedCache(Cache):
         self.block_size = block_size
         self.attn_type = attn_type
         self.verify = verify
+        self.check_inputs = check_inputs
         self.core: Any = None        # usp_hal.serving.ShardedKVCache, built at the first prefill
 
     def ensure_core(self, mesh, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_type: str):
@@ -113,7 +117,7 @@ class ShardedCache(Cache):
                 mesh, num_layers=len(self.layers), batch_size=int(query.shape[0]), num_heads=int(query.shape[2]),
                 num_kv_heads=int(key.shape[2]), head_dim=int(query.shape[3]), v_head_dim=int(value.shape[3]),
                 dtype=query.dtype, device=query.device, block_size=self.block_size,
-                attn_type=self.attn_type or attn_type, verify=self.verify)
+                attn_type=self.attn_type or attn_type, verify=self.verify, check_inputs=self.check_inputs)
         return self.core
 
     @property

@@ -19,7 +19,9 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
+from .. import comm
 from ..capabilities import AttnRequest
 from ..comm import CommError
 from ..heads import HeadPlan
@@ -29,6 +31,7 @@ from . import agree as _agree
 from . import plan as _plan
 from . import run as _run
 from . import validate as _validate
+from .maskcheck import agree_mask
 from .options import CallOptions, check_mode
 from .plan import CallPlan
 from .validate import Joint, JointInfo, USPError
@@ -86,8 +89,13 @@ class Pipeline:
         self.signatures: dict = {}       # call signature -> (mesh, spec, local)
         self.plans: dict = {}            # (signature, lengths) -> plan
         self.last_backend: Any = None
+        #: the global length of the last masked call (what a mask is digested at before the agreement)
+        self.mask_seqlen = 0
+        self.sink_opts: dict = {}        # (options, sink digest) -> the options with it
         self.handle = next(_NEXT)
         _PIPELINES[self.handle] = self
+        #: the mesh of the last call (its caches are dropped once its groups are destroyed)
+        self.bound: Any = None
 
     # ------------------------------------------------------------------ caches
     def backend_for(self, req: AttnRequest):
@@ -109,10 +117,27 @@ class Pipeline:
         return got
 
     def resolve_mesh(self):
+        """The mesh of this call (the module's, else the default one), checked to be on live
+        process groups; a call on another mesh than the last one drops the caches of a mesh
+        whose groups were destroyed, so they do not keep those groups (sockets, threads) alive."""
         if self.mesh is not None:
-            return self.mesh
-        from ..mesh import get_default_mesh
-        return get_default_mesh()
+            mesh = self.mesh
+        else:
+            from ..mesh import get_default_mesh
+            mesh = get_default_mesh()
+        check_live(mesh)
+        if mesh is not self.bound:
+            if self.bound is not None and not is_live(self.bound):
+                self.forget()
+            self.bound = mesh
+        return mesh
+
+    def forget(self) -> None:
+        """Drop every cache that holds a mesh, a group or a plan (they are rebuilt on use)."""
+        for cache in (self.shapes, self.metas, self.repeats, self.signatures, self.plans,
+                      self.checked_layouts, self.checked_blocks, self.sink_opts):
+            cache.clear()
+        self.frozen = None
 
     # ------------------------------------------------------------------ the call
     def prepare(self, mesh, q, k, v, opts: CallOptions, *, alibi_slopes=None, positions=None,
@@ -141,7 +166,7 @@ class Pipeline:
             try:
                 spec, local = _validate.validate(self, mesh, q, k, v, opts, alibi_slopes, positions, joint,
                                                  needs_grad, cu_seqlens)
-            except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
+            except Exception as exc:     # any failure of this rank's call is a refusal every rank sees
                 if isinstance(exc, CommError):
                     raise
                 err = exc
@@ -162,6 +187,8 @@ class Pipeline:
             return spec, hit[3]
         if lengths is None:
             lengths = _agree.agree(self, mesh, spec, err, local.cu_seqlens if local else None)
+            if local is not None and local.mask is not None:
+                agree_mask(self, mesh, spec, local, lengths)
         elif err is not None:
             raise err
         assert spec is not None and local is not None
@@ -189,6 +216,8 @@ class Pipeline:
         if err is not None or alibi_slopes is not None or positions is not None or joint is not None \
                 or head_groups is not None:
             return None, needs_grad
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return None, needs_grad          # validation refuses it
         if needs_grad is None:
             needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         return self._signature(mesh, q, k, v, opts, needs_grad, cu_seqlens), needs_grad
@@ -208,6 +237,8 @@ class Pipeline:
         # the device type follows from the device; ``opts`` hashes its cached value
         sig = (id(mesh), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                bool(needs_grad), opts, cu)
+        if opts.mask is not None:      # the spec holds the mask's digest: valid for this state and length
+            sig += (opts.mask.state(), self.mask_seqlen)
         try:
             hash(sig)
         except TypeError:
@@ -221,11 +252,47 @@ class Pipeline:
         if sinks is not None:
             if err is None:
                 err = check_sinks(sinks, q)
-            if err is None and sinks.requires_grad and torch.is_grad_enabled():
-                needs_grad = True
+            if err is None:
+                grad = sinks.requires_grad and torch.is_grad_enabled()
+                needs_grad = True if grad else None
+                opts = sink_options(self, opts, sinks, grad)
         loc = self._local(mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, None, cu_seqlens)
         _, plan = self._finish(mesh, *loc)
         return _run.run(plan, q, k, v, received, sinks)
+
+
+
+def sink_options(pipe: Pipeline, opts: CallOptions, sinks: torch.Tensor, grad: bool) -> CallOptions:
+    """``opts`` whose ``sinks`` field is a digest of the sink logits' values and of whether
+    they take a gradient here, so the ranks compare both like ALiBi slopes (the values are
+    read once per tensor version: no host read per call in steady state)."""
+    token = comm.digest_ints([pipe.digest(sinks), int(bool(grad))])
+    key = (opts, token)
+    got = pipe.sink_opts.get(key)
+    if got is None:
+        if len(pipe.sink_opts) > _LIMIT:
+            pipe.sink_opts.clear()
+        got = pipe.sink_opts[key] = opts.with_(sinks=token)
+    return got
+
+
+def is_live(mesh) -> bool:
+    """The mesh's process groups are registered (not destroyed by ``destroy_process_group``)."""
+    group = getattr(mesh, "sp_group", None)
+    if group is None:
+        return True
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return pg_map is None or group in pg_map
+
+
+def check_live(mesh) -> None:
+    if not is_live(mesh):
+        raise USPError(f"usp_hal: the sequence-parallel mesh of this call ({mesh.ulysses_degree} x "
+                       f"{mesh.ring_degree}, ranks {list(mesh.sp_ranks)}) is on process groups that were destroyed "
+                       "(torch.distributed.destroy_process_group); build a new mesh with "
+                       "usp_hal.init_sequence_parallel(...) after init_process_group and pass it to the module "
+                       "(module.mesh = mesh, or a new module), or use the default mesh (mesh=None)")
 
 
 def check_sinks(sinks, q) -> Optional[Exception]:

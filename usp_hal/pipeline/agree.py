@@ -5,6 +5,7 @@ agreement primitive, :func:`usp_hal.comm.agree`.  All ranks then raise the
 same error together, so none waits in a data collective."""
 from __future__ import annotations
 
+import builtins
 from typing import List, Optional
 
 from .. import comm
@@ -67,11 +68,8 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         rows = comm.agree(problem, group, what=_WHAT, where=where, values=values, width=width,
                           ranks=mesh.sp_ranks, check=differences, repeat=rep)
     except AgreementError as exc:
-        if err is not None:
-            raise err from None          # this rank's own refusal, as it was raised here
-        if exc.problems:
-            raise USPError("attention call refused on other rank(s) of the sequence-parallel group:\n"
-                           + "\n".join(f"  rank {r}: {m}" for r, m in exc.problems.items())) from None
+        if exc.problems:     # the same error on every rank, the refusing ones included
+            raise refusal(exc.problems) from err
         found = str(exc)[len(_WHAT) + 2:].strip()
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
                        "(every rank must pass the same shapes and options):\n  " + found) from None
@@ -86,6 +84,27 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     if pipe.check_ranks == "first_call":
         pipe.frozen = (spec, lengths)
     return lengths
+
+
+_REFUSALS: dict = {}
+
+
+def refusal(problems) -> USPError:
+    """The error every rank raises when some rank(s) refused a call: it names each refusing
+    rank and its reason (``"<type>: <message>"``), and is also an instance of the refusals'
+    exception type when they share one (``except TypeError`` still works)."""
+    kinds = {str(m).split(":", 1)[0] for m in problems.values()}
+    base = getattr(builtins, kinds.pop(), None) if len(kinds) == 1 else None
+    cls: type = USPError
+    if isinstance(base, type) and issubclass(base, Exception) and not issubclass(base, ValueError):
+        cls = _REFUSALS.get(base) or USPError
+        if base not in _REFUSALS:
+            try:
+                cls = _REFUSALS[base] = type(f"USP{base.__name__}", (USPError, base), {"__module__": __name__})
+            except TypeError:        # an incompatible layout
+                _REFUSALS[base] = USPError
+    return cls(f"attention call refused on rank(s) {list(problems)} of the sequence-parallel group:\n"
+               + "\n".join(f"  rank {r}: {m}" for r, m in problems.items()))
 
 
 def row_values(pipe, spec: Optional[CallSpec], err, rep=None):

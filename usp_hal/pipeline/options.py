@@ -29,7 +29,9 @@ class CallOptions:
     joint_strategy: str = "none"
     joint_total: int = 0
     mask: Any = None          # a usp_hal.masks.Mask (hashed by identity: one object, one cached plan)
-    sinks: bool = False       # per-head sink logits are given (the tensor travels beside the options)
+    #: per-head sink logits (the tensor travels beside the options): 0 none, 1 given, else a
+    #: digest of their values and of whether they take a gradient (``pipeline.sink_options``)
+    sinks: int = 0
 
     @classmethod
     def of(cls, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -41,7 +43,7 @@ class CallOptions:
         return cls(causal=bool(causal), scale=softmax_scale, window=window_size, softcap=softcap,
                    deterministic=bool(deterministic), return_lse=bool(return_lse), dropout_p=dropout_p,
                    joint_strategy=joint_strategy or "none", joint_total=int(joint_total), mask=mask,
-                   sinks=bool(sinks))
+                   sinks=int(sinks))
 
     @classmethod
     def key(cls, **kw) -> Optional[tuple]:

@@ -84,7 +84,8 @@ class PlannedRing(RingContext):
 
 def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None, mask=None, backend=None) -> Shape:
     key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, spec.joint,
-           tuple(lengths), spec.docs, id(mask) if mask is not None else 0, spec.batch if mask is not None else 0,
+           tuple(lengths), spec.docs, (id(mask), mask.state()) if mask is not None else 0,
+           spec.batch if mask is not None else 0,
            bool(getattr(backend, "RETURNS_LSE", True)) if mask is not None else True)
     shape = pipe.shapes.get(key)
     if shape is not None and (cu is None or shape.cu == cu) and (mask is None or shape.predicate.mask is mask):

@@ -24,6 +24,16 @@ class USPError(ValueError):
     """A call that cannot run as asked (raised identically on every rank)."""
 
 
+def check_scale(scale: float) -> None:
+    """Refuse a softmax scale that is not a finite positive number: kernels (torch's own CPU
+    flash kernel among them) return NaN for a negative or zero scale together with a causal
+    mask, and a non-finite scale has no finite answer."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale={scale!r}: the scale must be a finite number > 0; for a negative scale "
+                         "-s pass softmax_scale=s with the query negated (-q), and for scale 0 (uniform attention) "
+                         "pass a zero query with any positive scale")
+
+
 def share(total: int, parts: int, i: int) -> Tuple[int, int]:
     """(start, count) of part ``i`` when ``total`` items are split like torch.tensor_split."""
     base, extra = divmod(total, parts)
@@ -104,6 +114,25 @@ class Local:
     request: AttnRequest
     cu_seqlens: Optional[Tuple[int, ...]]
     mask: Any = None          # the call's usp_hal.masks.Mask, if any
+
+
+def mask_seqlen(pipe, cu) -> int:
+    """The global length a masked call's mask is digested at before the ranks agree: the
+    documents' total, else the length of the module's last masked call (the same on every
+    rank; 0 before the first: the mask is then digested once the lengths are agreed)."""
+    return int(cu[-1]) if cu is not None else int(getattr(pipe, "mask_seqlen", 0))
+
+
+def mask_digest(pipe, mask, causal: bool, win, cu, batch: int) -> int:
+    """What a masked call puts in its spec: the digest of what the mask keeps (its tile
+    classification and the bits of its partial tiles, :meth:`usp_hal.masks.Predicate.digest`)
+    at :func:`mask_seqlen`; evaluating the mask here means a mask that fails on this rank
+    is a refusal every rank sees in the agreement.  1 when no length is known yet."""
+    from ..masks import Predicate
+    S = mask_seqlen(pipe, cu)
+    if S <= 0:
+        return 1
+    return Predicate(mask, causal=causal, window=(int(win[0]), int(win[1])), cu_seqlens=cu, batch=batch).digest(S)
 
 
 def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, positions=None,
@@ -191,13 +220,15 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     scale = float(opts.scale) if opts.scale is not None else 1.0 / math.sqrt(d)
+    check_scale(scale)
     spec = CallSpec(batch=b, local_len=s, heads=h, kv_heads=hkv, head_dim=d, v_dim=int(v.shape[3]),
                     dtype=q.dtype, device_type=device_type, causal=causal, window=win, softcap=softcap,
                     scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(opts.deterministic),
                     needs_grad=needs_grad, return_lse=bool(opts.return_lse), layout=layout.name,
                     rotation=pipe.rotation, ulysses=U, ring=R, wire=pipe.wire_name, positions=pos_digest,
                     joint="" if joint is None else f"{joint.strategy}:{joint.total}", docs=docs,
-                    mask=mask.fingerprint() if mask is not None else 0, sinks=bool(opts.sinks))
+                    mask=mask_digest(pipe, mask, causal, win, cu, b) if mask is not None else 0,
+                    sinks=int(opts.sinks))
     req = AttnRequest(
         dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
         num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=causal, window=win,

@@ -1,0 +1,54 @@
+"""The cross-rank check of a masked call's mask, by what the mask selects.
+
+Before the agreement, :func:`usp_hal.pipeline.validate.mask_digest` puts in the spec a digest
+of what the mask keeps (:meth:`usp_hal.masks.Predicate.digest`) at a global length every
+rank knows alike: the documents' total with ``cu_seqlens``, else the length of the module's
+last masked call.  When the agreed length is another one (the module's first masked call,
+or a new length), every rank sees that from the same agreed lengths and digests its mask at
+the agreed length; one more small all-gather (on the metadata group) compares the digests,
+and a mask that fails to evaluate on some rank is reported there, so every rank raises the
+same error and none waits in a data collective.  In steady state (the same length as the
+last masked call) the first agreement already compared the digests, which are cached per
+mask state, length and options: no extra collective and no mask evaluation."""
+from __future__ import annotations
+
+from .. import comm
+from ..comm import AgreementError
+from .validate import USPError, mask_seqlen
+
+_WHAT = "attention mask digest"
+
+
+def agree_mask(pipe, mesh, spec, local, lengths) -> None:
+    """After the agreement of a masked call: compare the masks at the agreed length when the
+    spec's digest was not taken at it (see the module doc)."""
+    from ..masks import Predicate
+    S = sum(int(n) for n in lengths)
+    if S != mask_seqlen(pipe, local.cu_seqlens) and mesh.sp_size > 1 and pipe.check_ranks:
+        err = None
+        digest = 0
+        try:
+            pred = Predicate(local.mask, causal=spec.causal, window=(int(spec.window[0]), int(spec.window[1])),
+                             cu_seqlens=local.cu_seqlens, batch=spec.batch)
+            digest = pred.digest(S)
+        except Exception as exc:      # any failure of the mask function: a refusal every rank sees
+            err = exc
+        try:
+            problem = None if err is None else f"{type(err).__name__}: {err}"
+            comm.agree(problem, mesh.metadata_group, what=_WHAT, where=mesh.where("sequence-parallel"),
+                       values=[digest], width=1, ranks=mesh.sp_ranks,
+                       check=lambda rows: None if all(r == rows[0] for r in rows) else "differs")
+        except AgreementError as exc:     # the same message on every rank
+            if exc.problems:
+                raise USPError(f"the mask {local.mask.name!r} failed on rank(s) {list(exc.problems)} of the "
+                               "sequence-parallel group:\n"
+                               + "\n".join(f"  rank {r}: {m}" for r, m in exc.problems.items())) from err
+            raise USPError(mismatch_text(exc.rows, mesh.sp_ranks)) from None
+    pipe.mask_seqlen = S
+
+
+def mismatch_text(rows, ranks) -> str:
+    shown = ", ".join(f"rank {r}: {row[0] & 0xffffffff:08x}" for r, row in zip(ranks, rows or []))
+    return ("ranks of the sequence-parallel group pass masks that select different (query, key) pairs "
+            f"(digests of each rank's tile classification and partial tiles: {shown}); every rank must pass "
+            "the same mask, with the same parameters and data")
