@@ -1,0 +1,277 @@
+"""Layers that mix positions outside attention, under ``attn_implementation="usp_hal"``.
+
+Sequence parallelism shards the sequence for the attention layers; any other layer that
+mixes positions (a recurrence, a convolution over the sequence, a token shift) would then
+see only its rank's tokens and compute something else than the model: the model would
+train, with wrong gradients.  This module finds such layers and refuses the model by name
+(model type, module path, class, what gave it away), on every rank, before its first
+sequence-parallel forward.
+
+How a model is checked (:func:`find_sequence_mixers`), on the built model's modules:
+
+* **the model's own declaration**: a ``PreTrainedModel`` (the model or any sub-model) whose
+  class says ``_supports_attention_backend = False``: transformers does not declare that its
+  layers go through ``AttentionInterface`` alone (its attention may be its own code, or it
+  has layers that are not attention: every hybrid in transformers 5.23.0 says so except
+  ``lfm2``, ``minimax``, ``granitemoehybrid`` and ``recurrent_gemma``, which the rules below
+  find);
+* **known sequence-mixing classes**, by class name: Mamba, Mamba2/SSD mixers, gated DeltaNet,
+  KDA, short convolutions, lightning and other linear attention, RWKV, xLSTM, RG-LRU, ...;
+* **structure**: ``nn.Conv1d/2d/3d`` (and transposed) with a kernel wider than one position,
+  recurrent ``nn.RNNBase`` layers (LSTM, GRU), pooling layers, padding layers (a token shift
+  is a pad by one position), and parameters with the names state-space and recurrent layers
+  give their decay and step parameters (``A_log``, ``dt_bias``, ``time_decay``, ...);
+* **sequence kernels held as attributes**: a function whose name says it scans or convolves
+  over the sequence (``causal_conv1d_fn``, ``chunk_gated_delta_rule``, ``selective_scan``...).
+
+Limits: a layer whose ``forward`` mixes positions with plain tensor code (a ``cumsum`` or a
+``roll`` over the sequence) and none of the marks above is not seen.  Every model type of
+the pinned transformers is walked by the tests (``tests/test_hybrid_detect.py``) with a
+list of the types known to mix positions outside attention; a rule that stops seeing one
+of them fails that test.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["Finding", "find_sequence_mixers", "model_problem", "SequenceMixerError"]
+
+
+class SequenceMixerError(NotImplementedError):
+    """The model has layers that mix positions outside attention and are not sequence-parallel."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One layer that mixes positions outside attention: where it is and what gave it away."""
+
+    path: str           # module path in the model ("" for the model itself)
+    cls: str            # the module's class name
+    why: str            # which rule saw it
+    rule: str           # "declared", "class", "conv", "rnn", "pool", "pad", "param", "kernel"
+
+    def __str__(self) -> str:
+        return f"{self.path or '<model>'} ({self.cls}): {self.why}"
+
+
+# class names of layers known to mix positions outside attention (transformers 5.23.0:
+# mamba, mamba2, falcon_mamba, jamba, bamba, zamba, zamba2, nemotron_h, granitemoehybrid,
+# falcon_h1 -> *Mamba*Mixer / *Mamba*Layer; qwen3_next, qwen3_5, olmo_hybrid -> *GatedDeltaNet;
+# kimi_linear -> KimiDeltaAttention; lfm2 -> Lfm2ShortConv; minimax -> MiniMaxLightningAttention;
+# rwkv -> RwkvSelfAttention/RwkvFeedForward (token shift); xlstm -> mLSTM/sLSTM blocks;
+# recurrent_gemma -> RecurrentGemmaRglru/RecurrentBlock)
+_CLASS_PATTERN = re.compile(
+    r"Mamba|Mixer(?!tral)|DeltaNet|DeltaAttention|GatedDelta|ShortConv|Lightning|LinearAttention|LinearAttn|"
+    r"Rwkv|RWKV|[mMsS]LSTM|xLSTM|Lstm|Rglru|RGLRU|RecurrentBlock|Recurrent(?!Gemma)|SSM|Ssm|Retention|Hyena|"
+    r"TimeMix|ChannelMix|TokenShift|StateSpace")
+
+# parameter names of recurrent / state-space layers (decays, step sizes, token-shift mixes)
+_PARAM_NAMES = {"A_log", "dt_bias", "time_decay", "time_first", "time_faaaa", "time_maa_x", "recurrent_param",
+                "time_mix_key", "time_mix_value", "time_mix_receptance"}
+
+# functions held as module attributes that run over the sequence
+_KERNEL_PATTERN = re.compile(r"conv1d|scan|delta_rule|recurrent|lightning|_kda|ssd|gla_|rwkv|retention",
+                             re.IGNORECASE)
+
+# pooling over positions; Conv1D of transformers.pytorch_utils is a Linear (not an nn.Conv1d)
+_POOLS = (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+          nn.modules.pooling._AdaptiveMaxPoolNd, nn.modules.pooling._LPPoolNd)
+_PADS = (nn.modules.padding._ConstantPadNd, nn.modules.padding._ReflectionPadNd,
+         nn.modules.padding._ReplicationPadNd, getattr(nn.modules.padding, "_CircularPadNd", nn.modules.padding
+                                                       ._ConstantPadNd))
+
+
+def _declared(module) -> Optional[str]:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:          # pragma: no cover - the integration needs transformers anyway
+        return None
+    if isinstance(module, PreTrainedModel) and not getattr(type(module), "_supports_attention_backend", False):
+        return (f"{type(module).__name__}._supports_attention_backend is False (transformers does not declare that "
+                "this model's layers go through AttentionInterface alone)")
+    return None
+
+
+def _module_findings(path: str, module: nn.Module) -> List[Finding]:
+    cls = type(module).__name__
+    out: List[Finding] = []
+    why = _declared(module)
+    if why:
+        out.append(Finding(path, cls, why, "declared"))
+    if _CLASS_PATTERN.search(cls):
+        out.append(Finding(path, cls, "a recurrent, state-space, linear-attention or short-convolution layer "
+                                      "(by its class)", "class"))
+    if isinstance(module, nn.modules.conv._ConvNd):
+        ks = tuple(module.kernel_size)
+        if any(k > 1 for k in ks):
+            out.append(Finding(path, cls, f"a convolution over positions (kernel {ks})", "conv"))
+    elif isinstance(module, nn.RNNBase):
+        out.append(Finding(path, cls, "a recurrent layer", "rnn"))
+    elif isinstance(module, _POOLS):
+        out.append(Finding(path, cls, "pooling over positions", "pool"))
+    elif isinstance(module, _PADS):
+        out.append(Finding(path, cls, "padding (a shift of positions)", "pad"))
+    names = sorted(n for n, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(
+        recurse=False)) if n in _PARAM_NAMES)
+    if names:
+        out.append(Finding(path, cls, f"recurrent / state-space parameters {names}", "param"))
+    for name, value in vars(module).items():
+        if name.startswith("_") or not callable(value) or isinstance(value, (nn.Module, torch.Tensor, type)):
+            continue
+        fname = getattr(value, "__name__", "") or type(value).__name__
+        if _KERNEL_PATTERN.search(fname) or _KERNEL_PATTERN.search(name):
+            out.append(Finding(path, cls, f"a sequence kernel held as {name!r} ({fname})", "kernel"))
+    return out
+
+
+def find_sequence_mixers(model: nn.Module, *, skip_rules=()) -> List[Finding]:
+    """Every layer of ``model`` that mixes positions outside attention (see the module doc).
+    Layers wired for sequence parallelism (marked by :func:`mark_covered`) are left out, with
+    their children.  ``skip_rules``: rule names to leave out (for tests that show each rule
+    is needed)."""
+    out: List[Finding] = []
+    covered: List[str] = []
+    for path, module in model.named_modules():
+        if any(path == c or path.startswith(c + ".") for c in covered):
+            continue
+        if getattr(module, _COVERED, False):
+            covered.append(path)
+            continue
+        out.extend(f for f in _module_findings(path, module) if f.rule not in skip_rules)
+    if getattr(type(model), _COVERED, False) or getattr(model, _COVERED_MODEL, False):
+        out = [f for f in out if f.rule != "declared"]
+    return out
+
+
+_COVERED = "_usp_hal_sequence_parallel"          # a layer wired through the head-parallel region
+_COVERED_MODEL = "_usp_hal_hybrid_model"          # a model whose every mixer is wired (tested family)
+
+
+def mark_covered(module: nn.Module) -> None:
+    setattr(module, _COVERED, True)
+
+
+def model_type(model) -> str:
+    cfg = getattr(model, "config", None)
+    return str(getattr(cfg, "model_type", None) or type(model).__name__)
+
+
+def model_problem(model: nn.Module, findings: Optional[List[Finding]] = None, limit: int = 6) -> Optional[str]:
+    """Why ``model`` cannot run sequence-parallel (None when it can): its model type and
+    every uncovered layer that mixes positions (the first ``limit`` by path, and a count)."""
+    found = find_sequence_mixers(model) if findings is None else findings
+    if not found:
+        return None
+    found = sorted(found, key=lambda f: f.rule == "declared")      # the layers first, by path
+    shown = "\n  ".join(str(f) for f in found[:limit])
+    more = f"\n  ... and {len(found) - limit} more" if len(found) > limit else ""
+    return (f"model type {model_type(model)!r} ({type(model).__name__}) has layers that mix positions outside "
+            f"attention, which sequence parallelism would run on each rank's shard only (silently wrong "
+            f"results):\n  {shown}{more}\nRun it without sequence parallelism (ulysses_degree=ring_degree=1), "
+            "or use a model whose layers are covered (see docs/hybrid.md)")
+
+
+# ----------------------------------------------------------------------------- the check before a forward
+_CHECKED = "_usp_hal_checked"       # on a checked model: (implementation name, id of the mesh)
+_HOOKED = "_usp_hal_hooked"
+_INSTALLED = False
+
+
+def install(lookup) -> None:
+    """Make every transformers model check itself before its first forward under one of our
+    attention implementations.  ``lookup(name)`` gives the registered attention function of
+    an implementation name (None for names that are not ours).  Patches
+    ``PreTrainedModel.post_init`` (models built from now on) and ``set_attn_implementation``
+    (models switched later) to add a forward pre-hook; the hook costs one attribute lookup
+    per forward once the model has been checked."""
+    global _INSTALLED, _LOOKUP
+    _LOOKUP = lookup
+    if _INSTALLED:
+        return
+    import functools
+
+    from transformers import PreTrainedModel
+    post_init, set_impl = PreTrainedModel.post_init, PreTrainedModel.set_attn_implementation
+
+    @functools.wraps(post_init)
+    def patched_post_init(self, *args, **kwargs):
+        out = post_init(self, *args, **kwargs)
+        attach(self)
+        return out
+
+    @functools.wraps(set_impl)
+    def patched_set_impl(self, *args, **kwargs):
+        out = set_impl(self, *args, **kwargs)
+        attach(self)
+        return out
+
+    PreTrainedModel.post_init = patched_post_init  # type: ignore[method-assign]
+    PreTrainedModel.set_attn_implementation = patched_set_impl  # type: ignore[method-assign]
+    _INSTALLED = True
+
+
+def _no_lookup(name):
+    return None
+
+
+_LOOKUP = _no_lookup
+
+
+def attach(model: nn.Module) -> None:
+    """Add the check to ``model`` (once)."""
+    if not model.__dict__.get(_HOOKED):
+        model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+        model.__dict__[_HOOKED] = True
+
+
+def _implementation(model) -> Optional[str]:
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
+
+
+def _before_forward(model, args, kwargs):
+    fn = _LOOKUP(_implementation(model))
+    if fn is None:
+        return None
+    import usp_hal
+    mesh = fn.mesh if fn.mesh is not None else usp_hal.get_default_mesh()
+    key = (_implementation(model), id(mesh))
+    if model.__dict__.get(_CHECKED) == key:
+        return None
+    check_model(model, mesh)
+    for sub in model.modules():           # sub-models (the base model inside a ForCausalLM) are checked too
+        if _HOOKED in sub.__dict__:
+            sub.__dict__[_CHECKED] = key
+    return None
+
+
+def check_model(model: nn.Module, mesh) -> None:
+    """Refuse ``model`` on every rank of ``mesh``'s sequence-parallel group (one small
+    all-gather on its CPU metadata group) when it has uncovered layers that mix positions;
+    nothing to do on a group of one rank (nothing is sharded)."""
+    if mesh.sp_size == 1:
+        return
+    from usp_hal.comm import agree
+    agree(model_problem(model), mesh.metadata_group, what="usp_hal sequence parallelism (transformers)",
+          where=mesh.where("sequence-parallel"), ranks=mesh.sp_ranks)
+
+
+def generation_problem(model: nn.Module) -> Optional[str]:
+    """Why ``generate()`` cannot run sequence-parallel on this model for its layers (None when
+    it can): every layer that mixes positions outside attention, covered or not (their
+    recurrent and convolution states are not carried by the sharded cache)."""
+    if not find_sequence_mixers(model) and not _covered_layers(model):
+        return None
+    names = [f"{p} ({type(m).__name__})" for p, m in _covered_layers(model)][:4]
+    return model_problem(model) or (
+        f"generation for model type {model_type(model)!r}: its layers {names} carry a recurrent or convolution "
+        "state that the sharded cache does not hold; generate without sequence parallelism")
+
+
+def _covered_layers(model: nn.Module):
+    return [(p, m) for p, m in model.named_modules() if getattr(m, _COVERED, False)]
