@@ -48,3 +48,160 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("qwen3_next", "lfm2", "mam
         res[mt + "_again"] = error_of(lambda m=model: m(**batch))          # refused every time, not only once
         res[mt + "_generate"] = error_of(lambda m=model, g=gen: m.generate(**g, max_new_tokens=2, do_sample=False))
     return res
+
+
+# ----------------------------------------------------------------------------- per-head operators
+# Plain, step-by-step definitions (the truth the region is compared with, in float64).
+def _resets(seqlen: int, cu, device):
+    """Bool [S]: True at every document start (a recurrence starts from zero there)."""
+    r = torch.zeros(seqlen, dtype=torch.bool, device=device)
+    for start in (cu or (0,))[:-1] if cu else (0,):
+        r[start] = True
+    return r
+
+
+def gdn(q, k, v, g, beta, cu_seqlens=None):
+    """Gated delta rule: q/k [B, S, G, Dk], v [B, S, H, Dv], g (log decay, <= 0) and beta
+    [B, S, H]; per head, state M [Dk, Dv]: M <- exp(g) M; M <- M + k (beta (v - M^T k))^T;
+    out = M^T q.  The state restarts at every document of ``cu_seqlens``."""
+    b, s, h, dv = v.shape
+    rep = h // q.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    state = v.new_zeros(b, h, k.shape[-1], dv)
+    starts = _resets(s, cu_seqlens, v.device)
+    outs = []
+    for t in range(s):
+        if starts[t]:
+            state = state * 0
+        state = state * g[:, t].exp()[..., None, None]
+        kt = k[:, t]
+        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, kt)
+        state = state + torch.einsum("bhk,bhv->bhkv", kt, beta[:, t, :, None] * err)
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, dim=1)
+
+
+def ssd(x, dt, bm, cm, a_all, d_all, heads, cu_seqlens=None):
+    """Mamba2's scan with diagonal (scalar per head) decay: x [B, S, H, P], dt [B, S, H] (> 0),
+    B/C [B, S, G, N] grouped over heads; parameters A [H] (< 0), D [H] sliced to ``heads``.
+    h <- exp(dt A) h + dt x B^T;  y = h C + D x."""
+    a, d = a_all[heads.start:heads.stop], d_all[heads.start:heads.stop]
+    b, s, h, p = x.shape
+    rep = h // bm.shape[2]
+    bm, cm = bm.repeat_interleave(rep, dim=2), cm.repeat_interleave(rep, dim=2)
+    state = x.new_zeros(b, h, p, bm.shape[-1])
+    starts = _resets(s, cu_seqlens, x.device)
+    outs = []
+    for t in range(s):
+        if starts[t]:
+            state = state * 0
+        decay = (dt[:, t] * a).exp()
+        state = state * decay[..., None, None] + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], x[:, t], bm[:, t])
+        outs.append(torch.einsum("bhpn,bhn->bhp", state, cm[:, t]) + d[:, None] * x[:, t])
+    return torch.stack(outs, dim=1)
+
+
+def causal_conv(x, w_all, heads, cu_seqlens=None):
+    """Depthwise causal convolution, channels grouped by head: x [B, S, H, D], weight
+    [H, D, K] sliced to ``heads``: y_t = sum_j w[j] x_{t-K+1+j}, zero before each document."""
+    w = w_all[heads.start:heads.stop]
+    s, ksize = x.shape[1], w.shape[-1]
+    doc = torch.zeros(s, dtype=torch.long, device=x.device)
+    if cu_seqlens:
+        for i in range(1, len(cu_seqlens) - 1):
+            doc[cu_seqlens[i]:] += 1
+    out = torch.zeros_like(x)
+    for j in range(ksize):
+        lag = ksize - 1 - j
+        if lag >= s:
+            continue
+        shifted = torch.zeros_like(x)
+        shifted[:, lag:] = x[:, :s - lag]
+        same = torch.zeros(s, dtype=torch.bool, device=x.device)
+        same[lag:] = doc[lag:] == doc[:s - lag]
+        out = out + shifted * same[None, :, None, None] * w[None, None, :, :, j]
+    return out
+
+
+def _op_inputs(op: str, B: int, S: int, H: int, G: int, seed: int):
+    """(tensors, grouped, params, fn-with-heads?) of a global problem, float64."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale)
+
+    if op == "gdn":
+        q, k = rnd(B, S, G, 4), rnd(B, S, G, 4)
+        k = k / k.norm(dim=-1, keepdim=True)
+        v = rnd(B, S, H, 3)
+        g = -torch.rand(B, S, H, generator=gen, dtype=torch.float64) * 0.5
+        beta = torch.rand(B, S, H, generator=gen, dtype=torch.float64)
+        return [q, k, v, g, beta], (0, 1), [], False
+    if op == "ssd":
+        x = rnd(B, S, H, 3)
+        dt = torch.rand(B, S, H, generator=gen, dtype=torch.float64) * 0.5 + 0.1
+        bm, cm = rnd(B, S, G, 2), rnd(B, S, G, 2)
+        a = -(torch.rand(H, generator=gen, dtype=torch.float64) + 0.5)
+        d = rnd(H)
+        return [x, dt, bm, cm], (2, 3), [a, d], True
+    if op == "conv":
+        return [rnd(B, S, H, 2)], (), [rnd(H, 2, 4)], True
+    raise ValueError(op)
+
+
+_OPS = {"gdn": gdn, "ssd": ssd, "conv": causal_conv}
+
+
+def head_parallel_ops(U=1, R=2, layout="zigzag", cases=(), B=2, S=13, dtype="fp64", cu=None, mutate=None):
+    """Each ``(op, H, G)`` of ``cases`` on sequence shards through ``usp_hal.head_parallel``
+    against the same operator on the whole sequence in one process, in float64: the output
+    and the gradients of every input and parameter (parameters: summed over the group).
+    Returns, per case, the worst error relative to the dtype's tolerance (<= 1 passes)."""
+    import usp_hal
+    from tests.dist_cases import _err
+    from usp_hal.hybrid import head_parallel
+
+    mesh = get_mesh(U, R)
+    dt = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
+    res = {}
+    for op, H, G in cases:
+        tensors, grouped, params, with_heads = _op_inputs(op, B, S, H, G, seed=H * 7 + G)
+        fn = _OPS[op]
+        kw = {"cu_seqlens": cu} if cu is not None else {}
+
+        def bound(*xs, heads=range(H), _fn=fn, _params=None, _default=params, **extra):
+            ps = _default if _params is None else _params
+            return _fn(*xs, *ps, heads, **extra) if ps else _fn(*xs, **extra)
+
+        # the truth: the whole sequence, one process, float64
+        ref_in = [t.clone().requires_grad_(True) for t in tensors]
+        ref_params = [p.clone().requires_grad_(True) for p in params]
+        ref_out = bound(*ref_in, _params=ref_params, **kw)
+        dout = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+        (ref_out * dout).sum().backward()
+
+        # sequence shards through the region, in dtype
+        local = [usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu).to(dt).requires_grad_(True)
+                 for t in tensors]
+        mine = [p.clone().to(dt).requires_grad_(True) for p in params]
+
+        def region_fn(*xs, heads=None, _mine=mine, _all=range(H), _bound=bound, **extra):
+            if mutate == "drop_documents":
+                extra.pop("cu_seqlens", None)
+            return _bound(*xs, heads=heads if heads is not None else _all, _params=_mine, **extra)
+
+        out = head_parallel(region_fn, *local, grouped=grouped, mesh=mesh, layout=layout, with_heads=with_heads,
+                            cu_seqlens=cu)
+        if mutate == "skip_region":       # what the model did before: each rank's shard on its own
+            out = bound(*local, heads=range(H), _params=mine)
+        ldout = usp_hal.shard(dout, layout=layout, mesh=mesh, cu_seqlens=cu).to(dt)
+        (out * ldout).sum().backward()
+        worst = _err(out, usp_hal.shard(ref_out.detach(), layout=layout, mesh=mesh, cu_seqlens=cu), dt)
+        for x, r in zip(local, ref_in):
+            worst = max(worst, _err(x.grad, usp_hal.shard(r.grad, layout=layout, mesh=mesh, cu_seqlens=cu), dt))
+        for p, r in zip(mine, ref_params):
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)     # a rank without heads
+            torch.distributed.all_reduce(grad, group=mesh.sp_group)
+            worst = max(worst, _err(grad, r.grad, dt))
+        res[f"{op}-H{H}-G{G}"] = worst
+    return res

@@ -35,6 +35,7 @@ _LAZY = {
     "EXTRACT_FUNC_DICT": "positions",
     "plan": "planner",
     "ShardedKVCache": "serving",
+    "head_parallel": "hybrid",
 }
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
 
 _SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "layout", "mesh", "overlap", "planner",
                "platform", "positions", "reference", "registry", "ring", "rotation", "sharding", "spec", "ulysses",
-               "varlen")
+               "varlen", "hybrid")
 
 
 def __getattr__(name):
