@@ -30,23 +30,31 @@ def tiny_hybrid(model_type: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("qwen3_next", "lfm2", "mamba")):
-    """Each hybrid under attn_implementation="usp_hal" is refused by name on every rank, before
-    its first sharded forward; generation too.  A plain attention model still runs."""
+def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("lfm2", "mamba")):
+    """Uncovered hybrids under attn_implementation="usp_hal" are refused by name on every rank,
+    before their first sharded forward, and in generate(); a covered one (qwen3_next) refuses
+    generation, packed documents and a cache, and still runs afterwards."""
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
     name = usp.register(f"usp_hal_hybrid_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
     batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag")
+    gen = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
     res = {}
     for mt in model_types:
         model = tiny_hybrid(mt)
         model.set_attn_implementation(name)
-        gen = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
         res[mt] = error_of(lambda m=model: m(**batch))
         res[mt + "_again"] = error_of(lambda m=model: m(**batch))          # refused every time, not only once
-        res[mt + "_generate"] = error_of(lambda m=model, g=gen: m.generate(**g, max_new_tokens=2, do_sample=False))
+        res[mt + "_generate"] = error_of(lambda m=model: m.generate(**gen, max_new_tokens=2, do_sample=False))
+    model = tiny_hybrid("qwen3_next")
+    model.set_attn_implementation(name)
+    packed = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=(0, 7, S))
+    res["qwen3_next_packed"] = error_of(lambda: model(**packed))
+    res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
+    res["qwen3_next_generate"] = error_of(lambda: model.generate(**gen, max_new_tokens=2, do_sample=False))
+    res["qwen3_next_runs"] = error_of(lambda: model(**batch).loss.backward())
     return res
 
 
@@ -204,4 +212,78 @@ def head_parallel_ops(U=1, R=2, layout="zigzag", cases=(), B=2, S=13, dtype="fp6
             torch.distributed.all_reduce(grad, group=mesh.sp_group)
             worst = max(worst, _err(grad, r.grad, dt))
         res[f"{op}-H{H}-G{G}"] = worst
+    return res
+
+
+# ----------------------------------------------------------------------------- models vs one process
+def _max_diff(a, b) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3, B=2, S=40, seed=0, lr=1e-3,
+                    unwired=False):
+    """Logits, loss, every gradient and ``steps`` AdamW steps of a tiny hybrid under
+    attn_implementation="usp_hal", against the same model in one process (on rank 0).
+    ``unwired``: run the hybrid layers on each rank's shard (the defect), to show the
+    comparison fails then."""
+    import copy
+
+    import usp_hal
+    from usp_hal.integrations import hybrid
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_hybrid_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    ref = tiny_hybrid(model_type, seed)
+    ref.set_attn_implementation("sdpa")
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    find = hybrid.find_sequence_mixers
+    if unwired:             # neither wired nor refused: the layers run on each rank's shard
+        hybrid.COVERED_MODEL_TYPES.discard(model_type)
+        hybrid.find_sequence_mixers = lambda m, **kw: []
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1))
+    try:
+        out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
+        logits = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh)
+        out.loss.backward()
+        loss0 = float(usp.sync_gradients(model, mesh, out.loss))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt.step()
+        opt.zero_grad()
+        losses = [loss0]
+        for _ in range(steps - 1):
+            out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
+            out.loss.backward()
+            losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if unwired:
+            hybrid.COVERED_MODEL_TYPES.add(model_type)
+            hybrid.find_sequence_mixers = find
+    res = {"losses": losses, "wired": [p for p, m in model.named_modules() if getattr(m, hybrid._COVERED, False)]}
+    if mesh.sp_rank != 0:
+        return res
+    rout = ref(input_ids=ids, labels=ids)
+    rout.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ropt.step()
+    ropt.zero_grad()
+    ref_losses = [rout.loss.item()]
+    for _ in range(steps - 1):
+        o = ref(input_ids=ids, labels=ids)
+        o.loss.backward()
+        ref_losses.append(o.loss.item())
+        ropt.step()
+        ropt.zero_grad()
+    gdiff = {n: _max_diff(grads.get(n, torch.zeros_like(g)), g) / (float(g.abs().max()) + 1e-12)
+             for n, g in ref_grads.items()}
+    worst = max(gdiff, key=lambda n: gdiff[n])
+    res.update(logits_diff=_max_diff(logits, rout.logits), ref_losses=ref_losses,
+               loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+               grad_rel=gdiff[worst], worst_grad=worst, n_grads=len(ref_grads), same_grads=set(grads) == set(ref_grads),
+               param_diff=max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())))
     return res

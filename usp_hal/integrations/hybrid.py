@@ -33,6 +33,7 @@ of them fails that test.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -241,12 +242,19 @@ def _before_forward(model, args, kwargs):
     import usp_hal
     mesh = fn.mesh if fn.mesh is not None else usp_hal.get_default_mesh()
     key = (_implementation(model), id(mesh))
-    if model.__dict__.get(_CHECKED) == key:
-        return None
-    check_model(model, mesh)
-    for sub in model.modules():           # sub-models (the base model inside a ForCausalLM) are checked too
-        if _HOOKED in sub.__dict__:
-            sub.__dict__[_CHECKED] = key
+    if model.__dict__.get(_CHECKED) != key:
+        if mesh.sp_size > 1:
+            wire(model, mesh, fn.layout)
+        check_model(model, mesh)
+        for sub in model.modules():           # sub-models (the base model inside a ForCausalLM) are checked too
+            if _HOOKED in sub.__dict__:
+                sub.__dict__[_CHECKED] = key
+    if mesh.sp_size > 1 and getattr(model, _COVERED_MODEL, False) and model.__dict__.get(_HOOKED):
+        from usp_hal.comm import agree
+        problem = call_problem(model, kwargs)
+        agree(problem, mesh.metadata_group, what="usp_hal sequence parallelism (transformers)",
+              where=mesh.where("sequence-parallel"), ranks=mesh.sp_ranks)
+        return args, kwargs
     return None
 
 
@@ -275,3 +283,133 @@ def generation_problem(model: nn.Module) -> Optional[str]:
 
 def _covered_layers(model: nn.Module):
     return [(p, m) for p, m in model.named_modules() if getattr(m, _COVERED, False)]
+
+
+# ----------------------------------------------------------------------------- covered layers
+# A covered layer keeps its projections on the sequence shards; only its per-head sequence
+# operators (transformers' causal_conv1d_fn and chunk gated delta rule, looked up as globals of
+# the modeling module at call time) run through usp_hal.head_parallel while the layer runs.
+_GDN_FUNCTIONS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+COVERED_LAYERS = {
+    # class name -> (modeling module, the module globals its forward calls per head)
+    "Qwen3NextGatedDeltaNet": ("transformers.models.qwen3_next.modeling_qwen3_next", _GDN_FUNCTIONS),
+    "Qwen3_5GatedDeltaNet": ("transformers.models.qwen3_5.modeling_qwen3_5", _GDN_FUNCTIONS),
+    "Qwen3_5MoeGatedDeltaNet": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", _GDN_FUNCTIONS),
+}
+# model types whose every layer that mixes positions is covered, tested against one process
+COVERED_MODEL_TYPES = {"qwen3_next"}
+
+_WIRED = "_usp_hal_wired"
+
+
+class _Active(threading.local):
+    region: Optional[tuple] = None      # (mesh, layout) while a covered layer runs
+
+
+_ACTIVE = _Active()
+_PATCHED: dict = {}
+
+
+def _enter(module, args, kwargs):
+    _ACTIVE.region = module.__dict__[_WIRED]
+
+
+def _leave(module, args, kwargs, output):
+    _ACTIVE.region = None
+
+
+def wire(model: nn.Module, mesh, layout: str) -> List[str]:
+    """Mark the covered layers of ``model`` and route their per-head operators through the
+    head-parallel region on ``mesh`` in ``layout`` (once per layer; the mesh and layout are
+    updated when they change).  Returns the paths wired."""
+    import importlib
+    if model_type(model) not in COVERED_MODEL_TYPES:
+        return []
+    done = []
+    for path, module in model.named_modules():
+        entry = COVERED_LAYERS.get(type(module).__name__)
+        if entry is None:
+            continue
+        modname, names = entry
+        mod = importlib.import_module(modname)
+        for name in names:
+            key = (modname, name)
+            if key not in _PATCHED:
+                original = getattr(mod, name)
+                _PATCHED[key] = original
+                setattr(mod, name, _ROUTES[name](original))
+        if _WIRED not in module.__dict__:
+            module.register_forward_pre_hook(_enter, with_kwargs=True)
+            module.register_forward_hook(_leave, with_kwargs=True, always_call=True)
+        module.__dict__[_WIRED] = (mesh, layout)
+        mark_covered(module)
+        done.append(path)
+    if done:
+        setattr(model, _COVERED_MODEL, True)
+    return done
+
+
+def _conv_route(original):
+    import functools
+
+    @functools.wraps(original)
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        region = _ACTIVE.region
+        if region is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        from usp_hal.hybrid import head_parallel
+        mesh, layout = region
+
+        def per_channel(x, heads):       # x [B, S, c, 1]: this rank's channels, the whole sequence
+            sl = slice(heads.start, heads.stop)
+            out = original(x.squeeze(-1).transpose(1, 2), weight[sl], None if bias is None else bias[sl],
+                           activation=activation)
+            return out.transpose(1, 2).unsqueeze(-1)
+
+        x = hidden_states.transpose(1, 2).unsqueeze(-1)            # [B, C, S_local] -> [B, S_local, C, 1]
+        out = head_parallel(per_channel, x, mesh=mesh, layout=layout, with_heads=True)
+        return out.squeeze(-1).transpose(1, 2)
+    return causal_conv1d_fn
+
+
+def _gdn_route(original):
+    import functools
+
+    @functools.wraps(original)
+    def chunk_gated_delta_rule(query, key, value, *args, g=None, beta=None, initial_state=None,
+                               output_final_state=False, cu_seqlens=None, **kwargs):
+        region = _ACTIVE.region
+        if region is None:
+            return original(query, key, value, *args, g=g, beta=beta, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+        from usp_hal.hybrid import head_parallel
+        mesh, layout = region
+        if args or initial_state is not None or output_final_state or cu_seqlens is not None:
+            # the model-level check refuses caches and packed batches first, on every rank
+            raise NotImplementedError("usp_hal: a cached or packed gated delta rule under sequence parallelism")
+
+        def per_head(q, k, v, gg, bb):
+            return original(q, k, v, g=gg, beta=bb, **kwargs)[0]
+
+        return head_parallel(per_head, query, key, value, g, beta, grouped=(0, 1), mesh=mesh, layout=layout), None
+    return chunk_gated_delta_rule
+
+
+_ROUTES = {"causal_conv1d_fn": _conv_route, "torch_chunk_gated_delta_rule": _gdn_route}
+
+
+def call_problem(model: nn.Module, kwargs: dict) -> Optional[str]:
+    """Why this forward of a model with covered layers cannot run (None when it can); sets
+    ``use_cache=False`` when the caller left it unset (a sharded recurrent state is no cache)."""
+    if not getattr(model, _COVERED_MODEL, False):
+        return None
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return (f"packed documents (cu_seq_lens_q/k) with the recurrent layers of model type {model_type(model)!r}: "
+                "transformers' torch kernels for them do not restart at document starts; pass one document per row")
+    if kwargs.get("use_cache"):
+        return (f"use_cache=True with the recurrent layers of model type {model_type(model)!r} (their state is "
+                "split over the ranks' heads); pass use_cache=False")
+    if kwargs.get("past_key_values") is not None:
+        return f"past_key_values with the recurrent layers of model type {model_type(model)!r}"
+    kwargs["use_cache"] = False
+    return None
