@@ -22,7 +22,12 @@ def tiny_hybrid(model_type: str, seed: int = 0):
                            moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1),
         "lfm2": dict(num_hidden_layers=2, full_attn_idxs=[1], block_ff_dim=96, block_auto_adjust_ff_dim=False),
         "mamba": dict(num_hidden_layers=2, state_size=4, expand=2),
+        "nemotron_h": dict(layers_block_type=["mamba", "attention"], head_dim=16, ssm_state_size=8,
+                           mamba_num_heads=6, mamba_head_dim=8, n_groups=3, expand=1, chunk_size=16,
+                           conv_kernel=4),
     }[model_type]
+    if model_type == "nemotron_h":
+        common.update(hidden_size=48)
     if model_type == "mamba":
         common = dict(vocab_size=VOCAB, hidden_size=32)
     torch.manual_seed(seed)
@@ -30,7 +35,17 @@ def tiny_hybrid(model_type: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("lfm2", "mamba")):
+def _olmo_hybrid(name):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    cfg = CONFIG_MAPPING["olmo_hybrid"](vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=96, num_hidden_layers=2,
+                                       layer_types=["linear_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.set_attn_implementation(name)
+    return model
+
+
+def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
     """Uncovered hybrids under attn_implementation="usp_hal" are refused by name on every rank,
     before their first sharded forward, and in generate(); a covered one (qwen3_next) refuses
     generation, packed documents and a cache, and still runs afterwards."""
@@ -55,6 +70,7 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("lfm2", "mamba")):
     res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
     res["qwen3_next_generate"] = error_of(lambda: model.generate(**gen, max_new_tokens=2, do_sample=False))
     res["qwen3_next_runs"] = error_of(lambda: model(**batch).loss.backward())
+    res["olmo_hybrid"] = error_of(lambda: _olmo_hybrid(name)(**batch))     # GDN layers, but an untested family
     return res
 
 

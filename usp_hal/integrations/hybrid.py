@@ -295,9 +295,12 @@ COVERED_LAYERS = {
     "Qwen3NextGatedDeltaNet": ("transformers.models.qwen3_next.modeling_qwen3_next", _GDN_FUNCTIONS),
     "Qwen3_5GatedDeltaNet": ("transformers.models.qwen3_5.modeling_qwen3_5", _GDN_FUNCTIONS),
     "Qwen3_5MoeGatedDeltaNet": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", _GDN_FUNCTIONS),
+    "Lfm2ShortConv": ("transformers.models.lfm2.modeling_lfm2", ("causal_conv1d_fn",)),
+    "NemotronHMamba2Mixer": ("transformers.models.nemotron_h.modeling_nemotron_h",
+                             ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "mamba2_chunk_scan")),
 }
 # model types whose every layer that mixes positions is covered, tested against one process
-COVERED_MODEL_TYPES = {"qwen3_next"}
+COVERED_MODEL_TYPES = {"qwen3_next", "lfm2", "nemotron_h"}
 
 _WIRED = "_usp_hal_wired"
 
@@ -395,7 +398,45 @@ def _gdn_route(original):
     return chunk_gated_delta_rule
 
 
-_ROUTES = {"causal_conv1d_fn": _conv_route, "torch_chunk_gated_delta_rule": _gdn_route}
+def _fused_route(original):
+    import functools
+
+    @functools.wraps(original)
+    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
+        if _ACTIVE.region is not None:
+            return None        # the layer then runs its conv and scan apart, each through the region
+        return original(*args, **kwargs)
+    return mamba2_split_conv1d_scan_combined
+
+
+def _ssd_route(original):
+    import functools
+
+    @functools.wraps(original)
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          return_final_states=False, **kwargs):
+        region = _ACTIVE.region
+        if region is None:
+            return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
+                            return_final_states=return_final_states, **kwargs)
+        from usp_hal.hybrid import head_parallel
+        mesh, layout = region
+        if initial_states is not None or return_final_states or kwargs.get("cu_seqlens") is not None:
+            raise NotImplementedError("usp_hal: a cached or packed Mamba2 scan under sequence parallelism")
+        kwargs = {k: v for k, v in kwargs.items() if k in ("dt_softplus", "dt_limit", "z")}
+
+        def per_head(x, d_t, b, c, heads):     # A, D and dt_bias are per head: this rank's slice
+            sl = slice(heads.start, heads.stop)
+            return original(x, d_t, A[sl], b, c, chunk_size, D=None if D is None else D[sl],
+                            dt_bias=None if dt_bias is None else dt_bias[sl], **kwargs)
+
+        return head_parallel(per_head, hidden_states, dt, B, C, grouped=(2, 3), mesh=mesh, layout=layout,
+                             with_heads=True)
+    return mamba2_chunk_scan
+
+
+_ROUTES = {"causal_conv1d_fn": _conv_route, "torch_chunk_gated_delta_rule": _gdn_route,
+           "mamba2_split_conv1d_scan_combined": _fused_route, "mamba2_chunk_scan": _ssd_route}
 
 
 def call_problem(model: nn.Module, kwargs: dict) -> Optional[str]:
