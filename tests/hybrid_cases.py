@@ -38,7 +38,7 @@ def tiny_hybrid(model_type: str, seed: int = 0):
 def _olmo_hybrid(name):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
     cfg = CONFIG_MAPPING["olmo_hybrid"](vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                       intermediate_size=96, num_hidden_layers=2,
+                                       intermediate_size=96, num_hidden_layers=2, pad_token_id=0,
                                        layer_types=["linear_attention", "full_attention"])
     model = AutoModelForCausalLM.from_config(cfg)
     model.set_attn_implementation(name)
@@ -69,7 +69,11 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
     res["qwen3_next_packed"] = error_of(lambda: model(**packed))
     res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
     res["qwen3_next_generate"] = error_of(lambda: model.generate(**gen, max_new_tokens=2, do_sample=False))
-    res["qwen3_next_runs"] = error_of(lambda: model(**batch).loss.backward())
+    def run():
+        out = model(**batch)
+        out.loss.backward()
+        usp.sync_gradients(model, mesh, out.loss)
+    res["qwen3_next_runs"] = error_of(run)
     res["olmo_hybrid"] = error_of(lambda: _olmo_hybrid(name)(**batch))     # GDN layers, but an untested family
     return res
 

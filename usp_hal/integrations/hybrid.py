@@ -1,5 +1,11 @@
 """Layers that mix positions outside attention, under ``attn_implementation="usp_hal"``.
 
+Covered (run sequence-parallel, tested against one process): the gated DeltaNet layers of
+``qwen3_next``, the short convolutions of ``lfm2`` and the Mamba2 mixers of ``nemotron_h``:
+their projections stay on the sequence shards and only their per-head operators (the causal
+convolution, the chunked gated delta rule, the SSD scan) run through
+:func:`usp_hal.head_parallel` (see :func:`wire`).  Every other such layer is refused.
+
 Sequence parallelism shards the sequence for the attention layers; any other layer that
 mixes positions (a recurrence, a convolution over the sequence, a token shift) would then
 see only its rank's tokens and compute something else than the model: the model would
@@ -12,9 +18,9 @@ How a model is checked (:func:`find_sequence_mixers`), on the built model's modu
 * **the model's own declaration**: a ``PreTrainedModel`` (the model or any sub-model) whose
   class says ``_supports_attention_backend = False``: transformers does not declare that its
   layers go through ``AttentionInterface`` alone (its attention may be its own code, or it
-  has layers that are not attention: every hybrid in transformers 5.23.0 says so except
-  ``lfm2``, ``minimax``, ``granitemoehybrid`` and ``recurrent_gemma``, which the rules below
-  find);
+  has layers that are not attention: most hybrids of transformers 5.23.0 say so, not
+  ``lfm2``, ``lfm3``, ``minimax``, ``granitemoehybrid``, ``recurrent_gemma`` or ``zaya``,
+  which the rules below find);
 * **known sequence-mixing classes**, by class name: Mamba, Mamba2/SSD mixers, gated DeltaNet,
   KDA, short convolutions, lightning and other linear attention, RWKV, xLSTM, RG-LRU, ...;
 * **structure**: ``nn.Conv1d/2d/3d`` (and transposed) with a kernel wider than one position,
