@@ -241,7 +241,7 @@ def _max_diff(a, b) -> float:
 
 
 def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3, B=2, S=40, seed=0, lr=1e-3,
-                    unwired=False):
+                    unwired=False, conv="auto"):
     """Logits, loss, every gradient and ``steps`` AdamW steps of a tiny hybrid under
     attn_implementation="usp_hal", against the same model in one process (on rank 0).
     ``unwired``: run the hybrid layers on each rank's shard (the defect), to show the
@@ -259,6 +259,7 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
     find = hybrid.find_sequence_mixers
+    hybrid.CONV_EXCHANGE = conv
     if unwired:             # neither wired nor refused: the layers run on each rank's shard
         hybrid.COVERED_MODEL_TYPES.discard(model_type)
         hybrid.find_sequence_mixers = lambda m, **kw: []
@@ -307,3 +308,39 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
                grad_rel=gdiff[worst], worst_grad=worst, n_grads=len(ref_grads), same_grads=set(grads) == set(ref_grads),
                param_diff=max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())))
     return res
+
+
+def halo_conv(U=1, R=2, layout="zigzag", B=2, S=19, C=3, K=4, cu=None, mutate=None, lengths=(19, 64, 256)):
+    """usp_hal.hybrid.halo_causal_conv on sequence shards against the depthwise causal conv on
+    the whole sequence in float64 (output, input, weight and bias gradients), and the number of
+    halo tokens each rank receives for each sequence length of ``lengths``."""
+    import usp_hal
+    from tests.dist_cases import _err
+    from usp_hal.hybrid import _halo_plan, halo_causal_conv
+
+    mesh = get_mesh(U, R)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(B, S, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(C, K, generator=gen, dtype=torch.float64)
+    bias = torch.randn(C, generator=gen, dtype=torch.float64)
+    dout = torch.randn(B, S, C, generator=gen, dtype=torch.float64)
+    rx, rw, rb = (t.clone().requires_grad_(True) for t in (x, w, bias))
+    ref = causal_conv(rx.unsqueeze(-1), rw.unsqueeze(1), range(C), cu_seqlens=cu).squeeze(-1) + rb
+    (ref * dout).sum().backward()
+
+    def sh(t):
+        return usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu)
+
+    lx = sh(x).requires_grad_(True)
+    lw, lb = w.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    width = {"short_halo": K - 2}.get(mutate)
+    out = halo_causal_conv(lx, lw, lb, mesh=mesh, layout=layout, cu_seqlens=None if mutate == "drop_documents" else cu,
+                           _halo_width=width)
+    (out * sh(dout)).sum().backward()
+    worst = max(_err(out, sh(ref.detach()), torch.float64), _err(lx.grad, sh(rx.grad), torch.float64))
+    for p, r in ((lw, rw), (lb, rb)):
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g, group=mesh.sp_group)
+        worst = max(worst, _err(g, r.grad, torch.float64))
+    halo_tokens = {n: sum(int(p.numel()) for p in _halo_plan(mesh, layout, n, None, K - 1)[1]) for n in lengths}
+    return {"worst": worst, "halo_tokens": halo_tokens}

@@ -58,3 +58,29 @@ def test_shards_on_their_own_are_caught(pools):
                             mutate="skip_region"):
         for case, worst in res.items():
             assert worst > 10, (case, worst)
+
+
+HALO = [dict(layout="zigzag"), dict(layout="basic"), dict(layout="stripe"),
+        dict(layout="varlen_zigzag", cu=(0, 7, 19)), dict(layout="zigzag", cu=(0, 7, 19))]
+
+
+@pytest.mark.parametrize("world,U,R", [(2, 1, 2), (4, 2, 2)], ids=["u1r2", "u2r2"])
+def test_conv_halo_matches_one_process(pools, world, U, R):
+    """usp_hal.hybrid.halo_causal_conv: only the kernel_size - 1 tokens before each run travel;
+    output and gradients vs float64; halo tokens per rank flat in S for basic and zigzag."""
+    for kw in HALO:
+        res = pools(world).run(cases.halo_conv, timeout=120, U=U, R=R, **kw)
+        for r in res:
+            assert r["worst"] <= 1.0, (kw, r)
+        most = {n: max(r["halo_tokens"][n] for r in res) for n in res[0]["halo_tokens"]}
+        if kw["layout"] != "stripe":
+            assert len(set(most.values())) == 1, (kw, most)      # flat in S
+            assert 0 < max(most.values()) <= 2 * 3, (kw, most)     # K - 1 = 3 tokens before each of <= 2 runs
+
+
+@pytest.mark.parametrize("mutate,kw", [("short_halo", dict(layout="zigzag")),
+                                       ("drop_documents", dict(layout="varlen_zigzag", cu=(0, 7, 19)))])
+def test_conv_halo_mutations_are_caught(pools, mutate, kw):
+    """A halo one token short, or boundaries ignored, is far from the truth."""
+    for r in pools(2).run(cases.halo_conv, timeout=120, U=1, R=2, mutate=mutate, **kw):
+        assert r["worst"] > 10, r

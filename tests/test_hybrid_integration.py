@@ -40,7 +40,8 @@ WIRED = {"qwen3_next": ["model.layers.0.linear_attn"], "lfm2": ["model.layers.0.
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"w{s[0]}-u{s[1]}r{s[2]}-{s[3]}")
 def test_hybrid_matches_one_process(pools, split, model_type):
     """qwen3_next (gated DeltaNet + its causal conv), lfm2 (gated short conv) and nemotron_h
-    (Mamba2: conv + SSD scan, 6 heads in 3 groups): the layers' per-head operators through the head-parallel region, attention through usp_hal; logits,
+    (Mamba2: conv + SSD scan, 6 heads in 3 groups): the layers' per-head operators through
+    the head-parallel region, attention through usp_hal; logits,
     loss, every gradient and 3 AdamW steps against one process (fp32)."""
     world, U, R, layout = split
     res = pools(world).run(cases.hybrid_training, timeout=240, model_type=model_type, U=U, R=R, layout=layout)
@@ -53,6 +54,12 @@ def test_hybrid_matches_one_process(pools, split, model_type):
     assert r0["param_diff"] <= 1e-5, r0
     for r in res[1:]:
         assert r["losses"] == r0["losses"]
+
+
+def test_qwen3_next_with_head_parallel_convolutions(pools):
+    """The convolutions through the head-parallel region instead of the halo exchange."""
+    r0 = pools(4).run(cases.hybrid_training, timeout=240, model_type="qwen3_next", U=2, R=2, conv="head_parallel")[0]
+    assert r0["logits_diff"] <= 1e-5 and r0["loss_diff"] <= 1e-4 and r0["grad_rel"] <= 1e-4, r0
 
 
 def test_qwen3_next_without_the_region_is_caught(pools):

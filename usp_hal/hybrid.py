@@ -266,3 +266,123 @@ def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] =
         # backward exchange runs on every rank
         out = like.new_zeros(b, seqlen, 0, *like.shape[3:]) + sum(x.sum() * 0 for x in local)
     return _ToSequence.apply(out, heads, me, sizes, orders, mesh, h)
+
+
+# ------------------------------------------------------------------------------ conv halo
+def _halo_plan(mesh, layout: str, seqlen: int, cu, width: int):
+    """For a causal window of ``width`` positions (kernel - 1 before each token): per rank, the
+    positions it needs from others, and per (owner, needer) pair the owner's local indices.
+    Returns ``(send_idx per peer, recv_pos per peer, own positions, extended positions)`` for
+    this rank; the same computation on every rank (from the layout alone)."""
+    from .positions import document_ids, local_positions
+    pos = [local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_of(i),
+                           mesh.ulysses_of(i), cu_seqlens=cu) for i in range(mesh.sp_size)]
+    owner = torch.empty(seqlen, dtype=torch.long)
+    index = torch.empty(seqlen, dtype=torch.long)
+    for i, p in enumerate(pos):
+        owner[p] = i
+        index[p] = torch.arange(p.numel())
+    doc = document_ids(torch.arange(seqlen), cu) if cu is not None else torch.zeros(seqlen, dtype=torch.long)
+
+    def needed(i):
+        p = pos[i]
+        cand = (p.view(-1, 1) - torch.arange(1, width + 1).view(1, -1)).flatten()
+        keep = cand >= 0
+        cand = cand[keep]
+        same_doc = doc[cand] == doc[p.view(-1, 1).expand(-1, width).flatten()[keep]]
+        cand = torch.unique(cand[same_doc])
+        return cand[owner[cand] != i]
+
+    me = mesh.sp_rank
+    send_idx, recv_pos = [], []
+    mine_needed = needed(me)
+    for j in range(mesh.sp_size):
+        theirs = needed(j)
+        send_idx.append(index[theirs[owner[theirs] == me]])
+        recv_pos.append(mine_needed[owner[mine_needed] == j])
+    return send_idx, recv_pos, pos[me], doc
+
+
+class _Halo(torch.autograd.Function):
+    """Send each peer the tokens of this rank its causal window needs (their positions come
+    from the layout); backward sends their gradients home and adds them."""
+
+    @staticmethod
+    def forward(ctx, x, send_idx, recv_counts, mesh):
+        b, rest = x.shape[0], tuple(x.shape[2:])
+        inner = b * int(torch.Size(rest).numel())
+        send = torch.cat([x.index_select(1, i.to(x.device)).transpose(0, 1).reshape(-1) for i in send_idx])
+        recv = x.new_empty(sum(recv_counts) * inner)
+        _all_to_all(recv, send, [n * inner for n in recv_counts], [int(i.numel()) * inner for i in send_idx], mesh,
+                    "conv halo exchange")
+        ctx.args = (send_idx, recv_counts, mesh, x.shape)
+        return recv.view(sum(recv_counts), b, *rest).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_idx, recv_counts, mesh, shape = ctx.args
+        b, rest = shape[0], tuple(shape[2:])
+        inner = b * int(torch.Size(rest).numel())
+        send = grad.transpose(0, 1).contiguous().reshape(-1)
+        back = grad.new_empty(sum(int(i.numel()) for i in send_idx) * inner)
+        _all_to_all(back, send, [int(i.numel()) * inner for i in send_idx], [n * inner for n in recv_counts], mesh,
+                    "conv halo exchange (backward)")
+        out = grad.new_zeros(shape)
+        idx = torch.cat(send_idx).to(grad.device) if send_idx else torch.zeros(0, dtype=torch.long)
+        out.index_add_(1, idx, back.view(-1, b, *rest).transpose(0, 1))
+        return out, None, None, None
+
+
+def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, mesh=None,
+                     layout: str = "zigzag", cu_seqlens=None, _halo_width: Optional[int] = None) -> torch.Tensor:
+    """Depthwise causal convolution over the *global* sequence of sequence-sharded ``x``
+    ``[B, S_local, C]`` (weight ``[C, K]``, bias ``[C]``): ``y_t = sum_j w[:, j] x_{t-K+1+j}``
+    (zero before the sequence and before each document of ``cu_seqlens``).  Each rank receives
+    only the ``K - 1`` tokens before each of its runs of consecutive positions from the ranks
+    that hold them (one all-to-all; for basic and zigzag layouts at most ``2 (K-1)`` tokens a
+    rank, whatever ``S``) and convolves locally.  Backward sends those tokens' gradients home."""
+    import usp_hal
+
+    from .comm import agree
+    from .positions import check_layout
+
+    mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    layout = check_layout(layout)
+    cu = None
+    if cu_seqlens is not None:
+        from .varlen import as_cu_seqlens
+        cu = as_cu_seqlens(cu_seqlens)
+    ksize = int(weight.shape[-1])
+    width = ksize - 1 if _halo_width is None else _halo_width
+    if mesh.sp_size > 1:
+        rows = agree(None, mesh.metadata_group, what="usp_hal.halo_causal_conv", where=mesh.where("sequence-parallel"),
+                     values=[int(x.shape[1])], ranks=mesh.sp_ranks)
+        seqlen = sum(r[0] for r in rows)
+    else:
+        seqlen = int(x.shape[1])
+    from .positions import local_positions
+    if mesh.sp_size > 1:
+        send_idx, recv_pos, own, doc = _halo_plan(mesh, layout, seqlen, cu, width)
+        halo = _Halo.apply(x, send_idx, [int(p.numel()) for p in recv_pos], mesh)
+        recv = torch.cat(recv_pos) if recv_pos else torch.zeros(0, dtype=torch.long)
+    else:
+        own = local_positions(layout, seqlen, 1, 1, 0, 0, cu_seqlens=cu)
+        halo, recv = x[:, :0], torch.zeros(0, dtype=torch.long)
+        from .positions import document_ids
+        doc = document_ids(torch.arange(seqlen), cu) if cu is not None else torch.zeros(seqlen, dtype=torch.long)
+    ext = torch.cat([x, halo, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)   # last row: zeros
+    where = torch.full((seqlen,), ext.shape[1] - 1, dtype=torch.long)
+    where[own] = torch.arange(own.numel())
+    where[recv] = torch.arange(own.numel(), own.numel() + recv.numel())
+    out = None
+    for j in range(ksize):
+        lag = ksize - 1 - j
+        src = own - lag
+        ok = src >= 0
+        src = src.clamp(min=0)
+        ok &= doc[src] == doc[own]
+        idx = torch.where(ok, where[src], torch.full_like(src, ext.shape[1] - 1)).to(x.device)
+        term = ext.index_select(1, idx) * weight[:, j]
+        out = term if out is None else out + term
+    assert out is not None
+    return out if bias is None else out + bias

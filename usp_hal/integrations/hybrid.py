@@ -358,6 +358,13 @@ def wire(model: nn.Module, mesh, layout: str) -> List[str]:
     return done
 
 
+#: how a covered layer's depthwise causal convolution crosses the shards: "halo" (each rank
+#: receives the kernel_size - 1 tokens before each of its runs: a few tokens, whatever S, in
+#: the basic and zigzag layouts), "head_parallel" (all-to-all of every channel's sequence), or
+#: "auto" (halo unless the layout is stripe, whose runs are single tokens)
+CONV_EXCHANGE = "auto"
+
+
 def _conv_route(original):
     import functools
 
@@ -366,8 +373,16 @@ def _conv_route(original):
         region = _ACTIVE.region
         if region is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        from usp_hal.hybrid import head_parallel
+        from usp_hal.hybrid import halo_causal_conv, head_parallel
         mesh, layout = region
+        mode = CONV_EXCHANGE if CONV_EXCHANGE != "auto" else ("head_parallel" if layout == "stripe" else "halo")
+        if mode == "halo":
+            from transformers.activations import ACT2FN
+            x = hidden_states.transpose(1, 2).to(weight.dtype)          # [B, C, S_local] -> [B, S_local, C]
+            out = halo_causal_conv(x, weight, bias, mesh=mesh, layout=layout)
+            if activation is not None:
+                out = ACT2FN[activation](out)
+            return out.transpose(1, 2).to(hidden_states.dtype)
 
         def per_channel(x, heads):       # x [B, S, c, 1]: this rank's channels, the whole sequence
             sl = slice(heads.start, heads.stop)
