@@ -269,7 +269,23 @@ def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] =
 
 
 # ------------------------------------------------------------------------------ conv halo
+_HALOS: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
 def _halo_plan(mesh, layout: str, seqlen: int, cu, width: int):
+    """:func:`_make_halo_plan`, kept for the last few shapes (host work of O(S) per new shape)."""
+    key = (layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, mesh.use_ulysses_low, mesh.sp_rank, cu, width)
+    got = _HALOS.get(key)
+    if got is None:
+        got = _HALOS[key] = _make_halo_plan(mesh, layout, seqlen, cu, width)
+        if len(_HALOS) > _ORDERS_MAX:
+            _HALOS.popitem(last=False)
+    else:
+        _HALOS.move_to_end(key)
+    return got
+
+
+def _make_halo_plan(mesh, layout: str, seqlen: int, cu, width: int):
     """For a causal window of ``width`` positions (kernel - 1 before each token): per rank, the
     positions it needs from others, and per (owner, needer) pair the owner's local indices.
     Returns ``(send_idx per peer, recv_pos per peer, own positions, extended positions)`` for
