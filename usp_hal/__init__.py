@@ -50,6 +50,7 @@ _LAZY = {
         "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
         "ring_pytorch_attn_func", "ring_flashinfer_attn_func", "ring_flashinfer_attn_kvpacked_func",
         "ring_flashinfer_attn_qkvpacked_func", "ring_npu_flash_attn_func")},
+    "head_parallel": "hybrid",
 }
 
 __all__ = [
@@ -61,7 +62,7 @@ __all__ = [
 
 _SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "compat", "kernels", "layout", "mesh",
                "overlap", "planner", "platform", "positions", "processor", "reference", "registry", "ring",
-               "rotation", "sharding", "spec", "ulysses", "varlen")
+               "rotation", "sharding", "spec", "state_passing", "ulysses", "varlen", "hybrid")
 
 
 def __dir__():

@@ -427,6 +427,8 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
     _NAMES.add(name)
     _FUNCTIONS[name] = fn
     _guard_generate()
+    from .hybrid import install
+    install(_FUNCTIONS.get)     # models check their layers before their first sequence-parallel forward
     if name == ATTN_IMPLEMENTATION:
         _DEFAULT = fn
         AttentionInterface.register(name, usp_attention_forward)
@@ -471,6 +473,10 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
     def opt(name, default=None):
         return kwargs[name] if name in kwargs else getattr(gc, name, default)
 
+    from .hybrid import generation_problem
+    why = generation_problem(model)
+    if why:
+        return why
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return ("input_ids must be this rank's [batch, seq] shard of the prompt: "
                 "model.generate(**shard_batch({'input_ids': prompt}, mesh), ...)")
