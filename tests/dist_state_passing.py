@@ -33,9 +33,6 @@ def _mutated(mutation):
     if mutation == "drop_state":
         orig = sp._carry_in
         patch("_carry_in", lambda *a, **k: [None] * len(orig(*a, **k)))
-    elif mutation == "halo_off_by_one":
-        orig_h = sp._halo
-        patch("_halo", lambda *a, **k: torch.nn.functional.pad(orig_h(*a, **k)[:, :-1], (0, 0, 1, 0)))
     elif mutation == "ignore_documents":
         orig_p = sp.pieces
         patch("pieces", lambda mesh, seqlen, layout, cu_seqlens=None: [
@@ -63,17 +60,12 @@ def case(op="gdn", U=1, R=2, layout="basic", S=26, dtype="fp64", cu=None, kernel
         glob["k"] = torch.nn.functional.normalize(glob["k"], dim=-1)
         out_shape = (B, S, Hv, dv)
         shared: dict = {}
-    elif op == "ssd":
+    else:
         H, G, N, P = 4, 2, 3, 5
         glob = {"x": torch.randn(B, S, H, P, generator=g), "dt": torch.rand(B, S, H, generator=g) * 0.5,
                 "B": torch.randn(B, S, G, N, generator=g), "C": torch.randn(B, S, G, N, generator=g)}
         shared = {"A": -torch.rand(H, generator=g) - 0.1}
         out_shape = (B, S, H, P)
-    else:
-        Cc, K = 6, 4
-        glob = {"x": torch.randn(B, S, Cc, generator=g)}
-        shared = {"weight": torch.randn(Cc, 1, K, generator=g), "bias": torch.randn(Cc, generator=g)}
-        out_shape = (B, S, Cc)
     dout = torch.randn(*out_shape, generator=g)
 
     # the float64 reference over the whole sequence, document by document
@@ -82,14 +74,10 @@ def case(op="gdn", U=1, R=2, layout="basic", S=26, dtype="fp64", cu=None, kernel
         def whole(q, k, v, gg, beta):
             return sp.delta_rule_reference(q, k, v, gg, beta)[0]
         ref = _docs_reference(whole, cu, S, *(ref_in[n] for n in ("q", "k", "v", "g", "beta")))
-    elif op == "ssd":
+    else:
         def whole(x, dtt, Bm, Cm):
             return sp.ssd_reference(x, dtt, ref_in["A"], Bm, Cm)[0]
         ref = _docs_reference(whole, cu, S, *(ref_in[n] for n in ("x", "dt", "B", "C")))
-    else:
-        def whole(x):
-            return sp.conv1d_reference(x, ref_in["weight"], ref_in["bias"], activation="silu")
-        ref = _docs_reference(whole, cu, S, ref_in["x"])
     ref.backward(dout.double())
 
     # this rank's shards and the distributed call
@@ -106,13 +94,10 @@ def case(op="gdn", U=1, R=2, layout="basic", S=26, dtype="fp64", cu=None, kernel
                 kern = torch_chunk_gated_delta_rule
             out = sp.gated_delta_rule(loc["q"], loc["k"], loc["v"], loc["g"], loc["beta"], mesh=mesh, layout=layout,
                                       cu_seqlens=cu, kernel=kern, **({"chunk_size": 4} if kern else {}))
-        elif op == "ssd":
+        else:
             kern = sp.ssd_reference if kernel == "reference" else sp.ssd_chunked
             out = sp.ssd(loc["x"], loc["dt"], par["A"], loc["B"], loc["C"], mesh=mesh, layout=layout, cu_seqlens=cu,
                          kernel=kern)
-        else:
-            out = sp.causal_conv1d(loc["x"], par["weight"], par["bias"], mesh=mesh, layout=layout, cu_seqlens=cu,
-                                   activation="silu")
         out.backward(sh(dout).to(dt))
     finally:
         undo()

@@ -1,4 +1,4 @@
-"""Recurrences and short convolutions over a sequence-sharded timeline, by passing state.
+"""Recurrences over a sequence-sharded timeline, by passing state.
 
 A linear recurrence (gated DeltaNet, Mamba2's SSD, linear attention) needs the whole
 timeline, but not the whole timeline's *tokens*: what one stretch of the sequence hands the
@@ -24,10 +24,8 @@ packed documents.  Backward is autograd through the kernel and the all-gather (w
 backward sums each piece's gradient back to its owner): gradients flow to every rank whose
 state another used.
 
-The causal depthwise convolution needs no state: a piece needs the ``kernel_size - 1`` tokens
-before it (its *halo*).  One all-gather of every piece's last ``kernel_size - 1`` tokens gives
-each rank the halos it needs (from several pieces back when a piece is shorter than that);
-a document start gets a zero halo.
+(The short causal convolutions beside these layers need no state, only a halo of
+``kernel_size - 1`` tokens: :func:`usp_hal.hybrid.halo_causal_conv`.)
 
 Kernels are passed in: ``kernel(q, k, v, g, beta, initial_state=..., output_final_state=True)
 -> (out, final_state)`` in the layout of transformers' ``torch_chunk_gated_delta_rule`` and
@@ -43,8 +41,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Piece", "pieces", "state_passing", "gated_delta_rule", "ssd", "causal_conv1d",
-           "delta_rule_reference", "ssd_reference", "ssd_chunked", "conv1d_reference", "state_bytes"]
+__all__ = ["Piece", "pieces", "state_passing", "gated_delta_rule", "ssd", "delta_rule_reference", "ssd_reference",
+           "ssd_chunked", "state_bytes"]
 
 
 # ----------------------------------------------------------------------------- the piece plan
@@ -259,53 +257,6 @@ def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=
                          cu_seqlens=cu_seqlens, seqlen=seqlen)
 
 
-# ----------------------------------------------------------------------------- convolution
-def causal_conv1d(x, weight, bias=None, *, mesh, layout: str = "basic", cu_seqlens=None,
-                  activation: Optional[str] = None, seqlen: Optional[int] = None) -> torch.Tensor:
-    """Causal depthwise convolution over the group: ``x [B, T, C]`` (this rank's tokens),
-    ``weight [C, K]`` (or ``[C, 1, K]``), optional ``bias [C]``; ``activation`` None or "silu".
-    Each piece gets the ``K - 1`` tokens before it from the pieces that hold them."""
-    w = weight.reshape(weight.shape[0], -1)
-    K = w.shape[-1]
-    total = seqlen if seqlen is not None else _global_length(x.shape[1], mesh)
-    plan = pieces(mesh, total, layout, cu_seqlens)
-    mine = _mine(plan, mesh.sp_rank)
-    per_rank, where = _slot_table(plan, mesh.sp_size)
-    halo = K - 1
-    tails = []
-    for _, p in mine:
-        t = x.narrow(1, p.local, p.length)[:, -halo:] if halo else x[:, :0]
-        tails.append(torch.nn.functional.pad(t, (0, 0, halo - t.shape[1], 0)))
-    pad = per_rank - len(tails)
-    blank = x.new_zeros(x.shape[0], halo, x.shape[2])
-    gathered = _all_gather(torch.stack(tails + [blank] * pad), mesh)
-    outs = []
-    for j, p in mine:
-        before = _halo(gathered, plan, where, j, halo, blank)
-        seg = torch.cat([before, x.narrow(1, p.local, p.length)], dim=1)
-        y = torch.nn.functional.conv1d(seg.transpose(1, 2), w.unsqueeze(1), bias, groups=w.shape[0])
-        outs.append(y.transpose(1, 2))
-    y = _tie(torch.cat(outs, dim=1), gathered)
-    return torch.nn.functional.silu(y) if activation in ("silu", "swish") else y
-
-
-def _halo(gathered: torch.Tensor, plan: List[Piece], where, j: int, halo: int, blank: torch.Tensor) -> torch.Tensor:
-    """The ``halo`` tokens before piece ``j``: the tails of the pieces before it in its document."""
-    got: List[torch.Tensor] = []
-    have = 0
-    i = j
-    while have < halo and not plan[i].doc_start:
-        i -= 1
-        r, s = where[i]
-        n = min(plan[i].length, halo)
-        got.insert(0, gathered[r][s][:, halo - n:])
-        have += n
-    if not got:
-        return blank
-    h = torch.cat(got, dim=1)[:, -halo:]
-    return torch.nn.functional.pad(h, (0, 0, halo - h.shape[1], 0))
-
-
 # ----------------------------------------------------------------------------- plain kernels
 def delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=True, scale=None, **_):
     """The gated delta rule token by token, in the inputs' dtype (float64 for references):
@@ -373,12 +324,3 @@ def ssd_chunked(x, dt, A, B, C, initial_state=None, chunk: int = 64):
         ys.append(y)
     y = torch.cat(ys, dim=1) if ys else x.new_zeros(Bsz, 0, H, P)
     return y, h
-
-
-def conv1d_reference(x, weight, bias=None, activation=None):
-    """Causal depthwise convolution of a whole sequence ``[B, T, C]`` (zero history)."""
-    w = weight.reshape(weight.shape[0], -1)
-    K = w.shape[-1]
-    y = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (K - 1, 0)), w.unsqueeze(1), bias,
-                                   groups=w.shape[0]).transpose(1, 2)
-    return torch.nn.functional.silu(y) if activation in ("silu", "swish") else y
