@@ -82,7 +82,7 @@ def _flat(model) -> torch.Tensor:
 
 
 def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False):
+                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False, bf16: bool = False):
     """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
     rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
     import torch.distributed as dist
@@ -98,7 +98,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
-                                        usp_attn_type="sdpa", per_device_train_batch_size=bs,
+                                        usp_attn_type="sdpa", per_device_train_batch_size=bs, bf16=bf16,
                                         **_common(tmp, steps, ga, lr, seed))
             trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                                  data_collator=_collator(packed))
@@ -116,7 +116,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
 
 
 def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                  lr: float = 3e-3, packed: bool = False):
+                  lr: float = 3e-3, packed: bool = False, bf16: bool = False):
     """The same training with the plain Trainer in this process (no process group): ``bs * dp``
     rows per micro-batch, the global batch of one optimizer step of ``trainer_run``."""
     from transformers import Trainer, TrainingArguments
@@ -126,7 +126,8 @@ def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int 
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(per_device_train_batch_size=bs * dp, **_common(tmp, steps, ga, lr, seed))
+            args = TrainingArguments(per_device_train_batch_size=bs * dp, bf16=bf16,
+                                     **_common(tmp, steps, ga, lr, seed))
             Trainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                     data_collator=_collator(packed)).train()
     finally:
