@@ -7,9 +7,10 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 import usp_hal
-from tests.dist_cases import get_mesh
+from tests.dist_cases import error_of, get_mesh
 from tests.integration_cases import VOCAB, tiny_llama
 
 
@@ -98,4 +99,148 @@ def autocast_llama(U=1, R=2, steps=3, B=2, S=32, seed=0, lr=1e-3):
     res.update(ref_losses=ref_losses, fp32_losses=fp32_losses,
                grad_rel=float((grads - ref_grads).norm() / ref_grads.norm()),
                bf16_effect=float((fp32_grads - ref_grads).norm() / ref_grads.norm()))
+    return res
+
+
+# ----------------------------------------------------------------------------- outside the group
+def rank0_alone(U=1, R=2, B=2, S=24, seed=0, timeout=20.0):
+    """Sequence-parallel training steps, then evaluation (a forward and a generate()) on rank 0
+    alone, as a user would: it must return or raise within seconds, not wait in a collective
+    (the mesh's groups time out after ``timeout`` seconds).  Then one more step on both ranks:
+    the group still works and matches one process."""
+    import time
+
+    from usp_hal.integrations import transformers as usp
+
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=timeout)
+    name = usp.register(f"usp_hal_test_alone_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    base = tiny_llama(seed, num_hidden_layers=2)
+    model = copy.deepcopy(base)
+    model.set_attn_implementation(name)
+    g = torch.Generator().manual_seed(seed + 3)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh))
+    out.loss.backward()
+    usp.sync_gradients(model, mesh, out.loss)
+    model.zero_grad()
+    res = {}
+    if mesh.sp_rank == 0:
+        model.eval()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            res["forward"] = error_of(lambda: model(input_ids=ids, labels=ids))
+            res["generate"] = error_of(lambda: model.generate(ids, max_new_tokens=2, do_sample=False))
+        res["seconds"] = time.perf_counter() - t0
+        model.train()
+    with torch.no_grad():     # the group still works: both ranks, one sequence-parallel forward
+        local = model(**usp.shard_batch({"input_ids": ids}, mesh)).logits
+        ref = base(input_ids=ids).logits
+    res["after_diff"] = _max_diff(usp_hal.unshard(local, layout="zigzag", mesh=mesh), ref)
+    return res
+
+
+# ----------------------------------------------------------------------------- gradient bookkeeping
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.detach().double().reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def sync_twice(U=1, R=2, B=2, S=24, seed=0):
+    """sync_gradients called twice, or once per micro-batch, is refused on every rank (the
+    gradients stay those of one sync); zeroing in place between steps is not refused."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_sync_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    base = tiny_llama(seed, num_hidden_layers=2)
+    model = copy.deepcopy(base)
+    model.set_attn_implementation(name)
+    g = torch.Generator().manual_seed(seed + 11)
+    a, b = (torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2))
+
+    def step(ids):
+        out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh))
+        out.loss.backward()
+        return out.loss
+
+    res = {}
+    loss = step(a)
+    usp.sync_gradients(model, mesh, loss)
+    once = _grads(model)
+    res["twice"] = error_of(lambda: usp.sync_gradients(model, mesh, loss))
+    res["twice_unchanged"] = _max_diff(_grads(model), once)
+    loss = step(b)                               # a second micro-batch on top of synced gradients
+    res["per_micro_batch"] = error_of(lambda: usp.sync_gradients(model, mesh, loss))
+    model.zero_grad(set_to_none=False)           # zeroed in place: a new step, not refused
+    loss = step(b)
+    res["zeroed_in_place"] = error_of(lambda: usp.sync_gradients(model, mesh, loss))
+    zeroed = _grads(model)
+    model.zero_grad()
+    loss = step(b)
+    res["set_to_none"] = error_of(lambda: usp.sync_gradients(model, mesh, loss))
+    if mesh.sp_rank == 0:
+        ref = copy.deepcopy(base)
+        for ids, want in ((a, once), (b, zeroed)):
+            ref.zero_grad()
+            ref(input_ids=ids, labels=ids).loss.backward()
+            res.setdefault("ref_diffs", []).append(_max_diff(_grads(ref), want))
+    return res
+
+
+def dp_sp_unequal_labels(U=2, R=1, B=2, S=24, seed=0, lr=1e-3, steps=2):
+    """dp x sp custom loop (plain module, sync_gradients) where the replicas hold different
+    numbers of labels (prompt-masked rows): with ``shard_batch(..., dp_group=mesh.dp_group)``
+    loss and gradients equal one process on both batches together; without it they do not."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    replica = dist.get_rank() // mesh.sp_size
+    name = usp.register(f"usp_hal_test_dpsp_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    base = tiny_llama(seed, num_hidden_layers=2)
+    g = torch.Generator().manual_seed(seed + 21)
+    data = []
+    for i in range(mesh.dp_degree):
+        ids = torch.randint(0, VOCAB, (B, S), generator=g)
+        labels = ids.clone()
+        labels[:, : 4 + 9 * i] = -100            # replica i: a longer prompt, fewer labels
+        data.append((ids, labels))
+
+    def run(dp_group):
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(name)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        losses, first = [], None
+        ids, labels = data[replica]
+        for _ in range(steps):
+            out = model(**usp.shard_batch({"input_ids": ids, "labels": labels}, mesh, dp_group=dp_group))
+            out.loss.backward()
+            losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
+            if first is None:
+                first = _grads(model)
+            opt.step()
+            opt.zero_grad()
+        return losses, first
+
+    losses, grads = run(mesh.dp_group)
+    plain_losses, plain_grads = run(None)
+    res = {"losses": losses}
+    if dist.get_rank() != 0:
+        return res
+    ref = copy.deepcopy(base)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ids = torch.cat([d[0] for d in data])
+    labels = torch.cat([d[1] for d in data])
+    ref_losses, ref_grads = [], None
+    for _ in range(steps):
+        out = ref(input_ids=ids, labels=labels)
+        out.loss.backward()
+        ref_losses.append(float(out.loss.detach()))
+        if ref_grads is None:
+            ref_grads = _grads(ref)
+        opt.step()
+        opt.zero_grad()
+    res.update(ref_losses=ref_losses, plain_losses=plain_losses,
+               loss_diff=max(abs(x - y) for x, y in zip(losses, ref_losses)),
+               grad_diff=_max_diff(grads, ref_grads), grad_scale=float(ref_grads.abs().max()),
+               plain_loss_diff=max(abs(x - y) for x, y in zip(plain_losses, ref_losses)),
+               plain_grad_diff=_max_diff(plain_grads, ref_grads))
     return res

@@ -53,3 +53,37 @@ def test_trainer_bf16_loss_curve_matches_plain_trainer(pools):
     norm = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
     assert norm <= 4 * BF16_EPS, (r0["grad_norms"], ref["grad_norms"])
     print("trainer bf16:", r0["losses"], ref["losses"], fp32["losses"], norm)
+
+
+@pytest.mark.multirank
+def test_evaluation_on_rank_0_alone_raises_at_once(pools):
+    res = pools(2).run(du.rank0_alone, timeout=120)
+    r0 = res[0]
+    assert r0["seconds"] < 5.0, r0                  # no collective: the groups would wait 20 s
+    for case in ("forward", "generate"):
+        assert r0[case] and "did not come through shard_batch" in r0[case], r0[case]
+        assert "set_attn_implementation('sdpa')" in r0[case], r0[case]
+    assert all(r["after_diff"] <= 1e-4 for r in res), res
+
+
+@pytest.mark.multirank
+def test_sync_gradients_refuses_to_sync_twice(pools):
+    res = pools(2).run(du.sync_twice, timeout=120)
+    for r in res:
+        assert r["twice"] and "twice" in r["twice"], r
+        assert r["twice_unchanged"] == 0.0, r
+        assert r["per_micro_batch"] and "after the last micro-batch" in r["per_micro_batch"], r
+        assert r["zeroed_in_place"] is None and r["set_to_none"] is None, r
+    assert max(res[0]["ref_diffs"]) <= 1e-5, res[0]["ref_diffs"]
+
+
+@pytest.mark.multirank
+def test_dp_sp_loop_with_unequal_label_counts_matches_one_process(pools):
+    res = pools(4).run(du.dp_sp_unequal_labels, timeout=240)
+    r0 = res[0]
+    assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
+    assert r0["loss_diff"] <= 1e-5, (r0["losses"], r0["ref_losses"])
+    assert r0["grad_diff"] <= 1e-5 * max(1.0, r0["grad_scale"]), r0
+    # without the dp group the step gets the mean of the replicas' means: visibly off
+    assert r0["plain_loss_diff"] > 1e-3 and r0["plain_grad_diff"] > 100 * r0["grad_diff"], r0
+    print("dp x sp:", r0["loss_diff"], r0["grad_diff"], r0["plain_loss_diff"], r0["plain_grad_diff"])

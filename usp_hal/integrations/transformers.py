@@ -149,6 +149,17 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
 
 
 # ----------------------------------------------------------------------------- the attention function
+SHARDED_ATTR = "_usp_hal_sharded"   # set by shard_batch on the position_ids it returns
+# A call is sequence-parallel only when its batch came through shard_batch (its position_ids
+# carry SHARDED_ATTR).  Any other call raises at once, on this rank, before any collective: the
+# other ranks may not be calling at all (evaluation on rank 0 alone), and attention over this
+# rank's tokens only would be silently wrong if the batch was a shard.
+_OUTSIDE = ("usp_hal attention (transformers): this {what} did not come through shard_batch (its position_ids "
+            "are not the ones shard_batch returns), so it is not a sequence-parallel call and usp_hal enters no "
+            "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); to run the "
+            "model on one rank or on whole sequences, switch its attention back first: "
+            "model.set_attn_implementation('sdpa') (and back to the usp_hal name afterwards)")
+
 _REFUSED_KWARGS = {
     "position_bias": "a position bias",
     "cache": "a paged KV cache",
@@ -275,6 +286,11 @@ class USPAttentionFunction:
             return self._with_cache(route, mesh, module, query, key, value, attention_mask, dropout, scaling,
                                     is_causal, kwargs)
         position_ids = kwargs.get("position_ids")
+        if mesh.sp_size > 1 and not getattr(position_ids, SHARDED_ATTR, False):
+            if query.shape[2] != key.shape[2]:      # a decode step with transformers' own cache
+                raise ValueError("usp_hal attention (transformers) cannot run this call: "
+                                 f"{self._local_problem(query, key, None, {})}")
+            raise ValueError(_OUTSIDE.format(what="model call"))
         cu_arg = kwargs.get("cu_seq_lens_q")
         cu, why = _packing(cu_arg, kwargs.get("cu_seq_lens_k"))
         problem = self._local_problem(query, key, attention_mask, kwargs, why)
@@ -520,6 +536,8 @@ def _sharded_generate(original, model, impl, args, kwargs):
         kwargs.setdefault("input_ids", args[0])
         args = args[1:]
     ids = kwargs.get("input_ids")
+    if mesh.sp_size > 1 and not getattr(kwargs.get("position_ids"), SHARDED_ATTR, False):
+        raise ValueError(_OUTSIDE.format(what="generate() call"))
     problem = _generation_problem(model, ids, kwargs, ShardedCache)
     pos = kwargs.get("position_ids")
     local = int(ids.shape[1]) if problem is None else 0
@@ -597,7 +615,7 @@ _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
 def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, *, cu_seqlens=None,
-                ignore_index: int = IGNORE_INDEX, check: bool = True) -> Dict[str, Any]:
+                ignore_index: int = IGNORE_INDEX, check: bool = True, dp_group=None) -> Dict[str, Any]:
     """This rank's share of a global batch, ready for ``model(**batch)``.
 
     Every rank of the sequence-parallel group passes the same global batch (``[B, S]`` tensors).
@@ -615,6 +633,14 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     restart per document, the label of each document's last token (which would predict the
     next document) is ``ignore_index``, and ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, CPU)
     carry the boundaries to the attention function.
+
+    ``dp_group``: the data-parallel group (``mesh.dp_group``; every replica passes its own
+    batch).  ``num_items_in_batch`` is then the non-ignored labels of *every* replica's batch
+    divided by the number of replicas (one all-reduce of one integer), so that the mean over
+    replicas that :func:`sync_gradients` takes for a plain module (and DDP or FSDP2 for theirs)
+    gives the loss and gradients of one process on the replicas' batches together, also when
+    the replicas hold different numbers of labels.  Without it each replica's loss is the mean
+    over its own labels, and the mean of those means is what the step gets.
 
     An ``attention_mask`` of all ones is dropped; one with padding is refused.  Other tensors
     are refused rather than passed through unsharded.  ``check`` (one small all-gather)
@@ -645,6 +671,7 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
         out[k] = sh(batch[k])
     positions = mesh.local_position_ids(seqlen, layout, device=batch[main].device, cu_seqlens=cu)
     out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
+    setattr(out["position_ids"], SHARDED_ATTR, True)     # what makes a model call sequence-parallel
     if cu is not None:
         bounds = torch.tensor(cu, dtype=torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
@@ -653,7 +680,29 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
         out["labels"] = local           # the model computes a loss only when labels are given ...
         out["shift_labels"] = local     # ... and uses these as they are (already shifted)
         out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+    if dp_group is not None:
+        total = _global_count(out.get("num_items_in_batch"), dp_group, batch[main].device)
+        if total is not None:
+            out["num_items_in_batch"] = total
     return out
+
+
+def _global_count(count: Optional[int], dp_group, device):
+    """The label count of every replica's batch over the replicas (see shard_batch's ``dp_group``)."""
+    import torch.distributed as dist
+
+    from usp_hal.comm import collective
+    replicas = dist.get_world_size(dp_group)
+    total = torch.tensor([-1 if count is None else count, 1 if count is None else 0], dtype=torch.int64,
+                         device=device)
+    collective("all-reduce of the label count", "data-parallel group", dist.all_reduce, total, group=dp_group)
+    missing = int(total[1])
+    if missing == replicas:
+        return None
+    if missing:
+        raise ValueError("shard_batch: dp_group= counts the labels of every replica's batch, but "
+                         f"{missing} of the {replicas} replicas passed a batch without labels")
+    return int(total[0]) / replicas
 
 
 def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
