@@ -244,3 +244,58 @@ def dp_sp_unequal_labels(U=2, R=1, B=2, S=24, seed=0, lr=1e-3, steps=2):
                plain_loss_diff=max(abs(x - y) for x, y in zip(plain_losses, ref_losses)),
                plain_grad_diff=_max_diff(plain_grads, ref_grads))
     return res
+
+
+# ----------------------------------------------------------------------------- generate()
+class _StopOnRank:
+    """A stopping criterion that stops every row at step ``step``, on one rank only."""
+
+    def __init__(self, rank: int, at_length: int):
+        self.rank, self.at_length = rank, at_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        stop = dist.get_rank() == self.rank and input_ids.shape[1] >= self.at_length
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
+
+
+def generate_sampling(U=1, R=2, B=2, S=15, new=8, seed=0):
+    """Sampled generate() (temperature, top-k, top-p) on every rank, each rank seeded
+    differently except rank 0, which is seeded like the one process it is compared with; then
+    the decisions the ranks must take together: a criterion that stops on one rank, max_time,
+    and a max_new_tokens that differs on one rank."""
+    from transformers import StoppingCriteriaList
+
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    name = usp.register(f"usp_hal_test_sample_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    ref = tiny_llama(seed, num_hidden_layers=2).eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    prompt = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 5))
+    kw = dict(max_new_tokens=new, do_sample=True, temperature=0.7, top_k=50, top_p=0.9, pad_token_id=0)
+    rank = dist.get_rank()
+    res = {}
+    with torch.no_grad():
+        torch.manual_seed(1234 if rank == 0 else 99 + rank)
+        out = model.generate(**usp.shard_batch({"input_ids": prompt}, mesh), **kw)
+        res["tokens"] = out[:, -new:].tolist()
+        batch = usp.shard_batch({"input_ids": prompt}, mesh)
+        local = batch["input_ids"].shape[1]
+        stop = StoppingCriteriaList([_StopOnRank(1, local + 3)])      # 3 new tokens, on rank 1 only
+        out = model.generate(**batch, stopping_criteria=stop, **dict(kw, do_sample=False))
+        res["stopped_new"] = out.shape[1] - local
+        out = model.generate(**usp.shard_batch({"input_ids": prompt}, mesh), max_time=0.0,
+                             **dict(kw, do_sample=False))
+        res["max_time_new"] = out.shape[1] - local
+        res["different_max_new"] = error_of(lambda: model.generate(
+            **usp.shard_batch({"input_ids": prompt}, mesh), **dict(kw, max_new_tokens=new + rank)))
+        res["after"] = model.generate(**usp.shard_batch({"input_ids": prompt}, mesh),
+                                      **dict(kw, do_sample=False))[:, -new:].tolist()
+        if rank == 0:
+            torch.manual_seed(1234)
+            res["ref_tokens"] = ref.generate(prompt, **kw)[:, -new:].tolist()
+            torch.manual_seed(77)
+            res["other_seed"] = ref.generate(prompt, **kw)[:, -new:].tolist()
+            res["ref_greedy"] = ref.generate(prompt, **dict(kw, do_sample=False))[:, -new:].tolist()
+    return res

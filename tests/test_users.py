@@ -87,3 +87,18 @@ def test_dp_sp_loop_with_unequal_label_counts_matches_one_process(pools):
     # without the dp group the step gets the mean of the replicas' means: visibly off
     assert r0["plain_loss_diff"] > 1e-3 and r0["plain_grad_diff"] > 100 * r0["grad_diff"], r0
     print("dp x sp:", r0["loss_diff"], r0["grad_diff"], r0["plain_loss_diff"], r0["plain_grad_diff"])
+
+
+@pytest.mark.multirank
+def test_sampled_generate_same_on_every_rank_and_equal_to_one_process(pools):
+    res = pools(2).run(du.generate_sampling, timeout=180)
+    r0 = res[0]
+    assert all(r["tokens"] == r0["tokens"] for r in res), [r["tokens"] for r in res]
+    assert r0["tokens"] == r0["ref_tokens"], (r0["tokens"], r0["ref_tokens"])
+    assert r0["other_seed"] != r0["ref_tokens"]          # the seed matters: the match is not by chance
+    # a criterion that fires on rank 1 only stops every rank on the same step (3 new tokens)
+    assert [r["stopped_new"] for r in res] == [3, 3], [r["stopped_new"] for r in res]
+    assert len({r["max_time_new"] for r in res}) == 1, [r["max_time_new"] for r in res]   # max_time: agreed
+    for r in res:
+        assert r["different_max_new"] and "different max_new_tokens" in r["different_max_new"], r
+        assert r["after"] == r0["ref_greedy"], (r["after"], r0["ref_greedy"])

@@ -38,8 +38,14 @@ heads and tokens in a :class:`usp_hal.integrations.cache.ShardedCache`, gives ev
 prompt's last logits (one all-reduce), and decodes each new token on every rank through the
 sharded cache (:mod:`usp_hal.serving`): the generated tokens are the same on every rank and
 equal a single process's (tested: Llama with GQA, Mistral with a sliding window, 1, 2 and 4
-ranks).  Greedy only: sampling, beam search, assisted generation and chunked prefill are
-refused on every rank.
+ranks).  The ranks stop together (their stopping criteria are combined each step) and sample
+together (every rank starts from the first rank's random state); beam search, assisted
+generation, chunked prefill and left padding are refused on every rank.
+
+Calls outside the group: a model call (or generate()) whose ``position_ids`` did not come from
+:func:`shard_batch` raises at once on its rank, without entering any collective (evaluation on
+rank 0 alone after sequence-parallel steps; switch the attention back with
+``model.set_attn_implementation("sdpa")`` for that).
 Transformers drops a 2-D mask silently for an attention implementation without a mask
 function, so one is registered too: it never builds a mask, it reports what it was asked for.
 """
@@ -494,9 +500,6 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
         return "inputs_embeds (pass input_ids from shard_batch)"
     if not isinstance(kwargs.get("position_ids"), torch.Tensor):
         return "no position_ids: pass the batch from shard_batch(batch, mesh), which gives each rank its positions"
-    if opt("do_sample", False):
-        return ("do_sample=True (every rank would sample on its own; greedy decoding, do_sample=False, gives the "
-                "same tokens on every rank)")
     if (opt("num_beams", 1) or 1) > 1 or (opt("num_return_sequences", 1) or 1) > 1:
         return "beam search / several sequences per prompt (the sharded cache is not reordered); use num_beams=1"
     if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
@@ -508,7 +511,8 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
                 "prompt); pass max_new_tokens")
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-        return "a padding mask (attention_mask with zeros); pass prompts of one length without padding"
+        return ("a padding mask (attention_mask with zeros): left-padded batched prompts are not supported; "
+                "generate prompts of different lengths in separate calls (or batch prompts of one length)")
     cache = kwargs.get("past_key_values")
     if cache is not None and (not isinstance(cache, cache_cls) or not cache.is_empty):
         return ("past_key_values must be an empty usp_hal.integrations.cache.ShardedCache (got "
@@ -543,8 +547,16 @@ def _sharded_generate(original, model, impl, args, kwargs):
     local = int(ids.shape[1]) if problem is None else 0
     last = int(pos.reshape(-1, pos.shape[-1])[0].max()) if problem is None and local else -1
     tail = int(pos.reshape(-1, pos.shape[-1])[0, -1]) if problem is None and local else -1
+    new_tokens, options = _generation_options(model, kwargs)
 
     def holder_problem(rows):
+        if len({r[3] for r in rows}) > 1:
+            return ("the ranks passed different max_new_tokens (" + ", ".join(
+                f"rank {mesh.sp_ranks[i]}: {r[3]}" for i, r in enumerate(rows)) + "); every rank must generate "
+                    "the same number of tokens")
+        if len({r[4] for r in rows}) > 1:
+            return ("the ranks passed different generation options (" + ", ".join(_AGREED_OPTIONS) + " must be "
+                    "the same on every rank)")
         total = sum(r[0] for r in rows)
         holders = [i for i, r in enumerate(rows) if r[1] == total - 1]
         if len(holders) != 1:
@@ -553,10 +565,12 @@ def _sharded_generate(original, model, impl, args, kwargs):
         return None
 
     rows = agree(problem, mesh.metadata_group, what="usp_hal generate()", where=mesh.where("sequence-parallel"),
-                 values=[local, last, tail], width=3, ranks=mesh.sp_ranks, check=holder_problem) \
-        if mesh.sp_size > 1 else [[local, last, tail]]
+                 values=[local, last, tail, new_tokens, options], width=5, ranks=mesh.sp_ranks,
+                 check=holder_problem) if mesh.sp_size > 1 else [[local, last, tail]]
     if problem and mesh.sp_size == 1:
         raise NotImplementedError(f"usp_hal generate(): {problem}")
+    if mesh.sp_size > 1 and _generation_flag(model, kwargs, "do_sample"):
+        _share_rng_state(mesh, ids.device)
     prompt = sum(r[0] for r in rows)
     cache = kwargs.get("past_key_values")
     if cache is None:
@@ -595,11 +609,95 @@ def _sharded_generate(original, model, impl, args, kwargs):
 
     handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
                model.register_forward_hook(post, with_kwargs=True)]
+    own_criteria = model.__dict__.get("_get_stopping_criteria")
+    if mesh.sp_size > 1:
+        plain = model._get_stopping_criteria
+
+        def agreed_criteria(*a, **kw):
+            return _AgreedStop(plain(*a, **kw), mesh)
+        model.__dict__["_get_stopping_criteria"] = agreed_criteria
     try:
         return original(model, *args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+        if own_criteria is None:
+            model.__dict__.pop("_get_stopping_criteria", None)
+        else:
+            model.__dict__["_get_stopping_criteria"] = own_criteria
+
+
+# what every rank's generate() must share (compared through one digest; max_new_tokens apart)
+_AGREED_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                   "min_new_tokens", "max_time", "eos_token_id", "pad_token_id", "stop_strings", "num_beams",
+                   "no_repeat_ngram_size", "bad_words_ids")
+
+
+def _generation_flag(model, kwargs, name, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(gc, name, default)
+
+
+def _generation_options(model, kwargs):
+    """``(max_new_tokens, digest of the other options every rank must share)``."""
+    import zlib
+    new = _generation_flag(model, kwargs, "max_new_tokens")
+    text = repr([(n, _generation_flag(model, kwargs, n)) for n in _AGREED_OPTIONS]).encode()
+    return (int(new) if isinstance(new, int) else -1), zlib.crc32(text)
+
+
+def _share_rng_state(mesh, device) -> None:
+    """Sampling: every rank of the group continues from the first rank's random state (the CPU
+    generator, and the device's for a device prompt), so that equal probabilities give equal
+    draws; each decode step then checks that the ranks did pick the same tokens."""
+    import torch.distributed as dist
+
+    from usp_hal.comm import collective
+    src = mesh.sp_ranks[0]
+    states: list = [(torch.get_rng_state, torch.set_rng_state)]
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "get_rng_state"):
+        states.append((lambda: module.get_rng_state(device), lambda st: module.set_rng_state(st, device)))
+    for get, put in states:
+        state = get().clone()
+        collective("broadcast of the sampling generator state", mesh.where("sequence-parallel"), dist.broadcast,
+                   state, src=src, group=mesh.metadata_group)
+        put(state)
+
+
+class _AgreedStop(list):
+    """The stopping criteria of a sequence-parallel generate(), decided together: each step
+    every rank evaluates its criteria (max_time, end of sequence, custom ones), and a row stops
+    when any rank's criteria stop it (one small all-gather per step, which also compares the
+    tokens just picked: a rank that picked another token raises on every rank)."""
+
+    def __init__(self, criteria, mesh):
+        super().__init__(criteria)
+        self.criteria, self.mesh = criteria, mesh
+
+    @property
+    def max_length(self):
+        return self.criteria.max_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        from usp_hal.comm import digest_ints
+        done = self.criteria(input_ids, scores, **kwargs)
+        mine = [int(x) for x in done.reshape(-1).tolist()]
+        tokens = digest_ints(input_ids[:, -1].tolist())
+        mesh = self.mesh
+
+        def differ(rows):
+            if len({r[-1] for r in rows}) > 1:
+                return ("the ranks picked different next tokens (their logits or random states differ); "
+                        "generation stopped on every rank")
+            return None
+
+        rows = agree(None, mesh.metadata_group, what="usp_hal generate() step", where=mesh.where("sequence-parallel"),
+                     values=mine + [tokens], ranks=mesh.sp_ranks, check=differ)
+        agreed = [any(r[i] for r in rows) for i in range(len(mine))]
+        return torch.tensor(agreed, dtype=torch.bool, device=done.device).view_as(done)
 
 
 def _check_version():
