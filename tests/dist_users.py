@@ -299,3 +299,19 @@ def generate_sampling(U=1, R=2, B=2, S=15, new=8, seed=0):
             res["other_seed"] = ref.generate(prompt, **kw)[:, -new:].tolist()
             res["ref_greedy"] = ref.generate(prompt, **dict(kw, do_sample=False))[:, -new:].tolist()
     return res
+
+
+# ----------------------------------------------------------------------------- messages
+def refusal_messages(U=1, R=2):
+    """The agreement's refusal text (what the integrations raise): a reason every rank shares,
+    and reasons that differ."""
+    from usp_hal.comm import agree
+
+    mesh = get_mesh(U, R)
+    rank = mesh.sp_rank
+
+    def text(problem):
+        return error_of(lambda: agree(problem, mesh.metadata_group, what="the call", ranks=mesh.sp_ranks))
+
+    return {"same": text("a padding mask"), "different": text(f"reason {rank}"),
+            "one": text("only here" if rank == 1 else None)}

@@ -102,3 +102,48 @@ def test_sampled_generate_same_on_every_rank_and_equal_to_one_process(pools):
     for r in res:
         assert r["different_max_new"] and "different max_new_tokens" in r["different_max_new"], r
         assert r["after"] == r0["ref_greedy"], (r["after"], r0["ref_greedy"])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world,U,R", [(2, 1, 2), (4, 2, 1)], ids=["ring2", "dp2-ulysses2"])
+def test_trainer_evaluate_matches_plain_trainer(pools, world, U, R):
+    pytest.importorskip("accelerate")
+    from tests import dist_trainer
+    res = pools(world).run(dist_trainer.evaluate_run, timeout=180, U=U, R=R)
+    r0 = dict(res[0], **dist_trainer.evaluate_reference(dp=world // (U * R)))
+    assert all(r["eval_loss"] == r0["eval_loss"] for r in res), [r["eval_loss"] for r in res]
+    assert abs(r0["eval_loss"] - r0["ref_loss"]) <= 1e-5, (r0["eval_loss"], r0["ref_loss"])
+    assert abs(r0["one_batch_loss"] - r0["ref_loss"]) > 1e-4, r0       # batches matter: the match is exact
+    assert all(r["attn_after"] == "sdpa" for r in res)
+    if world // (U * R) > 1:
+        assert all(r["odd"] and "multiple of 4" in r["odd"] for r in res), [r["odd"] for r in res]
+
+
+def test_run_fp8_on_a_ring_only_split_is_refused(capsys):
+    from usp_hal.cli import build_parser, main
+    from usp_hal.cli.run import config_from_args
+    rc = main(["run", "--nproc", "2", "--ring", "2", "--fp8", "qvo"])
+    assert rc == 2 and "has no all-to-all to apply it to" in capsys.readouterr().err
+    for ok in (["--ring", "2", "--fp8", "qvo", "--ring-fp8"], ["--ulysses", "2", "--fp8", "qvo"]):
+        cfg = config_from_args(build_parser().parse_args(["run", "--nproc", "2", *ok]))
+        assert cfg.fp8 == "qvo"
+
+
+def test_readme_plot_line_names_the_bench_extra():
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "--plot" in text
+    assert re.search(r"pip install -e '\.\[[a-z,]*bench[a-z,]*\]'", text), "no install line with the bench extra"
+
+
+@pytest.mark.multirank
+def test_one_line_per_distinct_refusal_naming_its_ranks(pools):
+    res = pools(2).run(du.refusal_messages, timeout=60)
+    for r in res:
+        assert r["same"].endswith("the call: rank 0, rank 1: a padding mask"), r["same"]
+        assert r["different"].endswith("the call: rank 0: reason 0; rank 1: reason 1"), r["different"]
+        assert r["one"].endswith("the call: rank 1: only here"), r["one"]
+    assert res[0] == res[1]

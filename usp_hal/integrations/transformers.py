@@ -161,7 +161,8 @@ SHARDED_ATTR = "_usp_hal_sharded"   # set by shard_batch on the position_ids it 
 # other ranks may not be calling at all (evaluation on rank 0 alone), and attention over this
 # rank's tokens only would be silently wrong if the batch was a shard.
 _OUTSIDE = ("usp_hal attention (transformers): this {what} did not come through shard_batch (its position_ids "
-            "are not the ones shard_batch returns), so it is not a sequence-parallel call and usp_hal enters no "
+            "are not the ones shard_batch returns; a copy, e.g. by .to(device), is not: move the batch before "
+            "shard_batch), so it is not a sequence-parallel call and usp_hal enters no "
             "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); to run the "
             "model on one rank or on whole sequences, switch its attention back first: "
             "model.set_attn_implementation('sdpa') (and back to the usp_hal name afterwards)")
