@@ -371,7 +371,7 @@ class USPTrainer(Trainer):
             raise _refuse("compute_metrics in evaluate()", "it needs the logits of every token on one rank, and each "
                           "rank holds its shard", "Evaluate the loss here, and metrics with a plain Trainer on one "
                           "process")
-        data = eval_dataset if eval_dataset is not None else self.eval_dataset
+        data: Any = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(data, dict):
             return {k: v for name, ds in data.items()
                     for k, v in self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}").items()}
@@ -382,7 +382,7 @@ class USPTrainer(Trainer):
                           f"Pass a dataset whose size is a multiple of {rows_per_step}")
         loader = self._per_replica(self.get_eval_dataloader(data))
         mesh = self.usp_mesh
-        model = self.model
+        model: Any = self.model
         old, was_training = model.config._attn_implementation, model.training
         model.set_attn_implementation(self._attn_name)
         model.eval()
