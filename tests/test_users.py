@@ -147,3 +147,20 @@ def test_one_line_per_distinct_refusal_naming_its_ranks(pools):
         assert r["different"].endswith("the call: rank 0: reason 0; rank 1: reason 1"), r["different"]
         assert r["one"].endswith("the call: rank 1: only here"), r["one"]
     assert res[0] == res[1]
+
+
+@pytest.mark.multirank
+def test_ltx_text_padding_mask_matches_one_process(pools):
+    pytest.importorskip("diffusers")
+    from tests import diffusers_cases as dc
+    r = pools(2).run(dc.model_case, timeout=120, name="ltx", U=2, R=1, text_pad=3)[0]
+    assert r["out_diff"] <= 1e-5 * max(1.0, r["out_scale"]), r
+    assert r["input_grad_diff"] <= 1e-5 * max(1.0, r["input_grad_scale"]), r
+    assert r["param_grad_diff"] <= 1e-5 * max(1.0, r["param_grad_scale"]), r
+    assert not r["params_missing"] and r["cross_calls"] > 0, r
+    import torch
+    model = dc.tiny_ltx(0)          # the padding changes the output: the mask is not a no-op
+    with torch.no_grad():
+        a = model(**dc.ltx_inputs(text_pad=3), return_dict=False)[0]
+        b = model(**dc.ltx_inputs(), return_dict=False)[0]
+    assert float((a - b).abs().max()) > 1e-3
