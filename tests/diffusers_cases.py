@@ -54,11 +54,17 @@ def tiny_ltx(seed=0):
                                       cross_attention_dim=16, num_layers=2, caption_channels=16)
 
 
-def ltx_inputs(B=2, frames=2, h=3, w=4, text_len=7, seed=0):
+def ltx_inputs(B=2, frames=2, h=3, w=4, text_len=7, seed=0, text_pad=0):
+    """``text_pad``: the last ``text_pad`` text tokens of row 1 are padding (the text mask that
+    LTXPipeline always passes)."""
     g = torch.Generator().manual_seed(seed + 7)
+    mask = None
+    if text_pad:
+        mask = torch.ones(B, text_len, dtype=torch.long)
+        mask[1, text_len - text_pad:] = 0
     return dict(hidden_states=torch.randn(B, frames * h * w, 8, generator=g),
                 encoder_hidden_states=torch.randn(B, text_len, 16, generator=g),
-                timestep=torch.rand(B, generator=g) * 1000, encoder_attention_mask=None,
+                timestep=torch.rand(B, generator=g) * 1000, encoder_attention_mask=mask,
                 num_frames=frames, height=h, width=w)
 
 
@@ -97,9 +103,9 @@ def model_case(name: str, U=2, R=1, seed=0, control=None, **input_kw):
     cross = {"calls": 0}
     original = usp._cross_attention
     if control == "local_cross":
-        def local_only(ctx, q, k, v, p, s):
+        def local_only(ctx, q, k, v, p, s, mask=None):
             cross["calls"] += 1
-            return usp._local_attention(q, k, v, p, s)
+            return usp._local_attention(q, k, v, p, s, mask)
         usp._cross_attention = local_only
     else:
         def counted(*a):

@@ -274,7 +274,9 @@ def generate_refusals(U=1, R=2, seed=0):
     batch = usp.shard_batch({"input_ids": prompt}, mesh)
     res = {}
     with torch.no_grad():
-        res["sampling"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=True))
+        pad = torch.ones_like(batch["input_ids"])
+        pad[0, 0] = 0
+        res["padding"] = error_of(lambda: model.generate(**batch, attention_mask=pad, max_new_tokens=2))
         res["beams"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
         res["no_positions"] = error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
         res["no_max_new_tokens"] = error_of(lambda: model.generate(**batch, max_length=30))

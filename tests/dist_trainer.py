@@ -82,7 +82,7 @@ def _flat(model) -> torch.Tensor:
 
 
 def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False):
+                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False, bf16: bool = False):
     """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
     rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
     import torch.distributed as dist
@@ -98,7 +98,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
-                                        usp_attn_type="sdpa", per_device_train_batch_size=bs,
+                                        usp_attn_type="sdpa", per_device_train_batch_size=bs, bf16=bf16,
                                         **_common(tmp, steps, ga, lr, seed))
             trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                                  data_collator=_collator(packed))
@@ -116,7 +116,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
 
 
 def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                  lr: float = 3e-3, packed: bool = False):
+                  lr: float = 3e-3, packed: bool = False, bf16: bool = False):
     """The same training with the plain Trainer in this process (no process group): ``bs * dp``
     rows per micro-batch, the global batch of one optimizer step of ``trainer_run``."""
     from transformers import Trainer, TrainingArguments
@@ -126,7 +126,8 @@ def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int 
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(per_device_train_batch_size=bs * dp, **_common(tmp, steps, ga, lr, seed))
+            args = TrainingArguments(per_device_train_batch_size=bs * dp, bf16=bf16,
+                                     **_common(tmp, steps, ga, lr, seed))
             Trainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                     data_collator=_collator(packed)).train()
     finally:
@@ -138,3 +139,59 @@ def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int 
 
 def initial_params(seed: int = 0) -> torch.Tensor:
     return _flat(tiny_llama(seed, **MODEL))
+
+
+def evaluate_run(U: int = 1, R: int = 2, n: int = 8, bs: int = 2, S: int = 24, seed: int = 0):
+    """USPTrainer.evaluate() on ``n`` ragged rows (different label counts per row) on every rank of
+    the pool."""
+    import torch.distributed as dist
+
+    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+
+    world = dist.get_world_size()
+    dp = world // (U * R)
+    model = tiny_llama(seed, **MODEL)
+    data = RaggedRows(n, S, seed + 1)
+    threads = torch.get_num_threads()
+    res = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_attn_type="sdpa",
+                                        per_device_eval_batch_size=bs, **_common(tmp, 1, 1, 1e-3, seed))
+            trainer = USPTrainer(model=model, args=args)
+            res["eval_loss"] = trainer.evaluate(data)["eval_loss"]
+            res["odd"] = None
+            if dp > 1:
+                try:
+                    trainer.evaluate(RaggedRows(n + 1, S, seed + 1))
+                except ValueError as exc:
+                    res["odd"] = str(exc)
+    finally:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        torch.set_num_threads(threads)
+    res["attn_after"] = model.config._attn_implementation
+    return res
+
+
+def evaluate_reference(dp: int = 1, n: int = 8, bs: int = 2, S: int = 24, seed: int = 0):
+    """The plain Trainer's evaluate() of ``evaluate_run``'s model and rows in this process (no
+    process group), ``bs * dp`` rows per batch; and with the whole set in one batch."""
+    from transformers import Trainer, TrainingArguments
+
+    data = RaggedRows(n, S, seed + 1)
+    res = {}
+    ref = tiny_llama(seed, **MODEL)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(per_device_eval_batch_size=bs * dp, **_common(tmp, 1, 1, 1e-3, seed))
+            res["ref_loss"] = Trainer(model=ref, args=args).evaluate(data)["eval_loss"]
+            # the token-weighted mean over the whole set differs (a check that batches are kept apart)
+            args = TrainingArguments(per_device_eval_batch_size=n, **_common(tmp, 1, 1, 1e-3, seed))
+            res["one_batch_loss"] = Trainer(model=ref, args=args).evaluate(data)["eval_loss"]
+    finally:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return res

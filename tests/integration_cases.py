@@ -414,6 +414,7 @@ def flux_refusals(U=1, R=2, text_len=7, seed=0):
     handle = usp.parallelize(model, mesh, attn_type="sdpa")
     with torch.no_grad():
         mask = torch.ones(2, text_len + inputs["hidden_states"].shape[1], dtype=torch.bool)
+        mask[0, 0] = False      # a padded text token in the joint sequence
         res["attention_mask"] = error_of(lambda: model(**inputs, joint_attention_kwargs={"attention_mask": mask}))
         block = model.single_transformer_blocks[0].attn
         original = block.processor

@@ -62,6 +62,7 @@ REFUSED = {
     "eval_strategy": (lambda: _args(eval_strategy="steps", eval_steps=1), "eval_strategy='no'"),
     "parallelism_config": (lambda: _args(parallelism_config=_parallelism_config()), "ALST"),
     "batch_rebalance": (lambda: _args(train_sampling_strategy="batch_rebalance"), "load the same batch"),
+    "fsdp": (lambda: _args(fsdp="full_shard"), "Use DDP (the default), or FSDP2 on the dp dim of a DeviceMesh"),
 }
 
 

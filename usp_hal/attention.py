@@ -204,6 +204,15 @@ class LongContextAttention(torch.nn.Module):
         denominator, once per row; the returned lse includes it; its gradient on each rank is
         that rank's part (sum it over the sequence-parallel group, as ``sync_gradients`` does).
         """
+        cast = _autocast_dtype(query)
+        if cast is not None:    # as torch's SDPA under autocast: q, k, v in its dtype, gradients in theirs
+            with torch.autocast(query.device.type, enabled=False):
+                return self.forward(*_to(cast, query, key, value), dropout_p, softmax_scale, causal, window_size,
+                                    softcap, alibi_slopes, deterministic, return_attn_probs, *args,
+                                    positions=positions, joint_tensor_query=_to(cast, joint_tensor_query)[0],
+                                    joint_tensor_key=_to(cast, joint_tensor_key)[0],
+                                    joint_tensor_value=_to(cast, joint_tensor_value)[0], joint_strategy=joint_strategy,
+                                    cu_seqlens=cu_seqlens, mask=mask, sinks=sinks)
         pipe = self._pipe
         # anything that fails while this rank prepares its call (options, the mask, argument
         # types) is a refusal carried into the agreement, so every rank raises it together
@@ -274,6 +283,19 @@ class LongContextAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"attn_type={self.attn_type!r}, ring_impl_type={self.ring_impl_type!r}, rotation={self.rotation!r}"
+
+
+def _autocast_dtype(query) -> Optional[torch.dtype]:
+    """The dtype torch.autocast gives attention inputs on ``query``'s device (None: autocast off)."""
+    if not isinstance(query, torch.Tensor) or not query.is_floating_point() or \
+            not torch.is_autocast_enabled(query.device.type):
+        return None
+    return torch.get_autocast_dtype(query.device.type)
+
+
+def _to(dtype: torch.dtype, *ts):
+    """Floating tensors cast to ``dtype`` (autograd carries each gradient back in its own dtype)."""
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)
 
 
 def _low_memory_chunks(value) -> int:

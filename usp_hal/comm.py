@@ -382,7 +382,11 @@ def settle(gathered: List[List[int]], problem: Problem, group=None, *, what: str
                 problems[names[i]] = msg
                 kinds.add(k)
         cls = _error_class(kinds.pop()) if len(kinds) == 1 else _error_class()
-        err = cls(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in problems.items()), problems)
+        by_reason: Dict[str, List[Any]] = {}     # one entry per distinct reason, naming its ranks
+        for r, m in problems.items():
+            by_reason.setdefault(m, []).append(r)
+        err = cls(f"{what}: " + "; ".join(", ".join(f"rank {r}" for r in rs) + f": {m}"
+                                           for m, rs in by_reason.items()), problems)
         if isinstance(problem, BaseException):
             raise err from problem
         raise err

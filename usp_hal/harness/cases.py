@@ -167,6 +167,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.low_memory < -1 or (cfg.low_memory and cfg.pipeline):
         raise ValueError("--low-memory takes a number of head groups (or none: as many as the heads allow) and "
                          "cannot be combined with --pipeline (which keeps the groups in flight together)")
+    if cfg.fp8 != "none" and cfg.ulysses == 1 and not cfg.ring_fp8:
+        raise ValueError(f"--fp8 {cfg.fp8} sets the Ulysses all-to-all's wire format, and a ring-only split (ulysses "
+                         "1) has no all-to-all to apply it to; add --ring-fp8 for the ring's blocks in fp8, or use "
+                         "--ulysses 2 or more")
     if cfg.seqlen < cfg.nproc:
         raise ValueError(f"--seqlen {cfg.seqlen} is shorter than the number of ranks ({cfg.nproc}); "
                          "every rank needs at least one token")

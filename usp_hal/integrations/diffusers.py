@@ -14,8 +14,10 @@
    model (or the module, when gradient checkpointing recomputes it) runs.  The backend calls
    :class:`usp_hal.LongContextAttention` on diffusers' ``[B, S_local, H, D]`` tensors
    (cross-attention to keys of another length, such as Wan's unsharded text, attends each
-   rank's queries to the whole key sequence instead, see :func:`parallelize`).  It
-   refuses attention masks, ``is_causal`` and dropout; a module whose processor does not call
+   rank's queries to the whole key sequence instead, see :func:`parallelize`), with its key
+   mask (text padding) when it has one.  It refuses other attention masks (a mask over the
+   sharded joint sequence; one that keeps every key is dropped), ``is_causal`` and dropout;
+   a module whose processor does not call
    ``dispatch_attention_fn`` raises instead of attending to this rank's tokens only.
 2. **Sharding.**  It follows the model's declared context-parallel plan (``_cp_plan``): the
    inputs it names are split along their sequence dimension with :func:`usp_hal.shard` (the
@@ -87,9 +89,9 @@ def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
         raise RuntimeError("the usp_hal attention backend ran outside a model prepared with "
                            "usp_hal.integrations.diffusers.parallelize / enable_attention")
     ctx = _STACK[-1]
-    if attn_mask is not None:
-        raise ValueError("usp_hal attention (diffusers): attention masks are not supported (a mask over the "
-                         "joint sequence cannot be split with it); run the model without attention_mask")
+    # 0: no mask, 1: one that keeps every key (all ones, or an all-zero bias), 2: a real mask;
+    # agreed below: a shard of a text mask may keep everything on one rank and not on another
+    mask_kind = 0 if attn_mask is None else 1 if _keeps_everything(attn_mask) else 2
     if is_causal:
         raise ValueError("usp_hal attention (diffusers): is_causal=True is not supported: the shards of the "
                          "joint sequence are not in causal order")
@@ -98,14 +100,25 @@ def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
                          "model; use one of the two, not both")
     ctx.calls += 1
     mesh = ctx.mesh
+    rows = [[query.shape[1], key.shape[1], mask_kind]]
     if mesh.sp_size > 1:
         from usp_hal.comm import agree
         rows = agree(None, mesh.metadata_group, what="usp_hal attention (diffusers)",
-                     where=mesh.where("sequence-parallel"), values=[query.shape[1], key.shape[1]], width=2,
-                     ranks=mesh.sp_ranks)
-        if any(q != k for q, k in rows):
-            out = _cross_attention(ctx, query, key, value, dropout_p, scale)
-            return watch(out, mesh, "diffusers parallelize()")
+                     where=mesh.where("sequence-parallel"), values=rows[0], width=3, ranks=mesh.sp_ranks,
+                     check=_mask_kinds_problem)
+    cross = any(q != k for q, k, _ in rows)
+    if not cross and not any(r[2] == 2 for r in rows):
+        attn_mask = None        # self-attention with masks that keep every key
+    if cross and (mesh.sp_size > 1 or attn_mask is not None):
+        why = _key_mask_problem(attn_mask, query, key)
+        if why:
+            raise ValueError(f"usp_hal attention (diffusers): {why}")
+        out = _cross_attention(ctx, query, key, value, dropout_p, scale, attn_mask)
+        return watch(out, mesh, "diffusers parallelize()")
+    if attn_mask is not None:
+        raise ValueError("usp_hal attention (diffusers): an attention mask over the sharded joint sequence "
+                         "(self-attention) is not supported; masks of cross-attention to text (padding of the "
+                         "text tokens) are, and an all-ones mask is dropped")
     out = ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
     return watch(out, mesh, "diffusers parallelize()")
 
@@ -118,7 +131,39 @@ def _fingerprint(t: torch.Tensor) -> List[int]:
     return [int(v) for v in pair.view(torch.int64).tolist()]
 
 
-def _cross_attention(ctx, query, key, value, dropout_p, scale):
+def _mask_kinds_problem(rows) -> Optional[str]:
+    kinds = {r[2] for r in rows}
+    if 0 in kinds and len(kinds) > 1:
+        return "an attention mask on some ranks and none on others"
+    if 2 in kinds and not any(q != k for q, k, _ in rows):
+        return ("an attention mask over the sharded joint sequence (self-attention) is not supported; masks of "
+                "cross-attention to text (padding of the text tokens) are, and an all-ones mask is dropped")
+    return None
+
+
+def _keeps_everything(mask: torch.Tensor) -> bool:
+    """A boolean mask of all True, or an additive one of all zeros (one host read)."""
+    if not isinstance(mask, torch.Tensor):
+        return False
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def _key_mask_problem(mask, query, key) -> Optional[str]:
+    """Why a cross-attention mask cannot be applied (None when it can): it must select keys
+    only (the same for every query: a query dim of 1), over this rank's keys, as diffusers'
+    processors pass text padding (``[B, H or 1, 1, S_text]``)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return (f"an attention mask of shape {tuple(getattr(mask, 'shape', ()))}: only key masks [B, H or 1, 1, "
+                "S_keys] (text padding) are supported")
+    if mask.shape[2] != 1 or mask.shape[3] != key.shape[1]:
+        return (f"an attention mask of shape {tuple(mask.shape)} for {query.shape[1]} queries and {key.shape[1]} "
+                "keys: only key masks [B, H or 1, 1, S_keys] (text padding, the same for every query) are supported")
+    return None
+
+
+def _cross_attention(ctx, query, key, value, dropout_p, scale, mask=None):
     """Keys/values whose local length differs from the queries' on some rank: cross-attention
     (Wan's text, LTX-Video's text), which is not one sharded joint sequence.  Non-causal, so
     every query needs every key of the *whole* key sequence:
@@ -131,7 +176,10 @@ def _cross_attention(ctx, query, key, value, dropout_p, scale):
       ``unshard(reduce_grad=True)``, whose backward sums every rank's key/value gradient and
       hands each rank its own slice, then attend locally.
 
-    Both are exact; which one is agreed on every rank (one small all-gather of fingerprints)."""
+    Both are exact; which one is agreed on every rank (one small all-gather of fingerprints).
+    A key mask (text padding, ``[B, H or 1, 1, S_keys]``) follows its keys: gathered with them
+    when they are shards (LTX-Video's plan splits ``encoder_attention_mask`` as it splits the
+    text), used as it is when they are replicated."""
     from usp_hal.comm import agree
     mesh = ctx.mesh
     rows = agree(None, mesh.metadata_group, what="usp_hal attention (diffusers): cross-attention check",
@@ -140,16 +188,19 @@ def _cross_attention(ctx, query, key, value, dropout_p, scale):
     if any(r != rows[0] for r in rows):
         key = usp_hal.unshard(key, layout=LAYOUT, mesh=mesh, seq_dim=1, reduce_grad=True)
         value = usp_hal.unshard(value, layout=LAYOUT, mesh=mesh, seq_dim=1, reduce_grad=True)
-    return _local_attention(query, key, value, dropout_p, scale)
+        if mask is not None:
+            mask = usp_hal.unshard(mask.detach(), layout=LAYOUT, mesh=mesh, seq_dim=3)
+    return _local_attention(query, key, value, dropout_p, scale, mask)
 
 
-def _local_attention(query, key, value, dropout_p, scale):
+def _local_attention(query, key, value, dropout_p, scale, mask=None):
     """This rank's queries against whole keys/values, ``[B, S, H, D]`` in and out: torch's
     scaled_dot_product_attention (usp-hal's kernels take equal query and key lengths; the
     keys here are the short text)."""
     gqa = {"enable_gqa": True} if key.shape[2] != query.shape[2] else {}
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout_p, scale=scale, **gqa)
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p,
+        scale=scale, **gqa)
     return out.transpose(1, 2)
 
 

@@ -78,6 +78,45 @@ def set_sync_check(mode: str) -> str:
     return old
 
 
+# id(mesh) -> {id(local gradient): (weak reference, its version right after the last sync)}
+_SYNCED: Dict[int, Dict[int, Tuple[Any, int]]] = {}
+
+
+def _already_synced(mesh, locals_: List[torch.Tensor]) -> Optional[str]:
+    """Why these gradients must not be synced (again), or None.
+
+    After a sync each gradient tensor's version is recorded.  Zeroing a gradient in place
+    (``zero_grad(set_to_none=False)``) and accumulating into it (``backward()``) each bump the
+    version by one; ``zero_grad()``'s default replaces it by None (a new tensor next time).  So
+    a gradient still at its synced version was synced already, and one exactly one bump further
+    while a sequence-parallel backward ran in between received a backward on top of its synced
+    value without being zeroed (a sync per micro-batch): summing it over the group again would
+    count the synced part several times."""
+    seen = _SYNCED.get(id(mesh))
+    if not seen:
+        return None
+    deltas = []
+    for g in locals_:
+        got = seen.get(id(g))
+        if got is not None and got[0]() is g:
+            deltas.append(g._version - got[1])
+    if not deltas or max(deltas) > 1:
+        return None
+    if max(deltas) == 0:
+        return ("sync_gradients was called twice on the same gradients (nothing changed them since the last "
+                "sync); call it once per optimizer step, after the last backward()")
+    if id(mesh) in _PENDING:
+        return ("backward() added to gradients that sync_gradients had already synced (a sync per micro-batch "
+                "would count the earlier micro-batches again); when accumulating, call sync_gradients once, after "
+                "the last micro-batch's backward(), or zero the gradients after each sync")
+    return None
+
+
+def _record_synced(mesh, locals_: List[torch.Tensor]) -> None:
+    import weakref
+    _SYNCED[id(mesh)] = {id(g): (weakref.ref(g), g._version) for g in locals_}
+
+
 def mark_synced(mesh=None) -> None:
     """Declare the gradients of ``mesh`` (default: every mesh) reduced, e.g. by your own
     all-reduce over ``mesh.sp_group``."""
@@ -220,6 +259,10 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
         items.append((mode, g, local))
         global_kinds += [mode, dtype_code(g.dtype), g.numel()]
         local_kinds += [mode, dtype_code(local.dtype), local.numel()]
+    if problem is None:
+        why_not = _already_synced(mesh, [local for _, _, local in items])
+        if why_not:
+            problem = RuntimeError(f"sync_gradients: {why_not}")
     loss_code = -1 if loss is None or problem is not None else dtype_code(loss.dtype)
     labels = ("parameters", "parameters with a gradient", "gradient pattern (digest)",
               "gradient reductions, dtypes and sizes (digest)", "loss dtype (-1: no loss)")
@@ -268,4 +311,5 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
             if key == loss_key:
                 total = flat[offset].clone()
     mark_synced(mesh)
+    _record_synced(mesh, [local for _, _, local in items])
     return total

@@ -37,10 +37,12 @@ mark (:func:`~usp_hal.integrations.mark_synced`).
 
 Refused (``ValueError`` naming the reason and what to use instead): DeepSpeed, FSDP and an
 accelerate ``ParallelismConfig`` (its ``sp_backend`` is DeepSpeed's ALST), tensor-parallel
-models, evaluation and prediction, label smoothing, ``compute_loss_func``, NEFTune, Liger
-kernels, ``model_init``, ``average_tokens_across_devices=False``, the ``batch_rebalance``
-sampling strategy, ``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several
-GPUs in one process).  Batches with padding masks are refused by ``shard_batch`` (use labels
+models, evaluation during training (``evaluate()`` after ``train()`` gives the evaluation
+loss of one process; ``compute_metrics`` is refused) and prediction, label smoothing,
+``compute_loss_func``, NEFTune, Liger kernels, ``model_init``,
+``average_tokens_across_devices=False``, the ``batch_rebalance`` sampling strategy,
+``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several GPUs in one
+process).  Batches with padding masks are refused by ``shard_batch`` (use labels
 -100 on the padding and no ``attention_mask``).
 """
 from __future__ import annotations
@@ -98,9 +100,9 @@ def _args_problems(args: TrainingArguments) -> List[ValueError]:
                            "by the token count of the whole global batch, and the Trainer scales the loss back from "
                            "DDP's mean only with average_tokens_across_devices=True", "Leave it at its default (True)"))
     if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO") or args.eval_on_start:
-        out.append(_refuse("evaluation during training", "evaluation batches are not sharded along the sequence and "
-                           "its logits would need gathering", "Set eval_strategy='no' and evaluate with a plain "
-                           "Trainer (or model) on one process"))
+        out.append(_refuse("evaluation during training", "it is not verified inside train() yet", "Set "
+                           "eval_strategy='no' and call trainer.evaluate() after train() (sequence-parallel, the "
+                           "loss of one process)"))
     if args.neftune_noise_alpha is not None:
         out.append(_refuse("neftune_noise_alpha", "NEFTune scales its noise by the sequence length, which each rank "
                            "sees only a shard of", "Leave neftune_noise_alpha unset"))
@@ -243,7 +245,10 @@ class USPTrainer(Trainer):
         replica count and index makes every rank of a replica load the same batches.  The Trainer
         does the same to that wrapper for its ``batch_rebalance`` sampler (``Trainer._get_dataloader``).
         """
-        loader = super().get_train_dataloader()
+        return self._per_replica(super().get_train_dataloader())
+
+    def _per_replica(self, loader):
+        """``loader`` (accelerate-prepared, sharded over every rank) sharded over the replicas."""
         world = self.accelerator.num_processes
         if world == self.dp_size:           # sp == 1: the Trainer's sharding is already per replica
             return loader
@@ -307,6 +312,16 @@ class USPTrainer(Trainer):
         return sharded, total
 
     # ------------------------------------------------------------------------- steps
+    def _prepare_inputs(self, inputs):
+        """The Trainer's device placement, keeping shard_batch's mark on the position ids (a
+        moved tensor is a new one; the mark is what makes a model call sequence-parallel)."""
+        out = super()._prepare_inputs(inputs)
+        pos = inputs.get("position_ids") if hasattr(inputs, "get") else None
+        moved = out.get("position_ids") if hasattr(out, "get") else None
+        if moved is not pos and getattr(pos, usp.SHARDED_ATTR, False) and isinstance(moved, torch.Tensor):
+            setattr(moved, usp.SHARDED_ATTR, True)
+        return out
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         # Trainer._run_epoch sets gradient_state's sync flag before the step of each micro-batch:
@@ -342,10 +357,60 @@ class USPTrainer(Trainer):
         finally:
             model.set_attn_implementation(old)
 
-    def evaluate(self, *args, **kwargs):
-        raise NotImplementedError("USPTrainer does not evaluate yet: evaluation batches are not sharded along the "
-                                  "sequence; evaluate the trained model with a plain Trainer (or the model) on one "
-                                  "process")
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The evaluation loss, sequence-parallel: ``{f"{metric_key_prefix}_loss": ...}``, equal to
+        the plain Trainer's ``evaluate()`` in one process with ``per_device_eval_batch_size`` times
+        the replicas rows per batch (the mean over batches, weighted by their rows, of each batch's
+        mean token loss).  Each batch is sharded like a training batch; its loss is the sum over
+        the sequence-parallel ranks of their share (labels counted over the replicas' batches
+        together) and the mean over the replicas.  Logged and passed to the callbacks as the
+        Trainer does.  ``compute_metrics`` is refused (it needs every token's logits on one rank),
+        and with several replicas the dataset must fill whole global batches (accelerate would
+        otherwise repeat samples to even out the last one)."""
+        if self.compute_metrics is not None:
+            raise _refuse("compute_metrics in evaluate()", "it needs the logits of every token on one rank, and each "
+                          "rank holds its shard", "Evaluate the loss here, and metrics with a plain Trainer on one "
+                          "process")
+        data: Any = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(data, dict):
+            return {k: v for name, ds in data.items()
+                    for k, v in self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}").items()}
+        rows_per_step = self.args.per_device_eval_batch_size * self.dp_size
+        if self.dp_size > 1 and hasattr(data, "__len__") and len(data) % rows_per_step:
+            raise _refuse(f"evaluate() on {len(data)} samples with {self.dp_size} replicas", "the last global "
+                          f"batch of {rows_per_step} rows would be filled with repeated samples",
+                          f"Pass a dataset whose size is a multiple of {rows_per_step}")
+        loader = self._per_replica(self.get_eval_dataloader(data))
+        mesh = self.usp_mesh
+        model: Any = self.model
+        old, was_training = model.config._attn_implementation, model.training
+        model.set_attn_implementation(self._attn_name)
+        model.eval()
+        total, rows = None, 0
+        try:
+            with torch.no_grad():
+                for batch in loader:
+                    local = usp.shard_batch(batch, mesh, self.usp_layout,
+                                            dp_group=mesh.dp_group if mesh.dp_degree > 1 else None)
+                    n = local.pop("num_items_in_batch", None)
+                    if n is None:
+                        raise ValueError("USPTrainer.evaluate: an evaluation batch has no labels (the loss needs them)")
+                    local = self._prepare_inputs(local)
+                    loss = model(**local, num_items_in_batch=n).loss.detach().to(torch.float64).reshape(1)
+                    dist.all_reduce(loss, group=mesh.sp_group)
+                    if mesh.dp_degree > 1:
+                        dist.all_reduce(loss, group=mesh.dp_group)
+                        loss /= mesh.dp_degree
+                    size = int(batch["input_ids" if "input_ids" in batch else "inputs_embeds"].shape[0]) * self.dp_size
+                    total = loss * size if total is None else total + loss * size
+                    rows += size
+        finally:
+            model.set_attn_implementation(old)
+            model.train(was_training)
+        metrics = {f"{metric_key_prefix}_loss": float(total.item() / rows) if total is not None else float("nan")}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def predict(self, *args, **kwargs):
         raise NotImplementedError("USPTrainer does not predict yet: prediction batches are not sharded along the "

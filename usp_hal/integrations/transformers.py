@@ -38,8 +38,14 @@ heads and tokens in a :class:`usp_hal.integrations.cache.ShardedCache`, gives ev
 prompt's last logits (one all-reduce), and decodes each new token on every rank through the
 sharded cache (:mod:`usp_hal.serving`): the generated tokens are the same on every rank and
 equal a single process's (tested: Llama with GQA, Mistral with a sliding window, 1, 2 and 4
-ranks).  Greedy only: sampling, beam search, assisted generation and chunked prefill are
-refused on every rank.
+ranks).  The ranks stop together (their stopping criteria are combined each step) and sample
+together (every rank starts from the first rank's random state); beam search, assisted
+generation, chunked prefill and left padding are refused on every rank.
+
+Calls outside the group: a model call (or generate()) whose ``position_ids`` did not come from
+:func:`shard_batch` raises at once on its rank, without entering any collective (evaluation on
+rank 0 alone after sequence-parallel steps; switch the attention back with
+``model.set_attn_implementation("sdpa")`` for that).
 Transformers drops a 2-D mask silently for an attention implementation without a mask
 function, so one is registered too: it never builds a mask, it reports what it was asked for.
 """
@@ -149,6 +155,18 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
 
 
 # ----------------------------------------------------------------------------- the attention function
+SHARDED_ATTR = "_usp_hal_sharded"   # set by shard_batch on the position_ids it returns
+# A call is sequence-parallel only when its batch came through shard_batch (its position_ids
+# carry SHARDED_ATTR).  Any other call raises at once, on this rank, before any collective: the
+# other ranks may not be calling at all (evaluation on rank 0 alone), and attention over this
+# rank's tokens only would be silently wrong if the batch was a shard.
+_OUTSIDE = ("usp_hal attention (transformers): this {what} did not come through shard_batch (its position_ids "
+            "are not the ones shard_batch returns; a copy, e.g. by .to(device), is not: move the batch before "
+            "shard_batch), so it is not a sequence-parallel call and usp_hal enters no "
+            "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); to run the "
+            "model on one rank or on whole sequences, switch its attention back first: "
+            "model.set_attn_implementation('sdpa') (and back to the usp_hal name afterwards)")
+
 _REFUSED_KWARGS = {
     "position_bias": "a position bias",
     "cache": "a paged KV cache",
@@ -275,6 +293,11 @@ class USPAttentionFunction:
             return self._with_cache(route, mesh, module, query, key, value, attention_mask, dropout, scaling,
                                     is_causal, kwargs)
         position_ids = kwargs.get("position_ids")
+        if mesh.sp_size > 1 and not getattr(position_ids, SHARDED_ATTR, False):
+            if query.shape[2] != key.shape[2]:      # a decode step with transformers' own cache
+                raise ValueError("usp_hal attention (transformers) cannot run this call: "
+                                 f"{self._local_problem(query, key, None, {})}")
+            raise ValueError(_OUTSIDE.format(what="model call"))
         cu_arg = kwargs.get("cu_seq_lens_q")
         cu, why = _packing(cu_arg, kwargs.get("cu_seq_lens_k"))
         problem = self._local_problem(query, key, attention_mask, kwargs, why)
@@ -484,9 +507,6 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
         return "inputs_embeds (pass input_ids from shard_batch)"
     if not isinstance(kwargs.get("position_ids"), torch.Tensor):
         return "no position_ids: pass the batch from shard_batch(batch, mesh), which gives each rank its positions"
-    if opt("do_sample", False):
-        return ("do_sample=True (every rank would sample on its own; greedy decoding, do_sample=False, gives the "
-                "same tokens on every rank)")
     if (opt("num_beams", 1) or 1) > 1 or (opt("num_return_sequences", 1) or 1) > 1:
         return "beam search / several sequences per prompt (the sharded cache is not reordered); use num_beams=1"
     if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
@@ -498,7 +518,8 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
                 "prompt); pass max_new_tokens")
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-        return "a padding mask (attention_mask with zeros); pass prompts of one length without padding"
+        return ("a padding mask (attention_mask with zeros): left-padded batched prompts are not supported; "
+                "generate prompts of different lengths in separate calls (or batch prompts of one length)")
     cache = kwargs.get("past_key_values")
     if cache is not None and (not isinstance(cache, cache_cls) or not cache.is_empty):
         return ("past_key_values must be an empty usp_hal.integrations.cache.ShardedCache (got "
@@ -526,13 +547,23 @@ def _sharded_generate(original, model, impl, args, kwargs):
         kwargs.setdefault("input_ids", args[0])
         args = args[1:]
     ids = kwargs.get("input_ids")
+    if mesh.sp_size > 1 and not getattr(kwargs.get("position_ids"), SHARDED_ATTR, False):
+        raise ValueError(_OUTSIDE.format(what="generate() call"))
     problem = _generation_problem(model, ids, kwargs, ShardedCache)
     pos = kwargs.get("position_ids")
     local = int(ids.shape[1]) if problem is None else 0
     last = int(pos.reshape(-1, pos.shape[-1])[0].max()) if problem is None and local else -1
     tail = int(pos.reshape(-1, pos.shape[-1])[0, -1]) if problem is None and local else -1
+    new_tokens, options = _generation_options(model, kwargs)
 
     def holder_problem(rows):
+        if len({r[3] for r in rows}) > 1:
+            return ("the ranks passed different max_new_tokens (" + ", ".join(
+                f"rank {mesh.sp_ranks[i]}: {r[3]}" for i, r in enumerate(rows)) + "); every rank must generate "
+                    "the same number of tokens")
+        if len({r[4] for r in rows}) > 1:
+            return ("the ranks passed different generation options (" + ", ".join(_AGREED_OPTIONS) + " must be "
+                    "the same on every rank)")
         total = sum(r[0] for r in rows)
         holders = [i for i, r in enumerate(rows) if r[1] == total - 1]
         if len(holders) != 1:
@@ -541,10 +572,12 @@ def _sharded_generate(original, model, impl, args, kwargs):
         return None
 
     rows = agree(problem, mesh.metadata_group, what="usp_hal generate()", where=mesh.where("sequence-parallel"),
-                 values=[local, last, tail], width=3, ranks=mesh.sp_ranks, check=holder_problem) \
-        if mesh.sp_size > 1 else [[local, last, tail]]
+                 values=[local, last, tail, new_tokens, options], width=5, ranks=mesh.sp_ranks,
+                 check=holder_problem) if mesh.sp_size > 1 else [[local, last, tail]]
     if problem and mesh.sp_size == 1:
         raise NotImplementedError(f"usp_hal generate(): {problem}")
+    if mesh.sp_size > 1 and _generation_flag(model, kwargs, "do_sample"):
+        _share_rng_state(mesh, ids.device)
     prompt = sum(r[0] for r in rows)
     cache = kwargs.get("past_key_values")
     if cache is None:
@@ -583,11 +616,95 @@ def _sharded_generate(original, model, impl, args, kwargs):
 
     handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
                model.register_forward_hook(post, with_kwargs=True)]
+    own_criteria = model.__dict__.get("_get_stopping_criteria")
+    if mesh.sp_size > 1:
+        plain = model._get_stopping_criteria
+
+        def agreed_criteria(*a, **kw):
+            return _AgreedStop(plain(*a, **kw), mesh)
+        model.__dict__["_get_stopping_criteria"] = agreed_criteria
     try:
         return original(model, *args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+        if own_criteria is None:
+            model.__dict__.pop("_get_stopping_criteria", None)
+        else:
+            model.__dict__["_get_stopping_criteria"] = own_criteria
+
+
+# what every rank's generate() must share (compared through one digest; max_new_tokens apart)
+_AGREED_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                   "min_new_tokens", "max_time", "eos_token_id", "pad_token_id", "stop_strings", "num_beams",
+                   "no_repeat_ngram_size", "bad_words_ids")
+
+
+def _generation_flag(model, kwargs, name, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(gc, name, default)
+
+
+def _generation_options(model, kwargs):
+    """``(max_new_tokens, digest of the other options every rank must share)``."""
+    import zlib
+    new = _generation_flag(model, kwargs, "max_new_tokens")
+    text = repr([(n, _generation_flag(model, kwargs, n)) for n in _AGREED_OPTIONS]).encode()
+    return (int(new) if isinstance(new, int) else -1), zlib.crc32(text)
+
+
+def _share_rng_state(mesh, device) -> None:
+    """Sampling: every rank of the group continues from the first rank's random state (the CPU
+    generator, and the device's for a device prompt), so that equal probabilities give equal
+    draws; each decode step then checks that the ranks did pick the same tokens."""
+    import torch.distributed as dist
+
+    from usp_hal.comm import collective
+    src = mesh.sp_ranks[0]
+    states: list = [(torch.get_rng_state, torch.set_rng_state)]
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "get_rng_state"):
+        states.append((lambda: module.get_rng_state(device), lambda st: module.set_rng_state(st, device)))
+    for get, put in states:
+        state = get().clone()
+        collective("broadcast of the sampling generator state", mesh.where("sequence-parallel"), dist.broadcast,
+                   state, src=src, group=mesh.metadata_group)
+        put(state)
+
+
+class _AgreedStop(list):
+    """The stopping criteria of a sequence-parallel generate(), decided together: each step
+    every rank evaluates its criteria (max_time, end of sequence, custom ones), and a row stops
+    when any rank's criteria stop it (one small all-gather per step, which also compares the
+    tokens just picked: a rank that picked another token raises on every rank)."""
+
+    def __init__(self, criteria, mesh):
+        super().__init__(criteria)
+        self.criteria, self.mesh = criteria, mesh
+
+    @property
+    def max_length(self):
+        return self.criteria.max_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        from usp_hal.comm import digest_ints
+        done = self.criteria(input_ids, scores, **kwargs)
+        mine = [int(x) for x in done.reshape(-1).tolist()]
+        tokens = digest_ints(input_ids[:, -1].tolist())
+        mesh = self.mesh
+
+        def differ(rows):
+            if len({r[-1] for r in rows}) > 1:
+                return ("the ranks picked different next tokens (their logits or random states differ); "
+                        "generation stopped on every rank")
+            return None
+
+        rows = agree(None, mesh.metadata_group, what="usp_hal generate() step", where=mesh.where("sequence-parallel"),
+                     values=mine + [tokens], ranks=mesh.sp_ranks, check=differ)
+        agreed = [any(r[i] for r in rows) for i in range(len(mine))]
+        return torch.tensor(agreed, dtype=torch.bool, device=done.device).view_as(done)
 
 
 def _check_version():
@@ -603,7 +720,7 @@ _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
 def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, *, cu_seqlens=None,
-                ignore_index: int = IGNORE_INDEX, check: bool = True) -> Dict[str, Any]:
+                ignore_index: int = IGNORE_INDEX, check: bool = True, dp_group=None) -> Dict[str, Any]:
     """This rank's share of a global batch, ready for ``model(**batch)``.
 
     Every rank of the sequence-parallel group passes the same global batch (``[B, S]`` tensors).
@@ -621,6 +738,14 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     restart per document, the label of each document's last token (which would predict the
     next document) is ``ignore_index``, and ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, CPU)
     carry the boundaries to the attention function.
+
+    ``dp_group``: the data-parallel group (``mesh.dp_group``; every replica passes its own
+    batch).  ``num_items_in_batch`` is then the non-ignored labels of *every* replica's batch
+    divided by the number of replicas (one all-reduce of one integer), so that the mean over
+    replicas that :func:`sync_gradients` takes for a plain module (and DDP or FSDP2 for theirs)
+    gives the loss and gradients of one process on the replicas' batches together, also when
+    the replicas hold different numbers of labels.  Without it each replica's loss is the mean
+    over its own labels, and the mean of those means is what the step gets.
 
     An ``attention_mask`` of all ones is dropped; one with padding is refused.  Other tensors
     are refused rather than passed through unsharded.  ``check`` (one small all-gather)
@@ -651,6 +776,7 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
         out[k] = sh(batch[k])
     positions = mesh.local_position_ids(seqlen, layout, device=batch[main].device, cu_seqlens=cu)
     out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
+    setattr(out["position_ids"], SHARDED_ATTR, True)     # what makes a model call sequence-parallel
     if cu is not None:
         bounds = torch.tensor(cu, dtype=torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
@@ -659,7 +785,29 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
         out["labels"] = local           # the model computes a loss only when labels are given ...
         out["shift_labels"] = local     # ... and uses these as they are (already shifted)
         out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+    if dp_group is not None:
+        total = _global_count(out.get("num_items_in_batch"), dp_group, batch[main].device)
+        if total is not None:
+            out["num_items_in_batch"] = total
     return out
+
+
+def _global_count(count: Optional[int], dp_group, device):
+    """The label count of every replica's batch over the replicas (see shard_batch's ``dp_group``)."""
+    import torch.distributed as dist
+
+    from usp_hal.comm import collective
+    replicas = dist.get_world_size(dp_group)
+    total = torch.tensor([-1 if count is None else count, 1 if count is None else 0], dtype=torch.int64,
+                         device=device)
+    collective("all-reduce of the label count", "data-parallel group", dist.all_reduce, total, group=dp_group)
+    missing = int(total[1])
+    if missing == replicas:
+        return None
+    if missing:
+        raise ValueError("shard_batch: dp_group= counts the labels of every replica's batch, but "
+                         f"{missing} of the {replicas} replicas passed a batch without labels")
+    return int(total[0]) / replicas
 
 
 def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
