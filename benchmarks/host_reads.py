@@ -71,7 +71,7 @@ def _attention_counts(u, r, S, H, Hkv, D, check, bwd) -> dict:
     import usp_hal
     from usp_hal.harness.hostreads import HostReadMeter
     mesh, side = mesh_with_side_group(u, r)
-    from usp_hal.harness.device_check import first_call_kwargs
+    from usp_hal.harness.hostreads import first_call_kwargs
     kw = first_call_kwargs() if check == "first call" else {}
     attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="zigzag", mesh=mesh, **kw)
     g = torch.Generator().manual_seed(0)
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
 
     import usp_hal
     from benchmarks._ranks import run_on_ranks
-    from usp_hal.harness.device_check import first_call_kwargs
+    from usp_hal.harness.hostreads import first_call_kwargs
     two = run_on_ranks(rank_counts, 2, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 2],
                        decode=DECODE)
     four = run_on_ranks(rank_counts, 4, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 4], decode=[])

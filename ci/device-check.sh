@@ -9,7 +9,7 @@
 #             wheel in ci/wheels/ (pure Python, 20 KB, carried in the tree) when it is missing
 #   probe     usp-hal probe (text and JSON)
 #   matrix    usp-hal matrix --device cuda-sm90 (JSON and markdown; declarations only)
-#   checks    python -m usp_hal.harness.device_check: real kernels vs float64, several ranks on
+#   checks    python ci/device_check.py: real kernels vs float64, several ranks on
 #             the one GPU, no hidden syncs, CUDA graphs, timings (list them: --list)
 #   verify    usp-hal probe --verify, each backend in its own process, with the time left
 # OUTDIR gets device-check.json and device-check.txt (the table), plus each step's output.
@@ -92,7 +92,7 @@ fi
 # ---- the checks
 log "checks"
 left=$((BUDGET - (SECONDS - START)))
-timeout --kill-after=10 "$((left > 60 ? left - 30 : 60))" "$PY" -m usp_hal.harness.device_check "$OUT" $DRY --no-summary
+timeout --kill-after=10 "$((left > 60 ? left - 30 : 60))" "$PY" ci/device_check.py "$OUT" $DRY --no-summary
 rc=$?
 [[ $rc -eq 124 || $rc -eq 137 ]] && step checks fail "the checks ran out of time (see device-check.json for those that finished)"
 
@@ -122,4 +122,4 @@ print('; '.join(r['backend'] + ' ' + r['status'] for r in rep['summary']))" "$OU
 fi
 
 # ---- one report
-"$PY" -m usp_hal.harness.device_check "$OUT" --merge-steps "$OUT/steps.tsv"
+"$PY" ci/device_check.py "$OUT" --merge-steps "$OUT/steps.tsv"

@@ -47,6 +47,16 @@ _HERE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
+def first_call_kwargs() -> dict:
+    """The LongContextAttention keywords for 'check the ranks at the first call only': this
+    tree's ``static_shapes=True``, or ``check_ranks="first_call"`` where that replaced it."""
+    import inspect
+
+    from ..attention import LongContextAttention
+    params = inspect.signature(LongContextAttention.__init__).parameters
+    return {"static_shapes": True} if "static_shapes" in params else {"check_ranks": "first_call"}
+
+
 def _site() -> str:
     """``file:line`` of the innermost frame outside torch and this module."""
     for frame in reversed(traceback.extract_stack()[:-2]):

@@ -39,7 +39,7 @@ VERIFIED: Dict[str, Dict[str, Dict[str, Tuple[str, ...]]]] = {
                      "window": ("stand-in",), "softcap": ("stand-in",)}},
     "fa3": {"cuda": {f: ("stand-in",) for f in _ALL}},
     "fa4": {"cuda": {f: ("stand-in",) for f in _ALL}},
-    # sageattention 1.0.6 under the interpreter: forward, causal, GQA, LongContextAttention
+    # the sage kernel 1.0.6 under the interpreter: forward, causal, GQA, LongContextAttention
     # (1 rank, Ulysses-2); the v2 API (lse) on stand-ins only
     "sage_fp8": {"cuda": {**{f: ("stand-in",) for f in _ALL},
                           **{f: ("stand-in", "interpreter") for f in ("fwd", "causal", "gqa", "module")}}},

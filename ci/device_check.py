@@ -1,7 +1,7 @@
 """The device check behind ``ci/device-check.sh``: every check a first GPU machine should run,
 in one process tree, with a JSON report and a readable table.
 
-    python -m usp_hal.harness.device_check OUTDIR [--dry-run] [--only PATTERN] [--list]
+    python ci/device_check.py OUTDIR [--dry-run] [--only PATTERN] [--list]
 
 Each check is declared once in :data:`CHECKS` with the device it needs.  On a CUDA machine
 every check runs.  ``--dry-run`` (or a machine without CUDA) runs the same code on the CPU:
@@ -14,13 +14,13 @@ that is missing; the reason is printed), ``info`` (a record, not a check: versio
 
 What the multi-rank checks use on one GPU: NCCL refuses two ranks on one device, so the
 ranks run as spawned processes on ``cuda:0`` with a gloo process group.  gloo's CUDA
-collectives stage device tensors through host memory and complete before they return, so
-these checks prove the CUDA code paths (real kernels, usp-hal's streams and events, the
-non-blocking copies, the ring and all-to-all plumbing on device tensors) and their results;
-they prove nothing about NCCL (its asynchronous work handles and stream ordering),
-NVLink bandwidth or overlap timing.  The collectives gloo cannot run on CUDA tensors are
-reported by the transport probe (``multirank/transport``) and the cases that need them fail
-with gloo's message.
+all-to-all, all-gather and all-reduce stage device tensors through host memory and complete
+before they return; its point-to-point send/recv cannot take CUDA tensors at all, so the ring's
+``batch_isend_irecv`` is staged through host buffers for this check
+(:func:`install_p2p_staging`).  These checks prove the CUDA code paths (real kernels,
+usp-hal's streams and events, the non-blocking copies, the ring and all-to-all plumbing on
+device tensors) and their results; they prove nothing about NCCL (its asynchronous work
+handles and stream ordering), NVLink bandwidth or overlap timing.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import fnmatch
 import functools
-import inspect
 import json
 import math
 import os
@@ -39,6 +38,8 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from usp_hal.harness.hostreads import first_call_kwargs
 
 PEAK_BF16_TFLOPS = 790.0      # H200 SXM dense bf16, as the issue of this check states it (about 790)
 
@@ -68,23 +69,15 @@ class Skip(Exception):
     """A check that cannot run here (missing package, refused by the device)."""
 
 
-def first_call_kwargs() -> dict:
-    """The constructor keywords for 'check the ranks at the first call only': this tree's
-    ``static_shapes=True``, or ``check_ranks="first_call"`` where that replaced it."""
-    from ..attention import LongContextAttention
-    params = inspect.signature(LongContextAttention.__init__).parameters
-    return {"static_shapes": True} if "static_shapes" in params else {"check_ranks": "first_call"}
-
-
 def one_rank_mesh():
     """The 1 x 1 mesh: no process group, nothing exchanged."""
-    from ..mesh import SequenceParallelMesh
+    from usp_hal.mesh import SequenceParallelMesh
     return SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,))
 
 
 def _cmp(got, ref, dtype, lossy: bool = False, tol: Optional[tuple] = None) -> dict:
-    from ..reference import tolerance
-    from .verify import compare
+    from usp_hal.harness.verify import compare
+    from usp_hal.reference import tolerance
     atol, rtol = tol if tol is not None else tolerance(dtype)
     res = compare(got, ref, atol, rtol, lossy=lossy)
     return {"worst": None if not math.isfinite(res["worst"]) else round(res["worst"], 4),
@@ -150,8 +143,8 @@ def sdpa_op_case(device: str, backend: str, dtype, *, causal: bool, sq: int, sk:
     does) vs the float64 lse.  A backend that refuses the case says so (``refused``)."""
     from torch.nn.attention import sdpa_kernel
 
-    from ..backends.sdpa import normalize_cuda_lse
-    from ..reference import reference_attention
+    from usp_hal.backends.sdpa import normalize_cuda_lse
+    from usp_hal.reference import reference_attention
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_rand((1, s, n, d), dtype, device, gen) for s, n in ((sq, h), (sk, hkv), (sk, hkv)))
     dout = _rand((1, sq, h, d), dtype, device, gen)
@@ -185,7 +178,7 @@ def sdpa_op_case(device: str, backend: str, dtype, *, causal: bool, sq: int, sk:
 
 
 def tolerance_lse(dtype) -> tuple:
-    from ..reference import tolerance
+    from usp_hal.reference import tolerance
     return tolerance(dtype, lse=True)
 
 
@@ -217,7 +210,7 @@ def _sdpa_op_check(backend: str, dtype_name: str):
 
 # ----------------------------------------------------------------------------- adapters
 def _backend_cls(name: str):
-    from ..registry import REGISTRY
+    from usp_hal.registry import REGISTRY
     cls = REGISTRY.get(name)
     av = cls.availability()
     if not av.ok:
@@ -230,9 +223,9 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
                 lossy: bool = False, seed: int = 0) -> dict:
     """One kernel on one rank against float64: through the adapter (``kernel.forward`` /
     ``backward``) or through ``LongContextAttention`` on a 1 x 1 mesh."""
-    from ..attention import LongContextAttention
-    from ..reference import reference_attention
-    from ..registry import REGISTRY
+    from usp_hal.attention import LongContextAttention
+    from usp_hal.reference import reference_attention
+    from usp_hal.registry import REGISTRY
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_rand((2, s, n, d), dtype, device, gen) for n in (h, hkv, hkv))
     dout = _rand((2, s, h, d), dtype, device, gen)
@@ -246,7 +239,7 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
     tol = None
     cls = REGISTRY.get(attn_type)
     if lossy:
-        from .verify import tolerances_for
+        from usp_hal.harness.verify import tolerances_for
         tol = tolerances_for(cls, dtype)
     if through_module:
         attn = LongContextAttention(attn_type=attn_type, mesh=one_rank_mesh())
@@ -282,7 +275,7 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
 def _kernel_check(attn_type: str, through_module: bool):
     def run(ctx: Context) -> dict:
         cls = _backend_cls(attn_type)
-        from .verify import base_request, feature_change
+        from usp_hal.harness.verify import base_request, feature_change
         dtypes = [torch.bfloat16, torch.float16] if ctx.cuda else [torch.float32]
         cases = {}
         for dtype in dtypes:
@@ -319,7 +312,7 @@ def _block_mod(block: int):
 def check_flex_features(ctx: Context) -> dict:
     """flex through LongContextAttention on one rank: a block mask whose blocks (100) end
     mid-tile, and sinks, forward and (on CUDA) gradients and lse vs float64."""
-    from ..masks import Mask
+    from usp_hal.masks import Mask
     _backend_cls("flex")
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     s, block = (333, 100) if ctx.cuda else (67, 20)     # blocks that end inside flex's 128-wide tiles
@@ -346,11 +339,69 @@ MULTIRANK_CASES = {
 }
 
 
+class _StagedWork:
+    """The work of a p2p batch whose CUDA tensors travel through host buffers: waiting
+    waits for gloo, then copies each received host buffer into its CUDA tensor."""
+
+    def __init__(self, works, copies):
+        self.works, self.copies = list(works or []), copies
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        for dst, src in self.copies:
+            dst.copy_(src)
+        self.copies = []
+        return True
+
+    def is_completed(self):
+        return not self.copies and all(w.is_completed() for w in self.works)
+
+
+def install_p2p_staging() -> bool:
+    """On gloo, point-to-point sends of CUDA tensors cannot work: ProcessGroupGloo::send and
+    ::recv hand the tensor's raw data pointer to gloo's TCP transport with no device handling
+    (pytorch torch/csrc/distributed/c10d/ProcessGroupGloo.cpp, send/recv), unlike its
+    all-to-all, all-gather and all-reduce, which stage CUDA tensors themselves.  So for the
+    one-GPU check, ``batch_isend_irecv`` of CUDA tensors is wrapped to send host copies and
+    copy what arrives back to the device at ``wait()``.  The ring's own code (its CUDA
+    kernels, merges, buffers and streams) runs unchanged; NCCL's p2p is not what runs."""
+    import torch.distributed as dist
+    orig = dist.batch_isend_irecv
+    if getattr(orig, "_staged", False):
+        return False
+
+    def staged(ops):
+        if not any(op.tensor.is_cuda for op in ops):
+            return orig(ops)
+        new_ops, copies = [], []
+        for op in ops:
+            t = op.tensor
+            if not t.is_cuda:
+                new_ops.append(op)
+                continue
+            if op.op is dist.irecv or getattr(op.op, "__name__", "") == "irecv":
+                host = torch.empty(t.shape, dtype=t.dtype)
+                copies.append((t, host))
+            else:
+                host = t.detach().contiguous().cpu()
+            peer = getattr(op, "peer", None)
+            group_peer = getattr(op, "group_peer", None)
+            kw = {"group_peer": group_peer} if peer is None and group_peer is not None else {}
+            new_ops.append(dist.P2POp(op.op, host, peer, op.group, getattr(op, "tag", 0), **kw))
+        return [_StagedWork(orig(new_ops), copies)]
+    staged._staged = True  # type: ignore[attr-defined]
+    dist.batch_isend_irecv = staged
+    return True
+
+
 def transport_probe(device: str) -> dict:
-    """Which collectives the group runs on ``device`` tensors (one rank's view)."""
+    """Which collectives the group runs on ``device`` tensors (one rank's view); on CUDA the
+    p2p batch goes through :func:`install_p2p_staging`."""
     import torch.distributed as dist
     if device == "cuda":
         torch.cuda.set_device(0)
+        install_p2p_staging()
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {}
     x = torch.full((world * 4,), float(rank), device=device)
@@ -377,7 +428,8 @@ def transport_probe(device: str) -> dict:
         dist.all_reduce(y)
         return float(y[0].cpu()) == float(sum(range(world)))
 
-    for name, fn in (("all_to_all_single", a2a), ("all_gather_into_tensor", ag), ("batch_isend_irecv", p2p),
+    for name, fn in (("all_to_all_single", a2a), ("all_gather_into_tensor", ag),
+                     ("batch_isend_irecv" + (" (staged through host)" if device == "cuda" else ""), p2p),
                      ("all_reduce", ar)):
         try:
             res[name] = "ok" if fn() else "wrong result"
@@ -399,9 +451,8 @@ def multirank_case(device: str, case: str, seed: int = 0) -> dict:
     import torch.distributed as dist
 
     import usp_hal
-
-    from ..masks import Mask
-    from ..reference import reference_attention
+    from usp_hal.masks import Mask
+    from usp_hal.reference import reference_attention
     if device == "cuda":
         torch.cuda.set_device(0)
     world = dist.get_world_size()
@@ -465,49 +516,65 @@ def multirank_case(device: str, case: str, seed: int = 0) -> dict:
     return {"ok": all(p["ok"] for p in parts.values()), **parts}
 
 
-def multirank_cases(device: str, cases: List[str]) -> dict:
-    out: Dict[str, Any] = {"transport": transport_probe(device)}
-    for case in cases:
-        try:
-            out[case] = multirank_case(device, case)
-        except Exception as exc:
-            out[case] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-    return out
+def multirank_one(device: str, case: str) -> dict:
+    """One case as a task of its own (a crash or a hang costs that case only)."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        install_p2p_staging()
+    try:
+        return multirank_case(device, case)
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
 
-_POOL_RESULTS: Dict[int, Any] = {}
+_POOLS: Dict[int, Any] = {}
 
 
-def _pool_results(ctx: Context, world: int) -> Any:
-    """Every rank's results of the world's cases (run once, shared by the checks)."""
-    if world not in _POOL_RESULTS:
-        from .pool import LaunchError, RankPool
-        try:
-            with RankPool(world, threads=1, device_type="cpu", start_timeout=180) as pool:
-                _POOL_RESULTS[world] = pool.run(multirank_cases, 240 if ctx.cuda else 150, device=ctx.device,
-                                                cases=MULTIRANK_CASES[world])
-        except (LaunchError, TimeoutError) as exc:
-            _POOL_RESULTS[world] = exc
-    return _POOL_RESULTS[world]
+def _pool(world: int):
+    from usp_hal.harness.pool import RankPool
+    pool = _POOLS.get(world)
+    if pool is None:
+        pool = _POOLS[world] = RankPool(world, threads=1, device_type="cpu", start_timeout=180)
+    return pool
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def _run_on_ranks(world: int, fn, timeout: float, **kwargs) -> Any:
+    """Every rank's result (a list), or the exception that ended the run."""
+    from usp_hal.harness.pool import LaunchError
+    try:
+        res = _pool(world).run_all(fn, timeout, **kwargs)
+    except (LaunchError, TimeoutError) as exc:
+        return exc
+    bad = [f"rank {r}: {x[1]}" for r, x in res.items() if x[0] != "ok"]
+    if bad:
+        return RuntimeError("; ".join(bad)[:600])
+    return [res[r][1] for r in sorted(res)]
 
 
 def _multirank_check(world: int, case: str):
     def run(ctx: Context) -> dict:
-        got = _pool_results(ctx, world)
+        got = _run_on_ranks(world, multirank_one, 180 if ctx.cuda else 150, device=ctx.device, case=case)
         if isinstance(got, Exception):
             return {"status": "fail", "detail": f"the {world} ranks failed: {str(got)[:400]}"}
-        per_rank = {f"rank {r}": res[case] for r, res in enumerate(got)}
-        return _sum_up(per_rank)
+        return _sum_up({f"rank {r}": res for r, res in enumerate(got)})
     return run
 
 
 def _transport_check(world: int):
     def run(ctx: Context) -> dict:
-        got = _pool_results(ctx, world)
+        got = _run_on_ranks(world, transport_probe, 120, device=ctx.device)
         if isinstance(got, Exception):
             return {"status": "fail", "detail": f"the {world} ranks failed: {str(got)[:400]}"}
-        t = got[0]["transport"]
-        return {"status": "info", "detail": ", ".join(f"{k} {v}" for k, v in t.items()), "data": t}
+        t = got[0]
+        bad = [k for k, v in t.items() if v != "ok"]
+        return {"status": "fail" if bad else "pass", "detail": ", ".join(f"{k} {v}" for k, v in t.items()),
+                "data": t}
     return run
 
 
@@ -522,8 +589,7 @@ def steady_sync_case(device: str, u: int, r: int, calls: int = 3, timed: int = 2
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import usp_hal
-
-    from .hostreads import HostReadMeter
+    from usp_hal.harness.hostreads import HostReadMeter
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=u * r)
@@ -594,7 +660,7 @@ def steady_sync_case(device: str, u: int, r: int, calls: int = 3, timed: int = 2
 
 def _in_child(fn, timeout: float, **kwargs):
     """``fn(**kwargs)`` in a fresh process (a process group of its own; a crash stays there)."""
-    from .pool import RankPool
+    from usp_hal.harness.pool import RankPool
     with RankPool(1, threads=2, device_type="cpu", init_dist=False, start_timeout=120) as pool:
         return pool.run(fn, timeout, **kwargs)[0]
 
@@ -676,8 +742,7 @@ def _cuda_time(fn, n: int) -> tuple:
 
 def _timing_row(s: int, h: int, hkv: int, causal: bool) -> dict:
     import usp_hal
-
-    from ..backends.sdpa import cuda_ops
+    from usp_hal.backends.sdpa import cuda_ops
     gen = torch.Generator().manual_seed(0)
     q, k, v = (_rand((1, s, n, 128), torch.bfloat16, "cuda", gen) for n in (h, hkv, hkv))
     every = usp_hal.LongContextAttention(attn_type="sdpa", mesh=one_rank_mesh())
@@ -709,7 +774,7 @@ def check_timing(ctx: Context) -> dict:
 def check_tflops(ctx: Context) -> dict:
     """The sdpa flash kernel's TFLOP/s (forward, not causal, B=1, H=16, D=128, bf16) at
     S = 8k, 32k, 128k, against the bf16 peak."""
-    from ..backends.sdpa import cuda_ops
+    from usp_hal.backends.sdpa import cuda_ops
     flash = cuda_ops()[0]
     rows = {}
     h, d = 16, 128
@@ -731,7 +796,7 @@ def check_tflops(ctx: Context) -> dict:
 # ----------------------------------------------------------------------------- host reads (CPU)
 def check_host_reads_meter(ctx: Context) -> dict:
     """The host-read meter catches a planted ``.item()`` (what the CPU stand-in relies on)."""
-    from .hostreads import HostReadMeter
+    from usp_hal.harness.hostreads import HostReadMeter
     x = torch.ones(4, device=ctx.device)
     with HostReadMeter() as m:
         x.sum().item()
@@ -759,9 +824,9 @@ def _checks() -> List[Check]:
     out.append(Check("kernel/flex/mask-sinks", "", "flex through LongContextAttention: a block mask ending "
                      "mid-tile, sinks, both with causal; lse, grads (CUDA: compiled, with backward)",
                      check_flex_features))
-    out.append(Check("multirank/transport/2", "", "which collectives the 2-rank gloo group runs on this device's "
-                     "tensors", _transport_check(2)))
     for world, cases in MULTIRANK_CASES.items():
+        out.append(Check(f"multirank/{world}/transport", "", f"the collectives usp-hal uses, on {world} gloo ranks "
+                         "and this device's tensors (CUDA: p2p staged through host memory)", _transport_check(world)))
         for case in cases:
             out.append(Check(f"multirank/{world}/{case}", "", f"{case} on {world} ranks (one device, gloo): out "
                              "and dq/dk/dv vs float64", _multirank_check(world, case)))
@@ -816,6 +881,7 @@ def run_checks(ctx: Context, only: Optional[str] = None) -> List[dict]:
               flush=True)
         ctx.results.append(row)
         _write(ctx, ctx.results, time.perf_counter() - t_all)
+    close_pools()
     return ctx.results
 
 
@@ -861,7 +927,7 @@ def merge_steps(out: str, steps_path: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m usp_hal.harness.device_check",
+    ap = argparse.ArgumentParser(prog="python ci/device_check.py",
                                  description="the first-GPU device check (see ci/device-check.sh)")
     ap.add_argument("outdir", nargs="?", default=None)
     ap.add_argument("--dry-run", action="store_true",
@@ -893,5 +959,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     # the rank processes import the task functions by module name: run them from the module, not __main__
-    from usp_hal.harness import device_check as _named
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import device_check as _named
     sys.exit(_named.main())
