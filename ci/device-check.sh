@@ -11,7 +11,7 @@
 #   matrix    usp-hal matrix --device cuda-sm90 (JSON and markdown; declarations only)
 #   checks    python ci/device_check.py: real kernels vs float64, several ranks on
 #             the one GPU, no hidden syncs, CUDA graphs, timings (list them: --list)
-#   verify    usp-hal probe --verify, each backend in its own process, with the time left
+#   verify    usp-hal probe --verify for sdpa and sage_fp8, each in its own process, with the time left
 # OUTDIR gets device-check.json and device-check.txt (the table), plus each step's output.
 #
 # --dry-run: the same script on the CPU (what CI runs): installs nothing, prints every check
@@ -92,7 +92,8 @@ fi
 # ---- the checks
 log "checks"
 left=$((BUDGET - (SECONDS - START)))
-timeout --kill-after=10 "$((left > 60 ? left - 30 : 60))" "$PY" ci/device_check.py "$OUT" $DRY --no-summary
+# 90 s stay for probe --verify; the checks write their report after each one, so a cut run keeps what finished
+timeout --kill-after=10 "$((left > 150 ? left - 90 : 60))" "$PY" ci/device_check.py "$OUT" $DRY --no-summary
 rc=$?
 [[ $rc -eq 124 || $rc -eq 137 ]] && step checks fail "the checks ran out of time (see device-check.json for those that finished)"
 
@@ -102,7 +103,7 @@ left=$((BUDGET - (SECONDS - START)))
 if [[ -n "$DRY" ]]; then
     verify_args=(--backend sdpa --dtype fp32)
 else
-    verify_args=()
+    verify_args=(--backend sdpa --backend sage_fp8)   # flex: compiled per structure, checked above
 fi
 if [[ $left -lt 30 ]]; then
     step probe-verify skip "no time left (${left} s)"
