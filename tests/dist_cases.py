@@ -381,9 +381,11 @@ def cpu_side_group_case(U=2, R=1):
         mesh_mod._needs_cpu_side_group = orig
     from usp_hal.comm import group_timeout
     x = usp_hal.shard(torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(0)), mesh=mesh)
-    with CommMeter(("all_gather_single",)) as meter:
+    # the metadata all-gather: all_gather_single from torch 2.13, all_gather_into_tensor before
+    # (Ulysses-2 sends no data by all-gather)
+    with CommMeter(("all_gather_single", "all_gather_into_tensor")) as meter:
         usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)(x, x, x)
-    used = meter.groups["all_gather_single"]
+    used = meter.groups["all_gather_single"] + meter.groups["all_gather_into_tensor"]
     return {"side": mesh.meta_group is not None and mesh.meta_group is not mesh.sp_group,
             "backend": str(dist.get_backend(mesh.meta_group)),
             "timeout": group_timeout(mesh.meta_group).total_seconds(),

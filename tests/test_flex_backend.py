@@ -63,6 +63,27 @@ def _forward_check(dtype, shape=None, **kw):
     return out, lse
 
 
+_BF16_REFUSED = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11)
+
+
+def _skip_refused_bf16(dtype) -> None:
+    """torch < 2.11: bf16 flex on the CPU is refused by a declared limit (checked below)."""
+    if dtype == torch.bfloat16 and _BF16_REFUSED:
+        pytest.skip("flex bf16 on the CPU is refused before torch 2.11 (test_flex_bf16_cpu_limit_names_the_version)")
+
+
+def test_flex_bf16_cpu_limit_names_the_version():
+    """The declared limit refuses bf16 on the CPU for torch before 2.11, naming the version, and
+    nothing else (fp16 there, bf16 from 2.11)."""
+    from usp_hal.capabilities import RuleContext, declared_reasons
+    req = AttnRequest(dtype=torch.bfloat16, device_type="cpu", head_dim=16)
+    old = declared_reasons(FlexAttentionBackend, req, RuleContext(torch_version="2.9.1"))
+    assert any("torch 2.9.1" in r and "torch >= 2.11" in r for r in old), old
+    assert not declared_reasons(FlexAttentionBackend, req, RuleContext(torch_version="2.11.0"))
+    fp16 = req.with_(dtype=torch.float16)
+    assert not declared_reasons(FlexAttentionBackend, fp16, RuleContext(torch_version="2.9.1"))
+
+
 def _mask(b, h, sq, sk, seed=1, p=0.6):
     g = torch.Generator().manual_seed(seed)
     return torch.rand(b, h, sq, sk, generator=g) < p
@@ -73,12 +94,14 @@ def _mask(b, h, sq, sk, seed=1, p=0.6):
                          ids=lambda d: IDS[d])
 def test_flex_plain_and_causal_gqa(dtype):
     """out and a natural-log lse (flex's base-2 stats scaled back) in every dtype; GQA, Sq != Sk, 13/21 keys."""
+    _skip_refused_bf16(dtype)
     _forward_check(dtype, dict(sq=13, sk=21, h=4, hkv=2), causal=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=lambda d: IDS[d])
 def test_flex_mask_with_empty_rows(dtype):
     """mask= (B and H broadcast separately) and'ed with causal; rows it empties give out 0, lse -inf."""
+    _skip_refused_bf16(dtype)
     b, h, sq, sk = 2, 4, 9, 9
     mask = _mask(b, 1, sq, sk)
     mask[0, 0, 3] = False                        # a row without keys in batch 0 only
@@ -138,7 +161,7 @@ def test_flex_backward_refused_on_cpu_before_the_kernel():
 # --------------------------------------------------------------------------- through the USP core
 def test_flex_through_long_context_attention_one_rank():
     """LongContextAttention(attn_type='flex') on one process: forward out and lse vs the reference."""
-    dtype = torch.bfloat16
+    dtype = torch.bfloat16 if not _BF16_REFUSED else torch.float16
     q, k, v, _ = _inputs(dtype, b=1, sq=24, h=4, hkv=2, d=16, seed=4)
     attn = usp_hal.LongContextAttention(attn_type="flex")
     with torch.no_grad():

@@ -258,8 +258,8 @@ class LongContextAttention(torch.nn.Module):
             return (out, lse) if return_lse else out
         if joint is not None:
             query, key, value = joint.extend(query, key, value)
-        out, lse = pipe(mesh, query, key, value, opts, alibi_slopes=alibi_slopes, positions=positions, joint=joint,
-                        err=err, cu_seqlens=cu_seqlens, sinks=sinks)
+        out, lse = _eager(pipe, mesh, query, key, value, opts, alibi_slopes=alibi_slopes, positions=positions,
+                          joint=joint, err=err, cu_seqlens=cu_seqlens, sinks=sinks)
         return (out, lse) if return_lse else out
 
     def _with_mask(self, opts: CallOptions, mask, sinks: bool) -> CallOptions:
@@ -296,6 +296,18 @@ def _autocast_dtype(query) -> Optional[torch.dtype]:
 def _to(dtype: torch.dtype, *ts):
     """Floating tensors cast to ``dtype`` (autograd carries each gradient back in its own dtype)."""
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)
+
+
+def _eager(pipe, *args, **kwargs):
+    """The eager pipeline call (a compiled caller reaches it through a graph break)."""
+    return pipe(*args, **kwargs)
+
+
+if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    # Dynamo before torch 2.13 traces on into the pipeline after that graph break and fails
+    # inside it with an internal error (seen with torch 2.9.1 and 2.11.0: the ring's bytearray
+    # row bookkeeping); there the eager call is kept out of tracing.  From 2.13 it is called as is.
+    _eager = torch.compiler.disable(_eager)
 
 
 def _low_memory_chunks(value) -> int:

@@ -96,7 +96,23 @@ def adapter_case(standin: dict, emulate: dict, attn_type: str, **case):
     return errs
 
 
-_COLLECTIVES = ("all_to_all_single", "batch_isend_irecv", "all_gather_into_tensor", "broadcast")
+_COLLECTIVES = ("all_to_all_single", "batch_isend_irecv", "all_gather_into_tensor", "all_gather_single", "broadcast")
+
+
+class _DataMeter(CommMeter):
+    """Counts the calls that carry data: the agreement's all-gathers (int64 metadata, the
+    uint8 bytes of the refusal messages) are left out whichever function carries them
+    (all_gather_single from torch 2.13, all_gather_into_tensor before)."""
+
+    def _wrap(self, name, orig):
+        inner = super()._wrap(name, orig)
+
+        def wrapped(*args, **kwargs):
+            t = args[1] if len(args) > 1 else kwargs.get("tensor", kwargs.get("input", kwargs.get("input_tensor")))
+            if name.startswith("all_gather") and getattr(t, "dtype", None) in (torch.int64, torch.uint8):
+                self.calls[name] -= 1          # inner counts it once more
+            return inner(*args, **kwargs)
+        return wrapped
 
 
 def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1, R=1, grad=False,
@@ -110,7 +126,7 @@ def refused_before_collectives(standin: dict, emulate: dict, attn_type: str, U=1
         g = torch.Generator().manual_seed(0)
         x = [torch.randn(1, S // n, H, D, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
         attn = usp_hal.LongContextAttention(attn_type=attn_type, mesh=mesh)
-        with CommMeter(_COLLECTIVES) as meter:
+        with _DataMeter(_COLLECTIVES) as meter:
             try:
                 attn(*x, causal=causal, return_lse=return_lse)
                 error = None

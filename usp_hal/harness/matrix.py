@@ -397,8 +397,36 @@ def generate_docs(registry=None) -> str:
             rows.append([c.NAME, "its CPU kernels themselves" if cpu else "nothing: stand-ins only (tests/contract/)",
                          "its accelerator kernels (stand-ins only)" if cpu else "the kernel itself"])
     lines += _md_table(["backend", "checked against the real kernel here", "not checked here"], rows)
+    lines += ["", *_verified_section(classes)]
     lines += ["", "## Per-device CI matrix", "",
               "What `usp-hal matrix --device PROFILE` generates for each CI profile: the dtypes each "
               "backend runs there and the features tested.", ""]
     lines.append(matrix_markdown(list(PROFILES.values()), registry).rstrip())
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _verified_section(classes) -> list:
+    """Where each backend and feature was verified (:mod:`.verified`): per backend and
+    declared device, each feature's tiers; ``refused`` where the declarations refuse it."""
+    from . import verified as _v
+    lines = ["## Where each feature was verified", "",
+             "Per backend, declared device and feature: `stand-in` (contract tests against a stand-in package, "
+             "`tests/contract/`), `interpreter` (the real Triton kernel under Triton's interpreter on a CPU, "
+             "`tests/real/`), `cpu` (the real kernel on the CPU itself), `device` (the real kernel on an "
+             "accelerator, by `ci/device-check.sh`). `refused`: the declarations refuse it there. "
+             "Recorded in `usp_hal/harness/verified.py`.", ""]
+    lines += _v.device_runs_text() + [""]
+    rows = []
+    for c in classes:
+        for dev in sorted(c.SUPPORTED_DEVICES):
+            base = _doc_base(c, dev)
+            cells = []
+            for f in _v.FEATURES:
+                declared = base is not None and (f in ("packed", "module") or feature_change(c, base, f) is not None)
+                if f == "packed" and not c.SUPPORTS_VARLEN:
+                    declared = False
+                got = _v.tiers(c.NAME, dev, f)
+                cells.append(", ".join(got) if declared and got else ("refused" if not declared else "none"))
+            rows.append([c.NAME, dev, *cells])
+    return lines + _md_table(["backend", "device", *_v.FEATURES], rows)
+

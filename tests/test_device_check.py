@@ -1,0 +1,87 @@
+"""ci/device-check.sh --dry-run: the device check's own script and code on the CPU, so it
+cannot rot between GPU runs.  Every check is listed in the report; those that need CUDA are
+skipped by name; the others run here and pass."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "ci"))
+import device_check as dc  # noqa: E402  (ci/device_check.py)
+
+
+def test_first_call_spelling_matches_this_tree():
+    import inspect
+
+    from usp_hal import LongContextAttention
+    kw = dc.first_call_kwargs()
+    params = inspect.signature(LongContextAttention.__init__).parameters
+    assert set(kw) <= set(params)
+    assert kw in ({"static_shapes": True}, {"check_ranks": "first_call"})
+
+
+def test_check_names_are_unique_and_each_says_what_it_needs():
+    names = [c.name for c in dc.CHECKS]
+    assert len(names) == len(set(names))
+    assert all(c.needs in ("", "cuda") for c in dc.CHECKS)
+    # the CUDA-only parts the issue lists are all there
+    for want in ("kernel/sdpa-op/flash/bf16", "kernel/sdpa-op/cudnn/fp16", "kernel/sage_fp8/module",
+                 "kernel/flex/mask-sinks", "multirank/4/U2xR2", "multirank/2/R2-allgather", "multirank/2/U2-fp8",
+                 "multirank/2/U2-async", "multirank/2/R2-packed", "multirank/2/R2-mask", "sync/steady/U2R1",
+                 "cuda-graph/forward", "timing/host-vs-kernel", "timing/flash-tflops"):
+        assert want in names
+
+
+def test_a_wrong_kernel_fails_the_kernel_case(monkeypatch):
+    """The comparison can fail: a kernel off by 1% is caught, forward and through the module."""
+    good = dc.kernel_case("cpu", "sdpa", torch.float32, causal=True, s=19, h=4, hkv=2, d=8, grad=True, lse=True,
+                          through_module=True)
+    assert good["ok"], good
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def off(*args, **kwargs):
+        out, lse = op(*args, **kwargs)
+        return out * 1.01, lse
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", off)
+    for through in (False, True):
+        bad = dc.kernel_case("cpu", "sdpa", torch.float32, causal=True, s=19, h=4, hkv=2, d=8, grad=False,
+                             lse=True, through_module=through)
+        assert not bad["ok"] and not bad["out"]["ok"], bad
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_dry_run_lists_every_check_and_the_cpu_ones_pass(tmp_path):
+    out = tmp_path / "dc"
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", os.path.join(ROOT, "ci", "device-check.sh"), str(out), "--dry-run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=840, env={**os.environ, "PYTHON": sys.executable})
+    took = time.monotonic() - t0
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-6000:]
+    report = json.loads((out / "device-check.json").read_text())
+    rows = {r["name"]: r for r in report["checks"]}
+    assert report["dry_run"] and report["device"] == "cpu"
+    for c in dc.CHECKS:
+        assert c.name in rows, f"{c.name} missing from the report"
+        row = rows[c.name]
+        if c.needs == "cuda":
+            assert row["status"] == "skip" and "needs CUDA" in row["detail"], row
+            assert f"SKIP  {c.name} " in text, f"{c.name} not printed as skipped"
+        else:
+            assert row["status"] in ("pass", "info"), row
+    for step, want in (("step/install", "skip"), ("step/probe", "pass"), ("step/matrix", "pass"),
+                       ("step/probe-verify", "pass")):
+        assert rows[step]["status"] == want, rows[step]
+    table = (out / "device-check.txt").read_text()
+    assert all(name in table for name in rows)
+    for f in ("probe.json", "matrix-cuda-sm90.json", "matrix-cuda-sm90.md", "verify.json"):
+        assert (out / f).stat().st_size > 0, f
+    print(f"device-check.sh --dry-run took {took:.0f} s")
