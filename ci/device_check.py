@@ -249,7 +249,7 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
         if snk is not None:
             kw["sinks"] = snk
         if lse:
-            out, got_lse = attn(qg, kg, vg, return_attn_probs=True, **kw)[:2]
+            out, got_lse = attn(qg, kg, vg, return_lse=True, **kw)[:2]
         else:
             out, got_lse = attn(qg, kg, vg, **kw), None
     else:

@@ -134,3 +134,22 @@ def test_piece_plans():
     docs = sp.pieces(M(1, 2), 10, "basic", cu_seqlens=[0, 3, 10])
     assert [(p.rank, p.start, p.length, p.doc_start) for p in docs] == [
         (0, 0, 3, True), (0, 3, 2, True), (1, 5, 5, False)]
+
+
+def test_wired_gdn_function_keeps_its_signature_outside_a_layer():
+    """The hybrid integration replaces transformers' gated-delta-rule function for the whole
+    process; outside a wired layer it must be the original however it is called (positional
+    g and beta included, as state passing and FLA-style callers pass them)."""
+    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from usp_hal.integrations import hybrid
+    original = mod.torch_chunk_gated_delta_rule
+    routed = hybrid._gdn_route(original)
+    g = torch.Generator().manual_seed(5)
+    B, T, H, d = 1, 12, 2, 4
+    q, k, v = (torch.randn(B, T, H, d, generator=g) for _ in range(3))
+    gg, beta = -torch.rand(B, T, H, generator=g), torch.rand(B, T, H, generator=g)
+    s0 = torch.randn(B, H, d, d, generator=g)
+    want = original(q, k, v, gg, beta, chunk_size=4, initial_state=s0, output_final_state=True)
+    got = routed(q, k, v, gg, beta, chunk_size=4, initial_state=s0, output_final_state=True)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

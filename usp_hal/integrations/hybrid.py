@@ -398,24 +398,33 @@ def _conv_route(original):
 
 def _gdn_route(original):
     import functools
+    import inspect
+
+    sig = inspect.signature(original)
+    own = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "kwargs")
 
     @functools.wraps(original)
-    def chunk_gated_delta_rule(query, key, value, *args, g=None, beta=None, initial_state=None,
-                               output_final_state=False, cu_seqlens=None, **kwargs):
+    def chunk_gated_delta_rule(*args, **kwargs):
         region = _ACTIVE.region
-        if region is None:
-            return original(query, key, value, *args, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+        if region is None:          # outside a wired layer: the original, however it is called
+            return original(*args, **kwargs)
         from usp_hal.hybrid import head_parallel
-        mesh, layout = region
-        if args or initial_state is not None or output_final_state or cu_seqlens is not None:
+        bound = sig.bind(*args, **kwargs)
+        got = bound.arguments
+        extra = dict(got.get("kwargs", {}))
+        if got.get("initial_state") is not None or got.get("output_final_state") or \
+                extra.pop("cu_seqlens", None) is not None:
             # the model-level check refuses caches and packed batches first, on every rank
             raise NotImplementedError("usp_hal: a cached or packed gated delta rule under sequence parallelism")
+        rest = {name: value for name, value in got.items() if name not in own}
+        rest.update(extra)
+        mesh, layout = region
 
         def per_head(q, k, v, gg, bb):
-            return original(q, k, v, g=gg, beta=bb, **kwargs)[0]
+            return original(q, k, v, g=gg, beta=bb, **rest)[0]
 
-        return head_parallel(per_head, query, key, value, g, beta, grouped=(0, 1), mesh=mesh, layout=layout), None
+        return head_parallel(per_head, got["query"], got["key"], got["value"], got["g"], got["beta"],
+                             grouped=(0, 1), mesh=mesh, layout=layout), None
     return chunk_gated_delta_rule
 
 
