@@ -82,7 +82,8 @@ def _flat(model) -> torch.Tensor:
 
 
 def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False, bf16: bool = False):
+                lr: float = 3e-3, layout: str = "zigzag", packed: bool = False, bf16: bool = False,
+                low_memory: bool = False):
     """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
     rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
     import torch.distributed as dist
@@ -99,7 +100,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
         with tempfile.TemporaryDirectory() as tmp:
             args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
                                         usp_attn_type="sdpa", per_device_train_batch_size=bs, bf16=bf16,
-                                        **_common(tmp, steps, ga, lr, seed))
+                                        usp_low_memory=low_memory, **_common(tmp, steps, ga, lr, seed))
             trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                                  data_collator=_collator(packed))
             out = trainer.train()
@@ -110,6 +111,8 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
         torch.set_num_threads(threads)
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
            "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss)}
+    from usp_hal.integrations import transformers as usp
+    res["module_low_memory"] = usp._FUNCTIONS[trainer._attn_name]._module_for(trainer.usp_mesh).low_memory
     if dist.get_rank() == 0:
         res["params"] = _flat(model)
     return res

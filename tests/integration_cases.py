@@ -42,13 +42,15 @@ def _batches(steps: int, B: int, S: int, seed: int):
     return [torch.randint(0, VOCAB, (B, S), generator=g)] * steps
 
 
-def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e-3):
+def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e-3, low_memory=False):
     """Logits and 20 AdamW steps of a tiny GQA Llama, sequence-parallel vs single-process.
-    Returns (on every rank) the global losses; rank 0 adds the differences to the reference."""
+    Returns (on every rank) the global losses; rank 0 adds the differences to the reference.
+    ``low_memory``: registered with ``register(..., low_memory=...)``."""
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}{'_low' if low_memory else ''}", mesh=mesh, layout=layout,
+                        attn_type="sdpa", low_memory=low_memory)
     ref = tiny_llama(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -66,7 +68,7 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
         losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
         opt.step()
         opt.zero_grad()
-    res = {"losses": losses}
+    res = {"losses": losses, "module_low_memory": usp._FUNCTIONS[name]._module_for(mesh).low_memory}
     if mesh.sp_rank != 0:
         return res
 

@@ -37,6 +37,24 @@ def test_llama_logits_and_20_adamw_steps_match_single_process(pools, split):
         assert r["losses"] == r0["losses"]
 
 
+@pytest.mark.parametrize("U,R", [(2, 1), (1, 2)])
+def test_register_low_memory_trains_like_one_process(pools, U, R):
+    """register(..., low_memory=True): the module the integration builds is low_memory, and
+    20 AdamW steps match one process as the default module's do."""
+    res = pools(2).run(cases.llama_training, timeout=240, U=U, R=R, layout="zigzag", steps=20, S=50, low_memory=True)
+    r0 = res[0]
+    assert all(r["module_low_memory"] != 0 for r in res), res
+    assert r0["logits_diff"] <= LOGITS_TOL, r0
+    assert r0["loss_diff"] <= LOSS_TOL, r0
+    assert r0["loss_change"] > 1.0, r0
+
+
+def test_register_refuses_a_bad_low_memory_value():
+    from usp_hal.integrations import transformers as usp
+    with pytest.raises(ValueError, match="low_memory"):
+        usp.register("usp_hal_test_bad_low", low_memory="yes")
+
+
 def test_llama_with_activation_checkpointing(pools):
     r = pools(2).run(cases.llama_checkpointing, timeout=120, U=1, R=2)[0]
     assert r["checkpointing"], r

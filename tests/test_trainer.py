@@ -19,6 +19,7 @@ PARAM_TOL = 1e-4      # AdamW amplifies rounding in near-zero-gradient elements 
 CASES = {   # name: (ranks, trainer_run kwargs)
     "ring2_packed": (2, dict(U=1, R=2, ga=1, packed=True, layout="varlen_zigzag")),
     "dp2_ulysses2_ga2": (4, dict(U=2, R=1, ga=2)),
+    "ring2_low_memory": (2, dict(U=1, R=2, ga=1, low_memory=True)),     # USPTrainingArguments(usp_low_memory=True)
 }
 
 
@@ -44,6 +45,7 @@ def test_trainer_matches_single_process_trainer(pools, case):
     moved = float((ref["params"] - dist_trainer.initial_params()).abs().max())
     assert moved > 20 * PARAM_TOL, moved                         # it trained: the comparison is not trivial
     assert all(r["attn_after"] == "sdpa" for r in res)           # train() restored the model's attention
+    assert all((r["module_low_memory"] != 0) == bool(kw.get("low_memory")) for r in res)
 
 
 def _args(**kw):

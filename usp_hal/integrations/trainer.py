@@ -77,6 +77,9 @@ class USPTrainingArguments(TrainingArguments):
         "help": "how the sequence is sharded: 'zigzag' (balances causal work over a ring), 'basic', or "
                 "'varlen_zigzag' for packed batches"})
     usp_attn_type: str = field(default="auto", metadata={"help": "usp-hal kernel backend (usp-hal probe lists them)"})
+    usp_low_memory: bool = field(default=False, metadata={
+        "help": "LongContextAttention(low_memory=True): attention heads in groups one after another, a smaller "
+                "peak per rank for some more time"})
 
 
 def _refuse(what: str, why: str, instead: str) -> ValueError:
@@ -159,7 +162,8 @@ class USPTrainer(Trainer):
         layout = getattr(self.args, "usp_layout", usp.DEFAULT_LAYOUT)
         self.usp_layout = layout
         self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}", mesh=self.usp_mesh, layout=layout,
-                                       attn_type=getattr(self.args, "usp_attn_type", "auto"))
+                                       attn_type=getattr(self.args, "usp_attn_type", "auto"),
+                                       low_memory=bool(getattr(self.args, "usp_low_memory", False)))
         self._reduction_checked = False
 
     # ------------------------------------------------------------------------- set-up

@@ -207,8 +207,12 @@ class _Validated:
 class USPAttentionFunction:
     """The function registered in transformers' ``AttentionInterface`` (see :func:`register`)."""
 
-    def __init__(self, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto", rotation: str = "p2p"):
+    def __init__(self, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto", rotation: str = "p2p",
+                 low_memory=False):
+        from usp_hal.attention import _low_memory_chunks
         from usp_hal.layout import check_layout
+        _low_memory_chunks(low_memory)                   # a bad value fails at registration
+        self.low_memory = low_memory
         self.mesh = mesh
         self.layout = check_layout(layout)
         self.attn_type = attn_type
@@ -221,7 +225,8 @@ class USPAttentionFunction:
         key = id(mesh)
         if key not in self._attn:
             self._attn[key] = (mesh, usp_hal.LongContextAttention(
-                attn_type=self.attn_type, ring_impl_type=self.layout, mesh=mesh, rotation=self.rotation))
+                attn_type=self.attn_type, ring_impl_type=self.layout, mesh=mesh, rotation=self.rotation,
+                low_memory=self.low_memory))
         return self._attn[key][1]
 
     # -- checks that depend only on the call (the same on every rank of a SPMD program)
@@ -434,19 +439,20 @@ def usp_attention_forward(module, query, key, value, attention_mask=None, **kwar
 
 
 def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto",
-             rotation: str = "p2p") -> str:
+             rotation: str = "p2p", low_memory=False) -> str:
     """Register usp-hal attention with transformers under ``name`` and return the name.
 
     ``mesh``: the sequence-parallel mesh (default: the default mesh at call time);
     ``layout``: how the sequence is sharded ("zigzag" balances causal work over a ring;
     ``shard_batch`` must use the same one, which every forward checks through position_ids);
-    ``attn_type``/``rotation``: as for :class:`usp_hal.LongContextAttention`.
+    ``attn_type``/``rotation``/``low_memory``: as for :class:`usp_hal.LongContextAttention`
+    (``low_memory=True``: a smaller peak per rank for some more time, see docs/performance.md).
     Importing this module already registers ``"usp_hal"`` with the defaults.
     """
     global _DEFAULT
     _check_version()
     from transformers import AttentionInterface, AttentionMaskInterface
-    fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation)
+    fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation, low_memory=low_memory)
     _NAMES.add(name)
     _FUNCTIONS[name] = fn
     _guard_generate()
