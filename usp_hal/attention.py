@@ -86,7 +86,7 @@ class LongContextAttention(torch.nn.Module):
                  q_descale=None, k_descale=None, v_descale=None, wire_codecs: Optional[Dict[str, str]] = None,
                  low_memory: Union[bool, int] = False):
         super().__init__()
-        self.low_memory = _low_memory_chunks(low_memory)
+        self.low_memory = low_memory_groups(low_memory)
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError(
                 f"scatter_idx={scatter_idx!r}, gather_idx={gather_idx!r}: only scatter_idx=2, gather_idx=1 (yunchang's "
@@ -310,7 +310,7 @@ if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 1
     _eager = torch.compiler.disable(_eager)
 
 
-def _low_memory_chunks(value) -> int:
+def low_memory_groups(value) -> int:
     """``low_memory`` as a group count: 0 off, -1 as many groups as the heads allow, n >= 2."""
     if value is True:
         return -1

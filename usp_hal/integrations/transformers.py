@@ -209,9 +209,9 @@ class USPAttentionFunction:
 
     def __init__(self, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto", rotation: str = "p2p",
                  low_memory=False):
-        from usp_hal.attention import _low_memory_chunks
+        from usp_hal.attention import low_memory_groups
         from usp_hal.layout import check_layout
-        _low_memory_chunks(low_memory)                   # a bad value fails at registration
+        low_memory_groups(low_memory)                   # a bad value fails at registration
         self.low_memory = low_memory
         self.mesh = mesh
         self.layout = check_layout(layout)
