@@ -97,21 +97,22 @@ class _Gather(torch.autograd.Function):
     for this rank's part (an all-reduce of the small stacked gradient)."""
 
     @staticmethod
-    def forward(ctx, x, group, size):
-        import torch.distributed as dist
+    def forward(ctx, x, group, size, where):
+        from .comm import all_gather_single, collective
         x = x.contiguous()
         out = x.new_empty(size * x.shape[0], *x.shape[1:])
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the name before 2.13
-        gather(out, x, group=group)
-        ctx.group = group
+        collective("all-gather of recurrence states", where, all_gather_single, out, x, group=group)
+        ctx.group, ctx.where = group, where
         return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         import torch.distributed as dist
+
+        from .comm import collective
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[dist.get_rank(ctx.group)], None, None
+        collective("all-reduce of recurrence state gradients", ctx.where, dist.all_reduce, grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None, None, None
 
 
 class _Tie(torch.autograd.Function):
@@ -134,7 +135,7 @@ def _all_gather(x: torch.Tensor, mesh) -> torch.Tensor:
     """Every rank's ``x`` (equal shapes) stacked in group order, differentiable."""
     if mesh.sp_size == 1:
         return x.unsqueeze(0)
-    return _Gather.apply(x, mesh.sp_group, mesh.sp_size)
+    return _Gather.apply(x, mesh.sp_group, mesh.sp_size, mesh.where("sequence-parallel"))
 
 
 def _tie(y: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
@@ -223,12 +224,12 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
 def _global_length(local: int, mesh) -> int:
     """The global length from every rank's local length (one small all-gather of ints on the
     metadata group; no device sync)."""
-    import torch.distributed as dist
+    from .comm import all_gather_ints
     if mesh.sp_size == 1:
         return local
-    got = [None] * mesh.sp_size
-    dist.all_gather_object(got, int(local), group=mesh.metadata_group)
-    return int(sum(got))  # type: ignore[arg-type]
+    rows = all_gather_ints([int(local)], mesh.metadata_group, what="all-gather of local lengths",
+                           where=mesh.where("sequence-parallel"))
+    return sum(r[0] for r in rows)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None,
