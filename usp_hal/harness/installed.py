@@ -13,9 +13,16 @@ import importlib.util
 import sys
 from pathlib import Path
 
-# what a module may never be missing: the package itself and its declared dependencies; any other
-# missing module belongs to an extra ([hf], [bench], a kernel package), and its absence is no defect
-REQUIRED = {"usp_hal", "torch", "packaging", "numpy"}
+
+def required_modules() -> set:
+    """What a module may never be missing: the package itself and the dependencies its installed
+    metadata declares outside any extra (import names taken as the distribution names); any
+    other missing module belongs to an extra ([hf], [bench], a kernel package)."""
+    import importlib.metadata
+    import re
+    deps = importlib.metadata.requires("usp-hal") or []
+    return {"usp_hal"} | {re.split(r"[\s;<>=!~\[(]", d, maxsplit=1)[0].replace("-", "_").lower()
+                          for d in deps if "extra ==" not in d}
 
 
 def tree_modules(root: Path) -> list[str]:
@@ -35,6 +42,7 @@ def tree_modules(root: Path) -> list[str]:
 
 def check(root: Path) -> list[str]:
     problems, skipped = [], []
+    required = required_modules()
     spec = importlib.util.find_spec("usp_hal")
     home = Path(spec.origin if spec and spec.origin else "").resolve().parent
     if root == home or root in home.parents:
@@ -45,7 +53,7 @@ def check(root: Path) -> list[str]:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:
             top = (exc.name or "").split(".")[0]
-            if top and top not in REQUIRED:
+            if top and top not in required:
                 skipped.append(f"{name} (needs {top})")
                 continue
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
