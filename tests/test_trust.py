@@ -92,3 +92,26 @@ def test_options_key_follows_every_keyword():
     assert CallOptions.cached(cache, causal=True, return_lse=True).return_lse
     import torch
     assert CallOptions.key(softmax_scale=torch.tensor(0.5)) is None      # a tensor scale is read every call
+
+
+def test_nan_guard_marks_exactly_the_nonfinite_rows():
+    """The guard is 0 for a finite row, also one whose sum overflows, and NaN for a row with
+    a NaN or an infinity, in every input dtype; it is made under inference_mode and then used
+    outside it (a cached column that stays a normal tensor)."""
+    import torch
+
+    from usp_hal.pipeline.run import nan_guard
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        big = torch.finfo(dtype).max / 2
+        q = torch.ones(2, 3, 4, 16, dtype=dtype)
+        q[0, 1, 2] = big                              # finite; its sum overflows to inf
+        q[1, 0, 3, 5] = float("nan")
+        q[1, 2, 0, 7] = float("-inf")
+        with torch.inference_mode():
+            g = nan_guard(q)
+        g = nan_guard(q.requires_grad_(False))
+        assert g.shape == (2, 3, 4, 1) and not g.is_inference()
+        bad = torch.isnan(g).flatten().nonzero().flatten().tolist()
+        want = [(1 * 3 + 0) * 4 + 3, (1 * 3 + 2) * 4 + 0]
+        assert bad == want, (dtype, bad)
+        assert bool((g.flatten()[[i for i in range(24) if i not in want]] == 0).all()), dtype

@@ -29,9 +29,20 @@ def step(name: Optional[str]) -> None:
 
 
 def nan_guard(qh: torch.Tensor) -> torch.Tensor:
-    """``[B, S, h, 1]``: 0 for rows whose query is finite, NaN otherwise (some kernels return
-    a finite row for a non-finite query; adding this keeps single-device semantics)."""
-    return qh.sum(dim=-1, keepdim=True, dtype=torch.float32 if qh.dtype != torch.float64 else torch.float64) * 0
+    """``[B, S, h, 1]`` in ``qh``'s dtype: 0 for rows whose query is finite, NaN otherwise
+    (some kernels return a finite row for a non-finite query; adding this keeps
+    single-device semantics).  One launch: the rows times a zero column (``x * 0`` is 0 for
+    any finite ``x`` and NaN for NaN or inf; a sum of the row would overflow to inf for
+    large finite values)."""
+    key = (qh.shape[-1], qh.dtype, qh.device)
+    zero = _ZERO_COLUMNS.get(key)
+    if zero is None:
+        with torch.inference_mode(False):      # a normal tensor, usable under any grad mode
+            zero = _ZERO_COLUMNS[key] = torch.zeros((qh.shape[-1], 1), dtype=qh.dtype, device=qh.device)
+    return torch.matmul(qh, zero)
+
+
+_ZERO_COLUMNS: dict = {}     # (head dim, dtype, device) -> the zero column nan_guard multiplies by
 
 
 def add_sink(out, lse, sink):
