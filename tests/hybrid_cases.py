@@ -71,10 +71,18 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
         res[mt] = error_of(lambda m=model: m(**batch))
         res[mt + "_again"] = error_of(lambda m=model: m(**batch))          # refused every time, not only once
         res[mt + "_generate"] = error_of(lambda m=model: m.generate(**gen, max_new_tokens=2, do_sample=False))
+    packed = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=(0, 7, S))
+    lfm2 = tiny_hybrid("lfm2")
+    lfm2.set_attn_implementation(name)
+    res["lfm2_packed"] = error_of(lambda: lfm2(**packed))          # a type not tested with documents
+    res["bad_recurrence"] = error_of(lambda: usp.register("usp_hal_bad", mesh=mesh, recurrence="scan"))
+    forced = usp.register(f"usp_hal_hybrid_u{U}r{R}_sp", mesh=mesh, layout="zigzag", attn_type="sdpa",
+                          recurrence="state_passing")
+    kimi = tiny_hybrid("kimi_linear")
+    kimi.set_attn_implementation(forced)
+    res["kimi_linear_state_passing"] = error_of(lambda: kimi(**batch))     # KDA has no state-passing form
     model = tiny_hybrid("qwen3_next")
     model.set_attn_implementation(name)
-    packed = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=(0, 7, S))
-    res["qwen3_next_packed"] = error_of(lambda: model(**packed))
     res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
     res["qwen3_next_generate"] = error_of(lambda: model.generate(**gen, max_new_tokens=2, do_sample=False))
     def run():

@@ -1,10 +1,12 @@
 """Layers that mix positions outside attention, under ``attn_implementation="usp_hal"``.
 
 Covered (run sequence-parallel, tested against one process): the gated DeltaNet layers of
-``qwen3_next``, the short convolutions of ``lfm2`` and the Mamba2 mixers of ``nemotron_h``:
-their projections stay on the sequence shards and only their per-head operators (the causal
-convolution, the chunked gated delta rule, the SSD scan) run through
-:func:`usp_hal.head_parallel` (see :func:`wire`).  Every other such layer is refused.
+``qwen3_next``, the short convolutions of ``lfm2``, the Mamba2 mixers of ``nemotron_h`` and the
+KDA layers of ``kimi_linear``: their projections stay on the sequence shards and only their
+per-head operators (the causal convolution, the chunked gated delta rule or KDA, the SSD scan)
+run through :func:`usp_hal.head_parallel`, the convolutions through their halo exchange, and
+the GDN and SSD recurrences through :mod:`usp_hal.state_passing` when ``recurrence`` says so
+(see :func:`wire` and :data:`RECURRENCES`).  Every other such layer is refused.
 
 Sequence parallelism shards the sequence for the attention layers; any other layer that
 mixes positions (a recurrence, a convolution over the sequence, a token shift) would then
