@@ -25,7 +25,15 @@ def tiny_hybrid(model_type: str, seed: int = 0):
         "nemotron_h": dict(layers_block_type=["mamba", "attention"], head_dim=16, ssm_state_size=8,
                            mamba_num_heads=6, mamba_head_dim=8, n_groups=3, expand=1, chunk_size=16,
                            conv_kernel=4),
+        # KDA (6 heads, per-channel decay) + MLA attention (Dk = 8 + 8 != Dv = 12)
+        "kimi_linear": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=None,
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, linear_head_dim=8,
+                            linear_num_heads=6, moe_intermediate_size=32, num_local_experts=4,
+                            num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     }[model_type]
+    if model_type == "kimi_linear":
+        common.update(num_key_value_heads=4)
     if model_type == "nemotron_h":
         common.update(hidden_size=48)
     if model_type == "mamba":
@@ -63,10 +71,18 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
         res[mt] = error_of(lambda m=model: m(**batch))
         res[mt + "_again"] = error_of(lambda m=model: m(**batch))          # refused every time, not only once
         res[mt + "_generate"] = error_of(lambda m=model: m.generate(**gen, max_new_tokens=2, do_sample=False))
+    packed = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=(0, 7, S))
+    lfm2 = tiny_hybrid("lfm2")
+    lfm2.set_attn_implementation(name)
+    res["lfm2_packed"] = error_of(lambda: lfm2(**packed))          # a type not tested with documents
+    res["bad_recurrence"] = error_of(lambda: usp.register("usp_hal_bad", mesh=mesh, recurrence="scan"))
+    forced = usp.register(f"usp_hal_hybrid_u{U}r{R}_sp", mesh=mesh, layout="zigzag", attn_type="sdpa",
+                          recurrence="state_passing")
+    kimi = tiny_hybrid("kimi_linear")
+    kimi.set_attn_implementation(forced)
+    res["kimi_linear_state_passing"] = error_of(lambda: kimi(**batch))     # KDA has no state-passing form
     model = tiny_hybrid("qwen3_next")
     model.set_attn_implementation(name)
-    packed = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=(0, 7, S))
-    res["qwen3_next_packed"] = error_of(lambda: model(**packed))
     res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
     res["qwen3_next_generate"] = error_of(lambda: model.generate(**gen, max_new_tokens=2, do_sample=False))
     def run():
@@ -240,12 +256,65 @@ def _max_diff(a, b) -> float:
     return float((a.detach().double() - b.detach().double()).abs().max())
 
 
+def _reference_step(ref, ids, cu):
+    """Logits and loss of one process: the whole rows, or each document of ``cu`` on its own
+    (positions from 0, no label across a document end), the loss over every counted label."""
+    if cu is None:
+        out = ref(input_ids=ids, labels=ids)
+        return out.logits, out.loss
+    logits = torch.cat([ref(input_ids=ids[:, a:e]).logits for a, e in zip(cu[:-1], cu[1:])], dim=1)
+    labels = torch.full_like(ids, -100)
+    for a, e in zip(cu[:-1], cu[1:]):
+        labels[:, a:e - 1] = ids[:, a + 1:e]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                             reduction="sum") / int((labels != -100).sum())
+    return logits, loss
+
+
+class _Mutant:
+    """A defect put into the sequence-parallel path for one run (to show the comparison sees
+    it): ``drop_state`` (state passing hands every piece a zero state), ``short_halo`` (the conv
+    halo one token short), ``drop_documents`` (the layers' operators ignore document starts)."""
+
+    def __init__(self, kind):
+        self.kind, self.undo = kind, []
+
+    def _patch(self, obj, name, value):
+        self.undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def __enter__(self):
+        import usp_hal.hybrid as hp
+        import usp_hal.state_passing as sp
+        if self.kind == "drop_state":
+            self._patch(sp, "_carry_in", lambda finals, plan, where, dv: [None] * len(plan))
+        elif self.kind == "short_halo":
+            conv = hp.halo_causal_conv
+            self._patch(hp, "halo_causal_conv",
+                        lambda x, w, b=None, **kw: conv(x, w, b, _halo_width=int(w.shape[-1]) - 2, **kw))
+        elif self.kind == "drop_documents":
+            for mod, name in ((hp, "halo_causal_conv"), (hp, "head_parallel"), (sp, "gated_delta_rule"),
+                              (sp, "ssd")):
+                fn = getattr(mod, name)
+                self._patch(mod, name, lambda *a, _fn=fn, **kw: _fn(*a, **{**kw, "cu_seqlens": None}))
+        elif self.kind is not None:
+            raise ValueError(self.kind)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self.undo):
+            setattr(obj, name, value)
+
+
 def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3, B=2, S=40, seed=0, lr=1e-3,
-                    unwired=False, conv="auto"):
+                    unwired=False, conv="auto", recurrences=("auto",), cu=None, mutants=(), dtype="fp32"):
     """Logits, loss, every gradient and ``steps`` AdamW steps of a tiny hybrid under
-    attn_implementation="usp_hal", against the same model in one process (on rank 0).
+    attn_implementation="usp_hal", against the same model in one process (on rank 0), for each
+    of ``recurrences`` (register(..., recurrence=)) and then each of ``mutants`` (see
+    :class:`_Mutant`; run with the first recurrence).  ``cu``: packed documents (global
+    boundaries, through shard_batch); the one process then runs each document on its own.
     ``unwired``: run the hybrid layers on each rank's shard (the defect), to show the
-    comparison fails then."""
+    comparison fails then.  ``dtype``: of the model ("fp32", "fp64").  Returns ``{run name: results}``."""
     import copy
 
     import usp_hal
@@ -253,60 +322,74 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_hybrid_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
-    ref = tiny_hybrid(model_type, seed)
+    ref = tiny_hybrid(model_type, seed).to({"fp32": torch.float32, "fp64": torch.float64}[dtype])
     ref.set_attn_implementation("sdpa")
-    model = copy.deepcopy(ref)
-    model.set_attn_implementation(name)
+    start = copy.deepcopy(ref)
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1))
+    batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout, cu_seqlens=cu)
     find = hybrid.find_sequence_mixers
     hybrid.CONV_EXCHANGE = conv
-    if unwired:             # neither wired nor refused: the layers run on each rank's shard
-        hybrid.COVERED_MODEL_TYPES.discard(model_type)
-        hybrid.find_sequence_mixers = lambda m, **kw: []
-    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1))
-    try:
-        out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
-        logits = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh)
-        out.loss.backward()
-        loss0 = float(usp.sync_gradients(model, mesh, out.loss))
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        opt.step()
-        opt.zero_grad()
-        losses = [loss0]
-        for _ in range(steps - 1):
-            out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
-            out.loss.backward()
-            losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
-            opt.step()
-            opt.zero_grad()
-    finally:
-        if unwired:
-            hybrid.COVERED_MODEL_TYPES.add(model_type)
-            hybrid.find_sequence_mixers = find
-    res = {"losses": losses, "wired": [p for p, m in model.named_modules() if getattr(m, hybrid._COVERED, False)]}
+    runs = [(rec, rec, None) for rec in recurrences] + [(m, recurrences[0], m) for m in mutants]
+    out_all: dict = {}
+    for run_name, rec, mutant in runs:
+        name = usp.register(f"usp_hal_hybrid_u{U}r{R}_{layout}_{rec}", mesh=mesh, layout=layout, attn_type="sdpa",
+                            recurrence=rec)
+        model = copy.deepcopy(start)
+        model.set_attn_implementation(name)
+        if unwired:             # neither wired nor refused: the layers run on each rank's shard
+            hybrid.COVERED_MODEL_TYPES.discard(model_type)
+            hybrid.find_sequence_mixers = lambda m, **kw: []
+        try:
+            with _Mutant(mutant):
+                out = model(**batch)
+                logits = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh, cu_seqlens=cu)
+                out.loss.backward()
+                loss0 = float(usp.sync_gradients(model, mesh, out.loss))
+                grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                opt = torch.optim.AdamW(model.parameters(), lr=lr)
+                opt.step()
+                opt.zero_grad()
+                losses = [loss0]
+                for _ in range(steps - 1):
+                    out = model(**batch)
+                    out.loss.backward()
+                    losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            if unwired:
+                hybrid.COVERED_MODEL_TYPES.add(model_type)
+                hybrid.find_sequence_mixers = find
+        modes = {p: m.__dict__[hybrid._WIRED][2] for p, m in model.named_modules() if hybrid._WIRED in m.__dict__}
+        out_all[run_name] = {"losses": losses, "modes": modes, "logits": logits, "grads": grads,
+                             "params": [p.detach().clone() for p in model.parameters()],
+                             "wired": [p for p, m in model.named_modules() if getattr(m, hybrid._COVERED, False)]}
     if mesh.sp_rank != 0:
-        return res
-    rout = ref(input_ids=ids, labels=ids)
-    rout.loss.backward()
+        return {k: {"losses": v["losses"], "modes": v["modes"]} for k, v in out_all.items()}
+    rlogits, rloss = _reference_step(ref, ids, cu)
+    rloss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
     ropt.step()
     ropt.zero_grad()
-    ref_losses = [rout.loss.item()]
+    ref_losses = [rloss.item()]
     for _ in range(steps - 1):
-        o = ref(input_ids=ids, labels=ids)
-        o.loss.backward()
-        ref_losses.append(o.loss.item())
+        _, loss = _reference_step(ref, ids, cu)
+        loss.backward()
+        ref_losses.append(loss.item())
         ropt.step()
         ropt.zero_grad()
-    gdiff = {n: _max_diff(grads.get(n, torch.zeros_like(g)), g) / (float(g.abs().max()) + 1e-12)
-             for n, g in ref_grads.items()}
-    worst = max(gdiff, key=lambda n: gdiff[n])
-    res.update(logits_diff=_max_diff(logits, rout.logits), ref_losses=ref_losses,
-               loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-               grad_rel=gdiff[worst], worst_grad=worst, n_grads=len(ref_grads), same_grads=set(grads) == set(ref_grads),
-               param_diff=max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())))
+    res = {}
+    for run_name, got in out_all.items():
+        grads = got["grads"]
+        gdiff = {n: _max_diff(grads.get(n, torch.zeros_like(g)), g) / (float(g.abs().max()) + 1e-12)
+                 for n, g in ref_grads.items()}
+        worst = max(gdiff, key=lambda n: gdiff[n])
+        res[run_name] = dict(
+            losses=got["losses"], modes=got["modes"], wired=got["wired"], logits_diff=_max_diff(got["logits"], rlogits),
+            ref_losses=ref_losses, loss_diff=max(abs(a - b) for a, b in zip(got["losses"], ref_losses)),
+            grad_rel=gdiff[worst], worst_grad=worst, n_grads=len(ref_grads), same_grads=set(grads) == set(ref_grads),
+            param_diff=max(_max_diff(p, q) for p, q in zip(got["params"], ref.parameters())))
     return res
 
 

@@ -1,10 +1,12 @@
 """Layers that mix positions outside attention, under ``attn_implementation="usp_hal"``.
 
 Covered (run sequence-parallel, tested against one process): the gated DeltaNet layers of
-``qwen3_next``, the short convolutions of ``lfm2`` and the Mamba2 mixers of ``nemotron_h``:
-their projections stay on the sequence shards and only their per-head operators (the causal
-convolution, the chunked gated delta rule, the SSD scan) run through
-:func:`usp_hal.head_parallel` (see :func:`wire`).  Every other such layer is refused.
+``qwen3_next``, the short convolutions of ``lfm2``, the Mamba2 mixers of ``nemotron_h`` and the
+KDA layers of ``kimi_linear``: their projections stay on the sequence shards and only their
+per-head operators (the causal convolution, the chunked gated delta rule or KDA, the SSD scan)
+run through :func:`usp_hal.head_parallel`, the convolutions through their halo exchange, and
+the GDN and SSD recurrences through :mod:`usp_hal.state_passing` when ``recurrence`` says so
+(see :func:`wire` and :data:`RECURRENCES`).  Every other such layer is refused.
 
 Sequence parallelism shards the sequence for the attention layers; any other layer that
 mixes positions (a recurrence, a convolution over the sequence, a token shift) would then
@@ -46,7 +48,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-__all__ = ["Finding", "find_sequence_mixers", "model_problem", "SequenceMixerError"]
+__all__ = ["Finding", "find_sequence_mixers", "model_problem", "SequenceMixerError", "RECURRENCES", "wire"]
 
 
 class SequenceMixerError(NotImplementedError):
@@ -247,11 +249,12 @@ def _before_forward(model, args, kwargs):
         return None
     import usp_hal
     mesh = fn.mesh if fn.mesh is not None else usp_hal.get_default_mesh()
-    key = (_implementation(model), id(mesh))
+    recurrence = _RECURRENCE.get(_implementation(model), "auto")
+    key = (_implementation(model), id(mesh), recurrence)
     if model.__dict__.get(_CHECKED) != key:
         if mesh.sp_size > 1:
-            wire(model, mesh, fn.layout)
-        check_model(model, mesh)
+            wire(model, mesh, fn.layout, recurrence)
+        check_model(model, mesh, recurrence)
         for sub in model.modules():           # sub-models (the base model inside a ForCausalLM) are checked too
             if _HOOKED in sub.__dict__:
                 sub.__dict__[_CHECKED] = key
@@ -264,14 +267,16 @@ def _before_forward(model, args, kwargs):
     return None
 
 
-def check_model(model: nn.Module, mesh) -> None:
+def check_model(model: nn.Module, mesh, recurrence: str = "auto") -> None:
     """Refuse ``model`` on every rank of ``mesh``'s sequence-parallel group (one small
-    all-gather on its CPU metadata group) when it has uncovered layers that mix positions;
-    nothing to do on a group of one rank (nothing is sharded)."""
+    all-gather on its CPU metadata group) when it has uncovered layers that mix positions, or
+    covered layers that cannot run ``recurrence``; nothing to do on a group of one rank
+    (nothing is sharded)."""
     if mesh.sp_size == 1:
         return
     from usp_hal.comm import agree
-    agree(model_problem(model), mesh.metadata_group, what="usp_hal sequence parallelism (transformers)",
+    problem = model_problem(model) or recurrence_problem(model, recurrence)
+    agree(problem, mesh.metadata_group, what="usp_hal sequence parallelism (transformers)",
           where=mesh.where("sequence-parallel"), ranks=mesh.sp_ranks)
 
 
@@ -304,15 +309,84 @@ COVERED_LAYERS = {
     "Lfm2ShortConv": ("transformers.models.lfm2.modeling_lfm2", ("causal_conv1d_fn",)),
     "NemotronHMamba2Mixer": ("transformers.models.nemotron_h.modeling_nemotron_h",
                              ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "mamba2_chunk_scan")),
+    "KimiLinearDeltaAttention": ("transformers.models.kimi_linear.modeling_kimi_linear",
+                                 ("causal_conv1d_fn", "chunk_kimi_delta_attention")),
 }
+# attention layers whose class name reads like a sequence mixer's: they mix positions through
+# AttentionInterface only (hence usp_hal's attention); wire() marks them covered, nothing more
+ATTENTION_LAYERS = {"KimiLinearAttention"}      # kimi_linear's MLA
 # model types whose every layer that mixes positions is covered, tested against one process
-COVERED_MODEL_TYPES = {"qwen3_next", "lfm2", "nemotron_h"}
+COVERED_MODEL_TYPES = {"qwen3_next", "lfm2", "nemotron_h", "kimi_linear"}
+# covered layers whose recurrence can also run by state passing (usp_hal.state_passing)
+STATE_PASSING_LAYERS = {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                        "NemotronHMamba2Mixer"}
+# covered layers with no recurrence (a short convolution only: its halo is all that crosses ranks)
+CONV_ONLY_LAYERS = {"Lfm2ShortConv"}
+# model types tested with packed documents (shard_batch(..., cu_seqlens=...)) against one process
+# that runs each document on its own; the others refuse packed input
+PACKED_MODEL_TYPES = {"qwen3_next", "nemotron_h"}
+
+#: how a covered layer's recurrence (gated delta rule, KDA, SSD scan) crosses the shards; the
+#: default of :func:`usp_hal.integrations.transformers.register`'s ``recurrence=``:
+#: "head_parallel" (all-to-all of every head's sequence: bytes grow with S),
+#: "state_passing" (each rank keeps its tokens; one all-gather of every piece's state, bytes
+#: independent of S; refused for a layer without it), or "auto": state passing when the ring
+#: degree is above 1, the layout is not ``stripe`` (whose pieces are single tokens) and the
+#: layer has it, else head-parallel
+RECURRENCES = ("auto", "head_parallel", "state_passing")
 
 _WIRED = "_usp_hal_wired"
 
 
+def check_recurrence(recurrence) -> str:
+    """``recurrence`` if it is one of :data:`RECURRENCES`, else ValueError naming them."""
+    if recurrence not in RECURRENCES:
+        raise ValueError(f"recurrence={recurrence!r}: expected one of {RECURRENCES}")
+    return recurrence
+
+
+_RECURRENCE: dict = {}       # attention implementation name -> its register(..., recurrence=)
+
+
+def set_recurrence(name: str, recurrence: str) -> None:
+    """The ``recurrence`` of the attention implementation ``name`` (checked)."""
+    _RECURRENCE[name] = check_recurrence(recurrence)
+
+
+def layer_recurrence(cls_name: str, recurrence: str, mesh, layout: str) -> str:
+    """How the recurrence of a covered layer of class ``cls_name`` runs: "none" (no recurrence),
+    "head_parallel" or "state_passing" (see :data:`RECURRENCES` for the rule of "auto")."""
+    if cls_name in CONV_ONLY_LAYERS:
+        return "none"
+    if recurrence == "auto":
+        use = mesh.ring_degree > 1 and layout != "stripe" and cls_name in STATE_PASSING_LAYERS
+        return "state_passing" if use else "head_parallel"
+    return check_recurrence(recurrence)
+
+
+def recurrence_problem(model: nn.Module, recurrence: str) -> Optional[str]:
+    """Why ``recurrence`` cannot run on ``model``'s covered layers (None when it can): forcing
+    state passing on a layer that has no state-passing form."""
+    if recurrence != "state_passing":
+        return None
+    bad = [f"{p} ({type(m).__name__})" for p, m in _covered_layers(model)
+           if type(m).__name__ not in STATE_PASSING_LAYERS | CONV_ONLY_LAYERS]
+    if not bad:
+        return None
+    return (f"recurrence='state_passing' for model type {model_type(model)!r}: its layers {bad[:4]} have no "
+            "state-passing form in usp_hal; use recurrence='auto' or 'head_parallel' (they run head-parallel)")
+
+
+@dataclass(frozen=True)
+class _Region:
+    mesh: object
+    layout: str
+    recurrence: str                 # "none", "head_parallel" or "state_passing"
+    cu: Optional[tuple] = None      # global document boundaries of this call (packed documents)
+
+
 class _Active(threading.local):
-    region: Optional[tuple] = None      # (mesh, layout) while a covered layer runs
+    region: Optional[_Region] = None      # while a covered layer runs
 
 
 _ACTIVE = _Active()
@@ -320,23 +394,32 @@ _PATCHED: dict = {}
 
 
 def _enter(module, args, kwargs):
-    _ACTIVE.region = module.__dict__[_WIRED]
+    mesh, layout, recurrence = module.__dict__[_WIRED]
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        from usp_hal.positions import as_cu_seqlens
+        cu = as_cu_seqlens(cu)
+    _ACTIVE.region = _Region(mesh, layout, recurrence, cu)
 
 
 def _leave(module, args, kwargs, output):
     _ACTIVE.region = None
 
 
-def wire(model: nn.Module, mesh, layout: str) -> List[str]:
+def wire(model: nn.Module, mesh, layout: str, recurrence: str = "auto") -> List[str]:
     """Mark the covered layers of ``model`` and route their per-head operators through the
-    head-parallel region on ``mesh`` in ``layout`` (once per layer; the mesh and layout are
-    updated when they change).  Returns the paths wired."""
+    head-parallel region, or their recurrences through state passing (``recurrence``, see
+    :data:`RECURRENCES`), on ``mesh`` in ``layout`` (once per layer; the mesh, layout and
+    recurrence are updated when they change).  Returns the paths wired."""
     import importlib
+    check_recurrence(recurrence)
     if model_type(model) not in COVERED_MODEL_TYPES:
         return []
     done = []
     for path, module in model.named_modules():
         entry = COVERED_LAYERS.get(type(module).__name__)
+        if type(module).__name__ in ATTENTION_LAYERS:
+            mark_covered(module)
         if entry is None:
             continue
         modname, names = entry
@@ -350,7 +433,7 @@ def wire(model: nn.Module, mesh, layout: str) -> List[str]:
         if _WIRED not in module.__dict__:
             module.register_forward_pre_hook(_enter, with_kwargs=True)
             module.register_forward_hook(_leave, with_kwargs=True, always_call=True)
-        module.__dict__[_WIRED] = (mesh, layout)
+        module.__dict__[_WIRED] = (mesh, layout, layer_recurrence(type(module).__name__, recurrence, mesh, layout))
         mark_covered(module)
         done.append(path)
     if done:
@@ -364,6 +447,16 @@ def wire(model: nn.Module, mesh, layout: str) -> List[str]:
 #: "auto" (halo unless the layout is stripe, whose runs are single tokens)
 CONV_EXCHANGE = "auto"
 
+_PACKING_KWARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _per_document(run, tensors, cu):
+    """``run(*tensors)`` on each document's stretch of dim 1 (``cu``: boundaries in that
+    sequence), concatenated; ``run(*tensors)`` when there are no documents."""
+    if cu is None:
+        return run(*tensors)
+    return torch.cat([run(*(t[:, a:e] for t in tensors)) for a, e in zip(cu[:-1], cu[1:]) if e > a], dim=1)
+
 
 def _conv_route(original):
     import functools
@@ -374,29 +467,34 @@ def _conv_route(original):
         if region is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         from usp_hal.hybrid import halo_causal_conv, head_parallel
-        mesh, layout = region
+        mesh, layout, cu = region.mesh, region.layout, region.cu
         mode = CONV_EXCHANGE if CONV_EXCHANGE != "auto" else ("head_parallel" if layout == "stripe" else "halo")
         if mode == "halo":
             from transformers.activations import ACT2FN
             x = hidden_states.transpose(1, 2).to(weight.dtype)          # [B, C, S_local] -> [B, S_local, C]
-            out = halo_causal_conv(x, weight, bias, mesh=mesh, layout=layout)
+            out = halo_causal_conv(x, weight, bias, mesh=mesh, layout=layout, cu_seqlens=cu)
             if activation is not None:
                 out = ACT2FN[activation](out)
             return out.transpose(1, 2).to(hidden_states.dtype)
 
-        def per_channel(x, heads):       # x [B, S, c, 1]: this rank's channels, the whole sequence
+        def per_channel(x, heads, cu_seqlens=None):    # x [B, S, c, 1]: this rank's channels, the whole sequence
             sl = slice(heads.start, heads.stop)
-            out = original(x.squeeze(-1).transpose(1, 2), weight[sl], None if bias is None else bias[sl],
-                           activation=activation)
-            return out.transpose(1, 2).unsqueeze(-1)
+
+            def run(xs):
+                out = original(xs.squeeze(-1).transpose(1, 2), weight[sl], None if bias is None else bias[sl],
+                               activation=activation)
+                return out.transpose(1, 2).unsqueeze(-1)
+            return _per_document(run, [x], cu_seqlens)
 
         x = hidden_states.transpose(1, 2).unsqueeze(-1)            # [B, C, S_local] -> [B, S_local, C, 1]
-        out = head_parallel(per_channel, x, mesh=mesh, layout=layout, with_heads=True)
+        out = head_parallel(per_channel, x, mesh=mesh, layout=layout, with_heads=True, cu_seqlens=cu)
         return out.squeeze(-1).transpose(1, 2)
     return causal_conv1d_fn
 
 
 def _gdn_route(original):
+    """The gated delta rule (qwen3_next's ``torch_chunk_gated_delta_rule``) or KDA (kimi_linear's
+    ``chunk_kimi_delta_attention``: the same signature, ``g`` per key channel)."""
     import functools
     import inspect
 
@@ -412,19 +510,31 @@ def _gdn_route(original):
         bound = sig.bind(*args, **kwargs)
         got = bound.arguments
         extra = dict(got.get("kwargs", {}))
-        if got.get("initial_state") is not None or got.get("output_final_state") or \
-                extra.pop("cu_seqlens", None) is not None:
-            # the model-level check refuses caches and packed batches first, on every rank
-            raise NotImplementedError("usp_hal: a cached or packed gated delta rule under sequence parallelism")
+        cu = region.cu
+        if cu is None and extra.get("cu_seqlens") is not None:
+            from usp_hal.positions import as_cu_seqlens
+            cu = as_cu_seqlens(extra["cu_seqlens"])
+        if got.get("initial_state") is not None or got.get("output_final_state"):
+            # the model-level check refuses caches first, on every rank
+            raise NotImplementedError("usp_hal: a cached gated delta rule under sequence parallelism")
         rest = {name: value for name, value in got.items() if name not in own}
-        rest.update(extra)
-        mesh, layout = region
+        rest.update({k: v for k, v in extra.items() if k not in _PACKING_KWARGS})
+        mesh, layout = region.mesh, region.layout
+        q, k, v, g, beta = (got[n] for n in ("query", "key", "value", "g", "beta"))
+        if region.recurrence == "state_passing":
+            from usp_hal.state_passing import gated_delta_rule
 
-        def per_head(q, k, v, gg, bb):
-            return original(q, k, v, g=gg, beta=bb, **rest)[0]
+            def kernel(q, k, v, g, beta, initial_state=None, output_final_state=True):
+                return original(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                                **rest)
+            return gated_delta_rule(q, k, v, g, beta, mesh=mesh, layout=layout, cu_seqlens=cu, kernel=kernel), None
 
-        return head_parallel(per_head, got["query"], got["key"], got["value"], got["g"], got["beta"],
-                             grouped=(0, 1), mesh=mesh, layout=layout), None
+        def per_head(q, k, v, gg, bb, cu_seqlens=None):
+            return _per_document(lambda *xs: original(*xs[:3], g=xs[3], beta=xs[4], **rest)[0],
+                                 [q, k, v, gg, bb], cu_seqlens)
+
+        return head_parallel(per_head, q, k, v, g, beta, grouped=(0, 1), mesh=mesh, layout=layout,
+                             cu_seqlens=cu), None
     return chunk_gated_delta_rule
 
 
@@ -450,22 +560,38 @@ def _ssd_route(original):
             return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
                             return_final_states=return_final_states, **kwargs)
         from usp_hal.hybrid import head_parallel
-        mesh, layout = region
-        if initial_states is not None or return_final_states or kwargs.get("cu_seqlens") is not None:
-            raise NotImplementedError("usp_hal: a cached or packed Mamba2 scan under sequence parallelism")
-        kwargs = {k: v for k, v in kwargs.items() if k in ("dt_softplus", "dt_limit", "z")}
+        mesh, layout, cu = region.mesh, region.layout, region.cu
+        if initial_states is not None or return_final_states:
+            raise NotImplementedError("usp_hal: a cached Mamba2 scan under sequence parallelism")
+        if kwargs.get("z") is not None:
+            raise NotImplementedError("usp_hal: a Mamba2 scan gated by z inside the scan under sequence parallelism")
+        kwargs = {k: v for k, v in kwargs.items() if k in ("dt_softplus", "dt_limit")}
+        if region.recurrence == "state_passing":
+            from usp_hal.state_passing import ssd
 
-        def per_head(x, d_t, b, c, heads):     # A, D and dt_bias are per head: this rank's slice
+            def kernel(x, d_t, A, b, c, initial_state=None):     # states [B, H, N, P] here, [B, H, P, N] there
+                init = None if initial_state is None else initial_state.transpose(-1, -2)
+                y, final = original(x, d_t, A, b, c, chunk_size, D=None, dt_bias=dt_bias, initial_states=init,
+                                    return_final_states=True, **kwargs)
+                return y, final.transpose(-1, -2)
+            y = ssd(hidden_states, dt, A, B, C, mesh=mesh, layout=layout, cu_seqlens=cu, kernel=kernel)
+            return y if D is None else y + D[..., None] * hidden_states.float()     # the per-token skip, as there
+
+        def per_head(x, d_t, b, c, heads, cu_seqlens=None):     # A, D and dt_bias are per head: this rank's slice
             sl = slice(heads.start, heads.stop)
-            return original(x, d_t, A[sl], b, c, chunk_size, D=None if D is None else D[sl],
-                            dt_bias=None if dt_bias is None else dt_bias[sl], **kwargs)
+
+            def run(x, d_t, b, c):
+                return original(x, d_t, A[sl], b, c, chunk_size, D=None if D is None else D[sl],
+                                dt_bias=None if dt_bias is None else dt_bias[sl], **kwargs)
+            return _per_document(run, [x, d_t, b, c], cu_seqlens)
 
         return head_parallel(per_head, hidden_states, dt, B, C, grouped=(2, 3), mesh=mesh, layout=layout,
-                             with_heads=True)
+                             with_heads=True, cu_seqlens=cu)
     return mamba2_chunk_scan
 
 
 _ROUTES = {"causal_conv1d_fn": _conv_route, "torch_chunk_gated_delta_rule": _gdn_route,
+           "chunk_kimi_delta_attention": _gdn_route,
            "mamba2_split_conv1d_scan_combined": _fused_route, "mamba2_chunk_scan": _ssd_route}
 
 
@@ -474,9 +600,10 @@ def call_problem(model: nn.Module, kwargs: dict) -> Optional[str]:
     ``use_cache=False`` when the caller left it unset (a sharded recurrent state is no cache)."""
     if not getattr(model, _COVERED_MODEL, False):
         return None
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+    packed = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+    if packed and model_type(model) not in PACKED_MODEL_TYPES:
         return (f"packed documents (cu_seq_lens_q/k) with the recurrent layers of model type {model_type(model)!r}: "
-                "transformers' torch kernels for them do not restart at document starts; pass one document per row")
+                f"not tested for this type (tested: {sorted(PACKED_MODEL_TYPES)}); pass one document per row")
     if kwargs.get("use_cache"):
         return (f"use_cache=True with the recurrent layers of model type {model_type(model)!r} (their state is "
                 "split over the ranks' heads); pass use_cache=False")

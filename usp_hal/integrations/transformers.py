@@ -439,7 +439,7 @@ def usp_attention_forward(module, query, key, value, attention_mask=None, **kwar
 
 
 def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto",
-             rotation: str = "p2p", low_memory=False) -> str:
+             rotation: str = "p2p", low_memory=False, recurrence: str = "auto") -> str:
     """Register usp-hal attention with transformers under ``name`` and return the name.
 
     ``mesh``: the sequence-parallel mesh (default: the default mesh at call time);
@@ -447,11 +447,17 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
     ``shard_batch`` must use the same one, which every forward checks through position_ids);
     ``attn_type``/``rotation``/``low_memory``: as for :class:`usp_hal.LongContextAttention`
     (``low_memory=True``: a smaller peak per rank for some more time, see docs/performance.md).
+    ``recurrence``: how the recurrences of covered hybrid layers (gated DeltaNet, KDA, Mamba2)
+    cross the shards: ``"head_parallel"``, ``"state_passing"`` or ``"auto"`` (state passing
+    when the ring degree is above 1 and the layer has it; see docs/hybrid.md).
     Importing this module already registers ``"usp_hal"`` with the defaults.
     """
     global _DEFAULT
     _check_version()
     from transformers import AttentionInterface, AttentionMaskInterface
+
+    from .hybrid import set_recurrence
+    set_recurrence(name, recurrence)        # a bad value fails at registration
     fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation, low_memory=low_memory)
     _NAMES.add(name)
     _FUNCTIONS[name] = fn
