@@ -40,10 +40,18 @@ def tiny_qwen(seed=0):
                                        axes_dims_rope=(8, 4, 4))
 
 
-def qwen_inputs(B=2, h=4, w=5, text_len=7, seed=0):
+def qwen_inputs(B=2, h=4, w=5, text_len=7, seed=0, text_pad=0):
+    """``text_pad``: a text mask (``encoder_hidden_states_mask``, which QwenImagePipeline passes)
+    with the last ``text_pad`` tokens of row 1 and token 1 of row 0 padding; the processor
+    makes it a key mask over the joint [text; image] sequence."""
     g = torch.Generator().manual_seed(seed + 7)
+    mask = None
+    if text_pad:
+        mask = torch.ones(B, text_len, dtype=torch.long)
+        mask[1, text_len - text_pad:] = 0
+        mask[0, 1] = 0
     return dict(hidden_states=torch.randn(B, h * w, 16, generator=g),
-                encoder_hidden_states=torch.randn(B, text_len, 16, generator=g),
+                encoder_hidden_states=torch.randn(B, text_len, 16, generator=g), encoder_hidden_states_mask=mask,
                 timestep=torch.rand(B, generator=g), img_shapes=[[(1, h, w)]] * B)
 
 
@@ -130,3 +138,57 @@ def model_case(name: str, U=2, R=1, seed=0, control=None, **input_kw):
             "param_grad_scale": max(float(g.abs().max()) for g in rparams.values()),
             "params_compared": len(rparams), "params_missing": sorted(set(rparams) - set(params)),
             "cross_calls": cross["calls"]}
+
+
+def mask_refusals(U=1, R=2, text_len=7, seed=0):
+    """Masks over the sharded joint sequence that are not key padding, refused on every rank
+    before any data moves (tiny Flux, whose processor passes ``attention_mask`` as given): a
+    bias, padding that differs between heads, a per-query mask, a mask on one rank only; and
+    key padding given per rank as local ``[B, 1, 1, S_local]`` masks runs and matches one
+    process with the same padding."""
+    import usp_hal
+    from tests.dist_cases import error_of
+    from tests.integration_cases import flux_inputs, tiny_flux
+    from usp_hal.integrations import diffusers as usp
+
+    mesh = get_mesh(U, R)
+    ref = tiny_flux(seed)
+    model = copy.deepcopy(ref)
+    inputs = flux_inputs(text_len, seed=seed)
+    n_img = inputs["hidden_states"].shape[1]
+    local = [usp_hal.shard(torch.zeros(1, n), mesh=mesh).shape[1] for n in (text_len, n_img)]
+    S = sum(local)
+
+    def run(mask):
+        return model(**inputs, joint_attention_kwargs={"attention_mask": mask}).sample
+
+    res = {}
+    handle = usp.parallelize(model, mesh, attn_type="sdpa")
+    try:
+        with torch.no_grad():
+            bias = torch.zeros(2, 1, 1, S)
+            bias[..., 0] = -0.5
+            res["bias"] = error_of(lambda: run(bias))
+            heads = torch.ones(2, 4, 1, S, dtype=torch.bool)
+            heads[:, 1, 0, 0] = False
+            res["per_head"] = error_of(lambda: run(heads))
+            res["per_query"] = error_of(lambda: run(torch.ones(2, 1, S, S, dtype=torch.bool)))
+            one = torch.ones(2, 1, 1, S, dtype=torch.bool) if mesh.sp_rank == 0 else None
+            res["one_rank"] = error_of(lambda: run(one))
+            # key padding: text token 1 of row 0 excluded, as local masks; reference: the same
+            # padding as a global mask over [text; image] on one process
+            pad = torch.ones(2, text_len + n_img, dtype=torch.bool)
+            pad[0, 1] = False
+            mine = torch.cat([usp_hal.shard(pad[:, :text_len], mesh=mesh), usp_hal.shard(pad[:, text_len:], mesh=mesh)],
+                             dim=1)
+            got = run(mine[:, None, None, :])
+    finally:
+        handle.remove()
+    if mesh.sp_rank != 0:
+        return res
+    with torch.no_grad():
+        want = ref(**inputs, joint_attention_kwargs={"attention_mask": pad[:, None, None, :]}).sample
+        unpadded = ref(**inputs).sample
+    res["padding_diff"] = _max_diff(got, want)
+    res["padding_effect"] = _max_diff(unpadded, want)
+    return res

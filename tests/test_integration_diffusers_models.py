@@ -21,7 +21,13 @@ def _check(r, cross: bool):
 
 
 CASES = [("wan", 2, 2, 1, {}), ("wan", 2, 1, 2, {"timestep_dims": 2}), ("wan", 4, 2, 2, {}),
-         ("qwen", 2, 2, 1, {}), ("qwen", 2, 1, 2, {}), ("ltx", 2, 2, 1, {}), ("ltx", 4, 2, 2, {})]
+         ("qwen", 2, 2, 1, {}), ("qwen", 2, 1, 2, {}), ("ltx", 2, 2, 1, {}), ("ltx", 4, 2, 2, {}),
+         # text padding: Qwen-Image's joint key mask over [text; image] (Ring-2 with 21 image
+         # tokens: local joint lengths 4+11 and 3+10, not the basic split of 28, so both are
+         # padded to 15), LTX-Video's encoder mask in cross-attention, also with as many video
+         # as text tokens per rank (still cross-attention)
+         ("qwen", 2, 2, 1, {"text_pad": 3}), ("qwen", 2, 1, 2, {"text_pad": 3, "h": 3, "w": 7}),
+         ("ltx", 2, 2, 1, {"text_pad": 3}), ("ltx", 2, 1, 2, {"text_pad": 3, "frames": 1, "h": 1, "w": 7})]
 
 
 @pytest.mark.multirank
@@ -87,3 +93,14 @@ def test_a_plan_that_gathers_and_splits_again_is_refused_naming_the_module():
             **{f"blocks.{i}.attn1": ContextParallelOutput(gather_dim=1, expected_dims=3) for i in range(2)}}
     with pytest.raises(ValueError, match="gathers the sequence at module 'blocks.0.attn1' and splits it again"):
         usp.parallelize(model, plan=plan)
+
+
+@pytest.mark.multirank
+def test_joint_masks_that_are_not_key_padding_are_refused_on_every_rank(pools):
+    res = pools(2).run(cases.mask_refusals, timeout=120, U=1, R=2)
+    for r in res:
+        for what in ("bias", "per_head"):
+            assert "that is not key padding" in (r[what] or ""), (what, r)
+        assert "only key masks [B, H or 1, 1, S_keys]" in (r["per_query"] or ""), r
+        assert "an attention mask on some ranks and none on others" in (r["one_rank"] or ""), r
+    assert res[0]["padding_diff"] <= TOL and res[0]["padding_effect"] > 100 * TOL, res[0]
