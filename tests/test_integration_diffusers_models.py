@@ -104,3 +104,15 @@ def test_joint_masks_that_are_not_key_padding_are_refused_on_every_rank(pools):
         assert "only key masks [B, H or 1, 1, S_keys]" in (r["per_query"] or ""), r
         assert "an attention mask on some ranks and none on others" in (r["one_rank"] or ""), r
     assert res[0]["padding_diff"] <= TOL and res[0]["padding_effect"] > 100 * TOL, res[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name, U, R", [("ltx", 1, 2), ("qwen", 2, 1), ("flux", 1, 2), ("wan", 2, 1)])
+def test_pipeline_with_default_arguments_matches_single_process(pools, name, U, R):
+    """LTXPipeline, QwenImagePipeline (prompts of different lengths: text padding masks, and
+    the classifier-free guidance both run by default), FluxPipeline and WanPipeline, two
+    denoising steps, with usp-hal on the transformer: the same latents as one process."""
+    r = pools(2).run(cases.pipeline_case, timeout=240, name=name, U=U, R=R)[0]
+    assert r["diff"] <= TOL * max(1.0, r["scale"]), r
+    if name in ("ltx", "qwen"):
+        assert r["mask_effect"] > 1000 * TOL, r
