@@ -96,7 +96,7 @@ def _run(model, inputs, grad_keys, seed, mesh=None):
     return out.detach(), grads
 
 
-def model_case(name: str, U=2, R=1, seed=0, control=None, **input_kw):
+def model_case(name: str, U=2, R=1, seed=0, control=None, allow_unverified=False, **input_kw):
     """``name``'s tiny model under parallelize() vs one process: output, summed input
     gradients, synced parameter gradients.  ``control="local_cross"``: cross-attention to
     sharded keys attends to the local shard only (must be far off: the gather matters)."""
@@ -107,7 +107,7 @@ def model_case(name: str, U=2, R=1, seed=0, control=None, **input_kw):
     ref = build(seed)
     model = copy.deepcopy(ref)
     inputs = make_inputs(seed=seed, **input_kw)
-    handle = usp.parallelize(model, mesh, attn_type="sdpa")
+    handle = usp.parallelize(model, mesh, attn_type="sdpa", allow_unverified=allow_unverified)
     cross = {"calls": 0}
     original = usp._cross_attention
     if control == "local_cross":
@@ -322,3 +322,48 @@ def pipeline_case(name: str, U=1, R=2):
                                    generator=torch.Generator().manual_seed(0)))
         res["mask_effect"] = _max_diff(unpadded, want)
     return res
+
+
+def tiny_flux2(seed=0):
+    from diffusers import Flux2Transformer2DModel
+    torch.manual_seed(seed)
+    return Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                   timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4))
+
+
+def flux2_inputs(B=2, side=5, text_len=7, seed=0):
+    """Flux.2's 4-axis position ids ``[B, S, 4]`` (the plan splits them with the tokens); the
+    text ids are distinct positions so a wrong text split would show."""
+    g = torch.Generator().manual_seed(seed + 7)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], -1).reshape(1, -1, 4)
+    txt = torch.stack([torch.zeros(text_len), torch.zeros(text_len), torch.zeros(text_len),
+                       torch.arange(text_len)], -1)[None]
+    return dict(hidden_states=torch.randn(B, side * side, 4, generator=g),
+                encoder_hidden_states=torch.randn(B, text_len, 16, generator=g),
+                timestep=torch.rand(B, generator=g), guidance=torch.full((B,), 3.5),
+                img_ids=img.expand(B, -1, -1).float(), txt_ids=txt.expand(B, -1, -1).float())
+
+
+def tiny_chronoedit(seed=0):
+    from diffusers import ChronoEditTransformer3DModel
+    torch.manual_seed(seed)
+    return ChronoEditTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
+                                        num_layers=2, rope_max_seq_len=32, image_dim=8, added_kv_proj_dim=24)
+
+
+def chronoedit_inputs(B=2, frames=2, side=6, text_len=7, seed=0):
+    g = torch.Generator().manual_seed(seed + 7)
+    return dict(hidden_states=torch.randn(B, 4, frames, side, side, generator=g),
+                timestep=torch.rand(B, generator=g) * 1000,
+                encoder_hidden_states=torch.randn(B, text_len, 16, generator=g),
+                encoder_hidden_states_image=torch.randn(B, 5, 8, generator=g))
+
+
+MODELS.update({
+    "flux2": (tiny_flux2, flux2_inputs, ("hidden_states", "encoder_hidden_states")),
+    "chronoedit": (tiny_chronoedit, chronoedit_inputs, ("hidden_states", "encoder_hidden_states",
+                                                        "encoder_hidden_states_image")),
+})

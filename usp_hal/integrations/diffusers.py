@@ -48,15 +48,27 @@ import usp_hal
 from . import init_distributed, sync_gradients
 from .grads import watch
 
-__all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "parallelize", "enable_attention", "usp_attention",
-           "init_distributed", "sync_gradients"]
+__all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "VERIFIED_MODELS", "REFUSED_MODELS", "parallelize", "enable_attention",
+           "usp_attention", "init_distributed", "sync_gradients"]
 
 BACKEND_NAME = "usp_hal"
 TESTED_VERSIONS = ("0.42.1",)
 # transformers whose own _cp_plan is verified (output, input and parameter gradients against one
 # process, tests/test_integration_diffusers*.py); parallelize refuses other plans unless asked
 VERIFIED_MODELS = frozenset({"FluxTransformer2DModel", "WanTransformer3DModel", "QwenImageTransformer2DModel",
-                             "LTXVideoTransformer3DModel"})
+                             "LTXVideoTransformer3DModel", "Flux2Transformer2DModel", "ChronoEditTransformer3DModel"})
+# transformers whose own _cp_plan usp-hal cannot follow exactly, refused even with allow_unverified
+REFUSED_MODELS = {
+    "LTX2VideoTransformer3DModel": (
+        "its context-parallel plan splits the video tokens and the video's text but not the audio stream "
+        "(audio_hidden_states, audio_encoder_hidden_states): the audio self-attention and feed-forward would run "
+        "whole on every rank (their parameter gradients counted once per rank), and the audio-video "
+        "cross-attention pairs the whole audio with this rank's share of the video (a shape error)"),
+    "HeliosTransformer3DModel": (
+        "its context-parallel plan gathers the sequence after every attention and feed-forward module and splits "
+        "it again before the next: the norms and modulation between them would run whole on every rank, so "
+        "their parameter gradients would not sum to the gradient"),
+}
 LAYOUT = "basic"
 
 
@@ -426,6 +438,10 @@ def parallelize(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation
         raise ValueError(f"{type(model).__name__} declares no context-parallel plan (_cp_plan); shard its inputs "
                          "yourself with usp_hal.shard, call enable_attention(model, mesh), and gather the output "
                          "with usp_hal.unshard")
+    if own_plan and type(model).__name__ in REFUSED_MODELS:
+        raise ValueError(f"usp_hal.integrations.diffusers.parallelize: {type(model).__name__} is not supported: "
+                         f"{REFUSED_MODELS[type(model).__name__]}; run it on one process per sample, or pass a "
+                         "plan= that splits every stream once and gathers at the output")
     if own_plan and type(model).__name__ not in VERIFIED_MODELS and not allow_unverified:
         raise ValueError(
             f"usp_hal.integrations.diffusers.parallelize: {type(model).__name__} declares a context-parallel plan "
