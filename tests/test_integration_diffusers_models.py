@@ -21,7 +21,14 @@ def _check(r, cross: bool):
 
 
 CASES = [("wan", 2, 2, 1, {}), ("wan", 2, 1, 2, {"timestep_dims": 2}), ("wan", 4, 2, 2, {}),
-         ("qwen", 2, 2, 1, {}), ("qwen", 2, 1, 2, {}), ("ltx", 2, 2, 1, {}), ("ltx", 4, 2, 2, {})]
+         ("qwen", 2, 2, 1, {}), ("qwen", 2, 1, 2, {}), ("ltx", 2, 2, 1, {}), ("ltx", 4, 2, 2, {}),
+         # text padding: Qwen-Image's joint key mask over [text; image] (Ring-2 with 21 image
+         # tokens: local joint lengths 4+11 and 3+10, not the basic split of 28, so both are
+         # padded to 15), LTX-Video's encoder mask in cross-attention, also with as many video
+         # as text tokens per rank (still cross-attention)
+         ("qwen", 2, 2, 1, {"text_pad": 3}), ("qwen", 2, 1, 2, {"text_pad": 3, "h": 3, "w": 7}),
+         ("ltx", 2, 2, 1, {"text_pad": 3}), ("ltx", 2, 1, 2, {"text_pad": 3, "frames": 1, "h": 1, "w": 7}),
+         ("flux2", 2, 2, 1, {}), ("flux2", 2, 1, 2, {}), ("chronoedit", 2, 2, 1, {}), ("chronoedit", 2, 1, 2, {})]
 
 
 @pytest.mark.multirank
@@ -30,7 +37,7 @@ CASES = [("wan", 2, 2, 1, {}), ("wan", 2, 1, 2, {"timestep_dims": 2}), ("wan", 4
 def test_model_output_and_gradients_match_single_process(pools, case):
     name, world, U, R, kw = case
     r = pools(world).run(cases.model_case, timeout=120, name=name, U=U, R=R, **kw)[0]
-    _check(r, cross=name in ("wan", "ltx"))
+    _check(r, cross=name in ("wan", "ltx", "chronoedit"))
 
 
 @pytest.mark.multirank
@@ -41,15 +48,29 @@ def test_cross_attention_to_sharded_text_needs_the_gather(pools):
 
 
 def _plan_classes():
+    """Every diffusers model class with a context-parallel plan (its top-level exports; the
+    plans live in diffusers.models.transformers)."""
     import inspect
 
     import diffusers
+    import torch
     out = []
     for name in dir(diffusers):
-        obj = getattr(diffusers, name, None)
-        if inspect.isclass(obj) and name.endswith("Model") and getattr(obj, "_cp_plan", None):
+        try:
+            obj = getattr(diffusers, name)
+        except Exception:       # an optional dependency missing: not a model class here
+            continue
+        if inspect.isclass(obj) and issubclass(obj, torch.nn.Module) and getattr(obj, "_cp_plan", None):
             out.append(obj)
     return out
+
+
+# the test case that verifies each model of VERIFIED_MODELS (Flux: tests/test_integration_diffusers.py)
+VERIFIED_BY = {"FluxTransformer2DModel": "flux", "WanTransformer3DModel": "wan", "QwenImageTransformer2DModel": "qwen",
+               "LTXVideoTransformer3DModel": "ltx", "Flux2Transformer2DModel": "flux2",
+               "ChronoEditTransformer3DModel": "chronoedit"}
+# not verified yet: refused unless allow_unverified=True, with that reason
+UNVERIFIED = {"MiniMaxH3Transformer3DModel"}
 
 
 def test_every_model_with_a_plan_is_verified_or_refused_by_name():
@@ -57,16 +78,24 @@ def test_every_model_with_a_plan_is_verified_or_refused_by_name():
 
     from usp_hal.integrations import diffusers as usp
     classes = _plan_classes()
-    assert len(classes) >= 8, [c.__name__ for c in classes]
-    verified = {c.__name__ for c in classes} & usp.VERIFIED_MODELS
-    assert verified == usp.VERIFIED_MODELS, verified      # each has a test above (Flux: its own file)
+    names = {c.__name__ for c in classes}
+    assert len(classes) >= 9, sorted(names)
+    assert set(VERIFIED_BY) == usp.VERIFIED_MODELS
+    assert {c[0] for c in CASES} | {"flux"} >= set(VERIFIED_BY.values())
+    unclassified = names - usp.VERIFIED_MODELS - set(usp.REFUSED_MODELS) - UNVERIFIED
+    assert not unclassified, f"diffusers model classes with a _cp_plan that are neither verified nor refused: " \
+        f"{sorted(unclassified)}"
     for cls in classes:
         if cls.__name__ in usp.VERIFIED_MODELS:
             continue
         model = cls.__new__(cls)              # refused from the class alone: no weights built
         torch.nn.Module.__init__(model)
-        with pytest.raises(ValueError, match=f"{cls.__name__} declares a context-parallel plan .*not verified"):
+        with pytest.raises(ValueError, match=f"{cls.__name__} declares a context-parallel plan .*not verified"
+                           if cls.__name__ in UNVERIFIED else f"{cls.__name__} is not supported: its context"):
             usp.parallelize(model)
+        if cls.__name__ in usp.REFUSED_MODELS:
+            with pytest.raises(ValueError, match=f"{cls.__name__} is not supported"):
+                usp.parallelize(model, allow_unverified=True)
 
 
 def test_a_plan_that_gathers_and_splits_again_is_refused_naming_the_module():
@@ -87,3 +116,26 @@ def test_a_plan_that_gathers_and_splits_again_is_refused_naming_the_module():
             **{f"blocks.{i}.attn1": ContextParallelOutput(gather_dim=1, expected_dims=3) for i in range(2)}}
     with pytest.raises(ValueError, match="gathers the sequence at module 'blocks.0.attn1' and splits it again"):
         usp.parallelize(model, plan=plan)
+
+
+@pytest.mark.multirank
+def test_joint_masks_that_are_not_key_padding_are_refused_on_every_rank(pools):
+    res = pools(2).run(cases.mask_refusals, timeout=120, U=1, R=2)
+    for r in res:
+        for what in ("bias", "per_head"):
+            assert "that is not key padding" in (r[what] or ""), (what, r)
+        assert "only key masks [B, H or 1, 1, S_keys]" in (r["per_query"] or ""), r
+        assert "an attention mask on some ranks and none on others" in (r["one_rank"] or ""), r
+    assert res[0]["padding_diff"] <= TOL and res[0]["padding_effect"] > 100 * TOL, res[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name, U, R", [("ltx", 1, 2), ("qwen", 2, 1), ("flux", 1, 2), ("wan", 2, 1)])
+def test_pipeline_with_default_arguments_matches_single_process(pools, name, U, R):
+    """LTXPipeline, QwenImagePipeline (prompts of different lengths: text padding masks, and
+    the classifier-free guidance both run by default), FluxPipeline and WanPipeline, two
+    denoising steps, with usp-hal on the transformer: the same latents as one process."""
+    r = pools(2).run(cases.pipeline_case, timeout=240, name=name, U=U, R=R)[0]
+    assert r["diff"] <= TOL * max(1.0, r["scale"]), r
+    if name in ("ltx", "qwen"):
+        assert r["mask_effect"] > 1000 * TOL, r

@@ -15,9 +15,11 @@
    :class:`usp_hal.LongContextAttention` on diffusers' ``[B, S_local, H, D]`` tensors
    (cross-attention to keys of another length, such as Wan's unsharded text, attends each
    rank's queries to the whole key sequence instead, see :func:`parallelize`), with its key
-   mask (text padding) when it has one.  It refuses other attention masks (a mask over the
-   sharded joint sequence; one that keeps every key is dropped), ``is_causal`` and dropout;
-   a module whose processor does not call
+   mask (text padding) when it has one.  Key padding over the sharded joint sequence
+   (Qwen-Image's text mask over ``[text; image]``) goes through usp-hal's mask support over
+   global positions.  It refuses other attention masks (per query, per head, or a bias over
+   the joint sequence; one that keeps every key is dropped) and ``is_causal``, on every
+   rank; a module whose processor does not call
    ``dispatch_attention_fn`` raises instead of attending to this rank's tokens only.
 2. **Sharding.**  It follows the model's declared context-parallel plan (``_cp_plan``): the
    inputs it names are split along their sequence dimension with :func:`usp_hal.shard` (the
@@ -35,6 +37,7 @@ diffusers version against the tested ones and refuses to run on others.
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -45,15 +48,27 @@ import usp_hal
 from . import init_distributed, sync_gradients
 from .grads import watch
 
-__all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "parallelize", "enable_attention", "usp_attention",
-           "init_distributed", "sync_gradients"]
+__all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "VERIFIED_MODELS", "REFUSED_MODELS", "parallelize", "enable_attention",
+           "usp_attention", "init_distributed", "sync_gradients"]
 
 BACKEND_NAME = "usp_hal"
 TESTED_VERSIONS = ("0.42.1",)
 # transformers whose own _cp_plan is verified (output, input and parameter gradients against one
 # process, tests/test_integration_diffusers*.py); parallelize refuses other plans unless asked
 VERIFIED_MODELS = frozenset({"FluxTransformer2DModel", "WanTransformer3DModel", "QwenImageTransformer2DModel",
-                             "LTXVideoTransformer3DModel"})
+                             "LTXVideoTransformer3DModel", "Flux2Transformer2DModel", "ChronoEditTransformer3DModel"})
+# transformers whose own _cp_plan usp-hal cannot follow exactly, refused even with allow_unverified
+REFUSED_MODELS = {
+    "LTX2VideoTransformer3DModel": (
+        "its context-parallel plan splits the video tokens and the video's text but not the audio stream "
+        "(audio_hidden_states, audio_encoder_hidden_states): the audio self-attention and feed-forward would run "
+        "whole on every rank (their parameter gradients counted once per rank), and the audio-video "
+        "cross-attention pairs the whole audio with this rank's share of the video (a shape error)"),
+    "HeliosTransformer3DModel": (
+        "its context-parallel plan gathers the sequence after every attention and feed-forward module and splits "
+        "it again before the next: the norms and modulation between them would run whole on every rank, so "
+        "their parameter gradients would not sum to the gradient"),
+}
 LAYOUT = "basic"
 
 
@@ -74,9 +89,27 @@ class _Context:
     mesh: Any
     attn: Any
     calls: int = 0
+    #: set while an attention module runs that was called with keys of another input
+    #: (``encoder_hidden_states``) and has no added (joint) key projection: cross-attention
+    #: even when its local key and query lengths happen to be equal
+    cross_hint: bool = False
+    #: key-padding Masks by (batch, length, content): one per distinct padding, reused by
+    #: every layer and step (the core caches the classification on the Mask)
+    masks: "OrderedDict" = field(default_factory=OrderedDict)
 
 
 _STACK: List[_Context] = []
+_MASKS_KEPT = 8
+
+# a mask's kind, agreed across ranks: none, one that keeps every key, key padding (the same
+# keys excluded for every query and head: boolean, or additive 0 / <= _EXCLUDED), another
+# key mask (a bias or per-head padding: applied exactly to whole keys, refused over the joint sequence)
+NO_MASK, KEEPS_ALL, KEY_PADDING, KEY_BIAS = 0, 1, 2, 3
+_EXCLUDED = -1000.0     # an additive value at or below this is an excluded key (exp() of it is 0)
+_JOINT_BIAS = ("an attention mask over the sharded joint sequence (self-attention) that is not key padding (a bias "
+               "with values other than 0 and large negatives, or padding that differs between heads) is not "
+               "supported; key padding (a key excluded for every query, boolean or 0/-inf additive, such as "
+               "Qwen-Image's text mask) is, and cross-attention to text takes any key mask")
 
 
 def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -89,38 +122,124 @@ def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
         raise RuntimeError("the usp_hal attention backend ran outside a model prepared with "
                            "usp_hal.integrations.diffusers.parallelize / enable_attention")
     ctx = _STACK[-1]
-    # 0: no mask, 1: one that keeps every key (all ones, or an all-zero bias), 2: a real mask;
-    # agreed below: a shard of a text mask may keep everything on one rank and not on another
-    mask_kind = 0 if attn_mask is None else 1 if _keeps_everything(attn_mask) else 2
     if is_causal:
         raise ValueError("usp_hal attention (diffusers): is_causal=True is not supported: the shards of the "
                          "joint sequence are not in causal order")
     if _parallel_config is not None:
         raise ValueError("usp_hal attention (diffusers): diffusers' own context parallelism is enabled on this "
                          "model; use one of the two, not both")
+    # this rank's mask kind, or why it is no key mask at all; agreed below with the lengths
+    # (a shard of a text mask may keep everything on one rank and not on another)
+    kind, problem = _mask_kind(attn_mask, query, key)
     ctx.calls += 1
     mesh = ctx.mesh
-    rows = [[query.shape[1], key.shape[1], mask_kind]]
+    rows = [[query.shape[1], key.shape[1], kind, int(ctx.cross_hint)]]
     if mesh.sp_size > 1:
         from usp_hal.comm import agree
-        rows = agree(None, mesh.metadata_group, what="usp_hal attention (diffusers)",
-                     where=mesh.where("sequence-parallel"), values=rows[0], width=3, ranks=mesh.sp_ranks,
+        rows = agree(problem, mesh.metadata_group, what="usp_hal attention (diffusers)",
+                     where=mesh.where("sequence-parallel"), values=rows[0], width=4, ranks=mesh.sp_ranks,
                      check=_mask_kinds_problem)
-    cross = any(q != k for q, k, _ in rows)
-    if not cross and not any(r[2] == 2 for r in rows):
-        attn_mask = None        # self-attention with masks that keep every key
+    elif problem:
+        raise ValueError(f"usp_hal attention (diffusers): {problem}")
+    elif _mask_kinds_problem(rows):
+        raise ValueError(f"usp_hal attention (diffusers): {_mask_kinds_problem(rows)}")
+    cross = any(q != k or hint for q, k, _, hint in rows)
+    if all(r[2] in (NO_MASK, KEEPS_ALL) for r in rows):
+        attn_mask = None        # no rank's mask excludes anything
     if cross and (mesh.sp_size > 1 or attn_mask is not None):
-        why = _key_mask_problem(attn_mask, query, key)
-        if why:
-            raise ValueError(f"usp_hal attention (diffusers): {why}")
         out = _cross_attention(ctx, query, key, value, dropout_p, scale, attn_mask)
-        return watch(out, mesh, "diffusers parallelize()")
-    if attn_mask is not None:
-        raise ValueError("usp_hal attention (diffusers): an attention mask over the sharded joint sequence "
-                         "(self-attention) is not supported; masks of cross-attention to text (padding of the "
-                         "text tokens) are, and an all-ones mask is dropped")
-    out = ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
+    elif attn_mask is not None:
+        out = _padded_joint_attention(ctx, query, key, value, dropout_p, scale, attn_mask, [r[0] for r in rows])
+    else:
+        out = ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False)
     return watch(out, mesh, "diffusers parallelize()")
+
+
+def _mask_kinds_problem(rows) -> Optional[str]:
+    kinds = {r[2] for r in rows}
+    if NO_MASK in kinds and len(kinds) > 1:
+        return "an attention mask on some ranks and none on others"
+    if KEY_BIAS in kinds and not any(q != k or hint for q, k, _, hint in rows):
+        return _JOINT_BIAS
+    return None
+
+
+def _mask_kind(mask, query, key):
+    """``(kind, problem)`` of this rank's mask: see NO_MASK ... KEY_BIAS; ``problem`` names
+    a mask that selects anything but whole keys (one host read of three flags)."""
+    if mask is None:
+        return NO_MASK, None
+    shape = tuple(getattr(mask, "shape", ()))
+    heads = {1, query.shape[2], key.shape[2]}
+    if (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or shape[2] != 1 or shape[3] != key.shape[1]
+            or shape[0] not in (1, query.shape[0]) or shape[1] not in heads):
+        return KEY_BIAS, (
+            f"an attention mask of shape {shape} for {query.shape[1]} queries and {key.shape[1]} keys on this rank: "
+            "only key masks [B, H or 1, 1, S_keys] over this rank's keys (text padding, the same for every query) "
+            "are supported, not masks over the whole joint sequence or per query")
+    keep, excluded = _keep_excluded(mask)
+    flags = torch.stack([keep.all(), (keep | excluded).all(), (keep.all(1) == keep.any(1)).all()]).tolist()
+    if flags[0]:
+        return KEEPS_ALL, None
+    return (KEY_PADDING if flags[1] and flags[2] else KEY_BIAS), None
+
+
+def _keep_excluded(mask: torch.Tensor):
+    if mask.dtype == torch.bool:
+        return mask, ~mask
+    return mask == 0, mask <= _EXCLUDED
+
+
+def _padded_joint_attention(ctx, query, key, value, dropout_p, scale, mask, lengths):
+    """Self-attention over the sharded joint sequence with key padding (every rank passes a
+    ``[B, H|1, 1, S_local]`` key mask of its own tokens, e.g. Qwen-Image's ``[text share;
+    image share]``): through usp-hal's mask support, over global positions.
+
+    The core places a rank's tokens at the positions the "basic" layout gives it, which
+    need not be where the plan's split put them (the text and the image are split
+    separately: 7 text and 21 image tokens on 2 ranks are 4+11 and 3+10, not 14 and 14).
+    So every rank pads its q/k/v to the longest local length ``L`` (padding keys excluded,
+    padding rows dropped after), making ``R*L`` tokens that the basic layout splits exactly as
+    held; the key-keep vector is scattered to this rank's global positions and summed over
+    the group, and the Mask over it is reused while the padding is the same."""
+    mesh = ctx.mesh
+    B, n = query.shape[0], query.shape[1]
+    keep = _keep_excluded(mask)[0][:, 0, 0, :].expand(B, n)
+    L = max(lengths)
+    if n < L:
+        query, key, value = (torch.cat([t, t.new_zeros(B, L - n, *t.shape[2:])], dim=1) for t in (query, key, value))
+        keep = torch.cat([keep, keep.new_zeros(B, L - n)], dim=1)
+    S = L * mesh.sp_size
+    table = torch.zeros(B, S, dtype=torch.int32, device=keep.device)
+    table[:, mesh.local_positions(S, LAYOUT, device=keep.device)] = keep.to(torch.int32)
+    if mesh.sp_size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(table, group=mesh.sp_group)
+    out = ctx.attn(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=False,
+                   mask=_padding_mask(ctx, table.bool()))
+    return out[:, :n]
+
+
+def _padding_mask(ctx, keep: torch.Tensor):
+    """A :class:`usp_hal.masks.Mask` keeping the keys where ``keep`` ``[B, S]`` is True, one
+    per distinct ``keep`` (the last few kept; its tensor is never modified, so the core's
+    classification of it stays valid)."""
+    from usp_hal.masks import Mask
+    rows = keep if bool((keep != keep[:1]).any()) else keep[:1]
+    ident = (tuple(rows.shape), rows.cpu().numpy().tobytes())
+    got = ctx.masks.get(ident)
+    if got is None:
+        table = rows.clone()
+
+        def key_padding(b, h, q_idx, kv_idx, table=table):
+            return table[b.to(table.device), kv_idx.to(table.device)].to(kv_idx.device)
+        got = Mask.from_mod(key_padding, batch=table.shape[0] if table.shape[0] > 1 else None,
+                            name="diffusers_key_padding")
+        ctx.masks[ident] = got
+        while len(ctx.masks) > _MASKS_KEPT:
+            ctx.masks.popitem(last=False)
+    ctx.masks.move_to_end(ident)
+    return got
 
 
 def _fingerprint(t: torch.Tensor) -> List[int]:
@@ -129,38 +248,6 @@ def _fingerprint(t: torch.Tensor) -> List[int]:
     x = t.detach().double()
     pair = torch.stack([x.sum(), (x * x).sum()]).cpu()
     return [int(v) for v in pair.view(torch.int64).tolist()]
-
-
-def _mask_kinds_problem(rows) -> Optional[str]:
-    kinds = {r[2] for r in rows}
-    if 0 in kinds and len(kinds) > 1:
-        return "an attention mask on some ranks and none on others"
-    if 2 in kinds and not any(q != k for q, k, _ in rows):
-        return ("an attention mask over the sharded joint sequence (self-attention) is not supported; masks of "
-                "cross-attention to text (padding of the text tokens) are, and an all-ones mask is dropped")
-    return None
-
-
-def _keeps_everything(mask: torch.Tensor) -> bool:
-    """A boolean mask of all True, or an additive one of all zeros (one host read)."""
-    if not isinstance(mask, torch.Tensor):
-        return False
-    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
-
-
-def _key_mask_problem(mask, query, key) -> Optional[str]:
-    """Why a cross-attention mask cannot be applied (None when it can): it must select keys
-    only (the same for every query: a query dim of 1), over this rank's keys, as diffusers'
-    processors pass text padding (``[B, H or 1, 1, S_text]``)."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return (f"an attention mask of shape {tuple(getattr(mask, 'shape', ()))}: only key masks [B, H or 1, 1, "
-                "S_keys] (text padding) are supported")
-    if mask.shape[2] != 1 or mask.shape[3] != key.shape[1]:
-        return (f"an attention mask of shape {tuple(mask.shape)} for {query.shape[1]} queries and {key.shape[1]} "
-                "keys: only key masks [B, H or 1, 1, S_keys] (text padding, the same for every query) are supported")
-    return None
 
 
 def _cross_attention(ctx, query, key, value, dropout_p, scale, mask=None):
@@ -240,20 +327,34 @@ class Handle:
 class _Activate:
     """Forward pre/post hooks that make ``"usp_hal"`` diffusers' active backend while a module runs."""
 
-    def __init__(self, registry, ctx: _Context, check_calls_of: Optional[str] = None):
+    def __init__(self, registry, ctx: _Context, check_calls_of: Optional[str] = None, module=None):
         self.registry = registry
         self.ctx = ctx
         self.check = check_calls_of
         self.saved: list = []
+        # an attention module called with encoder_hidden_states attends to another input
+        # (cross-attention) unless it projects it into a joint sequence (Flux, Qwen-Image)
+        self.ehs_index: Optional[int] = None
+        self.cross = False
+        if module is not None:
+            params = list(inspect.signature(module.forward).parameters)
+            self.ehs_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
+            flag = getattr(module, "is_cross_attention", None)
+            self.cross = bool(flag) if isinstance(flag, bool) else getattr(module, "add_k_proj", None) is None
 
     def pre(self, module, args, kwargs=None):
-        self.saved.append((self.registry._active_backend, self.ctx.calls))
+        self.saved.append((self.registry._active_backend, self.ctx.calls, self.ctx.cross_hint))
         self.registry.set_active_backend(BACKEND_NAME)
         _STACK.append(self.ctx)
+        if self.ehs_index is not None:
+            ehs = (kwargs or {}).get("encoder_hidden_states")
+            if ehs is None and len(args) > self.ehs_index:
+                ehs = args[self.ehs_index]
+            self.ctx.cross_hint = self.cross and ehs is not None
 
     def post(self, module, args, *rest):
         output = rest[-1] if rest else None
-        previous, calls = self.saved.pop()
+        previous, calls, self.ctx.cross_hint = self.saved.pop()
         _STACK.pop()
         self.registry.set_active_backend(previous)
         if self.check is not None and output is not None and self.ctx.calls == calls:
@@ -290,7 +391,7 @@ def enable_attention(model: torch.nn.Module, mesh=None, *, attn_type="auto", rot
             # a processor with an explicit backend would bypass the active one
             handle.processors.append((proc, proc._attention_backend))
             proc._attention_backend = None
-        act = _Activate(registry, ctx, check_calls_of=name)
+        act = _Activate(registry, ctx, check_calls_of=name, module=m)
         handle.hooks.append(m.register_forward_pre_hook(act.pre, with_kwargs=True))
         handle.hooks.append(m.register_forward_hook(act.post, always_call=True))
     top = _Activate(registry, ctx)
@@ -337,6 +438,10 @@ def parallelize(model: torch.nn.Module, mesh=None, *, attn_type="auto", rotation
         raise ValueError(f"{type(model).__name__} declares no context-parallel plan (_cp_plan); shard its inputs "
                          "yourself with usp_hal.shard, call enable_attention(model, mesh), and gather the output "
                          "with usp_hal.unshard")
+    if own_plan and type(model).__name__ in REFUSED_MODELS:
+        raise ValueError(f"usp_hal.integrations.diffusers.parallelize: {type(model).__name__} is not supported: "
+                         f"{REFUSED_MODELS[type(model).__name__]}; run it on one process per sample, or pass a "
+                         "plan= that splits every stream once and gathers at the output")
     if own_plan and type(model).__name__ not in VERIFIED_MODELS and not allow_unverified:
         raise ValueError(
             f"usp_hal.integrations.diffusers.parallelize: {type(model).__name__} declares a context-parallel plan "
