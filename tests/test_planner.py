@@ -300,3 +300,80 @@ def test_packed_documents_arguments_and_cli():
                    "--causal", "--docs", "4", "--json"])
     data = json.loads(out.getvalue())
     assert rc == 0 and tuple(data["problem"]["cu_seqlens"]) == (0, 1024, 2048, 3072, 4096)
+
+
+# ----------------------------------------------------------------------------- memory budget
+BUDGET_SHAPE = dict(world=2, heads=8, seqlen=2048, head_dim=64, dtype="fp32", causal=True, bwd=True,
+                    layouts=["zigzag"], rotations=["p2p"])
+
+
+def budget_peak_case(plan_row=None, S=2048, H=8, D=64):
+    """On real gloo ranks: the planned module's inputs plus its peak above them (the meter of
+    ``usp-hal run``), worst rank."""
+    import torch
+    import torch.distributed as dist
+
+    import usp_hal
+    from tests import dist_cases
+    from usp_hal.harness import meter
+    c = plan_row["candidate"]
+    mesh = dist_cases.get_mesh(c["ulysses"], c["ring"])
+    q, k, v, dout, _ = dist_cases.make_inputs(1, S, H, H, D, torch.float32, seed=1)
+    ql, kl, vl, dl = (usp_hal.shard(x, layout=c["layout"], mesh=mesh).contiguous() for x in (q, k, v, dout))
+    for t in (ql, kl, vl):
+        t.requires_grad_()
+    del q, k, v, dout
+    mod = usp_hal.LongContextAttention(ring_impl_type=c["layout"], rotation=c["rotation"], mesh=mesh,
+                                       low_memory=c["low_memory"])
+    mod(ql, kl, vl, causal=True).backward(dl)
+    for t in (ql, kl, vl):
+        t.grad = None
+    mm = meter.MemoryMeter("cpu")
+    mm.start()
+    mod(ql, kl, vl, causal=True).backward(dl)
+    peak = mm.stop()
+    inputs = sum(t.numel() * t.element_size() for t in (ql, kl, vl, dl))
+    worst = torch.tensor([peak + inputs], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"total": float(worst), "method": mm.method}
+
+
+def test_memory_budget_picks_low_memory_when_only_it_fits_and_the_real_run_fits(pools):
+    """A budget between the low_memory and the default modules' memory: the plan's winner is a
+    low_memory module (the default ones are listed as over the budget), and that module, run
+    on 2 real gloo ranks, stays within the budget (inputs included)."""
+    free = planner.plan(**BUDGET_SHAPE, memory_budget=1e12)        # everything fits: see the metered figures
+    mem = {r["label"]: r["mem_per_rank"] for r in free["rows"]}
+    assert set(mem) == {"ulysses2", "ring2 zigzag p2p", "ulysses2 low_memory", "ring2 zigzag p2p low_memory"}
+    low_best = min(v for k, v in mem.items() if "low_memory" in k)
+    default_best = min(v for k, v in mem.items() if "low_memory" not in k)
+    assert low_best < 0.9 * default_best, mem
+    budget = (low_best + default_best) / 2 / planner.BUDGET_HEADROOM
+    res = planner.plan(**BUDGET_SHAPE, memory_budget=budget)
+    assert all(r["candidate"]["low_memory"] for r in res["rows"]), res["winner"]
+    assert "low_memory=True" in res["module"]
+    over = {i["label"] for i in res["invalid"] if "budget" in i["reason"]}
+    assert {"ulysses2", "ring2 zigzag p2p"} <= over, res["invalid"]
+    assert "metered" in planner.format_plan(res)
+    for out in pools(2).run(budget_peak_case, timeout=300, plan_row=res["rows"][0]):
+        if "profiler" not in out["method"]:
+            pytest.skip(f"no profiler memory events here ({out['method']})")
+        assert out["total"] <= budget, (out, budget)
+        # the metered figure and the real one agree within the headroom the plan leaves
+        assert planner.BUDGET_HEADROOM <= out["total"] / res["rows"][0]["mem_per_rank"] <= 1 / planner.BUDGET_HEADROOM
+
+
+def test_memory_budget_arguments_and_cli(capsys):
+    with pytest.raises(planner.PlanError, match="positive"):
+        planner.plan(2, 8, 1024, 64, memory_budget=0)
+    with pytest.raises(planner.PlanError, match="drop --async/--fp8"):
+        planner.plan(2, 8, 1024, 64, memory_budget=1e9, pipelines=(0, 2))
+    with pytest.raises(planner.PlanError, match="packed documents or a mask"):
+        planner.plan(2, 8, 1024, 64, memory_budget=1e9, cu_seqlens=[0, 512, 1024])
+    with pytest.raises(SystemExit):
+        main(["plan", "--world", "2", "--heads", "8", "--seqlen", "1024", "--head-dim", "64", "--memory-budget", "12x"])
+    assert "'12x': give bytes" in capsys.readouterr().err
+    rc = main(["plan", "--world", "1", "--heads", "2", "--seqlen", "512", "--head-dim", "16", "--bwd",
+               "--dtype", "fp32", "--memory-budget", "1KiB"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no configuration fits" in err and "over 85% of the 1.0 KiB budget" in err, err

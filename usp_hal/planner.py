@@ -52,7 +52,7 @@ import torch
 
 from .blocks import balance, block_plans
 from .codec import CODECS, get_codec
-from .heads import head_plan
+from .heads import head_plan, most_groups
 from .layout import LAYOUTS as _LAYOUT_TABLE
 from .layout import get_layout, ring_segments
 from .rotation import ROTATIONS as _ROTATION_TABLE
@@ -226,6 +226,7 @@ class Candidate:
     rotation: str = "p2p"
     fp8: str = "none"          # Ulysses wire format: none | qvo | qkvo (fp8) | <codec>:qvo | <codec>:qkvo
     pipeline: int = 0          # >0: AsyncLongContextAttention(head_chunks=pipeline)
+    low_memory: bool = False   # LongContextAttention(low_memory=True): head groups one after another
 
     @property
     def label(self) -> str:
@@ -235,7 +236,7 @@ class Candidate:
             name = f"ring{self.ring}" if self.ulysses == 1 else f"usp{self.ulysses}x{self.ring}"
             name = f"{name} {self.layout} {self.rotation}"
         wire = (self.fp8 if ":" in self.fp8 else f"fp8:{self.fp8}") if self.fp8 != "none" else ""
-        extra = [wire, f"async{self.pipeline}" if self.pipeline else ""]
+        extra = [wire, f"async{self.pipeline}" if self.pipeline else "", "low_memory" if self.low_memory else ""]
         return " ".join([name] + [e for e in extra if e])
 
 
@@ -450,7 +451,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     cross_flows = U if hop == "cross" else 1
 
     # ---- Ulysses all-to-alls (rank 0 of each ring rank's group is representative; take the max)
-    a2a_t, a2a_bytes, ncoll = 0.0, 0.0, 0
+    a2a_t, a2a_bytes, ncoll, fwd_t = 0.0, 0.0, 0, 0.0
     codec_name, pattern = wire_codec(C.fp8)
     fp8_q = pattern in ("qvo", "qkvo")
     fp8_k = pattern == "qkvo"
@@ -473,6 +474,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
                 fwd_out = {members[p]: B * n_loc * D * hq[u] * wire(e, fp8_q) for p in range(U) if p != u}
                 t = M.a2a_time(fwd_in, members, me) + M.a2a_time(fwd_out, members, me)
                 b = sum(fwd_in.values()) + sum(fwd_out.values())
+                fwd_t = max(fwd_t, t)
                 if P.bwd:   # dout to heads, dq/dk/dv back (full precision)
                     bwd_in = {members[p]: B * n_loc * D * hq[p] * e for p in range(U) if p != u}
                     bwd_out = {members[p]: B * n_loc * D * (hq[u] + 2 * hk[u]) * e for p in range(U) if p != u}
@@ -544,6 +546,17 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     if P.bwd:
         mem *= 2
         mem += (n_r * 2 * max(hk_local) * e_acc if R > 1 else 0.0) + n_r * hmax * e_acc
+    if C.low_memory:
+        # head groups one after another: each group pays its own collectives and kernel calls,
+        # and with Ulysses the backward exchanges each group's q, k, v and out to the head
+        # layout again (the forward's all-to-alls once more)
+        groups = most_groups(hp)
+        n_calls = max(sum(len(st) for st in work[r]) for r in range(R)) * len(passes)
+        other += (groups - 1) * (ncoll * M.small_collective() + n_calls * overhead)
+        extra = 2 * groups if U > 1 and P.bwd else 0
+        if extra:
+            ulysses_exposed += fwd_t
+        ncoll = ncoll * groups + extra
     terms = {"kernel": kernel_mean, "imbalance": imbalance, "ulysses_a2a": ulysses_exposed,
              "ring_exposed": ring_exposed, "other": other}
     total = sum(terms.values())
@@ -561,7 +574,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
 # ---------------------------------------------------------------------------------- candidates
 def candidates(problem: Problem, *, layouts: Optional[Sequence[str]] = None,
                rotations: Optional[Sequence[str]] = None, fp8: bool = False,
-               pipelines: Sequence[int] = (0,)) -> List[Candidate]:
+               pipelines: Sequence[int] = (0,), low_memory: Sequence[bool] = (False,)) -> List[Candidate]:
     """Every configuration to predict; ``layouts``/``rotations`` default to the registered
     ones (:func:`layout_candidates`, :func:`rotation_candidates`), ``fp8``: the lossy wires
     too (:func:`wire_candidates`)."""
@@ -588,7 +601,8 @@ def candidates(problem: Problem, *, layouts: Optional[Sequence[str]] = None,
                 for lay in lays:
                     for rot in rotations:
                         out.append(Candidate(U, R, lay, rot, wire, pipe))
-    return out
+    # low_memory runs the head groups one after another: no pipelined variant of it
+    return [replace(c, low_memory=lm) for c in out for lm in low_memory if not (lm and c.pipeline)]
 
 
 def _check(problem: Problem) -> None:
@@ -645,7 +659,8 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
          profile="cpu", gpus_per_node: Optional[int] = None, intra_bw: Optional[float] = None,
          inter_bw: Optional[float] = None, latency: Optional[float] = None, fp8: bool = False,
          pipelines: Sequence[int] = (0,), layouts: Optional[Sequence[str]] = None,
-         rotations: Optional[Sequence[str]] = None, cu_seqlens=None, mask=None) -> dict:
+         rotations: Optional[Sequence[str]] = None, cu_seqlens=None, mask=None,
+         memory_budget: Optional[float] = None) -> dict:
     """Every valid configuration ranked by predicted time per attention call.
 
     ``profile``: a profile name (``list_profiles()``), a path, or a dict.  Returns a dict with
@@ -654,8 +669,19 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     ``cu_seqlens``: a packed batch's global document boundaries (the layouts then include
     ``varlen_zigzag``; shard and call with the same boundaries).  ``mask``: a
     :class:`usp_hal.masks.Mask` (or what ``forward(mask=)`` takes): each candidate is priced
-    with its masked block plan (skipped tiles free, partial runs as their whole rectangle)."""
+    with its masked block plan (skipped tiles free, partial runs as their whole rectangle).
+    ``memory_budget``: bytes per rank.  The candidates then include ``low_memory=True``, each
+    one's memory per rank is metered (:func:`metered_memory`), and one over
+    :data:`BUDGET_HEADROOM` of the budget is not valid; the winner is the fastest that fits."""
     dtype = DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if memory_budget is not None:
+        if not memory_budget > 0:
+            raise PlanError(f"--memory-budget must be a positive number of bytes, got {memory_budget!r}")
+        if cu_seqlens is not None or mask is not None:
+            raise PlanError("--memory-budget meters plain (optionally causal) calls; plan packed documents or a "
+                            "mask without it, or plan the same shape without them for the memory")
+        if any(pipelines) or fp8:
+            raise PlanError("--memory-budget meters the synchronous module without a wire codec; drop --async/--fp8")
     try:
         cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
     except (TypeError, ValueError) as exc:
@@ -683,12 +709,24 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
                                   gpus_per_node=gpus_per_node)
     rows: List[Prediction] = []
     invalid: List[dict] = []
-    for c in candidates(problem, layouts=layouts, rotations=rotations, fp8=fp8, pipelines=pipelines):
+    todo: List[Candidate] = []
+    for c in candidates(problem, layouts=layouts, rotations=rotations, fp8=fp8, pipelines=pipelines,
+                        low_memory=(False, True) if memory_budget is not None else (False,)):
         why = _invalid_reason(problem, c)
         if why:
             invalid.append({"label": c.label, "reason": why})
-            continue
+        else:
+            todo.append(c)
+    metered = metered_memory(problem, todo) if memory_budget is not None else {}
+    for c in todo:
         p = predict(problem, c, prof)
+        if memory_budget is not None:
+            p.mem_per_rank = metered[c]
+            usable = memory_budget * BUDGET_HEADROOM
+            if p.mem_per_rank > usable:
+                p.valid = False
+                p.reason = (f"needs {_fmt_bytes(p.mem_per_rank)} per rank (metered), over {BUDGET_HEADROOM:.0%} of the "
+                            f"{_fmt_bytes(memory_budget)} budget")
         if p.valid:
             rows.append(p)
         else:
@@ -713,13 +751,51 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
         mod_args.append("ulysses_float8=True")
         if c.fp8 == "qkvo":
             mod_args.append("float8_key=True")
+    if c.low_memory:
+        mod_args.append("low_memory=True")
     cls = "AsyncLongContextAttention" if c.pipeline else "LongContextAttention"
     if c.pipeline:
         mod_args.append(f"head_chunks={c.pipeline}")
     module = f"usp_hal.{cls}({', '.join(mod_args)})"
     pdict = {**asdict(replace(problem, mask=None)), "mask": getattr(problem.mask, "name", None)}
     return {"problem": pdict, "profile": prof.get("name"), "rows": [p.as_dict() for p in rows],
-            "invalid": invalid, "winner": best.candidate.label, "init": init, "module": module}
+            "invalid": invalid, "winner": best.candidate.label, "init": init, "module": module,
+            "memory_budget": memory_budget}
+
+
+#: the share of a memory budget a plan may fill: the metered figure leaves out what the
+#: communication library holds (on gloo ranks the meter read up to 1.15x of it)
+BUDGET_HEADROOM = 0.85
+
+
+_METERED: Dict[tuple, int] = {}      # a probe's result per spec and length (the code does not change under it)
+
+
+def _spec_key(spec: dict, seqlen: int) -> tuple:
+    return tuple(sorted(spec.items())) + (("seqlen", seqlen),)
+
+
+def metered_memory(problem: Problem, cands: Sequence[Candidate]) -> Dict[Candidate, float]:
+    """Bytes per rank of one call of each candidate, inputs included (q, k, v, and dout for
+    ``bwd``): the worst rank's peak above them from :mod:`usp_hal.harness.memprobe` (the real
+    module on a fake process group in a fresh interpreter, extrapolated in S; forward+backward
+    with ``bwd``, else the forward without autograd)."""
+    from .harness import memprobe
+    P = problem
+    keys = sorted({(c.ulysses, c.ring, c.layout if c.ring > 1 else "basic", c.rotation if c.ring > 1 else "p2p",
+                    c.low_memory) for c in cands})
+    specs = [dict(ulysses=u, ring=r, layout=lay, rotation=rot, low_memory=lm, heads=P.heads, kv_heads=P.hkv,
+                  head_dim=P.head_dim, dtype=P.dtype, causal=P.causal, batch=P.batch, bwd=P.bwd)
+             for u, r, lay, rot, lm in keys]
+    todo = [s for s in specs if _spec_key(s, P.seqlen) not in _METERED]
+    if todo:
+        for s, peak in zip(todo, memprobe.probe(todo, P.seqlen)):
+            _METERED[_spec_key(s, P.seqlen)] = peak
+    peaks = {k: _METERED[_spec_key(s, P.seqlen)] for k, s in zip(keys, specs)}
+    tokens = math.ceil(P.seqlen / P.world)
+    inputs = P.batch * tokens * P.head_dim * ((2 if P.bwd else 1) * P.heads + 2 * P.hkv) * P.elem
+    return {c: inputs + peaks[(c.ulysses, c.ring, c.layout if c.ring > 1 else "basic",
+                               c.rotation if c.ring > 1 else "p2p", c.low_memory)] for c in cands}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -750,6 +826,12 @@ def format_plan(res: dict) -> str:
     lines.append("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip())
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
+    budget = res.get("memory_budget")
+    if budget:
+        lines.append(f"mem/rank: metered (the module run per rank on a fake process group, inputs included); "
+                     f"budget {_fmt_bytes(budget)}, of which a plan may fill {BUDGET_HEADROOM:.0%}")
+    else:
+        lines.append("mem/rank: a rough estimate; --memory-budget meters every candidate and adds low_memory ones")
     for inv in res["invalid"]:
         lines.append(f"not valid: {inv['label']}: {inv['reason']}")
     lines += ["", "use:", "  " + res["init"], "  attn = " + res["module"]]

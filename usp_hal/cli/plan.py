@@ -36,6 +36,21 @@ def _bytes_per_s(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: give bytes/s (450e9), or 450GB/s, or 400Gb/s") from None
 
 
+def _bytes(text: str) -> float:
+    """'24GiB', '512MiB', '80GB' or a number of bytes -> bytes."""
+    t = text.strip().replace(" ", "")
+    for suf, mul in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if t.endswith(suf):
+            t, m = t[:-len(suf)], mul
+            break
+    else:
+        m = 1.0
+    try:
+        return float(t) * m
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (24e9), or 24GiB, 512MiB, 80GB") from None
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="rank Ulysses x Ring splits, layouts, rotations and wire formats by predicted time",
@@ -66,6 +81,9 @@ def add_parser(subparsers) -> None:
                    help="also consider the fp8 Ulysses wire (ulysses_float8; lossy, bf16/fp16 only)")
     p.add_argument("--async", dest="pipeline", action="store_true",
                    help="also consider AsyncLongContextAttention (2 head groups; all-to-alls overlapped)")
+    p.add_argument("--memory-budget", type=_bytes, default=None, metavar="SIZE",
+                   help="memory per rank (24GiB, 512MiB, bytes): meter every candidate's memory, add low_memory "
+                        "ones, and pick the fastest that fits")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--cu-seqlens", default="", metavar="0,L1,...,S",
@@ -109,7 +127,7 @@ def run(args) -> int:
                            dtype=args.dtype, causal=args.causal, bwd=args.bwd, batch=args.batch, profile=prof,
                            gpus_per_node=args.gpus_per_node, intra_bw=args.intra_bw, inter_bw=args.inter_bw,
                            latency=args.latency, fp8=args.fp8, pipelines=(0, 2) if args.pipeline else (0,),
-                           cu_seqlens=_documents(args))
+                           cu_seqlens=_documents(args), memory_budget=args.memory_budget)
     except planner.PlanError as exc:
         print(f"usp-hal plan: {exc}", file=sys.stderr)
         return 2
@@ -157,9 +175,12 @@ def integration_lines(res: dict) -> list:
     c = res["rows"][0]["candidate"]
     init = f"mesh = usp.init_distributed(ulysses_degree={c['ulysses']}, ring_degree={c['ring']})"
     rot = f", rotation={c['rotation']!r}" if c.get("rotation") not in (None, "p2p") else ""
-    lines = [f"transformers:  {init}; usp.register(layout={c['layout']!r}{rot}); then "
-             f"usp.shard_batch(batch, mesh, layout={c['layout']!r})",
-             f"diffusers:     {init}; usp.parallelize(pipe.transformer, mesh{rot})   # non-causal, basic layout"]
+    low = ", low_memory=True" if c.get("low_memory") else ""
+    lines = [f"transformers:  {init}; usp.register(layout={c['layout']!r}{rot}{low}); then "
+             f"usp.shard_batch(batch, mesh, layout={c['layout']!r})"]
+    if low:
+        lines.append("               (USPTrainer: USPTrainingArguments(..., usp_low_memory=True))")
+    lines.append(f"diffusers:     {init}; usp.parallelize(pipe.transformer, mesh{rot})   # non-causal, basic layout")
     if c.get("fp8", "none") != "none" or c.get("pipeline"):
         lines.append("note: the integrations run the synchronous module without an fp8 wire; the planned "
                      f"{res['winner']!r} applies to direct LongContextAttention use")
