@@ -26,6 +26,7 @@ from typing import List, Sequence
 
 #: tokens per rank of the two metered lengths (the extrapolation's points)
 POINTS = (256, 512)
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 
 
 def _one_rank(spec: dict, seqlen: int, rank: int) -> int:
@@ -35,12 +36,11 @@ def _one_rank(spec: dict, seqlen: int, rank: int) -> int:
 
     import usp_hal
     from usp_hal.harness import meter
-    from usp_hal.planner import TORCH_DTYPES
     U, R = int(spec["ulysses"]), int(spec["ring"])
     dist.init_process_group("fake", rank=rank, world_size=U * R, store=FakeStore())
     try:
         mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
-        dtype = TORCH_DTYPES[spec["dtype"]]
+        dtype = getattr(torch, _DTYPES[spec["dtype"]])
         B, H, Hkv, D = int(spec.get("batch", 1)), int(spec["heads"]), int(spec["kv_heads"]), int(spec["head_dim"])
         layout = spec.get("layout", "basic") if R > 1 else "basic"
         shapes = ((B, seqlen, H, D), (B, seqlen, Hkv, D), (B, seqlen, Hkv, D), (B, seqlen, H, D))
