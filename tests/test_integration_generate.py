@@ -135,3 +135,25 @@ def test_padded_forward_one_process():
 def test_padded_forward_matches_single_process(pools, split):
     U, R = split
     _check_padded_forward(pools(2).run(ds.padded_forward_case, timeout=120, U=U, R=R))
+
+
+def test_padding_refused_for_recurrent_layers():
+    """A covered hybrid (lfm2's short convolutions) would mix the pads into the real tokens'
+    state: a padded batch is refused, naming the reason; without padding it runs."""
+    import torch
+
+    from tests.dist_cases import get_mesh
+    from tests.hybrid_cases import tiny_hybrid
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(1, 1)
+    name = usp.register("usp_hal_test_generate_u1r1", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    model = tiny_hybrid("lfm2")
+    model.set_attn_implementation(name)
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        model(**usp.shard_batch({"input_ids": ids}, mesh))
+        with pytest.raises(ValueError, match="padding mask with model type 'lfm2'"):
+            model(**usp.shard_batch({"input_ids": ids, "attention_mask": mask}, mesh))

@@ -350,8 +350,8 @@ class USPAttentionFunction:
         cu_arg = kwargs.get("cu_seq_lens_q")
         cu, why = _packing(cu_arg, kwargs.get("cu_seq_lens_k"))
         padding = getattr(position_ids, PADDING_ATTR, None)
-        if padding is not None and cu is not None:
-            why = why or "a padding mask together with packed documents (cu_seq_lens_q/k)"
+        if padding is not None:
+            why = why or _padding_problem(module, cu)
         problem = self._local_problem(query, key, attention_mask, kwargs, why)
         vkey = self._validated.make_key(mesh, query, position_ids, attention_mask, cu_arg)
         if mesh.sp_size > 1 and not self._validated.hit(vkey):
@@ -438,6 +438,19 @@ class USPAttentionFunction:
                           softcap=softcap, mesh=mesh, problem=problem, sinks=kwargs.get("s_aux"),
                           key_start=padding.left if padding is not None else None)
         return out, None
+
+
+def _padding_problem(module, cu=None) -> Optional[str]:
+    """Why a padded batch (shard_batch's key mask) cannot run through this layer's model."""
+    from .hybrid import COVERED_MODEL_TYPES
+    if cu is not None:
+        return "a padding mask together with packed documents (cu_seq_lens_q/k)"
+    kind = getattr(getattr(module, "config", None), "model_type", None)
+    if kind in COVERED_MODEL_TYPES:
+        return (f"a padding mask with model type {kind!r}: its recurrent or convolution layers would take the "
+                "pads into the real tokens' state (transformers zeroes them with the attention_mask, which the "
+                "key mask does not reach); pass batches without padding")
+    return None
 
 
 def _packing(cu_q, cu_k):
