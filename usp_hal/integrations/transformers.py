@@ -25,8 +25,20 @@ predict the next document's first token, and adds ``cu_seq_lens_q/k``, which the
 to the attention function with every call; the attention function runs
 :class:`usp_hal.LongContextAttention` with ``cu_seqlens``.
 
+Padded batches: pass the global ``attention_mask`` to :func:`shard_batch` with the batch
+(``shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, mesh)``).  The
+padding travels with the returned position ids (a :class:`Padding`, the same on every rank:
+shard_batch checks) and the attention function passes it to :class:`usp_hal.LongContextAttention`
+as a per-row key mask over global positions (``mask=``), and'ed with causality and windows:
+padded keys are excluded for every query, as transformers does with a 2-D mask.  Tested (tiny
+GQA Llama, 1 process, Ulysses-2 and Ring-2): left- and right-padded rows in one batch give one
+process's logits at the real tokens, loss and gradients.  A query that sees no key (a left pad)
+gets attention output 0, where transformers' kernels disagree among themselves: label it -100,
+and the token after a left padding too (the pad predicts it).  Refused: padding with packed
+documents, and with the recurrent/convolution models of :mod:`.hybrid`.
+
 What it refuses, on every rank together and before any data is exchanged: padding masks
-(2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
+given to the model directly (2-D masks with zeros: pass them to shard_batch), custom 4-D masks and mask patterns other than causal, bidirectional
 and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
 match the layout (missing ones, or packed ones without their boundaries), a KV cache other than
 the ShardedCache holding more tokens than the query,
@@ -40,7 +52,18 @@ sharded cache (:mod:`usp_hal.serving`): the generated tokens are the same on eve
 equal a single process's (tested: Llama with GQA, Mistral with a sliding window, 1, 2 and 4
 ranks).  The ranks stop together (their stopping criteria are combined each step) and sample
 together (every rank starts from the first rank's random state); beam search, assisted
-generation, chunked prefill and left padding are refused on every rank.
+generation and chunked prefill are refused on every rank.
+
+Left-padded prompts of different lengths: ``model.generate(**shard_batch({"input_ids": ids,
+"attention_mask": mask}, mesh), max_new_tokens=N)``.  As transformers' generate, each row's
+positions (RoPE) count from its first real token (``cumsum(mask) - 1``, 0 on the pads) and
+no query attends a pad: the prefill runs with the padding as the key mask, and every decode
+step attends only the cached keys from each row's first real token on (``key_start`` of
+:meth:`usp_hal.serving.ShardedKVCache.decode`).  Tested: the greedy tokens and logits of one
+process's ``generate(ids, attention_mask=mask)`` for prompts with 0, 5 and 12 pads, on 1
+process, Ulysses-2, Ring-2 (Llama with GQA, and Mistral with a sliding window) and 2 x 2
+ranks.  Right padding (or pads inside a prompt), rows without a token, and an
+``attention_mask`` with zeros passed to generate() itself are refused on every rank.
 
 Calls outside the group: a model call (or generate()) whose ``position_ids`` did not come from
 :func:`shard_batch` raises at once on its rank, without entering any collective (evaluation on
