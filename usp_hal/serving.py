@@ -26,7 +26,8 @@ tokens on every rank of the sequence-parallel group (replicated after the projec
 3. each rank attends its query heads to its cached tokens through a registry backend, one
    kernel call per contiguous run of positions (the ring's block plan, ``blocks.plan_blocks``:
    full rectangles and square causal diagonals, with key offsets for window/ALiBi), merged
-   per rank in float32 (float64 for float64 inputs);
+   per rank in float32 (float64 for float64 inputs); with ``key_start`` (left-padded
+   prompts) the runs are cut so that no call reads a key before its row's first real token;
 4. ONE ``all_gather`` over the sequence-parallel group of every rank's partial ``(out, lse)``
    (float32: ``B * n * h_max * (Dv + 1) * 4`` bytes sent per rank, ``W`` times that received,
    ``h_max`` the largest head count of a Ulysses rank); every rank merges the ring ranks'
@@ -706,8 +707,7 @@ class ShardedKVCache:
             return ValueError(f"{n} new tokens per sequence, but layer 0 of this step agreed on {step[0]}")
         if opts != ly.options:
             return ValueError("the options (causal, window, softcap, scale, alibi, sinks, key_start) differ from the "
-                              "ones this "
-                              "layer agreed on at its first decode step")
+                              "ones this layer agreed on at its first decode step")
         if ly.table_digest() != step[2]:
             return ValueError(f"this layer's placement table differs from layer 0's at the start of the step "
                               f"(lengths {ly.total} per sequence)")
