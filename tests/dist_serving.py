@@ -277,8 +277,156 @@ def generate_refusals(U=1, R=2, seed=0):
         pad = torch.ones_like(batch["input_ids"])
         pad[0, 0] = 0
         res["padding"] = error_of(lambda: model.generate(**batch, attention_mask=pad, max_new_tokens=2))
+        right = torch.ones(1, 10, dtype=torch.long)
+        right[0, -3:] = 0
+        res["right_padding"] = error_of(lambda: model.generate(
+            **usp.shard_batch({"input_ids": prompt, "attention_mask": right}, mesh), max_new_tokens=2))
+        res["empty_row"] = error_of(lambda: model.generate(
+            **usp.shard_batch({"input_ids": prompt, "attention_mask": torch.zeros_like(right)}, mesh),
+            max_new_tokens=2))
         res["beams"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
         res["no_positions"] = error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
         res["no_max_new_tokens"] = error_of(lambda: model.generate(**batch, max_length=30))
         res["ok"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0))
+    return res
+
+
+# ----------------------------------------------------------------------------- left padding
+def _keep(pads, S):
+    """``[B, S]`` bool: row b's first ``pads[b]`` positions are padding."""
+    return torch.arange(S).view(1, -1) >= torch.tensor(pads).view(-1, 1)
+
+
+def padded_prefill_case(U=1, R=1, dtype="fp64", layout="zigzag", pads=(0, 4, 9), S=13, H=4, Hkv=2, D=8,
+                        steps=(1, 2, 1), window=(-1, -1), block_size=2, seed=2):
+    """Left-padded rows: the prefill with the padding as a key mask (over global positions,
+    per row), then decode steps with ``key_start`` (the keys before it are padding), each
+    against float64 attention with the padding mask over the whole cache."""
+    from usp_hal.masks import Mask
+    mesh = _mesh(U, R)
+    dt = DTYPES[dtype]
+    B = len(pads)
+    keep = _keep(pads, S)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, D, generator=g).to(dt) for h in (H, Hkv, Hkv))
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    cache = ShardedKVCache(mesh, num_layers=1, batch_size=B, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dt,
+                           block_size=block_size, attn_type="sdpa")
+    mask = Mask.from_mod(lambda b, h, qi, kv: keep[b, kv], batch=B)
+    sh = [usp_hal.shard(x, layout=layout, mesh=mesh) for x in (q, k, v)]
+    out = cache.prefill(0, attn, *sh, causal=True, window_size=window, mask=mask)
+    full = usp_hal.unshard(out, layout=layout, mesh=mesh)
+    ro, _ = reference_attention(q, k, v, causal=True, window=window, mask=keep[:, None, None, :])
+    res = {"prefill": worst(full, ro, dt), "pad_rows_zero": all(float(full[b, :p].abs().max()) == 0.0
+                                                                 for b, p in enumerate(pads) if p)}
+    errs = {"out": 0.0, "lse": 0.0}
+    ks, vs = [k[b] for b in range(B)], [v[b] for b in range(B)]
+    prints = []
+    for n in steps:
+        qn, kn, vn = _tokens(g, B, n, H, Hkv, D, dt)
+        starts = cache.lengths()
+        o, lse = cache.decode(0, qn, kn, vn, return_lse=True, causal=True, window_size=window, key_start=list(pads))
+        prints.append(float(o.double().sum()))
+        for b in range(B):
+            ks[b], vs[b] = torch.cat([ks[b], kn[b]]), torch.cat([vs[b], vn[b]])
+            p = pads[b]
+            ro, rl = reference_attention(qn[b:b + 1], ks[b][None, p:], vs[b][None, p:], key_offset=p - starts[b],
+                                         causal=True, window=window)
+            errs["out"] = max(errs["out"], worst(o[b:b + 1], ro, dt))
+            errs["lse"] = max(errs["lse"], worst(lse[b:b + 1], rl, dt, lse=True))
+    res.update(errors=errs, prints=prints, lengths=cache.lengths())
+    return res
+
+
+def _left_padded(pads, S, seed):
+    """A prompt of ``len(pads)`` rows, row b left-padded with ``pads[b]`` pad tokens (id 0),
+    and its attention_mask."""
+    keep = _keep(pads, S)
+    ids = torch.randint(1, 256, (len(pads), S), generator=torch.Generator().manual_seed(seed + 11))
+    return ids.masked_fill(~keep, 0), keep.long()
+
+
+def padded_generate_case(U=1, R=1, arch="llama", pads=(0, 5, 12), S=19, new=5, seed=0, block_size=4):
+    """Greedy generate() of a batch of left-padded prompts (different lengths): the global
+    attention_mask goes to shard_batch with the prompt; the tokens and their logits against
+    one process's ``generate(input_ids, attention_mask=mask)``."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+    from usp_hal.integrations.cache import ShardedCache
+
+    mesh = _mesh(U, R)
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed, num_hidden_layers=2) if arch == "llama" else tiny_mistral(seed)
+    ref.eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    prompt, mask = _left_padded(pads, S, seed)
+    cache = ShardedCache(model.config, mesh=mesh, block_size=block_size)
+    kw = dict(max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(**usp.shard_batch({"input_ids": prompt, "attention_mask": mask}, mesh),
+                             past_key_values=cache, **kw)
+    gen = out.sequences[:, -new:]
+    logits = torch.stack(out.logits, 1)
+    res = {"tokens": gen.tolist(), "lengths": cache.core.lengths(0), "logits_sum": float(logits.double().sum())}
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return res
+    with torch.no_grad():
+        want = ref.generate(prompt, attention_mask=mask, **kw)
+        # the control: the same prompt with the padding attended (an all-ones mask)
+        unpadded = ref.generate(prompt, attention_mask=torch.ones_like(mask), **kw)
+    ref_logits = torch.stack(want.logits, 1)
+    res.update(ref_tokens=want.sequences[:, S:].tolist(), unmasked_tokens=unpadded.sequences[:, S:].tolist(),
+               logits_diff=float((logits.double() - ref_logits.double()).abs().max()),
+               unmasked_diff=float((torch.stack(unpadded.logits, 1).double() - ref_logits.double()).abs().max()),
+               logits_scale=float(ref_logits.abs().max()))
+    return res
+
+
+def padded_forward_case(U=1, R=1, S=21, seed=0):
+    """A model forward with labels on a padded batch (row 0 whole, row 1 left-padded, row 2
+    right-padded) through shard_batch with its attention_mask, against one process's forward
+    with that mask: the logits at the real tokens, the loss and every parameter's gradient.
+    The pads' labels are -100, and so is the label of the first real token after a left
+    padding (it is predicted from a pad, whose output transformers' own kernels disagree on)."""
+    import copy
+
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+
+    mesh = _mesh(U, R)
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed, num_hidden_layers=2)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    ids = torch.randint(1, 256, (3, S), generator=torch.Generator().manual_seed(seed + 5))
+    mask = torch.ones(3, S, dtype=torch.long)
+    mask[1, :6] = 0
+    mask[2, -5:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 6] = -100
+    batch = usp.shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, mesh)
+    out = model(**batch)
+    out.loss.backward()
+    loss = float(usp.sync_gradients(model, mesh, out.loss))
+    logits = usp_hal.unshard(out.logits.detach(), layout="zigzag", mesh=mesh)
+    res = {"loss": loss}
+    if mesh.sp_rank != 0:
+        return res
+    o = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    o.loss.backward()
+    real = mask.bool()
+    with torch.no_grad():
+        unmasked = ref(input_ids=ids).logits      # the control: the pads attended
+    d = lambda a, b: float((a.detach().double() - b.detach().double()).abs().max())  # noqa: E731
+    res.update(loss_diff=abs(loss - float(o.loss.detach())), logits_diff=d(logits[real], o.logits[real]),
+               logits_scale=float(o.logits.detach().abs().max()), unmasked_diff=d(unmasked[real], o.logits[real]),
+               grad_diff=max(d(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+               grad_scale=max(float(q.grad.abs().max()) for q in ref.parameters()))
     return res

@@ -75,7 +75,7 @@ EXPECTED_REFUSALS = {
     "no_position_ids": "position_ids",
     "padding_mask_one_rank": "padding mask",
     "mask_4d": "4-D attention mask",
-    "shard_batch_padding": "padding",
+    "shard_batch_padding": "0 (padding) and 1 (token) only",
     "layout_mismatch": "'zigzag' layout",
     "different_batches": "different batches",
     "kv_cache": "generation is not supported yet",

@@ -26,7 +26,8 @@ tokens on every rank of the sequence-parallel group (replicated after the projec
 3. each rank attends its query heads to its cached tokens through a registry backend, one
    kernel call per contiguous run of positions (the ring's block plan, ``blocks.plan_blocks``:
    full rectangles and square causal diagonals, with key offsets for window/ALiBi), merged
-   per rank in float32 (float64 for float64 inputs);
+   per rank in float32 (float64 for float64 inputs); with ``key_start`` (left-padded
+   prompts) the runs are cut so that no call reads a key before its row's first real token;
 4. ONE ``all_gather`` over the sequence-parallel group of every rank's partial ``(out, lse)``
    (float32: ``B * n * h_max * (Dv + 1) * 4`` bytes sent per rank, ``W`` times that received,
    ``h_max`` the largest head count of a Ulysses rank); every rank merges the ring ranks'
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -105,6 +106,23 @@ def _fingerprint(*ts: torch.Tensor) -> int:
 
 def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _plan_from(queries: Segment, runs: List[List[int]], first: int, causal: bool, win, positional: bool) -> list:
+    """The kernel calls of ``queries`` against the stored runs ``[start position, count]``
+    (in storage order) restricted to the keys at positions ``>= first``: each run's visible
+    part planned alone, its columns shifted to where the part sits in the storage."""
+    calls = []
+    at = 0
+    for start, count in runs:
+        lo = max(start, first)
+        if lo < start + count:
+            skip = at + lo - start
+            for c in plan_blocks([queries], [Segment(lo, start + count - lo)], causal=causal, window=win,
+                                 positional=positional):
+                calls.append(replace(c, k_start=c.k_start + skip, k_stop=c.k_stop + skip))
+        at += count
+    return calls
 
 
 # --------------------------------------------------------------------------------- layer state
@@ -426,11 +444,14 @@ class ShardedKVCache:
 
     def prefill(self, layer: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                 softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sinks: Optional[torch.Tensor] = None, mask=None) -> torch.Tensor:
         """Run ``attn`` (a :class:`usp_hal.LongContextAttention` on this cache's mesh) on this rank's
         shard ``q``/``k``/``v`` ``[B, S_local, H|Hkv, D]`` (sharded as ``attn``'s layout shards)
         and keep the head-layout K/V its Ulysses all-to-all delivers.  Returns the call's
-        output, ``[B, S_local, H, Dv]``.  Collective."""
+        output, ``[B, S_local, H, Dv]``.  ``mask``: as for the module's call (a
+        :class:`usp_hal.masks.Mask` over global positions, e.g. the prompts' padding); every
+        key is stored, masked or not (decode excludes a left padding with ``key_start``).
+        Collective."""
         from .attention import LongContextAttention
         from .pipeline import CallOptions
         from .pipeline import run as _run
@@ -453,13 +474,16 @@ class ShardedKVCache:
                 raise ValueError(f"layer {layer} already holds {max(ly.total)} tokens: prefill fills an empty "
                                  "layer (decode() appends); reset() the cache for a new batch")
             self._check_kv(k, v, "prefill", q)
+            if mask is not None:
+                from .masks import Mask
+                mask = Mask.of(mask)
         except (ValueError, TypeError) as exc:
             problem = exc
         self._agree(problem, "prefill", [layer])
         assert ly is not None
         pipe = attn.pipeline
         opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                              sinks=sinks is not None)
+                              sinks=sinks is not None, mask=mask)
         _, plan = pipe.prepare(m, q, k, v, opts, alibi_slopes=alibi_slopes, needs_grad=False)
         stage = plan.stages[0]
         ring = stage.ring
@@ -536,7 +560,7 @@ class ShardedKVCache:
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
                return_lse: bool = False, mesh=None, problem: Optional[str] = None,
-               sinks: Optional[torch.Tensor] = None):
+               sinks: Optional[torch.Tensor] = None, key_start: Optional[Sequence[int]] = None):
         """Append ``n`` new tokens per sequence and attend their queries to the whole cache.
 
         ``q`` ``[B, n, H, D]``, ``k``/``v`` ``[B, n, Hkv, D]``: the new tokens of every sequence,
@@ -548,6 +572,9 @@ class ShardedKVCache:
         ``alibi_slopes`` (``[H]`` or ``[B, H]``) and ``sinks`` (``[H]``, one logit per head in
         every row's denominator, applied once to the merged result) as for
         :class:`usp_hal.LongContextAttention`.
+        ``key_start`` (one int per sequence): sequence ``b`` attends only the keys at global
+        positions ``>= key_start[b]`` (a left-padded prompt's first real token; its padding is
+        never attended); default 0.  A sequence that sees no key gets out 0 and lse -inf.
         ``mesh``: the caller's mesh, checked against the cache's; ``problem``: a reason of the
         caller's to refuse the call, joined to the agreement (so it is raised on every rank).
         Collective."""
@@ -580,6 +607,13 @@ class ShardedKVCache:
                                              not in ((self.num_heads,), (self.batch_size, self.num_heads))):
                 raise ValueError(f"alibi_slopes must be [H] or [B, H] = ({self.num_heads},) or ({self.batch_size}, "
                                  f"{self.num_heads})")
+            if key_start is not None:
+                key_start = [int(x) for x in key_start]
+                if len(key_start) != self.batch_size or min(key_start) < 0:
+                    raise ValueError(f"key_start must give a position >= 0 for each of the {self.batch_size} "
+                                     f"sequences, got {list(key_start)}")
+                if not any(key_start):
+                    key_start = None
             if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (self.num_heads,)):
                 raise ValueError(f"sinks must be a [H] = ({self.num_heads},) tensor, got "
                                  f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
@@ -592,7 +626,8 @@ class ShardedKVCache:
         # alibi slopes and sinks are the same tensors step after step: digested once per tensor version
         opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
                 _float_bits(scale), self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
-                self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0]
+                self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0,
+                digest_ints(key_start) if isinstance(key_start, list) else 0]
         failure: Optional[BaseException] = None
         step = self._step
         # a layer decoded for the first time agrees in full (layers may differ: a sliding-window layer
@@ -618,7 +653,7 @@ class ShardedKVCache:
                     starts = list(ly.total)
                     self._append(ly, k, v)
                     out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale,
-                                            alibi_slopes, positional)
+                                            alibi_slopes, positional, key_start)
                 except Exception as exc:
                     failure = exc
             local = list(ly.local) if ly is not None else [0] * self.batch_size
@@ -647,7 +682,7 @@ class ShardedKVCache:
                 starts = list(ly.total)
                 self._append(ly, k, v)
                 out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale,
-                                        alibi_slopes, positional)
+                                        alibi_slopes, positional, key_start)
             except Exception as exc:
                 if m.sp_size == 1:
                     raise
@@ -671,8 +706,8 @@ class ShardedKVCache:
         if n != step[0]:
             return ValueError(f"{n} new tokens per sequence, but layer 0 of this step agreed on {step[0]}")
         if opts != ly.options:
-            return ValueError("the options (causal, window, softcap, scale, alibi, sinks) differ from the ones this "
-                              "layer agreed on at its first decode step")
+            return ValueError("the options (causal, window, softcap, scale, alibi, sinks, key_start) differ from the "
+                              "ones this layer agreed on at its first decode step")
         if ly.table_digest() != step[2]:
             return ValueError(f"this layer's placement table differs from layer 0's at the start of the step "
                               f"(lengths {ly.total} per sequence)")
@@ -696,7 +731,7 @@ class ShardedKVCache:
     def _agree_decode(self, problem, fixed: list, ring_rank: int, local: list, ly: Optional[_Layer]) -> None:
         m = self.mesh
         labels = ("the cache's configuration", "ulysses degree", "ring degree", "layer", "new tokens per sequence",
-                  "the options (causal, window, softcap, scale, alibi, sinks)", "the new tokens' q, k and v "
+                  "the options (causal, window, softcap, scale, alibi, sinks, key_start)", "the new tokens' q, k and v "
                   "(check_inputs=True: they must be the same on every rank, replicated after the projections)",
                   "the placement table (where every token lives)")
         nf = len(fixed)
@@ -722,8 +757,10 @@ class ShardedKVCache:
         agree(problem, m.metadata_group, what=f"{SERVING_WHAT}: decode", where=m.where("sequence-parallel"),
               values=[*fixed, ring_rank, *local], width=nf + 1 + self.batch_size, check=check, ranks=names)
 
-    def _attend(self, ly: _Layer, backend, q, starts, causal, win, softcap, scale, alibi_slopes, positional):
-        """This rank's partial ``(out [B, n, hq, Dv], lse [B, hq, n])`` over its cached tokens."""
+    def _attend(self, ly: _Layer, backend, q, starts, causal, win, softcap, scale, alibi_slopes, positional,
+                key_start=None):
+        """This rank's partial ``(out [B, n, hq, Dv], lse [B, hq, n])`` over its cached tokens
+        (of sequence b, those at positions >= ``key_start[b]``)."""
         qa, qb = self.q_range
         hq = qb - qa
         bsz, n = q.shape[0], q.shape[1]
@@ -742,7 +779,10 @@ class ShardedKVCache:
             runs = [Segment(s, c) for s, c in ly.runs[b]]
             if not runs:
                 continue
-            plan = plan_blocks([Segment(starts[b], n)], runs, causal=causal, window=win, positional=positional)
+            if key_start is not None and key_start[b] > min(s for s, _ in ly.runs[b]):
+                plan = _plan_from(Segment(starts[b], n), ly.runs[b], key_start[b], causal, win, positional)
+            else:
+                plan = plan_blocks([Segment(starts[b], n)], runs, causal=causal, window=win, positional=positional)
             assert ly.k is not None and ly.v is not None
             sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b:b + 1])
             for c in plan:

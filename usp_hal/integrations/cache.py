@@ -108,6 +108,10 @@ class ShardedCache(Cache):
         self.verify = verify
         self.check_inputs = check_inputs
         self.core: Any = None        # usp_hal.serving.ShardedKVCache, built at the first prefill
+        #: the prompts' padding (``usp_hal.integrations.transformers.Padding``, set by generate()
+        #: from shard_batch's attention_mask): the prefill's key mask, and the first real position
+        #: of each row, before which decode steps attend no key
+        self.padding: Any = None
 
     def ensure_core(self, mesh, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_type: str):
         """The core cache (created on the first prefill, from ``[B, S, H|Hkv, D]`` shapes)."""

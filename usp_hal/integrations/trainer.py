@@ -42,8 +42,8 @@ loss of one process; ``compute_metrics`` is refused) and prediction, label smoot
 ``compute_loss_func``, NEFTune, Liger kernels, ``model_init``,
 ``average_tokens_across_devices=False``, the ``batch_rebalance`` sampling strategy,
 ``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several GPUs in one
-process).  Batches with padding masks are refused by ``shard_batch`` (use labels
--100 on the padding and no ``attention_mask``).
+process).  A batch's ``attention_mask`` with padding goes through ``shard_batch`` as a key
+mask (see its doc; tested there, not with the Trainer).
 """
 from __future__ import annotations
 
@@ -324,6 +324,8 @@ class USPTrainer(Trainer):
         moved = out.get("position_ids") if hasattr(out, "get") else None
         if moved is not pos and getattr(pos, usp.SHARDED_ATTR, False) and isinstance(moved, torch.Tensor):
             setattr(moved, usp.SHARDED_ATTR, True)
+            if getattr(pos, usp.PADDING_ATTR, None) is not None:     # a padded batch's global padding
+                setattr(moved, usp.PADDING_ATTR, getattr(pos, usp.PADDING_ATTR))
         return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -25,8 +25,20 @@ predict the next document's first token, and adds ``cu_seq_lens_q/k``, which the
 to the attention function with every call; the attention function runs
 :class:`usp_hal.LongContextAttention` with ``cu_seqlens``.
 
+Padded batches: pass the global ``attention_mask`` to :func:`shard_batch` with the batch
+(``shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, mesh)``).  The
+padding travels with the returned position ids (a :class:`Padding`, the same on every rank:
+shard_batch checks) and the attention function passes it to :class:`usp_hal.LongContextAttention`
+as a per-row key mask over global positions (``mask=``), and'ed with causality and windows:
+padded keys are excluded for every query, as transformers does with a 2-D mask.  Tested (tiny
+GQA Llama, 1 process, Ulysses-2 and Ring-2): left- and right-padded rows in one batch give one
+process's logits at the real tokens, loss and gradients.  A query that sees no key (a left pad)
+gets attention output 0, where transformers' kernels disagree among themselves: label it -100,
+and the token after a left padding too (the pad predicts it).  Refused: padding with packed
+documents, and with the recurrent/convolution models of :mod:`.hybrid`.
+
 What it refuses, on every rank together and before any data is exchanged: padding masks
-(2-D masks with zeros), custom 4-D masks and mask patterns other than causal, bidirectional
+given to the model directly (2-D masks with zeros: pass them to shard_batch), custom 4-D masks and mask patterns other than causal, bidirectional
 and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
 match the layout (missing ones, or packed ones without their boundaries), a KV cache other than
 the ShardedCache holding more tokens than the query,
@@ -40,7 +52,18 @@ sharded cache (:mod:`usp_hal.serving`): the generated tokens are the same on eve
 equal a single process's (tested: Llama with GQA, Mistral with a sliding window, 1, 2 and 4
 ranks).  The ranks stop together (their stopping criteria are combined each step) and sample
 together (every rank starts from the first rank's random state); beam search, assisted
-generation, chunked prefill and left padding are refused on every rank.
+generation and chunked prefill are refused on every rank.
+
+Left-padded prompts of different lengths: ``model.generate(**shard_batch({"input_ids": ids,
+"attention_mask": mask}, mesh), max_new_tokens=N)``.  As transformers' generate, each row's
+positions (RoPE) count from its first real token (``cumsum(mask) - 1``, 0 on the pads) and
+no query attends a pad: the prefill runs with the padding as the key mask, and every decode
+step attends only the cached keys from each row's first real token on (``key_start`` of
+:meth:`usp_hal.serving.ShardedKVCache.decode`).  Tested: the greedy tokens and logits of one
+process's ``generate(ids, attention_mask=mask)`` for prompts with 0, 5 and 12 pads, on 1
+process, Ulysses-2, Ring-2 (Llama with GQA, and Mistral with a sliding window) and 2 x 2
+ranks.  Right padding (or pads inside a prompt), rows without a token, and an
+``attention_mask`` with zeros passed to generate() itself are refused on every rank.
 
 Calls outside the group: a model call (or generate()) whose ``position_ids`` did not come from
 :func:`shard_batch` raises at once on its rank, without entering any collective (evaluation on
@@ -138,9 +161,7 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
     returns a :class:`MaskInfo` saying what was asked for; refusals are raised by the
     attention function, on every rank together."""
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-        return MaskInfo(refused="a padding mask (attention_mask with zeros): sequence-parallel attention "
-                                "attends every token; pass batches without padding (for causal models, "
-                                "right padding with labels -100 and no attention_mask gives the same loss)")
+        return MaskInfo(refused=_DIRECT_PADDING)
     if use_vmap:
         return MaskInfo(refused="a custom mask pattern (or_mask_function/and_mask_function overlays)")
     found: dict = {}
@@ -156,6 +177,42 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
 
 # ----------------------------------------------------------------------------- the attention function
 SHARDED_ATTR = "_usp_hal_sharded"   # set by shard_batch on the position_ids it returns
+PADDING_ATTR = "_usp_hal_padding"   # a Padding, set by shard_batch on those position_ids for a padded batch
+_DIRECT_PADDING = ("a padding mask (attention_mask with zeros) given to the model or generate() directly: each rank "
+                   "would see its own shard of it only; pass the attention_mask to shard_batch with the batch "
+                   "(shard_batch({'input_ids': ids, 'attention_mask': mask}, mesh)), which carries the global "
+                   "padding to the attention as a key mask")
+
+
+class Padding:
+    """The padding of a batch given to :func:`shard_batch` with an ``attention_mask`` that has
+    zeros: ``keep`` ``[B, S]`` (bool, global, the same on every rank: shard_batch checks) says
+    which keys every row attends.  ``mask`` is that as a :class:`usp_hal.masks.Mask` over global
+    positions (per row), and'ed by the attention with causality and windows; ``left`` holds
+    each row's number of leading pads when every row is left-padded (zeros, then ones), else
+    None.  It travels with the position_ids shard_batch returns (attribute ``PADDING_ATTR``)."""
+
+    def __init__(self, keep: torch.Tensor):
+        from usp_hal.masks import Mask
+        self.keep = keep = keep.detach().bool().contiguous()
+        bsz, seqlen = keep.shape
+        ones = keep.sum(1)
+        self.empty_rows = [b for b in range(bsz) if int(ones[b]) == 0]
+        lead = (seqlen - ones).tolist()
+        idx = torch.arange(seqlen, device=keep.device).view(1, -1)
+        is_left = bool((keep == (idx >= (seqlen - ones).view(-1, 1))).all())
+        self.left = [int(x) for x in lead] if is_left else None
+
+        def padding_mod(b, h, q_idx, kv_idx):
+            return keep.to(kv_idx.device)[b, kv_idx]
+        self.mask = Mask.from_mod(padding_mod, batch=int(bsz), name="padding")
+
+    def positions(self, index_positions: torch.Tensor) -> torch.Tensor:
+        """generate()'s position ids of a left-padded prompt (transformers: ``cumsum(mask) - 1``,
+        0 on the pads) from the tokens' global indices ``[B|1, n]``."""
+        assert self.left is not None
+        lead = torch.tensor(self.left, dtype=index_positions.dtype, device=index_positions.device).view(-1, 1)
+        return (index_positions - lead).clamp(min=0)
 # A call is sequence-parallel only when its batch came through shard_batch (its position_ids
 # carry SHARDED_ATTR).  Any other call raises at once, on this rank, before any collective: the
 # other ranks may not be calling at all (evaluation on rank 0 alone), and attention over this
@@ -262,8 +319,18 @@ class USPAttentionFunction:
                     "[B, S] position ids are supported (not multi-dimensional RoPE)")
         return None
 
-    def _position_problem(self, mesh, position_ids, seqlen: int, cu=None) -> Optional[str]:
+    def _position_problem(self, mesh, position_ids, seqlen: int, cu=None, padding=None) -> Optional[str]:
+        """Why ``position_ids`` are not this rank's positions (None when they are); with a
+        left ``padding`` (generate()), the positions transformers gives its padded prompts."""
         if position_ids is None:
+            return None
+        if padding is not None:
+            expect = padding.positions(mesh.local_position_ids(seqlen, self.layout, device=position_ids.device)
+                                       .view(1, -1))
+            rows = position_ids.reshape(-1, position_ids.shape[-1])
+            if tuple(rows.shape) != tuple(expect.shape) or not bool((rows == expect).all()):
+                return (f"position_ids {_brief(rows[0].tolist())} are not generate()'s positions of this rank's "
+                        f"tokens of the left-padded prompt ({_brief(expect[0].tolist())})")
             return None
         if cu is not None and cu[-1] != seqlen:
             return (f"cu_seq_lens_q ends at {cu[-1]} but the ranks hold {seqlen} tokens: pass the global "
@@ -305,6 +372,9 @@ class USPAttentionFunction:
             raise ValueError(_OUTSIDE.format(what="model call"))
         cu_arg = kwargs.get("cu_seq_lens_q")
         cu, why = _packing(cu_arg, kwargs.get("cu_seq_lens_k"))
+        padding = getattr(position_ids, PADDING_ATTR, None)
+        if padding is not None:
+            why = why or _padding_problem(module, cu)
         problem = self._local_problem(query, key, attention_mask, kwargs, why)
         vkey = self._validated.make_key(mesh, query, position_ids, attention_mask, cu_arg)
         if mesh.sp_size > 1 and not self._validated.hit(vkey):
@@ -322,7 +392,7 @@ class USPAttentionFunction:
         sinks = kwargs.get("s_aux")
         out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=float(dropout),
                    softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap, cu_seqlens=cu,
-                   sinks=sinks)
+                   sinks=sinks, mask=padding.mask if padding is not None else None)
         return watch(out, mesh, "transformers attn_implementation='usp_hal'"), None
 
     def _options(self, module, attention_mask, is_causal, kwargs):
@@ -354,26 +424,33 @@ class USPAttentionFunction:
             causal, window, softcap = True, (-1, -1), 0.0
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         position_ids = kwargs.get("position_ids")
+        padding = getattr(cache, "padding", None)
+        if not problem and padding is None and getattr(position_ids, PADDING_ATTR, None) is not None:
+            problem = ("a padded batch with a ShardedCache outside generate(): generate left-padded prompts with "
+                       "model.generate(**shard_batch(batch, mesh), ...)")
         if cache.core is None or not cache.core.layers[layer].filled:
             rows = self._agree(mesh, problem, [int(query.shape[2])]) if mesh.sp_size > 1 else [[query.shape[2]]]
             if problem and mesh.sp_size == 1:
                 raise ValueError(f"usp_hal attention (transformers) cannot run this call: {problem}")
             seqlen = sum(r[0] for r in rows)
-            why = self._position_problem(mesh, position_ids, seqlen) if position_ids is not None else \
-                "no position_ids: pass the batch from shard_batch(batch, mesh) to generate()"
+            why = self._position_problem(mesh, position_ids, seqlen, padding=padding) if position_ids is not None \
+                else "no position_ids: pass the batch from shard_batch(batch, mesh) to generate()"
             if mesh.sp_size > 1:
                 self._agree(mesh, why, [])
             elif why:
                 raise ValueError(f"usp_hal attention (transformers) cannot run this call: {why}")
             core = cache.ensure_core(mesh, q, k, v, self.attn_type)
             out = core.prefill(layer, self._module_for(mesh), q, k, v, causal=causal, softmax_scale=scaling,
-                               window_size=window, softcap=softcap, sinks=kwargs.get("s_aux"))
+                               window_size=window, softcap=softcap, sinks=kwargs.get("s_aux"),
+                               mask=padding.mask if padding is not None else None)
             return out, None
         core = cache.core
         if not problem:
             n = int(query.shape[2])
             starts = torch.tensor(core.lengths(layer), device=query.device).view(-1, 1)
             want = starts + torch.arange(n, device=query.device).view(1, -1)
+            if padding is not None:        # transformers counts a padded row's positions from its first token
+                want = padding.positions(want)
             if not isinstance(position_ids, torch.Tensor) or position_ids.reshape(-1, n).shape[0] not in \
                     (1, want.shape[0]) or not bool((position_ids.reshape(-1, n) == want).all()):
                 got = position_ids.tolist() if isinstance(position_ids, torch.Tensor) else position_ids
@@ -381,8 +458,22 @@ class USPAttentionFunction:
                            f"{want.tolist()} (the cache holds {core.lengths(layer)} tokens per sequence); a second "
                            "prefill on a filled cache (chunked prefill) is not supported: reset() the cache first")
         out = core.decode(layer, q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
-                          softcap=softcap, mesh=mesh, problem=problem, sinks=kwargs.get("s_aux"))
+                          softcap=softcap, mesh=mesh, problem=problem, sinks=kwargs.get("s_aux"),
+                          key_start=padding.left if padding is not None else None)
         return out, None
+
+
+def _padding_problem(module, cu=None) -> Optional[str]:
+    """Why a padded batch (shard_batch's key mask) cannot run through this layer's model."""
+    from .hybrid import COVERED_MODEL_TYPES
+    if cu is not None:
+        return "a padding mask together with packed documents (cu_seq_lens_q/k)"
+    kind = getattr(getattr(module, "config", None), "model_type", None)
+    if kind in COVERED_MODEL_TYPES:
+        return (f"a padding mask with model type {kind!r}: its recurrent or convolution layers would take the "
+                "pads into the real tokens' state (transformers zeroes them with the attention_mask, which the "
+                "key mask does not reach); pass batches without padding")
+    return None
 
 
 def _packing(cu_q, cu_k):
@@ -530,8 +621,14 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
                 "prompt); pass max_new_tokens")
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-        return ("a padding mask (attention_mask with zeros): left-padded batched prompts are not supported; "
-                "generate prompts of different lengths in separate calls (or batch prompts of one length)")
+        return _DIRECT_PADDING
+    padding = getattr(kwargs.get("position_ids"), PADDING_ATTR, None)
+    if padding is not None and padding.empty_rows:
+        return (f"prompt row(s) {padding.empty_rows} with no token (their attention_mask is all zeros); leave them "
+                "out of the batch")
+    if padding is not None and padding.left is None:
+        return ("right padding (or padding inside a prompt): generate() appends the new tokens after the last "
+                "column, so pad the prompts on the left (tokenizer.padding_side = 'left')")
     cache = kwargs.get("past_key_values")
     if cache is not None and (not isinstance(cache, cache_cls) or not cache.is_empty):
         return ("past_key_values must be an empty usp_hal.integrations.cache.ShardedCache (got "
@@ -594,19 +691,25 @@ def _sharded_generate(original, model, impl, args, kwargs):
     cache = kwargs.get("past_key_values")
     if cache is None:
         cache = kwargs["past_key_values"] = ShardedCache(model.config, mesh=mesh)
+    padding = getattr(pos, PADDING_ATTR, None)
+    cache.padding = padding       # the prefill's key mask and the decode steps' key_start
     kwargs.setdefault("attention_mask", torch.ones_like(ids))     # not inferred from pad tokens per shard
     here = (pos.reshape(-1, pos.shape[-1])[0] == prompt - 1).nonzero().flatten().tolist()
     state = {"prefill": True}
 
     def pre(module, margs, mkw):
-        mkw["attention_mask"] = None          # all ones (checked): the attention applies causality itself
+        # no padding (checked) or the padding carried by the cache: the attention applies causality and it
+        mkw["attention_mask"] = None
         if state["prefill"]:
             if "logits_to_keep" in mkw:       # the prompt's last position, on the rank that holds it
                 mkw["logits_to_keep"] = torch.tensor([here[0] if here else local - 1], device=ids.device)
+            if padding is not None:           # transformers' positions of left-padded prompts, for RoPE
+                mkw["position_ids"] = padding.positions(pos)
             return margs, mkw
         n = int(mkw["input_ids"].shape[1])
         start = max(cache.core.lengths(0)) if cache.core is not None else prompt
-        mkw["position_ids"] = torch.arange(start, start + n, device=ids.device).view(1, n).expand(ids.shape[0], n)
+        steps = torch.arange(start, start + n, device=ids.device).view(1, n)
+        mkw["position_ids"] = padding.positions(steps) if padding is not None else steps.expand(ids.shape[0], n)
         return margs, mkw
 
     def post(module, margs, mkw, output):
@@ -759,8 +862,16 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     the replicas hold different numbers of labels.  Without it each replica's loss is the mean
     over its own labels, and the mean of those means is what the step gets.
 
-    An ``attention_mask`` of all ones is dropped; one with padding is refused.  Other tensors
-    are refused rather than passed through unsharded.  ``check`` (one small all-gather)
+    ``attention_mask`` (``[B, S]``, 0 = padding): one of all ones is dropped.  One with padding
+    (any pattern: left, right, or both in one batch) is not returned either: the global mask
+    travels with the returned ``position_ids`` (a :class:`Padding`) to the attention function,
+    which excludes the padded keys for every query (a per-row key mask over global positions,
+    and'ed with causality and windows), as transformers does with a 2-D mask; positions stay
+    ``0..S-1`` as in a transformers forward without ``position_ids``.  The outputs of a query
+    that sees no key (a left pad) are 0 attention (transformers' kernels disagree there: label
+    such positions -100).  ``generate()`` takes left-padded prompts this way (see the module
+    doc).  Not with packed documents.  Other tensors are refused rather than passed through
+    unsharded.  ``check`` (one small all-gather)
     verifies that every rank passed the same batch.
     """
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
@@ -779,7 +890,7 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     elif problem is not None:
         raise problem
     assert plan is not None
-    batch, main, seq_keys, bsz, seqlen, cu, shifted, out = plan
+    batch, main, seq_keys, bsz, seqlen, cu, shifted, out, padding = plan
 
     def sh(x):
         return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=1, cu_seqlens=cu)
@@ -789,6 +900,8 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     positions = mesh.local_position_ids(seqlen, layout, device=batch[main].device, cu_seqlens=cu)
     out["position_ids"] = positions.unsqueeze(0).expand(bsz, -1).contiguous()
     setattr(out["position_ids"], SHARDED_ATTR, True)     # what makes a model call sequence-parallel
+    if padding is not None:       # the global padding, for the attention (a key mask) and generate()
+        setattr(out["position_ids"], PADDING_ATTR, padding)
     if cu is not None:
         bounds = torch.tensor(cu, dtype=torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
@@ -841,6 +954,7 @@ def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
                          f"got shape {tuple(ref.shape)}")
     bsz, seqlen = int(ref.shape[0]), int(ref.shape[1])
     out: Dict[str, Any] = {}
+    padding: Optional[Padding] = None
     cu = _batch_boundaries(batch, cu_seqlens, bsz, seqlen)
     for k, v in batch.items():
         if k in seq_keys or k in ("labels", "shift_labels", "attention_mask", "position_ids") + _PACKING_KEYS:
@@ -858,10 +972,15 @@ def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (bsz, seqlen):
             raise ValueError("shard_batch: attention_mask must be a [batch, seq] tensor; custom masks are not "
                              "supported by sequence-parallel attention")
+        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+            seen = sorted(set(mask.reshape(-1).tolist()))[:6]
+            raise ValueError(f"shard_batch: the attention_mask must hold 0 (padding) and 1 (token) only; got values "
+                             f"{seen} ({mask.dtype}). Custom masks are not supported through shard_batch")
         if not bool(mask.bool().all()):
-            raise ValueError("shard_batch: the attention_mask has padding (zeros); sequence-parallel attention "
-                             "attends every token. Pass batches without padding (for causal models, right padding "
-                             "with labels -100 and no attention_mask gives the same loss)")
+            if cu is not None:
+                raise ValueError("shard_batch: an attention_mask with padding together with packed documents "
+                                 "(cu_seqlens) is not supported; pack without padding")
+            padding = Padding(mask)
     pos = batch.get("position_ids")
     if pos is not None:
         expect = torch.arange(seqlen, device=pos.device)
@@ -883,7 +1002,7 @@ def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
             shifted = shifted.index_fill(1, ends, ignore_index)
     if shifted is not None and tuple(shifted.shape) != (bsz, seqlen):
         raise ValueError(f"shard_batch: shift_labels have shape {tuple(shifted.shape)}, expected [{bsz}, {seqlen}]")
-    return batch, main, seq_keys, bsz, seqlen, cu, shifted, out
+    return batch, main, seq_keys, bsz, seqlen, cu, shifted, out, padding
 
 
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -927,7 +1046,8 @@ def _fingerprint(t: torch.Tensor) -> int:
 
 def _checked_keys(plan) -> list:
     batch, _, seq_keys = plan[:3]
-    return seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None]
+    return seq_keys + [k for k in ("labels", "shift_labels") if batch.get(k) is not None] + \
+        (["attention_mask"] if plan[8] is not None else [])
 
 
 def _batch_prints(plan) -> list:
