@@ -86,7 +86,8 @@ MODELS = {
 def _run(model, inputs, grad_keys, seed, mesh=None):
     x = {k: (v.clone().requires_grad_(k in grad_keys) if isinstance(v, torch.Tensor) else v)
          for k, v in inputs.items()}
-    out = model(**x, return_dict=False)[0]
+    # every output: MiniMax-H3 returns the video and the audio velocity
+    out = torch.cat([o.flatten() for o in model(**x, return_dict=False)])
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 3))
     (out * weight).sum().backward()
     grads = {k: x[k].grad for k in grad_keys}
@@ -367,3 +368,43 @@ MODELS.update({
     "chronoedit": (tiny_chronoedit, chronoedit_inputs, ("hidden_states", "encoder_hidden_states",
                                                         "encoder_hidden_states_image")),
 })
+
+
+def tiny_minimax_h3(seed=0):
+    from diffusers import MiniMaxH3Transformer3DModel
+    torch.manual_seed(seed)
+    # 2 * 3 * rope_freq_dim = 12 of the 16 head channels rotated, 4 passed through
+    return MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2,
+                                       num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=4,
+                                       patch_size=(1, 2, 2), text_dim=16, freq_dim=16, time_embed_hidden_dim=32,
+                                       time_embed_dim=16, rope_freq_dim=2)
+
+
+def minimax_h3_inputs(B=2, frames=2, side=4, audio_latents=3, text_len=7, vision_rows=2, seed=0):
+    """The packed ``[text | keyframe | audio | video]`` layout of MiniMax-H3's t2va/fl2va task,
+    built by its pipeline's own layout and timestep steps (one first-frame keyframe: conditioning
+    video rows at another timestep; ``vision_rows`` text rows tagged video, as a keyframe's vision
+    block is; stereo audio packed channel-major).  Every per-row tensor is over the whole packed
+    sequence: the plan splits them inside the model, after the rows are scattered."""
+    from diffusers.modular_pipelines.minimax_h3 import before_denoise as steps
+    from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as mp
+
+    tags = torch.full((text_len,), mp.MINIMAX_H3_TEXT_TAG, dtype=torch.long)
+    tags[1:1 + vision_rows] = mp.MINIMAX_H3_VIDEO_TAG
+    position_ids, token_tags, video_indices, audio_indices, text_indices, cond_video, cond_audio = \
+        steps.MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            tags, frames, side, side, audio_latents, (1, 2, 2), mp.MINIMAX_H3_AUDIO_CHANNELS,
+            mp.MINIMAX_H3_AUDIO_TAG, mp.MINIMAX_H3_VIDEO_TAG, keyframe_anchors=("first",))
+    timestep, timestep_indices = steps.MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video_indices, audio_indices, cond_video, cond_audio, text_len, 0.7, 0.4, 0.999, 1.0)
+    g = torch.Generator().manual_seed(seed + 7)
+    return dict(hidden_states=torch.randn(B, video_indices.numel(), 16, generator=g),
+                audio_hidden_states=torch.randn(B, audio_indices.numel(), 4, generator=g),
+                encoder_hidden_states=torch.randn(B, text_len, 16, generator=g),
+                timestep=timestep, timestep_indices=timestep_indices, token_tags=token_tags,
+                position_ids=position_ids, video_indices=video_indices, audio_indices=audio_indices,
+                text_indices=text_indices)
+
+
+MODELS["minimax_h3"] = (tiny_minimax_h3, minimax_h3_inputs,
+                        ("hidden_states", "audio_hidden_states", "encoder_hidden_states"))

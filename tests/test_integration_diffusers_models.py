@@ -1,8 +1,9 @@
 """diffusers transformers beyond Flux under parallelize(): tiny random Wan 2.1 (1-D and per-token
 timesteps; cross-attention to the unsharded text), Qwen-Image (joint text+image) and LTX-Video
 (cross-attention to sharded text) against one process: output, summed input gradients, synced
-parameter gradients; a negative control; every diffusers transformer with a _cp_plan is
-verified here or refused with its name."""
+parameter gradients; Flux.2, ChronoEdit and MiniMax-H3 (one packed text, keyframe, audio and video
+sequence split inside the model) likewise; a negative control; every diffusers transformer with a
+_cp_plan is verified here or refused with its name."""
 import pytest
 
 pytest.importorskip("diffusers")
@@ -28,7 +29,9 @@ CASES = [("wan", 2, 2, 1, {}), ("wan", 2, 1, 2, {"timestep_dims": 2}), ("wan", 4
          # as text tokens per rank (still cross-attention)
          ("qwen", 2, 2, 1, {"text_pad": 3}), ("qwen", 2, 1, 2, {"text_pad": 3, "h": 3, "w": 7}),
          ("ltx", 2, 2, 1, {"text_pad": 3}), ("ltx", 2, 1, 2, {"text_pad": 3, "frames": 1, "h": 1, "w": 7}),
-         ("flux2", 2, 2, 1, {}), ("flux2", 2, 1, 2, {}), ("chronoedit", 2, 2, 1, {}), ("chronoedit", 2, 1, 2, {})]
+         ("flux2", 2, 2, 1, {}), ("flux2", 2, 1, 2, {}), ("chronoedit", 2, 2, 1, {}), ("chronoedit", 2, 1, 2, {}),
+         # one packed [text | keyframe | audio | video] sequence of 25 rows, split inside the model
+         ("minimax_h3", 2, 2, 1, {}), ("minimax_h3", 2, 1, 2, {})]
 
 
 @pytest.mark.multirank
@@ -68,9 +71,9 @@ def _plan_classes():
 # the test case that verifies each model of VERIFIED_MODELS (Flux: tests/test_integration_diffusers.py)
 VERIFIED_BY = {"FluxTransformer2DModel": "flux", "WanTransformer3DModel": "wan", "QwenImageTransformer2DModel": "qwen",
                "LTXVideoTransformer3DModel": "ltx", "Flux2Transformer2DModel": "flux2",
-               "ChronoEditTransformer3DModel": "chronoedit"}
-# not verified yet: refused unless allow_unverified=True, with that reason
-UNVERIFIED = {"MiniMaxH3Transformer3DModel"}
+               "ChronoEditTransformer3DModel": "chronoedit", "MiniMaxH3Transformer3DModel": "minimax_h3"}
+# not verified yet: refused unless allow_unverified=True, with that reason (none at present)
+UNVERIFIED: set = set()
 
 
 def test_every_model_with_a_plan_is_verified_or_refused_by_name():
@@ -96,6 +99,21 @@ def test_every_model_with_a_plan_is_verified_or_refused_by_name():
         if cls.__name__ in usp.REFUSED_MODELS:
             with pytest.raises(ValueError, match=f"{cls.__name__} is not supported"):
                 usp.parallelize(model, allow_unverified=True)
+
+
+def test_an_unverified_class_with_a_plan_is_refused_unless_allowed():
+    """A class of another name (a subclass here) is not taken as verified because its plan is
+    inherited from a verified one: it is refused, naming allow_unverified."""
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from usp_hal.integrations import diffusers as usp
+    cls = type("CustomH3Transformer", (MiniMaxH3Transformer3DModel,), {})
+    model = cls.__new__(cls)
+    torch.nn.Module.__init__(model)
+    with pytest.raises(ValueError, match="CustomH3Transformer declares a context-parallel plan .*not verified.*"
+                       "allow_unverified=True"):
+        usp.parallelize(model)
 
 
 def test_a_plan_that_gathers_and_splits_again_is_refused_naming_the_module():

@@ -56,7 +56,8 @@ TESTED_VERSIONS = ("0.42.1",)
 # transformers whose own _cp_plan is verified (output, input and parameter gradients against one
 # process, tests/test_integration_diffusers*.py); parallelize refuses other plans unless asked
 VERIFIED_MODELS = frozenset({"FluxTransformer2DModel", "WanTransformer3DModel", "QwenImageTransformer2DModel",
-                             "LTXVideoTransformer3DModel", "Flux2Transformer2DModel", "ChronoEditTransformer3DModel"})
+                             "LTXVideoTransformer3DModel", "Flux2Transformer2DModel", "ChronoEditTransformer3DModel",
+                             "MiniMaxH3Transformer3DModel"})
 # transformers whose own _cp_plan usp-hal cannot follow exactly, refused even with allow_unverified
 REFUSED_MODELS = {
     "LTX2VideoTransformer3DModel": (
