@@ -16,6 +16,8 @@ def _pool(world):
 def pools():
     """Callable world_size -> WorkerPool (spawned once per size, reused across cases)."""
     yield _pool
+    for p in _POOLS.values():       # every pool's workers wind down together
+        p.stop()
     for p in _POOLS.values():
         p.close()
     _POOLS.clear()

@@ -262,12 +262,17 @@ class RankPool:
             raise err
         return [got[r] for r in range(self.world)]
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Tell every worker to finish (without waiting: :meth:`close` waits), so that several
+        pools wind down at once."""
         for q in getattr(self, "tasks", []):
             try:
                 q.put(None)
             except Exception:
                 pass
+
+    def close(self) -> None:
+        self.stop()
         for p in self.procs:
             p.join(timeout=2)
             if p.is_alive():
