@@ -109,7 +109,7 @@ def _declared(module) -> Optional[str]:
 def _module_findings(path: str, module: nn.Module) -> List[Finding]:
     cls = type(module).__name__
     out: List[Finding] = []
-    why = _declared(module)
+    why = _declared(module) if hasattr(type(module), "_supports_attention_backend") else None
     if why:
         out.append(Finding(path, cls, why, "declared"))
     if _CLASS_PATTERN.search(cls):
@@ -125,8 +125,13 @@ def _module_findings(path: str, module: nn.Module) -> List[Finding]:
         out.append(Finding(path, cls, "pooling over positions", "pool"))
     elif isinstance(module, _PADS):
         out.append(Finding(path, cls, "padding (a shift of positions)", "pad"))
-    names = sorted(n for n, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(
-        recurse=False)) if n in _PARAM_NAMES)
+    # a token shift written as tensor code, switched on by an attribute: MobileBertEmbeddings
+    # (transformers models/mobilebert/modeling_mobilebert.py) joins each token's embedding with
+    # its neighbours' (nn.functional.pad of inputs_embeds[:, 1:] and [:, :-1]) when trigram_input
+    if getattr(module, "trigram_input", None) is True:
+        out.append(Finding(path, cls, "a token shift (trigram_input: each token's embedding is joined with its "
+                                      "neighbours')", "shift"))
+    names = sorted(n for n in (*module._parameters, *module._buffers) if n in _PARAM_NAMES)
     if names:
         out.append(Finding(path, cls, f"recurrent / state-space parameters {names}", "param"))
     for name, value in vars(module).items():
