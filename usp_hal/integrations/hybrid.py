@@ -159,6 +159,14 @@ def find_sequence_mixers(model: nn.Module, *, skip_rules=()) -> List[Finding]:
         out.extend(f for f in _module_findings(path, module) if f.rule not in skip_rules)
     if getattr(type(model), _COVERED, False) or getattr(model, _COVERED_MODEL, False):
         out = [f for f in out if f.rule != "declared"]
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "is_encoder_decoder", False) is True and "encoder_decoder" not in skip_rules:
+        # e.g. transformers' BartModel makes its decoder inputs by shifting input_ids
+        # (shift_tokens_right), which on a shard shifts within the shard, and its
+        # cross-attention reads the encoder's whole output
+        out.append(Finding("", type(model).__name__, "an encoder-decoder model (its decoder inputs are shifted from "
+                                                     "the whole sequence and its cross-attention reads the whole "
+                                                     "encoder output)", "encoder_decoder"))
     return out
 
 
