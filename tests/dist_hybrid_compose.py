@@ -1,0 +1,92 @@
+"""Rank functions for hybrid models composed with the rest of usp-hal (tests/test_hybrid_compose.py):
+the HF Trainer path (USPTrainer against the plain Trainer in one process) and data parallel x
+sequence parallel (DDP over the dp dim of a DeviceMesh, against one process on both replicas'
+batches), for a tiny ``nemotron_h`` (Mamba2 mixer: a depthwise conv and the SSD scan, beside
+attention) built from its config."""
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from tests.dist_trainer import _common, _flat, _Losses
+from tests.hybrid_cases import VOCAB, tiny_hybrid
+
+
+class HybridRows(torch.utils.data.Dataset):
+    """``n`` right-padded rows of ``S`` tokens below the tiny hybrids' vocabulary; row i has
+    ``S - i % 5`` real tokens (pads labelled -100), so the replicas and micro-batches of one step
+    hold different label counts and only an exactly normalised loss matches one process."""
+
+    def __init__(self, n: int, S: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed + 700)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(1, VOCAB, (S,), generator=g)
+            labels = ids.clone()
+            real = S - i % 5
+            ids[real:] = 0
+            labels[real:] = -100
+            self.rows.append({"input_ids": ids, "labels": labels})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)   # the process group itself stays
+    GradientState._reset_state()
+
+
+def trainer_run(model_type: str = "nemotron_h", U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, S: int = 24,
+                seed: int = 0, lr: float = 3e-3, layout: str = "zigzag", recurrence: str = "auto"):
+    """``steps`` optimizer steps of USPTrainer (sp = U x R, dp = the rest of the pool's ranks) on a
+    tiny hybrid; each rank's logged losses and grad norms, the wired layers' recurrence modes,
+    and on rank 0 the final parameters."""
+    from usp_hal.integrations import hybrid
+    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+
+    dp = dist.get_world_size() // (U * R)
+    model = tiny_hybrid(model_type, seed)
+    data = HybridRows(steps * bs * dp, S, seed)
+    keep = _Losses.make()
+    threads = torch.get_num_threads()      # accelerate's MULTI_CPU set-up may change it: the pool is shared
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
+                                        usp_attn_type="sdpa", usp_recurrence=recurrence,
+                                        per_device_train_batch_size=bs, **_common(tmp, steps, 1, lr, seed))
+            trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep])
+            trainer.train()
+    finally:
+        _reset_accelerate()
+        torch.set_num_threads(threads)
+    modes = sorted({m.__dict__[hybrid._WIRED][2] for m in model.modules() if hybrid._WIRED in m.__dict__})
+    res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "modes": modes, "dp": trainer.dp_size,
+           "attn_after": model.config._attn_implementation}
+    if dist.get_rank() == 0:
+        res["params"] = _flat(model)
+    return res
+
+
+def trainer_reference(model_type: str = "nemotron_h", dp: int = 1, steps: int = 3, bs: int = 2, S: int = 24,
+                      seed: int = 0, lr: float = 3e-3):
+    """The plain Trainer in this process (no process group) on ``bs * dp`` rows per step."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_hybrid(model_type, seed)
+    data = HybridRows(steps * bs * dp, S, seed)
+    keep = _Losses.make()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(per_device_train_batch_size=bs * dp, **_common(tmp, steps, 1, lr, seed))
+            Trainer(model=model, args=args, train_dataset=data, callbacks=[keep]).train()
+    finally:
+        _reset_accelerate()
+    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model),
+            "start": _flat(tiny_hybrid(model_type, seed))}
