@@ -54,3 +54,27 @@ def test_recurrence_on_the_command_line():
     assert args.usp_recurrence == "state_passing"
     with pytest.raises(SystemExit):     # argparse refuses a value outside the choices
         parser.parse_args_into_dataclasses(["--output_dir", "unused", "--usp_recurrence", "scan"])
+
+
+DP_SP_TOL = dict(loss=1e-5, grad=1e-4, param=1e-4)     # fp32; grad: relative to each gradient's largest entry
+
+
+@pytest.mark.multirank
+def test_hybrid_dp2_ring2_matches_one_process(pools):
+    """dp 2 x Ring-2 on 4 ranks: DDP over the dp group with the SSD scan by state passing
+    ("auto" on a ring) and head-parallel, and FSDP2 over the dp sub-mesh with state passing,
+    against one process training on both replicas' batches."""
+    runs = (("ddp", "auto"), ("ddp", "head_parallel"), ("fsdp", "auto"))
+    res = pools(4).run(dhc.dp_sp_training, timeout=300, runs=runs)
+    modes = {"auto": ["state_passing"], "head_parallel": ["head_parallel"]}
+    for wrapper, rec in runs:
+        key = f"{wrapper}-{rec}"
+        r0 = res[0][key]
+        print(f"dp x sp {key}: loss {r0['loss_diff']:.1e}, grad rel {r0['grad_rel']:.1e}, "
+              f"params {r0['param_diff']:.1e}")
+        assert r0["modes"] == modes[rec], r0["modes"]
+        assert all(r[key]["losses"] == r0["losses"] for r in res), [r[key]["losses"] for r in res]
+        assert r0["loss_diff"] <= DP_SP_TOL["loss"], r0
+        assert r0["grad_rel"] <= DP_SP_TOL["grad"], r0
+        assert r0["param_diff"] <= DP_SP_TOL["param"], r0
+        assert r0["loss_change"] > 0.05, r0         # it trained
