@@ -314,7 +314,8 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     :class:`_Mutant`; run with the first recurrence).  ``cu``: packed documents (global
     boundaries, through shard_batch); the one process then runs each document on its own.
     ``unwired``: run the hybrid layers on each rank's shard (the defect), to show the
-    comparison fails then.  ``dtype``: of the model ("fp32", "fp64").  Returns ``{run name: results}``."""
+    comparison fails then.  ``dtype``: of the model and of the one process ("fp32", "fp64",
+    "bf16").  Returns ``{run name: results}``."""
     import copy
 
     import usp_hal
@@ -322,7 +323,8 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    ref = tiny_hybrid(model_type, seed).to({"fp32": torch.float32, "fp64": torch.float64}[dtype])
+    dtypes = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+    ref = tiny_hybrid(model_type, seed).to(dtypes[dtype])
     ref.set_attn_implementation("sdpa")
     start = copy.deepcopy(ref)
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1))
