@@ -78,9 +78,16 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
     res["bad_recurrence"] = error_of(lambda: usp.register("usp_hal_bad", mesh=mesh, recurrence="scan"))
     forced = usp.register(f"usp_hal_hybrid_u{U}r{R}_sp", mesh=mesh, layout="zigzag", attn_type="sdpa",
                           recurrence="state_passing")
-    kimi = tiny_hybrid("kimi_linear")
-    kimi.set_attn_implementation(forced)
-    res["kimi_linear_state_passing"] = error_of(lambda: kimi(**batch))     # KDA has no state-passing form
+    from usp_hal.integrations import hybrid
+    # a covered layer without a state-passing form: kimi_linear's KDA with its entry taken away
+    # (every covered recurrence has one now); forcing state passing on it is refused, by layer
+    hybrid.STATE_PASSING_LAYERS.discard("KimiLinearDeltaAttention")
+    try:
+        kimi = tiny_hybrid("kimi_linear")
+        kimi.set_attn_implementation(forced)
+        res["no_state_passing_form"] = error_of(lambda: kimi(**batch))
+    finally:
+        hybrid.STATE_PASSING_LAYERS.add("KimiLinearDeltaAttention")
     model = tiny_hybrid("qwen3_next")
     model.set_attn_implementation(name)
     res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
