@@ -318,8 +318,9 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     """Logits, loss, every gradient and ``steps`` AdamW steps of a tiny hybrid under
     attn_implementation="usp_hal", against the same model in one process (on rank 0), for each
     of ``recurrences`` (register(..., recurrence=)) and then each of ``mutants`` (see
-    :class:`_Mutant`; run with the first recurrence).  ``cu``: packed documents (global
-    boundaries, through shard_batch); the one process then runs each document on its own.
+    :class:`_Mutant`; run with the first recurrence, one step: compare their logits and
+    gradients).  ``cu``: packed documents (global boundaries, through shard_batch); the one
+    process then runs each document on its own.
     ``unwired``: run the hybrid layers on each rank's shard (the defect), to show the
     comparison fails then.  ``dtype``: of the model and of the one process ("fp32", "fp64",
     "bf16").  Returns ``{run name: results}``."""
@@ -359,7 +360,7 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
                 opt.step()
                 opt.zero_grad()
                 losses = [loss0]
-                for _ in range(steps - 1):
+                for _ in range(steps - 1 if mutant is None else 0):      # a mutant: its first step is enough
                     out = model(**batch)
                     out.loss.backward()
                     losses.append(float(usp.sync_gradients(model, mesh, out.loss)))
