@@ -78,9 +78,16 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
     res["bad_recurrence"] = error_of(lambda: usp.register("usp_hal_bad", mesh=mesh, recurrence="scan"))
     forced = usp.register(f"usp_hal_hybrid_u{U}r{R}_sp", mesh=mesh, layout="zigzag", attn_type="sdpa",
                           recurrence="state_passing")
-    kimi = tiny_hybrid("kimi_linear")
-    kimi.set_attn_implementation(forced)
-    res["kimi_linear_state_passing"] = error_of(lambda: kimi(**batch))     # KDA has no state-passing form
+    from usp_hal.integrations import hybrid
+    # a covered layer without a state-passing form: kimi_linear's KDA with its entry taken away
+    # (every covered recurrence has one now); forcing state passing on it is refused, by layer
+    hybrid.STATE_PASSING_LAYERS.discard("KimiLinearDeltaAttention")
+    try:
+        kimi = tiny_hybrid("kimi_linear")
+        kimi.set_attn_implementation(forced)
+        res["no_state_passing_form"] = error_of(lambda: kimi(**batch))
+    finally:
+        hybrid.STATE_PASSING_LAYERS.add("KimiLinearDeltaAttention")
     model = tiny_hybrid("qwen3_next")
     model.set_attn_implementation(name)
     res["qwen3_next_cache"] = error_of(lambda: model(**batch, use_cache=True))
@@ -311,10 +318,12 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     """Logits, loss, every gradient and ``steps`` AdamW steps of a tiny hybrid under
     attn_implementation="usp_hal", against the same model in one process (on rank 0), for each
     of ``recurrences`` (register(..., recurrence=)) and then each of ``mutants`` (see
-    :class:`_Mutant`; run with the first recurrence).  ``cu``: packed documents (global
-    boundaries, through shard_batch); the one process then runs each document on its own.
+    :class:`_Mutant`; run with the first recurrence, one step: compare their logits and
+    gradients).  ``cu``: packed documents (global boundaries, through shard_batch); the one
+    process then runs each document on its own.
     ``unwired``: run the hybrid layers on each rank's shard (the defect), to show the
-    comparison fails then.  ``dtype``: of the model ("fp32", "fp64").  Returns ``{run name: results}``."""
+    comparison fails then.  ``dtype``: of the model and of the one process ("fp32", "fp64",
+    "bf16").  Returns ``{run name: results}``."""
     import copy
 
     import usp_hal
@@ -322,7 +331,8 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    ref = tiny_hybrid(model_type, seed).to({"fp32": torch.float32, "fp64": torch.float64}[dtype])
+    dtypes = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+    ref = tiny_hybrid(model_type, seed).to(dtypes[dtype])
     ref.set_attn_implementation("sdpa")
     start = copy.deepcopy(ref)
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1))
@@ -350,7 +360,7 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
                 opt.step()
                 opt.zero_grad()
                 losses = [loss0]
-                for _ in range(steps - 1):
+                for _ in range(steps - 1 if mutant is None else 0):      # a mutant: its first step is enough
                     out = model(**batch)
                     out.loss.backward()
                     losses.append(float(usp.sync_gradients(model, mesh, out.loss)))

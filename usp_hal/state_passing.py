@@ -1,6 +1,6 @@
 """Recurrences over a sequence-sharded timeline, by passing state.
 
-A linear recurrence (gated DeltaNet, Mamba2's SSD, linear attention) needs the whole
+A linear recurrence (gated DeltaNet, KDA, Mamba2's SSD, linear attention) needs the whole
 timeline, but not the whole timeline's *tokens*: what one stretch of the sequence hands the
 next is a state.  Here every rank keeps its own tokens and all heads, and only states travel
 (LASP-2's scheme):
@@ -236,7 +236,12 @@ def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlen
                      seqlen: Optional[int] = None, **kernel_kwargs) -> torch.Tensor:
     """Gated DeltaNet over the group: ``q, k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T,
     Hv]`` (this rank's tokens); ``kernel`` as transformers' ``torch_chunk_gated_delta_rule``
-    (default :func:`delta_rule_reference`).  Returns ``[B, T, Hv, dv]``."""
+    (default :func:`delta_rule_reference`).  Returns ``[B, T, Hv, dv]``.
+
+    KDA (Kimi delta attention, kimi_linear) is the same call with ``g [B, T, H, dk]``, a decay
+    per key channel (``S_t = diag(e^{g_t}) S_{t-1} + ...``), and its kernel (transformers'
+    ``chunk_kimi_delta_attention`` or FLA's ``chunk_kda``): each value column of the state
+    still follows the same linear map, so the same ``[P | S]`` pieces pass it."""
     kern = kernel or delta_rule_reference
 
     def run(q, k, v, g, beta, initial_state=None):
@@ -263,17 +268,20 @@ def delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_stat
     """The gated delta rule token by token, in the inputs' dtype (float64 for references):
     ``S_t = e^{g_t} S_{t-1} + k_t (beta_t (v_t - e^{g_t} S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t
     * scale`` (``scale`` default ``dk^-1/2``), as transformers' ``torch_recurrent_gated_delta_rule``
-    computes it without its fp32 cast.  q/k heads repeat over value heads (``Hv % Hk == 0``)."""
+    computes it without its fp32 cast.  q/k heads repeat over value heads (``Hv % Hk == 0``).
+    ``g [B, T, Hv, dk]`` (a decay per key channel, ``e^{g_t}`` then scales the state's rows):
+    KDA, as transformers' ``recurrent_kimi_delta_attention`` computes it."""
     Bsz, T, Hk, dk = k.shape
     Hv, dv = v.shape[-2:]
     if Hk != Hv:
         q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
     scale = dk ** -0.5 if scale is None else scale
+    per_channel = g.dim() == 4
     S = (initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(Bsz, Hv, dk, dv))
     outs = []
     for t in range(T):
         qt, kt, vt = q[:, t] * scale, k[:, t], v[:, t]
-        S = S * g[:, t].exp()[..., None, None]
+        S = S * (g[:, t].exp()[..., None] if per_channel else g[:, t].exp()[..., None, None])
         pred = (S * kt.unsqueeze(-1)).sum(-2)
         delta = (vt - pred) * beta[:, t].unsqueeze(-1)
         S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)

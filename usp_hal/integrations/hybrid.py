@@ -5,7 +5,7 @@ Covered (run sequence-parallel, tested against one process): the gated DeltaNet 
 KDA layers of ``kimi_linear``: their projections stay on the sequence shards and only their
 per-head operators (the causal convolution, the chunked gated delta rule or KDA, the SSD scan)
 run through :func:`usp_hal.head_parallel`, the convolutions through their halo exchange, and
-the GDN and SSD recurrences through :mod:`usp_hal.state_passing` when ``recurrence`` says so
+the GDN, KDA and SSD recurrences through :mod:`usp_hal.state_passing` when ``recurrence`` says so
 (see :func:`wire` and :data:`RECURRENCES`).  Every other such layer is refused.
 
 Sequence parallelism shards the sequence for the attention layers; any other layer that
@@ -330,9 +330,10 @@ COVERED_LAYERS = {
 ATTENTION_LAYERS = {"KimiLinearAttention"}      # kimi_linear's MLA
 # model types whose every layer that mixes positions is covered, tested against one process
 COVERED_MODEL_TYPES = {"qwen3_next", "lfm2", "nemotron_h", "kimi_linear"}
-# covered layers whose recurrence can also run by state passing (usp_hal.state_passing)
+# covered layers whose recurrence can also run by state passing (usp_hal.state_passing; KDA is
+# the gated delta rule with a decay per key channel: the same call, its own kernel)
 STATE_PASSING_LAYERS = {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                        "NemotronHMamba2Mixer"}
+                        "NemotronHMamba2Mixer", "KimiLinearDeltaAttention"}
 # covered layers with no recurrence (a short convolution only: its halo is all that crosses ranks)
 CONV_ONLY_LAYERS = {"Lfm2ShortConv"}
 # model types tested with packed documents (shard_batch(..., cu_seqlens=...)) against one process

@@ -59,6 +59,7 @@ import usp_hal
 
 from . import transformers as usp
 from .grads import mark_synced
+from .hybrid import RECURRENCES, check_recurrence
 
 __all__ = ["USPTrainer", "USPTrainingArguments"]
 
@@ -80,6 +81,14 @@ class USPTrainingArguments(TrainingArguments):
     usp_low_memory: bool = field(default=False, metadata={
         "help": "LongContextAttention(low_memory=True): attention heads in groups one after another, a smaller "
                 "peak per rank for some more time"})
+    usp_recurrence: str = field(default="auto", metadata={
+        "help": "how the recurrences of covered hybrid layers (gated DeltaNet, KDA, Mamba2) cross the shards: "
+                "'auto', 'head_parallel' or 'state_passing' (register(..., recurrence=), docs/hybrid.md)",
+        "choices": list(RECURRENCES)})
+
+    def __post_init__(self):
+        check_recurrence(self.usp_recurrence)       # a bad value fails here, before any set-up
+        super().__post_init__()
 
 
 def _refuse(what: str, why: str, instead: str) -> ValueError:
@@ -163,7 +172,8 @@ class USPTrainer(Trainer):
         self.usp_layout = layout
         self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}", mesh=self.usp_mesh, layout=layout,
                                        attn_type=getattr(self.args, "usp_attn_type", "auto"),
-                                       low_memory=bool(getattr(self.args, "usp_low_memory", False)))
+                                       low_memory=bool(getattr(self.args, "usp_low_memory", False)),
+                                       recurrence=getattr(self.args, "usp_recurrence", "auto"))
         self._reduction_checked = False
 
     # ------------------------------------------------------------------------- set-up

@@ -1,0 +1,51 @@
+"""KDA (Kimi delta attention: the gated delta rule with a decay per key channel) by state
+passing (usp_hal.state_passing.gated_delta_rule with ``g [B, T, H, dk]``) on every rank of a
+WorkerPool, against the float64 recurrence over the whole sequence, per document."""
+from __future__ import annotations
+
+import torch
+
+import usp_hal
+from tests.dist_cases import get_mesh
+from tests.dist_state_passing import TOL, _docs_reference, _mutated, _worst
+from usp_hal import state_passing as sp
+
+
+def kda_case(U=1, R=2, layout="zigzag", S=26, dtype="fp64", cu=None, kernel="reference", mutation=None, seed=0):
+    """{name: worst error / tolerance} of the output and the gradients of q, k, v, g, beta on
+    this rank.  ``kernel``: "reference" (:func:`usp_hal.state_passing.delta_rule_reference`, in
+    ``dtype``) or "transformers" (``chunk_kimi_delta_attention``, fp32 inside, chunks of 4)."""
+    mesh = get_mesh(U, R)
+    dt = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    B, H, dk, dv = 2, 3, 4, 5
+    glob = {"q": torch.randn(B, S, H, dk, generator=gen),
+            "k": torch.nn.functional.normalize(torch.randn(B, S, H, dk, generator=gen), dim=-1),
+            "v": torch.randn(B, S, H, dv, generator=gen),
+            "g": -torch.rand(B, S, H, dk, generator=gen) * 0.5,         # a decay per key channel
+            "beta": torch.rand(B, S, H, generator=gen)}
+    dout = torch.randn(B, S, H, dv, generator=gen)
+    ref_in = {n: t.double().requires_grad_() for n, t in glob.items()}
+    ref = _docs_reference(lambda *xs: sp.delta_rule_reference(*xs)[0], cu, S,
+                          *(ref_in[n] for n in ("q", "k", "v", "g", "beta")))
+    ref.backward(dout.double())
+
+    def sh(t):
+        return usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu)
+    loc = {n: sh(t).to(dt).requires_grad_() for n, t in glob.items()}
+    kern, extra = None, {}
+    if kernel == "transformers":
+        from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+        kern, extra = chunk_kimi_delta_attention, {"chunk_size": 4}
+    undo = _mutated(mutation) if mutation else (lambda: None)
+    try:
+        out = sp.gated_delta_rule(loc["q"], loc["k"], loc["v"], loc["g"], loc["beta"], mesh=mesh, layout=layout,
+                                  cu_seqlens=cu, kernel=kern, **extra)
+        out.backward(sh(dout).to(dt))
+    finally:
+        undo()
+    tol = TOL[dtype]
+    res = {"out": _worst(out, sh(ref.detach()), tol)}
+    for n, t in loc.items():
+        res["d" + n] = _worst(t.grad, sh(ref_in[n].grad), tol)
+    return res
