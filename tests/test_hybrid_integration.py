@@ -75,7 +75,7 @@ def _check(r, model_type, mode):
 def test_hybrid_matches_one_process(pools, split, model_type):
     """qwen3_next (gated DeltaNet + its causal conv), lfm2 (gated short conv), nemotron_h
     (Mamba2: conv + SSD scan, 6 heads in 3 groups) and kimi_linear (KDA with per-channel decay
-    + its conv, 6 heads; MLA attention with Dk != Dv): logits, loss, every gradient and 2 AdamW
+    + its conv, 6 heads; MLA attention with Dk != Dv): logits, loss, every gradient and 3 AdamW
     steps against one process (fp32).  With a ring degree above 1, recurrence="auto" runs the
     GDN and SSD recurrences by state passing (and the convs by their halo): the same model then
     also runs with recurrence="head_parallel"."""
@@ -83,7 +83,7 @@ def test_hybrid_matches_one_process(pools, split, model_type):
     recs = ("auto", "head_parallel") if R > 1 and model_type in STATE_PASSING else ("auto",)
     mutants = MUTANTS.get((model_type, U, R), ())
     res = pools(world).run(cases.hybrid_training, timeout=300, model_type=model_type, U=U, R=R, layout=layout,
-                           recurrences=recs, steps=2, mutants=mutants)
+                           recurrences=recs, steps=3, mutants=mutants)
     auto = "state_passing" if R > 1 and model_type in STATE_PASSING else (
         "none" if model_type == "lfm2" else "head_parallel")
     modes = {"auto": auto, "head_parallel": "head_parallel"}
