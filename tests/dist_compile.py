@@ -10,8 +10,9 @@ from tests.dist_cases import _err, get_mesh
 class Block(torch.nn.Module):
     """qkv projection -> USP attention -> output projection, as a model layer would."""
 
-    def __init__(self, attn, E=32, H=4, Hkv=2, D=8, packed=False):
+    def __init__(self, attn, E=32, H=4, Hkv=2, D=8, packed=False, head_major=False):
         super().__init__()
+        self.head_major = head_major
         g = torch.Generator().manual_seed(5)
         self.H, self.Hkv, self.D, self.packed = H, Hkv, D, packed
         self.qkv = torch.nn.Linear(E, (H + 2 * Hkv) * D, bias=False)
@@ -28,12 +29,14 @@ class Block(torch.nn.Module):
             out = self.attn(qkv.view(b, s, 3, self.H, self.D), causal=True)
         else:
             q, k, v = qkv.split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
-            out = self.attn(q.view(b, s, self.H, self.D), k.view(b, s, self.Hkv, self.D),
-                            v.view(b, s, self.Hkv, self.D), causal=True)
+            q, k, v = q.view(b, s, self.H, self.D), k.view(b, s, self.Hkv, self.D), v.view(b, s, self.Hkv, self.D)
+            if self.head_major:     # [B, H, S, D] memory seen as [B, S, H, D], as transformers hands attention
+                q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+            out = self.attn(q, k, v, causal=True)
         return self.proj(out.reshape(b, s, -1))
 
 
-def compile_case(U=2, R=1, layout="zigzag", packed=False, backend="aot_eager", module="sync", S=24):
+def compile_case(U=2, R=1, layout="zigzag", packed=False, backend="aot_eager", module="sync", S=24, head_major=False):
     """Graph breaks under torch._dynamo.explain, and compiled vs eager output and gradients."""
     torch._dynamo.reset()
     mesh = get_mesh(U, R)
@@ -45,7 +48,7 @@ def compile_case(U=2, R=1, layout="zigzag", packed=False, backend="aot_eager", m
     else:
         attn = usp_hal.LongContextAttention(**kw)
     H = Hkv = 4 if packed else None
-    block = Block(attn, H=H or 4, Hkv=Hkv or 2, packed=packed).double()
+    block = Block(attn, H=H or 4, Hkv=Hkv or 2, packed=packed, head_major=head_major).double()
     g = torch.Generator().manual_seed(9)
     x = usp_hal.shard(torch.randn(1, S, 32, generator=g, dtype=torch.float64), layout=layout, mesh=mesh)
     x.requires_grad_()

@@ -60,7 +60,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes
     lengths = torch.tensor(list(plan.spec_lengths), dtype=torch.int64)
     if lse is None:
         lse = q.new_empty(0, dtype=_lse_dtype(q.dtype))
-    out, lse = _unaliased((out, lse), (q, k, v, alibi_slopes, sinks))
+    out, lse = _unaliased((out.contiguous(), lse.contiguous()), (q, k, v, alibi_slopes, sinks))
     return out, lse, lengths
 
 
@@ -101,13 +101,15 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     dsinks = _run.sink_grad_buffer(sinks) if sinks is not None else None
     dq, dk, dv = _run.backward(plan, dout, seq=(q, k, v, out, lse), sinks=sinks, dsinks=dsinks)
     ds = dsinks.to(sinks.dtype) if dsinks is not None and sinks is not None else q.new_empty(0)
-    return _unaliased((dq, dk, dv, ds), (dout, q, k, v, out, lse))
+    # contiguous, as the fake kernel says: the inputs may be strided views (a model's q taken
+    # out of a wider projection), and a kernel's own gradient may come back transposed
+    return _unaliased(tuple(t.contiguous() for t in (dq, dk, dv, ds)), (dout, q, k, v, out, lse))
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, lengths, alibi_slopes, sinks, handle, options):
-    ds = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
+    ds = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), ds
 
 
 def _setup_context(ctx, inputs, output):

@@ -184,6 +184,9 @@ def _local_problem(tensors, grouped) -> Tuple[Optional[str], int, int, int, int]
     return None, s, h, g, b
 
 
+# eager under torch.compile (a graph break): every rank runs its collectives from the same eager code
+# (tests/test_hybrid_compile.py: kimi_linear under Inductor failed across ranks without it)
+@torch.compiler.disable
 def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] = (), mesh=None,
                   layout: str = "zigzag", cu_seqlens=None, with_heads: bool = False, out_like: Optional[int] = None):
     """Run a per-head sequence operator on sequence-sharded tensors (see the module doc).
@@ -349,6 +352,9 @@ class _Halo(torch.autograd.Function):
         return out, None, None, None
 
 
+# eager under torch.compile (a graph break): every rank runs its collectives from the same eager code
+# (tests/test_hybrid_compile.py: kimi_linear under Inductor failed across ranks without it)
+@torch.compiler.disable
 def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, mesh=None,
                      layout: str = "zigzag", cu_seqlens=None, _halo_width: Optional[int] = None) -> torch.Tensor:
     """Depthwise causal convolution over the *global* sequence of sequence-sharded ``x``

@@ -232,6 +232,9 @@ def _global_length(local: int, mesh) -> int:
     return sum(r[0] for r in rows)
 
 
+# eager under torch.compile (a graph break): every rank runs its collectives from the same eager code
+# (tests/test_hybrid_compile.py: kimi_linear under Inductor failed across ranks without it)
+@torch.compiler.disable
 def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None,
                      seqlen: Optional[int] = None, **kernel_kwargs) -> torch.Tensor:
     """Gated DeltaNet over the group: ``q, k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T,
@@ -250,6 +253,9 @@ def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlen
                          cu_seqlens=cu_seqlens, seqlen=seqlen)
 
 
+# eager under torch.compile (a graph break): every rank runs its collectives from the same eager code
+# (tests/test_hybrid_compile.py: kimi_linear under Inductor failed across ranks without it)
+@torch.compiler.disable
 def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=None,
         seqlen: Optional[int] = None) -> torch.Tensor:
     """Mamba2's SSD scan over the group: ``x [B, T, H, P]``, ``dt [B, T, H]`` (after softplus),

@@ -37,10 +37,11 @@ gets attention output 0, where transformers' kernels disagree among themselves: 
 and the token after a left padding too (the pad predicts it).  Refused: padding with packed
 documents, and with the recurrent/convolution models of :mod:`.hybrid`.
 
-What it refuses, on every rank together and before any data is exchanged: padding masks
-given to the model directly (2-D masks with zeros: pass them to shard_batch), custom 4-D masks and mask patterns other than causal, bidirectional
-and sliding-window ones (image-token blocks, chunked attention), ``position_ids`` that do not
-match the layout (missing ones, or packed ones without their boundaries), a KV cache other than
+What it refuses, on every rank together and before any data is exchanged: padding masks given to
+the model directly (2-D masks with zeros: pass them to shard_batch), custom 4-D masks and mask
+patterns other than causal, bidirectional and sliding-window ones (image-token blocks, chunked
+attention), ``position_ids`` that do not match the layout (missing ones, or packed ones without
+their boundaries), a KV cache other than
 the ShardedCache holding more tokens than the query,
 position biases and ``output_attentions``.
 
@@ -151,6 +152,13 @@ def _describe_mask_function(fn, found: dict) -> Optional[str]:
                 return why
         return None
     return f"the custom mask pattern {name!r} (only causal, bidirectional and causal sliding-window masks)"
+
+
+# Under torch.compile, Dynamo traces the mask interface; traced, a function's ``__qualname__``
+# and closure cells are not what the walk above reads (a traced hybrid model's mask function
+# read as 'function' and was refused), so the walk always runs eagerly (one graph break per
+# mask built, beside the attention call's own).
+_describe_mask_function = torch.compiler.disable(_describe_mask_function, recursive=True)
 
 
 def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
