@@ -21,34 +21,30 @@ DTYPES = tuple(planner.DTYPE_BYTES)
 
 
 # ----------------------------------------------------------------------------- CLI
-def _bytes_per_s(text: str) -> float:
-    """'25e9' or '25GB/s' (bytes) or '200Gb/s' (bits) -> bytes per second."""
+def _with_unit(text: str, units, hint: str) -> float:
+    """A number, optionally followed by one of ``units`` ((suffix, multiplier), longest first)."""
     t = text.strip().replace(" ", "")
-    for suf, mul in (("GB/s", 1e9), ("MB/s", 1e6), ("Gb/s", 1e9 / 8), ("Mb/s", 1e6 / 8)):
+    m = 1.0
+    for suf, mul in units:
         if t.endswith(suf):
             t, m = t[:-len(suf)], mul
             break
-    else:
-        m = 1.0
     try:
         return float(t) * m
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes/s (450e9), or 450GB/s, or 400Gb/s") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give {hint}") from None
+
+
+def _bytes_per_s(text: str) -> float:
+    """'25e9' or '25GB/s' (bytes) or '200Gb/s' (bits) -> bytes per second."""
+    return _with_unit(text, (("GB/s", 1e9), ("MB/s", 1e6), ("Gb/s", 1e9 / 8), ("Mb/s", 1e6 / 8)),
+                      "bytes/s (450e9), or 450GB/s, or 400Gb/s")
 
 
 def _bytes(text: str) -> float:
     """'24GiB', '512MiB', '80GB' or a number of bytes -> bytes."""
-    t = text.strip().replace(" ", "")
-    for suf, mul in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if t.endswith(suf):
-            t, m = t[:-len(suf)], mul
-            break
-    else:
-        m = 1.0
-    try:
-        return float(t) * m
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (24e9), or 24GiB, 512MiB, 80GB") from None
+    return _with_unit(text, (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)),
+                      "bytes (24e9), or 24GiB, 512MiB, 80GB")
 
 
 def add_parser(subparsers) -> None:
