@@ -55,6 +55,22 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def one_process_steps(ref, ids, steps: int, lr: float):
+    """``steps`` AdamW steps of ``ref`` on ``ids`` (every replica's batch together) in one
+    process: ``(losses, the first step's gradients)``."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    losses, grads = [], []
+    for _ in range(steps):
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        if not grads:
+            grads = [p.grad.detach().clone() for p in ref.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
 def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 24, seed: int = 0, lr: float = 2e-3,
                    sync: bool = True, layers: int = 2):
     """``steps`` AdamW steps of dp 2 x sp 2 (Ulysses 2) under ``wrapper`` (fsdp, ddp, plain).
@@ -96,17 +112,7 @@ def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 2
     res = {"losses": losses, "grad_kinds": sorted({type(p).__name__ for p in model.parameters()})}
     if dist.get_rank() != 0:
         return res
-    both = torch.cat(data)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    ref_losses, ref_grads = [], []
-    for _ in range(steps):
-        out = ref(input_ids=both, labels=both)
-        out.loss.backward()
-        ref_losses.append(out.loss.item())
-        if not ref_grads:
-            ref_grads = [p.grad.detach().clone() for p in ref.parameters()]
-        ropt.step()
-        ropt.zero_grad()
+    ref_losses, ref_grads = one_process_steps(ref, torch.cat(data), steps, lr)
     res.update(ref_losses=ref_losses, loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
                loss_change=ref_losses[0] - ref_losses[-1],
                grad_diff=max(_max_diff(g, r) for g, r in zip(grads, ref_grads)),

@@ -10,6 +10,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from tests.dist_dp_sp import _full, _wrap, one_process_steps
 from tests.dist_trainer import _common, _flat, _Losses
 from tests.hybrid_cases import VOCAB, tiny_hybrid
 
@@ -109,22 +110,6 @@ def _ring_meshes():
     return _DM["dm"], _DM["mesh"]
 
 
-def _wrap(model, wrapper: str, dm):
-    if wrapper == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=dm["dp"])
-        fully_shard(model, mesh=dm["dp"])
-        return model
-    if wrapper == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, process_group=dm.get_group("dp"))
-    raise ValueError(wrapper)
-
-
-def _full(p):
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-
 def dp_sp_training(model_type: str = "nemotron_h", runs=(("ddp", "auto"),), steps: int = 3, B: int = 2,
                    S: int = 24, seed: int = 0, lr: float = 2e-3):
     """dp 2 x Ring-2 on 4 ranks: each replica trains a tiny hybrid on its own batch, wrapped
@@ -167,17 +152,7 @@ def dp_sp_training(model_type: str = "nemotron_h", runs=(("ddp", "auto"),), step
                                        params=[_full(p).detach().clone() for p in model.parameters()])
     if dist.get_rank() != 0:
         return {k: {"losses": v["losses"], "modes": v["modes"]} for k, v in got.items()}
-    both = torch.cat(data)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    ref_losses, ref_grads = [], []
-    for _ in range(steps):
-        out = ref(input_ids=both, labels=both)
-        out.loss.backward()
-        ref_losses.append(out.loss.item())
-        if not ref_grads:
-            ref_grads = [p.grad.detach().clone() for p in ref.parameters()]
-        ropt.step()
-        ropt.zero_grad()
+    ref_losses, ref_grads = one_process_steps(ref, torch.cat(data), steps, lr)
     res = {}
     for key, g in got.items():
         res[key] = dict(losses=g["losses"], modes=g["modes"], ref_losses=ref_losses,
