@@ -782,20 +782,20 @@ def metered_memory(problem: Problem, cands: Sequence[Candidate]) -> Dict[Candida
     with ``bwd``, else the forward without autograd)."""
     from .harness import memprobe
     P = problem
-    keys = sorted({(c.ulysses, c.ring, c.layout if c.ring > 1 else "basic", c.rotation if c.ring > 1 else "p2p",
-                    c.low_memory) for c in cands})
-    specs = [dict(ulysses=u, ring=r, layout=lay, rotation=rot, low_memory=lm, heads=P.heads, kv_heads=P.hkv,
-                  head_dim=P.head_dim, dtype=P.dtype, causal=P.causal, batch=P.batch, bwd=P.bwd)
-             for u, r, lay, rot, lm in keys]
-    todo = [s for s in specs if _spec_key(s, P.seqlen) not in _METERED]
+    def spec(c: Candidate) -> dict:       # what sets the memory: the layout and rotation only on a ring
+        ring = c.ring > 1
+        return dict(ulysses=c.ulysses, ring=c.ring, layout=c.layout if ring else "basic",
+                    rotation=c.rotation if ring else "p2p", low_memory=c.low_memory, heads=P.heads,
+                    kv_heads=P.hkv, head_dim=P.head_dim, dtype=P.dtype, causal=P.causal, batch=P.batch, bwd=P.bwd)
+
+    keys = {c: _spec_key(spec(c), P.seqlen) for c in cands}
+    todo = {k: spec(c) for c, k in keys.items() if k not in _METERED}
     if todo:
-        for s, peak in zip(todo, memprobe.probe(todo, P.seqlen)):
-            _METERED[_spec_key(s, P.seqlen)] = peak
-    peaks = {k: _METERED[_spec_key(s, P.seqlen)] for k, s in zip(keys, specs)}
+        for k, peak in zip(todo, memprobe.probe(list(todo.values()), P.seqlen)):
+            _METERED[k] = peak
     tokens = math.ceil(P.seqlen / P.world)
     inputs = P.batch * tokens * P.head_dim * ((2 if P.bwd else 1) * P.heads + 2 * P.hkv) * P.elem
-    return {c: inputs + peaks[(c.ulysses, c.ring, c.layout if c.ring > 1 else "basic",
-                               c.rotation if c.ring > 1 else "p2p", c.low_memory)] for c in cands}
+    return {c: inputs + _METERED[k] for c, k in keys.items()}
 
 
 # ---------------------------------------------------------------------------------- output
