@@ -119,6 +119,32 @@ def backward_twice(U=1, R=2, layout="zigzag", causal=True, mode="retain", low_me
     return errs
 
 
+def modified_after_forward(U=1, R=2, layout="zigzag", causal=True, which="q"):
+    """``which`` (q, k, v or out) of one call modified in place between its forward and its
+    backward.  Returns ``("raised", message)`` when the backward refused, else
+    ``("grads", {name: error})``: the gradients against the reference of the values the
+    forward used."""
+    mesh = get_mesh(U, R)
+    q, k, v, dout = _inputs(17)
+    ro, rl, rg = _reference(q, k, v, dout, causal)
+
+    def sh(x):
+        return usp_hal.shard(x, layout=layout, mesh=mesh)
+
+    leaves = [sh(x).requires_grad_() for x in (q, k, v)]
+    loc = [x * 1 for x in leaves]          # non-leaf inputs, as a model's projections are
+    attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh)
+    out = attn(*loc, causal=causal)
+    target = out if which == "out" else loc["qkv".index(which)]
+    with torch.no_grad():
+        target.mul_(2)
+    try:
+        out.backward(sh(dout))
+    except RuntimeError as e:
+        return "raised", str(e)
+    return "grads", {n: _err(x.grad, sh(r), torch.float64) for n, x, r in zip(("dq", "dk", "dv"), leaves, rg)}
+
+
 def grad_modes(U=1, R=2, layout="zigzag", causal=True):
     """One module called under inference_mode, no_grad and with gradients, in turns; every
     result matches the reference (outputs, and gradients of the grad calls)."""

@@ -30,10 +30,11 @@ def ring_peak_case(R=2, layout="zigzag", causal=True, S=1024, H=8, D=64, check_S
     return {"errs": errs, "tensors": peak / (ql.numel() * ql.element_size()), "method": method}
 
 
-# (ring, layout, causal, bound in local tensors).  Measured at S=1024 (worst rank): 9.8, 10.3 and 15.7;
-# before the backward let its accumulators start from the kernel's gradients and freed each step's
-# tensors early: 14.8, 15.3 and 20.2
-CASES = [(2, "zigzag", True, 11.0), (2, "basic", False, 11.5), (4, "zigzag", True, 17.0)]
+# (ring, layout, causal, bound in local tensors).  Measured at S=1024 (worst rank): 8.8, 9.3 and 14.7;
+# 9.8, 10.3 and 15.7 while the backward kept the ring's float output besides the returned one;
+# 14.8, 15.3 and 20.2 before the backward let its accumulators start from the kernel's gradients
+# and freed each step's tensors early
+CASES = [(2, "zigzag", True, 9.5), (2, "basic", False, 10.0), (4, "zigzag", True, 15.5)]
 
 
 @pytest.mark.parametrize("R,layout,causal,bound", CASES, ids=lambda c: str(c))

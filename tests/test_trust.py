@@ -40,6 +40,19 @@ def test_backward_twice(pools, U, R, mode, low_memory):
         assert all(e <= 1 for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v", "out"])
+def test_modified_in_place_after_forward(pools, which):
+    """A tensor the backward needs, modified in place after the forward: single-device
+    attention refuses the backward.  On Ring-2 the head layout is the call's own q/k/v and
+    output, so the backward refuses too (before, it computed the gradients of the modified
+    values without a word); on Ulysses-2 it works on its own head-layout copies, whose
+    gradients are those of the values the forward used."""
+    for r in pools(2).run(dist_trust.modified_after_forward, timeout=60, U=1, R=2, which=which):
+        assert r[0] == "raised" and "modified by an inplace operation" in r[1], r
+    for r in pools(2).run(dist_trust.modified_after_forward, timeout=60, U=2, R=1, which=which):
+        assert r[0] == "grads" and all(e <= 1 for e in r[1].values()), r
+
+
 @pytest.mark.parametrize("U,R", [(1, 2), (2, 1)])
 def test_grad_modes_interleave(pools, U, R):
     """inference_mode, no_grad and grad calls on one module, in turns.  On 3768c1e the first

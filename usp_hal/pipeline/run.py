@@ -83,7 +83,8 @@ class Received:
 
 def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None, saved)``; ``saved`` holds per stage what the backward needs
-    (head-layout q, k, v, out and lse) when ``keep``.  ``sinks`` ``[H]``: per-head sink
+    (head-layout q, k, v, out and lse) when ``keep``; for a one-rank exchange only the lse
+    (the rest are the call's own q, k, v and ``out``: :func:`_local`).  ``sinks`` ``[H]``: per-head sink
     logits (:func:`add_sink`, after the ring's merge).
 
     A ``low_memory`` plan (``plan.sequential``) runs its stages one after another, each
@@ -122,16 +123,20 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
             step("exchange")
         if guard is not None and (keep or spec.return_lse):
             lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
+        # a one-rank exchange keeps no head-layout copy: its head layout is the rank's own
+        # q/k/v and returned output, which the autograd node saves itself (:func:`_local`)
+        own = st.exchange.size == 1
         sent: Any = st.exchange.start_out(out_acc, plan.dtype, lse_h if want_lse else None, guard,
-                                          keep_heads=keep_heads, into=out, lse_into=lse, async_op=many and not seq)
+                                          keep_heads=keep_heads and not own, into=out, lse_into=lse,
+                                          async_op=many and not seq)
         if seq:       # this stage's buffers go before the next stage's exchange
             sent = Done(sent.wait())
         sends.append(sent)
-        saved.append([qh, kh, vh, None, lse_h] if keep_heads else [])
+        saved.append(([None] * 4 + [lse_h] if own else [qh, kh, vh, None, lse_h]) if keep_heads else [])
         del qh, kh, vh, out_acc, lse_h, guard
     for i, p in enumerate(sends):
         o, l, outh = p.wait()
-        if keep_heads:
+        if keep_heads and outh is not None:
             saved[i][3] = outh
         if not many:
             out, lse = o, l
@@ -142,12 +147,13 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
     return out, lse, [tuple(x) for x in saved]
 
 
-def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None):
+def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None, local=None):
     """``(dq, dk, dv)`` in the sequence layout.  The head-layout tensors come from the
     forward's ``saved``, or, with ``seq = (q, k, v, out, lse)`` (the compiled op, which can
     only keep sequence-layout tensors), travel to the head layout here with ``dout``.
     With ``sinks``, this rank's part of their gradient is written into ``dsinks`` [H]
-    (its rows, its heads: the sequence-parallel group's sum is the whole gradient)."""
+    (its rows, its heads: the sequence-parallel group's sum is the whole gradient).
+    ``local``: the call's ``(q, k, v, out)``, for stages whose exchange is one rank's."""
     stages = plan.stages
     many = len(stages) > 1
     into = None
@@ -169,6 +175,9 @@ def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None
             pending = stages[i + 1].exchange.start_dout(dout, async_op=True) if i + 1 < len(stages) else None
             qh, kh, vh, outh, lse_h = saved[i]
             saved[i] = None        # this stage's saved tensors go as soon as its ring backward has run
+            if qh is None:         # a one-rank exchange: the call's own tensors (:func:`_local`)
+                qh, kh, vh = st.exchange.start_qkv(_own_heads(st, local[0]), local[1], local[2]).wait()
+                outh = _own_heads(st, local[3])
         else:
             qh, kh, vh, outh, douth, lse_h = _seq_to_heads(st, seq, dout)
         if HOOKS:
@@ -221,6 +230,12 @@ def _keeps_graph() -> bool:
         return True
 
 
+def _local(plan: CallPlan) -> bool:
+    """Every stage's exchange is one rank's (nothing travels): the backward's head-layout
+    tensors are the call's q, k, v and output (views of them), saved by the autograd node."""
+    return all(st.exchange.size == 1 for st in plan.stages)
+
+
 class USPFunction(torch.autograd.Function):
     """The call as one autograd node: every rank issues the same collectives in the same
     order in backward too."""
@@ -232,6 +247,11 @@ class USPFunction(torch.autograd.Function):
         if plan.sequential:     # low_memory: sequence-layout tensors only (inputs, output, lse)
             fctx.save_for_backward(q, k, v, out, saved[0])
             saved = None
+        elif _local(plan):
+            # one Ulysses rank: the head layout is q, k, v and the returned output themselves.
+            # Saved through autograd (not on the context: an output held there would be a
+            # reference cycle), which also refuses a backward after they were modified in place.
+            fctx.save_for_backward(q, k, v, out)
         fctx.sinks = sinks.detach() if sinks is not None else None
         fctx.sinks_grad = sinks is not None and sinks.requires_grad
         # head-layout intermediates (never this node's outputs), kept on the context rather than
@@ -257,7 +277,9 @@ class USPFunction(torch.autograd.Function):
                 saved = list(saved)
             else:
                 fctx.saved = None
-            dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks)
+            local = fctx.saved_tensors if _local(fctx.plan) else None
+            dq, dk, dv = backward(fctx.plan, dout, saved, sinks=sinks, dsinks=dsinks, local=local)
+            del local
         return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
 
 
