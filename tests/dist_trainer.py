@@ -81,9 +81,25 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
 
 
+class _TiledCalls:
+    """A callback that reads, at each step's end, how many losses the model computed in tiles."""
+
+    @staticmethod
+    def make(model):
+        from transformers import TrainerCallback
+
+        class Calls(TrainerCallback):
+            calls = 0
+
+            def on_step_end(self, args, state, control, **kw):
+                t = getattr(model, "_usp_tiled_loss", None)
+                self.calls = t.calls if t is not None else 0
+        return Calls()
+
+
 def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
                 lr: float = 3e-3, layout: str = "zigzag", packed: bool = False, bf16: bool = False,
-                low_memory: bool = False):
+                low_memory: bool = False, tiled_loss: int = 0):
     """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
     rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
     import torch.distributed as dist
@@ -100,8 +116,10 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
         with tempfile.TemporaryDirectory() as tmp:
             args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
                                         usp_attn_type="sdpa", per_device_train_batch_size=bs, bf16=bf16,
-                                        usp_low_memory=low_memory, **_common(tmp, steps, ga, lr, seed))
-            trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep],
+                                        usp_low_memory=low_memory, usp_tiled_loss=tiled_loss,
+                                        **_common(tmp, steps, ga, lr, seed))
+            tiled = _TiledCalls.make(model)
+            trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep, tiled],
                                  data_collator=_collator(packed))
             out = trainer.train()
     finally:
@@ -110,7 +128,8 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
         GradientState._reset_state()
         torch.set_num_threads(threads)
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
-           "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss)}
+           "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss),
+           "tiled_after": getattr(model, "_usp_tiled_loss", None) is not None, "tiled_calls": tiled.calls}
     from usp_hal.integrations import transformers as usp
     res["module_low_memory"] = usp._FUNCTIONS[trainer._attn_name]._module_for(trainer.usp_mesh).low_memory
     if dist.get_rank() == 0:

@@ -42,10 +42,12 @@ def _batches(steps: int, B: int, S: int, seed: int):
     return [torch.randint(0, VOCAB, (B, S), generator=g)] * steps
 
 
-def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e-3, low_memory=False):
+def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e-3, low_memory=False,
+                   tiled_loss=0):
     """Logits and 20 AdamW steps of a tiny GQA Llama, sequence-parallel vs single-process.
     Returns (on every rank) the global losses; rank 0 adds the differences to the reference.
-    ``low_memory``: registered with ``register(..., low_memory=...)``."""
+    ``low_memory``: registered with ``register(..., low_memory=...)``; ``tiled_loss``: the
+    sequence-parallel model's loss in tiles of that many tokens (the reference's is untiled)."""
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
@@ -60,6 +62,9 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
         local = model(**usp.shard_batch({"input_ids": data[0]}, mesh, layout)).logits
         logits = usp_hal.unshard(local, layout=layout, mesh=mesh)
 
+    if tiled_loss:
+        from usp_hal.integrations.tiled_loss import TiledLogits, enable_tiled_loss
+        enable_tiled_loss(model, tiled_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for ids in data:
@@ -69,6 +74,8 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
         opt.step()
         opt.zero_grad()
     res = {"losses": losses, "module_low_memory": usp._FUNCTIONS[name]._module_for(mesh).low_memory}
+    if tiled_loss:
+        res["tiled"] = isinstance(out.logits, TiledLogits)
     if mesh.sp_rank != 0:
         return res
 

@@ -20,6 +20,8 @@ CASES = {   # name: (ranks, trainer_run kwargs)
     "ring2_packed": (2, dict(U=1, R=2, ga=1, packed=True, layout="varlen_zigzag")),
     "dp2_ulysses2_ga2": (4, dict(U=2, R=1, ga=2)),
     "ring2_low_memory": (2, dict(U=1, R=2, ga=1, low_memory=True)),     # USPTrainingArguments(usp_low_memory=True)
+    # USPTrainingArguments(usp_tiled_loss=5): the loss in tiles of 5 of each rank's 12 tokens, under DDP
+    "dp2_ring2_tiled_loss": (4, dict(U=1, R=2, ga=2, tiled_loss=5)),
 }
 
 
@@ -46,6 +48,9 @@ def test_trainer_matches_single_process_trainer(pools, case):
     assert moved > 20 * PARAM_TOL, moved                         # it trained: the comparison is not trivial
     assert all(r["attn_after"] == "sdpa" for r in res)           # train() restored the model's attention
     assert all((r["module_low_memory"] != 0) == bool(kw.get("low_memory")) for r in res)
+    assert not any(r["tiled_after"] for r in res)                # train() took the tiled loss off again
+    # every micro-batch's loss was tiled (4 steps x ga), or none was
+    assert all(r["tiled_calls"] == (4 * kw["ga"] if kw.get("tiled_loss") else 0) for r in res), res
 
 
 def _args(**kw):

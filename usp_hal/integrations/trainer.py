@@ -60,6 +60,7 @@ import usp_hal
 from . import transformers as usp
 from .grads import mark_synced
 from .hybrid import RECURRENCES, check_recurrence
+from .tiled_loss import disable_tiled_loss, enable_tiled_loss
 
 __all__ = ["USPTrainer", "USPTrainingArguments"]
 
@@ -81,6 +82,9 @@ class USPTrainingArguments(TrainingArguments):
     usp_low_memory: bool = field(default=False, metadata={
         "help": "LongContextAttention(low_memory=True): attention heads in groups one after another, a smaller "
                 "peak per rank for some more time"})
+    usp_tiled_loss: int = field(default=0, metadata={
+        "help": "compute the loss in tiles of this many tokens, the logits of one tile at a time "
+                "(usp_hal.integrations.tiled_loss); 0: the model's own loss"})
     usp_recurrence: str = field(default="auto", metadata={
         "help": "how the recurrences of covered hybrid layers (gated DeltaNet, KDA, Mamba2) cross the shards: "
                 "'auto', 'head_parallel' or 'state_passing' (register(..., recurrence=), docs/hybrid.md)",
@@ -88,6 +92,8 @@ class USPTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         check_recurrence(self.usp_recurrence)       # a bad value fails here, before any set-up
+        if not isinstance(self.usp_tiled_loss, int) or isinstance(self.usp_tiled_loss, bool) or self.usp_tiled_loss < 0:
+            raise ValueError(f"usp_tiled_loss is tokens per tile (0: off), got {self.usp_tiled_loss!r}")
         super().__post_init__()
 
 
@@ -363,15 +369,21 @@ class USPTrainer(Trainer):
                           "default)")
 
     def train(self, *args, **kwargs):
-        """``Trainer.train`` with the model's attention set to usp-hal for its duration (restored
-        afterwards, so the trained model runs as before on one process)."""
+        """``Trainer.train`` with the model's attention set to usp-hal (and, with ``usp_tiled_loss``,
+        its loss tiled) for its duration: restored afterwards, so the trained model runs as before
+        on one process."""
         model = self.model
         old = model.config._attn_implementation
+        tiles = int(getattr(self.args, "usp_tiled_loss", 0) or 0)
+        if tiles:       # refused here, before any step, for a model the tiled loss cannot serve
+            enable_tiled_loss(model, tiles)
         model.set_attn_implementation(self._attn_name)
         try:
             return super().train(*args, **kwargs)
         finally:
             model.set_attn_implementation(old)
+            if tiles:
+                disable_tiled_loss(model)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """The evaluation loss, sequence-parallel: ``{f"{metric_key_prefix}_loss": ...}``, equal to

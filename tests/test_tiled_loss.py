@@ -1,0 +1,132 @@
+"""The tiled causal-LM loss (usp_hal.integrations.tiled_loss): the same loss and gradients as the
+model's own loss, in float64, for any tile size; calls without labels or gradients untouched;
+a model that transforms its logits or has another loss refused by name; and sequence-parallel
+training with it matching one process (also through the Trainer: tests/test_trainer.py)."""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests import integration_cases as cases  # noqa: E402
+from usp_hal.integrations.tiled_loss import TiledLogits, TiledLossError, disable_tiled_loss, enable_tiled_loss  # noqa: E402
+
+
+def _tiny_llama(tie: bool):
+    return cases.tiny_llama(0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=96, tie_word_embeddings=tie).double()
+
+
+def _loss_and_grads(model, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    out.loss.backward()
+    return out, out.loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 37, 100])
+@pytest.mark.parametrize("counted", ["mean", "num_items_in_batch", "shift_labels"])
+def test_tiled_loss_matches_the_models_own(tie, chunk, counted):
+    """Loss and every parameter gradient against the untiled loss (float64 model; transformers'
+    loss upcasts the logits to float32, so the loss agrees to float32 rounding and the gradients
+    to float64's), with ignored labels, for tiles of 1 token, of sizes that do not divide the 37
+    tokens, and of more than them."""
+    model = _tiny_llama(tie)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cases.VOCAB, (2, 37), generator=g)
+    labels = ids.clone()
+    labels[0, :6] = -100
+    labels[1, 20:23] = -100
+    kw = {"input_ids": ids, "labels": labels}
+    if counted == "num_items_in_batch":
+        kw["num_items_in_batch"] = torch.tensor(61)
+    elif counted == "shift_labels":      # already shifted labels (what shard_batch passes): no further shift
+        kw["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    _, ref_loss, ref = _loss_and_grads(model, **kw)
+    enable_tiled_loss(model, chunk)
+    out, loss, got = _loss_and_grads(model, **kw)
+    assert isinstance(out.logits, TiledLogits) and model._usp_tiled_loss.calls == 1
+    assert abs(float(loss - ref_loss)) <= 2e-6 * float(ref_loss), (float(loss), float(ref_loss))
+    for n, r in ref.items():
+        assert float((got[n] - r).abs().max()) <= 1e-6 * float(r.abs().max()), n
+
+
+def test_calls_without_labels_or_gradients_are_untouched():
+    model = _tiny_llama(False)
+    ids = torch.randint(0, cases.VOCAB, (1, 19), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids)
+    enable_tiled_loss(model, 4)
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=ids)           # evaluation: real logits, the model's loss
+        plain = model(input_ids=ids)                       # no labels: real logits
+    assert torch.equal(got.logits, ref.logits) and torch.equal(plain.logits, ref.logits)
+    assert torch.equal(got.loss, ref.loss)
+    out = model(input_ids=ids)                             # gradients on, no labels: no loss, real logits
+    assert torch.equal(out.logits.detach(), ref.logits) and out.loss is None
+    assert model._usp_tiled_loss.calls == 0
+
+
+def test_the_stand_in_logits_refuse_every_use_by_name():
+    model = _tiny_llama(False)
+    ids = torch.randint(0, cases.VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    enable_tiled_loss(model, 4)
+    logits = model(input_ids=ids, labels=ids).logits
+    for use in (lambda x: x.float(), lambda x: x * 2.0, lambda x: torch.tanh(x), lambda x: x[:, -1],
+                lambda x: x.shape):
+        with pytest.raises(TiledLossError, match="LlamaForCausalLM uses its logits"):
+            use(logits)
+    assert not hasattr(logits, "detach")                   # introspection sees no tensor method
+
+
+def test_a_model_that_transforms_its_logits_is_refused_by_name():
+    """Gemma2 soft-caps its logits between the head and the loss: training it with the tiled
+    loss would skip the cap, so its forward raises, naming the model and the operation."""
+    model = cases.tiny_gemma2(0)
+    assert model.config.final_logit_softcapping
+    ids = torch.randint(0, cases.VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    enable_tiled_loss(model, 4)
+    with pytest.raises(TiledLossError, match="Gemma2ForCausalLM uses its logits.*__truediv__"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():                                  # untouched without gradients
+        assert model(input_ids=ids, labels=ids).logits.shape[-1] == model.config.vocab_size
+
+
+def test_another_loss_or_no_head_is_refused_at_enable():
+    model = _tiny_llama(False)
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
+    with pytest.raises(TypeError, match="LlamaForCausalLM's loss_function is '<lambda>'.*ForCausalLMLoss"):
+        enable_tiled_loss(model)
+    with pytest.raises(TypeError, match="no output head"):
+        enable_tiled_loss(model.model)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        enable_tiled_loss(_tiny_llama(False), 0)
+
+
+def test_disable_restores_the_model():
+    model = _tiny_llama(False)
+    before = copy.deepcopy(model)
+    ids = torch.randint(0, cases.VOCAB, (1, 11), generator=torch.Generator().manual_seed(7))
+    enable_tiled_loss(model, 3)
+    enable_tiled_loss(model, 5)                            # again: only the tile size changes
+    assert model._usp_tiled_loss.chunk == 5
+    disable_tiled_loss(model)
+    assert "forward" not in vars(model.lm_head) and "_loss_function" not in vars(model)
+    out = model(input_ids=ids, labels=ids)
+    assert torch.equal(out.logits, before(input_ids=ids, labels=ids).logits)
+    disable_tiled_loss(model)                              # a no-op now
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("U,R", [(2, 1), (1, 2)])
+def test_sequence_parallel_training_with_the_tiled_loss_matches_one_process(pools, U, R):
+    """20 AdamW steps, each rank's loss in tiles of 7 of its 25 tokens, against one process with
+    the model's own loss: the same bounds as the untiled integration test."""
+    from tests.test_integration_transformers import LOSS_TOL
+    res = pools(2).run(cases.llama_training, timeout=240, U=U, R=R, layout="zigzag", steps=20, S=50, tiled_loss=7)
+    r0 = res[0]
+    assert all(r["tiled"] for r in res), res
+    assert r0["loss_diff"] <= LOSS_TOL, r0
+    assert r0["loss_change"] > 1.0, r0
