@@ -12,7 +12,9 @@ parameters and the input ids for the model.  A length fits when the worst rank's
 most the budget.  S doubles until it no longer fits, then bisection narrows it to a multiple of
 ``--step`` tokens.  W=1 is one process holding the whole sequence, with no usp-hal module: the
 sdpa kernel under autograd for attention, the plain model (``attn_implementation="sdpa"``) for
-the Llama.  The number users care about is S(W) / S(1).
+the Llama.  The number users care about is S(W) / S(1).  ``--modes ...,tiled_loss`` (the Llama
+only) also runs the default module with the loss in tiles of 256 tokens
+(:func:`usp_hal.integrations.tiled_loss.enable_tiled_loss`), on one process too.
 
 Attention: B=1, H=8, Hkv=8, D=64, fp32, causal, zigzag (Ulysses x Ring splits are given by
 ``--split``; by default Ulysses for W=2 and Ulysses-2 x Ring-2 for W=4).  The Llama: 2 layers,
@@ -27,6 +29,7 @@ import torch
 from benchmarks._ranks import run_on_ranks
 
 H, D = 8, 64
+TILE = 256          # tokens per tile of the loss in the ``tiled_loss`` mode
 
 
 def _attention_peak(mesh, mode: str, S: int, fresh: dict) -> int:
@@ -98,6 +101,9 @@ def _llama_peak(mesh, mode: str, S: int, fresh: dict) -> int:
 
     if "model" not in fresh:
         fresh["model"] = _llama()
+        if mode == "tiled_loss":
+            from usp_hal.integrations.tiled_loss import enable_tiled_loss
+            enable_tiled_loss(fresh["model"], TILE)
         if mesh is not None:
             from usp_hal.integrations import transformers as usp
             kw = {"low_memory": True} if mode == "low_memory" else {}
@@ -187,18 +193,23 @@ def main(argv=None) -> int:
         if w == 1:
             res = _one_process(what=args.what, mode="default", budget=budget, step=args.step)
             rows.append(("one process", 1, res))
+            if "tiled_loss" in modes and args.what == "llama":
+                res = _one_process(what=args.what, mode="tiled_loss", budget=budget, step=args.step)
+                rows.append(("one process tiled_loss", 1, res))
             continue
         U, R = splits[w]
         for mode in modes:
+            if mode == "tiled_loss" and args.what != "llama":
+                continue
             res = run_on_ranks(search, world=w, U=U, R=R, what=args.what, mode=mode, budget=budget, step=args.step)[0]
             rows.append((f"U{U}xR{R} {mode}", w, res))
     base = next((r[2]["max_seqlen"] for r in rows if r[1] == 1), None)
     print(f"{args.what}: largest S whose forward+backward fits {args.budget_mib:g} MiB per rank "
           f"(peak of live tensors + inputs, worst rank; multiples of {args.step})")
-    print(f"  {'ranks':>5}  {'module':22s} {'max S':>8}  {'x one process':>13}")
+    print(f"  {'ranks':>5}  {'module':26s} {'max S':>8}  {'x one process':>13}")
     for label, w, res in rows:
         ratio = f"{res['max_seqlen'] / base:.2f}" if base else "-"
-        print(f"  {w:5d}  {label:22s} {res['max_seqlen']:8d}  {ratio:>13}")
+        print(f"  {w:5d}  {label:26s} {res['max_seqlen']:8d}  {ratio:>13}")
     return 0
 
 

@@ -25,9 +25,10 @@ def _loss_and_grads(model, **kw):
     return out, out.loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("chunk", [1, 7, 37, 100])
-@pytest.mark.parametrize("counted", ["mean", "num_items_in_batch", "shift_labels"])
+@pytest.mark.parametrize("tie,chunk,counted", [
+    (False, 1, "mean"), (False, 7, "mean"), (False, 100, "mean"), (True, 7, "mean"),
+    (False, 7, "num_items_in_batch"), (True, 1, "num_items_in_batch"), (False, 7, "shift_labels"),
+    (True, 100, "shift_labels")])
 def test_tiled_loss_matches_the_models_own(tie, chunk, counted):
     """Loss and every parameter gradient against the untiled loss (float64 model; transformers'
     loss upcasts the logits to float32, so the loss agrees to float32 rounding and the gradients
