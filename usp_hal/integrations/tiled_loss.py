@@ -133,7 +133,9 @@ class _Tiling:
 
         total = None
         for h, y in zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)):
-            part = checkpoint(tile, h, y, use_reentrant=False) if torch.is_grad_enabled() else tile(h, y)
+            # the head and the cross entropy draw no random numbers: no RNG state to keep per tile
+            part = checkpoint(tile, h, y, use_reentrant=False, preserve_rng_state=False) \
+                if torch.is_grad_enabled() else tile(h, y)
             total = part if total is None else total + part
         if total is None:        # no token at all: what the untiled loss gives (a mean over nothing)
             total = self.loss_fn(logits=self.head_forward(hidden), labels=shift_labels, vocab_size=vocab_size,
