@@ -54,6 +54,29 @@ def test_tiled_loss_matches_the_models_own(tie, chunk, counted):
         assert float((got[n] - r).abs().max()) <= 1e-6 * float(r.abs().max()), n
 
 
+def test_under_bf16_autocast_the_tiles_recompute_in_bf16():
+    """Under torch.autocast(bfloat16), as the Trainer's bf16=True runs it: each tile's head runs
+    in bf16 in the forward and again in the backward's recompute, so the loss is the untiled
+    one and the gradients agree within bf16 rounding (the lm_head gradient is summed over tiles
+    in float32 instead of inside one bf16 matmul)."""
+    model = cases.tiny_llama(0)
+    ids = torch.randint(0, cases.VOCAB, (2, 64), generator=torch.Generator().manual_seed(8))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_loss, ref = run()
+    enable_tiled_loss(model, 10)
+    loss, got = run()
+    assert model._usp_tiled_loss.calls == 1
+    assert abs(float(loss - ref_loss)) <= 1e-5 * float(ref_loss)
+    for n, r in ref.items():
+        assert float((got[n] - r).abs().max()) <= 2e-2 * float(r.abs().max()), n
+
+
 def test_calls_without_labels_or_gradients_are_untouched():
     model = _tiny_llama(False)
     ids = torch.randint(0, cases.VOCAB, (1, 19), generator=torch.Generator().manual_seed(4))
