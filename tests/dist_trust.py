@@ -28,6 +28,17 @@ def _reference(q, k, v, dout, causal):
     return out.detach(), lse.detach(), grads
 
 
+def _case(U, R, layout, causal, seed):
+    """``(mesh, sh, (q, k, v, dout), (out, lse, grads))``: the mesh, the shard function of the
+    layout, global float64 inputs and their one-process reference."""
+    mesh = get_mesh(U, R)
+    q, k, v, dout = _inputs(seed)
+
+    def sh(x):
+        return usp_hal.shard(x, layout=layout, mesh=mesh)
+    return mesh, sh, (q, k, v, dout), _reference(q, k, v, dout, causal)
+
+
 def _visible(causal: bool) -> torch.Tensor:
     """``[S, S]``: query row m sees key n."""
     m = torch.arange(S).unsqueeze(1)
@@ -94,12 +105,7 @@ def backward_twice(U=1, R=2, layout="zigzag", causal=True, mode="retain", low_me
     twice: the leaves' gradients are twice the reference's) or ``grad``
     (``torch.autograd.grad`` twice, over q then over k and v: each the reference's).
     Returns {name: normalised error}."""
-    mesh = get_mesh(U, R)
-    q, k, v, dout = _inputs(11)
-    ro, rl, rg = _reference(q, k, v, dout, causal)
-
-    def sh(x):
-        return usp_hal.shard(x, layout=layout, mesh=mesh)
+    mesh, sh, (q, k, v, dout), (ro, rl, rg) = _case(U, R, layout, causal, 11)
 
     loc = [sh(x).requires_grad_() for x in (q, k, v)]
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, low_memory=low_memory)
@@ -124,12 +130,7 @@ def modified_after_forward(U=1, R=2, layout="zigzag", causal=True, which="q"):
     backward.  Returns ``("raised", message)`` when the backward refused, else
     ``("grads", {name: error})``: the gradients against the reference of the values the
     forward used."""
-    mesh = get_mesh(U, R)
-    q, k, v, dout = _inputs(17)
-    ro, rl, rg = _reference(q, k, v, dout, causal)
-
-    def sh(x):
-        return usp_hal.shard(x, layout=layout, mesh=mesh)
+    mesh, sh, (q, k, v, dout), (ro, rl, rg) = _case(U, R, layout, causal, 17)
 
     leaves = [sh(x).requires_grad_() for x in (q, k, v)]
     loc = [x * 1 for x in leaves]          # non-leaf inputs, as a model's projections are
@@ -148,12 +149,7 @@ def modified_after_forward(U=1, R=2, layout="zigzag", causal=True, which="q"):
 def grad_modes(U=1, R=2, layout="zigzag", causal=True):
     """One module called under inference_mode, no_grad and with gradients, in turns; every
     result matches the reference (outputs, and gradients of the grad calls)."""
-    mesh = get_mesh(U, R)
-    q, k, v, dout = _inputs(13)
-    ro, rl, rg = _reference(q, k, v, dout, causal)
-
-    def sh(x):
-        return usp_hal.shard(x, layout=layout, mesh=mesh)
+    mesh, sh, (q, k, v, dout), (ro, rl, rg) = _case(U, R, layout, causal, 13)
 
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh)
     errs = []
