@@ -77,6 +77,21 @@ def test_under_bf16_autocast_the_tiles_recompute_in_bf16():
         assert float((got[n] - r).abs().max()) <= 2e-2 * float(r.abs().max()), n
 
 
+def test_each_tile_calls_the_head_module_with_its_hooks():
+    """The tiles call the output head as a module, so its hooks run (an FSDP unit gathers its
+    parameters in one): once for the model's own call (which gets the stand-in), then once per
+    tile in the forward and once per tile in the backward's recompute."""
+    model = _tiny_llama(False)
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape)))
+    ids = torch.randint(0, cases.VOCAB, (1, 37), generator=torch.Generator().manual_seed(9))
+    enable_tiled_loss(model, 10)
+    out = model(input_ids=ids, labels=ids)
+    assert seen == [(1, 37, 64), (1, 10, 64), (1, 10, 64), (1, 10, 64), (1, 7, 64)], seen
+    out.loss.backward()
+    assert sorted(seen[5:]) == sorted(seen[1:5]), seen
+
+
 def test_calls_without_labels_or_gradients_are_untouched():
     model = _tiny_llama(False)
     ids = torch.randint(0, cases.VOCAB, (1, 19), generator=torch.Generator().manual_seed(4))

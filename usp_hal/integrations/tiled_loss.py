@@ -108,6 +108,15 @@ class _Tiling:
             raise _refuse(self.model_name, "a compiled forward; the tiled loss runs eagerly only")
         return TiledLogits(hidden, self)
 
+    def head_of(self, hidden):
+        """The real logits of ``hidden``: the head module called as such (its hooks run, e.g. an
+        FSDP unit's parameter gathering), disarmed for the call, also in the backward's recompute."""
+        self.local.stack = getattr(self.local, "stack", []) + [False]
+        try:
+            return self.head(hidden)
+        finally:
+            self.local.stack.pop()
+
     def loss(self, logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
              shift_labels=None, **kwargs):
         if not isinstance(logits, TiledLogits):
@@ -128,7 +137,7 @@ class _Tiling:
 
         def tile(h, y):
             y = y.contiguous()            # ForCausalLMLoss flattens it with view()
-            return self.loss_fn(logits=self.head_forward(h), labels=y, vocab_size=vocab_size,
+            return self.loss_fn(logits=self.head_of(h), labels=y, vocab_size=vocab_size,
                                 num_items_in_batch=count, ignore_index=ignore_index, shift_labels=y, **kwargs)
 
         total = None
@@ -138,7 +147,7 @@ class _Tiling:
                 if torch.is_grad_enabled() else tile(h, y)
             total = part if total is None else total + part
         if total is None:        # no token at all: what the untiled loss gives (a mean over nothing)
-            total = self.loss_fn(logits=self.head_forward(hidden), labels=shift_labels, vocab_size=vocab_size,
+            total = self.loss_fn(logits=self.head_of(hidden), labels=shift_labels, vocab_size=vocab_size,
                                  num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                                  shift_labels=shift_labels, **kwargs)
         return total
