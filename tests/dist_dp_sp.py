@@ -72,9 +72,10 @@ def one_process_steps(ref, ids, steps: int, lr: float):
 
 
 def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 24, seed: int = 0, lr: float = 2e-3,
-                   sync: bool = True, layers: int = 2):
+                   sync: bool = True, layers: int = 2, tiled_loss: int = 0):
     """``steps`` AdamW steps of dp 2 x sp 2 (Ulysses 2) under ``wrapper`` (fsdp, ddp, plain).
-    ``sync=False``: the negative control, sync_gradients skipped (the check turned off)."""
+    ``sync=False``: the negative control, sync_gradients skipped (the check turned off).
+    ``tiled_loss``: the loss in tiles of that many tokens (the reference's is untiled)."""
     from usp_hal.integrations import set_sync_check, sync_gradients
     from usp_hal.integrations import transformers as usp
 
@@ -84,6 +85,9 @@ def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 2
     ref = tiny_llama(seed, num_hidden_layers=layers)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
+    if tiled_loss:
+        from usp_hal.integrations.tiled_loss import enable_tiled_loss
+        enable_tiled_loss(model, tiled_loss)
     wrapped = _wrap(model, wrapper, dm)
     data = [_batches(1, B, S, seed + i)[0] for i in range(2)]
     opt = torch.optim.AdamW(wrapped.parameters(), lr=lr)
@@ -109,7 +113,8 @@ def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 2
     finally:
         set_sync_check(old)
     params = [_full(p).detach() for p in model.parameters()]
-    res = {"losses": losses, "grad_kinds": sorted({type(p).__name__ for p in model.parameters()})}
+    res = {"losses": losses, "grad_kinds": sorted({type(p).__name__ for p in model.parameters()}),
+           "tiled_calls": model._usp_tiled_loss.calls if tiled_loss else 0}
     if dist.get_rank() != 0:
         return res
     ref_losses, ref_grads = one_process_steps(ref, torch.cat(data), steps, lr)

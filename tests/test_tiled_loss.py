@@ -169,3 +169,19 @@ def test_sequence_parallel_training_with_the_tiled_loss_matches_one_process(pool
     assert all(r["tiled"] for r in res), res
     assert r0["loss_diff"] <= LOSS_TOL, r0
     assert r0["loss_change"] > 1.0, r0
+
+
+@pytest.mark.multirank
+def test_fsdp2_dp2_sp2_with_the_tiled_loss_matches_one_process(pools, wrapper="fsdp"):
+    """dp 2 (FSDP2 units per layer and the root; DDP is covered by the Trainer case) x
+    Ulysses-2, 4 AdamW steps, each rank's loss in tiles of 5 of its 12 tokens: loss, first-step
+    gradients and parameters against one process with the model's own loss, under the bounds of
+    the untiled dp x sp test."""
+    from tests import dist_dp_sp
+    from tests.test_dp_sp import GRAD_TOL, LOSS_TOL, PARAM_TOL
+    res = pools(4).run(dist_dp_sp.dp_sp_training, timeout=180, wrapper=wrapper, steps=4, tiled_loss=5)
+    r0 = res[0]
+    assert all(r["tiled_calls"] == 4 for r in res), res
+    assert r0["loss_diff"] <= LOSS_TOL and r0["loss_change"] > 0.5, r0
+    assert r0["grad_diff"] <= GRAD_TOL and r0["grad_scale"] > 1e-2, r0
+    assert r0["param_diff"] <= PARAM_TOL, r0
