@@ -103,6 +103,9 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
             if want_lse else None
     saved: List[list] = []
     sends: List[Any] = []
+    # one Ulysses rank keeps no head-layout copy: its head layout is the rank's own q/k/v and
+    # returned output, which the autograd node saves itself (:func:`_local`)
+    own = _local(plan)
     if HOOKS:
         step("exchange")
     pending: Any = received
@@ -123,9 +126,6 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
             step("exchange")
         if guard is not None and (keep or spec.return_lse):
             lse_h = lse_h + guard.squeeze(-1).transpose(1, 2).to(lse_h.dtype)
-        # a one-rank exchange keeps no head-layout copy: its head layout is the rank's own
-        # q/k/v and returned output, which the autograd node saves itself (:func:`_local`)
-        own = st.exchange.size == 1
         sent: Any = st.exchange.start_out(out_acc, plan.dtype, lse_h if want_lse else None, guard,
                                           keep_heads=keep_heads and not own, into=out, lse_into=lse,
                                           async_op=many and not seq)
