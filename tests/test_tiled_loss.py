@@ -144,6 +144,15 @@ def test_another_loss_or_no_head_is_refused_at_enable():
         enable_tiled_loss(_tiny_llama(False), 0)
 
 
+def test_the_trainer_argument_is_checked_when_made():
+    pytest.importorskip("accelerate")
+    from usp_hal.integrations.trainer import USPTrainingArguments
+    for bad in (-1, True, "5"):
+        with pytest.raises(ValueError, match="usp_tiled_loss"):
+            USPTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, usp_tiled_loss=bad)
+    assert USPTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, usp_tiled_loss=0).usp_tiled_loss == 0
+
+
 def test_disable_restores_the_model():
     model = _tiny_llama(False)
     before = copy.deepcopy(model)

@@ -95,9 +95,16 @@ class _Tiling:
         self.own_forward = vars(head).get("forward")
         self.own_loss = vars(model).get("_loss_function")
 
+    def _stack(self) -> list:
+        """This thread's stack of "the forward running here is armed" (the innermost last)."""
+        stack = getattr(self.local, "stack", None)
+        if stack is None:
+            stack = self.local.stack = []
+        return stack
+
     @property
     def armed(self) -> bool:
-        stack: list = getattr(self.local, "stack", [])
+        stack = self._stack()
         return bool(stack) and stack[-1]
 
     # the output head: a stand-in while armed, else the head as it was
@@ -111,11 +118,12 @@ class _Tiling:
     def head_of(self, hidden):
         """The real logits of ``hidden``: the head module called as such (its hooks run, e.g. an
         FSDP unit's parameter gathering), disarmed for the call, also in the backward's recompute."""
-        self.local.stack = getattr(self.local, "stack", []) + [False]
+        stack = self._stack()
+        stack.append(False)
         try:
             return self.head(hidden)
         finally:
-            self.local.stack.pop()
+            stack.pop()
 
     def loss(self, logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
              shift_labels=None, **kwargs):
@@ -140,27 +148,29 @@ class _Tiling:
             return self.loss_fn(logits=self.head_of(h), labels=y, vocab_size=vocab_size,
                                 num_items_in_batch=count, ignore_index=ignore_index, shift_labels=y, **kwargs)
 
-        total = None
+        total = None    # split always gives a piece (an empty one for no tokens: the untiled sum/0 then)
         for h, y in zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)):
             # the head and the cross entropy draw no random numbers: no RNG state to keep per tile
             part = checkpoint(tile, h, y, use_reentrant=False, preserve_rng_state=False) \
                 if torch.is_grad_enabled() else tile(h, y)
             total = part if total is None else total + part
-        if total is None:        # no token at all: what the untiled loss gives (a mean over nothing)
-            total = self.loss_fn(logits=self.head_of(hidden), labels=shift_labels, vocab_size=vocab_size,
-                                 num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
-                                 shift_labels=shift_labels, **kwargs)
         return total
 
     # arming around the model's own forward
     def pre_hook(self, module, args, kwargs):
-        arm = torch.is_grad_enabled() and kwargs.get("labels") is not None
-        self.local.stack = getattr(self.local, "stack", []) + [arm]
+        self._stack().append(torch.is_grad_enabled() and kwargs.get("labels") is not None)
 
     def post_hook(self, module, args, kwargs, output):
-        stack = getattr(self.local, "stack", None)
+        stack = self._stack()
         if stack:
             stack.pop()
+
+
+def check_chunk_tokens(value, what: str = "chunk_tokens") -> int:
+    """``value`` as tokens per tile (a positive int), else a ValueError naming ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"usp_hal tiled loss: {what} must be a positive int (tokens per tile), got {value!r}")
+    return value
 
 
 def enable_tiled_loss(model, chunk_tokens: int = 1024):
@@ -168,8 +178,7 @@ def enable_tiled_loss(model, chunk_tokens: int = 1024):
     ``model``: a transformers causal LM whose ``loss_function`` is transformers' ``ForCausalLMLoss``
     and whose output head is ``model.get_output_embeddings()``.  Returns ``model``."""
     name = type(model).__name__
-    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
-        raise ValueError(f"usp_hal tiled loss: chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    check_chunk_tokens(chunk_tokens)
     if getattr(model, "_usp_tiled_loss", None) is not None:
         model._usp_tiled_loss.chunk = chunk_tokens
         return model

@@ -60,7 +60,7 @@ import usp_hal
 from . import transformers as usp
 from .grads import mark_synced
 from .hybrid import RECURRENCES, check_recurrence
-from .tiled_loss import disable_tiled_loss, enable_tiled_loss
+from .tiled_loss import check_chunk_tokens, disable_tiled_loss, enable_tiled_loss
 
 __all__ = ["USPTrainer", "USPTrainingArguments"]
 
@@ -92,8 +92,8 @@ class USPTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         check_recurrence(self.usp_recurrence)       # a bad value fails here, before any set-up
-        if not isinstance(self.usp_tiled_loss, int) or isinstance(self.usp_tiled_loss, bool) or self.usp_tiled_loss < 0:
-            raise ValueError(f"usp_tiled_loss is tokens per tile (0: off), got {self.usp_tiled_loss!r}")
+        if isinstance(self.usp_tiled_loss, bool) or self.usp_tiled_loss != 0:      # 0: off
+            check_chunk_tokens(self.usp_tiled_loss, "usp_tiled_loss (0: off)")
         super().__post_init__()
 
 
