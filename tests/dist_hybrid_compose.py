@@ -11,37 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_dp_sp import _full, _wrap, one_process_steps
-from tests.dist_trainer import _common, _flat, _Losses
+from tests.dist_trainer import RaggedRows, _common, _flat, _Losses, _reset_accelerate
 from tests.hybrid_cases import VOCAB, tiny_hybrid
-
-
-class HybridRows(torch.utils.data.Dataset):
-    """``n`` right-padded rows of ``S`` tokens below the tiny hybrids' vocabulary; row i has
-    ``S - i % 5`` real tokens (pads labelled -100), so the replicas and micro-batches of one step
-    hold different label counts and only an exactly normalised loss matches one process."""
-
-    def __init__(self, n: int, S: int, seed: int = 0):
-        g = torch.Generator().manual_seed(seed + 700)
-        self.rows = []
-        for i in range(n):
-            ids = torch.randint(1, VOCAB, (S,), generator=g)
-            labels = ids.clone()
-            real = S - i % 5
-            ids[real:] = 0
-            labels[real:] = -100
-            self.rows.append({"input_ids": ids, "labels": labels})
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(reset_partial_state=True)   # the process group itself stays
-    GradientState._reset_state()
 
 
 def trainer_run(model_type: str = "nemotron_h", U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, S: int = 24,
@@ -54,7 +25,7 @@ def trainer_run(model_type: str = "nemotron_h", U: int = 1, R: int = 2, steps: i
 
     dp = dist.get_world_size() // (U * R)
     model = tiny_hybrid(model_type, seed)
-    data = HybridRows(steps * bs * dp, S, seed)
+    data = RaggedRows(steps * bs * dp, S, seed, vocab=VOCAB)
     keep = _Losses.make()
     threads = torch.get_num_threads()      # accelerate's MULTI_CPU set-up may change it: the pool is shared
     try:
@@ -81,7 +52,7 @@ def trainer_reference(model_type: str = "nemotron_h", dp: int = 1, steps: int = 
     from transformers import Trainer, TrainingArguments
 
     model = tiny_hybrid(model_type, seed)
-    data = HybridRows(steps * bs * dp, S, seed)
+    data = RaggedRows(steps * bs * dp, S, seed, vocab=VOCAB)
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ import torch
 
 import usp_hal
 from tests.dist_cases import get_mesh
-from tests.dist_state_passing import TOL, _docs_reference, _mutated, _worst
+from tests.dist_state_passing import _docs_reference, _errors, _mutated
 from usp_hal import state_passing as sp
 
 
@@ -44,8 +44,4 @@ def kda_case(U=1, R=2, layout="zigzag", S=26, dtype="fp64", cu=None, kernel="ref
         out.backward(sh(dout).to(dt))
     finally:
         undo()
-    tol = TOL[dtype]
-    res = {"out": _worst(out, sh(ref.detach()), tol)}
-    for n, t in loc.items():
-        res["d" + n] = _worst(t.grad, sh(ref_in[n].grad), tol)
-    return res
+    return _errors(out, ref, loc, ref_in, sh, dtype)

@@ -23,6 +23,16 @@ def _worst(a, b, tol):
     return float(((a.double() - b.double()).abs() / (atol + rtol * b.double().abs())).max())
 
 
+def _errors(out, ref, loc: dict, ref_in: dict, sh, dtype: str) -> dict:
+    """{name: worst error / tolerance} of this rank's output and of the gradients of its
+    sharded inputs ``loc`` against the reference's (``sh`` shards a global tensor)."""
+    tol = TOL[dtype]
+    res = {"out": _worst(out, sh(ref.detach()), tol)}
+    for n, t in loc.items():
+        res["d" + n] = _worst(t.grad, sh(ref_in[n].grad), tol)
+    return res
+
+
 def _mutated(mutation):
     """Break one piece of the mechanism on purpose (the tests' mutants); returns an undo."""
     saved = {}
@@ -102,9 +112,7 @@ def case(op="gdn", U=1, R=2, layout="basic", S=26, dtype="fp64", cu=None, kernel
     finally:
         undo()
     tol = TOL[dtype]
-    res = {"out": _worst(out, sh(ref.detach()), tol)}
-    for n, t in loc.items():
-        res["d" + n] = _worst(t.grad, sh(ref_in[n].grad), tol)
+    res = _errors(out, ref, loc, ref_in, sh, dtype)
     for n, t in par.items():
         grad = t.grad.clone()
         dist.all_reduce(grad, group=mesh.sp_group)      # each rank holds its tokens' share

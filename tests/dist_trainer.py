@@ -18,16 +18,23 @@ MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
              num_hidden_layers=2)
 
 
+def _reset_accelerate():
+    """Leave no accelerate singleton behind (the process group itself stays): the pool is shared."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 class RaggedRows(torch.utils.data.Dataset):
     """``n`` rows of ``S`` tokens; row i has ``S - i % 7`` real tokens (then pads, labels -100),
     and every third row also has its first 3 labels -100 (a prompt).  ``packed``: the rows without
     their pads, for ``DataCollatorWithFlattening`` (one packed row per batch)."""
 
-    def __init__(self, n: int, S: int, seed: int = 0, packed: bool = False):
+    def __init__(self, n: int, S: int, seed: int = 0, packed: bool = False, vocab: int = VOCAB):
         g = torch.Generator().manual_seed(seed + 500)
         self.rows = []
         for i in range(n):
-            ids = torch.randint(1, VOCAB, (S,), generator=g)
+            ids = torch.randint(1, vocab, (S,), generator=g)
             labels = ids.clone()
             real = S - i % 7
             ids[real:] = 0
@@ -123,9 +130,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
                                  data_collator=_collator(packed))
             out = trainer.train()
     finally:
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(reset_partial_state=True)   # the process group itself stays
-        GradientState._reset_state()
+        _reset_accelerate()
         torch.set_num_threads(threads)
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
            "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss),
@@ -153,9 +158,7 @@ def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int 
             Trainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                     data_collator=_collator(packed)).train()
     finally:
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(reset_partial_state=True)   # leave no accelerate singleton behind
-        GradientState._reset_state()
+        _reset_accelerate()
     return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}
 
 
@@ -189,9 +192,7 @@ def evaluate_run(U: int = 1, R: int = 2, n: int = 8, bs: int = 2, S: int = 24, s
                 except ValueError as exc:
                     res["odd"] = str(exc)
     finally:
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        _reset_accelerate()
         torch.set_num_threads(threads)
     res["attn_after"] = model.config._attn_implementation
     return res
@@ -213,7 +214,5 @@ def evaluate_reference(dp: int = 1, n: int = 8, bs: int = 2, S: int = 24, seed: 
             args = TrainingArguments(per_device_eval_batch_size=n, **_common(tmp, 1, 1, 1e-3, seed))
             res["one_batch_loss"] = Trainer(model=ref, args=args).evaluate(data)["eval_loss"]
     finally:
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        _reset_accelerate()
     return res
