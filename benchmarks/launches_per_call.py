@@ -32,7 +32,7 @@ not measured (marked n/a).  yunchang is skipped when it is not installed.
 
 Compare two trees by putting each on PYTHONPATH (the tree measured is printed):
 
-    PYTHONPATH=path/to/tree python benchmarks/launches_per_call.py [--json out.json] [--ops]
+    PYTHONPATH=path/to/tree python benchmarks/launches_per_call.py [--json out.json] [--ops] [--check-ranks MODE]
 """
 import argparse
 import json
@@ -169,7 +169,7 @@ def _measure_one(attn, q, k, v, dout, causal, bwd):
             "copied": m.copied, "ops": m.ops}
 
 
-def measure(cases, seqlen, heads, dim, peers):
+def measure(cases, seqlen, heads, dim, peers, check_ranks="every_call"):
     import usp_hal
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
@@ -183,7 +183,8 @@ def measure(cases, seqlen, heads, dim, peers):
     for label, u, r, causal in cases:
         for bwd in (False, True):
             mesh = usp_hal.init_sequence_parallel(u, r, set_default=False)
-            attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="basic", mesh=mesh)
+            attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="basic", mesh=mesh,
+                                                check_ranks=check_ranks)
             q, k, v, dout = _inputs(rank, world, seqlen, heads, dim, bwd)
             rows.append({"case": label, "mode": "fwd+bwd" if bwd else "fwd", "lib": "usp-hal",
                          **_measure_one(attn, q, k, v, dout, causal, bwd)})
@@ -210,19 +211,21 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--no-peers", action="store_true", help="usp-hal only")
+    ap.add_argument("--check-ranks", default="every_call", choices=("every_call", "first_call", "off"),
+                    help="usp-hal's agreement mode (default every_call: one CPU-side all-gather per call)")
     ap.add_argument("--ops", action="store_true", help="also print rank 0's ops per row")
     ap.add_argument("--json", default=None, help="write every rank's rows as JSON")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for the ranks (default 600)")
     a = ap.parse_args()
     import usp_hal
     tree = os.path.dirname(os.path.dirname(os.path.abspath(usp_hal.__file__)))
-    kw = dict(seqlen=a.seqlen, heads=a.heads, dim=a.head_dim, peers=not a.no_peers)
+    kw = dict(seqlen=a.seqlen, heads=a.heads, dim=a.head_dim, peers=not a.no_peers, check_ranks=a.check_ranks)
     two = run_on_ranks(measure, 2, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 2], **kw)
     four = run_on_ranks(measure, 4, timeout=a.timeout, cases=[c for c in CASES if c[1] * c[2] == 4], **kw)
     per_rank = [list(x) for x in zip(*two)] + [list(x) for x in zip(*four)]   # row -> [rank results]
     print(f"launches per call, per rank: usp-hal from {tree} (usp_hal {getattr(usp_hal, '__version__', '?')}), "
           f"torch {torch.__version__}, S={a.seqlen} H={a.heads} D={a.head_dim} fp32 B=1, basic layout, "
-          f"one call after 3 warm-up calls")
+          f"check_ranks={a.check_ranks}, one call after 3 warm-up calls")
     print("kernel = attention kernel ops; other = other launching aten ops; coll = collectives; "
           "launches = their sum (rank 0; all ranks in 'per rank'); copied = bytes copied outside the kernel, "
           "max over ranks")

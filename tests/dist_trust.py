@@ -47,14 +47,16 @@ def _visible(causal: bool) -> torch.Tensor:
 
 
 def nonfinite_case(U=1, R=2, layout="zigzag", rotation="p2p", causal=True, which="q", row=3,
-                   value="nan", grad=True, dtype="fp32"):
+                   value="nan", grad=True, dtype="fp32", with_lse=True):
     """One non-finite element of q, k or v (head 0, token ``row``), in ``dtype``.  Per row
     (per key for dk/dv), head 0: every entry that depends on the bad value is non-finite
     (never hidden); for the output of a bad q or k, exactly those rows are (and the lse
     rows of a bad q); a kernel may spread a bad v (or a bad value in a gradient) further
     within a block it computes, as it does on one device.  No other head is touched, and
     every entry finite in both equals the float64 reference's (computed from the same,
-    rounded inputs).  Returns {tensor: (ok, detail)}."""
+    rounded inputs).  ``with_lse=False``: the output alone is asked for (without gradients,
+    the forward-only path, where one Ulysses rank folds the guard into the output).
+    Returns {tensor: (ok, detail)}."""
     mesh = get_mesh(U, R)
     dt = DTYPES[dtype]
     q, k, v, dout = (x.to(dt) for x in _inputs(7))
@@ -72,7 +74,7 @@ def nonfinite_case(U=1, R=2, layout="zigzag", rotation="p2p", causal=True, which
 
     loc = [sh(x).requires_grad_(grad) for x in (q, k, v)]
     attn = usp_hal.LongContextAttention(ring_impl_type=layout, attn_type="sdpa", mesh=mesh, rotation=rotation)
-    out, lse = attn(*loc, causal=causal, return_lse=True)
+    out, lse = attn(*loc, causal=causal, return_lse=True) if with_lse else (attn(*loc, causal=causal), None)
     got = {"out": out.detach()}
     ref = {"out": ro}
     if grad:
@@ -93,7 +95,7 @@ def nonfinite_case(U=1, R=2, layout="zigzag", rotation="p2p", causal=True, which
         err = _err(x[fin], r[fin], dt) if fin.any() else 0.0
         res[name] = (ok and err <= 1, {"bad": bad.tolist(), "must": must.tolist(), "ref_bad": rbad.tolist(),
                                        "err": err})
-    if which == "q":      # lse: exactly that row (head 0) is non-finite
+    if which == "q" and lse is not None:      # lse: exactly that row (head 0) is non-finite
         lbad = ~torch.isfinite(lse[0, 0])
         must = sh(need["out"].view(1, S), seq_dim=1)[0]
         res["lse"] = (bool(torch.equal(lbad, must)), {"bad": lbad.tolist(), "must": must.tolist()})
@@ -218,16 +220,18 @@ def two_threads(calls=40):
 
 def nonfinite_sweep(U=1, R=2, layouts=("basic", "zigzag", "stripe"), rotations=("p2p", "allgather")):
     """:func:`nonfinite_case` over layouts, rotations, causal or not and which of q, k, v
-    holds the NaN (and an inf in q, forward only); returns the failures and the count of
-    non-finite rows the cases expected (so the test knows the check could fail)."""
+    holds the NaN (and, forward only, an inf in q and a NaN in q without the lse); returns
+    the failures and the count of non-finite rows the cases expected (so the test knows the
+    check could fail)."""
     fails, expected = [], 0
     for layout in layouts:
         for rotation in (rotations if R > 1 else ("p2p",)):
             for causal in (True, False):
-                for which, row, value, grad in (("q", 3, "nan", True), ("q", 12, "nan", True), ("k", 5, "nan", True),
-                                                ("v", 9, "nan", True), ("q", 10, "inf", False)):
+                for which, row, value, grad, lse in (("q", 3, "nan", True, True), ("q", 12, "nan", True, True),
+                                                     ("k", 5, "nan", True, True), ("v", 9, "nan", True, True),
+                                                     ("q", 10, "inf", False, True), ("q", 4, "nan", False, False)):
                     res = nonfinite_case(U=U, R=R, layout=layout, rotation=rotation, causal=causal, which=which,
-                                         row=row, value=value, grad=grad)
+                                         row=row, value=value, grad=grad, with_lse=lse)
                     expected += sum(sum(d["must"]) for _, d in res.values())
                     bad = {n: d for n, (ok, d) in res.items() if not ok}
                     if bad:

@@ -34,15 +34,29 @@ def nan_guard(qh: torch.Tensor) -> torch.Tensor:
     single-device semantics).  One launch: the rows times a zero column (``x * 0`` is 0 for
     any finite ``x`` and NaN for NaN or inf; a sum of the row would overflow to inf for
     large finite values)."""
-    key = (qh.shape[-1], qh.dtype, qh.device)
-    zero = _ZERO_COLUMNS.get(key)
+    return torch.matmul(qh, _zeros(qh, 1))
+
+
+def guard_output(out: torch.Tensor, qh: torch.Tensor, dtype: torch.dtype):
+    """``(out, None)`` with the guard folded into one launch, ``out + q @ 0`` (a new
+    ``[B, S, h, Dv]`` tensor in ``dtype``), where ``out`` and ``qh`` are contiguous and in
+    ``dtype``; otherwise ``(out, nan_guard(qh))`` for the output's conversion to add."""
+    if out.dtype == qh.dtype == dtype and out.is_contiguous() and qh.is_contiguous():
+        dv = out.shape[-1]
+        return torch.addmm(out.view(-1, dv), qh.view(-1, qh.shape[-1]), _zeros(qh, dv)).view(out.shape), None
+    return out, nan_guard(qh)
+
+
+def _zeros(qh: torch.Tensor, cols: int) -> torch.Tensor:
+    key = (qh.shape[-1], cols, qh.dtype, qh.device)
+    zero = _ZEROS.get(key)
     if zero is None:
         with torch.inference_mode(False):      # a normal tensor, usable under any grad mode
-            zero = _ZERO_COLUMNS[key] = torch.zeros((qh.shape[-1], 1), dtype=qh.dtype, device=qh.device)
-    return torch.matmul(qh, zero)
+            zero = _ZEROS[key] = torch.zeros((qh.shape[-1], cols), dtype=qh.dtype, device=qh.device)
+    return zero
 
 
-_ZERO_COLUMNS: dict = {}     # (head dim, dtype, device) -> the zero column nan_guard multiplies by
+_ZEROS: dict = {}     # (head dim, columns, dtype, device) -> the zero matrix the guards multiply by
 
 
 def add_sink(out, lse, sink):
@@ -116,12 +130,16 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         pending = None
         if i + 1 < len(stages) and not seq:      # the next stage's q/k/v travel while this one computes
             pending = stages[i + 1].exchange.start_qkv(_own_heads(stages[i + 1], q), k, v, async_op=True)
-        guard = nan_guard(qh) if plan.nan_guard else None
+        # forward only on one Ulysses rank, the guard is folded into the output (one launch)
+        fold = plan.nan_guard and st.exchange.size == 1 and not (keep or spec.return_lse)
+        guard = nan_guard(qh) if plan.nan_guard and not fold else None
         if HOOKS:
             step("ring")
         out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
         if sinks is not None:
             out_acc, lse_h = add_sink(out_acc, lse_h, sinks[st.heads[0]:st.heads[1]])
+        if fold:
+            out_acc, guard = guard_output(out_acc, qh, plan.dtype)
         if HOOKS:
             step("exchange")
         if guard is not None and (keep or spec.return_lse):
