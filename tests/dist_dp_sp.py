@@ -155,3 +155,37 @@ def forgotten_sync(wrapper: str = "plain", B: int = 2, S: int = 24, seed: int = 
     opt.step()                 # synced: no error
     res["stepped"] = not all(bool(torch.equal(_full(p).detach(), b)) for p, b in zip(model.parameters(), before))
     return res
+
+
+def tiled_loss_sharded_head(chunk: int = 4, lens=(12, 7), seed: int = 0):
+    """FSDP2 over every rank with the output head a unit of its own (each call of it gathers
+    its weight), every rank a batch of its own length (``lens[rank]`` tokens: 3 and 2 tiles
+    of 4): the tiled loss and its gradients against the same model's untiled loss, per rank,
+    and the number of head calls per rank (which must match across ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from usp_hal.integrations.tiled_loss import enable_tiled_loss
+    mesh, rank = _world_mesh(), dist.get_rank()
+    models = []
+    for tiled in (False, True):
+        model = tiny_llama(seed, num_hidden_layers=1)
+        if tiled:
+            enable_tiled_loss(model, chunk)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        models.append(model)
+    calls = []
+    models[1].lm_head.register_forward_hook(lambda *a: calls.append(1))
+    ids = torch.randint(0, 100, (1, lens[rank]), generator=torch.Generator().manual_seed(seed + rank))
+    losses, grads = [], []
+    for model in models:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(float(out.loss.detach()))
+        grads.append([_full(p.grad).detach().clone() for p in model.parameters()])
+    return {"loss_diff": abs(losses[0] - losses[1]), "loss": losses[0], "head_calls": len(calls),
+            "tiled_calls": models[1]._usp_tiled_loss.calls,
+            "grad_diff": max(_max_diff(a, b) for a, b in zip(*grads)),
+            "grad_scale": max(float(g.abs().max()) for g in grads[0])}

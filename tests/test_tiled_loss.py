@@ -194,3 +194,19 @@ def test_fsdp2_dp2_sp2_with_the_tiled_loss_matches_one_process(pools, wrapper="f
     assert r0["loss_diff"] <= LOSS_TOL and r0["loss_change"] > 0.5, r0
     assert r0["grad_diff"] <= GRAD_TOL and r0["grad_scale"] > 1e-2, r0
     assert r0["param_diff"] <= PARAM_TOL, r0
+
+
+@pytest.mark.multirank
+def test_an_fsdp_head_unit_with_different_token_counts_per_rank(pools):
+    """FSDP2 with the output head a unit of its own gathers its weight at every call: ranks with
+    12 and 7 tokens (3 and 2 tiles of 4) call it equally often (the shorter one adds an empty
+    tile), so neither waits on the other; loss and gradients equal the untiled ones.  Before,
+    the ranks' head calls (and so their all-gathers) differed in number and both hung."""
+    from tests import dist_dp_sp
+    res = pools(2).run(dist_dp_sp.tiled_loss_sharded_head, timeout=90)
+    # the stand-in call, then 3 tiles in the forward and 3 recomputed in the backward, on both
+    assert [r["head_calls"] for r in res] == [7, 7], res
+    for r in res:
+        assert r["tiled_calls"] == 1 and r["loss"] > 1.0, r
+        assert r["loss_diff"] <= 1e-5 * r["loss"], r
+        assert r["grad_diff"] <= 1e-5 and r["grad_scale"] > 1e-3, r

@@ -21,6 +21,11 @@ A model whose forward does anything with the logits besides handing them to ``lo
 :class:`TiledLossError` naming the model and what it did: such a model is refused, never
 trained with a loss that skips its transformation.  The returned output's ``logits`` is the
 stand-in too; read logits with the tiled loss off (:func:`disable_tiled_loss`).
+
+A head whose calls are collectives (an FSDP2 unit of its own, a tensor-parallel head) is called
+as often on every rank of its mesh: the ranks agree on the most tiles any of them has (one
+all-reduce and one host read per loss) and the others add empty tiles, so no rank waits on a
+call another never makes.
 """
 from __future__ import annotations
 
@@ -148,8 +153,12 @@ class _Tiling:
             return self.loss_fn(logits=self.head_of(h), labels=y, vocab_size=vocab_size,
                                 num_items_in_batch=count, ignore_index=ignore_index, shift_labels=y, **kwargs)
 
+        pieces = list(zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)))
+        # a head whose every call is a collective (an FSDP unit, tensor parallel) is called as
+        # often on every rank of its mesh: a rank with fewer tokens adds empty tiles
+        pieces += [(hidden[:, :0], shift_labels[:, :0])] * (_agreed_tiles(self.head, len(pieces)) - len(pieces))
         total = None    # split always gives a piece (an empty one for no tokens: the untiled sum/0 then)
-        for h, y in zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)):
+        for h, y in pieces:
             # the head and the cross entropy draw no random numbers: no RNG state to keep per tile
             part = checkpoint(tile, h, y, use_reentrant=False, preserve_rng_state=False) \
                 if torch.is_grad_enabled() else tile(h, y)
@@ -164,6 +173,33 @@ class _Tiling:
         stack = self._stack()
         if stack:
             stack.pop()
+
+
+def _head_mesh(head):
+    """Where a call of ``head`` is collective: its FSDP2 unit's mesh, or the mesh of a DTensor
+    parameter (tensor parallel); None for a plain head, "world" for an FSDP2 unit whose mesh
+    is not where this torch keeps it."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(head, FSDPModule):
+        try:     # FSDP2 keeps the unit's mesh on its parameter group (no public accessor)
+            return head._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+        except AttributeError:
+            return "world"          # the default group: every rank computes this loss
+    return next((p.device_mesh for p in head.parameters() if hasattr(p, "device_mesh")), None)
+
+
+def _agreed_tiles(head, n: int) -> int:
+    """``n`` tiles, or the most any rank of ``head``'s mesh has (an all-reduce per mesh
+    dimension and one host read, only for a head whose calls are collectives)."""
+    mesh = _head_mesh(head)
+    if mesh is None:
+        return n
+    import torch.distributed as dist
+    p = next(head.parameters(), None)
+    t = torch.tensor([n], dtype=torch.long, device=p.device if p is not None else "cpu")
+    for g in ([None] if mesh == "world" else [mesh.get_group(d) for d in range(mesh.ndim)]):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    return int(t.item())
 
 
 def check_chunk_tokens(value, what: str = "chunk_tokens") -> int:
