@@ -72,8 +72,9 @@ class SDPABackend(AttentionBackend):
     IS_DETERMINISTIC = True   # on CPU; the CUDA efficient backward is refused below
     INPUT_LAYOUT = "last-dim-contiguous"
     # PROPAGATES_NAN stays empty (the core guards every device): on torch 2.13.0 the CPU op
-    # returns a finite out and lse for a float32/bfloat16 query row holding a NaN (float64
-    # carries it); tests/test_trust.py checks the guarded result
+    # returns a finite out and lse for a query row holding a NaN when it sees fewer than 16
+    # keys in float32/bfloat16 (8 in float64), and carries it with more; tests/test_trust.py
+    # checks the guarded result, ci/device_check.py (kernel/sdpa/nonfinite) records the facts
     LIMITS = (
         Limit("fp64 is only supported on cpu (the CUDA attention ops take fp16/bf16/fp32)",
               uses=("fp64",), devices=("cuda", "rocm"),

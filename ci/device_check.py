@@ -272,6 +272,87 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
     return {"ok": all(p["ok"] for p in parts.values()), **parts}
 
 
+NONFINITE_ROWS = ((5, 0, 3, "nan"), (2, 1, 0, "inf"))      # (token, head, channel, value) put into q
+
+
+def nonfinite_case(device: str, dtype, *, causal: bool, s: int, h: int = 2, d: int = 64) -> dict:
+    """A NaN and an inf in q (:data:`NONFINITE_ROWS`).  Facts: whether the sdpa adapter's kernel
+    (and, on CUDA, each torch SDPA backend) carries them into exactly those out (and lse) rows by
+    itself.  Checked: ``LongContextAttention`` on a 1 x 1 mesh makes exactly those rows
+    non-finite, forward only (where the guard is folded into the output) and with the lse and
+    gradients (dq's rows too), and every other row equals float64 attention.  (torch 2.13's CPU
+    op hides a NaN query row that sees fewer than 16 keys and carries it with more: the facts are
+    per length.)"""
+    from usp_hal.attention import LongContextAttention
+    from usp_hal.reference import reference_attention
+    from usp_hal.registry import REGISTRY
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (_rand((1, s, h, d), dtype, device, gen) for _ in range(4))
+    want = torch.zeros(s, h, dtype=torch.bool)
+    for t, head, c, value in NONFINITE_ROWS:
+        q[0, t, head, c] = float(value)
+        want[t, head] = True
+    want = want.to(device)
+    clean = q.masked_fill(want.view(1, s, h, 1), 0.0)     # other rows do not depend on these ones
+    ref, _ = reference_attention(clean.double(), k.double(), v.double(), causal=causal)
+
+    def rows(x):              # [S, H]: which rows hold a non-finite value
+        return ~torch.isfinite(x[0].float()).all(-1)
+
+    def module_ok(out, what):
+        fine = ~want.view(1, s, h, 1).expand_as(out)
+        cmp = _cmp(torch.where(fine, out, torch.zeros_like(out)), torch.where(fine, ref, torch.zeros_like(ref)),
+                   dtype)
+        cmp["rows_exact"] = bool(torch.equal(rows(out), want))
+        cmp["ok"] = cmp["ok"] and cmp["rows_exact"]
+        if not cmp["rows_exact"]:
+            cmp["problem"] = f"{what}: non-finite rows {rows(out).nonzero().tolist()}, want {want.nonzero().tolist()}"
+        return cmp
+
+    facts: Dict[str, Any] = {}
+    with torch.no_grad():
+        out, lse = REGISTRY.get("sdpa")().forward(q, k, v, softmax_scale=None, causal=causal)
+        facts["adapter_out_carries"] = bool(torch.equal(rows(out), want))
+        facts["adapter_lse_carries"] = bool(torch.equal(~torch.isfinite(lse[0]).T, want))
+        if device == "cuda":
+            from torch.nn.attention import sdpa_kernel
+            for b in SDPA_BACKENDS:
+                try:
+                    with sdpa_kernel(_sdpa_backend(b)):
+                        o = torch.nn.functional.scaled_dot_product_attention(
+                            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+                    facts[f"{b}_out_carries"] = bool(torch.equal(rows(o.transpose(1, 2)), want))
+                except Exception as exc:
+                    facts[f"{b}_out_carries"] = f"{type(exc).__name__}: {exc}"[:120]
+    attn = LongContextAttention(attn_type="sdpa", mesh=one_rank_mesh())
+    parts = {}
+    with torch.no_grad():
+        parts["forward"] = module_ok(attn(q, k, v, causal=causal), "forward only")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    out, lse = attn(qg, kg, vg, causal=causal, return_lse=True)[:2]
+    parts["grad"] = module_ok(out.detach(), "with gradients")
+    lse_ok = bool(torch.equal(~torch.isfinite(lse[0]).T, want))
+    out.backward(dout)
+    dq_ok = bool(rows(qg.grad)[want].all())
+    parts["grad"]["ok"] = parts["grad"]["ok"] and lse_ok and dq_ok
+    if not (lse_ok and dq_ok):
+        parts["grad"]["problem"] = f"lse rows exact: {lse_ok}, dq's bad rows non-finite: {dq_ok}"
+    return {"ok": all(p["ok"] for p in parts.values()), **parts, "facts": facts}
+
+
+def check_nonfinite(ctx: Context) -> dict:
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    cases = {}
+    for s in (8, 37):
+        for causal in (False, True):
+            name = f"S{s} {'causal' if causal else 'full'}"
+            try:
+                cases[name] = nonfinite_case(ctx.device, dtype, causal=causal, s=s)
+            except Exception as exc:
+                cases[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return _sum_up(cases)
+
+
 # CUDA dtypes per backend: flex compiles one Triton kernel (and its backward) per call
 # structure, so it runs fewer cases there (the check's time budget)
 CUDA_DTYPES = {"sdpa": (torch.bfloat16, torch.float16, torch.float32), "flex": (torch.bfloat16,),
@@ -844,6 +925,9 @@ def _checks() -> List[Check]:
         out.append(Check(f"kernel/{name}/module", needs, f"{name} through LongContextAttention on one rank "
                          "(1 x 1 mesh), vs float64", _kernel_check(name, through_module=True)))
     kernels("sdpa", "")
+    out.append(Check("kernel/sdpa/nonfinite", "", "a NaN and an inf in q: which kernels carry them into their rows "
+                     "(facts), and LongContextAttention (1 x 1 mesh) makes exactly those rows non-finite, forward "
+                     "only and with the lse and grads", check_nonfinite))
     kernels("sage_fp8", "cuda")
     for world, cases in MULTIRANK_CASES.items():
         out.append(Check(f"multirank/{world}/transport", "", f"the collectives usp-hal uses, on {world} gloo ranks "

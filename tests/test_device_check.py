@@ -85,3 +85,17 @@ def test_dry_run_lists_every_check_and_the_cpu_ones_pass(tmp_path):
     for f in ("probe.json", "matrix-cuda-sm90.json", "matrix-cuda-sm90.md", "verify.json"):
         assert (out / f).stat().st_size > 0, f
     print(f"device-check.sh --dry-run took {took:.0f} s")
+
+
+def test_the_nonfinite_check_fails_without_the_guard(monkeypatch, tmp_path):
+    """kernel/sdpa/nonfinite passes here, and fails when the sdpa backend claims its CPU kernel
+    carries a non-finite query (the core then adds no guard): at 8 tokens it does not."""
+    from usp_hal.registry import REGISTRY
+    ctx = dc.Context("cpu", str(tmp_path), True)
+    good = dc.check_nonfinite(ctx)
+    assert good["status"] == "pass", good
+    facts = good["data"]["S8 full"]["facts"]
+    assert facts == {"adapter_out_carries": False, "adapter_lse_carries": False}, facts
+    monkeypatch.setattr(REGISTRY.get("sdpa"), "PROPAGATES_NAN", frozenset({"cpu"}))
+    bad = dc.check_nonfinite(ctx)
+    assert bad["status"] == "fail" and "S8" in bad["detail"] and "S37" not in bad["detail"], bad
