@@ -195,9 +195,12 @@ def _agreed_tiles(head, n: int) -> int:
     if mesh is None:
         return n
     import torch.distributed as dist
+    world = isinstance(mesh, str)
     p = next(head.parameters(), None)
-    t = torch.tensor([n], dtype=torch.long, device=p.device if p is not None else "cpu")
-    for g in ([None] if mesh == "world" else [mesh.get_group(d) for d in range(mesh.ndim)]):
+    # on the mesh's device type (parameters offloaded to the host still communicate there)
+    device = (p.device if p is not None else "cpu") if world else mesh.device_type
+    t = torch.tensor([n], dtype=torch.long, device=device)
+    for g in ([None] if world else [mesh.get_group(d) for d in range(mesh.ndim)]):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
     return int(t.item())
 
