@@ -157,6 +157,27 @@ def forgotten_sync(wrapper: str = "plain", B: int = 2, S: int = 24, seed: int = 
     return res
 
 
+def tiled_loss_refused_on_one_rank(chunk: int = 4, bad_rank: int = 1, seed: int = 0):
+    """As :func:`tiled_loss_sharded_head`, but rank ``bad_rank`` passes labels one token short:
+    every rank's error message (none may wait for the refusing one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from usp_hal.integrations.tiled_loss import enable_tiled_loss
+    mesh, rank = _world_mesh(), dist.get_rank()
+    model = enable_tiled_loss(tiny_llama(seed, num_hidden_layers=1), chunk)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(seed))
+    labels = ids[:, :-1] if rank == bad_rank else ids
+    try:
+        model(input_ids=ids, labels=labels)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def tiled_loss_sharded_head(chunk: int = 4, lens=(12, 7), seed: int = 0):
     """FSDP2 over every rank with the output head a unit of its own (each call of it gathers
     its weight), every rank a batch of its own length (``lens[rank]`` tokens: 3 and 2 tiles

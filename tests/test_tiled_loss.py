@@ -210,3 +210,13 @@ def test_an_fsdp_head_unit_with_different_token_counts_per_rank(pools):
         assert r["tiled_calls"] == 1 and r["loss"] > 1.0, r
         assert r["loss_diff"] <= 1e-5 * r["loss"], r
         assert r["grad_diff"] <= 1e-5 and r["grad_scale"] > 1e-3, r
+
+
+@pytest.mark.multirank
+def test_a_refusal_on_one_rank_reaches_every_rank_of_an_fsdp_head(pools):
+    """One rank's labels do not fit its tokens: it refuses, and the other rank, which would
+    otherwise wait in the head's collectives, raises too, naming the other rank."""
+    from tests import dist_dp_sp
+    res = pools(2).run(dist_dp_sp.tiled_loss_refused_on_one_rank, timeout=90)
+    assert "labels have shape (1, 9), its hidden states (1, 10)" in res[1], res
+    assert res[0] is not None and "another rank of the output head's mesh refused" in res[0], res

@@ -141,9 +141,14 @@ class _Tiling:
         if shift_labels is None:       # as ForCausalLMLoss shifts, once over the whole row (not per tile)
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
+        problem = None
         if tuple(shift_labels.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"usp_hal tiled loss: {self.model_name}'s labels have shape {tuple(shift_labels.shape)}, "
-                             f"its hidden states {tuple(hidden.shape[:2])} tokens")
+            problem = ValueError(f"usp_hal tiled loss: {self.model_name}'s labels have shape "
+                                 f"{tuple(shift_labels.shape)}, its hidden states {tuple(hidden.shape[:2])} tokens")
+        # a head whose every call is a collective (an FSDP unit, tensor parallel) is called as
+        # often on every rank of its mesh: a rank with fewer tokens adds empty tiles, and a
+        # refusal is raised on every rank of that mesh
+        tiles = _agreed_tiles(self.head, -(-hidden.shape[1] // self.chunk) or 1, problem)
         # the untiled mean is the sum over the counted labels divided by their number: every tile
         # divides its sum by that number (a device tensor: no host read)
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
@@ -154,9 +159,7 @@ class _Tiling:
                                 num_items_in_batch=count, ignore_index=ignore_index, shift_labels=y, **kwargs)
 
         pieces = list(zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)))
-        # a head whose every call is a collective (an FSDP unit, tensor parallel) is called as
-        # often on every rank of its mesh: a rank with fewer tokens adds empty tiles
-        pieces += [(hidden[:, :0], shift_labels[:, :0])] * (_agreed_tiles(self.head, len(pieces)) - len(pieces))
+        pieces += [(hidden[:, :0], shift_labels[:, :0])] * (tiles - len(pieces))
         total = None    # split always gives a piece (an empty one for no tokens: the untiled sum/0 then)
         for h, y in pieces:
             # the head and the cross entropy draw no random numbers: no RNG state to keep per tile
@@ -188,21 +191,31 @@ def _head_mesh(head):
     return next((p.device_mesh for p in head.parameters() if hasattr(p, "device_mesh")), None)
 
 
-def _agreed_tiles(head, n: int) -> int:
+def _agreed_tiles(head, n: int, problem: Optional[Exception] = None) -> int:
     """``n`` tiles, or the most any rank of ``head``'s mesh has (an all-reduce per mesh
-    dimension and one host read, only for a head whose calls are collectives)."""
+    dimension and one host read, only for a head whose calls are collectives).  ``problem``,
+    this rank's refusal, is raised here: on every rank of such a head's mesh (the others name
+    it as another rank's), so that none waits on a head call a refusing rank never makes."""
     mesh = _head_mesh(head)
     if mesh is None:
+        if problem is not None:
+            raise problem
         return n
     import torch.distributed as dist
     world = isinstance(mesh, str)
     p = next(head.parameters(), None)
     # on the mesh's device type (parameters offloaded to the host still communicate there)
     device = (p.device if p is not None else "cpu") if world else mesh.device_type
-    t = torch.tensor([n], dtype=torch.long, device=device)
+    t = torch.tensor([n, int(problem is not None)], dtype=torch.long, device=device)
     for g in ([None] if world else [mesh.get_group(d) for d in range(mesh.ndim)]):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-    return int(t.item())
+    most, refused = t.tolist()
+    if problem is not None:
+        raise problem
+    if refused:
+        raise ValueError("usp_hal tiled loss: another rank of the output head's mesh refused its loss (see that "
+                         "rank's error); every rank stops here, none waits on the head's collectives")
+    return most
 
 
 def check_chunk_tokens(value, what: str = "chunk_tokens") -> int:
