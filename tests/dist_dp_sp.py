@@ -157,18 +157,28 @@ def forgotten_sync(wrapper: str = "plain", B: int = 2, S: int = 24, seed: int = 
     return res
 
 
-def tiled_loss_refused_on_one_rank(chunk: int = 4, bad_rank: int = 1, seed: int = 0):
-    """As :func:`tiled_loss_sharded_head`, but rank ``bad_rank`` passes labels one token short:
-    every rank's error message (none may wait for the refusing one)."""
+def _head_unit_llama(seed: int, chunk: int = 0):
+    """A one-layer tiny Llama under FSDP2 over every rank, its output head a unit of its own
+    (each call of it gathers its weight); its loss in tiles of ``chunk`` tokens (0: untiled)."""
     from torch.distributed.fsdp import fully_shard
 
     from usp_hal.integrations.tiled_loss import enable_tiled_loss
-    mesh, rank = _world_mesh(), dist.get_rank()
-    model = enable_tiled_loss(tiny_llama(seed, num_hidden_layers=1), chunk)
+    mesh = _world_mesh()
+    model = tiny_llama(seed, num_hidden_layers=1)
+    if chunk:
+        enable_tiled_loss(model, chunk)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model.lm_head, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def tiled_loss_refused_on_one_rank(chunk: int = 4, bad_rank: int = 1, seed: int = 0):
+    """As :func:`tiled_loss_sharded_head`, but rank ``bad_rank`` passes labels one token short:
+    every rank's error message (none may wait for the refusing one)."""
+    rank = dist.get_rank()
+    model = _head_unit_llama(seed, chunk)
     ids = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(seed))
     labels = ids[:, :-1] if rank == bad_rank else ids
     try:
@@ -183,20 +193,8 @@ def tiled_loss_sharded_head(chunk: int = 4, lens=(12, 7), seed: int = 0):
     its weight), every rank a batch of its own length (``lens[rank]`` tokens: 3 and 2 tiles
     of 4): the tiled loss and its gradients against the same model's untiled loss, per rank,
     and the number of head calls per rank (which must match across ranks)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from usp_hal.integrations.tiled_loss import enable_tiled_loss
-    mesh, rank = _world_mesh(), dist.get_rank()
-    models = []
-    for tiled in (False, True):
-        model = tiny_llama(seed, num_hidden_layers=1)
-        if tiled:
-            enable_tiled_loss(model, chunk)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model.lm_head, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        models.append(model)
+    rank = dist.get_rank()
+    models = [_head_unit_llama(seed), _head_unit_llama(seed, chunk)]
     calls = []
     models[1].lm_head.register_forward_hook(lambda *a: calls.append(1))
     ids = torch.randint(0, 100, (1, lens[rank]), generator=torch.Generator().manual_seed(seed + rank))

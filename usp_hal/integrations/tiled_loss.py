@@ -145,10 +145,13 @@ class _Tiling:
         if tuple(shift_labels.shape) != tuple(hidden.shape[:2]):
             problem = ValueError(f"usp_hal tiled loss: {self.model_name}'s labels have shape "
                                  f"{tuple(shift_labels.shape)}, its hidden states {tuple(hidden.shape[:2])} tokens")
-        # a head whose every call is a collective (an FSDP unit, tensor parallel) is called as
-        # often on every rank of its mesh: a rank with fewer tokens adds empty tiles, and a
-        # refusal is raised on every rank of that mesh
-        tiles = _agreed_tiles(self.head, -(-hidden.shape[1] // self.chunk) or 1, problem)
+        # split always gives a piece (an empty one for no tokens: the untiled sum/0 then).  A head
+        # whose every call is a collective (an FSDP unit, tensor parallel) is called as often on
+        # every rank of its mesh: a rank with fewer tokens adds empty tiles, and a refusal is
+        # raised on every rank of that mesh
+        pieces = list(zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)))
+        tiles = _agreed_tiles(self.head, len(pieces), problem)
+        pieces += [(hidden[:, :0], shift_labels[:, :0])] * (tiles - len(pieces))
         # the untiled mean is the sum over the counted labels divided by their number: every tile
         # divides its sum by that number (a device tensor: no host read)
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
@@ -158,9 +161,7 @@ class _Tiling:
             return self.loss_fn(logits=self.head_of(h), labels=y, vocab_size=vocab_size,
                                 num_items_in_batch=count, ignore_index=ignore_index, shift_labels=y, **kwargs)
 
-        pieces = list(zip(hidden.split(self.chunk, dim=1), shift_labels.split(self.chunk, dim=1)))
-        pieces += [(hidden[:, :0], shift_labels[:, :0])] * (tiles - len(pieces))
-        total = None    # split always gives a piece (an empty one for no tokens: the untiled sum/0 then)
+        total = None
         for h, y in pieces:
             # the head and the cross entropy draw no random numbers: no RNG state to keep per tile
             part = checkpoint(tile, h, y, use_reentrant=False, preserve_rng_state=False) \

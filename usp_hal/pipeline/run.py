@@ -120,6 +120,8 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
     # one Ulysses rank keeps no head-layout copy: its head layout is the rank's own q/k/v and
     # returned output, which the autograd node saves itself (:func:`_local`)
     own = _local(plan)
+    # forward only on one Ulysses rank, the guard is folded into the output (one launch)
+    fold = plan.nan_guard and own and not (keep or spec.return_lse)
     if HOOKS:
         step("exchange")
     pending: Any = received
@@ -130,8 +132,6 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         pending = None
         if i + 1 < len(stages) and not seq:      # the next stage's q/k/v travel while this one computes
             pending = stages[i + 1].exchange.start_qkv(_own_heads(stages[i + 1], q), k, v, async_op=True)
-        # forward only on one Ulysses rank, the guard is folded into the output (one launch)
-        fold = plan.nan_guard and st.exchange.size == 1 and not (keep or spec.return_lse)
         guard = nan_guard(qh) if plan.nan_guard and not fold else None
         if HOOKS:
             step("ring")
