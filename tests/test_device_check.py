@@ -56,6 +56,7 @@ def test_a_wrong_kernel_fails_the_kernel_case(monkeypatch):
         assert not bad["ok"] and not bad["out"]["ok"], bad
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_dry_run_lists_every_check_and_the_cpu_ones_pass(tmp_path):
@@ -88,14 +89,29 @@ def test_dry_run_lists_every_check_and_the_cpu_ones_pass(tmp_path):
 
 
 def test_the_nonfinite_check_fails_without_the_guard(monkeypatch, tmp_path):
-    """kernel/sdpa/nonfinite passes here, and fails when the sdpa backend claims its CPU kernel
-    carries a non-finite query (the core then adds no guard): at 8 tokens it does not."""
+    """kernel/sdpa/nonfinite records what the kernel does with a non-finite query and checks the
+    module's rows whatever that is.  The kernel's behaviour is arranged here, not taken from this
+    CPU (torch's CPU op carries a NaN query row on some machines and hides it on others): a
+    stand-in of the CPU op hides every non-finite query row.  The check passes (the core guards
+    the rows), records that the kernel does not carry them, and fails once the sdpa backend
+    claims its CPU kernel carries them (the core then adds no guard)."""
     from usp_hal.registry import REGISTRY
     ctx = dc.Context("cpu", str(tmp_path), True)
+    real = dc.check_nonfinite(ctx)           # this machine's kernel: any facts, the module's rows exact
+    assert real["status"] == "pass", real
+    for case in real["data"].values():
+        assert set(case["facts"]) == {"adapter_out_carries", "adapter_lse_carries"}, case
+        assert all(isinstance(v, bool) for v in case["facts"].values()), case
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def hiding(q, k, v, *args, **kwargs):    # a kernel that returns finite rows for a NaN/inf query
+        return op(q.masked_fill(~torch.isfinite(q).all(-1, keepdim=True), 0.0), k, v, *args, **kwargs)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", hiding)
     good = dc.check_nonfinite(ctx)
     assert good["status"] == "pass", good
-    facts = good["data"]["S8 full"]["facts"]
-    assert facts == {"adapter_out_carries": False, "adapter_lse_carries": False}, facts
+    for name, case in good["data"].items():
+        assert case["facts"] == {"adapter_out_carries": False, "adapter_lse_carries": False}, (name, case)
     monkeypatch.setattr(REGISTRY.get("sdpa"), "PROPAGATES_NAN", frozenset({"cpu"}))
     bad = dc.check_nonfinite(ctx)
-    assert bad["status"] == "fail" and "S8" in bad["detail"] and "S37" not in bad["detail"], bad
+    assert bad["status"] == "fail" and "S8" in bad["detail"] and "S37" in bad["detail"], bad

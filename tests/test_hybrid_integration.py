@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from tests import hybrid_cases as cases  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.models]
 
 
 @pytest.mark.parametrize("split", [(2, 1), (1, 2)], ids=["u2", "r2"])
@@ -53,9 +53,10 @@ TOL = {"head_parallel": dict(logits=1e-5, loss=1e-4, grad=1e-4, param=1e-5),
 
 
 # kimi_linear head-parallel: gradients within 3e-6, parameters after the AdamW steps measured at
-# 1.2e-5 on Ulysses-2 (an fp32-level difference in a near-zero gradient entry, which AdamW
-# scales up towards lr)
-PARAM_TOL = {"kimi_linear": 5e-5}
+# 1.2e-5 on Ulysses-2; lfm2 (its conv by halo, no recurrence) at 1.15e-5 on Ring-2 on one CPU and
+# under 1e-5 on another: an fp32-level difference in a near-zero gradient entry, which AdamW scales
+# up towards lr, so its size is the machine's rounding (the mutants stay 0.1 to 2.7 relative)
+PARAM_TOL = {"kimi_linear": 5e-5, "lfm2": 5e-5}
 
 
 def _check(r, model_type, mode):
