@@ -62,6 +62,7 @@ def test_run_refused_backend_fails_on_every_rank(capsys):
     assert time.monotonic() - t < 110                                      # an error, not the timeout
 
 
+@pytest.mark.slow
 def test_bench_tiny_sweep_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     rc = main(["bench", "--seqlens", "64", "--heads", "4", "--head-dim", "16", "--modes", "fwdbwd",
@@ -103,10 +104,11 @@ def test_min_comm_formulas():
     assert min_comm_bytes(c)["fwd"] == pytest.approx(0.5 * (2 * 512 * 8 * 64 * 4 + 2 * 2 * 512 * 64 * 4))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_runs_exit_cleanly_ten_times():
     """``torchrun --nproc_per_node=2 -m usp_hal run --ulysses 2``: every one of 10 runs, two at
-    a time (each on its own port), prints PASS and exits 0 (the ranks tear the process group
+    a time (each on a free port: ``--standalone``), prints PASS and exits 0 (the ranks tear the process group
     down together, also on a loaded machine)."""
     import os
     import subprocess
@@ -116,7 +118,7 @@ def test_torchrun_runs_exit_cleanly_ten_times():
 
     def start(i):
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 "--master_port", str(29700 + i), "-m", "usp_hal", "run", "--ulysses", "2",
+                                 "--standalone", "-m", "usp_hal", "run", "--ulysses", "2",
                                  "--seqlen", "128", "--iters", "1", "--warmup", "0"],
                                 cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for pair in range(5):

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]   # 4 ranks under torchrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,8 +26,8 @@ def test_readme_snippet_runs_as_written_and_matches_one_device(tmp_path):
     script = tmp_path / "usp_demo.py"
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port",
-                          "29690", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
+                          str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     m = re.search(r"max \|USP - single device\| = (\S+)", res.stdout)
     assert m, res.stdout[-2000:]
