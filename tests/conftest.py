@@ -4,6 +4,20 @@ from tests.mp import WorkerPool
 
 _POOLS = {}
 
+# markers a test gets from others (pyproject.toml lists them all): the fast tier, `pytest -m "not slow"`,
+# leaves out the model integrations, torch.compile and the real kernels
+_SLOW_WITH = ("models", "compile", "real_kernel")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if {"pools", "interpreted"} & set(item.fixturenames) and item.get_closest_marker("multirank") is None:
+            item.add_marker(pytest.mark.multirank)        # it runs on gloo ranks, whatever its file says
+        if item.get_closest_marker("real_kernel") is not None:
+            item.add_marker(pytest.mark.optional_pkg)     # triton and the kernel packages: CI's second tier
+        if any(item.get_closest_marker(m) is not None for m in _SLOW_WITH):
+            item.add_marker(pytest.mark.slow)
+
 
 def _pool(world):
     pool = _POOLS.get(world)

@@ -60,6 +60,7 @@ def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
     assert not out, out          # nothing ran
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_run_prints_a_header_and_progress_on_stderr():
     cmd = [sys.executable, "-m", "usp_hal", "run", "--seqlen", "128", "--heads", "2", "--head-dim", "16",

@@ -5,7 +5,7 @@ import pytest
 
 from tests import dist_compile
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.compile]
 
 
 def _check(res):

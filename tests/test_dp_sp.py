@@ -11,6 +11,8 @@ pytest.importorskip("transformers")
 
 from tests import dist_dp_sp  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-6       # fp32 gradients of |g| <= 0.1
 PARAM_TOL = 2e-4      # 4 AdamW steps at lr 2e-3 amplify rounding in the first, near-zero-gradient steps

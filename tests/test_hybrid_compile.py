@@ -8,7 +8,7 @@ import pytest
 from tests import dist_hybrid_compile
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.models, pytest.mark.compile]
 
 # fp32 bounds: as the eager model tests (tests/test_hybrid_integration.py); GDN state passing's
 # gradients are looser (fp32 rounding in transformers' chunked kernel)

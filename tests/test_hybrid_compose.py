@@ -9,6 +9,8 @@ pytest.importorskip("accelerate")
 
 from tests import dist_hybrid_compose as dhc  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 LOSS_TOL = 1e-5
 NORM_TOL = 1e-5       # relative
 PARAM_TOL = 1e-4      # AdamW scales fp32 rounding in near-zero gradient entries towards lr

@@ -37,6 +37,8 @@ import torch  # noqa: E402
 
 from usp_hal.integrations.hybrid import find_sequence_mixers, model_problem, model_type  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 # model types of transformers 5.23.0's causal-LM mapping with a layer that mixes positions
 # outside attention (a recurrence, a convolution over the sequence, a token shift), from
 # their modeling sources; the vision/audio towers of multimodal models are listed apart

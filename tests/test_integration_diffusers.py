@@ -7,7 +7,7 @@ pytest.importorskip("diffusers")
 
 from tests import integration_cases as cases  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.models]
 
 TOL = 1e-5
 SPLITS = [(2, 2, 1), (2, 1, 2), (4, 2, 2)]

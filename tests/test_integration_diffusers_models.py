@@ -10,6 +10,8 @@ pytest.importorskip("diffusers")
 
 from tests import diffusers_cases as cases  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 TOL = 1e-5
 
 

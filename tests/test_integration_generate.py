@@ -14,6 +14,8 @@ pytest.importorskip("transformers")
 
 from tests import dist_serving as ds  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 LOGITS_TOL = 1e-4
 
 

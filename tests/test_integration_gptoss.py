@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from tests import dist_gptoss  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.models]
 
 
 @pytest.mark.parametrize("split", [(1, 2, "zigzag"), (2, 1, "basic")], ids=["r2-zigzag", "u2"])

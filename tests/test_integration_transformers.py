@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from tests import integration_cases as cases  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.models]
 ROOT = Path(__file__).resolve().parents[1]
 
 LOGITS_TOL = 1e-5

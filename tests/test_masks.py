@@ -136,6 +136,7 @@ def test_balance_by_mask_area_within_ten_percent():
             assert sorted(p for s in segs for x in s for p in range(x.start, x.start + x.count)) == list(range(1024))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("split", [(2, 2, 1), (2, 1, 2)], ids=["u2", "r2"])
 def test_mask_and_sinks_under_torch_compile_fullgraph(pools, split):
     world, U, R = split

@@ -46,6 +46,7 @@ def _survivors_raise(res, survivors, limit):
         assert " on the " in val["error"] and "group (ranks " in val["error"], val["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["u2r2-exit", "u2r2-skip", "dp-replicas"])
 def test_survivors_raise_within_the_timeout(case):

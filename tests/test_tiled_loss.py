@@ -12,6 +12,8 @@ pytest.importorskip("transformers")
 from tests import integration_cases as cases  # noqa: E402
 from usp_hal.integrations.tiled_loss import TiledLogits, TiledLossError, disable_tiled_loss, enable_tiled_loss  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 
 def _tiny_llama(tie: bool):
     return cases.tiny_llama(0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

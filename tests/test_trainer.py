@@ -12,6 +12,8 @@ pytest.importorskip("accelerate")
 
 from tests import dist_trainer  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 LOSS_TOL = 1e-5
 NORM_TOL = 1e-5       # relative
 PARAM_TOL = 1e-4      # AdamW amplifies rounding in near-zero-gradient elements (seen: 7e-6)

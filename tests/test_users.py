@@ -7,6 +7,8 @@ pytest.importorskip("transformers")
 
 from tests import dist_users as du  # noqa: E402
 
+pytestmark = pytest.mark.models
+
 BF16_EPS = 2.0 ** -8
 
 

@@ -95,6 +95,7 @@ def _compatible(theirs, ours, what):
             f"{what}: usp_hal's extra parameter {oname} ({okind}) would shift a positional call"
 
 
+@pytest.mark.optional_pkg
 def test_every_yunchang_name_resolves_with_its_signature(yunchang_surface):
     names = yunchang_surface["names"]
     for must in ("LongContextAttention", "LongContextAttentionQKVPacked", "AsyncLongContextAttention",
@@ -116,6 +117,7 @@ def test_every_yunchang_name_resolves_with_its_signature(yunchang_surface):
             assert set(row["keys"]) <= set(ours), f"{name}: keys {set(row['keys']) - set(ours)} missing"
 
 
+@pytest.mark.optional_pkg
 def test_every_yunchang_attn_type_resolves(yunchang_surface):
     members = yunchang_surface["attn_types"]
     assert {"AITER", "TORCH_MATH", "TORCH_CUDNN", "SAGE_FP16", "SAGE_FP16_TRITON", "SPARSE_SAGE"} <= set(members)
