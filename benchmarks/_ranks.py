@@ -11,7 +11,12 @@ def _worker(rank, world, init, fn, kwargs, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        queue.put((rank, fn(**kwargs)))
+        try:
+            res = fn(**kwargs)
+        except BaseException as exc:      # the parent raises it at once instead of waiting out its timeout
+            queue.put((rank, RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}")))
+            raise
+        queue.put((rank, res))
     finally:
         dist.destroy_process_group()
 
@@ -26,7 +31,12 @@ def run_on_ranks(fn, world: int = 2, timeout: float = 900, **kwargs) -> list:
         for p in procs:
             p.start()
         try:
-            results = dict(queue.get(timeout=timeout) for _ in procs)
+            results = {}
+            for _ in procs:
+                r, res = queue.get(timeout=timeout)
+                if isinstance(res, RuntimeError) and str(res).startswith(f"rank {r}: "):
+                    raise res
+                results[r] = res
         finally:
             for p in procs:
                 p.join(60)

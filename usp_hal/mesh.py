@@ -404,7 +404,7 @@ def _replica_groups(sp_ranks, udeg, rdeg, low):
     return [list(sp_ranks)], uly, ring
 
 
-def _set_default(mesh: SequenceParallelMesh) -> None:
+def _set_default(mesh: Optional[SequenceParallelMesh]) -> None:
     global _DEFAULT_MESH
     _DEFAULT_MESH = mesh
 

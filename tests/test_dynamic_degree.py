@@ -1,0 +1,116 @@
+"""The Ulysses x Ring degree per global batch: the schedule (one process) and its run on 4 gloo
+ranks against float64 attention of each sequence alone."""
+import pytest
+
+from tests import dist_dynamic
+from usp_hal.schedule import AttentionShape, ScheduleError, group_sizes, schedule_batch, static_schedule
+
+SHAPE = AttentionShape(heads=8, head_dim=64, kv_heads=2, dtype="bf16", causal=True, bwd=True)
+
+
+def _check_placement(sched, lengths, world, budget):
+    placed = sorted(i for j in sched.jobs for i in j.seqs)
+    assert placed == list(range(len(lengths))), "every sequence exactly once"
+    for j in sched.jobs:
+        assert j.size in group_sizes(world) and j.first % j.size == 0 and j.first + j.size <= world, j
+        assert j.cost.ulysses * j.cost.ring == j.size, j
+        assert j.lengths == tuple(lengths[i] for i in j.seqs), j
+        assert -(-sum(j.lengths) // j.size) <= budget, f"over the budget: {j}"
+        if len(j.seqs) > 1:
+            assert j.size == 1, "only what a rank holds alone is packed"
+
+
+def test_group_sizes():
+    assert group_sizes(1) == (1,)
+    assert group_sizes(4) == (1, 2, 4)
+    assert group_sizes(6) == (1, 2, 6)
+    assert group_sizes(8) == (1, 2, 4, 8)
+    with pytest.raises(ScheduleError):
+        group_sizes(0)
+
+
+def test_short_sequences_run_alone_without_sequence_parallelism():
+    lengths = [300, 280, 260, 240, 220, 200, 180, 160]
+    s = schedule_batch(lengths, 4, SHAPE, budget_tokens=1024, profile="h100-nvlink")
+    _check_placement(s, lengths, 4, 1024)
+    assert all(j.size == 1 and (j.cost.ulysses, j.cost.ring) == (1, 1) for j in s.jobs)
+    assert max(s.per_rank("bytes")) == 0 and max(s.per_rank("collectives")) <= 2
+    assert len(s.jobs) == 4, "each rank's sequences packed into one job"
+
+
+def test_three_degrees_in_one_step_and_each_within_the_budget():
+    lengths = [3800, 1900, 1700, 600, 500, 400, 300, 300, 200, 100]
+    s = schedule_batch(lengths, 4, SHAPE, budget_tokens=1024, profile="h100-nvlink")
+    _check_placement(s, lengths, 4, 1024)
+    sizes = {j.size for j in s.jobs}
+    assert sizes == {1, 2, 4}, s.splits()
+    assert next(j for j in s.jobs if 0 in j.seqs).size == 4         # 3800 tokens need 4 ranks of 1024
+    assert next(j for j in s.jobs if 1 in j.seqs).size >= 2
+    # every rank runs its jobs in the one order of the schedule
+    for r in range(4):
+        mine = s.jobs_of(r)
+        assert [s.jobs.index(j) for j in mine] == sorted(s.jobs.index(j) for j in mine)
+
+
+def test_the_same_inputs_give_the_same_schedule():
+    lengths = [5000, 70, 3000, 900, 900, 64, 1200, 33, 2100]
+    a = schedule_batch(lengths, 4, SHAPE, budget_tokens=2048, profile="l40-pcie")
+    b = schedule_batch(list(lengths), 4, SHAPE, budget_tokens=2048, profile="l40-pcie")
+    assert a == b
+
+
+def test_an_unplaceable_batch_names_the_sequence_and_the_budget():
+    with pytest.raises(ScheduleError, match=r"sequence 2 has 5000 tokens: 1250 per rank even on all 4 ranks, over "
+                                            r"the budget of 1024 tokens per rank"):
+        schedule_batch([10, 20, 5000], 4, SHAPE, budget_tokens=1024)
+    with pytest.raises(ScheduleError, match="every length must be >= 1"):
+        schedule_batch([10, 0], 4, SHAPE, budget_tokens=1024)
+    with pytest.raises(ScheduleError, match="over the budget"):
+        static_schedule([10, 3000], 4, SHAPE, ulysses=2, ring=1, budget_tokens=1024)
+
+
+def test_the_benchmark_counts_meet_the_goals(capsys):
+    """benchmarks/dynamic_degree.py without its wall-time part: deterministic counts (a fixed
+    seed, the planner's model), against the best static split per metric."""
+    from benchmarks.dynamic_degree import main
+    assert main(["--no-time"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(kv.split("=") for kv in last.split()[2:])
+    assert last.startswith("dynamic/best-static slowest-rank ") and set(fields) == {"work", "bytes", "predicted",
+                                                                                      "time"}
+    assert float(fields["work"]) <= 1.05 and float(fields["bytes"]) <= 0.6 and float(fields["predicted"]) <= 0.85, last
+
+
+# ----------------------------------------------------------------------------- on 4 ranks
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_scheduled_attention_matches_float64_on_three_degrees(pools):
+    """Ranks give different sequences (gathered in one all-gather); the schedule uses groups of
+    4, 2 and 1 rank in one step; every job's output and q/k/v gradients equal float64 attention
+    of each sequence alone."""
+    local = [[190, 12], [40, 33, 20], [95], [7, 60, 18, 9]]
+    res = pools(4).run(dist_dynamic.scheduled_attention, timeout=180, local_lengths=local, budget=64)
+    assert all(r["jobs"] == res[0]["jobs"] for r in res), "every rank computed the same schedule"
+    assert res[0]["meshes"] == 6
+    sizes = {size for _, _, size, _, _ in res[0]["jobs"]}
+    assert sizes == {1, 2, 4}, res[0]["jobs"]
+    ran = sorted(i for r in res for seqs, size, _, _ in r["ran"] if size == 1 for i in seqs)
+    shared = {seqs for r in res for seqs, size, _, _ in r["ran"] if size > 1}
+    assert sorted(ran + [i for s in shared for i in s]) == list(range(10)), "each sequence ran once"
+    for r in res:
+        assert r["worst"]["out"] <= 2e-6 and r["worst"]["grad"] <= 2e-5, r["worst"]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_refusals_are_the_same_on_every_rank(pools):
+    """An unplaceable batch, a bad length on one rank, and ranks given different global batches:
+    every rank raises, the same way, before any job runs (none hangs)."""
+    res = pools(4).run(dist_dynamic.schedule_error, timeout=60, local_lengths=[[10], [300], [5], [6]], budget=64)
+    assert len(set(res)) == 1 and "sequence 1 has 300 tokens" in res[0] and "budget of 64" in res[0], res
+    res = pools(4).run(dist_dynamic.schedule_error, timeout=60, local_lengths=[[10], [0], [5], [6]])
+    assert all(r and "rank 1" in r and "positive integers" in r for r in res), res
+    same, other = [10, 20, 30], [10, 20, 31]
+    res = pools(4).run(dist_dynamic.schedule_error, timeout=60, global_lengths=[same, same, other, same])
+    assert all(r and "lengths digest" in r for r in res), res
+    assert pools(4).run(dist_dynamic.schedule_error, timeout=60, global_lengths=[same] * 4) == [None] * 4

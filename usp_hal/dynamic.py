@@ -1,0 +1,122 @@
+"""The Ulysses x Ring degree per global batch, at run time: the groups built once, a schedule
+per step (see :mod:`usp_hal.schedule` for how sequences are placed).
+
+    dd = DynamicDegree(AttentionShape(heads=32, head_dim=128, kv_heads=8), budget_tokens=16384)
+    sched = dd.schedule(my_lengths)          # one all-gather; the same schedule on every rank
+    for job in dd.my_jobs(sched):            # this rank's jobs, in the order every rank runs them
+        with dd.on(job):                     # modules built with mesh=None use the job's mesh
+            ...                              # shard the job's sequences, call the model
+
+Set-up (:class:`DynamicDegree`) builds one mesh per (group size, Ulysses degree) of
+:func:`usp_hal.schedule.group_sizes`, on every rank in the same order, contiguous ranks first to
+Ulysses (the intra-node rule) and the rest to the ring: for a world of W ranks, at most
+``sum over sizes g of d(g)`` meshes (d: the number of divisors), each with ``W / g`` sequence-
+parallel groups; 6 meshes on 4 ranks, 10 on 8.  A step creates no group: it only selects among
+them.  Jobs of one rank make no collective, those of a group make theirs on that group's own
+process groups, and every rank runs its jobs in the schedule's one order, so no two groups can
+wait on each other.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from .comm import agree
+from .mesh import SequenceParallelMesh, _current_default, _set_default, init_sequence_parallel
+from .schedule import AttentionShape, Job, Schedule, ScheduleError, group_sizes, schedule_batch
+
+#: the most sequences one rank may contribute to a step (the gather's fixed width)
+MAX_LOCAL_SEQUENCES = 1024
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+class DynamicDegree:
+    """The meshes a schedule may use, built once; one schedule per global batch.
+
+    ``shape``: the attention call apart from its length (heads, head dim, kv heads, dtype,
+    causal, backward); ``budget_tokens``: the most tokens one rank may hold in one job;
+    ``profile``: the planner profile that prices the jobs (use the one of the machine the run is
+    on); ``sizes``: group sizes (default :func:`usp_hal.schedule.group_sizes` of the world);
+    ``timeout``: given to every group (as :func:`usp_hal.init_sequence_parallel`)."""
+
+    def __init__(self, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
+                 sizes: Optional[Sequence[int]] = None, timeout=None):
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        self.shape = shape
+        self.budget_tokens = int(budget_tokens)
+        self.profile = profile
+        self.sizes = tuple(sorted(set(sizes))) if sizes is not None else group_sizes(self.world)
+        if any(g < 1 or self.world % g for g in self.sizes):
+            raise ScheduleError(f"group sizes {self.sizes} must divide the world ({self.world})")
+        self.meshes: Dict[Tuple[int, int, int], SequenceParallelMesh] = {}
+        for g in self.sizes:                               # the same order on every rank
+            for u in _divisors(g):
+                self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout)
+
+    # ------------------------------------------------------------------ per step
+    def gather_lengths(self, lengths: Sequence[int]) -> Tuple[List[int], List[int]]:
+        """Every rank's sequence lengths, in rank order, and the rank that gave each one (one
+        all-gather of :data:`MAX_LOCAL_SEQUENCES` + 1 integers; a rank whose lengths are not
+        positive integers, or too many, makes every rank raise)."""
+        vals = list(lengths)
+        problem = None
+        if len(vals) > MAX_LOCAL_SEQUENCES:
+            problem = f"{len(vals)} sequences, over the {MAX_LOCAL_SEQUENCES} one rank may give"
+        elif not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in vals):
+            problem = f"lengths must be positive integers, got {vals[:8]}{' ...' if len(vals) > 8 else ''}"
+        send = [] if problem else [len(vals), *vals]
+        rows = agree(problem, None, what="DynamicDegree.schedule: the sequence lengths", where="default process group",
+                     values=send, width=MAX_LOCAL_SEQUENCES + 1)
+        out, owner = [], []
+        for r, row in enumerate(rows):
+            out += row[1:1 + row[0]]
+            owner += [r] * row[0]
+        return out, owner
+
+    def schedule(self, lengths: Sequence[int], *, global_batch: bool = False) -> Schedule:
+        """This step's schedule.  ``lengths``: this rank's sequences (the schedule's indices run
+        over every rank's, in rank order); with ``global_batch=True`` every rank passes the whole
+        batch's lengths and the gather checks they are the same everywhere (ranks given different
+        batches all raise, naming them, instead of computing different schedules).  An
+        unplaceable batch raises :class:`ScheduleError` on every rank; no data has moved."""
+        if global_batch:
+            rows = agree(None, None, what="DynamicDegree.schedule: the global batch's lengths",
+                         where="default process group", values=[len(lengths), _digest(lengths)],
+                         same=("sequences", "lengths digest"))
+            del rows
+            gathered = [int(n) for n in lengths]
+        else:
+            gathered, _ = self.gather_lengths([int(n) for n in lengths])
+        return schedule_batch(gathered, self.world, self.shape, budget_tokens=self.budget_tokens,
+                              profile=self.profile, sizes=self.sizes)
+
+    def mesh(self, job: Job) -> SequenceParallelMesh:
+        """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""
+        return self.meshes[(job.size, job.cost.ulysses, job.cost.ring)]
+
+    def my_jobs(self, sched: Schedule) -> List[Job]:
+        return sched.jobs_of(self.rank)
+
+    @contextlib.contextmanager
+    def on(self, job: Job) -> Iterator[SequenceParallelMesh]:
+        """Within the block, modules and integrations built with ``mesh=None`` run on the job's mesh."""
+        mesh = self.mesh(job)
+        if self.rank not in job.ranks or mesh.sp_ranks != tuple(job.ranks):
+            raise ValueError(f"rank {self.rank} is not in this job's group (ranks {list(job.ranks)})")
+        old = _current_default()
+        _set_default(mesh)
+        try:
+            yield mesh
+        finally:
+            _set_default(old)
+
+
+def _digest(values: Sequence[int]) -> int:
+    from .comm import digest_ints
+    return digest_ints([int(v) for v in values])
