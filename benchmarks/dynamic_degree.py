@@ -27,69 +27,33 @@ long ones averaging about 37K; the shapes are ours: log-normal, sigma 1.0 and 0.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
-
-from usp_hal.schedule import AttentionShape, Schedule, ScheduleError, schedule_batch, static_schedule
+from usp_hal.schedule import AttentionShape, Schedule, ScheduleError, compare_with_static, draw_batches, static_schedule
 
 WORLD = 4
 PROFILES = ("h100-nvlink", "l40-pcie")
-STATIC = [(u, sp // u, sp) for sp in (4, 2, 1) for u in range(sp, 0, -1) if sp % u == 0]   # (U, R, sp)
+DISTS = {"lognormal": "lognormal:1024:32768:1.5", "llama3-sft": "llama3-sft"}
 
 
-def _lognormal_mean(rng, mean: float, sigma: float) -> float:
-    return float(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma))
-
-
-def draw(dist: str, rng) -> int:
-    if dist == "lognormal":
-        return int(min(max(rng.lognormal(math.log(1024), 1.5), 16), 32768))
-    if dist == "llama3-sft":
-        x = _lognormal_mean(rng, 37000, 0.3) if rng.random() < 0.0011 else _lognormal_mean(rng, 1000, 1.0)
-        return int(min(max(x, 16), 65536))
-    raise ValueError(f"unknown distribution {dist!r}: lognormal or llama3-sft")
-
-
-def batches(dist: str, steps: int, tokens_per_rank: int, seed: int, scale: int = 1) -> List[List[int]]:
-    """``steps`` global batches of about ``WORLD * tokens_per_rank`` tokens (lengths / ``scale``)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        b: List[int] = []
-        while sum(b) < WORLD * tokens_per_rank:
-            b.append(max(1, draw(dist, rng) // scale))
-        out.append(b)
-    return out
-
-
-def fitting_statics(bs: List[List[int]], shape, budget: int) -> List[Tuple[int, int, int]]:
-    """The static splits that hold every batch within the budget."""
+def statics_within(batches: List[List[int]], shape, budget: int) -> List[Tuple[int, int, int]]:
+    """(U, R, sp) of the static splits that hold every batch within the budget."""
     ok = []
-    for u, r, sp in STATIC:
-        try:
-            for b in bs:
-                static_schedule(b, WORLD, shape, ulysses=u, ring=r, budget_tokens=budget, profile="cpu")
-        except ScheduleError:
-            continue
-        ok.append((u, r, sp))
+    for sp in (4, 2, 1):
+        for u in (d for d in range(sp, 0, -1) if sp % d == 0):
+            try:
+                for b in batches:
+                    static_schedule(b, WORLD, shape, ulysses=u, ring=sp // u, budget_tokens=budget, profile="cpu")
+            except ScheduleError:
+                continue
+            ok.append((u, sp // u, sp))
     return ok
 
 
-def totals(scheds: List[Schedule]) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    for s in scheds:
-        for k, v in s.slowest().items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
 def label(u: int, r: int, sp: int) -> str:
-    dp = WORLD // sp
     name = "one rank" if sp == 1 else f"U{u}xR{r}"
-    return f"dp{dp} x {name}" if dp > 1 else name
+    return f"dp{WORLD // sp} x {name}" if WORLD > sp else name
 
 
 # ------------------------------------------------------------------------- the wall time (4 ranks)
@@ -125,7 +89,7 @@ def timed_ranks(dist: str, steps: int, tokens_per_rank: int, budget: int, seed: 
     shape = AttentionShape(4, 32, 2, "fp32", True, True)
     dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu")
     rank = dist_.get_rank()
-    bs = batches(dist, steps + 1, tokens_per_rank, seed, scale=scale)
+    bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=scale)
     variants = ["dynamic"] + [label(*s) for s in statics]
     times: Dict[str, List[float]] = {v: [] for v in variants}
     mods: dict = {}
@@ -163,36 +127,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--time-steps", type=int, default=6)
     args = ap.parse_args(argv)
     shape = AttentionShape(args.heads, args.head_dim, args.kv_heads, "bf16", True, True)
-    bs = batches(args.dist, args.steps, args.tokens_per_rank, args.seed)
-    statics = fitting_statics(bs, shape, args.budget)
+    bs = draw_batches(DISTS[args.dist], args.steps, WORLD * args.tokens_per_rank, seed=args.seed)
     n_seq = sum(len(b) for b in bs)
-    print(f"{args.dist}: {args.steps} global batches on {WORLD} ranks, {n_seq / args.steps:.0f} sequences and "
-          f"{sum(map(sum, bs)) / args.steps / WORLD:.0f} tokens per rank per step, longest {max(map(max, bs))}; "
-          f"budget {args.budget} tokens per rank; H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 causal, "
-          f"forward+backward")
-    print(f"static splits within the budget: {', '.join(label(*s) for s in statics) or 'none'}")
+    print(f"{args.dist} ({DISTS[args.dist]}): {args.steps} global batches on {WORLD} ranks, {n_seq / args.steps:.0f} "
+          f"sequences and {sum(map(sum, bs)) / args.steps / WORLD:.0f} tokens per rank per step, longest "
+          f"{max(map(max, bs))}; budget {args.budget} tokens per rank; H={args.heads} Hkv={args.kv_heads} "
+          f"D={args.head_dim} bf16 causal, forward+backward")
     ratio: Dict[str, float] = {}
     for prof in PROFILES:
-        dyn = totals([schedule_batch(b, WORLD, shape, budget_tokens=args.budget, profile=prof) for b in bs])
-        rows = {label(*s): totals([static_schedule(b, WORLD, shape, ulysses=s[0], ring=s[1],
-                                                   budget_tokens=args.budget, profile=prof) for b in bs])
-                for s in statics}
+        cmp = compare_with_static(bs, WORLD, shape, budget_tokens=args.budget, profile=prof)
+        rows: Dict[str, Dict[str, float]] = cmp["static"]     # type: ignore[assignment]
         print(f"\n{prof}: per step, the slowest rank's   work (G pairs)   bytes (GB)   collectives   predicted (ms)")
-        for name, t in [("dynamic", dyn)] + sorted(rows.items()):
+        for name, t in [("dynamic", cmp["dynamic"])] + sorted(rows.items()):
             print(f"  {name:22s} {t['pairs'] / args.steps / 1e9:16.2f} {t['bytes'] / args.steps / 1e9:12.3f} "
                   f"{t['collectives'] / args.steps:13.1f} {t['predicted'] / args.steps * 1e3:15.2f}")
-        for k in ("pairs", "bytes", "collectives", "predicted"):
-            best = min(t[k] for t in rows.values()) if rows else float("nan")
-            r = dyn[k] / best if best else float("inf")
-            ratio[k] = max(ratio.get(k, 0.0), r)      # the worse of the two profiles
-            print(f"  dynamic / best static {k}: {r:.3f}")
+        for k, r in cmp["ratio"].items():       # type: ignore[union-attr]
+            print(f"  dynamic / best static {k}: {'n/a' if r is None else f'{r:.3f}'}")
+            ratio[k] = max(ratio.get(k, 0.0), float("inf") if r is None else r)     # the worse of the two profiles
     time_ratio = float("nan")
     if args.time:
         from benchmarks._ranks import run_on_ranks
         sc = args.time_scale
-        tb = batches(args.dist, args.time_steps + 1, args.tokens_per_rank // sc, args.seed, scale=sc)
-        tshape = AttentionShape(4, 32, 2, "fp32", True, True)
-        tstatics = fitting_statics(tb, tshape, args.budget // sc)
+        tb = draw_batches(DISTS[args.dist], args.time_steps + 1, WORLD * args.tokens_per_rank // sc, seed=args.seed,
+                          scale=sc)
+        tstatics = statics_within(tb, AttentionShape(4, 32, 2, "fp32", True, True), args.budget // sc)
         res = run_on_ranks(timed_ranks, world=WORLD, dist=args.dist, steps=args.time_steps,
                            tokens_per_rank=args.tokens_per_rank // sc, budget=args.budget // sc, seed=args.seed,
                            scale=sc, statics=tstatics)

@@ -114,3 +114,27 @@ def test_refusals_are_the_same_on_every_rank(pools):
     res = pools(4).run(dist_dynamic.schedule_error, timeout=60, global_lengths=[same, same, other, same])
     assert all(r and "lengths digest" in r for r in res), res
     assert pools(4).run(dist_dynamic.schedule_error, timeout=60, global_lengths=[same] * 4) == [None] * 4
+
+
+def test_plan_prints_the_gain_for_a_length_distribution(tmp_path, capsys):
+    from usp_hal.cli import main
+    base = ["plan", "--world", "4", "--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--causal", "--bwd",
+            "--profile", "h100-nvlink"]
+    assert main(base + ["--seqlen", "131072", "--length-dist", "lognormal:1024:32768", "--budget-tokens",
+                        "16384"]) == 0
+    out = capsys.readouterr().out
+    tail = out.split("split per global batch")[1].splitlines()
+    assert "16 batches of lognormal:1024:32768" in tail[0] and "16384 tokens per rank" in tail[0]
+    assert tail[-1].strip().startswith("dynamic / best static: predicted 0.8"), tail[-1]
+    f = tmp_path / "lengths.txt"
+    f.write_text("4000 300 300 100\n2000,2000\n")
+    assert main(base + ["--seqlen", "4700", "--lengths", str(f), "--json"]) == 0
+    import json
+    res = json.loads(capsys.readouterr().out)["dynamic_degree"]
+    assert res["budget_tokens"] == 1175 and "dynamic" in res and "U4xR1" in res["static"], res
+    for bad, needle in ((["--length-dist", "lognormal:x:1"], "takes numbers"),
+                        (["--length-dist", "zipf"], "use one of"),
+                        (["--lengths", str(tmp_path / "none.txt")], "No such file"),
+                        (["--budget-tokens", "100"], "goes with --length-dist")):
+        assert main(base + ["--seqlen", "4096"] + bad) == 2
+        assert needle in capsys.readouterr().err, bad

@@ -241,6 +241,15 @@ def schedule_batch(lengths: Sequence[int], world: int, shape: AttentionShape, *,
         sched = _place(lens, group, world, budget_tokens, price)
         if best is None or max(sched.finish) < max(best.finish):
             best = sched
+    # a fixed split is one more candidate: the schedule is never predicted slower than one that fits
+    for g in sizes:
+        for u in (d for d in range(g, 0, -1) if g % d == 0):
+            try:
+                sched = _static(lens, world, budget_tokens, price, u, g // u, None)
+            except ScheduleError:
+                continue
+            if best is None or max(sched.finish) < max(best.finish):
+                best = sched
     assert best is not None
     return best
 
@@ -303,16 +312,20 @@ def static_schedule(lengths: Sequence[int], world: int, shape: AttentionShape, *
     (longest first), and each replica packs its sequences into jobs of at most
     ``budget_tokens`` per rank.  Raises :class:`ScheduleError` when a sequence does not fit."""
     lens = _check_lengths(lengths)
+    if ulysses < 1 or ring < 1 or world % (ulysses * ring):
+        raise ScheduleError(f"ulysses x ring = {ulysses * ring} must divide the world ({world})")
+    return _static(lens, world, budget_tokens, _Pricer(shape, profile), ulysses, ring, layout)
+
+
+def _static(lens: Tuple[int, ...], world: int, budget: int, price: _Pricer, ulysses: int, ring: int,
+            layout: Optional[str]) -> Schedule:
     sp = ulysses * ring
-    if sp < 1 or world % sp:
-        raise ScheduleError(f"ulysses x ring = {sp} must divide the world ({world})")
     for i, n in enumerate(lens):
-        if math.ceil(n / sp) > budget_tokens:
+        if math.ceil(n / sp) > budget:
             raise ScheduleError(f"sequence {i} has {n} tokens: {math.ceil(n / sp)} per rank on {ulysses} x {ring}, "
-                                f"over the budget of {budget_tokens} tokens per rank")
+                                f"over the budget of {budget} tokens per rank")
     if layout is None:
-        layout = "basic" if ring == 1 or not shape.causal else "zigzag"
-    price = _Pricer(shape, profile)
+        layout = "basic" if ring == 1 or not price.shape.causal else "zigzag"
     replicas = world // sp
     tokens = [0] * replicas
     held: List[List[int]] = [[] for _ in range(replicas)]
@@ -322,8 +335,94 @@ def static_schedule(lengths: Sequence[int], world: int, shape: AttentionShape, *
         tokens[d] += lens[i]
     jobs = []
     for d in range(replicas):
-        for bin_ in _pack(sorted(held[d]), lens, budget_tokens * sp):
+        for bin_ in _pack(sorted(held[d]), lens, budget * sp):
             ls = tuple(lens[i] for i in bin_)
             jobs.append(Job(tuple(bin_), ls, d * sp, sp, price._price(ls, sp, ulysses, ring, layout)))
     jobs_t = tuple(jobs)
-    return Schedule(world, budget_tokens, jobs_t, _finish_times(jobs_t, world))
+    return Schedule(world, budget, jobs_t, _finish_times(jobs_t, world))
+
+
+# ------------------------------------------------------------------------- length distributions
+#: the named distributions :func:`draw_batches` knows (see docs/dynamic-degree.md)
+DISTRIBUTIONS = ("lognormal:MEDIAN:MAX[:SIGMA]", "llama3-sft")
+
+
+def _parse_dist(spec: str):
+    name, *args = spec.split(":")
+    if name == "llama3-sft" and not args:
+        return name, ()
+    if name == "lognormal" and len(args) in (2, 3):
+        try:
+            median, top = int(args[0]), int(args[1])
+            sigma = float(args[2]) if len(args) == 3 else 1.5
+        except ValueError:
+            raise ScheduleError(f"length distribution {spec!r}: lognormal:MEDIAN:MAX[:SIGMA] takes numbers") from None
+        if not (1 <= median <= top and sigma > 0):
+            raise ScheduleError(f"length distribution {spec!r}: needs 1 <= MEDIAN <= MAX and SIGMA > 0")
+        return name, (median, top, sigma)
+    raise ScheduleError(f"length distribution {spec!r}: use one of {', '.join(DISTRIBUTIONS)}")
+
+
+def draw_batches(spec: str, steps: int, tokens_per_step: int, *, seed: int = 0, scale: int = 1) -> List[List[int]]:
+    """``steps`` global batches of at least ``tokens_per_step`` tokens each, lengths drawn from
+    ``spec`` with a fixed seed (divided by ``scale``, at least 1):
+
+    - ``lognormal:MEDIAN:MAX[:SIGMA]``: log-normal with that median (sigma 1.5 by default),
+      clipped to [16, MAX];
+    - ``llama3-sft``: the Llama 3 long-context SFT mix as its paper reports it (quoted by Skrull,
+      arXiv 2505.19609): 99.89% short sequences averaging about 1K tokens, 0.11% long ones
+      averaging about 37K; the shapes are assumed (log-normal, sigma 1.0 and 0.3), clipped to
+      [16, 65,536]."""
+    import numpy as np
+    name, args = _parse_dist(spec)
+    rng = np.random.default_rng(seed)
+
+    def lognormal_mean(mean: float, sigma: float) -> float:
+        return float(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma))
+
+    def one() -> int:
+        if name == "lognormal":
+            median, top, sigma = args
+            x = float(rng.lognormal(math.log(median), sigma))
+            top_ = top
+        else:
+            x = lognormal_mean(37000, 0.3) if rng.random() < 0.0011 else lognormal_mean(1000, 1.0)
+            top_ = 65536
+        return max(1, int(min(max(x, 16), top_)) // scale)
+
+    out = []
+    for _ in range(steps):
+        b: List[int] = []
+        while sum(b) < tokens_per_step:
+            b.append(one())
+        out.append(b)
+    return out
+
+
+def compare_with_static(batches: Sequence[Sequence[int]], world: int, shape: AttentionShape, *, budget_tokens: int,
+                        profile="h100-nvlink") -> Dict[str, object]:
+    """The dynamic schedule against every static split (``U x R`` over ``sp`` ranks, ``world /
+    sp`` replicas) that holds every batch within the budget, summed over the batches: per
+    schedule the slowest rank's ``pairs``, ``bytes``, ``collectives`` and ``predicted`` time;
+    ``ratio``: dynamic over the best static split of each metric (None without one that fits)."""
+    def total(scheds: List[Schedule]) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for s in scheds:
+            for k, v in s.slowest().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    dynamic = total([schedule_batch(b, world, shape, budget_tokens=budget_tokens, profile=profile) for b in batches])
+    static: Dict[str, Dict[str, float]] = {}
+    for sp in sorted(group_sizes(world), reverse=True):
+        for u in (d for d in range(sp, 0, -1) if sp % d == 0):
+            try:
+                scheds = [static_schedule(b, world, shape, ulysses=u, ring=sp // u, budget_tokens=budget_tokens,
+                                          profile=profile) for b in batches]
+            except ScheduleError:
+                continue
+            name = "one rank" if sp == 1 else f"U{u}xR{sp // u}"
+            static[f"dp{world // sp} x {name}" if world > sp else name] = total(scheds)
+    ratio = {k: (v / min(s[k] for s in static.values()) if static and min(s[k] for s in static.values()) else None)
+             for k, v in dynamic.items()}
+    return {"dynamic": dynamic, "static": static, "ratio": ratio}

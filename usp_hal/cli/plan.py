@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 from .. import planner
 from ..harness.calibrate import calibrate
 from ..harness.pool import LaunchError, in_torchrun
+from ..schedule import ScheduleError
 
 DTYPES = tuple(planner.DTYPE_BYTES)
 
@@ -86,6 +88,16 @@ def add_parser(subparsers) -> None:
                       help="packed documents: the global document boundaries (adds the varlen_zigzag layout)")
     docs.add_argument("--docs", type=int, default=0, metavar="N",
                       help="packed documents: N documents of equal length (shortcut for --cu-seqlens)")
+    dyn = p.add_mutually_exclusive_group()
+    dyn.add_argument("--length-dist", default=None, metavar="SPEC",
+                     help="also schedule a Ulysses x Ring split per global batch (usp_hal.dynamic) for sequence "
+                          "lengths drawn from SPEC (lognormal:MEDIAN:MAX[:SIGMA] or llama3-sft), --seqlen tokens "
+                          "per global batch, and print its predicted gain over the best static split")
+    dyn.add_argument("--lengths", default=None, metavar="FILE",
+                     help="the same for the sequence lengths in FILE (integers; one global batch per line)")
+    p.add_argument("--budget-tokens", type=int, default=None, metavar="N",
+                   help="with --length-dist/--lengths: the most tokens one rank holds in one job "
+                        "(default: --seqlen / --world, what a static split over every rank holds)")
     p.set_defaults(func=run)
 
 
@@ -130,7 +142,14 @@ def run(args) -> int:
     except LaunchError as exc:
         print(f"usp-hal plan: {exc}", file=sys.stderr)
         return 1
+    try:
+        dynamic = _dynamic_degree(args, prof)
+    except (planner.PlanError, ScheduleError, OSError) as exc:
+        print(f"usp-hal plan: {exc}", file=sys.stderr)
+        return 2
     res["assumptions"] = assumptions(args)
+    if dynamic is not None:
+        res["dynamic_degree"] = dynamic
     res["integrations"] = integration_lines(res)
     if args.json:
         json.dump(res, sys.stdout, indent=2, default=str)
@@ -140,7 +159,48 @@ def run(args) -> int:
         print(planner.format_plan(res))
         head = "in transformers / diffusers (import usp_hal.integrations.transformers or .diffusers as usp):"
         print("\n".join(["", head] + ["  " + ln for ln in res["integrations"]]))
+        if dynamic is not None:
+            print("\n".join([""] + format_dynamic(dynamic)))
     return 0
+
+
+def _dynamic_degree(args, prof) -> Optional[dict]:
+    """--length-dist / --lengths: the schedule per global batch against every static split."""
+    if args.length_dist is None and args.lengths is None:
+        if args.budget_tokens is not None:
+            raise planner.PlanError("--budget-tokens goes with --length-dist or --lengths")
+        return None
+    from ..schedule import AttentionShape, compare_with_static, draw_batches
+    budget = args.budget_tokens if args.budget_tokens is not None else -(-args.seqlen // args.world)
+    if budget < 1:
+        raise planner.PlanError(f"--budget-tokens must be >= 1, got {budget}")
+    if args.lengths is not None:
+        with open(args.lengths, encoding="utf-8") as f:
+            try:
+                batches = [[int(x) for x in line.replace(",", " ").split()] for line in f if line.strip()]
+            except ValueError:
+                raise planner.PlanError(f"--lengths {args.lengths}: write integers, one batch per line") from None
+        source = f"the {len(batches)} batches of {args.lengths}"
+    else:
+        batches = draw_batches(args.length_dist, 16, args.seqlen, seed=0)
+        source = f"16 batches of {args.length_dist} (seed 0), >= {args.seqlen} tokens each"
+    shape = AttentionShape(args.heads, args.head_dim, args.kv_heads, args.dtype, bool(args.causal), bool(args.bwd))
+    cmp = compare_with_static(batches, args.world, shape, budget_tokens=budget, profile=prof)
+    return {"source": source, "budget_tokens": budget, **cmp}
+
+
+def format_dynamic(d: dict) -> list:
+    lines = [f"split per global batch (usp_hal.dynamic) on {d['source']}, at most {d['budget_tokens']} tokens per "
+             f"rank in one job: the slowest rank's totals"]
+    if not d["static"]:
+        lines.append("  no static split holds every batch within the budget")
+    for name, t in [("dynamic", d["dynamic"])] + sorted(d["static"].items()):
+        lines.append(f"  {name:22s} predicted {t['predicted'] * 1e3:10.2f} ms   bytes {t['bytes'] / 1e9:9.3f} GB   "
+                     f"work {t['pairs'] / 1e9:9.2f} G pairs")
+    r = d["ratio"]
+    fmt = {k: "n/a" if v is None else f"{v:.3f}" for k, v in r.items()}
+    lines.append(f"  dynamic / best static: predicted {fmt['predicted']}, bytes {fmt['bytes']}, work {fmt['pairs']}")
+    return lines
 
 
 def assumptions(args) -> dict:
