@@ -75,3 +75,73 @@ def schedule_error(local_lengths=None, global_lengths=None, budget: int = 64):
     except Exception as exc:     # noqa: BLE001 - the point is what comes out
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _ids(i: int, n: int, vocab: int):
+    g = torch.Generator().manual_seed(5000 + i)
+    return torch.randint(0, vocab, (1, n), generator=g)
+
+
+def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: float = 2e-3, seed: int = 0):
+    """A custom loop: every step schedules the global batch (ranks give different sequences),
+    runs each of this rank's jobs through a tiny Llama (transformers integration, the job's mesh
+    as the default one), each rank's loss its tokens' share of the global batch's mean, then
+    sums the gradients over the world and takes an AdamW step.  Rank 0 also trains the same
+    model in one process on every sequence and returns the differences."""
+    import copy
+
+    from tests.integration_cases import VOCAB, _max_diff, tiny_llama
+    from usp_hal.integrations import transformers as usp
+    rank = dist.get_rank()
+    name = usp.register("usp_hal_test_dynamic", mesh=None, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed, num_hidden_layers=2)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    shape = AttentionShape(heads=8, head_dim=16, kv_heads=2, dtype="fp32", causal=True, bwd=True)
+    dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu-4ranks")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, grads, sizes = [], [], set()
+    for _ in range(steps):
+        sched = dd.schedule(local_lengths[rank])
+        lengths = [n for row in local_lengths for n in row]
+        items = sum(n - 1 for n in lengths)             # the global batch's labels
+        mine = torch.zeros(())
+        for job in dd.my_jobs(sched):
+            sizes.add(job.size)
+            ids = torch.cat([_ids(i, n, VOCAB) for i, n in zip(job.seqs, job.lengths)], 1)
+            with dd.on(job) as mesh:
+                cu = list(job.cu_seqlens) if job.cu_seqlens else None
+                batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=cu)
+                batch["num_items_in_batch"] = items
+                out = model(**batch)
+            out.loss.backward()
+            mine = mine + out.loss.detach()
+        losses.append(float(dd.sync_gradients(model, mine)))
+        if not grads:
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    res = {"losses": losses, "sizes": sorted(sizes)}
+    if rank != 0:
+        return res
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses, ref_grads = [], []
+    lengths = [n for row in local_lengths for n in row]
+    items = sum(n - 1 for n in lengths)
+    for _ in range(steps):
+        total = 0.0
+        for i, n in enumerate(lengths):
+            ids = _ids(i, n, VOCAB)
+            out = ref(input_ids=ids, labels=ids, num_items_in_batch=items)
+            out.loss.backward()
+            total += float(out.loss)
+        ref_losses.append(total)
+        if not ref_grads:
+            ref_grads = [p.grad.detach().clone() for p in ref.parameters()]
+        ropt.step()
+        ropt.zero_grad()
+    res.update(ref_losses=ref_losses, loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+               grad_diff=max(_max_diff(g, r) for g, r in zip(grads, ref_grads)),
+               grad_scale=max(float(r.abs().max()) for r in ref_grads),
+               param_diff=max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())))
+    return res

@@ -103,6 +103,35 @@ class DynamicDegree:
     def my_jobs(self, sched: Schedule) -> List[Job]:
         return sched.jobs_of(self.rank)
 
+    def sync_gradients(self, model, loss=None):
+        """After every job's backward: each gradient summed over the whole world (one all-reduce
+        of all of them, and of ``loss`` with them), so every rank holds the gradient of the
+        global batch.  Each rank's losses must be its tokens' share of the global batch's loss
+        (``num_items_in_batch`` = the global batch's label count); then the sum is exactly what
+        one process computes.  Returns the global loss (detached), or None.  Clears the
+        partial-gradient mark of every mesh (:func:`usp_hal.integrations.grads.mark_synced`)."""
+        import torch
+
+        params = [p for p in (model.parameters() if hasattr(model, "parameters") else model) if p.requires_grad]
+        for p in params:
+            if p.grad is None:                 # a rank whose jobs did not reach it: it adds nothing
+                p.grad = torch.zeros_like(p)
+        parts = [p.grad.reshape(-1) for p in params]
+        if loss is not None:
+            parts.append(loss.detach().reshape(-1).to(parts[0].dtype if parts else loss.dtype))
+        if parts and self.world > 1:
+            flat = torch.cat(parts)
+            dist.all_reduce(flat)
+            for p, chunk in zip(params, flat.split([t.numel() for t in parts])):
+                p.grad.copy_(chunk.view_as(p.grad))
+            total = flat[-1:].reshape(()) if loss is not None else None
+        else:
+            total = loss.detach() if loss is not None else None
+        from .integrations.grads import mark_synced
+        for mesh in self.meshes.values():
+            mark_synced(mesh)
+        return total
+
     @contextlib.contextmanager
     def on(self, job: Job) -> Iterator[SequenceParallelMesh]:
         """Within the block, modules and integrations built with ``mesh=None`` run on the job's mesh."""
