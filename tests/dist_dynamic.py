@@ -82,14 +82,19 @@ def _ids(i: int, n: int, vocab: int):
     return torch.randint(0, vocab, (1, n), generator=g)
 
 
-def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: float = 2e-3, seed: int = 0):
+def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: float = 2e-3, seed: int = 0,
+                             wrapper: str = "plain"):
     """A custom loop: every step schedules the global batch (ranks give different sequences),
     runs each of this rank's jobs through a tiny Llama (transformers integration, the job's mesh
     as the default one), each rank's loss its tokens' share of the global batch's mean, then
-    sums the gradients over the world and takes an AdamW step.  Rank 0 also trains the same
-    model in one process on every sequence and returns the differences."""
+    sums the gradients over the world and takes an AdamW step.  ``wrapper="fsdp"``: FSDP2 over
+    the whole world (each layer and the root), the jobs run in the schedule's rounds
+    (``Schedule.slots``), a rank without a job in a round calling the model on a two-token
+    stand-in whose loss is multiplied by zero.  Rank 0 also trains the same model in one process
+    on every sequence and returns the differences."""
     import copy
 
+    from tests.dist_dp_sp import _full
     from tests.integration_cases import VOCAB, _max_diff, tiny_llama
     from usp_hal.integrations import transformers as usp
     rank = dist.get_rank()
@@ -97,16 +102,31 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
     ref = tiny_llama(seed, num_hidden_layers=2)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
+    if wrapper == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("all",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=world)
+        fully_shard(model, mesh=world)
     shape = AttentionShape(heads=8, head_dim=16, kv_heads=2, dtype="fp32", causal=True, bwd=True)
     dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu-4ranks")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, grads, sizes = [], [], set()
+    losses, grads, sizes, standins = [], [], set(), 0
     for _ in range(steps):
         sched = dd.schedule(local_lengths[rank])
         lengths = [n for row in local_lengths for n in row]
         items = sum(n - 1 for n in lengths)             # the global batch's labels
         mine = torch.zeros(())
-        for job in dd.my_jobs(sched):
+        rounds = [row[rank] for row in sched.slots()] if wrapper == "fsdp" else dd.my_jobs(sched)
+        for job in rounds:
+            if job is None:                             # a round without a job here: a stand-in call
+                two = torch.zeros(1, 2, dtype=torch.long)
+                with dd.on(None):
+                    out = model(input_ids=two, labels=two, num_items_in_batch=items)
+                (out.loss * 0).backward()
+                standins += 1
+                continue
             sizes.add(job.size)
             ids = torch.cat([_ids(i, n, VOCAB) for i, n in zip(job.seqs, job.lengths)], 1)
             with dd.on(job) as mesh:
@@ -118,10 +138,11 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
             mine = mine + out.loss.detach()
         losses.append(float(dd.sync_gradients(model, mine)))
         if not grads:
-            grads = [p.grad.detach().clone() for p in model.parameters()]
+            grads = [_full(p.grad).detach().clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
-    res = {"losses": losses, "sizes": sorted(sizes)}
+    params = [_full(p).detach() for p in model.parameters()]   # collective under FSDP2: every rank
+    res = {"losses": losses, "sizes": sorted(sizes), "standins": standins}
     if rank != 0:
         return res
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
@@ -143,5 +164,5 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
     res.update(ref_losses=ref_losses, loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
                grad_diff=max(_max_diff(g, r) for g, r in zip(grads, ref_grads)),
                grad_scale=max(float(r.abs().max()) for r in ref_grads),
-               param_diff=max(_max_diff(p, q) for p, q in zip(model.parameters(), ref.parameters())))
+               param_diff=max(_max_diff(p, q) for p, q in zip(params, ref.parameters())))
     return res

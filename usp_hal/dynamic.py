@@ -58,6 +58,8 @@ class DynamicDegree:
         for g in self.sizes:                               # the same order on every rank
             for u in _divisors(g):
                 self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout)
+        if (1, 1, 1) not in self.meshes:                   # each rank alone: a round without a job of its own
+            self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout)
 
     # ------------------------------------------------------------------ per step
     def gather_lengths(self, lengths: Sequence[int]) -> Tuple[List[int], List[int]]:
@@ -113,12 +115,24 @@ class DynamicDegree:
         import torch
 
         params = [p for p in (model.parameters() if hasattr(model, "parameters") else model) if p.requires_grad]
+        sharded = [p for p in params if type(p).__name__ == "DTensor"]
+        for p in sharded:                      # FSDP2 reduced these over its mesh already, as a mean
+            if p.device_mesh.size() != self.world:
+                raise ValueError(f"DynamicDegree.sync_gradients: a parameter sharded over {p.device_mesh.size()} "
+                                 f"ranks; shard the model over the whole world ({self.world} ranks): every rank's "
+                                 "jobs add to every gradient")
+        params = [p for p in params if type(p).__name__ != "DTensor"]
+        for p in sharded:
+            if p.grad is not None:
+                p.grad.to_local().mul_(self.world)
         for p in params:
             if p.grad is None:                 # a rank whose jobs did not reach it: it adds nothing
                 p.grad = torch.zeros_like(p)
         parts = [p.grad.reshape(-1) for p in params]
         if loss is not None:
             parts.append(loss.detach().reshape(-1).to(parts[0].dtype if parts else loss.dtype))
+        if loss is not None and not params:
+            parts = [loss.detach().reshape(-1)]
         if parts and self.world > 1:
             flat = torch.cat(parts)
             dist.all_reduce(flat)
@@ -132,12 +146,19 @@ class DynamicDegree:
             mark_synced(mesh)
         return total
 
-    @contextlib.contextmanager
-    def on(self, job: Job) -> Iterator[SequenceParallelMesh]:
-        """Within the block, modules and integrations built with ``mesh=None`` run on the job's mesh."""
+    def on(self, job: Optional[Job]):
+        """Within the block, modules and integrations built with ``mesh=None`` run on the job's
+        mesh; ``None`` (a round of :meth:`Schedule.slots` without a job here): this rank alone."""
+        if job is None:
+            return self._default(self.meshes[(1, 1, 1)])
         mesh = self.mesh(job)
         if self.rank not in job.ranks or mesh.sp_ranks != tuple(job.ranks):
             raise ValueError(f"rank {self.rank} is not in this job's group (ranks {list(job.ranks)})")
+        return self._default(mesh)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _default(mesh: SequenceParallelMesh) -> Iterator[SequenceParallelMesh]:
         old = _current_default()
         _set_default(mesh)
         try:

@@ -107,6 +107,25 @@ class Schedule:
         return {"pairs": max(self.per_rank("pairs")), "bytes": max(self.per_rank("bytes")),
                 "collectives": max(self.per_rank("collectives")), "predicted": max(self.finish)}
 
+    def slots(self) -> List[List[Optional[Job]]]:
+        """The jobs in rounds: per round, per rank, its job or None.  Every job's ranks run it in
+        the same round, and each rank runs at most one job a round.  A loop whose model calls
+        make collectives over the whole world (FSDP2 or ZeRO-3 gathering parameters) runs one
+        model call per rank per round, a call on a one-token stand-in batch where a rank has no
+        job (its loss times zero), so every rank makes the same collectives in the same order."""
+        nxt = [0] * self.world
+        placed: List[Tuple[int, Job]] = []
+        for j in self.jobs:
+            s = max(nxt[r] for r in j.ranks)
+            for r in j.ranks:
+                nxt[r] = s + 1
+            placed.append((s, j))
+        table: List[List[Optional[Job]]] = [[None] * self.world for _ in range(max(nxt, default=0))]
+        for s, j in placed:
+            for r in j.ranks:
+                table[s][r] = j
+        return table
+
     def splits(self) -> Dict[Tuple[int, int, int], int]:
         """(group size, ulysses, ring) -> number of jobs."""
         out: Dict[Tuple[int, int, int], int] = {}
