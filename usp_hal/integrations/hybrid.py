@@ -265,7 +265,9 @@ def _before_forward(model, args, kwargs):
     recurrence = _RECURRENCE.get(_implementation(model), "auto")
     key = (_implementation(model), id(mesh), recurrence)
     if model.__dict__.get(_CHECKED) != key:
-        if mesh.sp_size > 1:
+        if mesh.sp_size > 1 or getattr(model, _COVERED_MODEL, False):
+            # a model wired before is rewired on a one-rank mesh too: its layers must not keep
+            # exchanging on the groups of the mesh they last ran on
             wire(model, mesh, fn.layout, recurrence)
         check_model(model, mesh, recurrence)
         for sub in model.modules():           # sub-models (the base model inside a ForCausalLM) are checked too
@@ -409,6 +411,9 @@ _PATCHED: dict = {}
 
 def _enter(module, args, kwargs):
     mesh, layout, recurrence = module.__dict__[_WIRED]
+    if mesh.sp_size == 1:       # nothing is sharded: the layer runs as in one process
+        _ACTIVE.region = None
+        return
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         from usp_hal.positions import as_cu_seqlens
