@@ -82,10 +82,11 @@ def _ids(i: int, n: int, vocab: int):
     return torch.randint(0, vocab, (1, n), generator=g)
 
 
-def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: float = 2e-3, seed: int = 0,
-                             wrapper: str = "plain"):
+def scheduled_training(local_lengths, budget: int, steps: int = 3, lr: float = 2e-3, seed: int = 0,
+                       wrapper: str = "plain", model_type: str = "llama", ulysses_degrees=None, pack: bool = True):
     """A custom loop: every step schedules the global batch (ranks give different sequences),
-    runs each of this rank's jobs through a tiny Llama (transformers integration, the job's mesh
+    runs each of this rank's jobs through a tiny model (a Llama, or a hybrid of
+    tests/hybrid_cases.py with recurrence="auto"; transformers integration, the job's mesh
     as the default one), each rank's loss its tokens' share of the global batch's mean, then
     sums the gradients over the world and takes an AdamW step.  ``wrapper="fsdp"``: FSDP2 over
     the whole world (each layer and the root), the jobs run in the schedule's rounds
@@ -95,11 +96,16 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
     import copy
 
     from tests.dist_dp_sp import _full
-    from tests.integration_cases import VOCAB, _max_diff, tiny_llama
+    from tests.integration_cases import _max_diff, tiny_llama
     from usp_hal.integrations import transformers as usp
     rank = dist.get_rank()
-    name = usp.register("usp_hal_test_dynamic", mesh=None, layout="zigzag", attn_type="sdpa")
-    ref = tiny_llama(seed, num_hidden_layers=2)
+    name = usp.register(f"usp_hal_test_dynamic_{model_type}", mesh=None, layout="zigzag", attn_type="sdpa")
+    if model_type == "llama":
+        ref = tiny_llama(seed, num_hidden_layers=2)
+    else:
+        from tests.hybrid_cases import tiny_hybrid
+        ref = tiny_hybrid(model_type, seed)
+    VOCAB = ref.config.vocab_size
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
     if wrapper == "fsdp":
@@ -110,9 +116,10 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
             fully_shard(layer, mesh=world)
         fully_shard(model, mesh=world)
     shape = AttentionShape(heads=8, head_dim=16, kv_heads=2, dtype="fp32", causal=True, bwd=True)
-    dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu-4ranks")
+    dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu-4ranks", ulysses_degrees=ulysses_degrees, pack=pack)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, grads, sizes, standins = [], [], set(), 0
+    from usp_hal.integrations import hybrid
+    losses, grads, sizes, standins, modes = [], [], set(), 0, set()
     for _ in range(steps):
         sched = dd.schedule(local_lengths[rank])
         lengths = [n for row in local_lengths for n in row]
@@ -127,7 +134,7 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
                 (out.loss * 0).backward()
                 standins += 1
                 continue
-            sizes.add(job.size)
+            sizes.add((job.size, job.cost.ulysses, job.cost.ring))
             ids = torch.cat([_ids(i, n, VOCAB) for i, n in zip(job.seqs, job.lengths)], 1)
             with dd.on(job) as mesh:
                 cu = list(job.cu_seqlens) if job.cu_seqlens else None
@@ -136,13 +143,15 @@ def scheduled_llama_training(local_lengths, budget: int, steps: int = 3, lr: flo
                 out = model(**batch)
             out.loss.backward()
             mine = mine + out.loss.detach()
+            modes |= {(job.cost.ring, m.__dict__[hybrid._WIRED][2]) for m in model.modules()
+                      if hybrid._WIRED in m.__dict__}
         losses.append(float(dd.sync_gradients(model, mine)))
         if not grads:
             grads = [_full(p.grad).detach().clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
     params = [_full(p).detach() for p in model.parameters()]   # collective under FSDP2: every rank
-    res = {"losses": losses, "sizes": sorted(sizes), "standins": standins}
+    res = {"losses": losses, "sizes": sorted(sizes), "standins": standins, "modes": sorted(modes)}
     if rank != 0:
         return res
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr)

@@ -42,10 +42,13 @@ class DynamicDegree:
     causal, backward); ``budget_tokens``: the most tokens one rank may hold in one job;
     ``profile``: the planner profile that prices the jobs (use the one of the machine the run is
     on); ``sizes``: group sizes (default :func:`usp_hal.schedule.group_sizes` of the world);
+    ``ulysses_degrees``: the Ulysses degrees a group may use besides 1 (``(1,)``: rings only);
+    ``pack=False``: each sequence a job of its own (see :func:`usp_hal.schedule.schedule_batch`);
     ``timeout``: given to every group (as :func:`usp_hal.init_sequence_parallel`)."""
 
     def __init__(self, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
-                 sizes: Optional[Sequence[int]] = None, timeout=None):
+                 sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
+                 pack: bool = True, timeout=None):
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.shape = shape
@@ -54,9 +57,13 @@ class DynamicDegree:
         self.sizes = tuple(sorted(set(sizes))) if sizes is not None else group_sizes(self.world)
         if any(g < 1 or self.world % g for g in self.sizes):
             raise ScheduleError(f"group sizes {self.sizes} must divide the world ({self.world})")
+        self.ulysses_degrees = None if ulysses_degrees is None else tuple(sorted(set(ulysses_degrees)))
+        self.pack = bool(pack)
         self.meshes: Dict[Tuple[int, int, int], SequenceParallelMesh] = {}
         for g in self.sizes:                               # the same order on every rank
             for u in _divisors(g):
+                if u > 1 and self.ulysses_degrees is not None and u not in self.ulysses_degrees:
+                    continue
                 self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout)
         if (1, 1, 1) not in self.meshes:                   # each rank alone: a round without a job of its own
             self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout)
@@ -96,7 +103,8 @@ class DynamicDegree:
         else:
             gathered, _ = self.gather_lengths([int(n) for n in lengths])
         return schedule_batch(gathered, self.world, self.shape, budget_tokens=self.budget_tokens,
-                              profile=self.profile, sizes=self.sizes)
+                              profile=self.profile, sizes=self.sizes, ulysses_degrees=self.ulysses_degrees,
+                              pack=self.pack)
 
     def mesh(self, job: Job) -> SequenceParallelMesh:
         """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""

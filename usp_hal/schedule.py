@@ -146,8 +146,9 @@ def group_sizes(world: int) -> Tuple[int, ...]:
 class _Pricer:
     """Costs of (lengths, group size), each priced once."""
 
-    def __init__(self, shape: AttentionShape, profile):
+    def __init__(self, shape: AttentionShape, profile, ulysses_degrees: Optional[Sequence[int]] = None):
         self.shape = shape
+        self.ulysses_degrees = None if ulysses_degrees is None else frozenset(ulysses_degrees)
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self._seen: Dict[Tuple[Tuple[int, ...], int], Cost] = {}
 
@@ -161,7 +162,7 @@ class _Pricer:
 
     def _options(self, lengths, g):
         packed = len(lengths) > 1
-        for u in (d for d in range(g, 0, -1) if g % d == 0):
+        for u in self.splits(g):
             if g // u == 1:
                 yield u, "basic"
             elif not self.shape.causal:
@@ -170,6 +171,12 @@ class _Pricer:
                 yield u, "zigzag"
                 if packed:
                     yield u, "varlen_zigzag"
+
+    def splits(self, g: int) -> List[int]:
+        """The Ulysses degrees a group of ``g`` ranks may use (its divisors, those allowed)."""
+        out = [d for d in range(g, 0, -1) if g % d == 0
+               and (self.ulysses_degrees is None or d in self.ulysses_degrees or d == 1)]
+        return out
 
     def _price(self, lengths, g, u, r, layout) -> Cost:
         s = self.shape
@@ -232,20 +239,25 @@ def _pack(seqs: Sequence[int], lengths: Tuple[int, ...], limit: int) -> List[Lis
 
 
 def schedule_batch(lengths: Sequence[int], world: int, shape: AttentionShape, *, budget_tokens: int,
-                   profile="h100-nvlink", sizes: Optional[Sequence[int]] = None) -> Schedule:
+                   profile="h100-nvlink", sizes: Optional[Sequence[int]] = None,
+                   ulysses_degrees: Optional[Sequence[int]] = None, pack: bool = True) -> Schedule:
     """Place every sequence of a global batch on a group of ranks with its own U x R split.
 
     ``lengths``: every sequence's token count, in the batch's order (gather them with
     :func:`usp_hal.dynamic.gather_lengths`); ``budget_tokens``: the most tokens one rank may hold
     in one job; ``profile``: the planner profile that prices the jobs (a name, a path or a dict);
-    ``sizes``: the group sizes to use (default :func:`group_sizes`)."""
+    ``sizes``: the group sizes to use (default :func:`group_sizes`); ``ulysses_degrees``: the
+    Ulysses degrees a group may use besides 1 (default: any divisor of its size; ``(1,)``: rings
+    only, say for layers whose recurrence crosses the shards by state passing); ``pack=False``:
+    each sequence a job of its own (for models whose one-rank kernels cannot keep packed
+    documents apart)."""
     lens = _check_lengths(lengths)
     if budget_tokens < 1:
         raise ScheduleError(f"budget_tokens must be >= 1, got {budget_tokens}")
     sizes = tuple(sorted(set(sizes))) if sizes is not None else group_sizes(world)
     if any(g < 1 or world % g for g in sizes):
         raise ScheduleError(f"group sizes {sizes} must divide the world ({world})")
-    price = _Pricer(shape, profile)
+    price = _Pricer(shape, profile, ulysses_degrees)
     least = [_smallest_group(i, n, sizes, budget_tokens) for i, n in enumerate(lens)]
 
     # each sequence's group: the smallest (within the budget) on which it takes no longer than a
@@ -257,12 +269,13 @@ def schedule_batch(lengths: Sequence[int], world: int, shape: AttentionShape, *,
     for frac in TARGETS:
         group = [next((g for g in sizes if g >= least[i] and price((n,), g).time <= frac * base), sizes[-1])
                  for i, n in enumerate(lens)]
-        sched = _place(lens, group, world, budget_tokens, price)
+        sched = _place(lens, group, world, budget_tokens, price, pack)
         if best is None or max(sched.finish) < max(best.finish):
             best = sched
     # a fixed split is one more candidate: the schedule is never predicted slower than one that fits
-    for g in sizes:
-        for u in (d for d in range(g, 0, -1) if g % d == 0):
+    # (a fixed split packs its replica's sequences: not a candidate without packing)
+    for g in (sizes if pack else ()):
+        for u in price.splits(g):
             try:
                 sched = _static(lens, world, budget_tokens, price, u, g // u, None)
             except ScheduleError:
@@ -277,7 +290,8 @@ def schedule_batch(lengths: Sequence[int], world: int, shape: AttentionShape, *,
 TARGETS = (1.0, 0.75, 0.5, 0.35, 0.25)
 
 
-def _place(lens: Tuple[int, ...], group: List[int], world: int, budget: int, price: _Pricer) -> Schedule:
+def _place(lens: Tuple[int, ...], group: List[int], world: int, budget: int, price: _Pricer,
+           pack: bool = True) -> Schedule:
     """The groups' jobs longest first, each onto the block of its size whose ranks are free
     earliest; then what ranks hold alone, longest first onto the rank free earliest, moved from
     the slowest rank to the fastest while that lowers the slowest; each rank's own sequences
@@ -316,8 +330,8 @@ def _place(lens: Tuple[int, ...], group: List[int], world: int, budget: int, pri
         free[hi] -= t
         free[lo] += t
     alone: List[Job] = []
-    for r in range(world):
-        for bin_ in _pack(sorted(mine[r], key=lambda i: (-lens[i], i)), lens, budget):
+    for r in range(world):      # without packing: each sequence a job (bins of 0 tokens hold one each)
+        for bin_ in _pack(sorted(mine[r], key=lambda i: (-lens[i], i)), lens, budget if pack else 0):
             ls = tuple(lens[i] for i in bin_)
             alone.append(Job(tuple(bin_), ls, r, 1, price(ls, 1)))
     jobs = tuple(shared + alone)
