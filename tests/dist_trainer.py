@@ -216,3 +216,70 @@ def evaluate_reference(dp: int = 1, n: int = 8, bs: int = 2, S: int = 24, seed: 
     finally:
         _reset_accelerate()
     return res
+
+
+class TailRows(torch.utils.data.Dataset):
+    """Rows of long-tailed lengths (``LENGTHS``, in order), right-padded to ``S`` (pads labelled
+    -100, no attention mask): with sequential sampling every optimizer step of 4 ranks x 3 rows
+    holds all of them, so the per-batch split uses groups of 4, 2 and 1 rank in every step."""
+
+    LENGTHS = (60, 30, 21, 15, 14, 13, 12, 11, 9, 7, 5, 4)
+
+    def __init__(self, steps: int, S: int = 64, seed: int = 0, vocab: int = VOCAB):
+        g = torch.Generator().manual_seed(seed + 700)
+        self.rows = []
+        for _ in range(steps):
+            for n in self.LENGTHS:
+                ids = torch.zeros(S, dtype=torch.long)
+                ids[:n] = torch.randint(1, vocab, (n,), generator=g)
+                labels = torch.full((S,), -100, dtype=torch.long)
+                labels[:n] = ids[:n]
+                self.rows.append({"input_ids": ids, "labels": labels})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3, budget: int = 16):
+    """USPTrainer with usp_dynamic_degree on every rank of the pool (each rank loads its own rows);
+    returns the logged losses and grad norms, the group sizes of the last step and, on rank 0,
+    the final parameters."""
+    import torch.distributed as dist
+
+    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    model = tiny_llama(seed, **MODEL)
+    keep = _Losses.make()
+    threads = torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=budget, usp_profile="cpu-4ranks",
+                                        usp_attn_type="sdpa", per_device_train_batch_size=bs,
+                                        train_sampling_strategy="sequential", **_common(tmp, steps, 1, lr, seed))
+            trainer = USPTrainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed), callbacks=[keep])
+            trainer.train()
+    finally:
+        _reset_accelerate()
+        torch.set_num_threads(threads)
+    res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "sizes": trainer.usp_last_sizes,
+           "attn_after": model.config._attn_implementation}
+    if dist.get_rank() == 0:
+        res["params"] = _flat(model)
+    return res
+
+
+def dynamic_reference_run(world: int = 4, steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3):
+    """The plain Trainer in this process on the same rows, ``world * bs`` rows per step."""
+    from transformers import Trainer, TrainingArguments
+    model = tiny_llama(seed, **MODEL)
+    keep = _Losses.make()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(per_device_train_batch_size=bs * world, train_sampling_strategy="sequential",
+                                     **_common(tmp, steps, 1, lr, seed))
+            Trainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed), callbacks=[keep]).train()
+    finally:
+        _reset_accelerate()
+    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}

@@ -87,3 +87,26 @@ def test_unsupported_trainer_features_are_refused(name):
         assert reason in str(err.value), str(err.value)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.multirank
+def test_dynamic_degree_trainer_matches_single_process_trainer(pools):
+    """USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=16): each rank loads its own
+    3 rows, every step's 12 rows (60 to 4 tokens) go to groups of 4, 2 and 1 rank; losses, grad
+    norms (clipping takes part) and the parameters after 3 steps equal the plain Trainer in one
+    process on 12 rows per step."""
+    res = pools(4).run(dist_trainer.dynamic_trainer_run, timeout=240)
+    ref = dist_trainer.dynamic_reference_run()
+    r0 = res[0]
+    assert all(r["sizes"] == [1, 2, 4] for r in res), [r["sizes"] for r in res]
+    assert len(ref["losses"]) == len(r0["losses"]) == 3, (ref["losses"], r0["losses"])
+    assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    norm_diff = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
+    param_diff = float((r0["params"] - ref["params"]).abs().max())
+    print(f"dynamic: loss diff {loss_diff:.1e}, grad-norm rel diff {norm_diff:.1e}, param diff {param_diff:.1e}")
+    assert loss_diff <= LOSS_TOL and norm_diff <= NORM_TOL and param_diff <= PARAM_TOL, (loss_diff, norm_diff,
+                                                                                        param_diff)
+    assert max(ref["grad_norms"]) > 1.0, ref["grad_norms"]
+    assert float((ref["params"] - dist_trainer.initial_params()).abs().max()) > 20 * PARAM_TOL
+    assert all(r["attn_after"] == "sdpa" for r in res)

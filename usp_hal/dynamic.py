@@ -102,7 +102,11 @@ class DynamicDegree:
             gathered = [int(n) for n in lengths]
         else:
             gathered, _ = self.gather_lengths([int(n) for n in lengths])
-        return schedule_batch(gathered, self.world, self.shape, budget_tokens=self.budget_tokens,
+        return self.plan(gathered)
+
+    def plan(self, lengths: Sequence[int]) -> Schedule:
+        """The schedule of lengths every rank already holds alike (no collective)."""
+        return schedule_batch([int(n) for n in lengths], self.world, self.shape, budget_tokens=self.budget_tokens,
                               profile=self.profile, sizes=self.sizes, ulysses_degrees=self.ulysses_degrees,
                               pack=self.pack)
 

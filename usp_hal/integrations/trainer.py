@@ -35,6 +35,13 @@ ranks is already inside DDP's all-reduce; another one would double it.  The step
 that the model is in fact DDP over the whole world and then clears usp-hal's partial-gradient
 mark (:func:`~usp_hal.integrations.mark_synced`).
 
+``usp_dynamic_degree=True`` (with ``usp_budget_tokens``) instead chooses a Ulysses x Ring split per
+global batch (docs/dynamic-degree.md): every rank loads its own rows as in plain data parallel, the
+step's rows of every rank are gathered and scheduled on groups of ranks sized for each, this rank
+runs its jobs one per round of the schedule (a stand-in call where it has none), and only the
+last backward lets DDP all-reduce; each call's loss is ``num_processes`` times its share of the
+global batch's mean token loss, as above.
+
 Refused (``ValueError`` naming the reason and what to use instead): DeepSpeed, FSDP and an
 accelerate ``ParallelismConfig`` (its ``sp_backend`` is DeepSpeed's ALST), tensor-parallel
 models, evaluation during training (``evaluate()`` after ``train()`` gives the evaluation
@@ -90,8 +97,27 @@ class USPTrainingArguments(TrainingArguments):
                 "'auto', 'head_parallel' or 'state_passing' (register(..., recurrence=), docs/hybrid.md)",
         "choices": list(RECURRENCES)})
 
+    usp_dynamic_degree: bool = field(default=False, metadata={
+        "help": "a Ulysses x Ring split per global batch (usp_hal.dynamic, docs/dynamic-degree.md): every "
+                "rank loads its own rows, the step's rows of every rank are placed on groups of ranks sized "
+                "for each; needs usp_budget_tokens, and the degrees left at 1"})
+    usp_budget_tokens: int = field(default=0, metadata={
+        "help": "with usp_dynamic_degree: the most tokens one rank holds in one model call"})
+    usp_profile: str = field(default="h100-nvlink", metadata={
+        "help": "with usp_dynamic_degree: the planner profile that prices the groups (usp-hal plan lists them)"})
+
     def __post_init__(self):
         check_recurrence(self.usp_recurrence)       # a bad value fails here, before any set-up
+        if self.usp_dynamic_degree:
+            if self.usp_ulysses_degree != 1 or self.usp_ring_degree != 1:
+                raise ValueError("USPTrainingArguments: usp_dynamic_degree chooses the degrees per global batch; "
+                                 "leave usp_ulysses_degree and usp_ring_degree at 1")
+            if isinstance(self.usp_budget_tokens, bool) or int(self.usp_budget_tokens) < 1:
+                raise ValueError("USPTrainingArguments: usp_dynamic_degree needs usp_budget_tokens >= 1 (the most "
+                                 f"tokens one rank holds in one model call), got {self.usp_budget_tokens!r}")
+            if self.usp_tiled_loss or self.usp_low_memory:
+                raise ValueError("USPTrainingArguments: usp_dynamic_degree is not verified with usp_tiled_loss or "
+                                 "usp_low_memory yet; leave them off")
         if isinstance(self.usp_tiled_loss, bool) or self.usp_tiled_loss != 0:      # 0: off
             check_chunk_tokens(self.usp_tiled_loss, "usp_tiled_loss (0: off)")
         super().__post_init__()
@@ -157,6 +183,56 @@ def _args_problems(args: TrainingArguments) -> List[ValueError]:
     return out
 
 
+class _NoCall(dict):
+    """A micro-batch with nothing to run (its rows ride on the step's last one)."""
+
+
+_NO_CALL = _NoCall()
+
+
+class _DynamicStep(dict):
+    """One optimizer step under usp_dynamic_degree: this rank's model calls, one per round."""
+
+    def __init__(self, calls: list, n_items: int, sizes: list):
+        super().__init__()
+        self.calls, self.n_items, self.sizes = calls, n_items, sizes
+
+
+def _dynamic_degree(model, args):
+    from usp_hal.dynamic import DynamicDegree
+    from usp_hal.schedule import AttentionShape
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    shape = AttentionShape(heads, head_dim, getattr(cfg, "num_key_value_heads", None) or heads,
+                           "bf16" if args.bf16 else "fp32", True, True)
+    return DynamicDegree(shape, budget_tokens=int(args.usp_budget_tokens), profile=args.usp_profile)
+
+
+def _sequence(batch, i: int):
+    """Row ``i`` of a loaded batch as one sequence ``(ids, labels)``, its right padding dropped:
+    the positions an ``attention_mask`` masks (right padding only), else the trailing positions
+    whose labels are all ignored (no loss reads them, and causality keeps them from the others).
+    None for a row with no label."""
+    other = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+    if other or "labels" not in batch:
+        raise ValueError(f"USPTrainer (usp_dynamic_degree): a batch of input_ids, labels and attention_mask only "
+                         f"(each row one sequence), got {sorted(batch)}; pack documents as separate rows")
+    ids, labels = batch["input_ids"][i], batch["labels"][i]
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        m = mask[i].bool()
+        n = int(m.sum())
+        if not bool(m[:n].all()):
+            raise ValueError("USPTrainer (usp_dynamic_degree): rows must be right-padded (padding_side='right')")
+    else:
+        kept = (labels != usp.IGNORE_INDEX).nonzero()
+        n = int(kept.max()) + 1 if kept.numel() else 0
+    if n < 2 or not bool((labels[1:n] != usp.IGNORE_INDEX).any()):
+        return None
+    return ids[:n].cpu(), labels[:n].cpu()
+
+
 class USPTrainer(Trainer):
     """``transformers.Trainer`` training with usp-hal sequence parallelism (module docstring).
 
@@ -173,10 +249,17 @@ class USPTrainer(Trainer):
             raise problems[0]
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._refuse_after_init()
+        self.usp_dynamic = None
+        if getattr(self.args, "usp_dynamic_degree", False):
+            if mesh is not None:
+                raise ValueError("USPTrainer: usp_dynamic_degree builds its own groups; drop mesh=")
+            self.usp_dynamic = _dynamic_degree(self.model, self.args)
+            mesh = self.usp_dynamic.meshes[(1, 1, 1)]       # each rank its own rows, as data parallel over all
         self.usp_mesh = self._build_mesh(mesh)
         layout = getattr(self.args, "usp_layout", usp.DEFAULT_LAYOUT)
         self.usp_layout = layout
-        self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}", mesh=self.usp_mesh, layout=layout,
+        self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}",
+                                       mesh=None if self.usp_dynamic is not None else self.usp_mesh, layout=layout,
                                        attn_type=getattr(self.args, "usp_attn_type", "auto"),
                                        low_memory=bool(getattr(self.args, "usp_low_memory", False)),
                                        recurrence=getattr(self.args, "usp_recurrence", "auto"))
@@ -314,6 +397,8 @@ class USPTrainer(Trainer):
                 loaded.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if self.usp_dynamic is not None:
+            return self._dynamic_samples(loaded, device)
         sharded, count, missing = [], 0, False
         for batch in loaded:
             local = usp.shard_batch(batch, self.usp_mesh, self.usp_layout)
@@ -344,7 +429,75 @@ class USPTrainer(Trainer):
                 setattr(moved, usp.PADDING_ATTR, getattr(pos, usp.PADDING_ATTR))
         return out
 
+    def _dynamic_samples(self, loaded: list, device) -> Tuple[list, Optional[Any]]:
+        """The step's rows of every rank (one all-gather of their tokens), scheduled; this rank's
+        model calls, one per round of the schedule, prepared (sharded on each job's mesh).  The
+        Trainer gets them as its last micro-batch (the others empty), so it syncs once."""
+        rows = [_sequence(b, i) for b in loaded for i in range(int(b["input_ids"].shape[0]))]
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [r for r in rows if r is not None])
+        seqs = [r for part in gathered for r in part]
+        if not seqs:
+            return [], None
+        dd = self.usp_dynamic
+        assert dd is not None
+        sched = dd.plan([int(ids.numel()) for ids, _ in seqs])
+        items = sum(int((labels[1:] != usp.IGNORE_INDEX).sum()) for _, labels in seqs)
+        calls: List[Tuple[Any, Any]] = []
+        for row in sched.slots():
+            job = row[dd.rank]
+            if job is None:
+                calls.append((None, None))
+                continue
+            ids = torch.cat([seqs[i][0] for i in job.seqs]).unsqueeze(0)
+            labels = torch.cat([seqs[i][1] for i in job.seqs]).unsqueeze(0)
+            with dd.on(job) as mesh:
+                cu = list(job.cu_seqlens) if job.cu_seqlens else None
+                batch = usp.shard_batch({"input_ids": ids, "labels": labels}, mesh, self.usp_layout, cu_seqlens=cu)
+            batch.pop("num_items_in_batch", None)
+            calls.append((job, batch))
+        step = _DynamicStep(calls=calls, n_items=items, sizes=sorted({j.size for j in sched.jobs}))
+        samples: List[Any] = [_NO_CALL] * (len(loaded) - 1) + [step]
+        return samples, torch.tensor(items, dtype=torch.int64, device=device)
+
+    def _dynamic_step(self, model, step: "_DynamicStep") -> torch.Tensor:
+        """Every round's model call on this rank (a two-token stand-in where it has no job, its
+        loss times zero, so every rank makes DDP's and the groups' collectives alike); only the
+        last backward syncs (DDP's mean over the world, undone by the world-size factor)."""
+        import contextlib
+        dd = self.usp_dynamic
+        assert dd is not None
+        model.train()
+        world = self.accelerator.num_processes
+        total = torch.zeros((), device=self.args.device)
+        self.usp_last_sizes = step.sizes
+        for k, (job, batch) in enumerate(step.calls):
+            sync = contextlib.nullcontext() if k == len(step.calls) - 1 else self.accelerator.no_sync(model)
+            with sync:
+                with dd.on(job):
+                    if job is None:
+                        two = torch.zeros(1, 2, dtype=torch.long, device=self.args.device)
+                        out = model(input_ids=two, labels=two, num_items_in_batch=step.n_items)
+                        loss = out.loss * 0
+                    else:
+                        out = model(**self._prepare_inputs(batch), num_items_in_batch=step.n_items)
+                        loss = out.loss * world
+                self.accelerator.backward(loss)
+            total = total + loss.detach()
+        return total
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.usp_dynamic is not None:
+            if inputs is _NO_CALL:             # the step's rows all ride on its last micro-batch
+                return torch.zeros((), device=self.args.device)
+            loss = self._dynamic_step(model, inputs)
+            if self.accelerator.gradient_state.sync_gradients:
+                if not self._reduction_checked:
+                    self._check_reduction(model)
+                    self._reduction_checked = True
+                for mesh in self.usp_dynamic.meshes.values():
+                    mark_synced(mesh)
+            return loss
         loss = super().training_step(model, inputs, num_items_in_batch)
         # Trainer._run_epoch sets gradient_state's sync flag before the step of each micro-batch:
         # on the last one DDP has just all-reduced the accumulated gradients
