@@ -110,3 +110,26 @@ def test_dynamic_degree_trainer_matches_single_process_trainer(pools):
     assert max(ref["grad_norms"]) > 1.0, ref["grad_norms"]
     assert float((ref["params"] - dist_trainer.initial_params()).abs().max()) > 20 * PARAM_TOL
     assert all(r["attn_after"] == "sdpa" for r in res)
+
+
+def test_dynamic_degree_arguments_are_checked(tmp_path):
+    from usp_hal.integrations.trainer import USPTrainingArguments, _sequence
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="needs usp_budget_tokens >= 1"):
+        USPTrainingArguments(usp_dynamic_degree=True, **common)
+    with pytest.raises(ValueError, match="leave usp_ulysses_degree and usp_ring_degree at 1"):
+        USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, usp_ring_degree=2, **common)
+    with pytest.raises(ValueError, match="usp_tiled_loss or usp_low_memory"):
+        USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, usp_low_memory=True, **common)
+    import torch
+    ids = torch.arange(1, 9).view(1, 8)
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    got = _sequence({"input_ids": ids, "labels": labels}, 0)        # trailing ignored labels: right padding
+    assert got[0].tolist() == [1, 2, 3, 4, 5]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    assert _sequence({"input_ids": ids, "labels": ids, "attention_mask": mask}, 0)[0].tolist() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="right-padded"):
+        _sequence({"input_ids": ids, "labels": ids, "attention_mask": mask.flip(1)}, 0)
+    with pytest.raises(ValueError, match="pack documents as separate rows"):
+        _sequence({"input_ids": ids, "labels": ids, "position_ids": ids}, 0)

@@ -433,10 +433,17 @@ class USPTrainer(Trainer):
         """The step's rows of every rank (one all-gather of their tokens), scheduled; this rank's
         model calls, one per round of the schedule, prepared (sharded on each job's mesh).  The
         Trainer gets them as its last micro-batch (the others empty), so it syncs once."""
-        rows = [_sequence(b, i) for b in loaded for i in range(int(b["input_ids"].shape[0]))]
+        problem, rows = None, []
+        try:
+            rows = [_sequence(b, i) for b in loaded for i in range(int(b["input_ids"].shape[0]))]
+        except ValueError as exc:     # told to every rank with the rows, so none waits on the others
+            problem = str(exc)
         gathered: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [r for r in rows if r is not None])
-        seqs = [r for part in gathered for r in part]
+        dist.all_gather_object(gathered, (problem, [r for r in rows if r is not None]))
+        bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p]
+        if bad:
+            raise ValueError("; ".join(bad))
+        seqs = [r for _, part in gathered for r in part]
         if not seqs:
             return [], None
         dd = self.usp_dynamic
