@@ -287,6 +287,10 @@ def generate_refusals(U=1, R=2, seed=0):
         res["beams"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
         res["no_positions"] = error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
         res["no_max_new_tokens"] = error_of(lambda: model.generate(**batch, max_length=30))
+        res["no_cache"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, use_cache=False))
+        from transformers import GenerationConfig
+        res["no_cache_config"] = error_of(lambda: model.generate(
+            **batch, generation_config=GenerationConfig(max_new_tokens=2, use_cache=False)))
         res["ok"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0))
     return res
 

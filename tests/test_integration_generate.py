@@ -54,6 +54,9 @@ def test_generate_refusals_on_every_rank(pools):
         assert r["beams"] and "beam search" in r["beams"], r
         assert r["no_positions"] and "position_ids" in r["no_positions"], r
         assert r["no_max_new_tokens"] and "max_new_tokens" in r["no_max_new_tokens"], r
+        # before: generate(use_cache=False) returned wrong tokens, the same on every rank
+        assert r["no_cache"] and "use_cache=True" in r["no_cache"], r
+        assert r["no_cache_config"] and "use_cache=True" in r["no_cache_config"], r
         assert r["ok"] is None, r
     assert res[0] == res[1]
 
