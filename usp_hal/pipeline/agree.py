@@ -12,7 +12,7 @@ from .. import comm
 from ..comm import AgreementError
 from ..layout import local_lengths, local_positions
 from ..spec import CallSpec, compare, digest_ints, field_index, meta_length
-from .validate import USPError, share
+from .validate import MASK_UNCHECKED, USPError, mask_seqlen, share
 
 _WHAT = "attention call metadata"   # the label of its all-gather in traces and errors
 
@@ -31,6 +31,7 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     exchange nothing, a call of another spec raises on the rank that sees it), ``"off"``
     (every call: the local lengths and refusals only)."""
     n = mesh.sp_size
+    pipe.mask_unchecked = False
     if n == 1:
         if err is not None:
             raise err
@@ -62,6 +63,16 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     def differences(rows):
         if not compare_meta or all(r == rows[0] for r in rows[1:]):
             return None
+        if spec is not None and spec.mask:
+            # a mask digested at the last masked call's length says nothing when the length has
+            # changed, or when a rank could not evaluate it there: every rank then compares the
+            # masks again at the agreed length (maskcheck.agree_mask), so the digests are left out
+            m, n = field_index("mask") - 1, field_index("local_len") - 1
+            if sum(r[n] for r in rows) != mask_seqlen(pipe, cu_seqlens) \
+                    or any(r[m] == MASK_UNCHECKED for r in rows):
+                rows = [r[:m] + [0] + r[m + 1:] for r in rows]
+                if all(r == rows[0] for r in rows[1:]):
+                    return None
         return compare([[0] + r for r in rows], mesh.sp_ranks, spec)
 
     try:   # one all-gather of every rank's metadata (a second one with the reasons, only on a refusal)
@@ -74,6 +85,9 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
                        "(every rank must pass the same shapes and options):\n  " + found) from None
     assert spec is not None      # no rank flagged an error, so this one has a spec
+    # the same on every rank (from the rows): some rank's mask was not digested before the agreement
+    pipe.mask_unchecked = bool(compare_meta and spec.mask
+                               and any(r[field_index("mask") - 1] == MASK_UNCHECKED for r in rows))
     if rep is not None and rep.hit and rep.result is not None:
         return rep.result       # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]

@@ -24,7 +24,10 @@ def agree_mask(pipe, mesh, spec, local, lengths) -> None:
     spec's digest was not taken at it (see the module doc)."""
     from ..masks import Predicate
     S = sum(int(n) for n in lengths)
-    if S != mask_seqlen(pipe, local.cu_seqlens) and mesh.sp_size > 1 and pipe.check_ranks:
+    # the same decision on every rank: from the agreed lengths, and from every rank's digest
+    # (pipe.mask_unchecked: some rank could not digest its mask before the agreement)
+    stale = S != mask_seqlen(pipe, local.cu_seqlens) or getattr(pipe, "mask_unchecked", False)
+    if stale and mesh.sp_size > 1 and pipe.check_ranks:
         err = None
         digest = 0
         try:
