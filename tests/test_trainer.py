@@ -85,3 +85,22 @@ def test_unsupported_trainer_features_are_refused(name):
         assert reason in str(err.value), str(err.value)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+def test_last_partial_batch_trains_as_the_plain_trainer(pools, iterable):
+    # before: accelerate's sharding (over the 2 sequence-parallel ranks, then set to 1 replica)
+    # filled the epoch's last batch (1 of 5 rows) with repeated rows; the plain Trainer in one
+    # process trains on the short batch
+    kw = dict(U=1, R=2, steps=3, rows=5)
+    res = pools(2).run(dist_trainer.trainer_run, timeout=240, iterable=iterable, **kw)
+    ref = dist_trainer.reference_run(steps=3, rows=5, iterable=iterable)
+    r0 = res[0]
+    assert len(ref["losses"]) == len(r0["losses"]) == 3, (ref["losses"], r0["losses"])
+    assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    assert loss_diff <= LOSS_TOL, (r0["losses"], ref["losses"])
+    norm_diff = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
+    assert norm_diff <= NORM_TOL, (r0["grad_norms"], ref["grad_norms"])
+    assert float((r0["params"] - ref["params"]).abs().max()) <= PARAM_TOL
