@@ -171,10 +171,10 @@ def changing_data_case(how="tensor", ranks_differ=False):
 
 
 # ----------------------------------------------------------------------------- 2: a raising mask_mod
-def raising_mask_case(steady: bool):
+def raising_mask_case(steady: bool, check_ranks: str = "every_call"):
     """Rank 1's mask_mod indexes a closed-over tensor that is too short there (an IndexError)."""
     mesh = get_mesh(1, 2)
-    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks=check_ranks)
     q, k, v = _inputs()
     docs = torch.arange(S) // 8
 

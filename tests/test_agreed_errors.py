@@ -139,8 +139,10 @@ def test_mask_data_changed_one_process():
 # ----------------------------------------------------------------------------- 2
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("steady", [False, True])
-def test_mask_mod_raising_on_one_rank_raises_on_every_rank(pools, steady):
-    res = pools(2).run(da.raising_mask_case, timeout=30, steady=steady)
+@pytest.mark.parametrize("check_ranks", ["every_call", "off"])
+def test_mask_mod_raising_on_one_rank_raises_on_every_rank(pools, steady, check_ranks):
+    # "off" too: a mask not digested before the agreement is flagged in its length exchange
+    res = pools(2).run(da.raising_mask_case, timeout=30, steady=steady, check_ranks=check_ranks)
     for r in res:
         assert r["error"] and "IndexError" in r["error"], res
         assert r["elapsed"] < 10, res

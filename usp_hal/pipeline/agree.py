@@ -29,7 +29,7 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     ``pipe.check_ranks`` picks what is exchanged: ``"every_call"`` (every call: the spec's
     metadata vector, compared), ``"first_call"`` (that once; later calls of the same spec
     exchange nothing, a call of another spec raises on the rank that sees it), ``"off"``
-    (every call: the local lengths and refusals only)."""
+    (every call: the local lengths, refusals, and whether a mask awaits its check at the agreed length)."""
     n = mesh.sp_size
     pipe.mask_unchecked = False
     if n == 1:
@@ -86,8 +86,9 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
                        "(every rank must pass the same shapes and options):\n  " + found) from None
     assert spec is not None      # no rank flagged an error, so this one has a spec
     # the same on every rank (from the rows): some rank's mask was not digested before the agreement
-    pipe.mask_unchecked = bool(compare_meta and spec.mask
-                               and any(r[field_index("mask") - 1] == MASK_UNCHECKED for r in rows))
+    flag = field_index("mask") - 1 if compare_meta else 1
+    pipe.mask_unchecked = bool(any(r[flag] == MASK_UNCHECKED for r in rows) if compare_meta
+                               else any(r[flag] for r in rows))
     if rep is not None and rep.hit and rep.result is not None:
         return rep.result       # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]
@@ -127,9 +128,9 @@ def row_values(pipe, spec: Optional[CallSpec], err, rep=None):
     if pipe.check_ranks != "off":
         width = meta_length() - 1
         values = [] if spec is None or err is not None else rep.values if rep is not None else pipe.meta_of(spec)[1:]
-    else:
-        values = [] if spec is None or err is not None else [spec.local_len]
-        width = 1
+    else:     # the length, and whether the mask was digested before the agreement (maskcheck)
+        values = [] if spec is None or err is not None else [spec.local_len, int(spec.mask == MASK_UNCHECKED)]
+        width = 2
     return width, values
 
 
