@@ -137,15 +137,32 @@ def changing_data_case(how="tensor", ranks_differ=False):
     q, k, v = _inputs(3)
     docs = torch.zeros(S, dtype=torch.long)
 
+    array = None
+    if how == "from_numpy":        # a loader's buffer, refilled in place: no tensor version bump
+        import numpy as np
+        array = np.zeros(S, dtype=np.int64)
+        docs = torch.from_numpy(array)
+    elif how == "numpy_view":      # written through a NumPy view of the tensor's memory
+        array = docs.numpy()
+
     def docs_mod(b, h, q, kv):
         return docs[q] == docs[kv]
-    mask = M.Mask.from_mod(docs_mod) if how == "tensor" else global_chunk_mod
+    if how in ("dot_data", "numpy_view"):      # unversioned writes: the data passed explicitly
+        mask = M.Mask.from_mod(docs_mod, data=docs)
+    elif how == "global":
+        mask = global_chunk_mod
+    else:
+        mask = M.Mask.from_mod(docs_mod)
     out = []
     for step, n in enumerate((32, 4, 8, 8, 16)):
         if ranks_differ and step == 2 and dist.get_rank() == 1:
             n = 2
         if how == "tensor":
             docs.copy_(torch.arange(S) // n)       # in place: the same tensor, a new version
+        elif how == "dot_data":
+            docs.data.copy_(torch.arange(S) // n)  # through .data: the same version
+        elif array is not None:
+            array[:] = (torch.arange(S) // n).numpy()
         else:
             GLOBAL_N = n
         err, worst, _ = _call(attn, mesh, q, k, v, mask=mask)
@@ -154,10 +171,10 @@ def changing_data_case(how="tensor", ranks_differ=False):
 
 
 # ----------------------------------------------------------------------------- 2: a raising mask_mod
-def raising_mask_case(steady: bool):
+def raising_mask_case(steady: bool, check_ranks: str = "every_call"):
     """Rank 1's mask_mod indexes a closed-over tensor that is too short there (an IndexError)."""
     mesh = get_mesh(1, 2)
-    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks=check_ranks)
     q, k, v = _inputs()
     docs = torch.arange(S) // 8
 

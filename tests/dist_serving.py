@@ -287,6 +287,10 @@ def generate_refusals(U=1, R=2, seed=0):
         res["beams"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, num_beams=2))
         res["no_positions"] = error_of(lambda: model.generate(input_ids=batch["input_ids"], max_new_tokens=2))
         res["no_max_new_tokens"] = error_of(lambda: model.generate(**batch, max_length=30))
+        res["no_cache"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, use_cache=False))
+        from transformers import GenerationConfig
+        res["no_cache_config"] = error_of(lambda: model.generate(
+            **batch, generation_config=GenerationConfig(max_new_tokens=2, use_cache=False)))
         res["ok"] = error_of(lambda: model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=0))
     return res
 
@@ -430,3 +434,47 @@ def padded_forward_case(U=1, R=1, S=21, seed=0):
                grad_diff=max(d(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
                grad_scale=max(float(q.grad.abs().max()) for q in ref.parameters()))
     return res
+
+
+def dynamic_padding_case(U=1, R=1, lengths=(24, 18, 30), seed=0):
+    """Batches padded to their own longest row, as DataCollatorWithPadding gives them (right
+    padding; the lengths shrink, then grow), through one model with the usp_hal attention:
+    each step's loss, logits at the real tokens and gradients against one process's forward
+    with that batch's attention_mask."""
+    import copy
+
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+
+    mesh = _mesh(U, R)
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ref = tiny_llama(seed, num_hidden_layers=2)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(name)
+    g = torch.Generator().manual_seed(seed + 7)
+    steps = []
+    for S in lengths:
+        ids = torch.randint(1, 256, (2, S), generator=g)
+        mask = torch.ones(2, S, dtype=torch.long)
+        mask[1, S - 3 - int(torch.randint(0, 4, (1,), generator=g)):] = 0      # row 1 shorter: right pads
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        batch = usp.shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, mesh)
+        out = model(**batch)
+        out.loss.backward()
+        loss = float(usp.sync_gradients(model, mesh, out.loss))
+        logits = usp_hal.unshard(out.logits.detach(), layout="zigzag", mesh=mesh)
+        step = {"S": S, "loss": loss}
+        if mesh.sp_rank == 0:
+            o = ref(input_ids=ids, attention_mask=mask, labels=labels)
+            o.loss.backward()
+            real = mask.bool()
+            d = lambda a, b: float((a.detach().double() - b.detach().double()).abs().max())  # noqa: E731
+            step.update(loss_diff=abs(loss - float(o.loss.detach())), logits_diff=d(logits[real], o.logits[real]),
+                        logits_scale=float(o.logits.detach().abs().max()),
+                        grad_diff=max(d(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+                        grad_scale=max(float(q.grad.abs().max()) for q in ref.parameters()))
+        steps.append(step)
+    return steps

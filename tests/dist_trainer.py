@@ -9,6 +9,7 @@ loss matches one process.  ``trainer_run`` trains it with :class:`USPTrainer` on
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import torch
 
@@ -50,6 +51,16 @@ class RaggedRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.rows[i]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A map-style dataset's rows as a stream (no length)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data.rows)
 
 
 class _Losses:
@@ -106,9 +117,11 @@ class _TiledCalls:
 
 def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
                 lr: float = 3e-3, layout: str = "zigzag", packed: bool = False, bf16: bool = False,
-                low_memory: bool = False, tiled_loss: int = 0):
+                low_memory: bool = False, tiled_loss: int = 0, rows: int = 0, iterable: bool = False):
     """``steps`` optimizer steps of USPTrainer with sp = U x R on every rank of the pool (dp = the
-    rest).  Returns each rank's logged losses; rank 0 adds the final parameters."""
+    rest).  Returns each rank's logged losses; rank 0 adds the final parameters.  ``rows``: the
+    dataset's size (default: whole batches for every step); ``iterable``: as a torch
+    IterableDataset."""
     import torch.distributed as dist
 
     from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
@@ -116,7 +129,9 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
     world = dist.get_world_size()
     dp = world // (U * R)
     model = tiny_llama(seed, **MODEL)
-    data = RaggedRows(steps * ga * bs * dp, S, seed, packed)
+    data: Any = RaggedRows(rows or steps * ga * bs * dp, S, seed, packed)
+    if iterable:
+        data = _Stream(data)
     keep = _Losses.make()
     threads = torch.get_num_threads()      # accelerate's MULTI_CPU set-up may change it: the pool is shared
     try:
@@ -124,7 +139,8 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
             args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_layout=layout,
                                         usp_attn_type="sdpa", per_device_train_batch_size=bs, bf16=bf16,
                                         usp_low_memory=low_memory, usp_tiled_loss=tiled_loss,
-                                        **_common(tmp, steps, ga, lr, seed))
+                                        **_common(tmp, steps, ga, lr, seed),
+                                        **({"accelerator_config": {"dispatch_batches": False}} if iterable else {}))
             tiled = _TiledCalls.make(model)
             trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep, tiled],
                                  data_collator=_collator(packed))
@@ -143,13 +159,16 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
 
 
 def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
-                  lr: float = 3e-3, packed: bool = False, bf16: bool = False):
+                  lr: float = 3e-3, packed: bool = False, bf16: bool = False, rows: int = 0,
+                  iterable: bool = False):
     """The same training with the plain Trainer in this process (no process group): ``bs * dp``
     rows per micro-batch, the global batch of one optimizer step of ``trainer_run``."""
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama(seed, **MODEL)
-    data = RaggedRows(steps * ga * bs * dp, S, seed, packed)
+    data: Any = RaggedRows(rows or steps * ga * bs * dp, S, seed, packed)
+    if iterable:
+        data = _Stream(data)
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -133,3 +133,22 @@ def processor_on_a_ring():
     out = usp_hal.ring_flash_attn_func(ql, kl, vl, causal=True, attn_type=None, attn_processor=yunchang_cpu_processor)
     ref, _ = reference_attention(q.double(), k.double(), v.double(), causal=True)
     return refused, _close(out, usp_hal.shard(ref, layout="basic", mesh=mesh), torch.float32, "flash-style processor")
+
+
+def extract_refuses_degrees_against_the_mesh():
+    """After set_seq_parallel_pg(ulysses 2, ring 1), EXTRACT_FUNC_DICT with the degrees swapped
+    (rd=2, ud=1) would cut a ring-of-2 zigzag shard the attention does not expect: each rank
+    raises, naming the mesh's degrees.  The mesh's own degrees still cut usp_hal.shard's shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    usp_hal.set_seq_parallel_pg(2, 1, rank, world)
+    mesh = usp_hal.get_default_mesh()
+    x = torch.arange(2 * 16 * 3, dtype=torch.float32).view(2, 16, 3)
+    errors = []
+    for key in ("basic", "zigzag", "strip"):
+        try:
+            usp_hal.EXTRACT_FUNC_DICT[key](x, rank, world_size=world, rd=2, ud=1)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    good = usp_hal.EXTRACT_FUNC_DICT["zigzag"](x, rank, world_size=world, rd=1, ud=2)
+    return errors, bool(torch.equal(good, usp_hal.shard(x, layout="zigzag", mesh=mesh)))

@@ -73,3 +73,47 @@ def test_run_prints_a_header_and_progress_on_stderr():
     assert "result: PASS" in out.stdout
     quiet = subprocess.run(cmd + ["--quiet"], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert quiet.returncode == 0 and not any(ln.startswith("usp-hal run:") for ln in quiet.stderr.splitlines())
+
+
+RUN = ["run", "--nproc", "2", "--seqlen", "64", "--heads", "2", "--head-dim", "8", "--iters", "1", "--quiet"]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fails the test if the command gets as far as spawning ranks."""
+    from usp_hal.harness import pool
+
+    def spawn(*a, **k):
+        raise AssertionError("ranks were spawned: the arguments were not refused up front")
+    monkeypatch.setattr(pool, "RankPool", spawn)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (PLAN + ["--kv-heads", "0"], "--kv-heads"),
+    (PLAN + ["--docs", "0"], "--docs"),
+    (PLAN + ["--gpus-per-node", "0"], "--gpus-per-node"),
+    (RUN + ["--kv-heads", "0"], "--kv-heads"),
+    (RUN + ["--docs", "0"], "--docs"),
+    (RUN + ["--timeout", "0"], "--timeout"),
+    (RUN + ["--timeout", "-5"], "--timeout"),
+    (RUN + ["--ulysses", "2", "--ring", "1", "--ring-fp8"], "--ring-fp8"),
+    (RUN + ["--json", "/nonexistent-folder/x/out.json"], "--json"),
+    (["bench", "--kv-heads", "0", "--seqlens", "64"], "--kv-heads"),
+    (["bench", "--timeout", "0", "--seqlens", "64"], "--timeout"),
+])
+def test_cli_refuses_numbers_and_paths_that_a_default_would_hide_in_one_line(argv, flag, no_ranks, tmp_path):
+    rc, out, err = _main(argv)
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert flag in err, err
+    assert not out, out
+
+
+def test_plan_with_a_profile_that_is_not_json_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("this is not json\n")
+    for text in ("this is not json\n", "[1, 2]\n", "\xff\xfe"):
+        bad.write_bytes(text.encode("latin-1"))
+        rc, out, err = _main(PLAN + ["--profile", str(bad)])
+        assert rc == 2, (rc, out, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and str(bad) in err, err

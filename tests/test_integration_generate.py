@@ -56,6 +56,9 @@ def test_generate_refusals_on_every_rank(pools):
         assert r["beams"] and "beam search" in r["beams"], r
         assert r["no_positions"] and "position_ids" in r["no_positions"], r
         assert r["no_max_new_tokens"] and "max_new_tokens" in r["no_max_new_tokens"], r
+        # before: generate(use_cache=False) returned wrong tokens, the same on every rank
+        assert r["no_cache"] and "use_cache=True" in r["no_cache"], r
+        assert r["no_cache_config"] and "use_cache=True" in r["no_cache_config"], r
         assert r["ok"] is None, r
     assert res[0] == res[1]
 
@@ -159,3 +162,18 @@ def test_padding_refused_for_recurrent_layers():
         model(**usp.shard_batch({"input_ids": ids}, mesh))
         with pytest.raises(ValueError, match="padding mask with model type 'lfm2'"):
             model(**usp.shard_batch({"input_ids": ids, "attention_mask": mask}, mesh))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("split", [(2, 1), (1, 2)], ids=["u2", "r2"])
+def test_dynamic_padding_batches_that_shrink_match_single_process(pools, split):
+    # before: the second (shorter) padded batch raised USPIndexError on every rank: its padding
+    # mask was evaluated at the first batch's length
+    U, R = split
+    res = pools(2).run(ds.dynamic_padding_case, timeout=180, U=U, R=R)
+    for step in res[0]:
+        assert step["loss_diff"] <= LOGITS_TOL, step
+        assert step["logits_diff"] <= LOGITS_TOL * max(1.0, step["logits_scale"]), step
+        assert step["grad_diff"] <= LOGITS_TOL * max(1.0, step["grad_scale"]), step
+    assert [s["S"] for s in res[0]] == [24, 18, 30]
+    assert [s["loss"] for s in res[0]] == [s["loss"] for s in res[1]], res

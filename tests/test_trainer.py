@@ -133,3 +133,21 @@ def test_dynamic_degree_arguments_are_checked(tmp_path):
         _sequence({"input_ids": ids, "labels": ids, "attention_mask": mask.flip(1)}, 0)
     with pytest.raises(ValueError, match="pack documents as separate rows"):
         _sequence({"input_ids": ids, "labels": ids, "position_ids": ids}, 0)
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+def test_last_partial_batch_trains_as_the_plain_trainer(pools, iterable):
+    # before: accelerate's sharding (over the 2 sequence-parallel ranks, then set to 1 replica)
+    # filled the epoch's last batch (1 of 5 rows) with repeated rows; the plain Trainer in one
+    # process trains on the short batch
+    kw = dict(U=1, R=2, steps=3, rows=5)
+    res = pools(2).run(dist_trainer.trainer_run, timeout=240, iterable=iterable, **kw)
+    ref = dist_trainer.reference_run(steps=3, rows=5, iterable=iterable)
+    r0 = res[0]
+    assert len(ref["losses"]) == len(r0["losses"]) == 3, (ref["losses"], r0["losses"])
+    assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    assert loss_diff <= LOSS_TOL, (r0["losses"], ref["losses"])
+    norm_diff = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
+    assert norm_diff <= NORM_TOL, (r0["grad_norms"], ref["grad_norms"])
+    assert float((r0["params"] - ref["params"]).abs().max()) <= PARAM_TOL

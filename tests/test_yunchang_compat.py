@@ -19,6 +19,15 @@ def test_extract_func_dict_follows_the_placement(pools, low):
         assert all(got.values()), (rank, got)
 
 
+@pytest.mark.multirank
+def test_extract_func_dict_refuses_degrees_that_contradict_the_mesh(pools):
+    # before: swapped rd/ud cut a ring-of-2 shard under a Ulysses-2 mesh, silently
+    for errors, good in pools(2).run(dist_yunchang.extract_refuses_degrees_against_the_mesh, timeout=120):
+        assert good
+        for msg in errors:
+            assert msg and "contradict" in msg and "rd=1, ud=2" in msg, errors
+
+
 def test_extract_placement_without_a_mesh():
     x = torch.arange(16).view(1, 16)
     for rank in range(4):

@@ -68,9 +68,13 @@ class Mask:
     so a mask whose data change between calls is classified again."""
 
     def __init__(self, fn: Optional[Callable] = None, slices: Optional[Sequence] = None, *,
-                 batch: Optional[int] = None, heads: Optional[int] = None, name: str = "", key: Tuple = ()):
+                 batch: Optional[int] = None, heads: Optional[int] = None, name: str = "", key: Tuple = (),
+                 data=None):
         if (fn is None) == (slices is None):
             raise ValueError("a Mask needs exactly one of mask_mod and slices")
+        if data is not None and fn is None:
+            raise ValueError("Mask(data=...) goes with a mask_mod (slices hold their own values)")
+        self.data: Tuple = _data_tuple(data)
         self.fn = fn
         self.slices: Optional[Tuple[Tuple[int, int, int, int, str], ...]] = None
         if slices is not None:
@@ -98,10 +102,14 @@ class Mask:
     # constructors --------------------------------------------------------------------
     @classmethod
     def from_mod(cls, mask_mod: Callable, *, batch: Optional[int] = None, heads: Optional[int] = None,
-                 name: str = "") -> "Mask":
+                 name: str = "", data=None) -> "Mask":
+        """``data``: a tensor or NumPy array, or a sequence of them, that ``mask_mod`` reads and
+        that may change without a version bump (written through ``.data``, through a NumPy view
+        of the tensor's memory, or refilled by a loader): their *content* is digested on every
+        call (one pass over them, and a host read for device tensors), so any change is seen."""
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
-        return cls(fn=mask_mod, batch=batch, heads=heads, name=name)
+        return cls(fn=mask_mod, batch=batch, heads=heads, name=name, data=data)
 
     @classmethod
     def from_slices(cls, slices: Sequence) -> "Mask":
@@ -154,6 +162,7 @@ class Mask:
         if not _walk(self.fn, acc, 0, set(), [0]):
             return _Unseen()
         acc.append((self.batch, self.heads))
+        acc += [("data", _content(d)) for d in self.data]
         return tuple(acc)
 
     def __repr__(self) -> str:
@@ -198,6 +207,36 @@ class Mask:
         return torch.broadcast_to(got.reshape(have), (have[0], have[1], want[2], want[3]))
 
 
+def _data_tuple(data) -> Tuple:
+    """``Mask(data=...)`` as a tuple of tensors / arrays (checked)."""
+    if data is None:
+        return ()
+    items = tuple(data) if isinstance(data, (list, tuple)) else (data,)
+    for d in items:
+        if not (isinstance(d, torch.Tensor) or (type(d).__module__ == "numpy" and hasattr(d, "tobytes"))):
+            raise TypeError(f"Mask(data=...) takes tensors or NumPy arrays (what the mask_mod reads), got "
+                            f"{type(d).__name__}")
+    return items
+
+
+def _content(d) -> Tuple:
+    """A digest of a tensor's or an array's values (with its shape and dtype)."""
+    if isinstance(d, torch.Tensor):
+        t = d.detach()
+        raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
+        return ("values", hashlib.blake2b(raw, digest_size=8).digest(), tuple(t.shape), t.dtype, t.device)
+    return ("values", hashlib.blake2b(d.tobytes(), digest_size=8).digest(), getattr(d, "shape", ()), str(d.dtype))
+
+
+def _external(t: torch.Tensor) -> bool:
+    """A CPU tensor over memory torch does not own (``torch.from_numpy``, DLPack): writes to
+    that memory from outside do not bump the tensor's version."""
+    try:
+        return t.device.type == "cpu" and not t.untyped_storage().resizable()
+    except (RuntimeError, NotImplementedError):      # e.g. a tensor subclass without storage
+        return False
+
+
 class _Unseen:
     """A state token equal to nothing but itself (a mask whose data cannot be tracked)."""
 
@@ -237,6 +276,9 @@ def _walk(obj, acc: list, depth: int, seen: set, count: List[int]) -> bool:
         acc.append(obj)
         return True
     if isinstance(obj, torch.Tensor):
+        if _external(obj):      # by value, as a NumPy array: its owner may refill it unversioned
+            acc.append(("tensor", id(obj), _content(obj)))
+            return True
         ptr = obj.data_ptr() if obj.device.type != "meta" else 0
         acc.append(("tensor", id(obj), obj._version, ptr, tuple(obj.shape), obj.dtype, obj.device))
         return True

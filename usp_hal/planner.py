@@ -152,8 +152,15 @@ def load_profile(name_or_path: str) -> dict:
     if not os.path.isfile(path):
         raise PlanError(f"unknown profile {name_or_path!r}; built in: {', '.join(list_profiles())} "
                         f"(or pass a path to a profile JSON, e.g. one written by `usp-hal plan --calibrate`)")
-    with open(path) as f:
-        prof = json.load(f)
+    try:
+        with open(path) as f:
+            prof = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise PlanError(f"profile {path}: not a readable JSON profile ({type(exc).__name__}: {exc}); pass a built-in "
+                        f"name ({', '.join(list_profiles())}) or a JSON file written by `usp-hal plan --calibrate`"
+                        ) from None
+    if not isinstance(prof, dict):
+        raise PlanError(f"profile {path}: a profile is a JSON object, got {type(prof).__name__}")
     for key in ("intra", "kernel"):
         if key not in prof:
             raise PlanError(f"profile {path}: missing {key!r}")
@@ -674,6 +681,10 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     one's memory per rank is metered (:func:`metered_memory`), and one over
     :data:`BUDGET_HEADROOM` of the budget is not valid; the winner is the fastest that fits."""
     dtype = DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if kv_heads is not None and kv_heads < 1:
+        raise PlanError(f"--kv-heads must be >= 1, got {kv_heads} (leave it out for --heads: no GQA)")
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise PlanError(f"--gpus-per-node must be >= 1, got {gpus_per_node} (leave it out for the profile's)")
     if memory_budget is not None:
         if not memory_budget > 0:
             raise PlanError(f"--memory-budget must be a positive number of bytes, got {memory_budget!r}")

@@ -460,6 +460,15 @@ def _yunchang_extract(layout: str):
                 raise ValueError(f"{layout}_extract_local: give both rd and ud (got rd={rd}, ud={ud})")
         if rd * ud != world_size:
             raise ValueError(f"ring degree {rd} x ulysses degree {ud} != world size {world_size}")
+        default = default_mesh()
+        if (default is not None and default.sp_size == world_size
+                and (default.ring_degree, default.ulysses_degree) != (rd, ud)):
+            # the attention runs on the mesh's split: a shard cut for another one (e.g. rd and ud
+            # swapped) would be silently wrong
+            raise ValueError(f"{layout}_extract_local: rd={rd}, ud={ud} contradict the sequence-parallel mesh "
+                             f"(ring degree {default.ring_degree}, ulysses degree {default.ulysses_degree}); pass "
+                             f"rd={default.ring_degree}, ud={default.ulysses_degree}, or leave both out to use the "
+                             "mesh's")
         ring_rank, ulysses_rank = extract_ranks(rank, rd, ud, use_ulysses_low)
         pos = local_positions(layout, value.shape[dim], rd, ud, ring_rank, ulysses_rank,
                               cu_seqlens=cu_seqlens).to(value.device)

@@ -36,7 +36,7 @@ import time
 from ..harness import LaunchError, fmt_bytes, fmt_ms, in_torchrun
 from ..harness.cases import CHECKS
 from ..harness.sweep import CAUSAL_CHOICES, build_groups, run_sweep
-from .run import add_common_arguments, device_type_from
+from .run import add_common_arguments, check_common_arguments, check_output_path, device_type_from
 
 
 # ----------------------------------------------------------------------------- progress
@@ -266,6 +266,8 @@ def run(args) -> int:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        check_common_arguments(args)
+        check_output_path(args.json)
         device_type = device_type_from(args)
         groups = build_groups(args, device_type)
         if args.plot and importlib.util.find_spec("matplotlib") is None:

@@ -86,7 +86,7 @@ def add_parser(subparsers) -> None:
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--cu-seqlens", default="", metavar="0,L1,...,S",
                       help="packed documents: the global document boundaries (adds the varlen_zigzag layout)")
-    docs.add_argument("--docs", type=int, default=0, metavar="N",
+    docs.add_argument("--docs", type=int, default=None, metavar="N",
                       help="packed documents: N documents of equal length (shortcut for --cu-seqlens)")
     dyn = p.add_mutually_exclusive_group()
     dyn.add_argument("--length-dist", default=None, metavar="SPEC",
@@ -103,7 +103,7 @@ def add_parser(subparsers) -> None:
 
 def _documents(args):
     """The boundaries of --cu-seqlens or --docs N (None: one sequence)."""
-    if args.docs:
+    if args.docs is not None:
         if args.docs < 1:
             raise planner.PlanError(f"--docs must be >= 1, got {args.docs}")
         from ..varlen import equal_documents

@@ -162,7 +162,7 @@ def add_parser(subparsers) -> None:
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--cu-seqlens", default="", metavar="0,L1,...,S",
                       help="packed documents: the global document boundaries (attention stays inside each)")
-    docs.add_argument("--docs", type=int, default=0, metavar="N",
+    docs.add_argument("--docs", type=int, default=None, metavar="N",
                       help="packed documents: N documents of equal length (shortcut for --cu-seqlens)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up iterations (default 1)")
@@ -183,7 +183,34 @@ def device_type_from(args) -> str:
     return _platform.default_device_type()
 
 
+def check_common_arguments(args) -> None:
+    """Numbers that a default would otherwise hide (``--kv-heads 0`` read as "no GQA") or that
+    leave nothing to run (``--timeout 0``): refused with the flag named (ValueError)."""
+    if args.kv_heads is not None and args.kv_heads < 1:
+        raise ValueError(f"--kv-heads must be >= 1, got {args.kv_heads} (leave it out for --heads: no GQA)")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+
+
+def check_output_path(path, flag: str = "--json") -> None:
+    """Refuse an output path that cannot be written before anything runs (ValueError); '-' and
+    None pass.  Nothing is created here."""
+    import os
+    if path in (None, "-"):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path (or '-' for stdout)")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable; give another path (or '-' for stdout)")
+
+
 def config_from_args(args) -> RunConfig:
+    check_common_arguments(args)
+    check_output_path(args.json)
     nproc, U, R = resolve_split(args.nproc, args.ulysses, args.ring)
     if pool.in_torchrun():
         world = int(__import__("os").environ["WORLD_SIZE"])
@@ -207,7 +234,7 @@ def config_from_args(args) -> RunConfig:
 
 def _cu_seqlens_arg(args) -> str:
     """--cu-seqlens as given, or the boundaries of --docs N equal documents ("" = one sequence)."""
-    if getattr(args, "docs", 0):
+    if getattr(args, "docs", None) is not None:
         if args.docs < 1:
             raise ValueError(f"--docs must be >= 1, got {args.docs}")
         from ..varlen import equal_documents
@@ -294,8 +321,13 @@ def run(args) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            try:
+                with open(args.json, "w") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"usp-hal run: --json {args.json}: {exc.strerror or exc} (the run itself finished; its "
+                      "report is above)", file=sys.stderr)
+                return _leave(1) if torchrun else 1
     return _leave(rc) if torchrun else rc
 
 

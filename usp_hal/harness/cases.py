@@ -171,6 +171,9 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"--fp8 {cfg.fp8} sets the Ulysses all-to-all's wire format, and a ring-only split (ulysses "
                          "1) has no all-to-all to apply it to; add --ring-fp8 for the ring's blocks in fp8, or use "
                          "--ulysses 2 or more")
+    if cfg.ring_fp8 and cfg.ring == 1:
+        raise ValueError(f"--ring-fp8 sets the ring's wire format, and this split (ulysses {cfg.ulysses} x ring 1) "
+                         "has no ring; use --fp8 qvo/qkvo for the Ulysses all-to-all, or --ring 2 or more")
     if cfg.seqlen < cfg.nproc:
         raise ValueError(f"--seqlen {cfg.seqlen} is shorter than the number of ranks ({cfg.nproc}); "
                          "every rank needs at least one token")

@@ -54,6 +54,7 @@ mask (see its doc; tested there, not with the Trainer).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
@@ -233,6 +234,32 @@ def _sequence(batch, i: int):
     return ids[:n].cpu(), labels[:n].cpu()
 
 
+def _whole_batches_off(part) -> None:
+    """One replica: the last batch of an epoch as the plain Trainer in one process loads it (short),
+    not filled up with rows from the start as accelerate does to give several processes the same
+    number of whole batches (it shards over every rank, so it would here although nothing is
+    split between replicas)."""
+    from accelerate.data_loader import BatchSamplerShard
+    if isinstance(part, BatchSamplerShard):
+        part.even_batches = False
+    else:                         # IterableDatasetShard: every element once, in order
+        part.__class__ = _one_replica_stream_class()
+
+
+def _one_replica_stream_iter(self):
+    gen = getattr(self.dataset, "generator", None)
+    if not hasattr(self.dataset, "set_epoch") and isinstance(gen, torch.Generator):
+        gen.manual_seed(self.epoch)      # the reshuffle per epoch the shard would do
+    yield from self.dataset
+
+
+@functools.lru_cache(maxsize=None)
+def _one_replica_stream_class():
+    from accelerate.data_loader import IterableDatasetShard
+    return type("_OneReplicaStream", (IterableDatasetShard,), {"__iter__": _one_replica_stream_iter,
+                                                               "__module__": __name__})
+
+
 class USPTrainer(Trainer):
     """``transformers.Trainer`` training with usp-hal sequence parallelism (module docstring).
 
@@ -368,6 +395,8 @@ class USPTrainer(Trainer):
                                   f"{world} ranks accelerate shards over", "Use a map-style dataset or a plain "
                                   "torch IterableDataset")
                 part.num_processes, part.process_index = self.dp_size, self._dp_index()
+                if self.dp_size == 1:
+                    _whole_batches_off(part)
                 found.append(part)
         if not found:
             raise _refuse(f"the data loader {type(loader).__name__}", "accelerate did not shard it with a "

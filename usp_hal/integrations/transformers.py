@@ -53,7 +53,8 @@ sharded cache (:mod:`usp_hal.serving`): the generated tokens are the same on eve
 equal a single process's (tested: Llama with GQA, Mistral with a sliding window, 1, 2 and 4
 ranks).  The ranks stop together (their stopping criteria are combined each step) and sample
 together (every rank starts from the first rank's random state); beam search, assisted
-generation and chunked prefill are refused on every rank.
+generation, chunked prefill and ``use_cache=False`` (decoding without the sharded cache) are
+refused on every rank.
 
 Left-padded prompts of different lengths: ``model.generate(**shard_batch({"input_ids": ids,
 "attention_mask": mask}, mesh), max_new_tokens=N)``.  As transformers' generate, each row's
@@ -622,6 +623,10 @@ def _generation_problem(model, ids, kwargs, cache_cls) -> Optional[str]:
         return "beam search / several sequences per prompt (the sharded cache is not reordered); use num_beams=1"
     if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
         return "assisted generation (the sharded cache cannot be cropped)"
+    if opt("use_cache", True) is False:
+        return ("use_cache=False (each decode step would recompute the whole sequence, and each rank holds only "
+                "its shard of the prompt); generate with use_cache=True (the default), which decodes through the "
+                "sequence-parallel ShardedCache")
     if opt("prefill_chunk_size") is not None:
         return "prefill_chunk_size (the prefill is one sequence-parallel call)"
     if kwargs.get("max_new_tokens") is None and getattr(gc, "max_new_tokens", None) is None:

@@ -91,6 +91,7 @@ class Pipeline:
         self.last_backend: Any = None
         #: the global length of the last masked call (what a mask is digested at before the agreement)
         self.mask_seqlen = 0
+        self.mask_unchecked = False    # set by each agreement (pipeline.agree)
         self.sink_opts: dict = {}        # (options, sink digest) -> the options with it
         self.handle = next(_NEXT)
         _PIPELINES[self.handle] = self

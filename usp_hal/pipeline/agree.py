@@ -12,7 +12,7 @@ from .. import comm
 from ..comm import AgreementError
 from ..layout import local_lengths, local_positions
 from ..spec import CallSpec, compare, digest_ints, field_index, meta_length
-from .validate import USPError, share
+from .validate import MASK_UNCHECKED, USPError, mask_seqlen, share
 
 _WHAT = "attention call metadata"   # the label of its all-gather in traces and errors
 
@@ -29,8 +29,9 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     ``pipe.check_ranks`` picks what is exchanged: ``"every_call"`` (every call: the spec's
     metadata vector, compared), ``"first_call"`` (that once; later calls of the same spec
     exchange nothing, a call of another spec raises on the rank that sees it), ``"off"``
-    (every call: the local lengths and refusals only)."""
+    (every call: the local lengths, refusals, and whether a mask awaits its check at the agreed length)."""
     n = mesh.sp_size
+    pipe.mask_unchecked = False
     if n == 1:
         if err is not None:
             raise err
@@ -62,6 +63,16 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     def differences(rows):
         if not compare_meta or all(r == rows[0] for r in rows[1:]):
             return None
+        if spec is not None and spec.mask:
+            # a mask digested at the last masked call's length says nothing when the length has
+            # changed, or when a rank could not evaluate it there: every rank then compares the
+            # masks again at the agreed length (maskcheck.agree_mask), so the digests are left out
+            m, n = field_index("mask") - 1, field_index("local_len") - 1
+            if sum(r[n] for r in rows) != mask_seqlen(pipe, cu_seqlens) \
+                    or any(r[m] == MASK_UNCHECKED for r in rows):
+                rows = [r[:m] + [0] + r[m + 1:] for r in rows]
+                if all(r == rows[0] for r in rows[1:]):
+                    return None
         return compare([[0] + r for r in rows], mesh.sp_ranks, spec)
 
     try:   # one all-gather of every rank's metadata (a second one with the reasons, only on a refusal)
@@ -74,6 +85,10 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
         raise USPError("ranks of the sequence-parallel group disagree on this attention call "
                        "(every rank must pass the same shapes and options):\n  " + found) from None
     assert spec is not None      # no rank flagged an error, so this one has a spec
+    # the same on every rank (from the rows): some rank's mask was not digested before the agreement
+    flag = field_index("mask") - 1 if compare_meta else 1
+    pipe.mask_unchecked = bool(any(r[flag] == MASK_UNCHECKED for r in rows) if compare_meta
+                               else any(r[flag] for r in rows))
     if rep is not None and rep.hit and rep.result is not None:
         return rep.result       # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]
@@ -113,9 +128,9 @@ def row_values(pipe, spec: Optional[CallSpec], err, rep=None):
     if pipe.check_ranks != "off":
         width = meta_length() - 1
         values = [] if spec is None or err is not None else rep.values if rep is not None else pipe.meta_of(spec)[1:]
-    else:
-        values = [] if spec is None or err is not None else [spec.local_len]
-        width = 1
+    else:     # the length, and whether the mask was digested before the agreement (maskcheck)
+        values = [] if spec is None or err is not None else [spec.local_len, int(spec.mask == MASK_UNCHECKED)]
+        width = 2
     return width, values
 
 

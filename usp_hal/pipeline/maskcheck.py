@@ -24,7 +24,10 @@ def agree_mask(pipe, mesh, spec, local, lengths) -> None:
     spec's digest was not taken at it (see the module doc)."""
     from ..masks import Predicate
     S = sum(int(n) for n in lengths)
-    if S != mask_seqlen(pipe, local.cu_seqlens) and mesh.sp_size > 1 and pipe.check_ranks:
+    # the same decision on every rank: from the agreed lengths, and from every rank's digest
+    # (pipe.mask_unchecked: some rank could not digest its mask before the agreement)
+    stale = S != mask_seqlen(pipe, local.cu_seqlens) or getattr(pipe, "mask_unchecked", False)
+    if stale and mesh.sp_size > 1 and pipe.check_ranks:
         err = None
         digest = 0
         try:
@@ -34,14 +37,14 @@ def agree_mask(pipe, mesh, spec, local, lengths) -> None:
         except Exception as exc:      # any failure of the mask function: a refusal every rank sees
             err = exc
         try:
-            problem = None if err is None else f"{type(err).__name__}: {err}"
+            problem = None if err is None else f"mask {local.mask.name!r}: {type(err).__name__}: {err}"
             comm.agree(problem, mesh.metadata_group, what=_WHAT, where=mesh.where("sequence-parallel"),
                        values=[digest], width=1, ranks=mesh.sp_ranks,
                        check=lambda rows: None if all(r == rows[0] for r in rows) else "differs")
         except AgreementError as exc:     # the same message on every rank
             if exc.problems:
-                raise USPError(f"the mask {local.mask.name!r} failed on rank(s) {list(exc.problems)} of the "
-                               "sequence-parallel group:\n"
+                raise USPError(f"the mask failed on rank(s) {list(exc.problems)} of the sequence-parallel group "
+                               "(each rank's own mask named):\n"
                                + "\n".join(f"  rank {r}: {m}" for r, m in exc.problems.items())) from err
             raise USPError(mismatch_text(exc.rows, mesh.sp_ranks)) from None
     pipe.mask_seqlen = S

@@ -127,12 +127,25 @@ def mask_digest(pipe, mask, causal: bool, win, cu, batch: int) -> int:
     """What a masked call puts in its spec: the digest of what the mask keeps (its tile
     classification and the bits of its partial tiles, :meth:`usp_hal.masks.Predicate.digest`)
     at :func:`mask_seqlen`; evaluating the mask here means a mask that fails on this rank
-    is a refusal every rank sees in the agreement.  1 when no length is known yet."""
+    is a refusal every rank sees in the agreement.  :data:`MASK_UNCHECKED` when no length is
+    known yet, or when the mask cannot be evaluated at that length: a mask built for this
+    batch's length (a padding mask indexing a ``[B, S]`` tensor) may not reach the last
+    call's when the batch is shorter.  The mask is then digested at the agreed length
+    (:func:`usp_hal.pipeline.maskcheck.agree_mask`), where a failure is a refusal every rank
+    sees."""
     from ..masks import Predicate
     S = mask_seqlen(pipe, cu)
     if S <= 0:
-        return 1
-    return Predicate(mask, causal=causal, window=(int(win[0]), int(win[1])), cu_seqlens=cu, batch=batch).digest(S)
+        return MASK_UNCHECKED
+    try:
+        return Predicate(mask, causal=causal, window=(int(win[0]), int(win[1])), cu_seqlens=cu,
+                         batch=batch).digest(S)
+    except Exception:       # e.g. an index past a shorter batch's mask data: checked at the agreed length
+        return MASK_UNCHECKED
+
+
+#: the spec's mask digest when the mask was not digested before the agreement
+MASK_UNCHECKED = 1
 
 
 def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, positions=None,
