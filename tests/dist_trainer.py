@@ -9,6 +9,7 @@ loss matches one process.  ``trainer_run`` trains it with :class:`USPTrainer` on
 from __future__ import annotations
 
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -142,13 +143,17 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
                                         **_common(tmp, steps, ga, lr, seed),
                                         **({"accelerator_config": {"dispatch_batches": False}} if iterable else {}))
             tiled = _TiledCalls.make(model)
-            trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep, tiled],
-                                 data_collator=_collator(packed))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep, tiled],
+                                     data_collator=_collator(packed))
+            caught = [w for w in caught if "USPTrainer" in str(w.message)]
             out = trainer.train()
     finally:
         _reset_accelerate()
         torch.set_num_threads(threads)
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
+           "drop_last": trainer.args.dataloader_drop_last, "warned": [str(w.message) for w in caught],
            "attn_after": model.config._attn_implementation, "train_loss": float(out.training_loss),
            "tiled_after": getattr(model, "_usp_tiled_loss", None) is not None, "tiled_calls": tiled.calls}
     from usp_hal.integrations import transformers as usp
@@ -160,7 +165,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
 
 def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24, seed: int = 0,
                   lr: float = 3e-3, packed: bool = False, bf16: bool = False, rows: int = 0,
-                  iterable: bool = False):
+                  iterable: bool = False, drop_last: bool = False):
     """The same training with the plain Trainer in this process (no process group): ``bs * dp``
     rows per micro-batch, the global batch of one optimizer step of ``trainer_run``."""
     from transformers import Trainer, TrainingArguments
@@ -172,7 +177,7 @@ def reference_run(dp: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int 
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(per_device_train_batch_size=bs * dp, bf16=bf16,
+            args = TrainingArguments(per_device_train_batch_size=bs * dp, bf16=bf16, dataloader_drop_last=drop_last,
                                      **_common(tmp, steps, ga, lr, seed))
             Trainer(model=model, args=args, train_dataset=data, callbacks=[keep],
                     data_collator=_collator(packed)).train()

@@ -151,3 +151,20 @@ def test_last_partial_batch_trains_as_the_plain_trainer(pools, iterable):
     norm_diff = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
     assert norm_diff <= NORM_TOL, (r0["grad_norms"], ref["grad_norms"])
     assert float((r0["params"] - ref["params"]).abs().max()) <= PARAM_TOL
+
+
+@pytest.mark.multirank
+def test_last_partial_batch_of_several_replicas_is_dropped_with_a_warning(pools):
+    """dp 2 x Ring 2, 10 rows of 2 per replica: accelerate would fill the epoch's last batch (2 of
+    4 rows) with repeated rows; USPTrainer drops it with a warning instead, and trains as the
+    plain Trainer in one process with dataloader_drop_last=True (3 steps: the second epoch's
+    first batch comes after the two whole ones)."""
+    res = pools(4).run(dist_trainer.trainer_run, timeout=240, U=1, R=2, steps=3, rows=10)
+    ref = dist_trainer.reference_run(dp=2, steps=3, rows=10, drop_last=True)
+    r0 = res[0]
+    assert all(r["drop_last"] for r in res)
+    assert all(len(r["warned"]) == 1 and "last batch of 2 for 2 replicas" in r["warned"][0]
+               and "dropped (dataloader_drop_last=True)" in r["warned"][0] for r in res), [r["warned"] for r in res]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    assert len(ref["losses"]) == len(r0["losses"]) == 3 and loss_diff <= LOSS_TOL, (r0["losses"], ref["losses"])
+    assert float((r0["params"] - ref["params"]).abs().max()) <= PARAM_TOL

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -283,6 +284,7 @@ class USPTrainer(Trainer):
             self.usp_dynamic = _dynamic_degree(self.model, self.args)
             mesh = self.usp_dynamic.meshes[(1, 1, 1)]       # each rank its own rows, as data parallel over all
         self.usp_mesh = self._build_mesh(mesh)
+        self._drop_uneven_last_batch()
         layout = getattr(self.args, "usp_layout", usp.DEFAULT_LAYOUT)
         self.usp_layout = layout
         self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}",
@@ -354,6 +356,26 @@ class USPTrainer(Trainer):
         # the process group exists by now: TrainingArguments' device set-up (accelerate's
         # PartialState) started it under torchrun.  Replicas are runs of u*r consecutive ranks.
         return usp_hal.init_sequence_parallel(u, r, set_default=False)
+
+    def _drop_uneven_last_batch(self) -> None:
+        """Several replicas: accelerate fills an epoch's last, partial batch with rows from the
+        start so that every process gets whole batches, which one process would not train on.
+        That batch is dropped instead (``dataloader_drop_last``), with a warning that says so."""
+        data, dp = self.train_dataset, self.dp_size
+        if dp == 1 or self.args.dataloader_drop_last or data is None:
+            return
+        per_step = self.args.per_device_train_batch_size * dp
+        if hasattr(data, "__len__"):
+            if len(data) % per_step == 0:
+                return
+            what = f"the dataset's {len(data)} rows leave a last batch of {len(data) % per_step}"
+        else:
+            what = "an iterable dataset may leave a last partial batch"
+        warnings.warn(f"USPTrainer: {what} for {dp} replicas of {self.args.per_device_train_batch_size} rows; "
+                      "accelerate would fill it with repeated rows, which one process would not train on, so it is "
+                      f"dropped (dataloader_drop_last=True). Give a multiple of {per_step} rows to train on every "
+                      "row.", UserWarning, stacklevel=3)
+        self.args.dataloader_drop_last = True
 
     @property
     def dp_size(self) -> int:
