@@ -175,3 +175,14 @@ def test_bf16_matches_one_process_in_bf16(pools, case):
     bad = res[mutant]
     print(f"bf16 {model_type} mutant {mutant}: logits {bad['logits_diff']:.1e}, grad rel {bad['grad_rel']:.1e}")
     assert bad["logits_diff"] > 3 * BF16_TOL["logits"] and bad["grad_rel"] > 3 * BF16_TOL["grad"], bad
+
+
+def test_forced_state_passing_on_kimi_linear_matches_one_process(pools):
+    """recurrence="state_passing" on kimi_linear (KDA by state passing; its MLA attention layer
+    has no recurrence and is not a reason to refuse): Ring-2 matches one process as "auto" does
+    (refused on 5edbecd, naming the attention layer)."""
+    res = pools(2).run(cases.hybrid_training, timeout=300, model_type="kimi_linear", U=1, R=2, layout="zigzag",
+                       recurrences=("state_passing",), steps=3)
+    r0 = res[0]["state_passing"]
+    assert set(r0["modes"].values()) == {"state_passing"}, r0["modes"]
+    _check(r0, "kimi_linear", "state_passing")

@@ -385,8 +385,8 @@ def recurrence_problem(model: nn.Module, recurrence: str) -> Optional[str]:
     state passing on a layer that has no state-passing form."""
     if recurrence != "state_passing":
         return None
-    bad = [f"{p} ({type(m).__name__})" for p, m in _covered_layers(model)
-           if type(m).__name__ not in STATE_PASSING_LAYERS | CONV_ONLY_LAYERS]
+    bad = [f"{p} ({type(m).__name__})" for p, m in _covered_layers(model)      # attention layers have no recurrence
+           if type(m).__name__ not in STATE_PASSING_LAYERS | CONV_ONLY_LAYERS | ATTENTION_LAYERS]
     if not bad:
         return None
     return (f"recurrence='state_passing' for model type {model_type(model)!r}: its layers {bad[:4]} have no "
