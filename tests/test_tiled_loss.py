@@ -122,6 +122,24 @@ def test_the_stand_in_logits_refuse_every_use_by_name():
     assert not hasattr(logits, "detach")                   # introspection sees no tensor method
 
 
+def test_opt_which_makes_its_logits_contiguous_is_served():
+    """OPT's forward calls ``logits.contiguous()`` between its head and its loss (refused on
+    5edbecd): loss and gradients equal its own loss's, float64."""
+    from transformers import OPTConfig, OPTForCausalLM
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=cases.VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                     num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                     dropout=0.0, attention_dropout=0.0)).double()
+    ids = torch.randint(0, cases.VOCAB, (2, 23), generator=torch.Generator().manual_seed(7))
+    _, ref_loss, ref = _loss_and_grads(model, input_ids=ids, labels=ids)
+    enable_tiled_loss(model, 5)
+    _, loss, got = _loss_and_grads(model, input_ids=ids, labels=ids)
+    assert model._usp_tiled_loss.calls == 1
+    assert abs(float(loss - ref_loss)) <= 2e-6 * float(ref_loss), (float(loss), float(ref_loss))
+    for n, r in ref.items():
+        assert float((got[n] - r).abs().max()) <= 1e-6 * float(r.abs().max()), n
+
+
 def test_a_model_that_transforms_its_logits_is_refused_by_name():
     """Gemma2 soft-caps its logits between the head and the loss: training it with the tiled
     loss would skip the cap, so its forward raises, naming the model and the operation."""

@@ -63,6 +63,11 @@ class TiledLogits:
     def __getattr__(self, name: str) -> Any:
         raise _refuse(self.owner.model_name, f"logits.{name}")
 
+    def contiguous(self, *args, **kwargs) -> "TiledLogits":
+        """Each tile's logits are made in the loss, contiguous: nothing to do (OPT calls it
+        between its head and its loss: transformers models/opt/modeling_opt.py)."""
+        return self
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         owner = next((a.owner for a in list(args) + list((kwargs or {}).values()) if isinstance(a, TiledLogits)), None)
