@@ -408,3 +408,20 @@ def minimax_h3_inputs(B=2, frames=2, side=4, audio_latents=3, text_len=7, vision
 
 MODELS["minimax_h3"] = (tiny_minimax_h3, minimax_h3_inputs,
                         ("hidden_states", "audio_hidden_states", "encoder_hidden_states"))
+
+
+def short_text_case(name: str = "qwen", U=1, R=2, text_len=1, seed=0):
+    """``name``'s tiny model under parallelize() with a text of ``text_len`` tokens: the error
+    this rank raised (None: it ran)."""
+    from usp_hal.integrations import diffusers as usp
+    build, make_inputs, grad_keys = MODELS[name]
+    model = build(seed)
+    handle = usp.parallelize(model, get_mesh(U, R), attn_type="sdpa")
+    try:
+        with torch.no_grad():
+            model(**make_inputs(seed=seed, text_len=text_len))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        handle.remove()
+    return None

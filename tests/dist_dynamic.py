@@ -175,3 +175,23 @@ def scheduled_training(local_lengths, budget: int, steps: int = 3, lr: float = 2
                grad_scale=max(float(r.abs().max()) for r in ref_grads),
                param_diff=max(_max_diff(p, q) for p, q in zip(params, ref.parameters())))
     return res
+
+
+def short_sequence(U: int, R: int, S: int, layout: str = "zigzag"):
+    """A tiny Llama through shard_batch on a sequence of ``S`` tokens: the logits' largest
+    difference to one process, or the error this rank raised."""
+    import usp_hal
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
+    name = usp.register("usp_hal_test_short", mesh=mesh, layout=layout, attn_type="sdpa")
+    ref = tiny_llama(0, num_hidden_layers=1)
+    model = tiny_llama(0, num_hidden_layers=1)
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, 100, (1, S), generator=torch.Generator().manual_seed(0))
+    try:
+        out = model(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, layout))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    full = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh)
+    return {"diff": float((full - ref(input_ids=ids).logits).abs().max())}

@@ -194,3 +194,18 @@ def test_a_hybrid_trains_as_one_process_with_state_passing_on_rings_of_two_sizes
     tol = TOL["state_passing"]
     assert r0["loss_diff"] <= tol["loss"] and r0["grad_diff"] <= tol["grad"] * r0["grad_scale"], r0
     assert r0["param_diff"] <= tol["param"], r0
+
+
+@pytest.mark.multirank
+@pytest.mark.models
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("U,R", [(2, 1), (1, 2)])
+def test_a_sequence_shorter_than_the_group_is_refused_on_every_rank(pools, U, R):
+    """One token on two ranks leaves a rank without a token, which the model's reshapes cannot
+    take (on 5edbecd: that rank crashed, the other hung); shard_batch refuses it on every rank,
+    naming the shortest sequence the group takes; two tokens run exactly."""
+    res = pools(2).run(dist_dynamic.short_sequence, timeout=60, U=U, R=R, S=1)
+    assert all("a sequence of 1 tokens leaves a rank" in r["error"] and "at least 2 tokens" in r["error"]
+               for r in res), res
+    res = pools(2).run(dist_dynamic.short_sequence, timeout=60, U=U, R=R, S=2)
+    assert all(r["diff"] <= 1e-5 for r in res), res

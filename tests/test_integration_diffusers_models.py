@@ -159,3 +159,13 @@ def test_pipeline_with_default_arguments_matches_single_process(pools, name, U, 
     assert r["diff"] <= TOL * max(1.0, r["scale"]), r
     if name in ("ltx", "qwen"):
         assert r["mask_effect"] > 1000 * TOL, r
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["qwen", "ltx"])
+def test_a_text_shorter_than_the_group_is_refused_on_every_rank(pools, name):
+    """A one-token prompt on two ranks left one rank without a text token (on 5edbecd: a crash
+    there, a hang on the other); each rank refuses it alike, naming the shortest that fits."""
+    res = pools(2).run(cases.short_text_case, timeout=60, name=name, text_len=1)
+    assert all(r and "of 1 tokens leaves a rank" in r and "at least 2 tokens" in r for r in res), res
+    assert pools(2).run(cases.short_text_case, timeout=60, name=name, text_len=2) == [None, None]

@@ -41,6 +41,25 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
+def empty_rank_problem(mesh, layout: str, seqlen: int, cu_seqlens=None, what: str = "a sequence") -> Optional[str]:
+    """Why a sequence of ``seqlen`` tokens cannot go to a model sharded over ``mesh`` in
+    ``layout``: it leaves a rank without a token, which the model's layers cannot take (their
+    reshapes to ``[B, S_local, heads, D]``); None when every rank holds one.  The same arithmetic
+    on every rank, so every rank that asks refuses alike."""
+    if mesh.sp_size == 1:
+        return None
+
+    def fewest(n: int, cu=None) -> int:
+        return min(min(row) for row in local_lengths(layout, n, mesh.ring_degree, mesh.ulysses_degree,
+                                                     cu_seqlens=cu))
+    if fewest(seqlen, cu_seqlens) > 0:
+        return None
+    least = next(n for n in range(mesh.sp_size, 64 * mesh.sp_size + 1) if fewest(n) > 0)
+    return (f"{what} of {seqlen} tokens leaves a rank of the {mesh.ulysses_degree} x {mesh.ring_degree} (ulysses x "
+            f"ring) group without a token in the {layout!r} layout; sequences need at least {least} tokens here. Run "
+            "shorter ones without sequence parallelism (a one-rank mesh), or pad them")
+
+
 def shard(x: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1, *, cu_seqlens=None) -> torch.Tensor:
     """This rank's part of a global tensor (every rank passes the same global ``x``).
 

@@ -549,6 +549,10 @@ def _shard(x, cpi, what: str, mesh):
         raise ValueError(f"{what}: expected a {cpi.expected_dims}-D tensor to split along dim {cpi.split_dim}, got "
                          f"shape {tuple(x.shape)} (the model's context-parallel plan cannot split it; pass it in the "
                          "documented shape, e.g. Flux's txt_ids/img_ids without a batch dimension)")
+    from usp_hal.sharding import empty_rank_problem
+    short = empty_rank_problem(mesh, LAYOUT, int(x.shape[cpi.split_dim]), what=what)
+    if short:              # every rank passes the same global inputs: every rank raises here alike
+        raise ValueError(short)
     return usp_hal.shard(x, layout=LAYOUT, mesh=mesh, seq_dim=cpi.split_dim)
 
 

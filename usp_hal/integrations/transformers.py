@@ -892,6 +892,10 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     plan = None
     try:
         plan = _batch_plan(batch, layout, cu_seqlens, ignore_index)
+        from usp_hal.sharding import empty_rank_problem
+        short = empty_rank_problem(mesh, layout, plan[4], plan[5])
+        if short:
+            raise ValueError(f"shard_batch: {short}")
     except (TypeError, ValueError) as exc:
         problem = exc
     if check and mesh.sp_size > 1:
