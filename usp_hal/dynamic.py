@@ -18,13 +18,12 @@ wait on each other.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from .comm import agree
-from .mesh import SequenceParallelMesh, _current_default, _set_default, init_sequence_parallel
+from .mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
 from .schedule import AttentionShape, Job, Schedule, ScheduleError, group_sizes, schedule_batch
 
 #: the most sequences one rank may contribute to a step (the gather's fixed width)
@@ -162,21 +161,11 @@ class DynamicDegree:
         """Within the block, modules and integrations built with ``mesh=None`` run on the job's
         mesh; ``None`` (a round of :meth:`Schedule.slots` without a job here): this rank alone."""
         if job is None:
-            return self._default(self.meshes[(1, 1, 1)])
+            return default_mesh_set_to(self.meshes[(1, 1, 1)])
         mesh = self.mesh(job)
         if self.rank not in job.ranks or mesh.sp_ranks != tuple(job.ranks):
             raise ValueError(f"rank {self.rank} is not in this job's group (ranks {list(job.ranks)})")
-        return self._default(mesh)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _default(mesh: SequenceParallelMesh) -> Iterator[SequenceParallelMesh]:
-        old = _current_default()
-        _set_default(mesh)
-        try:
-            yield mesh
-        finally:
-            _set_default(old)
+        return default_mesh_set_to(mesh)
 
 
 def _digest(values: Sequence[int]) -> int:

@@ -12,9 +12,10 @@ With ``use_ulysses_low=False`` ring groups are the consecutive runs instead.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -414,6 +415,18 @@ def _current_default() -> Optional[SequenceParallelMesh]:
 
 
 _positions.default_mesh = _current_default    # EXTRACT_FUNC_DICT honours the default mesh's placement
+
+
+@contextlib.contextmanager
+def default_mesh_set_to(mesh: SequenceParallelMesh) -> Iterator[SequenceParallelMesh]:
+    """Within the block, ``mesh`` is the default mesh (what modules and integrations built with
+    ``mesh=None`` use); the previous default comes back afterwards."""
+    old = _DEFAULT_MESH
+    _set_default(mesh)
+    try:
+        yield mesh
+    finally:
+        _set_default(old)
 
 
 def get_default_mesh() -> SequenceParallelMesh:

@@ -288,7 +288,7 @@ def ring_work(layout: str, seqlen: int, ring: int, causal: bool, cu_seqlens: Opt
     return tuple(rp.step_blocks(r) for r in range(ring)), rp.lengths, rp.local_only
 
 
-def _pairs(call) -> int:
+def call_pairs(call) -> int:
     rows, cols, causal = call
     return rows * (rows + 1) // 2 if causal else rows * cols
 
@@ -436,7 +436,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
                  for b in passes}
     kernel_mean = sum(kcost(c, hq[u], b) for b in passes for r in range(R) for u in range(U)
                       for st in work[r] for c in st) / (R * U)
-    pairs_rank = [sum(_pairs(c) for st in work[r] for c in st) * hq[u] for r in range(R) for u in range(U)]
+    pairs_rank = [sum(call_pairs(c) for st in work[r] for c in st) * hq[u] for r in range(R) for u in range(U)]
     work_balance = balance(pairs_rank)
     merges = 0.0
     for r in range(R):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .heads import head_plan
-from .planner import Candidate, Problem, _pairs, load_profile, predict, ring_work
+from .planner import Candidate, Problem, call_pairs, load_profile, predict, ring_work
 
 
 class ScheduleError(ValueError):
@@ -191,7 +191,7 @@ class _Pricer:
                        Candidate(u, r, layout), self.profile)
         work, _, _ = ring_work(layout, total, r, s.causal, cu)
         heads = max(b - a for a, b in head_plan(s.heads, s.kv_heads or s.heads, u).q)
-        pairs = max(sum(_pairs(call) for step in rank_steps for call in step) for rank_steps in work) * heads
+        pairs = max(sum(call_pairs(call) for step in rank_steps for call in step) for rank_steps in work) * heads
         return Cost(u, r, layout, pred.time, pairs, pred.comm_bytes, pred.collectives)
 
 
