@@ -1,0 +1,41 @@
+"""Rank-side functions for tests/test_out_of_step.py: ranks whose calls stop matching (two
+different agreements met at one point, a ``check_ranks="first_call"`` module whose later call
+changes on one rank, hybrid sequence mixers called differently per rank)."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import usp_hal
+from tests.dist_cases import get_mesh
+from usp_hal.comm import agree
+
+
+def _outcome(fn) -> dict:
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        err = None
+    except Exception as exc:   # the test inspects type and message
+        value, err = None, exc
+    return {"error": None if err is None else f"{type(err).__name__}: {err}", "value": value,
+            "elapsed": time.monotonic() - t0}
+
+
+def _group_works(mesh) -> bool:
+    x = torch.randn(1, 10, 2, 4, generator=torch.Generator().manual_seed(3))
+    return bool(torch.equal(usp_hal.unshard(usp_hal.shard(x, mesh=mesh), mesh=mesh), x))
+
+
+def two_agreements(same_width: bool = True) -> dict:
+    """Rank 0 makes agreement "alpha", the other ranks agreement "beta", at the same point."""
+    mesh = get_mesh(1, dist.get_world_size())
+    if dist.get_rank() == 0:
+        out = _outcome(lambda: agree(None, mesh.metadata_group, what="alpha", values=[1, 2, 3]))
+    else:
+        vals = [7, 8, 9] if same_width else [7, 8, 9, 10, 11]
+        out = _outcome(lambda: agree(None, mesh.metadata_group, what="beta", values=vals))
+    out["after_ok"] = _group_works(mesh)
+    return out
