@@ -39,3 +39,32 @@ def two_agreements(same_width: bool = True) -> dict:
         out = _outcome(lambda: agree(None, mesh.metadata_group, what="beta", values=vals))
     out["after_ok"] = _group_works(mesh)
     return out
+
+
+def first_call_changes_on_one_rank(change: str, U: int = 1, R: int = 2) -> dict:
+    """A ``check_ranks="first_call"`` module: call 1 on every rank, then rank 1 alone makes a
+    changed call (``change``) and, after its error, carries on with the first call again,
+    while the other ranks repeat the first call twice."""
+    mesh = get_mesh(U, R)
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh, check_ranks="first_call")
+    g = torch.Generator().manual_seed(0)
+    S, H, D = 8 * U * R, 2 * U, 8
+    q, k, v = (torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    ql, kl, vl = (usp_hal.shard(t, mesh=mesh) for t in (q, k, v))
+    attn(ql, kl, vl, causal=True)
+    other = dist.get_rank() == 1
+
+    def changed():
+        if change == "causal":
+            return attn(ql, kl, vl, causal=False)
+        if change == "length":
+            return attn(ql[:, :-1], kl[:, :-1], vl[:, :-1], causal=True)
+        if change == "list":
+            return attn(ql.tolist(), kl, vl, causal=True)
+        raise AssertionError(change)
+
+    second = _outcome(changed if other else (lambda: attn(ql, kl, vl, causal=True)))
+    third = _outcome(lambda: attn(ql, kl, vl, causal=True))
+    for rep in (second, third):
+        rep["value"] = None
+    return {"second": second, "third": third}

@@ -32,3 +32,27 @@ def test_two_different_agreements_at_one_point_raise_on_every_rank(same_width):
         assert rep["elapsed"] < PG_TIMEOUT / 2, rep
         assert rep["after_ok"], rep
     assert len({r["error"] for r in res}) == 1, res
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("change,U,R", [("causal", 1, 2), ("list", 2, 1), ("length", 1, 2)])
+def test_first_call_changed_on_one_rank_ends_the_groups_use_on_every_rank(change, U, R):
+    """check_ranks="first_call" documents: a call that is not the first one ends the use of
+    the mesh's groups on the rank that sees it; the others, gone on into the call's data
+    exchange, fail at the group timeout; every later call on every rank is refused at once
+    (before, the changed rank's next call paired with the others' current one: wrong
+    outputs, then a hang)."""
+    res = _run(dist_out_of_step.first_call_changes_on_one_rank, change=change, U=U, R=R, timeout=150)
+    changed, others = res[1], res[:1]
+    assert changed["second"]["error"].startswith("OutOfStepError"), changed
+    assert "check_ranks='first_call'" in changed["second"]["error"], changed
+    assert changed["second"]["elapsed"] < PG_TIMEOUT / 2, changed
+    for rep in others:
+        assert rep["second"]["error"] is not None and "CommError" in rep["second"]["error"], rep
+        assert rep["second"]["elapsed"] < 2 * PG_TIMEOUT, rep
+    for rep in res:
+        third = rep["third"]
+        assert third["error"] is not None and third["error"].startswith("OutOfStepError"), rep
+        assert "ended on this rank" in third["error"], rep
+        assert third["elapsed"] < PG_TIMEOUT / 2, rep

@@ -33,6 +33,65 @@ class CommError(RuntimeError):
     """A collective of the core failed (timeout, a peer that died or skipped the call)."""
 
 
+class OutOfStepError(CommError):
+    """The ranks of a group can no longer be trusted to make the same calls in the same
+    order, so the library's use of the group has ended on this rank: raised by the call that
+    found it (a ``check_ranks="first_call"`` module whose call changed on this rank, or an
+    attention call whose data exchange failed), and then by every later call of the library
+    on the group on this rank, before it communicates.  Rebuild the process groups (and the
+    mesh) to go on."""
+
+
+#: process groups whose use has ended on this rank (:func:`end_use`) -> why
+_ENDED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_ENDED_IDS: Dict[int, str] = {}     # groups that take no weak reference
+
+
+def end_use(groups: Sequence[Any], reason: str) -> None:
+    """End the library's use of ``groups`` on this rank: every later :func:`agree` on one of
+    them, and every attention call on a mesh over one of them, raises :class:`OutOfStepError`
+    with ``reason`` before any collective."""
+    for g in groups:
+        if g is None:
+            continue
+        if ended(g) is not None:
+            continue
+        try:
+            _ENDED[g] = reason
+        except TypeError:
+            _ENDED_IDS[id(g)] = reason
+
+
+def any_ended() -> bool:
+    """Whether the use of some group ended on this rank (the steady-path test)."""
+    return bool(_ENDED or _ENDED_IDS)
+
+
+def ended(group) -> Optional[str]:
+    """Why the use of ``group`` ended on this rank, or None (the usual case, one test of an
+    empty dictionary)."""
+    if not (_ENDED or _ENDED_IDS) or group is None:
+        return None
+    try:
+        got = _ENDED.get(group)
+    except TypeError:
+        got = None
+    return got if got is not None else _ENDED_IDS.get(id(group))
+
+
+def refuse_ended(groups: Sequence[Any], where: str) -> None:
+    """Raise :class:`OutOfStepError` if the use of any of ``groups`` has ended on this rank."""
+    if not (_ENDED or _ENDED_IDS):
+        return
+    for g in groups:
+        why = ended(g)
+        if why is not None:
+            raise OutOfStepError(f"usp_hal: the use of the {where} ended on this rank after an earlier call, so this "
+                                 f"call is refused before it communicates (it could pair with another call of the "
+                                 f"other ranks); rebuild the process groups and the mesh to go on. The earlier "
+                                 f"call: {why}")
+
+
 def group_timeout(group) -> Optional[datetime.timedelta]:
     """The timeout the process group ``group`` (None = WORLD) was created with, if readable."""
     grp: Any = group if group is not None else dist.group.WORLD
@@ -382,6 +441,8 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     this rank has no ``problem``): a result equal to the last accepted one returns that
     one's rows at once.
     """
+    if _ENDED or _ENDED_IDS:
+        refuse_ended([group if group is not None else dist.group.WORLD], where)
     text = _problem_text(problem)
     multi = dist.is_available() and dist.is_initialized() and _group_size(group) > 1
     if repeat is not None:
