@@ -68,3 +68,50 @@ def first_call_changes_on_one_rank(change: str, U: int = 1, R: int = 2) -> dict:
     for rep in (second, third):
         rep["value"] = None
     return {"second": second, "third": third}
+
+
+def mixer_mismatch(what: str, U: int = 1, R: int = 2, layout: str = "zigzag") -> dict:
+    """Hybrid sequence mixers run differently on rank 1 (``what``): another batch size, the
+    other recurrence (state passing against head parallel), the other conv exchange (halo
+    against head parallel), or local lengths that are not the layout's."""
+    from usp_hal.hybrid import halo_causal_conv, head_parallel
+    from usp_hal.state_passing import delta_rule_reference, gated_delta_rule
+    mesh = get_mesh(U, R)
+    other = dist.get_rank() == 1
+    g = torch.Generator().manual_seed(0)
+    S, H, dk, dv, C, K = 16, 2, 4, 4, 6, 4
+    B = 1 if (other and what.endswith("batch")) else 2
+
+    def sharded(*shape):
+        full = torch.randn(2, S, *shape, generator=g, dtype=torch.float64)[:B]
+        return usp_hal.shard(full, layout=layout, mesh=mesh)
+
+    q, k, v = sharded(H, dk), sharded(H, dk), sharded(H, dv)
+    gate, beta = -torch.rand(*q.shape[:3], generator=g, dtype=torch.float64), sharded(H).sigmoid()
+    x = sharded(C)
+    weight = torch.randn(C, K, generator=g, dtype=torch.float64)
+    if what == "conv_lengths" and other:
+        x = x[:, :-1]
+
+    def by_heads(q, k, v, gg, bb):
+        return delta_rule_reference(q, k, v, gg, bb)[0]
+
+    def gdn_state():
+        return gated_delta_rule(q, k, v, gate, beta, mesh=mesh, layout=layout)
+
+    def gdn_heads():
+        return head_parallel(by_heads, q, k, v, gate, beta, mesh=mesh, layout=layout)
+
+    def conv_halo():
+        return halo_causal_conv(x, weight, mesh=mesh, layout=layout)
+
+    def conv_heads():
+        return head_parallel(lambda t: t * 2.0, x.unsqueeze(-1), mesh=mesh, layout=layout)
+
+    run = {"state_batch": gdn_state, "conv_batch": conv_halo, "conv_lengths": conv_halo,
+           "recurrence": gdn_heads if other else gdn_state,
+           "conv_exchange": conv_heads if other else conv_halo}[what]
+    out = _outcome(run)
+    out["value"] = None
+    out["after_ok"] = _group_works(mesh)
+    return out

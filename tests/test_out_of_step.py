@@ -56,3 +56,25 @@ def test_first_call_changed_on_one_rank_ends_the_groups_use_on_every_rank(change
         assert third["error"] is not None and third["error"].startswith("OutOfStepError"), rep
         assert "ended on this rank" in third["error"], rep
         assert third["elapsed"] < PG_TIMEOUT / 2, rep
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("what,needle", [
+    ("state_batch", "batch sizes"),
+    ("conv_batch", "batch sizes"),
+    ("recurrence", "sequence mixing differently"),
+    ("conv_exchange", "sequence mixing differently"),
+    ("conv_lengths", "per-rank lengths"),
+])
+def test_hybrid_mixers_run_differently_on_one_rank_raise_on_every_rank(what, needle):
+    """head_parallel, halo_causal_conv and state passing agree on their mode, batch, shapes
+    and per-rank lengths before data moves (before: an aborted process, garbage agreement
+    values or a silently short output)."""
+    res = _run(dist_out_of_step.mixer_mismatch, what=what)
+    for rep in res:
+        assert rep["error"] is not None and rep["error"].split(":")[0].endswith("ValueError"), res
+        assert needle in rep["error"], rep
+        assert rep["elapsed"] < PG_TIMEOUT / 2, rep
+        assert rep["after_ok"], rep
+    assert len({r["error"] for r in res}) == 1, res
