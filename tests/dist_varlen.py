@@ -1,6 +1,8 @@
 """Packed-sequence (cu_seqlens) functions that run on every rank of a WorkerPool (tests/mp.py)."""
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -214,8 +216,9 @@ def unpacked_call_vs_packed_reference(U=1, R=2):
 
 def static_shapes_docs(U=1, R=2):
     """static_shapes=True: the first call checks (host collectives), the same boundaries
-    again run without one; other boundaries are a different call and raise."""
-    mesh = get_mesh(U, R)
+    again run without one; other boundaries are a different call and raise (which ends the
+    use of the mesh's groups: a mesh of its own, on groups no other case uses)."""
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=datetime.timedelta(seconds=60))
     x = torch.randn(1, 12, 2, 8)
     cu = [0, 5, 12]
     local = usp_hal.shard(x, layout="varlen_zigzag", mesh=mesh, cu_seqlens=cu)

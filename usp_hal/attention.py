@@ -43,8 +43,12 @@ class LongContextAttention(torch.nn.Module):
     every call (on the CPU side group), so that a cross-rank mismatch ends in the same error
     on every rank.  ``"first_call"`` (or ``static_shapes=True``): after the first checked
     call, a call with the same spec runs no host-side collective at all (CUDA-graph
-    friendly); a call whose spec differs raises on the rank that sees it.  ``"off"``: every
-    call exchanges only the local lengths (and any rank's refusal).  True and False are
+    friendly); a call that differs (or that this rank refuses) raises
+    :class:`~usp_hal.comm.OutOfStepError` on the rank that sees it and ends the use of the
+    mesh's groups there (every later call on them raises it before communicating; a rank
+    that went on fails at the group timeout).  ``"off"``: every call exchanges only the
+    local lengths (and any rank's refusal) and compares no option: a rank-different call
+    is wrong, hangs or aborts (docs/architecture.md).  True and False are
     aliases of ``"every_call"`` and ``"off"``.
 
     ``ulysses_float8=True``: q, v and the output travel through the Ulysses all-to-all as

@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import builtins
 import datetime
+import functools
 import struct
 import weakref
 import zlib
@@ -30,6 +31,65 @@ import torch.distributed as dist
 
 class CommError(RuntimeError):
     """A collective of the core failed (timeout, a peer that died or skipped the call)."""
+
+
+class OutOfStepError(CommError):
+    """The ranks of a group can no longer be trusted to make the same calls in the same
+    order, so the library's use of the group has ended on this rank: raised by the call that
+    found it (a ``check_ranks="first_call"`` module whose call changed on this rank, or an
+    attention call whose data exchange failed), and then by every later call of the library
+    on the group on this rank, before it communicates.  Rebuild the process groups (and the
+    mesh) to go on."""
+
+
+#: process groups whose use has ended on this rank (:func:`end_use`) -> why
+_ENDED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_ENDED_IDS: Dict[int, str] = {}     # groups that take no weak reference
+
+
+def end_use(groups: Sequence[Any], reason: str) -> None:
+    """End the library's use of ``groups`` on this rank: every later :func:`agree` on one of
+    them, and every attention call on a mesh over one of them, raises :class:`OutOfStepError`
+    with ``reason`` before any collective."""
+    for g in groups:
+        if g is None:
+            continue
+        if ended(g) is not None:
+            continue
+        try:
+            _ENDED[g] = reason
+        except TypeError:
+            _ENDED_IDS[id(g)] = reason
+
+
+def any_ended() -> bool:
+    """Whether the use of some group ended on this rank (the steady-path test)."""
+    return bool(_ENDED or _ENDED_IDS)
+
+
+def ended(group) -> Optional[str]:
+    """Why the use of ``group`` ended on this rank, or None (the usual case, one test of an
+    empty dictionary)."""
+    if not (_ENDED or _ENDED_IDS) or group is None:
+        return None
+    try:
+        got = _ENDED.get(group)
+    except TypeError:
+        got = None
+    return got if got is not None else _ENDED_IDS.get(id(group))
+
+
+def refuse_ended(groups: Sequence[Any], where: str) -> None:
+    """Raise :class:`OutOfStepError` if the use of any of ``groups`` has ended on this rank."""
+    if not (_ENDED or _ENDED_IDS):
+        return
+    for g in groups:
+        why = ended(g)
+        if why is not None:
+            raise OutOfStepError(f"usp_hal: the use of the {where} ended on this rank after an earlier call, so this "
+                                 f"call is refused before it communicates (it could pair with another call of the "
+                                 f"other ranks); rebuild the process groups and the mesh to go on. The earlier "
+                                 f"call: {why}")
 
 
 def group_timeout(group) -> Optional[datetime.timedelta]:
@@ -297,6 +357,54 @@ def _gather_flat(values: List[int], group, what: str, where: str) -> List[int]:
     return out.tolist()
 
 
+#: an agreement's message is ``[flag, tag, *values]`` padded with zeros to a multiple of
+#: this many integers, so that two different agreements of up to ``_BUCKET - 2`` values
+#: meet in an all-gather of one size and their tags tell them apart
+_BUCKET = 64
+
+
+@functools.lru_cache(maxsize=256)
+def agreement_tag(what: str, width: int) -> int:
+    """The word that says which agreement a message belongs to: a digest of its label
+    (``what``) and its number of values, the same on every rank."""
+    return digest_ints(list(f"{width}:{what}".encode("utf-8", "replace")))
+
+
+def _padded(n: int) -> int:
+    """The length of an agreement message of ``n`` integers (header included)."""
+    if n <= _BUCKET:
+        return _BUCKET
+    size = _BUCKET
+    while size < n:
+        size *= 2
+    return size
+
+
+def _tagged_rows(flat: List[int], n_values: int, tag: int, group, what: str, where: str,
+                 ranks: Optional[Sequence[Any]]) -> List[List[int]]:
+    """Every rank's ``[flag, *values]`` from a gathered ``[flag, tag, *values, 0...]``
+    message; when some rank sent another agreement's tag (the ranks are not making the same
+    call at this point), every rank raises the same :class:`AgreementError` naming what each
+    rank was doing (one more exchange, of the labels, only then)."""
+    size = _padded(n_values + 2)
+    msgs = _split_rows(flat, size)
+    if any(m[1] != tag for m in msgs):
+        labels = all_gather_bytes(what.encode("utf-8", "replace"), group, what=f"{what}: agreement labels",
+                                  where=where)
+        names = list(ranks) if ranks is not None else _group_ranks(group, len(msgs))
+        seen = "; ".join(f"rank {n}: {raw.decode('utf-8', 'replace')!r}" for n, raw in zip(names, labels))
+        raise _error_class()(
+            f"usp_hal: the ranks of the {where} are not at the same agreement (each rank's call of the library "
+            f"must be the same call, in the same order, on every rank; check for a rank that skipped or added a "
+            f"call, or took another branch); each rank's agreement: {seen}")
+    return [[m[0], *m[2:n_values + 2]] for m in msgs]
+
+
+def _message(flag: int, tag: int, values: Sequence[int]) -> List[int]:
+    row = [flag, tag, *values]
+    return row + [0] * (_padded(len(row)) - len(row))
+
+
 def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-parallel group",
           values: Sequence[int] = (), width: Optional[int] = None, same: Union[bool, Sequence[str]] = False,
           check: Optional[Callable[[List[List[int]]], Union[None, str, Sequence[str]]]] = None,
@@ -310,8 +418,14 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     which must then be the same on every rank; a rank that refused may send fewer, they are
     padded with zeros).
 
-    One all-gather of ``[flag, *values]``; only when some rank flagged, a second one with the
-    reasons.  Then, on every rank with the same inputs, so with the same outcome:
+    One all-gather of ``[flag, tag, *values]`` (``tag``: :func:`agreement_tag`, which
+    agreement this is; the message padded to a fixed size, so another agreement met at the
+    same point is told apart, not read as this one's values); only when some rank flagged,
+    a second one with the reasons.  Then, on every rank with the same inputs, so with the
+    same outcome:
+
+    * some rank sent another agreement's tag: :class:`AgreementError` naming every rank's
+      agreement (the ranks are not making the same calls);
 
     * any rank flagged: :class:`AgreementError` ``"<what>: rank r: <reason>; ..."``, naming
       each refusing rank (``ranks``: the labels to use, default the group's global ranks);
@@ -327,17 +441,20 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
     this rank has no ``problem``): a result equal to the last accepted one returns that
     one's rows at once.
     """
+    if _ENDED or _ENDED_IDS:
+        refuse_ended([group if group is not None else dist.group.WORLD], where)
     text = _problem_text(problem)
     multi = dist.is_available() and dist.is_initialized() and _group_size(group) > 1
     if repeat is not None:
         repeat.hit = False
         if not text and multi:
-            flat = _gather_flat([0] + repeat.values, group, f"{what}: agreement check", where)
+            tag = agreement_tag(what, len(repeat.values))
+            flat = _gather_flat(_message(0, tag, repeat.values), group, f"{what}: agreement check", where)
             if flat == repeat.last:
                 repeat.hit = True
                 assert repeat.rows is not None
                 return repeat.rows
-            gathered = _split_rows(flat, len(repeat.values) + 1)
+            gathered = _tagged_rows(flat, len(repeat.values), tag, group, what, where, ranks)
             rows = settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
             # other rows accepted: what the caller made of the last ones no longer stands
             repeat.last, repeat.rows, repeat.result = flat, rows, None
@@ -355,8 +472,9 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
                 raise problem
             raise _error_class()(f"{what}: {text}", {0: text})
         return settle([[0] + row], problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
-    gathered = _split_rows(_gather_flat([1 if text else 0] + row, group, f"{what}: agreement check", where),
-                           n_values + 1)
+    tag = agreement_tag(what, n_values)
+    gathered = _tagged_rows(_gather_flat(_message(1 if text else 0, tag, row), group, f"{what}: agreement check",
+                                         where), n_values, tag, group, what, where, ranks)
     return settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
 
 

@@ -184,6 +184,80 @@ def _local_problem(tensors, grouped) -> Tuple[Optional[str], int, int, int, int]
     return None, s, h, g, b
 
 
+# ------------------------------------------------------------------------------ the agreement
+#: the sequence mixers that move data across the group, as their code in :func:`agree_mixer`
+MIXERS = ("head_parallel", "halo_causal_conv", "state_passing")
+_MIXER_WHAT = "usp_hal sequence mixer"   # one label for all: ranks at different mixers meet in it
+_SHAPE_WIDTH = 6
+
+
+def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Sequence[int],
+                shape_names: Sequence[str], layout: str, cu=None, seqlen: Optional[int] = None) -> List[int]:
+    """Every rank's local length, after one small all-gather (ints, on the CPU metadata
+    group) in which every rank of ``mesh`` shows how it runs this sequence mixer: ``mode``
+    (one of :data:`MIXERS`: which exchange it is about to make), its local length and batch,
+    its ``shape`` (up to six integers the mixer's exchanges depend on: heads, groups,
+    channels, kernel width, state sizes, a dtype code; ``shape_names`` label them), its
+    layout and document boundaries, and the global length it was given (``seqlen``).  Any
+    local ``problem``, another mode, batch, shape, layout or boundaries on any rank, or
+    per-rank lengths that are not the layout's, raise the same error on every rank before any
+    data moves.  All mixers share one label, so ranks that reach different mixers (another
+    ``recurrence=`` or conv exchange on one rank) meet in this exchange and are told so."""
+    from .comm import agree, digest_ints
+    from .positions import local_lengths
+    shape = [int(x) for x in shape][:_SHAPE_WIDTH]
+    shape += [0] * (_SHAPE_WIDTH - len(shape))
+    code = MIXERS.index(mode) + 1
+    lay = digest_ints(list(layout.encode())) if isinstance(layout, str) else 0
+    cud = digest_ints([int(c) for c in cu]) if cu is not None else 0
+    names = mesh.sp_ranks
+
+    def per_rank(rows, j, show=str):
+        return ", ".join(f"rank {names[i]}: {show(r[j])}" for i, r in enumerate(rows))
+
+    def mode_name(c):
+        return MIXERS[c - 1] if 1 <= c <= len(MIXERS) else f"code {c}"
+
+    def check(rows) -> Optional[str]:
+        if len({r[0] for r in rows}) > 1:
+            return ("the ranks run this layer's sequence mixing differently (" + per_rank(rows, 0, mode_name)
+                    + "); every rank must make the same choice: pass the same recurrence= and conv exchange on "
+                    "every rank")
+        if len({r[2] for r in rows}) > 1:
+            return ("the ranks hold different batch sizes (" + per_rank(rows, 2) + "); every rank of the "
+                    "sequence-parallel group must hold the same batch (shard one batch over the group with "
+                    "usp_hal.integrations.transformers.shard_batch or usp_hal.shard)")
+        if len({tuple(r[3:3 + _SHAPE_WIDTH]) for r in rows}) > 1:
+            shown = "; ".join(f"rank {names[i]}: " + ", ".join(f"{n}={v}" for n, v in zip(shape_names, r[3:]))
+                              for i, r in enumerate(rows))
+            return f"the ranks' inputs differ in shape or dtype ({shown}); every rank must run the same layer"
+        k = 3 + _SHAPE_WIDTH
+        if len({r[k] for r in rows}) > 1:
+            return "the ranks pass different layouts; pass the same layout= on every rank"
+        if len({r[k + 1] for r in rows}) > 1:
+            return "the ranks pass different document boundaries (cu_seqlens); pass the same ones on every rank"
+        sizes = [r[1] for r in rows]
+        total = sum(sizes)
+        given = {r[k + 2] for r in rows}
+        if len(given) > 1 or (given != {-1} and given != {total}):
+            return (f"the global length given (seqlen: {per_rank(rows, k + 2)}; -1: none) is not the ranks' "
+                    f"{total} tokens")
+        if cu is not None and int(cu[-1]) != total:
+            return f"cu_seqlens ends at {int(cu[-1])}, but the ranks hold {total} tokens"
+        table = local_lengths(layout, total, mesh.ring_degree, mesh.ulysses_degree, cu_seqlens=cu)
+        expect = [table[mesh.ring_of(i)][mesh.ulysses_of(i)] for i in range(mesh.sp_size)]
+        if sizes != expect:
+            return (f"per-rank lengths {sizes} are not the {layout!r} layout's for S={total} ({expect}); shard "
+                    "the inputs with usp_hal.shard(x, layout, mesh)")
+        return None
+
+    values = [code, int(local_len), int(batch), *shape, lay, cud, -1 if seqlen is None else int(seqlen)]
+    rows = agree(f"usp_hal.{mode}: {problem}" if problem else None, mesh.metadata_group, what=_MIXER_WHAT,
+                 where=mesh.where("sequence-parallel"), values=[] if problem else values, width=len(values),
+                 ranks=names, check=check)
+    return [r[1] for r in rows]
+
+
 # eager under torch.compile (a graph break): every rank runs its collectives from the same eager code
 # (tests/test_hybrid_compile.py: kimi_linear under Inductor failed across ranks without it)
 @torch.compiler.disable
@@ -200,8 +274,8 @@ def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] =
     """
     import usp_hal
 
-    from .comm import agree
-    from .positions import check_layout, local_lengths
+    from .comm import digest_ints, dtype_code
+    from .positions import check_layout
 
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
     grouped = tuple(int(i) for i in grouped)
@@ -224,24 +298,12 @@ def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] =
             kw["heads"] = range(h)
         return fn(*tensors, **kw)
 
-    def fits(rows) -> Optional[str]:
-        if len({(r[1], r[2], r[3]) for r in rows}) > 1:
-            return ("the ranks passed different heads, groups or batch sizes: "
-                    + ", ".join(f"rank {mesh.sp_ranks[i]}: H={r[1]} G={r[2]} B={r[3]}" for i, r in enumerate(rows)))
-        sizes = [r[0] for r in rows]
-        seqlen = sum(sizes)
-        if cu is not None and cu[-1] != seqlen:
-            return f"cu_seqlens ends at {cu[-1]}, but the ranks hold {seqlen} tokens"
-        table = local_lengths(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, cu_seqlens=cu)
-        expect = [table[mesh.ring_of(i)][mesh.ulysses_of(i)] for i in range(mesh.sp_size)]
-        if sizes != expect:
-            return (f"per-rank lengths {sizes} are not the {layout!r} layout's for S={seqlen} ({expect}); shard "
-                    "the inputs with usp_hal.shard(x, layout, mesh)")
-        return None
-
-    rows = agree(problem, mesh.metadata_group, what="usp_hal.head_parallel", where=mesh.where("sequence-parallel"),
-                 values=[s_local, h, g, b], ranks=mesh.sp_ranks, check=fits)
-    sizes = tuple(r[0] for r in rows)
+    shape = [h, g, len(tensors), digest_ints(sorted(grouped)),
+             digest_ints([dtype_code(t.dtype) for t in tensors] + [int(t.dim()) for t in tensors]) if not problem
+             else 0, int(with_heads)]
+    sizes = tuple(agree_mixer(mesh, "head_parallel", problem, s_local, b, shape,
+                              ("H", "G", "inputs", "grouped (digest)", "dtypes and ranks (digest)", "with_heads"),
+                              layout, cu))
     seqlen = sum(sizes)
     me = mesh.sp_rank
     plan = _head_plan(h, g, mesh.sp_size)
@@ -365,21 +427,37 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     rank, whatever ``S``) and convolves locally.  Backward sends those tokens' gradients home."""
     import usp_hal
 
-    from .comm import agree
+    from .comm import dtype_code
     from .positions import check_layout
 
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
-    layout = check_layout(layout)
+    problem = None
     cu = None
-    if cu_seqlens is not None:
-        from .varlen import as_cu_seqlens
-        cu = as_cu_seqlens(cu_seqlens)
-    ksize = int(weight.shape[-1])
+    try:
+        layout = check_layout(layout)
+        if cu_seqlens is not None:
+            from .varlen import as_cu_seqlens
+            cu = as_cu_seqlens(cu_seqlens)
+    except (TypeError, ValueError) as exc:
+        problem = str(exc)
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3):
+        problem = problem or (f"x must be a [B, S_local, C] tensor, got "
+                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    elif not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == x.shape[2]
+              and weight.shape[1] >= 1):
+        problem = problem or (f"weight must be [C={x.shape[2]}, K], got "
+                              f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    ksize = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() >= 1 else 0
     width = ksize - 1 if _halo_width is None else _halo_width
     if mesh.sp_size > 1:
-        rows = agree(None, mesh.metadata_group, what="usp_hal.halo_causal_conv", where=mesh.where("sequence-parallel"),
-                     values=[int(x.shape[1])], ranks=mesh.sp_ranks)
-        seqlen = sum(r[0] for r in rows)
+        ok = problem is None
+        shape = [int(x.shape[2]) if ok else 0, ksize, width, dtype_code(x.dtype) if ok else 0,
+                 int(bias is not None)]
+        seqlen = sum(agree_mixer(mesh, "halo_causal_conv", problem, int(x.shape[1]) if ok else 0,
+                                 int(x.shape[0]) if ok else 0, shape,
+                                 ("C", "K", "halo width", "dtype (code)", "bias"), layout, cu))
+    elif problem:
+        raise ValueError(f"usp_hal.halo_causal_conv: {problem}")
     else:
         seqlen = int(x.shape[1])
     from .positions import local_positions

@@ -53,6 +53,11 @@ class SequenceParallelMesh:
             got = names[kind] = f"{kind} group (ranks {', '.join(map(str, ranks))})"
         return got
 
+    def groups(self) -> tuple:
+        """The process groups this mesh's calls communicate on (sequence-parallel, Ulysses,
+        ring, metadata; None where it has none)."""
+        return (self.sp_group, self.ulysses_group, self.ring_group, self.meta_group)
+
     @property
     def metadata_group(self):
         """The group for the small per-call metadata exchange: a CPU (gloo) group over the

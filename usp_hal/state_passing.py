@@ -180,11 +180,12 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
     ``kernel(*inputs, initial_state=state or None) -> (out, final_state)`` runs the recurrence
     on one contiguous stretch (the inputs sliced along ``seq_dim``); its state is ``[B, H,
     key_dim, dv]`` and ``inputs[value_index]`` is ``[B, T, H, dv]``, the value whose columns
-    the state's columns follow.  ``seqlen``: the global length, if known (else one small
-    all-gather of the local lengths on the metadata group finds it).  Returns this rank's
+    the state's columns follow.  ``seqlen``: the global length, if known (checked against the
+    ranks' lengths).  One small all-gather of ints on the metadata group first agrees on
+    the call across the ranks (:func:`usp_hal.hybrid.agree_mixer`).  Returns this rank's
     output, in local order."""
     me = mesh.sp_rank
-    total = seqlen if seqlen is not None else _global_length(inputs[0].shape[seq_dim], mesh)
+    total = _agree(inputs, value_index, key_dim, mesh, layout, cu_seqlens, seq_dim, seqlen)
     plan = pieces(mesh, total, layout, cu_seqlens)
     mine = _mine(plan, me)
     per_rank, where = _slot_table(plan, mesh.sp_size)
@@ -221,15 +222,45 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
     return _tie(out, gathered)
 
 
-def _global_length(local: int, mesh) -> int:
-    """The global length from every rank's local length (one small all-gather of ints on the
-    metadata group; no device sync)."""
-    from .comm import all_gather_ints
+def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq_dim: int,
+           seqlen: Optional[int]) -> int:
+    """The global length, after every rank showed how it runs this recurrence (one small
+    all-gather of ints on the metadata group, no device sync: :func:`usp_hal.hybrid.agree_mixer`):
+    the batch, heads, state sizes, dtype, layout, document boundaries and per-rank lengths
+    must agree, else every rank raises the same error before the states move."""
+    from .comm import digest_ints, dtype_code
+    from .hybrid import agree_mixer
+    from .positions import check_layout
+    problem = None
+    lay = layout
+    try:
+        lay = check_layout(layout)
+    except (TypeError, ValueError) as exc:
+        problem = str(exc)
+    v = inputs[value_index] if 0 <= value_index < len(inputs) else None
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4):
+        problem = problem or (f"the value (input {value_index}) must be [B, T, H, dv], got "
+                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    elif any(not isinstance(x, torch.Tensor) or x.dim() <= seq_dim or x.shape[seq_dim] != v.shape[seq_dim]
+             or x.shape[0] != v.shape[0] for x in inputs):
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs]
+        problem = problem or f"the inputs differ in batch or length: {shapes}"
+    if problem is None and v is not None:
+        batch, length, heads, dv, dt = int(v.shape[0]), int(v.shape[seq_dim]), int(v.shape[2]), int(v.shape[3]), \
+            dtype_code(v.dtype)
+        shapes_digest = digest_ints([int(d) for x in inputs for d in (x.dim(), *x.shape[2:])])
+    else:
+        batch = length = heads = dv = dt = shapes_digest = 0
     if mesh.sp_size == 1:
-        return local
-    rows = all_gather_ints([int(local)], mesh.metadata_group, what="all-gather of local lengths",
-                           where=mesh.where("sequence-parallel"))
-    return sum(r[0] for r in rows)
+        if problem:
+            raise ValueError(f"usp_hal.state_passing: {problem}")
+        return length if seqlen is None else int(seqlen)
+    shape = [heads, int(key_dim), dv, dt, len(inputs), shapes_digest]
+    cu = tuple(int(c) for c in cu_seqlens) if cu_seqlens is not None else None
+    sizes = agree_mixer(mesh, "state_passing", problem, length, batch, shape,
+                        ("H", "key dim", "value dim", "dtype (code)", "inputs", "input shapes (digest)"),
+                        lay, cu, seqlen)
+    return sum(sizes)
 
 
 # eager under torch.compile (a graph break): every rank runs its collectives from the same eager code

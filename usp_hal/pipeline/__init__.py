@@ -127,6 +127,8 @@ class Pipeline:
             from ..mesh import get_default_mesh
             mesh = get_default_mesh()
         check_live(mesh)
+        if comm.any_ended():
+            comm.refuse_ended(mesh.groups(), mesh.where("sequence-parallel"))
         if mesh is not self.bound:
             if self.bound is not None and not is_live(self.bound):
                 self.forget()
@@ -259,7 +261,13 @@ class Pipeline:
                 opts = sink_options(self, opts, sinks, grad)
         loc = self._local(mesh, q, k, v, opts, alibi_slopes, positions, joint, err, needs_grad, None, cu_seqlens)
         _, plan = self._finish(mesh, *loc)
-        return _run.run(plan, q, k, v, received, sinks)
+        try:
+            return _run.run(plan, q, k, v, received, sinks)
+        except CommError as exc:
+            # a data exchange failed (a peer died, timed out, or is at another call): a later
+            # call on these groups could pair with a peer's other call, so their use ends here
+            comm.end_use(mesh.groups(), f"a data exchange of an attention call failed: {exc}")
+            raise
 
 
 

@@ -28,8 +28,10 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
 
     ``pipe.check_ranks`` picks what is exchanged: ``"every_call"`` (every call: the spec's
     metadata vector, compared), ``"first_call"`` (that once; later calls of the same spec
-    exchange nothing, a call of another spec raises on the rank that sees it), ``"off"``
-    (every call: the local lengths, refusals, and whether a mask awaits its check at the agreed length)."""
+    exchange nothing, a call of another spec, or one this rank refuses, raises
+    :class:`~usp_hal.comm.OutOfStepError` on the rank that sees it and ends the use of the
+    mesh's groups there: :func:`out_of_step`), ``"off"`` (every call: the local lengths,
+    refusals, and whether a mask awaits its check at the agreed length)."""
     n = mesh.sp_size
     pipe.mask_unchecked = False
     if n == 1:
@@ -40,15 +42,11 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
             check_layout(pipe, mesh, spec, [spec.local_len], None, cu_seqlens)
         return [spec.local_len]
     compare_meta = pipe.check_ranks != "off"
-    if pipe.check_ranks == "first_call" and pipe.frozen is not None and err is None and spec is not None:
+    if pipe.check_ranks == "first_call" and pipe.frozen is not None:
         frozen, lengths = pipe.frozen
-        if spec == frozen:
+        if err is None and spec is not None and spec == frozen:
             return lengths
-        diffs = compare([frozen.meta(), spec.meta()], ["frozen", "this call"], spec)
-        raise USPError("check_ranks='first_call' (static_shapes=True): this call differs from the first (checked) "
-                       "one, so it cannot run without a metadata exchange; use a module with "
-                       "check_ranks='every_call' for changing shapes (this rank only; the other ranks stop at the "
-                       "group timeout):\n  " + "\n  ".join(diffs))
+        out_of_step(mesh, frozen, spec, err)
     group = mesh.metadata_group
     where = mesh.where("sequence-parallel")
     problem = None if err is None else f"{type(err).__name__}: {err}"
@@ -99,6 +97,31 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     if pipe.check_ranks == "first_call":
         pipe.frozen = (spec, lengths)
     return lengths
+
+
+def out_of_step(mesh, frozen: CallSpec, spec: Optional[CallSpec], err) -> None:
+    """Raise for a ``check_ranks="first_call"`` call that is not the first (checked) one on
+    this rank: another spec, or a call this rank refuses.  The other ranks check nothing
+    after the first call, so they may already be in this call's data exchanges with the
+    first call's shapes; nothing this rank can do now reaches them without a host read on
+    their steady path.  So the use of the mesh's groups ends on this rank: this call and
+    every later call of the library on them raise :class:`~usp_hal.comm.OutOfStepError`
+    here before communicating, and none of this rank's later calls can pair with theirs."""
+    if err is not None or spec is None:
+        what = f"this rank refuses the call ({type(err).__name__}: {err})"
+    else:
+        what = "it differs from the first one:\n  " + "\n  ".join(
+            compare([frozen.meta(), spec.meta()], ["first call", "this call"], spec))
+    msg = (f"check_ranks='first_call' (static_shapes=True): a later call on this rank is not the first (checked) "
+           f"call, and the other ranks of the {mesh.where('sequence-parallel')} check nothing after it, so they "
+           f"may be running it already; the use of this mesh's process groups ends here on this rank (this and "
+           f"every later usp_hal call on them raise OutOfStepError before communicating, so no later call of "
+           f"this rank pairs with theirs; a rank that went on waits in the call's first data exchange until the "
+           f"process group's timeout, then raises CommError, and its later calls raise OutOfStepError too). "
+           f"Rebuild the process groups and the mesh to go on, and use check_ranks='every_call' for calls that "
+           f"change. This call: {what}")
+    comm.end_use(mesh.groups(), msg)
+    raise comm.OutOfStepError(msg) from err
 
 
 _REFUSALS: dict = {}
