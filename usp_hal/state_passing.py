@@ -207,6 +207,11 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
     pad = per_rank - len(finals)
     ref = finals[0] if finals else torch.zeros(B, H, key_dim, dv + key_dim, dtype=sdt, device=v.device)
     stacked = torch.stack(finals + [ref.new_zeros(ref.shape)] * pad) if per_rank else ref.new_zeros(0)
+    if not mine:
+        # a rank that holds no token (a sequence shorter than the group): its zero states and
+        # its empty output still hang off its (empty) inputs, so its backward reaches the
+        # gather's collective as the other ranks' do; only such a rank pays these empty sums
+        stacked = stacked + _nothing_of(inputs).to(sdt)
     gathered = _all_gather(stacked, mesh)
     starts = _carry_in(gathered, plan, where, dv)
     for (j, p), out0 in zip(mine, first):
@@ -218,8 +223,19 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
         out, _ = kernel(*part, initial_state=s_in)
         outs.append(out)
     order = sorted(range(len(mine)), key=lambda i: mine[i][1].local)
-    out = torch.cat([outs[i] for i in order], dim=seq_dim) if outs else v.new_zeros(v.shape)
+    out = torch.cat([outs[i] for i in order], dim=seq_dim) if outs else v.new_zeros(v.shape) + _nothing_of(inputs)
     return _tie(out, gathered)
+
+
+def _nothing_of(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A zero that depends on every floating input (the empty inputs of a rank that holds no
+    token), so autograd reaches that rank's collectives as it reaches the others'."""
+    zero = torch.zeros((), dtype=inputs[0].dtype if inputs[0].is_floating_point() else torch.float32,
+                       device=inputs[0].device)
+    for x in inputs:
+        if x.is_floating_point():
+            zero = zero + x.sum().to(zero.dtype) * 0
+    return zero
 
 
 def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq_dim: int,
