@@ -138,3 +138,24 @@ def bytes_sent(op="gdn", U=1, R=2, layout="zigzag", S=64):
     with meter:
         sp.gated_delta_rule(q, k, v, gg, beta, mesh=mesh, layout=layout)
     return sum(meter.bytes.values())
+
+
+def misfit(op="gdn", sizes=(9, 7), layout="basic"):
+    """Every rank calls ``op`` with its tokens of ``sizes`` (per-rank lengths that are not the
+    layout's for their sum); returns this rank's error text (or "no error" and the shape)."""
+    mesh = get_mesh(1, len(sizes))
+    n = sizes[mesh.sp_rank]
+    g = torch.Generator().manual_seed(0)
+    try:
+        if op == "gdn":
+            q = torch.randn(1, n, 2, 4, generator=g, dtype=torch.float64)
+            out = sp.gated_delta_rule(q, q, torch.randn(1, n, 2, 3, generator=g, dtype=torch.float64),
+                                      -torch.rand(1, n, 2, generator=g, dtype=torch.float64),
+                                      torch.rand(1, n, 2, generator=g, dtype=torch.float64), mesh=mesh, layout=layout)
+        else:
+            from usp_hal.hybrid import halo_causal_conv
+            out = halo_causal_conv(torch.randn(1, n, 3, generator=g), torch.randn(3, 4, generator=g),
+                                   mesh=mesh, layout=layout)
+    except Exception as exc:        # noqa: BLE001 - the text is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return f"no error: {tuple(out.shape)}"

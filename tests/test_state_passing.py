@@ -161,3 +161,15 @@ def test_a_rank_without_tokens_is_exact(pools):
     and leave the other ranks waiting: a timeout on 5edbecd)."""
     _assert_all_within(_run(pools, timeout=60, op="gdn", U=1, R=2, layout="basic", S=1))
     _assert_all_within(_run(pools, timeout=60, op="gdn", U=1, R=4, layout="zigzag", S=3))
+
+
+@pytest.mark.parametrize("op", ["gdn", "conv"])
+@pytest.mark.parametrize("sizes", [(9, 7), (7, 9)])
+def test_lengths_that_do_not_fit_the_layout_are_refused_on_every_rank(pools, op, sizes):
+    """Per-rank lengths that are not the layout's: the same refusal on every rank, before any
+    data moves (on 5edbecd state passing raised on one rank and hung the other; the halo conv
+    returned 8 rows for 9 or 7 tokens)."""
+    texts = pools(2).run(dsp.misfit, timeout=60, op=op, sizes=sizes)
+    assert len(set(texts)) == 1, texts
+    assert texts[0].startswith("AgreementValueError") and f"per-rank lengths {list(sizes)}" in texts[0] \
+        and "usp_hal.shard" in texts[0], texts
