@@ -11,6 +11,7 @@ from usp_hal.harness.cases import RunConfig, min_comm_bytes, resolve_split
 pytestmark = pytest.mark.multirank
 
 
+@pytest.mark.slow   # a whole CLI run: spawns its ranks
 def test_run_small_two_ranks_passes(tmp_path, capsys):
     path = tmp_path / "run.json"
     rc = main(["run", "--seqlen", "64", "--heads", "4", "--head-dim", "16", "--iters", "2", "--warmup", "0",
@@ -53,6 +54,7 @@ def test_run_bad_split_fails_fast(capsys):
     assert time.monotonic() - t < 5
 
 
+@pytest.mark.slow   # a whole CLI run: spawns its ranks
 def test_run_refused_backend_fails_on_every_rank(capsys):
     t = time.monotonic()
     rc = main(["run", "--seqlen", "64", "--attn-type", "fa2", "--timeout", "120"])

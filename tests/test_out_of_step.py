@@ -9,7 +9,7 @@ import pytest
 from tests import dist_out_of_step
 from tests.mp import WorkerPool
 
-PG_TIMEOUT = 15.0
+PG_TIMEOUT = 10.0
 
 
 def _run(fn, world=2, timeout=90, **kw):
@@ -34,6 +34,7 @@ def test_two_different_agreements_at_one_point_raise_on_every_rank(same_width):
     assert len({r["error"] for r in res}) == 1, res
 
 
+@pytest.mark.slow          # the other rank waits out the group timeout
 @pytest.mark.multirank
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("change,U,R", [("causal", 1, 2), ("list", 2, 1), ("length", 1, 2)])

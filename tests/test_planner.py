@@ -232,6 +232,7 @@ def test_8_l20_usp_2x4_beats_ulysses8_and_ring8(causal):
     assert u8["terms"]["ulysses_a2a"] > 0.1 * u8["time"] and r8["terms"]["ring_exposed"] > 0
 
 
+@pytest.mark.slow   # measures this machine on spawned ranks
 @pytest.mark.multirank
 def test_calibrate_writes_a_profile_plan_can_use(tmp_path):
     """--calibrate on 2 gloo ranks (tiny sizes here to stay fast): a profile with positive
@@ -338,6 +339,7 @@ def budget_peak_case(plan_row=None, S=2048, H=8, D=64):
     return {"total": float(worst), "method": mm.method}
 
 
+@pytest.mark.slow   # meters every candidate and runs the winner on spawned ranks
 def test_memory_budget_picks_low_memory_when_only_it_fits_and_the_real_run_fits(pools):
     """A budget between the low_memory and the default modules' memory: the plan's winner is a
     low_memory module (the default ones are listed as over the budget), and that module, run

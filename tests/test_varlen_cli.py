@@ -7,7 +7,7 @@ import pytest
 from usp_hal.cli import main
 from usp_hal.harness import RunConfig
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]   # whole CLI runs
 
 
 def test_run_packed_documents_passes(tmp_path, capsys):
