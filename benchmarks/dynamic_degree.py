@@ -28,32 +28,21 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
-from usp_hal.schedule import AttentionShape, Schedule, ScheduleError, compare_with_static, draw_batches, static_schedule
+from usp_hal.schedule import (
+    AttentionShape,
+    Schedule,
+    compare_with_static,
+    draw_batches,
+    fitting_static_splits,
+    split_label,
+    static_schedule,
+)
 
 WORLD = 4
 PROFILES = ("h100-nvlink", "l40-pcie")
 DISTS = {"lognormal": "lognormal:1024:32768:1.5", "llama3-sft": "llama3-sft"}
-
-
-def statics_within(batches: List[List[int]], shape, budget: int) -> List[Tuple[int, int, int]]:
-    """(U, R, sp) of the static splits that hold every batch within the budget."""
-    ok = []
-    for sp in (4, 2, 1):
-        for u in (d for d in range(sp, 0, -1) if sp % d == 0):
-            try:
-                for b in batches:
-                    static_schedule(b, WORLD, shape, ulysses=u, ring=sp // u, budget_tokens=budget, profile="cpu")
-            except ScheduleError:
-                continue
-            ok.append((u, sp // u, sp))
-    return ok
-
-
-def label(u: int, r: int, sp: int) -> str:
-    name = "one rank" if sp == 1 else f"U{u}xR{r}"
-    return f"dp{WORLD // sp} x {name}" if WORLD > sp else name
 
 
 # ------------------------------------------------------------------------- the wall time (4 ranks)
@@ -90,13 +79,13 @@ def timed_ranks(dist: str, steps: int, tokens_per_rank: int, budget: int, seed: 
     dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu")
     rank = dist_.get_rank()
     bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=scale)
-    variants = ["dynamic"] + [label(*s) for s in statics]
+    variants = ["dynamic"] + [split_label(WORLD, u, r) for u, r in statics]
     times: Dict[str, List[float]] = {v: [] for v in variants}
     mods: dict = {}
     for step, b in enumerate(bs):
         scheds = {"dynamic": dd.schedule(b, global_batch=True)}
-        for u, r, sp in statics:
-            scheds[label(u, r, sp)] = static_schedule(b, WORLD, shape, ulysses=u, ring=r, budget_tokens=budget,
+        for u, r in statics:
+            scheds[split_label(WORLD, u, r)] = static_schedule(b, WORLD, shape, ulysses=u, ring=r, budget_tokens=budget,
                                                       profile="cpu")
         order = variants[step % len(variants):] + variants[:step % len(variants)]
         for name in order:
@@ -150,7 +139,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         sc = args.time_scale
         tb = draw_batches(DISTS[args.dist], args.time_steps + 1, WORLD * args.tokens_per_rank // sc, seed=args.seed,
                           scale=sc)
-        tstatics = statics_within(tb, AttentionShape(4, 32, 2, "fp32", True, True), args.budget // sc)
+        tstatics = list(fitting_static_splits(tb, WORLD, AttentionShape(4, 32, 2, "fp32", True, True),
+                                              budget_tokens=args.budget // sc, profile="cpu"))
         res = run_on_ranks(timed_ranks, world=WORLD, dist=args.dist, steps=args.time_steps,
                            tokens_per_rank=args.tokens_per_rank // sc, budget=args.budget // sc, seed=args.seed,
                            scale=sc, statics=tstatics)

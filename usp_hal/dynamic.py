@@ -22,16 +22,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .comm import agree
+from .comm import agree, digest_ints
 from .mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
-from .schedule import AttentionShape, Job, Schedule, ScheduleError, group_sizes, schedule_batch
+from .schedule import AttentionShape, Job, Schedule, ScheduleError, group_sizes, schedule_batch, ulysses_degrees_of
 
 #: the most sequences one rank may contribute to a step (the gather's fixed width)
 MAX_LOCAL_SEQUENCES = 1024
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
 
 
 class DynamicDegree:
@@ -60,9 +56,7 @@ class DynamicDegree:
         self.pack = bool(pack)
         self.meshes: Dict[Tuple[int, int, int], SequenceParallelMesh] = {}
         for g in self.sizes:                               # the same order on every rank
-            for u in _divisors(g):
-                if u > 1 and self.ulysses_degrees is not None and u not in self.ulysses_degrees:
-                    continue
+            for u in ulysses_degrees_of(g, self.ulysses_degrees):
                 self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout)
         if (1, 1, 1) not in self.meshes:                   # each rank alone: a round without a job of its own
             self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout)
@@ -95,7 +89,7 @@ class DynamicDegree:
         unplaceable batch raises :class:`ScheduleError` on every rank; no data has moved."""
         if global_batch:
             rows = agree(None, None, what="DynamicDegree.schedule: the global batch's lengths",
-                         where="default process group", values=[len(lengths), _digest(lengths)],
+                         where="default process group", values=[len(lengths), digest_ints([int(n) for n in lengths])],
                          same=("sequences", "lengths digest"))
             del rows
             gathered = [int(n) for n in lengths]
@@ -166,8 +160,3 @@ class DynamicDegree:
         if self.rank not in job.ranks or mesh.sp_ranks != tuple(job.ranks):
             raise ValueError(f"rank {self.rank} is not in this job's group (ranks {list(job.ranks)})")
         return default_mesh_set_to(mesh)
-
-
-def _digest(values: Sequence[int]) -> int:
-    from .comm import digest_ints
-    return digest_ints([int(v) for v in values])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from .heads import head_plan
 from .planner import Candidate, Problem, call_pairs, load_profile, predict, ring_work
@@ -143,6 +143,34 @@ def group_sizes(world: int) -> Tuple[int, ...]:
     return tuple(sorted(sizes | {world}))
 
 
+def ulysses_degrees_of(g: int, allowed: Optional[Collection[int]] = None) -> List[int]:
+    """The Ulysses degrees a group of ``g`` ranks may use, largest first: its divisors, those in
+    ``allowed`` (None: all; 1 always, a ring or a single rank)."""
+    return [d for d in range(g, 0, -1) if g % d == 0 and (allowed is None or d == 1 or d in allowed)]
+
+
+def split_label(world: int, ulysses: int, ring: int) -> str:
+    """A static split's name: ``U2xR2``, ``dp2 x U1xR2``, ``dp4 x one rank``."""
+    sp = ulysses * ring
+    name = "one rank" if sp == 1 else f"U{ulysses}xR{ring}"
+    return f"dp{world // sp} x {name}" if world > sp else name
+
+
+def fitting_static_splits(batches: Sequence[Sequence[int]], world: int, shape: AttentionShape, *,
+                          budget_tokens: int, profile="h100-nvlink") -> Dict[Tuple[int, int], List[Schedule]]:
+    """``(ulysses, ring)`` -> every batch's schedule, for each static split (``sp`` ranks of the
+    group sizes, largest first, ``world / sp`` replicas) that holds every batch within the budget."""
+    out: Dict[Tuple[int, int], List[Schedule]] = {}
+    for sp in sorted(group_sizes(world), reverse=True):
+        for u in ulysses_degrees_of(sp):
+            try:
+                out[(u, sp // u)] = [static_schedule(b, world, shape, ulysses=u, ring=sp // u,
+                                                     budget_tokens=budget_tokens, profile=profile) for b in batches]
+            except ScheduleError:
+                continue
+    return out
+
+
 class _Pricer:
     """Costs of (lengths, group size), each priced once."""
 
@@ -173,10 +201,7 @@ class _Pricer:
                     yield u, "varlen_zigzag"
 
     def splits(self, g: int) -> List[int]:
-        """The Ulysses degrees a group of ``g`` ranks may use (its divisors, those allowed)."""
-        out = [d for d in range(g, 0, -1) if g % d == 0
-               and (self.ulysses_degrees is None or d in self.ulysses_degrees or d == 1)]
-        return out
+        return ulysses_degrees_of(g, self.ulysses_degrees)
 
     def _price(self, lengths, g, u, r, layout) -> Cost:
         s = self.shape
@@ -446,16 +471,8 @@ def compare_with_static(batches: Sequence[Sequence[int]], world: int, shape: Att
         return out
 
     dynamic = total([schedule_batch(b, world, shape, budget_tokens=budget_tokens, profile=profile) for b in batches])
-    static: Dict[str, Dict[str, float]] = {}
-    for sp in sorted(group_sizes(world), reverse=True):
-        for u in (d for d in range(sp, 0, -1) if sp % d == 0):
-            try:
-                scheds = [static_schedule(b, world, shape, ulysses=u, ring=sp // u, budget_tokens=budget_tokens,
-                                          profile=profile) for b in batches]
-            except ScheduleError:
-                continue
-            name = "one rank" if sp == 1 else f"U{u}xR{sp // u}"
-            static[f"dp{world // sp} x {name}" if world > sp else name] = total(scheds)
+    static = {split_label(world, u, r): total(scheds) for (u, r), scheds in
+              fitting_static_splits(batches, world, shape, budget_tokens=budget_tokens, profile=profile).items()}
     ratio = {k: (v / min(s[k] for s in static.values()) if static and min(s[k] for s in static.values()) else None)
              for k, v in dynamic.items()}
     return {"dynamic": dynamic, "static": static, "ratio": ratio}
