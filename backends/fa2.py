@@ -74,7 +74,7 @@ from typing import Optional
 
 import torch
 
-from usp_hal.backend import (
+from usp_hal.dispatch.backend import (
     AttentionBackend,
     BackendUnavailable,
     installed_version,
@@ -83,7 +83,7 @@ from usp_hal.backend import (
     pad_head_dim,
     parse_version,
 )
-from usp_hal.capabilities import Availability, Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.capabilities import Availability, Limit, Package, Positions, kernel_window
 
 # ``module`` is the package itself: the Triton AMD build has no ``flash_attn_2_cuda`` (which
 # of the two builds is present is checked by ``FlashAttn2Backend.availability``)

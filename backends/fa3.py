@@ -58,14 +58,6 @@ import os
 
 import torch
 
-from usp_hal.backend import (
-    AttentionBackend,
-    BackendUnavailable,
-    installed_version,
-    lse_for_backward,
-    normalize_lse,
-    pad_head_dim,
-)
 from usp_hal.backends.fa2 import (
     KERNEL_HEAD_DIM_MULTIPLE,
     custom_op_namespace,
@@ -77,7 +69,15 @@ from usp_hal.backends.fa2 import (
 from usp_hal.backends.fa2 import (
     PACKAGE as FA2_PACKAGE,
 )
-from usp_hal.capabilities import Availability, Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.backend import (
+    AttentionBackend,
+    BackendUnavailable,
+    installed_version,
+    lse_for_backward,
+    normalize_lse,
+    pad_head_dim,
+)
+from usp_hal.dispatch.capabilities import Availability, Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flash_attn_3", module="flash_attn_interface", alt_dists=("flash-attn-3",), wheel=False)
 BUILD_HINT = "not on PyPI: build it from the hopper/ directory of Dao-AILab/flash-attention"

@@ -46,14 +46,14 @@ import os
 
 import torch
 
-from usp_hal.backend import (
+from usp_hal.dispatch.backend import (
     AttentionBackend,
     BackendUnavailable,
     lse_for_backward,
     normalize_lse,
     pad_head_dim,
 )
-from usp_hal.capabilities import Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.capabilities import Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flash-attn-4", module="flash_attn")
 SRC = "flash-attn-4 4.0.0b36 flash_attn/cute/interface.py"

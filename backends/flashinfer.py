@@ -32,8 +32,8 @@ import shutil
 
 import torch
 
-from usp_hal.backend import AttentionBackend, normalize_lse, pad_to
-from usp_hal.capabilities import Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.backend import AttentionBackend, normalize_lse, pad_to
+from usp_hal.dispatch.capabilities import Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flashinfer-python", module="flashinfer", min_version="0.2.0",
                   alt_dists=("flashinfer",), extra="flashinfer")

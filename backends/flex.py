@@ -45,9 +45,9 @@ import warnings
 
 import torch
 
-from usp_hal.backend import AttentionBackend, normalize_lse
-from usp_hal.capabilities import Limit
-from usp_hal.platform import device_type_of
+from usp_hal.dispatch.backend import AttentionBackend, normalize_lse
+from usp_hal.dispatch.capabilities import Limit
+from usp_hal.dispatch.platform import device_type_of
 
 SRC = "pytorch v2.13.0"
 

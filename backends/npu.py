@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 
 from usp_hal import platform as _platform
-from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse
-from usp_hal.capabilities import Availability, Package
+from usp_hal.dispatch.backend import AttentionBackend, lse_for_backward, normalize_lse
+from usp_hal.dispatch.capabilities import Availability, Package
 
 PACKAGE = Package(dist="torch-npu", module="torch_npu", min_version="2.1.0", extra="npu")
 DOC = "Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md (0d8f401d, 3ec6c1fc)"

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from usp_hal import platform as _platform
-from usp_hal.backend import AttentionBackend
+from usp_hal.dispatch.backend import AttentionBackend
 
 
 def _work(dtype: torch.dtype) -> torch.dtype:

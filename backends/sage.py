@@ -46,8 +46,8 @@ from typing import Optional
 
 import torch
 
-from usp_hal.backend import AttentionBackend, installed_version, normalize_lse, pad_to, parse_version
-from usp_hal.capabilities import AttnRequest, Limit, Package, Positions, RuleContext, _arch_matches
+from usp_hal.dispatch.backend import AttentionBackend, installed_version, normalize_lse, pad_to, parse_version
+from usp_hal.dispatch.capabilities import AttnRequest, Limit, Package, Positions, RuleContext, _arch_matches
 
 PACKAGE = Package(dist="sageattention", module="sageattention", extra="sage")
 SRC = "thu-ml/SageAttention"

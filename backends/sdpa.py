@@ -29,9 +29,16 @@ from __future__ import annotations
 
 import torch
 
-from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_head_dim, pad_to, position_mask
-from usp_hal.capabilities import Limit
-from usp_hal.platform import compute_capability, device_type_of
+from usp_hal.dispatch.backend import (
+    AttentionBackend,
+    lse_for_backward,
+    normalize_lse,
+    pad_head_dim,
+    pad_to,
+    position_mask,
+)
+from usp_hal.dispatch.capabilities import Limit
+from usp_hal.dispatch.platform import compute_capability, device_type_of
 
 _HALF = (torch.float16, torch.bfloat16)
 FLASH_HEAD_DIM_MULTIPLE = 8

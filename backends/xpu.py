@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 
 from usp_hal import platform as _platform
-from usp_hal.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_to, parse_version
-from usp_hal.capabilities import Availability, Limit, Positions
+from usp_hal.dispatch.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_to, parse_version
+from usp_hal.dispatch.capabilities import Availability, Limit, Positions
 
 MIN_TORCH = "2.10"
 SRC = "intel/torch-xpu-ops"

@@ -1,4 +1,4 @@
-"""The core stays device- and kernel-agnostic: no device API outside usp_hal/platform.py, no
+"""The core stays device- and kernel-agnostic: no device API outside usp_hal/dispatch/platform.py, no
 kernel package named anywhere in usp_hal/, and `import usp_hal` loads no kernel or adapter."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from usp_hal.registry import AttnType
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "usp_hal"
-DEVICE_LAYER = CORE / "platform.py"
+DEVICE_LAYER = CORE / "dispatch" / "platform.py"
 
 # device APIs: only the platform layer may touch them
 DEVICE_PATTERNS = [r"torch\.cuda\b", r"\.cuda\("]
@@ -104,11 +104,11 @@ CIRCLE_CHECK_EXCLUDES: tuple = ()
 # Imports of another module's private (underscore) name still allowed, as (importer, name):
 # usp_hal.comm offers the same function as the public ``all_gather_single``; the sage adapter
 # reads the capabilities' architecture matcher (to be made public there).
-PRIVATE_IMPORTS_ALLOWED = {("usp_hal.rotation", "usp_hal.comm._all_gather_single"),
-                           ("usp_hal.harness.calibrate", "usp_hal.comm._all_gather_single"),
-                           ("usp_hal.backends.sage", "usp_hal.capabilities._arch_matches")}
+PRIVATE_IMPORTS_ALLOWED = {("usp_hal.parallel.rotation", "usp_hal.parallel.comm._all_gather_single"),
+                           ("usp_hal.harness.calibrate", "usp_hal.parallel.comm._all_gather_single"),
+                           ("usp_hal.backends.sage", "usp_hal.dispatch.capabilities._arch_matches")}
 
-PURE_LEAF = "usp_hal.positions"     # pure position code: imports nothing of the package, nor torch.distributed
+PURE_LEAF = "usp_hal.sequence.positions"     # pure position code: imports nothing of the package, nor torch.distributed
 
 
 def _modules():
@@ -119,6 +119,10 @@ def _modules():
             parts = [pkg, *path.relative_to(base).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
+            if parts[:2] == ["usp_hal", "_moved"]:       # the former paths: usp_hal.comm, ... (see its docstring)
+                if len(parts) == 2:
+                    continue
+                parts.pop(1)
             mods[".".join(parts)] = path
     return mods
 
@@ -229,5 +233,57 @@ def test_the_circle_check_would_catch_a_circle():
     assert _circles(graph, ()) == [["usp_hal.a", "usp_hal.b", "usp_hal.c"]]
     assert _circles(graph, ("usp_hal.b",)) == []
     real = _imports(_modules())
-    assert ("usp_hal.positions", None) in real["usp_hal.ring"] or any(
-        d == "usp_hal.positions" for d, _ in real["usp_hal.ring"])
+    assert ("usp_hal.sequence.positions", None) in real["usp_hal.parallel.ring"] or any(
+        d == "usp_hal.sequence.positions" for d, _ in real["usp_hal.parallel.ring"])
+
+
+# ------------------------------------------------------------------------------ the layers
+# Each layer of usp_hal may import itself and the layers named beside it, nothing above.
+LAYERS = {
+    "usp_hal.sequence": (),
+    "usp_hal.dispatch": ("usp_hal.sequence",),
+    "usp_hal.parallel": ("usp_hal.sequence", "usp_hal.dispatch"),
+    "usp_hal.pipeline": ("usp_hal.sequence", "usp_hal.dispatch", "usp_hal.parallel"),
+    "usp_hal.mixers": ("usp_hal.sequence", "usp_hal.dispatch", "usp_hal.parallel"),
+}
+
+
+def _layer_of(mod: str):
+    return next((layer for layer in LAYERS if mod == layer or mod.startswith(layer + ".")), None)
+
+
+def _upward_imports(graph):
+    found = []
+    for mod, deps in sorted(graph.items()):
+        layer = _layer_of(mod)
+        if layer is None:
+            continue
+        for dep, _ in deps:
+            if _layer_of(dep) != layer and _layer_of(dep) not in LAYERS[layer]:
+                found.append(f"{mod} -> {dep}")
+    return found
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    bad = _upward_imports(_imports(_modules()))
+    assert not bad, "imports against the layering (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_layer_check_would_catch_an_upward_import():
+    graph = {"usp_hal.parallel.ring": [("usp_hal.sequence.blocks", None), ("usp_hal.pipeline.spec", "CallSpec")],
+             "usp_hal.sequence.positions": [("usp_hal", None)], "usp_hal.attention": [("usp_hal.pipeline", None)]}
+    assert _upward_imports(graph) == ["usp_hal.parallel.ring -> usp_hal.pipeline.spec",
+                                      "usp_hal.sequence.positions -> usp_hal"]
+
+
+def test_former_paths_are_the_moved_modules():
+    """``usp_hal.comm`` and the other former paths are the very module objects of their new homes."""
+    import importlib
+
+    from usp_hal._moved import FORMER
+    for old, new in FORMER.items():
+        if old in ("usp_hal.layout", "usp_hal.varlen"):       # re-export modules: their names resolve
+            mod = importlib.import_module(old)
+            assert all(getattr(mod, n) is not None for n in mod.__all__), old
+            continue
+        assert importlib.import_module(old) is importlib.import_module(new), (old, new)

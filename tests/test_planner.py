@@ -13,6 +13,7 @@ import pytest
 import usp_hal
 from usp_hal import planner
 from usp_hal.cli import main
+from usp_hal.harness import memprobe
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 BENCH2 = os.path.join(DATA, "planner_bench_cpu_2ranks.json")
@@ -344,14 +345,15 @@ def test_memory_budget_picks_low_memory_when_only_it_fits_and_the_real_run_fits(
     """A budget between the low_memory and the default modules' memory: the plan's winner is a
     low_memory module (the default ones are listed as over the budget), and that module, run
     on 2 real gloo ranks, stays within the budget (inputs included)."""
-    free = planner.plan(**BUDGET_SHAPE, memory_budget=1e12)        # everything fits: see the metered figures
+    # everything fits: see the metered figures
+    free = planner.plan(**BUDGET_SHAPE, memory_budget=1e12, meter=memprobe.probe)
     mem = {r["label"]: r["mem_per_rank"] for r in free["rows"]}
     assert set(mem) == {"ulysses2", "ring2 zigzag p2p", "ulysses2 low_memory", "ring2 zigzag p2p low_memory"}
     low_best = min(v for k, v in mem.items() if "low_memory" in k)
     default_best = min(v for k, v in mem.items() if "low_memory" not in k)
     assert low_best < 0.9 * default_best, mem
     budget = (low_best + default_best) / 2 / planner.BUDGET_HEADROOM
-    res = planner.plan(**BUDGET_SHAPE, memory_budget=budget)
+    res = planner.plan(**BUDGET_SHAPE, memory_budget=budget, meter=memprobe.probe)
     assert all(r["candidate"]["low_memory"] for r in res["rows"]), res["winner"]
     assert "low_memory=True" in res["module"]
     over = {i["label"] for i in res["invalid"] if "budget" in i["reason"]}
@@ -372,6 +374,8 @@ def test_memory_budget_arguments_and_cli(capsys):
         planner.plan(2, 8, 1024, 64, memory_budget=1e9, pipelines=(0, 2))
     with pytest.raises(planner.PlanError, match="packed documents or a mask"):
         planner.plan(2, 8, 1024, 64, memory_budget=1e9, cu_seqlens=[0, 512, 1024])
+    with pytest.raises(planner.PlanError, match="needs meter="):       # the planner imports no harness
+        planner.plan(2, 8, 1024, 64, memory_budget=1e9)
     with pytest.raises(SystemExit):
         main(["plan", "--world", "2", "--heads", "8", "--seqlen", "1024", "--head-dim", "64", "--memory-budget", "12x"])
     assert "'12x': give bytes" in capsys.readouterr().err

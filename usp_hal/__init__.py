@@ -5,12 +5,16 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 __version__ = "0.1.0"
 
-from .backend import AttentionBackend, BackendUnavailable  # noqa: E402
-from .capabilities import AttnRequest, Availability, Package  # noqa: E402
-from .registry import (  # noqa: E402
+# the modules' former paths (usp_hal.comm, usp_hal.ring, ...) resolve from _moved/ (see its docstring)
+__path__.append(os.path.join(os.path.dirname(__file__), "_moved"))
+
+from .dispatch.backend import AttentionBackend, BackendUnavailable  # noqa: E402
+from .dispatch.capabilities import AttnRequest, Availability, Package  # noqa: E402
+from .dispatch.registry import (  # noqa: E402
     REGISTRY,
     AttnType,
     get_backend,
@@ -20,10 +24,10 @@ from .registry import (  # noqa: E402
 )
 
 _LAZY = {
-    "init_sequence_parallel": "mesh",
-    "set_seq_parallel_pg": "mesh",
-    "SequenceParallelMesh": "mesh",
-    "get_default_mesh": "mesh",
+    "init_sequence_parallel": "parallel.mesh",
+    "set_seq_parallel_pg": "parallel.mesh",
+    "SequenceParallelMesh": "parallel.mesh",
+    "get_default_mesh": "parallel.mesh",
     "LongContextAttention": "attention",
     "AsyncLongContextAttention": "attention",
     "async_qkv_attention": "overlap",
@@ -32,7 +36,7 @@ _LAZY = {
     "RingAttention": "attention",
     "shard": "sharding",
     "unshard": "sharding",
-    "EXTRACT_FUNC_DICT": "positions",
+    "EXTRACT_FUNC_DICT": "sequence.positions",
     "plan": "planner",
     "ShardedKVCache": "serving",
     # yunchang 0.6.4's other top-level names (usp_hal.compat)
@@ -50,7 +54,7 @@ _LAZY = {
         "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
         "ring_pytorch_attn_func", "ring_flashinfer_attn_func", "ring_flashinfer_attn_kvpacked_func",
         "ring_flashinfer_attn_qkvpacked_func", "ring_npu_flash_attn_func")},
-    "head_parallel": "hybrid",
+    "head_parallel": "mixers.head_parallel",
 }
 
 __all__ = [
@@ -60,9 +64,11 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("attention", "backend", "capabilities", "codec", "comm", "compat", "kernels", "layout", "mesh",
-               "overlap", "planner", "platform", "positions", "processor", "reference", "registry", "ring",
-               "rotation", "sharding", "spec", "state_passing", "ulysses", "varlen", "hybrid")
+_SUBMODULES = ("attention", "compat", "kernels", "overlap", "planner", "sharding", "serving", "schedule", "dynamic",
+               "sequence", "dispatch", "parallel", "pipeline", "mixers", "integrations",
+               # former paths (_moved/)
+               "backend", "capabilities", "codec", "comm", "layout", "mesh", "platform", "positions", "processor",
+               "reference", "registry", "ring", "rotation", "spec", "state_passing", "ulysses", "varlen", "hybrid")
 
 
 def __dir__():

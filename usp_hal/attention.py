@@ -12,17 +12,17 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from .codec import get_codec
-from .compiled import compiled_forward
-from .heads import HeadPlan, most_groups, split_plan
-from .layout import get_layout
-from .mesh import SequenceParallelMesh, mesh_of_group
+from .dispatch.registry import REGISTRY
+from .parallel.codec import get_codec
+from .parallel.heads import HeadPlan, most_groups, split_plan
+from .parallel.mesh import SequenceParallelMesh, mesh_of_group
+from .parallel.ring import merge_dtype
+from .parallel.rotation import get_rotation
 from .pipeline import CallOptions, CallPlan, Pipeline, USPError
+from .pipeline.compiled import compiled_forward
 from .pipeline.options import check_mode
 from .pipeline.validate import check_joint
-from .registry import REGISTRY
-from .ring import merge_dtype
-from .rotation import get_rotation
+from .sequence.positions import get_layout
 
 
 class LongContextAttention(torch.nn.Module):
@@ -99,7 +99,7 @@ class LongContextAttention(torch.nn.Module):
                    "mesh with set_seq_parallel_pg or init_sequence_parallel, or pass mesh=)"
                    if not isinstance(scatter_idx, int) else ""))
         if attn_processor is not None:           # yunchang's user kernel (usp_hal.processor)
-            from .processor import processor_attn_type
+            from .dispatch.processor import processor_attn_type
             attn_type = processor_attn_type(attn_processor, attn_type)
         self.attn_processor = attn_processor
         if any(x is not None for x in (q_descale, k_descale, v_descale)):
@@ -229,7 +229,7 @@ class LongContextAttention(torch.nn.Module):
                                       softcap=softcap, deterministic=deterministic, return_lse=return_lse)
             if mask is not None or sinks is not None:
                 if torch.compiler.is_compiling():
-                    from .masks import Mask
+                    from .sequence.masks import Mask
                     if mask is not None and not isinstance(mask, Mask):
                         raise TypeError("under torch.compile pass mask= as a usp_hal.masks.Mask built outside the "
                                         "compiled function (Mask.from_mod / from_slices), not a bare mask_mod or list")
@@ -274,7 +274,7 @@ class LongContextAttention(torch.nn.Module):
         key = (opts, id(mask), sinks)
         got = cache.get(key)
         if got is None or got[0] is not mask:      # the object itself: an id may be reused
-            from .masks import Mask
+            from .sequence.masks import Mask
             if len(cache) > 16:
                 cache.clear()
             got = cache[key] = (mask, opts.with_(mask=Mask.of(mask) if mask is not None else None, sinks=sinks))

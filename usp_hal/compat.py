@@ -24,9 +24,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Dict, Tuple
 
-from .mesh import mesh_of_group
-from .positions import EXTRACT_FUNC_DICT
-from .processor import processor_attn_type, processor_backend
+from .dispatch.processor import processor_attn_type, processor_backend
+from .parallel.mesh import mesh_of_group
+from .sequence.positions import EXTRACT_FUNC_DICT
 
 # ---------------------------------------------------------------------------- ring functions
 

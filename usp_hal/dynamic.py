@@ -22,8 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .comm import agree, digest_ints
-from .mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
+from .parallel.comm import agree, digest_ints
+from .parallel.mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
 from .schedule import AttentionShape, Job, Schedule, ScheduleError, group_sizes, schedule_batch, ulysses_degrees_of
 
 #: the most sequences one rank may contribute to a step (the gather's fixed width)

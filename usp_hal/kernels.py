@@ -4,6 +4,6 @@ name changed.  usp-hal's kernels are backends (:mod:`usp_hal.registry`); yunchan
 functions (``flash_attn_forward`` and the like) have no counterpart here."""
 from __future__ import annotations
 
-from .registry import AttnType
+from .dispatch.registry import AttnType
 
 __all__ = ["AttnType"]

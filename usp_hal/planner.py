@@ -46,18 +46,17 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .blocks import balance, block_plans
-from .codec import CODECS, get_codec
-from .heads import head_plan, most_groups
-from .layout import LAYOUTS as _LAYOUT_TABLE
-from .layout import get_layout, ring_segments
-from .rotation import ROTATIONS as _ROTATION_TABLE
-from .rotation import AllGatherRotation, P2PRotation
-from .varlen import as_cu_seqlens
+from .parallel.codec import CODECS, get_codec
+from .parallel.heads import head_plan, most_groups
+from .parallel.rotation import ROTATIONS as _ROTATION_TABLE
+from .parallel.rotation import AllGatherRotation, P2PRotation
+from .sequence.blocks import balance, block_plans
+from .sequence.positions import LAYOUTS as _LAYOUT_TABLE
+from .sequence.positions import as_cu_seqlens, get_layout, ring_segments
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
@@ -403,7 +402,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     hk = [b - a for a, b in hp.kv]                  # KV heads that travel to each Ulysses rank
     hk_local = [hp.local_heads(u)[1] for u in range(U)]
     if P.mask is not None:     # the masked plan: skipped tiles cost nothing, partial runs their rectangle
-        from .masks import ring_work as masked_ring_work
+        from .sequence.masks import ring_work as masked_ring_work
         work, shard, local_ring = masked_ring_work(P.mask, C.layout, S, R, P.causal, P.cu_seqlens)
     else:
         work, shard, local_ring = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
@@ -667,7 +666,7 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
          inter_bw: Optional[float] = None, latency: Optional[float] = None, fp8: bool = False,
          pipelines: Sequence[int] = (0,), layouts: Optional[Sequence[str]] = None,
          rotations: Optional[Sequence[str]] = None, cu_seqlens=None, mask=None,
-         memory_budget: Optional[float] = None) -> dict:
+         memory_budget: Optional[float] = None, meter: Optional[Callable] = None) -> dict:
     """Every valid configuration ranked by predicted time per attention call.
 
     ``profile``: a profile name (``list_profiles()``), a path, or a dict.  Returns a dict with
@@ -678,8 +677,10 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     :class:`usp_hal.masks.Mask` (or what ``forward(mask=)`` takes): each candidate is priced
     with its masked block plan (skipped tiles free, partial runs as their whole rectangle).
     ``memory_budget``: bytes per rank.  The candidates then include ``low_memory=True``, each
-    one's memory per rank is metered (:func:`metered_memory`), and one over
-    :data:`BUDGET_HEADROOM` of the budget is not valid; the winner is the fastest that fits."""
+    one's memory per rank is metered (:func:`metered_memory`) by ``meter``, and one over
+    :data:`BUDGET_HEADROOM` of the budget is not valid; the winner is the fastest that fits.
+    ``meter(specs, seqlen)``: each spec's peak bytes per rank above its inputs, e.g.
+    :func:`usp_hal.harness.memprobe.probe` (what ``usp-hal plan --memory-budget`` passes)."""
     dtype = DTYPE_ALIASES.get(str(dtype), str(dtype))
     if kv_heads is not None and kv_heads < 1:
         raise PlanError(f"--kv-heads must be >= 1, got {kv_heads} (leave it out for --heads: no GQA)")
@@ -693,12 +694,15 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
                             "mask without it, or plan the same shape without them for the memory")
         if any(pipelines) or fp8:
             raise PlanError("--memory-budget meters the synchronous module without a wire codec; drop --async/--fp8")
+        if meter is None:
+            raise PlanError("memory_budget= needs meter=: a function giving each candidate's peak bytes per rank, "
+                            "e.g. usp_hal.harness.memprobe.probe (what `usp-hal plan --memory-budget` passes)")
     try:
         cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
     except (TypeError, ValueError) as exc:
         raise PlanError(f"--cu-seqlens: {exc}") from None
     if mask is not None:
-        from .masks import Mask
+        from .sequence.masks import Mask
         mask = Mask.of(mask)
     problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd), cu, mask)
     _check(problem)
@@ -728,7 +732,7 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
             invalid.append({"label": c.label, "reason": why})
         else:
             todo.append(c)
-    metered = metered_memory(problem, todo) if memory_budget is not None else {}
+    metered = metered_memory(problem, todo, meter) if meter is not None and memory_budget is not None else {}
     for c in todo:
         p = predict(problem, c, prof)
         if memory_budget is not None:
@@ -786,12 +790,12 @@ def _spec_key(spec: dict, seqlen: int) -> tuple:
     return tuple(sorted(spec.items())) + (("seqlen", seqlen),)
 
 
-def metered_memory(problem: Problem, cands: Sequence[Candidate]) -> Dict[Candidate, float]:
+def metered_memory(problem: Problem, cands: Sequence[Candidate], meter: Callable) -> Dict[Candidate, float]:
     """Bytes per rank of one call of each candidate, inputs included (q, k, v, and dout for
-    ``bwd``): the worst rank's peak above them from :mod:`usp_hal.harness.memprobe` (the real
-    module on a fake process group in a fresh interpreter, extrapolated in S; forward+backward
-    with ``bwd``, else the forward without autograd)."""
-    from .harness import memprobe
+    ``bwd``): the worst rank's peak above them from ``meter`` (the CLI's is
+    :func:`usp_hal.harness.memprobe.probe`: the real module on a fake process group in a fresh
+    interpreter, extrapolated in S; forward+backward with ``bwd``, else the forward without
+    autograd)."""
     P = problem
     def spec(c: Candidate) -> dict:       # what sets the memory: the layout and rotation only on a ring
         ring = c.ring > 1
@@ -802,7 +806,7 @@ def metered_memory(problem: Problem, cands: Sequence[Candidate]) -> Dict[Candida
     keys = {c: _spec_key(spec(c), P.seqlen) for c in cands}
     todo = {k: spec(c) for c, k in keys.items() if k not in _METERED}
     if todo:
-        for k, peak in zip(todo, memprobe.probe(list(todo.values()), P.seqlen)):
+        for k, peak in zip(todo, meter(list(todo.values()), P.seqlen)):
             _METERED[k] = peak
     tokens = math.ceil(P.seqlen / P.world)
     inputs = P.batch * tokens * P.head_dim * ((2 if P.bwd else 1) * P.heads + 2 * P.hkv) * P.elem

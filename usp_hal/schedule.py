@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
-from .heads import head_plan
+from .parallel.heads import head_plan
 from .planner import Candidate, Problem, call_pairs, load_profile, predict, ring_work
 
 

@@ -47,16 +47,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import platform as _platform
-from .blocks import plan_blocks
-from .capabilities import AttnRequest
-from .comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
-from .heads import head_plan
+from .dispatch import platform as _platform
+from .dispatch.capabilities import AttnRequest
+from .dispatch.registry import REGISTRY
+from .parallel.comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
+from .parallel.heads import head_plan
+from .parallel.ring import merge_block, merge_dtype
+from .pipeline.spec import TensorDigests
 from .pipeline.validate import check_scale
-from .positions import Segment, check_layout, ring_segments
-from .registry import REGISTRY
-from .ring import merge_block, merge_dtype
-from .spec import TensorDigests
+from .sequence.blocks import plan_blocks
+from .sequence.positions import Segment, check_layout, ring_segments
 
 __all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
 
@@ -212,7 +212,7 @@ class ShardedKVCache:
                  dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
                  block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag", verify: str = "layer",
                  check_inputs: bool = False):
-        from .mesh import get_default_mesh
+        from .parallel.mesh import get_default_mesh
         self.mesh = mesh if mesh is not None else get_default_mesh()
         m = self.mesh
         hkv = num_heads if num_kv_heads is None else num_kv_heads
@@ -475,7 +475,7 @@ class ShardedKVCache:
                                  "layer (decode() appends); reset() the cache for a new batch")
             self._check_kv(k, v, "prefill", q)
             if mask is not None:
-                from .masks import Mask
+                from .sequence.masks import Mask
                 mask = Mask.of(mask)
         except (ValueError, TypeError) as exc:
             problem = exc

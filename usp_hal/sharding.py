@@ -16,9 +16,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import agree, collective, digest_ints, dtype_code
-from .mesh import get_default_mesh
-from .positions import as_cu_seqlens, check_layout, local_lengths, local_positions
+from .parallel.comm import agree, collective, digest_ints, dtype_code
+from .parallel.mesh import get_default_mesh
+from .sequence.positions import as_cu_seqlens, check_layout, local_lengths, local_positions
 
 MAX_DIMS = 8
 """The most dims a part given to :func:`unshard` may have (the metadata vector is fixed)."""

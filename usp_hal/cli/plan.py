@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from .. import planner
+from ..harness import memprobe
 from ..harness.calibrate import calibrate
 from ..harness.pool import LaunchError, in_torchrun
 from ..schedule import ScheduleError
@@ -106,7 +107,7 @@ def _documents(args):
     if args.docs is not None:
         if args.docs < 1:
             raise planner.PlanError(f"--docs must be >= 1, got {args.docs}")
-        from ..varlen import equal_documents
+        from ..sequence.positions import equal_documents
         return equal_documents(args.seqlen, args.docs)
     text = (args.cu_seqlens or "").replace(" ", "")
     if not text:
@@ -135,7 +136,8 @@ def run(args) -> int:
                            dtype=args.dtype, causal=args.causal, bwd=args.bwd, batch=args.batch, profile=prof,
                            gpus_per_node=args.gpus_per_node, intra_bw=args.intra_bw, inter_bw=args.inter_bw,
                            latency=args.latency, fp8=args.fp8, pipelines=(0, 2) if args.pipeline else (0,),
-                           cu_seqlens=_documents(args), memory_budget=args.memory_budget)
+                           cu_seqlens=_documents(args), memory_budget=args.memory_budget,
+                           meter=memprobe.probe if args.memory_budget is not None else None)
     except planner.PlanError as exc:
         print(f"usp-hal plan: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..capabilities import parse_dtype
+from ..dispatch.capabilities import parse_dtype
 from ..harness.verify import collect
 
 

@@ -30,8 +30,8 @@ from ..harness import pool
 from ..harness.cases import CHECKS, DTYPES, FP8_CHOICES, PROJ_CHOICES, RunConfig, execute, resolve_split, validate
 from ..harness.meter import fmt_bytes, fmt_ms
 from ..harness.verify import FP8_RMS_BUDGET
-from ..layout import layout_names
-from ..rotation import rotation_names
+from ..parallel.rotation import rotation_names
+from ..sequence.positions import layout_names
 
 REFERENCE_TEXT = {
     "fp64": "float64 usp_hal.reference.reference_attention",
@@ -42,7 +42,7 @@ REFERENCE_TEXT = {
 def format_report(res: dict, launcher: str) -> str:
     cfg = RunConfig(**res["config"])
     s, chk = res["summary"], res["check"]
-    from .. import platform as _platform
+    from ..dispatch import platform as _platform
     try:
         dist_backend = _platform.dist_backend_string(cfg.device_type)
     except Exception:
@@ -175,7 +175,7 @@ def add_parser(subparsers) -> None:
 
 
 def device_type_from(args) -> str:
-    from .. import platform as _platform
+    from ..dispatch import platform as _platform
     if args.device:
         if args.device not in _platform.DEVICE_TYPES:
             raise ValueError(f"--device {args.device!r}; valid: {', '.join(_platform.DEVICE_TYPES)}")
@@ -237,7 +237,7 @@ def _cu_seqlens_arg(args) -> str:
     if getattr(args, "docs", None) is not None:
         if args.docs < 1:
             raise ValueError(f"--docs must be >= 1, got {args.docs}")
-        from ..varlen import equal_documents
+        from ..sequence.positions import equal_documents
         return ",".join(map(str, equal_documents(args.seqlen, args.docs)))
     return (getattr(args, "cu_seqlens", "") or "").replace(" ", "")
 

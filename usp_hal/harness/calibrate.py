@@ -47,10 +47,10 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     import torch
     import torch.distributed as dist
 
-    from ..capabilities import AttnRequest
-    from ..comm import _all_gather_single
-    from ..registry import REGISTRY
-    from ..ring import merge_block
+    from ..dispatch.capabilities import AttnRequest
+    from ..dispatch.registry import REGISTRY
+    from ..parallel.comm import _all_gather_single
+    from ..parallel.ring import merge_block
     from .cases import _torch_dtype
     tdt = _torch_dtype(dtype)
     rank, world = dist.get_rank(), dist.get_world_size()

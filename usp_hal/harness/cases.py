@@ -35,11 +35,11 @@ from statistics import median
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from ..backend import installed_version
-from ..blocks import balance
-from ..capabilities import Package
-from ..layout import layout_names
-from ..rotation import rotation_names
+from ..dispatch.backend import installed_version
+from ..dispatch.capabilities import Package
+from ..parallel.rotation import rotation_names
+from ..sequence.blocks import balance
+from ..sequence.positions import layout_names
 from . import meter
 from .pool import gather_objects
 from .verify import compare
@@ -110,7 +110,7 @@ class RunConfig:
         """The document boundaries as a tuple of ints, or None for one sequence."""
         if not self.cu_seqlens:
             return None
-        from ..varlen import as_cu_seqlens
+        from ..sequence.positions import as_cu_seqlens
         try:
             values = [int(x) for x in str(self.cu_seqlens).split(",")]
         except ValueError:
@@ -183,7 +183,7 @@ def validate(cfg: RunConfig) -> None:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"--cu-seqlens: {exc}") from None
     if cfg.device_type != "cpu":
-        from .. import platform as _platform
+        from ..dispatch import platform as _platform
         n = _platform.device_count(cfg.device_type)
         if cfg.nproc > n:
             raise ValueError(f"{cfg.nproc} ranks need {cfg.nproc} {cfg.device_type} devices, found {n}; "
@@ -241,7 +241,7 @@ def _torch_dtype(name: str):
 def _device(device_type: str):
     import torch
 
-    from .. import platform as _platform
+    from ..dispatch import platform as _platform
     if device_type == "cpu":
         return torch.device("cpu")
     idx = 0
@@ -255,7 +255,7 @@ def _device(device_type: str):
 
 
 def _sync(device_type: str) -> None:
-    from .. import platform as _platform
+    from ..dispatch import platform as _platform
     _platform.synchronize(device_type)
 
 
@@ -438,7 +438,7 @@ def _reference_rows(cfg: RunConfig, mode: str, lo: int, hi: int):
     import torch
     import torch.nn.functional as F
 
-    from ..reference import reference_attention
+    from ..dispatch.reference import reference_attention
     q, k, v, dout = global_inputs(cfg)
     B, S, H, D = q.shape
     Hkv = k.shape[2]
@@ -485,7 +485,7 @@ def _reference_rows(cfg: RunConfig, mode: str, lo: int, hi: int):
 def reference_tolerance(cfg: RunConfig, mode: str) -> tuple:
     """(atol, rtol) for this check: the dtype's tolerance against float64; against a float32
     reference (which carries its own rounding of the same size) twice that."""
-    from ..reference import tolerance
+    from ..dispatch.reference import tolerance
     atol, rtol = tolerance(_torch_dtype(cfg.dtype))
     if mode == "sdpa" and cfg.dtype != "fp64":
         atol, rtol = 2 * atol, 2 * rtol
@@ -546,8 +546,8 @@ def rank_clear() -> None:
 def single_prepare(cfg: Any, case: str) -> dict:
     """The backend the distributed run uses, called directly on the full sequence in one
     process: the baseline every configuration is compared with."""
-    from ..capabilities import AttnRequest
-    from ..registry import REGISTRY
+    from ..dispatch.capabilities import AttnRequest
+    from ..dispatch.registry import REGISTRY
     cfg = RunConfig(**cfg)
     q, k, v, dout = global_inputs(cfg)
     req = AttnRequest(dtype=q.dtype, device_type=cfg.device_type, head_dim=cfg.head_dim, num_heads=cfg.heads,
@@ -738,7 +738,7 @@ def yunchang_kernel(device_type: str, usp_backend: str, dtype: str, ring_impl: s
         return {"attn_type": t, "attn_processor": None,
                 "kernel": f"{usp_hal_kernel_label(usp_backend, device_type, dtype)} (AttnType.{t.name})",
                 "same_kernel": True, "skip": None}
-    from usp_hal.registry import get_backend
+    from usp_hal.dispatch.registry import get_backend
     t = AttnType.FA if get_backend("fa2").availability().ok else AttnType.TORCH_EFFICIENT
     return {"attn_type": t, "attn_processor": None, "kernel": f"AttnType.{t.name}", "same_kernel": False,
             "skip": None}

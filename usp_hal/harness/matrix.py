@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from .. import platform as _platform
-from ..backend import installed_version
-from ..capabilities import capability_row, parse_dtype
-from ..registry import ENTRY_POINT_GROUP, REGISTRY
+from ..dispatch import platform as _platform
+from ..dispatch.backend import installed_version
+from ..dispatch.capabilities import capability_row, parse_dtype
+from ..dispatch.registry import ENTRY_POINT_GROUP, REGISTRY
 from .verify import FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features
 
 DOCS_PATH = "docs/backends.md"

@@ -421,7 +421,7 @@ class MemoryMeter:
         self._replaced = {}
 
     def start(self) -> None:
-        from .. import platform as _platform
+        from ..dispatch import platform as _platform
         if self.device_type != "cpu":
             _platform.reset_peak_memory(self.device_type)
             acc = _accelerator_allocated()
@@ -442,7 +442,7 @@ class MemoryMeter:
             self.method = "VmHWM - VmRSS at start"
 
     def stop(self) -> int:
-        from .. import platform as _platform
+        from ..dispatch import platform as _platform
         if self.device_type != "cpu":
             peak = _platform.peak_memory_bytes(self.device_type) or 0
             return max(0, peak - self._base)

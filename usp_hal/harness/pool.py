@@ -49,7 +49,7 @@ def configure_process(threads: int, device_type: str, local_rank: int):
     """Per-process setup for a rank or a baseline worker; returns the torch.device."""
     import torch
 
-    from .. import platform as _platform
+    from ..dispatch import platform as _platform
     # the memory meter's profiler prints start/stop lines at kineto's level 5; read at first use
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     torch.set_num_threads(threads)
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, threads: int, device_type: str, in
     try:
         import torch.distributed as dist
 
-        from .. import platform as _platform
+        from ..dispatch import platform as _platform
         configure_process(threads, device_type, _local_index(device_type, rank))
         if init_dist:
             dist.init_process_group(_platform.dist_backend_string(device_type), rank=rank, world_size=world,
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, port: int, threads: int, device_type: str, in
 def _local_index(device_type: str, rank: int) -> int:
     if device_type == "cpu":
         return 0
-    from .. import platform as _platform
+    from ..dispatch import platform as _platform
     n = _platform.device_count(device_type)
     return rank % n if n else 0
 
@@ -293,7 +293,7 @@ class TorchrunExecutor:
     def __init__(self, threads: int, device_type: str):
         import torch.distributed as dist
 
-        from .. import platform as _platform
+        from ..dispatch import platform as _platform
         self.world = int(os.environ["WORLD_SIZE"])
         self.rank = int(os.environ["RANK"])
         local = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -324,5 +324,5 @@ def gather_objects(obj, group=None) -> list:
     ``torch.distributed.all_gather_object``, but without numpy (bytes through tensors)."""
     import pickle
 
-    from ..comm import all_gather_bytes
+    from ..parallel.comm import all_gather_bytes
     return [pickle.loads(b) if b else None for b in all_gather_bytes(pickle.dumps(obj), group)]

@@ -26,10 +26,10 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 
 from .. import __version__
-from .. import platform as _platform
-from ..capabilities import AttnRequest, capability_row, dtype_name, parse_dtype
-from ..reference import TOLERANCES, reference_attention
-from ..registry import REGISTRY
+from ..dispatch import platform as _platform
+from ..dispatch.capabilities import AttnRequest, capability_row, dtype_name, parse_dtype
+from ..dispatch.reference import TOLERANCES, reference_attention
+from ..dispatch.registry import REGISTRY
 
 # ----------------------------------------------------------------------------- features
 #: Feature flags a backend is tested for, in display order.
@@ -316,7 +316,7 @@ def verify_packed_case(backend, device_type: str, dtype: torch.dtype, head_dim: 
     (``forward_packed``/``backward_packed``): sequences of different lengths back to back,
     each compared with float64 attention of that sequence alone.  Same result shape as
     :func:`verify_case`."""
-    from ..ring import Packing
+    from ..parallel.ring import Packing
     atol, rtol = tolerances_for(backend, dtype)
     h = VERIFY_HEADS
     hkv = h if num_kv_heads is None else num_kv_heads
@@ -385,7 +385,7 @@ def _here(cls, device: str) -> dict:
     """What the declared per-device limits leave of the class's capabilities on this machine's
     device: ``{"backward": bool, "backward_reason": str}`` (a backward the class has but a
     limit refuses here, e.g. flex on the CPU)."""
-    from ..capabilities import AttnRequest, sorted_dtypes
+    from ..dispatch.capabilities import AttnRequest, sorted_dtypes
     dtypes = sorted_dtypes(cls.SUPPORTED_DTYPES)
     dtype = torch.float32 if torch.float32 in dtypes else (dtypes[0] if dtypes else torch.float32)
     base = AttnRequest(dtype=dtype, device_type=device, head_dim=64, num_heads=1)

@@ -21,12 +21,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..capabilities import AttnRequest
-from ..comm import CommError
-from ..heads import HeadPlan
-from ..registry import REGISTRY
-from ..spec import CallSpec, TensorDigests
+from ..dispatch.capabilities import AttnRequest
+from ..dispatch.registry import REGISTRY
+from ..parallel import comm
+from ..parallel.comm import CommError
+from ..parallel.heads import HeadPlan
 from . import agree as _agree
 from . import plan as _plan
 from . import run as _run
@@ -34,6 +33,7 @@ from . import validate as _validate
 from .maskcheck import agree_mask
 from .options import CallOptions, check_mode
 from .plan import CallPlan
+from .spec import CallSpec, TensorDigests
 from .validate import Joint, JointInfo, USPError
 
 __all__ = ["Pipeline", "CallOptions", "CallPlan", "USPError", "Joint", "JointInfo", "pipeline_of"]
@@ -124,7 +124,7 @@ class Pipeline:
         if self.mesh is not None:
             mesh = self.mesh
         else:
-            from ..mesh import get_default_mesh
+            from ..parallel.mesh import get_default_mesh
             mesh = get_default_mesh()
         check_live(mesh)
         if comm.any_ended():

@@ -8,10 +8,10 @@ from __future__ import annotations
 import builtins
 from typing import List, Optional
 
-from .. import comm
-from ..comm import AgreementError
-from ..layout import local_lengths, local_positions
-from ..spec import CallSpec, compare, digest_ints, field_index, meta_length
+from ..parallel import comm
+from ..parallel.comm import AgreementError
+from ..sequence.positions import local_lengths, local_positions
+from .spec import CallSpec, compare, digest_ints, field_index, meta_length
 from .validate import MASK_UNCHECKED, USPError, mask_seqlen, share
 
 _WHAT = "attention call metadata"   # the label of its all-gather in traces and errors

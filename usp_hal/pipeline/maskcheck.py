@@ -12,8 +12,8 @@ last masked call) the first agreement already compared the digests, which are ca
 mask state, length and options: no extra collective and no mask evaluation."""
 from __future__ import annotations
 
-from .. import comm
-from ..comm import AgreementError
+from ..parallel import comm
+from ..parallel.comm import AgreementError
 from .validate import USPError, mask_seqlen
 
 _WHAT = "attention mask digest"
@@ -22,7 +22,7 @@ _WHAT = "attention mask digest"
 def agree_mask(pipe, mesh, spec, local, lengths) -> None:
     """After the agreement of a masked call: compare the masks at the agreed length when the
     spec's digest was not taken at it (see the module doc)."""
-    from ..masks import Predicate
+    from ..sequence.masks import Predicate
     S = sum(int(n) for n in lengths)
     # the same decision on every rank: from the agreed lengths, and from every rank's digest
     # (pipe.mask_unchecked: some rank could not digest its mask before the agreement)

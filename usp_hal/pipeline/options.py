@@ -112,7 +112,7 @@ class CallOptions:
             if name in names:
                 kw[name] = ast.literal_eval(value)
         if kw.get("mask") is not None:
-            from ..masks import Mask
+            from ..sequence.masks import Mask
             kw["mask"] = Mask.by_handle(kw["mask"])
         return cls(**kw)
 

@@ -8,15 +8,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..blocks import plan_ring
-from ..codec import get_codec
-from ..heads import HeadPlan
-from ..layout import Segment, local_positions, ring_segments, segments_from_positions
-from ..ring import RingContext
-from ..rotation import Rotation
-from ..spec import CallSpec
-from ..ulysses import UlyssesExchange
+from ..parallel.codec import get_codec
+from ..parallel.heads import HeadPlan
+from ..parallel.ring import RingContext
+from ..parallel.rotation import Rotation
+from ..parallel.ulysses import UlyssesExchange
+from ..sequence.blocks import plan_ring
+from ..sequence.positions import Segment, local_positions, ring_segments, segments_from_positions
 from .agree import joint_total
+from .spec import CallSpec
 from .validate import Local, USPError, share
 
 
@@ -120,7 +120,7 @@ def masked_shape(mesh, spec: CallSpec, heads, per, segments, seqlen: int, cu, ma
     """The shape of a ``mask=`` call: every ring rank's calls against every block from the
     mask's tile classification (the same on every rank, so every rank checks every rank's
     blocks); a ring whose off-diagonal blocks are all empty exchanges no K/V."""
-    from ..masks import Predicate, masked_ring
+    from ..sequence.masks import Predicate, masked_ring
     R, me = mesh.ring_degree, mesh.ring_rank
     pred = Predicate(mask, causal=spec.causal, window=(int(spec.window[0]), int(spec.window[1])), cu_seqlens=cu,
                      batch=spec.batch)

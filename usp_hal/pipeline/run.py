@@ -12,8 +12,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from ..ring import merge_dtype, ring_backward, ring_forward
-from ..ulysses import Done
+from ..parallel.ring import merge_dtype, ring_backward, ring_forward
+from ..parallel.ulysses import Done
 from .plan import CallPlan
 
 #: Timing hooks (the harness installs one; empty, the loops below pay one ``if`` per step).

@@ -10,12 +10,12 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .. import platform as _platform
-from ..capabilities import AttnRequest
-from ..heads import HeadPlan, head_plan
-from ..spec import CallSpec, digest_ints
-from ..varlen import as_cu_seqlens
+from ..dispatch import platform as _platform
+from ..dispatch.capabilities import AttnRequest
+from ..parallel.heads import HeadPlan, head_plan
+from ..sequence.positions import as_cu_seqlens
 from .options import CallOptions, window_pair
+from .spec import CallSpec, digest_ints
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -133,7 +133,7 @@ def mask_digest(pipe, mask, causal: bool, win, cu, batch: int) -> int:
     call's when the batch is shorter.  The mask is then digested at the agreed length
     (:func:`usp_hal.pipeline.maskcheck.agree_mask`), where a failure is a refusal every rank
     sees."""
-    from ..masks import Predicate
+    from ..sequence.masks import Predicate
     S = mask_seqlen(pipe, cu)
     if S <= 0:
         return MASK_UNCHECKED
@@ -205,7 +205,7 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
                                   "'zigzag'")
     mask = opts.mask
     if mask is not None:
-        from ..masks import Mask
+        from ..sequence.masks import Mask
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a usp_hal.masks.Mask, got {type(mask).__name__}")
         if R > 1 and not layout.contiguous:

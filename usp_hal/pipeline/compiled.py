@@ -27,9 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .pipeline import CallOptions, pipeline_of, sink_options
-from .pipeline import run as _run
-from .pipeline.validate import joint_info
+from . import CallOptions, pipeline_of, sink_options
+from . import run as _run
+from .validate import joint_info
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -95,7 +95,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           out: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor,
                           alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor], handle: int,
                           options: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .pipeline import one_group
+    from . import one_group
     plan = _prepare(handle, q, k, v, alibi_slopes, options, True, needs_grad=True,
                     lengths=[int(x) for x in lengths.tolist()], head_groups=one_group)
     dsinks = _run.sink_grad_buffer(sinks) if sinks is not None else None

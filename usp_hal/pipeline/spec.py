@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .comm import digest_ints, dtype_code
+from ..parallel.comm import digest_ints, dtype_code
 
 # fields that may differ between ranks (everything else must agree)
 PER_RANK = ("local_len", "positions")
@@ -170,9 +170,9 @@ def _show(name: str, enc, mine, local, _row) -> str:
 
 
 def _known_strings() -> List[str]:
-    from .codec import CODECS
-    from .positions import LAYOUTS
-    from .rotation import ROTATIONS
+    from ..parallel.codec import CODECS
+    from ..parallel.rotation import ROTATIONS
+    from ..sequence.positions import LAYOUTS
     names = list(LAYOUTS) + list(ROTATIONS) + ["cpu", "cuda", "rocm", "npu", "xpu", ""]
     names += [f"q={c},k={d},v={c},out={c}" for c in CODECS for d in CODECS]
     return names

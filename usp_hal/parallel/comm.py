@@ -211,7 +211,7 @@ def _meta_device(group) -> torch.device:
     acc = getattr(torch, "accelerator", None)
     if host_transport(group) or (acc is not None and not acc.is_available()):
         return torch.device("cpu")      # a host transport, or no accelerator to put the exchange on
-    from . import platform as _platform
+    from ..dispatch import platform as _platform
     index = acc.current_device_index() if acc is not None else 0
     return torch.device(_platform.torch_device_name(_platform.default_device_type()), index)
 

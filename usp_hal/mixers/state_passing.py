@@ -69,7 +69,7 @@ def _runs(pos: Sequence[int], cuts: set) -> List[Tuple[int, int, int]]:
 
 def pieces(mesh, seqlen: int, layout: str, cu_seqlens: Optional[Sequence[int]] = None) -> List[Piece]:
     """Every rank's pieces, in global order (pure: every rank computes the same list)."""
-    from .positions import check_layout, local_positions
+    from ..sequence.positions import check_layout, local_positions
     layout = check_layout(layout)
     cu = tuple(int(c) for c in cu_seqlens) if cu_seqlens is not None else None
     cuts = set(cu) if cu else {0}
@@ -98,7 +98,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, size, where):
-        from .comm import all_gather_single, collective
+        from ..parallel.comm import all_gather_single, collective
         x = x.contiguous()
         out = x.new_empty(size * x.shape[0], *x.shape[1:])
         collective("all-gather of recurrence states", where, all_gather_single, out, x, group=group)
@@ -109,7 +109,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         import torch.distributed as dist
 
-        from .comm import collective
+        from ..parallel.comm import collective
         grad = grad.contiguous().clone()
         collective("all-reduce of recurrence state gradients", ctx.where, dist.all_reduce, grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None, None, None
@@ -244,9 +244,9 @@ def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq
     all-gather of ints on the metadata group, no device sync: :func:`usp_hal.hybrid.agree_mixer`):
     the batch, heads, state sizes, dtype, layout, document boundaries and per-rank lengths
     must agree, else every rank raises the same error before the states move."""
-    from .comm import digest_ints, dtype_code
-    from .hybrid import agree_mixer
-    from .positions import check_layout
+    from ..parallel.comm import digest_ints, dtype_code
+    from ..sequence.positions import check_layout
+    from .head_parallel import agree_mixer
     problem = None
     lay = layout
     try:

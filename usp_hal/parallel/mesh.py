@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
-from . import positions as _positions
+from ..sequence import positions as _positions
 
 _DEFAULT_MESH: "Optional[SequenceParallelMesh]" = None
 
@@ -104,7 +104,7 @@ class SequenceParallelMesh:
         For a packed batch pass its ``cu_seqlens`` (as to ``shard``): the result is then the
         positions in the packed stream; for RoPE, which restarts at every document, use
         :meth:`local_position_ids`."""
-        from .positions import check_layout, local_positions
+        from ..sequence.positions import check_layout, local_positions
         pos = local_positions(check_layout(layout), int(seqlen), self.ring_degree, self.ulysses_degree,
                               self.ring_rank, self.ulysses_rank, cu_seqlens=cu_seqlens)
         return pos if device is None else pos.to(device)
@@ -117,13 +117,13 @@ class SequenceParallelMesh:
         :meth:`local_positions` without ``cu_seqlens``)."""
         pos = self.local_positions(seqlen, layout, cu_seqlens=cu_seqlens)
         if cu_seqlens is not None:
-            from .positions import document_positions
+            from ..sequence.positions import document_positions
             pos = document_positions(pos, cu_seqlens)
         return pos if device is None else pos.to(device)
 
     def local_document_ids(self, seqlen: int, layout: str = "basic", device=None, *, cu_seqlens):
         """Index of the document each local token belongs to (a LongTensor, in local order)."""
-        from .positions import document_ids
+        from ..sequence.positions import document_ids
         ids = document_ids(self.local_positions(seqlen, layout, cu_seqlens=cu_seqlens), cu_seqlens)
         return ids if device is None else ids.to(device)
 

@@ -313,3 +313,27 @@ def _block_plans(layout, seqlen: int, ring_size: int, causal: bool, window, posi
 
 __all__ = ["Block", "BlockCall", "RingPlan", "balance", "block_plans", "call_work", "pack_groups", "plan_blocks",
            "plan_ring"]
+
+
+# ------------------------------------------------------------ per-rank summaries of the plans
+def ring_work(layout, seqlen: int, ring_size: int, *, causal: bool = True,
+              cu_seqlens=None) -> List[int]:
+    """Per ring rank: the query-key pairs its kernels score over every block of the ring
+    (per batch row and head), from the block plan alone (:func:`usp_hal.blocks.block_plans`)."""
+    return list(block_plans(layout, seqlen, ring_size, causal=causal, cu_seqlens=cu_seqlens).work)
+
+
+def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_seqlens=None,
+               packed: bool = False) -> List[int]:
+    """Per ring rank: the kernel calls of one forward over every block of the ring, from the
+    block plan alone; ``packed``: as a backend with a varlen entry point runs them (each
+    step's calls packed per kind, :func:`usp_hal.ring.pack_calls`)."""
+    return list(block_plans(layout, seqlen, ring_size, causal=causal, cu_seqlens=cu_seqlens).kernel_calls(packed))
+
+
+def work_balance(work: Sequence[int]) -> float:
+    """max / min over ranks (inf when a rank has nothing while another has work)."""
+    if max(work) == 0:
+        return 1.0
+    got = balance(work)
+    return float("inf") if got is None else got

@@ -47,7 +47,7 @@ __all__ = ["head_parallel"]
 
 
 def _head_plan(num_heads: int, num_groups: int, size: int):
-    from .heads import head_plan
+    from ..parallel.heads import head_plan
     return head_plan(num_heads, num_groups, size)
 
 
@@ -62,7 +62,7 @@ def _orders(mesh, layout: str, seqlen: int, cu, device) -> Tuple[torch.Tensor, t
     key = (layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, mesh.use_ulysses_low, cu, str(device))
     got = _ORDERS.get(key)
     if got is None:
-        from .positions import local_positions
+        from ..sequence.positions import local_positions
         perm = torch.cat([local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_of(i),
                                           mesh.ulysses_of(i), cu_seqlens=cu) for i in range(mesh.sp_size)])
         got = (perm.to(device), torch.argsort(perm).to(device))
@@ -77,7 +77,7 @@ def _orders(mesh, layout: str, seqlen: int, cu, device) -> Tuple[torch.Tensor, t
 # ------------------------------------------------------------------------------ the exchanges
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, out_splits: List[int], in_splits: List[int], mesh,
                 what: str) -> None:
-    from .comm import collective
+    from ..parallel.comm import collective
     collective(what, mesh.where("sequence-parallel"), dist.all_to_all_single, recv, send, out_splits, in_splits,
                group=mesh.sp_group)
 
@@ -203,8 +203,8 @@ def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Seq
     per-rank lengths that are not the layout's, raise the same error on every rank before any
     data moves.  All mixers share one label, so ranks that reach different mixers (another
     ``recurrence=`` or conv exchange on one rank) meet in this exchange and are told so."""
-    from .comm import agree, digest_ints
-    from .positions import local_lengths
+    from ..parallel.comm import agree, digest_ints
+    from ..sequence.positions import local_lengths
     shape = [int(x) for x in shape][:_SHAPE_WIDTH]
     shape += [0] * (_SHAPE_WIDTH - len(shape))
     code = MIXERS.index(mode) + 1
@@ -272,19 +272,18 @@ def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] =
     dtype the output has (default: the first per-head input); a rank that holds no head
     (``H`` below the group size) makes its empty share of the result from it.
     """
-    import usp_hal
+    from ..parallel.comm import digest_ints, dtype_code
+    from ..parallel.mesh import get_default_mesh
+    from ..sequence.positions import check_layout
 
-    from .comm import digest_ints, dtype_code
-    from .positions import check_layout
-
-    mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    mesh = mesh if mesh is not None else get_default_mesh()
     grouped = tuple(int(i) for i in grouped)
     problem, s_local, h, g, b = _local_problem(tensors, grouped)
     cu = None
     try:
         layout = check_layout(layout)
         if cu_seqlens is not None:
-            from .varlen import as_cu_seqlens
+            from ..sequence.positions import as_cu_seqlens
             cu = as_cu_seqlens(cu_seqlens)
     except (TypeError, ValueError) as exc:
         problem = problem or str(exc)
@@ -355,7 +354,7 @@ def _make_halo_plan(mesh, layout: str, seqlen: int, cu, width: int):
     positions it needs from others, and per (owner, needer) pair the owner's local indices.
     Returns ``(send_idx per peer, recv_pos per peer, own positions, extended positions)`` for
     this rank; the same computation on every rank (from the layout alone)."""
-    from .positions import document_ids, local_positions
+    from ..sequence.positions import document_ids, local_positions
     pos = [local_positions(layout, seqlen, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_of(i),
                            mesh.ulysses_of(i), cu_seqlens=cu) for i in range(mesh.sp_size)]
     owner = torch.empty(seqlen, dtype=torch.long)
@@ -425,18 +424,17 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     only the ``K - 1`` tokens before each of its runs of consecutive positions from the ranks
     that hold them (one all-to-all; for basic and zigzag layouts at most ``2 (K-1)`` tokens a
     rank, whatever ``S``) and convolves locally.  Backward sends those tokens' gradients home."""
-    import usp_hal
+    from ..parallel.comm import dtype_code
+    from ..parallel.mesh import get_default_mesh
+    from ..sequence.positions import check_layout
 
-    from .comm import dtype_code
-    from .positions import check_layout
-
-    mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
+    mesh = mesh if mesh is not None else get_default_mesh()
     problem = None
     cu = None
     try:
         layout = check_layout(layout)
         if cu_seqlens is not None:
-            from .varlen import as_cu_seqlens
+            from ..sequence.positions import as_cu_seqlens
             cu = as_cu_seqlens(cu_seqlens)
     except (TypeError, ValueError) as exc:
         problem = str(exc)
@@ -460,7 +458,7 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         raise ValueError(f"usp_hal.halo_causal_conv: {problem}")
     else:
         seqlen = int(x.shape[1])
-    from .positions import local_positions
+    from ..sequence.positions import local_positions
     if mesh.sp_size > 1:
         send_idx, recv_pos, own, doc = _halo_plan(mesh, layout, seqlen, cu, width)
         halo = _Halo.apply(x, send_idx, [int(p.numel()) for p in recv_pos], mesh)
@@ -468,7 +466,7 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     else:
         own = local_positions(layout, seqlen, 1, 1, 0, 0, cu_seqlens=cu)
         halo, recv = x[:, :0], torch.zeros(0, dtype=torch.long)
-        from .positions import document_ids
+        from ..sequence.positions import document_ids
         doc = document_ids(torch.arange(seqlen), cu) if cu is not None else torch.zeros(seqlen, dtype=torch.long)
     ext = torch.cat([x, halo, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)   # last row: zeros
     where = torch.full((seqlen,), ext.shape[1] - 1, dtype=torch.long)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from .blocks import BlockCall, pack_groups, plan_blocks
-from .positions import Segment
+from ..sequence.blocks import BlockCall, pack_groups, plan_blocks
+from ..sequence.positions import Segment
 from .rotation import Accum
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -252,7 +252,7 @@ class RingContext:
         cache = self.__dict__.setdefault("_masks", {})
         got = cache.get((src, call))
         if got is None:
-            from .masks import dense_mask
+            from ..sequence.masks import dense_mask
             heads = range(*self.mask_heads) if self.mask_heads is not None else None
             assert self.predicate is not None
             got = cache[(src, call)] = dense_mask(self.predicate, self.segments[self.ring_rank], self.segments[src],

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from ..sequence.positions import as_cu_seqlens
+
 TOLERANCES = {  # (atol, rtol) for a result computed in this dtype vs the float64 reference
     torch.float64: (1e-9, 1e-9),
     torch.float32: (2e-5, 1e-5),
@@ -75,3 +77,12 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window=(-1
     p = p.masked_fill(~keep, 0.0)
     out = torch.matmul(p, vd).transpose(1, 2)
     return out, lse
+
+
+def reference_packed_attention(q, k, v, cu_seqlens, **kw):
+    """Float64 single-process attention of every document on its own, concatenated:
+    the truth a packed USP call is compared against (``usp_hal.reference``, per document).
+    ``kw``: the arguments of :func:`usp_hal.reference.reference_attention`."""
+    cu = as_cu_seqlens(cu_seqlens, q.shape[1])
+    parts = [reference_attention(q[:, a:b], k[:, a:b], v[:, a:b], **kw) for a, b in zip(cu, cu[1:])]
+    return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)

@@ -1,0 +1,6 @@
+"""Former path: the module is :mod:`usp_hal.dispatch.platform` (this name is the same module object)."""
+import sys
+
+from usp_hal.dispatch import platform as _module
+
+sys.modules[__name__] = _module

@@ -1,0 +1,6 @@
+"""Former path: the module is :mod:`usp_hal.parallel.rotation` (this name is the same module object)."""
+import sys
+
+from usp_hal.parallel import rotation as _module
+
+sys.modules[__name__] = _module

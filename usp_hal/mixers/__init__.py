@@ -1,0 +1,7 @@
+"""Sequence mixers other than attention, on sequence-sharded tensors.
+
+``head_parallel`` (any per-head operator over the whole sequence, by the head-parallel
+all-to-all, and the halo exchange of a causal convolution) and ``state_passing`` (linear
+recurrences carried from rank to rank).  They import :mod:`usp_hal.sequence` and
+:mod:`usp_hal.parallel` only.
+"""
