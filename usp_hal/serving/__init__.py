@@ -47,16 +47,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .dispatch import platform as _platform
-from .dispatch.capabilities import AttnRequest
-from .dispatch.registry import REGISTRY
-from .parallel.comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
-from .parallel.heads import head_plan
-from .parallel.ring import merge_block, merge_dtype
-from .pipeline.spec import TensorDigests
-from .pipeline.validate import check_scale
-from .sequence.blocks import plan_blocks
-from .sequence.positions import Segment, check_layout, ring_segments
+from ..dispatch import platform as _platform
+from ..dispatch.capabilities import AttnRequest
+from ..dispatch.registry import REGISTRY
+from ..parallel.comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
+from ..parallel.heads import head_plan
+from ..parallel.ring import merge_block, merge_dtype
+from ..pipeline.spec import TensorDigests
+from ..pipeline.validate import check_scale
+from ..sequence.blocks import plan_blocks
+from ..sequence.positions import Segment, check_layout, ring_segments
 
 __all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
 
@@ -212,7 +212,7 @@ class ShardedKVCache:
                  dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
                  block_size: int = 256, attn_type: str = "auto", layout: str = "zigzag", verify: str = "layer",
                  check_inputs: bool = False):
-        from .parallel.mesh import get_default_mesh
+        from ..parallel.mesh import get_default_mesh
         self.mesh = mesh if mesh is not None else get_default_mesh()
         m = self.mesh
         hkv = num_heads if num_kv_heads is None else num_kv_heads
@@ -452,9 +452,9 @@ class ShardedKVCache:
         :class:`usp_hal.masks.Mask` over global positions, e.g. the prompts' padding); every
         key is stored, masked or not (decode excludes a left padding with ``key_start``).
         Collective."""
-        from .attention import LongContextAttention
-        from .pipeline import CallOptions
-        from .pipeline import run as _run
+        from ..attention import LongContextAttention
+        from ..pipeline import CallOptions
+        from ..pipeline import run as _run
         m = self.mesh
         ly = self.layers[layer] if 0 <= layer < self.num_layers else None
         problem = None
@@ -475,7 +475,7 @@ class ShardedKVCache:
                                  "layer (decode() appends); reset() the cache for a new batch")
             self._check_kv(k, v, "prefill", q)
             if mask is not None:
-                from .sequence.masks import Mask
+                from ..sequence.masks import Mask
                 mask = Mask.of(mask)
         except (ValueError, TypeError) as exc:
             problem = exc
@@ -693,7 +693,7 @@ class ShardedKVCache:
                 lse = torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
             out, lse = self._gather(out, lse, failure)
         if sinks is not None:        # once, on the merged rows (every rank holds every head now)
-            from .pipeline.run import add_sink
+            from ..pipeline.run import add_sink
             out, lse = add_sink(out, lse, sinks.detach())
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
