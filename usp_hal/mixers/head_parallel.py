@@ -34,6 +34,13 @@ Cost per call, per input of ``E`` elements per rank: one all-to-all moving ``E (
 elements out of each rank (the same forward and backward), one gather into global order on
 the receiving side and one copy back; one small metadata all-gather of ints on the CPU group
 (no device sync).
+
+Why not :class:`usp_hal.parallel.ulysses.UlyssesExchange`: that exchange serves attention
+over the Ulysses group only (the ring keeps its shard), packs q, k and v per destination into
+one wire buffer and leaves tokens in layout order, which the ring's block plan expects.  A
+mixer needs every token of the whole U x R group in *global* order for one tensor of any
+trailing shape, so its exchange (``_to_heads`` / ``_to_sequence``) is a plain
+variable-split ``all_to_all_single`` per input over the whole group, plus the reorder.
 """
 from __future__ import annotations
 
@@ -191,6 +198,23 @@ _MIXER_WHAT = "usp_hal sequence mixer"   # one label for all: ranks at different
 _SHAPE_WIDTH = 6
 
 
+def _mesh_layout_documents(mesh, layout: str, cu_seqlens):
+    """The mixer's mesh (the default one when not given), its checked layout and document
+    boundaries, and what is wrong with them (kept, to be refused on every rank together)."""
+    from ..parallel.mesh import get_default_mesh
+    from ..sequence.positions import as_cu_seqlens, check_layout
+
+    mesh = mesh if mesh is not None else get_default_mesh()
+    cu, problem = None, None
+    try:
+        layout = check_layout(layout)
+        if cu_seqlens is not None:
+            cu = as_cu_seqlens(cu_seqlens)
+    except (TypeError, ValueError) as exc:
+        problem = str(exc)
+    return mesh, layout, cu, problem
+
+
 def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Sequence[int],
                 shape_names: Sequence[str], layout: str, cu=None, seqlen: Optional[int] = None) -> List[int]:
     """Every rank's local length, after one small all-gather (ints, on the CPU metadata
@@ -273,20 +297,11 @@ def head_parallel(fn: Callable, *tensors: torch.Tensor, grouped: Sequence[int] =
     (``H`` below the group size) makes its empty share of the result from it.
     """
     from ..parallel.comm import digest_ints, dtype_code
-    from ..parallel.mesh import get_default_mesh
-    from ..sequence.positions import check_layout
 
-    mesh = mesh if mesh is not None else get_default_mesh()
     grouped = tuple(int(i) for i in grouped)
     problem, s_local, h, g, b = _local_problem(tensors, grouped)
-    cu = None
-    try:
-        layout = check_layout(layout)
-        if cu_seqlens is not None:
-            from ..sequence.positions import as_cu_seqlens
-            cu = as_cu_seqlens(cu_seqlens)
-    except (TypeError, ValueError) as exc:
-        problem = problem or str(exc)
+    mesh, layout, cu, arg_problem = _mesh_layout_documents(mesh, layout, cu_seqlens)
+    problem = problem or arg_problem
     if out_like is None:
         out_like = next((i for i in range(len(tensors)) if i not in grouped), 0)
     kw: dict = {"cu_seqlens": cu} if cu is not None else {}
@@ -425,19 +440,8 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     that hold them (one all-to-all; for basic and zigzag layouts at most ``2 (K-1)`` tokens a
     rank, whatever ``S``) and convolves locally.  Backward sends those tokens' gradients home."""
     from ..parallel.comm import dtype_code
-    from ..parallel.mesh import get_default_mesh
-    from ..sequence.positions import check_layout
 
-    mesh = mesh if mesh is not None else get_default_mesh()
-    problem = None
-    cu = None
-    try:
-        layout = check_layout(layout)
-        if cu_seqlens is not None:
-            from ..sequence.positions import as_cu_seqlens
-            cu = as_cu_seqlens(cu_seqlens)
-    except (TypeError, ValueError) as exc:
-        problem = str(exc)
+    mesh, layout, cu, problem = _mesh_layout_documents(mesh, layout, cu_seqlens)
     if not (isinstance(x, torch.Tensor) and x.dim() == 3):
         problem = problem or (f"x must be a [B, S_local, C] tensor, got "
                               f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
