@@ -66,15 +66,17 @@ def dpo_data(n: int, seed: int = 0):
     rows: dict = {"prompt": [], "chosen": [], "rejected": []}
     for _ in range(n):
         rows["prompt"].append(_words(g, size(4, 7)))
-        rows["chosen"].append(_words(g, size(2, 8)))
-        rows["rejected"].append(_words(g, size(2, 8)))
+        rows["chosen"].append(" " + _words(g, size(2, 8)))     # TRL joins prompt and completion as they are
+        rows["rejected"].append(" " + _words(g, size(2, 8)))
     return Dataset.from_dict(rows)
 
 
-def _common(out_dir: str, steps: int, lr: float, seed: int) -> dict:
+def _common(out_dir: str, steps: int, lr: float, seed: int, checkpointing: bool = False) -> dict:
+    """Common arguments; TRL's defaults of bf16=True and gradient_checkpointing=True are set off
+    (fp32 comparisons), checkpointing back on where a case asks for it."""
     return dict(output_dir=out_dir, max_steps=steps, learning_rate=lr, seed=seed, logging_steps=1,
                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-                max_grad_norm=1.0, bf16=False, gradient_checkpointing=False)
+                max_grad_norm=1.0, bf16=False, gradient_checkpointing=checkpointing)
 
 
 class Counts:
@@ -118,13 +120,14 @@ def _bypass(trainer) -> None:
 
 
 # ----------------------------------------------------------------------------- SFT
-def _sft_config(cls, tmp, steps, bs, lr, seed, packing, **extra):
+def _sft_config(cls, tmp, steps, bs, lr, seed, packing, checkpointing=False, **extra):
     return cls(per_device_train_batch_size=bs, packing=packing, max_length=32, padding_free=packing,
-               **_common(tmp, steps, lr, seed), **extra)
+               **_common(tmp, steps, lr, seed, checkpointing), **extra)
 
 
 def sft_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3,
-            packing: bool = True, layout: str = "", kind: str = "llama", bypass: bool = False):
+            packing: bool = True, layout: str = "", kind: str = "llama", bypass: bool = False,
+            checkpointing: bool = False):
     """``steps`` optimizer steps of usp_trainer(SFTTrainer) with sp = U x R (dp = the rest).
 
     The glue in a TRL script (2 lines): ``SFT, Config = usp_trainer(SFTTrainer), usp_config(SFTConfig)``
@@ -142,13 +145,13 @@ def sft_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
     layout = layout or ("varlen_zigzag" if packing else "zigzag")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = _sft_config(Config, tmp, steps, bs, lr, seed, packing, usp_ulysses_degree=U, usp_ring_degree=R,
-                               usp_layout=layout, usp_attn_type="sdpa")
+            args = _sft_config(Config, tmp, steps, bs, lr, seed, packing, checkpointing, usp_ulysses_degree=U,
+                               usp_ring_degree=R, usp_layout=layout, usp_attn_type="sdpa")
             trainer = SFT(model=model, args=args, train_dataset=sft_data(24 * dp, seed),
                           processing_class=tiny_tokenizer(), callbacks=[keep])
+            counts = Counts(model, trainer)
             if bypass:
                 _bypass(trainer)
-            counts = Counts(model, trainer)
             trainer.train()
     finally:
         _reset_accelerate()
@@ -157,14 +160,14 @@ def sft_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
 
 
 def sft_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3, packing: bool = True,
-                  kind: str = "llama"):
+                  kind: str = "llama", checkpointing: bool = False):
     offline()
     from trl import SFTConfig, SFTTrainer
     model = tiny_model(kind, seed)
     keep = _Losses.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = _sft_config(SFTConfig, tmp, steps, bs * dp, lr, seed, packing)
+            args = _sft_config(SFTConfig, tmp, steps, bs * dp, lr, seed, packing, checkpointing)
             SFTTrainer(model=model, args=args, train_dataset=sft_data(24 * dp, seed),
                        processing_class=tiny_tokenizer(), callbacks=[keep]).train()
     finally:
@@ -207,10 +210,10 @@ def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
                                usp_attn_type="sdpa")
             trainer = DPO(model=model, ref_model=ref, args=args, train_dataset=dpo_data(steps * bs * dp, seed),
                           processing_class=tiny_tokenizer(), callbacks=[keep])
-            if bypass:
-                _bypass(trainer)
             counts = Counts(model, trainer)
             ref_counts = Counts(ref)
+            if bypass:
+                _bypass(trainer)
             trainer.train()
     finally:
         _reset_accelerate()
@@ -289,6 +292,8 @@ def _grpo_steps(trainer, model, batches, clip: float = 1.0) -> dict:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
+        if acc.num_processes > 1:       # the logged loss: the mean over every rank, as Trainer logs it
+            loss = acc.gather(loss.detach().reshape(1)).mean()
         losses.append(float(loss))
     return {"losses": losses, "grad_norms": norms}
 
@@ -312,12 +317,12 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
         with tempfile.TemporaryDirectory() as tmp:
             trainer = _grpo_trainer(usp_trainer(GRPOTrainer), usp_config(GRPOConfig), tmp, model, bs, lr, seed,
                                     usp_ulysses_degree=U, usp_ring_degree=R, usp_attn_type="sdpa")
+            counts = Counts(model, trainer)
             if bypass:
                 _bypass(trainer)
             replica = trainer._dp_index()
             mine = [{k: v[replica * bs:(replica + 1) * bs] for k, v in b.items()}
                     for b in grpo_batches(steps, bs * dp, seed)]
-            counts = Counts(model, trainer)
             with trainer.usp_attention():
                 res = _grpo_steps(trainer, model, mine)
     finally:
@@ -326,10 +331,17 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
     res.update(counts.close(), attn_after=model.config._attn_implementation, dp=dp)
     if dist.get_rank() == 0:
         res["params"] = _flat(model)
-    try:
-        trainer._generate(["t3 t4"])
+    try:       # generation itself: refused when train() starts (TRL's own completions step left in)
+        with tempfile.TemporaryDirectory() as tmp:
+            args = usp_config(GRPOConfig)(per_device_train_batch_size=bs, num_generations=2, beta=0.0,
+                                          usp_ulysses_degree=U, usp_ring_degree=R, **_common(tmp, 1, lr, seed))
+            usp_trainer(GRPOTrainer)(model=model, args=args, reward_funcs=lambda completions, **kw: [0.0] * len(
+                completions), train_dataset=_prompts(8), processing_class=tiny_tokenizer()).train()
     except NotImplementedError as exc:
         res["generate"] = str(exc)
+    finally:
+        _reset_accelerate()
+        torch.set_num_threads(threads)
     return res
 
 
@@ -382,3 +394,49 @@ def refusal(what: str) -> Any:
     finally:
         _reset_accelerate()
     return None
+
+
+def seq_idx_shards(layout: str = "varlen_zigzag", U: int = 1, R: int = 2) -> dict:
+    """shard_batch on TRL's padding-free batch (with ``seq_idx``): this rank's seq_idx, and the
+    documents its tokens' global positions fall in; then the error for a seq_idx that does not
+    match the boundaries."""
+    import usp_hal
+    from usp_hal.integrations import transformers as usp
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
+    batch = sft_batch(packing=True, n=4)
+    cu = batch["cu_seq_lens_q"].tolist()
+    local = usp.shard_batch(batch, mesh, layout)
+    pos = usp_hal.shard(torch.arange(cu[-1]).view(1, -1), layout, mesh, cu_seqlens=cu)[0]
+    docs = torch.bucketize(pos, torch.tensor(cu[1:]), right=True)
+    res = {"seq_idx": local["seq_idx"][0].tolist(), "docs": docs.tolist(), "n_docs": len(cu) - 1,
+           "dtype": str(local["seq_idx"].dtype)}
+    bad = dict(batch, seq_idx=torch.zeros_like(batch["seq_idx"]))
+    try:
+        usp.shard_batch(bad, mesh, layout)
+    except ValueError as exc:
+        res["bad"] = str(exc)
+    return res
+
+
+def plain_sft_refused(U: int = 1, R: int = 2) -> dict:
+    """A plain SFTTrainer on a model whose attention is usp-hal's: the error each rank gets."""
+    offline()
+    from trl import SFTConfig, SFTTrainer
+
+    import usp_hal
+    from usp_hal.integrations import transformers as usp
+    mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
+    name = usp.register("usp_hal_test_plain_sft", mesh=mesh, attn_type="sdpa")
+    model = tiny_model()
+    model.set_attn_implementation(name)
+    threads = torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = _sft_config(SFTConfig, tmp, 1, 2, 1e-3, 0, True)
+            SFTTrainer(model=model, args=args, train_dataset=sft_data(8), processing_class=tiny_tokenizer()).train()
+    except ValueError as exc:
+        return {"error": str(exc)}
+    finally:
+        _reset_accelerate()
+        torch.set_num_threads(threads)
+    return {"error": None}

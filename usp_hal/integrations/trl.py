@@ -230,6 +230,15 @@ class _GRPO(_WholeSequenceLoss):
                            "ref_per_token_logps")
         return None
 
+    def train(self, *args, **kwargs):
+        from trl import GRPOTrainer
+        cls = type(self)
+        if cls._prepare_inputs is GRPOTrainer._prepare_inputs and \
+                cls._generate_and_score_completions is GRPOTrainer._generate_and_score_completions and \
+                cls._generate is _GRPO._generate:       # refused here, on every rank, before any collective
+            self._generate([])
+        return super().train(*args, **kwargs)
+
     def _generate(self, prompts):
         raise NotImplementedError(
             f"{type(self).__name__} does not generate: TRL's generate() runs each rank on its own copy of the "
