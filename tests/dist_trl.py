@@ -240,10 +240,13 @@ def dpo_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: f
 
 
 # ----------------------------------------------------------------------------- GRPO
-def grpo_batches(steps: int, rows: int, seed: int = 0) -> list:
+def grpo_batches(steps: int, rows: int, seed: int = 0, ranks_per_replica: int = 1) -> list:
     """``steps`` prepared GRPO batches of ``rows`` rows (what ``_generate_and_score_completions``
     returns): prompts of 6 tokens (some left-padded), completions of 3 to 10 tokens
-    (right-padded), advantages and the sampling policy's per-token log-probs (off-policy)."""
+    (right-padded), advantages and the sampling policy's per-token log-probs (off-policy).
+    ``num_items_in_batch`` (the dapo/cispo/vespo normaliser) is the completion-token count as
+    TRL 1.16's ``_generate_and_score_completions`` makes it: gathered over every process, so each
+    replica's count ``ranks_per_replica`` times (``accelerator.gather(loss_mask.sum()).sum()``)."""
     g = torch.Generator().manual_seed(seed + 990)
     out = []
     for _ in range(steps):
@@ -257,18 +260,19 @@ def grpo_batches(steps: int, rows: int, seed: int = 0) -> list:
         completion_ids = torch.randint(3, VOCAB, (rows, C), generator=g) * completion_mask
         out.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                     "completion_mask": completion_mask, "advantages": torch.randn(rows, generator=g),
-                    "old_per_token_logps": -5.5 + 0.3 * torch.randn(rows, C, generator=g)})
+                    "old_per_token_logps": -5.5 + 0.3 * torch.randn(rows, C, generator=g),
+                    "num_items_in_batch": completion_mask.sum() * ranks_per_replica})
     return out
 
 
-def _grpo_trainer(base, config_cls, tmp, model, bs, lr, seed, **extra):
+def _grpo_trainer(base, config_cls, tmp, model, bs, lr, seed, loss_type="grpo", **extra):
     class Given(base):
         """The training step on given completions: the batch handed to training_step is used as it is."""
 
         def _prepare_inputs(self, batch):
             return batch
     data = _prompts(8)
-    args = config_cls(per_device_train_batch_size=bs, num_generations=2, loss_type="grpo", beta=0.0,
+    args = config_cls(per_device_train_batch_size=bs, num_generations=2, loss_type=loss_type, beta=0.0,
                       **_common(tmp, 3, lr, seed), **extra)
     return Given(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                  train_dataset=data, processing_class=tiny_tokenizer())
@@ -299,7 +303,7 @@ def _grpo_steps(trainer, model, batches, clip: float = 1.0) -> dict:
 
 
 def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3,
-             kind: str = "llama", bypass: bool = False):
+             kind: str = "llama", bypass: bool = False, loss_type: str = "grpo"):
     """usp_trainer(GRPOTrainer)'s training step on given completions, ``steps`` times, sp = U x R.
 
     The glue in a TRL script (2 lines, plus the completions it gives):
@@ -316,13 +320,13 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
     try:
         with tempfile.TemporaryDirectory() as tmp:
             trainer = _grpo_trainer(usp_trainer(GRPOTrainer), usp_config(GRPOConfig), tmp, model, bs, lr, seed,
-                                    usp_ulysses_degree=U, usp_ring_degree=R, usp_attn_type="sdpa")
+                                    loss_type, usp_ulysses_degree=U, usp_ring_degree=R, usp_attn_type="sdpa")
             counts = Counts(model, trainer)
             if bypass:
                 _bypass(trainer)
             replica = trainer._dp_index()
-            mine = [{k: v[replica * bs:(replica + 1) * bs] for k, v in b.items()}
-                    for b in grpo_batches(steps, bs * dp, seed)]
+            mine = [{k: v[replica * bs:(replica + 1) * bs] if v.dim() else v for k, v in b.items()}
+                    for b in grpo_batches(steps, bs * dp, seed, ranks_per_replica=U * R)]
             with trainer.usp_attention():
                 res = _grpo_steps(trainer, model, mine)
     finally:
@@ -345,13 +349,14 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
     return res
 
 
-def grpo_reference(dp: int = 1, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3, kind: str = "llama"):
+def grpo_reference(dp: int = 1, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3, kind: str = "llama",
+                   loss_type: str = "grpo"):
     offline()
     from trl import GRPOConfig, GRPOTrainer
     model = tiny_model(kind, seed)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = _grpo_trainer(GRPOTrainer, GRPOConfig, tmp, model, bs * dp, lr, seed)
+            trainer = _grpo_trainer(GRPOTrainer, GRPOConfig, tmp, model, bs * dp, lr, seed, loss_type)
             res = _grpo_steps(trainer, model, grpo_batches(steps, bs * dp, seed))
     finally:
         _reset_accelerate()
@@ -385,6 +390,14 @@ def refusal(what: str) -> Any:
                 usp_trainer(GRPOTrainer)(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                          args=usp_config(GRPOConfig)(use_vllm=True, **common),
                                          processing_class=tiny_tokenizer(), train_dataset=_prompts(4))
+            elif what == "moe_router_loss":
+                from transformers import MixtralConfig, MixtralForCausalLM
+                from trl import SFTConfig, SFTTrainer
+                moe = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=4, num_key_value_heads=2,
+                                                       num_local_experts=2, num_experts_per_tok=1, vocab_size=VOCAB))
+                usp_trainer(SFTTrainer)(model=moe, args=usp_config(SFTConfig)(**common),
+                                        processing_class=tiny_tokenizer(), train_dataset=sft_data(4))
             elif what == "positional":
                 usp_trainer(DPOTrainer)(model, tiny_model())
             else:

@@ -35,6 +35,7 @@ MESHES = {   # name: (ranks, degrees, model)
 CASES = {f"{t}_{m}": (t, m, {}) for t in RUNS for m in MESHES}
 CASES["sft_padded_ring2"] = ("sft", "ring2", dict(packing=False))         # rows with an attention_mask
 CASES["sft_padded_dp2_ring2"] = ("sft", "dp2_ring2", dict(packing=False))
+CASES["grpo_dapo_dp2_ring2"] = ("grpo", "dp2_ring2", dict(loss_type="dapo"))   # a token-count normaliser
 CASES["sft_checkpointing_ulysses2_ring2"] = ("sft", "ulysses2_ring2", dict(checkpointing=True))   # TRL's default
 
 
@@ -124,6 +125,7 @@ REFUSED = {
     "no_ref_model": "Pass ref_model=",
     "use_vllm": "must share theirs",
     "positional": "pass the arguments by name",
+    "moe_router_loss": "Pass router_aux_loss_coef=0.0",
 }
 
 

@@ -34,24 +34,33 @@ How each trainer's loss stays exact:
   so after DDP's mean over the world each parameter's gradient is the mean over the replicas
   of each replica's loss gradient, as under plain data parallel with ``dp`` processes.
 
-Refused, each with its reason and what to do instead (``ValueError``/``NotImplementedError``,
-on every rank, before any collective): what ``USPTrainer`` refuses (DeepSpeed, FSDP, an
-accelerate ``ParallelismConfig`` - TRL's ``cp_size``/``sp_size`` route -, ...); PEFT models;
-models whose fused-head call carries more than ``input_ids``/``attention_mask`` (vision inputs,
-MoE router logits); ``return_outputs=True``; DPO's ``precompute_ref_log_probs`` and
-``sync_ref_model``; GRPO's generation (``GRPOTrainer._generate``: each rank would sample its own
-completions for the batch its replica shares) - GRPO's training step runs on completions given
-to it (override ``_generate_and_score_completions`` or ``_prepare_inputs``), and vLLM server
-or colocate mode is refused with it; GRPO's ``loss_type`` values whose normaliser TRL counts
-per process are exact because TRL counts over every rank (``dapo``, ``cispo``, ``vespo``: see
-``_compute_loss``).
+GRPO's loss types: ``grpo`` and ``dapo`` are tested.  The token-count normaliser of ``dapo``,
+``cispo`` and ``vespo`` (``inputs["num_items_in_batch"] / num_processes``) stays right when the
+count is made as TRL's ``_generate_and_score_completions`` makes it, gathered over every process
+(so each replica's count ``sp`` times, over ``dp * sp`` processes).
+
+Refused, each with its reason and what to do instead (``ValueError``, ``TypeError``,
+``NotImplementedError``; from the arguments, before TRL's set-up, on every rank alike): what
+``USPTrainer`` refuses (DeepSpeed, FSDP, an accelerate ``ParallelismConfig`` - TRL's
+``cp_size``/``sp_size`` route -, label smoothing, ...); a mixture-of-experts load-balancing loss
+(``router_aux_loss_coef`` not 0: a product of per-expert means over every token); for DPO and
+GRPO, positional arguments (their trainers take other arguments second), PEFT models, model calls
+other than TRL's fused log-probability call on ``input_ids``/``attention_mask`` (vision inputs)
+and ``return_outputs=True``; DPO without ``ref_model=``, with ``precompute_ref_log_probs`` or
+``sync_ref_model``; GRPO with ``use_vllm`` or ``beta != 0`` (the reference log-probabilities
+come from the generation step), and GRPO's own generation (``train()`` raises at once unless the
+completions step is overridden: each rank would sample its own completions for the batch its
+replica shares) - its training step runs on completions given to it (override
+``_generate_and_score_completions`` or ``_prepare_inputs``).
+Metrics TRL logs from per-rank counts (``num_tokens``, token accuracy, entropy) count each
+replica's tokens ``sp`` times or per shard; the loss, gradient norm and parameters are exact.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -118,7 +127,46 @@ class _WholeSequenceCalls:
 _Mixin: Any = object      # the trainer classes it goes before (USPTrainer, TRL's), for the type checker
 
 
-class _WholeSequenceLoss(_Mixin):
+def _router_loss_problem(model, args) -> Optional[ValueError]:
+    """TRL's MoE load-balancing loss (``aux_loss_enabled``, the same rule as TRL 1.16's trainers)."""
+    cfg = model.config.get_text_config()
+    coef = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(cfg, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if hasattr(cfg, "output_router_logits") and coef != 0.0:
+        return _refuse(f"a mixture-of-experts load-balancing loss (router_aux_loss_coef={coef})", "it is a "
+                       "product of per-expert token means over the whole batch, and each rank routes only its "
+                       "shard of the tokens", "Pass router_aux_loss_coef=0.0 in the config")
+    return None
+
+
+class _TRL(_Mixin):
+    """Checks common to the TRL trainers, before TRL's set-up (on every rank alike)."""
+
+    def __init__(self, *args, **kwargs):
+        problem = self._usp_arguments_problem(args, kwargs)
+        if problem is not None:       # before TRL's set-up and any collective, on every rank alike
+            raise problem
+        super().__init__(*args, **kwargs)
+
+    def _usp_arguments_problem(self, args: tuple, kwargs: dict) -> Optional[BaseException]:
+        model: Any = kwargs.get("model", args[0] if args else None)
+        if hasattr(getattr(model, "config", None), "get_text_config"):
+            return _router_loss_problem(model, kwargs.get("args"))
+        return None
+
+    def _refuse_after_init(self) -> None:
+        if getattr(self, "aux_loss_enabled", False):       # a model TRL loaded by name
+            raise _router_loss_problem(self.model, self.args) or _refuse(
+                "a mixture-of-experts load-balancing loss", "each rank routes only its shard of the tokens",
+                "Pass router_aux_loss_coef=0.0 in the config")
+        super()._refuse_after_init()
+
+
+class _SFT(_TRL):
+    pass
+
+
+class _WholeSequenceLoss(_TRL):
     """What DPO and GRPO add over ``USPTrainer``: batches stay whole until the model call (see
     :class:`_WholeSequenceCalls`); the reference model (DPO) gets usp-hal attention too."""
 
@@ -127,26 +175,17 @@ class _WholeSequenceLoss(_Mixin):
     usp_layout: str
     _attn_name: str
 
-    def __init__(self, *args, **kwargs):
+    def _usp_arguments_problem(self, args: tuple, kwargs: dict) -> Optional[BaseException]:
         if args:
-            raise TypeError(f"{type(self).__name__}: pass the arguments by name (model=, args=, ...)")
-        problem = self._usp_arguments_problem(kwargs)
-        if problem is not None:       # before TRL's set-up and any collective, on every rank alike
-            raise problem
-        super().__init__(**kwargs)
-
-    def _usp_arguments_problem(self, kwargs):
-        return None
+            return TypeError(f"{type(self).__name__}: pass the arguments by name (model=, args=, ...): TRL's "
+                             "trainer takes other arguments second than USPTrainer")
+        return super()._usp_arguments_problem(args, kwargs)
 
     def _refuse_after_init(self) -> None:
         from accelerate.utils import is_peft_model
-        model: Any = self.model
-        if is_peft_model(model):
+        if is_peft_model(self.model):
             raise _refuse("a PEFT model", "its reference (adapters off) and the sharded calls are not verified "
                           "together", "Train the full model")
-        if getattr(self, "aux_loss_enabled", False):
-            raise _refuse("a mixture-of-experts router loss", "the load-balancing loss is a function of every "
-                          "token's router logits, which the ranks hold a shard of", "Set router_aux_loss_coef=0.0")
         super()._refuse_after_init()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -202,7 +241,10 @@ class _WholeSequenceLoss(_Mixin):
 
 
 class _DPO(_WholeSequenceLoss):
-    def _usp_arguments_problem(self, kwargs):
+    def _usp_arguments_problem(self, positional: tuple, kwargs: dict) -> Optional[BaseException]:
+        problem = super()._usp_arguments_problem(positional, kwargs)
+        if problem is not None:
+            return problem
         args = kwargs.get("args")
         if args is not None and getattr(args, "precompute_ref_log_probs", False):
             return _refuse("precompute_ref_log_probs=True", "the reference log-probabilities would be computed "
@@ -218,7 +260,10 @@ class _DPO(_WholeSequenceLoss):
 
 
 class _GRPO(_WholeSequenceLoss):
-    def _usp_arguments_problem(self, kwargs):
+    def _usp_arguments_problem(self, positional: tuple, kwargs: dict) -> Optional[BaseException]:
+        problem = super()._usp_arguments_problem(positional, kwargs)
+        if problem is not None:
+            return problem
         args = kwargs.get("args")
         if args is not None and getattr(args, "use_vllm", False):
             return _refuse("use_vllm=True", "vLLM's completions are handed out per process, and the ranks of one "
@@ -249,7 +294,7 @@ class _GRPO(_WholeSequenceLoss):
             "(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ...)")
 
 
-_EXTRA = {"SFTTrainer": (), "DPOTrainer": (_DPO,), "GRPOTrainer": (_GRPO,)}
+_EXTRA = {"SFTTrainer": (_SFT,), "DPOTrainer": (_DPO,), "GRPOTrainer": (_GRPO,)}
 
 
 @functools.lru_cache(maxsize=None)
