@@ -52,8 +52,8 @@ come from the generation step), and GRPO's own generation (``train()`` raises at
 completions step is overridden: each rank would sample its own completions for the batch its
 replica shares) - its training step runs on completions given to it (override
 ``_generate_and_score_completions`` or ``_prepare_inputs``).
-Metrics TRL logs from per-rank counts (``num_tokens``, token accuracy, entropy) count each
-replica's tokens ``sp`` times or per shard; the loss, gradient norm and parameters are exact.
+DPO's and GRPO's logged ``num_tokens`` counts each replica's tokens ``sp`` times (every rank of a
+replica holds its whole batch); their ratios (entropy, accuracies, rewards) are unaffected.
 """
 from __future__ import annotations
 
