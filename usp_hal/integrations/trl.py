@@ -51,7 +51,7 @@ and ``return_outputs=True``; DPO without ``ref_model=``, with ``precompute_ref_l
 come from the generation step), and GRPO's own generation (``train()`` raises at once unless the
 completions step is overridden: each rank would sample its own completions for the batch its
 replica shares) - its training step runs on completions given to it (override
-``_generate_and_score_completions`` or ``_prepare_inputs``).
+``_generate_and_score_completions`` or ``_prepare_inputs``); DPO's and GRPO's ``evaluate()``.
 DPO's and GRPO's logged ``num_tokens`` counts each replica's tokens ``sp`` times (every rank of a
 replica holds its whole batch); their ratios (entropy, accuracies, rewards) are unaffected.
 """
@@ -187,6 +187,11 @@ class _WholeSequenceLoss(_TRL):
             raise _refuse("a PEFT model", "its reference (adapters off) and the sharded calls are not verified "
                           "together", "Train the full model")
         super()._refuse_after_init()
+
+    def evaluate(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__}.evaluate() is not sequence-parallel yet (USPTrainer's "
+                                  "evaluation shards a language-modelling batch, not preference or completion "
+                                  "batches); evaluate with TRL's trainer in one process")
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The step's batches, whole (every rank of a replica the same); no token count (these
