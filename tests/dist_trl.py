@@ -130,8 +130,8 @@ def sft_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
             checkpointing: bool = False):
     """``steps`` optimizer steps of usp_trainer(SFTTrainer) with sp = U x R (dp = the rest).
 
-    The glue in a TRL script (2 lines): ``SFT, Config = usp_trainer(SFTTrainer), usp_config(SFTConfig)``
-    and the ``usp_*`` fields in the config."""
+    The glue in a TRL script (3 lines): the import, ``SFT, Config = usp_trainer(SFTTrainer),
+    usp_config(SFTConfig)`` and the ``usp_*`` fields in the config."""
     offline()
     import torch.distributed as dist
     from trl import SFTConfig, SFTTrainer
@@ -192,8 +192,8 @@ def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
             kind: str = "llama", bypass: bool = False):
     """``steps`` optimizer steps of usp_trainer(DPOTrainer) with sp = U x R (dp = the rest).
 
-    The glue in a TRL script (2 lines): ``DPO, Config = usp_trainer(DPOTrainer), usp_config(DPOConfig)``
-    and the ``usp_*`` fields in the config (ref_model= passed by name, as TRL takes it)."""
+    The glue in a TRL script (3 lines): the import, ``DPO, Config = usp_trainer(DPOTrainer),
+    usp_config(DPOConfig)`` and the ``usp_*`` fields in the config (arguments by name)."""
     offline()
     import torch.distributed as dist
     from trl import DPOConfig, DPOTrainer
@@ -306,7 +306,7 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
              kind: str = "llama", bypass: bool = False, loss_type: str = "grpo"):
     """usp_trainer(GRPOTrainer)'s training step on given completions, ``steps`` times, sp = U x R.
 
-    The glue in a TRL script (2 lines, plus the completions it gives):
+    The glue in a TRL script (3 lines, plus the completions it gives): the import,
     ``GRPO, Config = usp_trainer(GRPOTrainer), usp_config(GRPOConfig)`` and the ``usp_*`` fields."""
     offline()
     import torch.distributed as dist

@@ -7,8 +7,9 @@ nothing is downloaded.  Every case also counts the model's attention-layer calls
 attention calls (they must be equal), and the bypassed variants (usp-hal's attention left out, each
 rank attending over its own shard) must fail the comparison.
 
-The glue each user script adds is in the test docstrings: 2 lines (``usp_trainer``/``usp_config``
-of TRL's classes, and the ``usp_*`` degrees in the config)."""
+The glue a TRL script adds (each test's docstring says what it uses): 3 lines, the import,
+``SFTTrainer, SFTConfig = usp_trainer(SFTTrainer), usp_config(SFTConfig)`` (likewise DPO, GRPO)
+and the ``usp_*`` degrees in the config; before, a hand-written mixin and arguments class took 9."""
 import dataclasses
 
 import pytest
@@ -52,8 +53,10 @@ def _compare(res, ref, steps: int = 3):
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", list(CASES))
 def test_trl_trainer_matches_single_process(pools, case):
-    """2 lines of glue in the TRL script: ``Trainer, Config = usp_trainer(XTrainer), usp_config(XConfig)``
-    and ``usp_ulysses_degree=/usp_ring_degree=`` in the config (DPO: ``ref_model=`` by name)."""
+    """Glue: 3 lines (the import, ``X, XConfig = usp_trainer(X), usp_config(XConfig)``, the
+    ``usp_ulysses_degree=/usp_ring_degree=`` in the config); DPO's ``ref_model=`` and GRPO's given
+    completions are TRL's own arguments.  Loss, grad norm and parameters after 3 steps within
+    tests/test_trainer.py's bounds; every attention call went through usp-hal."""
     kind, mesh, extra = CASES[case]
     world, degrees, model = MESHES[mesh]
     run, reference = RUNS[kind]
@@ -80,7 +83,7 @@ def test_trl_trainer_matches_single_process(pools, case):
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
 def test_bypassed_usp_attention_fails_the_comparison(pools, kind):
-    """The negative control (same 2 lines of glue, then the trainer's attention set back to SDPA):
+    """The negative control (the same 3 lines of glue, then the trainer's attention set back to SDPA):
     each rank attends over its own shard only, no call reaches usp-hal, and the losses and
     parameters leave the single-process reference by far more than the bounds."""
     run, reference = RUNS[kind]
@@ -96,7 +99,8 @@ def test_bypassed_usp_attention_fails_the_comparison(pools, kind):
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["varlen_zigzag", "zigzag", "basic"])
 def test_shard_batch_shards_trls_seq_idx_with_the_tokens(pools, layout):
-    """TRL 1.16's padding-free collator adds seq_idx (each token's document); shard_batch gives
+    """Glue: none (shard_batch runs inside the trainer).  TRL 1.16's padding-free collator adds
+    seq_idx (each token's document); shard_batch gives
     each rank the documents of its own tokens, and refuses a seq_idx that disagrees with the
     boundaries (on every rank)."""
     with environ(dist_trl.OFFLINE):
@@ -111,7 +115,8 @@ def test_shard_batch_shards_trls_seq_idx_with_the_tokens(pools, layout):
 
 @pytest.mark.multirank
 def test_plain_sft_trainer_with_usp_attention_names_the_trainers(pools):
-    """attn_implementation set to usp-hal under TRL's plain SFTTrainer: refused on every rank, and
+    """Glue: none, the failing case (usp-hal's attention on the model, TRL's plain SFTTrainer):
+    refused on every rank, and
     the message names USPTrainer and usp_hal.integrations.trl (a Trainer user cannot call shard_batch)."""
     with environ(dist_trl.OFFLINE):
         res = pools(2).run(dist_trl.plain_sft_refused, timeout=120)
@@ -131,12 +136,14 @@ REFUSED = {
 
 @pytest.mark.parametrize("what", list(REFUSED))
 def test_unsupported_trl_options_are_refused_before_set_up(what):
+    """Glue: the same 3 lines; each refusal comes from the arguments, before TRL's set-up."""
     with environ(dist_trl.OFFLINE):
         err = dist_trl.refusal(what)
     assert err is not None and REFUSED[what] in err, err
 
 
 def test_import_patches_nothing_and_other_trainers_are_refused():
+    """Glue: the import alone changes no TRL class; the configs keep TRL's defaults."""
     import trl
 
     import usp_hal.integrations.trl as ut
