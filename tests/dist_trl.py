@@ -398,6 +398,12 @@ def refusal(what: str) -> Any:
                                                        num_local_experts=2, num_experts_per_tok=1, vocab_size=VOCAB))
                 usp_trainer(SFTTrainer)(model=moe, args=usp_config(SFTConfig)(**common),
                                         processing_class=tiny_tokenizer(), train_dataset=sft_data(4))
+            elif what == "parallelism_config_cp":        # TRL's context-parallel route (accelerate's)
+                from accelerate import ParallelismConfig
+                from trl import SFTConfig, SFTTrainer
+                args = usp_config(SFTConfig)(parallelism_config=ParallelismConfig(cp_size=2), **common)
+                usp_trainer(SFTTrainer)(model=model, args=args, processing_class=tiny_tokenizer(),
+                                        train_dataset=sft_data(4))
             elif what == "positional":
                 usp_trainer(DPOTrainer)(model, tiny_model())
             else:

@@ -131,6 +131,7 @@ REFUSED = {
     "use_vllm": "must share theirs",
     "positional": "pass the arguments by name",
     "moe_router_loss": "Pass router_aux_loss_coef=0.0",
+    "parallelism_config_cp": "Set usp_ulysses_degree/usp_ring_degree instead",
 }
 
 
