@@ -3,6 +3,9 @@
 ``usp_hal.integrations.transformers``
     ``attn_implementation="usp_hal"`` for any model that goes through transformers'
     ``AttentionInterface``, plus :func:`~usp_hal.integrations.transformers.shard_batch`.
+``usp_hal.integrations.trl``
+    TRL's SFT, DPO and GRPO trainers over :class:`~usp_hal.integrations.trainer.USPTrainer`
+    (``usp_trainer(SFTTrainer)``, ``usp_config(SFTConfig)``), for the ``engines`` extra.
 ``usp_hal.integrations.diffusers``
     :func:`~usp_hal.integrations.diffusers.parallelize` for diffusers models that declare a
     context-parallel plan and call ``dispatch_attention_fn`` (Flux and others).

@@ -271,11 +271,16 @@ class USPTrainer(Trainer):
     Trainer's.
     """
 
+    _usp_model_loss = True      # each rank's loss is the model's own on its shard (see _refuse_after_init)
+
     def __init__(self, model=None, args=None, *trainer_args, mesh=None, **trainer_kwargs):
         problems = _args_problems(args) if args is not None else []
         if problems:
             raise problems[0]
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if trainer_args:
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        else:       # by name: trainers over this one (TRL's) take other arguments second
+            super().__init__(model=model, args=args, **trainer_kwargs)
         self._refuse_after_init()
         self.usp_dynamic = None
         if getattr(self.args, "usp_dynamic_degree", False):
@@ -320,8 +325,9 @@ class USPTrainer(Trainer):
                           "set_attn_implementation)", "Pass a transformers model whose attention goes through "
                           "AttentionInterface")
         # Trainer.__init__ (model introspection) reads accepts_loss_kwargs or a **kwargs forward: only
-        # then does compute_loss pass num_items_in_batch on to the model's loss
-        if not self.model_accepts_loss_kwargs:
+        # then does compute_loss pass num_items_in_batch on to the model's loss (not asked where the
+        # loss is computed from gathered outputs: usp_hal.integrations.trl's DPO and GRPO)
+        if self._usp_model_loss and not self.model_accepts_loss_kwargs:
             raise _refuse(f"the model {type(model).__name__}", "its forward does not take the loss keyword "
                           "arguments (num_items_in_batch, shift_labels) that make each rank's loss its exact share",
                           "Use a model whose forward takes **kwargs (transformers' causal LMs do)")

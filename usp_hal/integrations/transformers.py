@@ -229,7 +229,10 @@ class Padding:
 _OUTSIDE = ("usp_hal attention (transformers): this {what} did not come through shard_batch (its position_ids "
             "are not the ones shard_batch returns; a copy, e.g. by .to(device), is not: move the batch before "
             "shard_batch), so it is not a sequence-parallel call and usp_hal enters no "
-            "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); to run the "
+            "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); under a "
+            "transformers or TRL Trainer, which calls the model itself, train with "
+            "usp_hal.integrations.trainer.USPTrainer, or for TRL's trainers usp_hal.integrations.trl "
+            "(USPSFTTrainer, USPDPOTrainer, usp_trainer(SFTTrainer)), which shard every batch; to run the "
             "model on one rank or on whole sequences, switch its attention back first: "
             "model.set_attn_implementation('sdpa') (and back to the usp_hal name afterwards)")
 
@@ -883,7 +886,8 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     ``0..S-1`` as in a transformers forward without ``position_ids``.  The outputs of a query
     that sees no key (a left pad) are 0 attention (transformers' kernels disagree there: label
     such positions -100).  ``generate()`` takes left-padded prompts this way (see the module
-    doc).  Not with packed documents.  Other tensors are refused rather than passed through
+    doc).  Not with packed documents.  ``seq_idx`` (the document index of every token, from TRL's
+    padding-free collator) is sharded like the tokens.  Other tensors are refused rather than passed through
     unsharded.  ``check`` (one small all-gather)
     verifies that every rank passed the same batch.
     """
@@ -922,6 +926,8 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     if cu is not None:
         bounds = torch.tensor(cu, dtype=torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = bounds
+    if batch.get("seq_idx") is not None:     # per token, like the positions: this rank's tokens' documents
+        out["seq_idx"] = sh(batch["seq_idx"])
     if shifted is not None:
         local = sh(shifted)
         out["labels"] = local           # the model computes a loss only when labels are given ...
@@ -974,7 +980,8 @@ def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
     padding: Optional[Padding] = None
     cu = _batch_boundaries(batch, cu_seqlens, bsz, seqlen)
     for k, v in batch.items():
-        if k in seq_keys or k in ("labels", "shift_labels", "attention_mask", "position_ids") + _PACKING_KEYS:
+        if k in seq_keys or k in ("labels", "shift_labels", "attention_mask", "position_ids", "seq_idx") \
+                or k in _PACKING_KEYS:
             continue
         if isinstance(v, torch.Tensor):
             raise ValueError(f"shard_batch: don't know how to shard the tensor {k!r} {tuple(v.shape)}; shard it "
@@ -1007,6 +1014,7 @@ def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
             raise ValueError("shard_batch: position_ids other than 0..S-1 (or, for packed sequences, 0.. in every "
                              "document of cu_seqlens) are not supported; leave position_ids out and shard_batch "
                              "makes them")
+    _check_seq_idx(batch.get("seq_idx"), bsz, seqlen, cu)
     shifted = batch.get("shift_labels")
     if shifted is None and batch.get("labels") is not None:
         labels = batch["labels"]
@@ -1023,6 +1031,29 @@ def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
 
 
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _check_seq_idx(seq_idx, bsz: int, seqlen: int, cu) -> None:
+    """``seq_idx`` (``[1|B, S]``): the document index of every token, as TRL's padding-free
+    collator (trl 1.16, trainer/sft_trainer.py, ``DataCollatorForLanguageModeling``) and
+    transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` add it for the short
+    convolutions of linear-attention layers.  It is per token like ``position_ids``, so
+    :func:`shard_batch` shards it with the batch's layout; it must name the documents of the
+    batch's boundaries (0 everywhere for one sequence per row), or the shards would disagree
+    with the boundaries the attention gets."""
+    if seq_idx is None:
+        return
+    if not isinstance(seq_idx, torch.Tensor) or seq_idx.dim() != 2 or seq_idx.shape[0] not in (1, bsz) \
+            or seq_idx.shape[1] != seqlen or seq_idx.is_floating_point() or seq_idx.is_complex():
+        what = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
+        raise ValueError(f"shard_batch: seq_idx must be an integer [1 or {bsz}, {seqlen}] tensor (the document index "
+                         f"of every token), got {what}")
+    bounds = cu if cu is not None else (0, seqlen)
+    expect = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(bounds).diff())
+    if not bool((seq_idx.cpu().to(torch.int64) == expect).all()):
+        raise ValueError(f"shard_batch: seq_idx {_brief(seq_idx[0].tolist())} does not number the documents of the "
+                         f"batch's boundaries {list(bounds)} (0, 1, ... per document); leave seq_idx out or make it "
+                         "match cu_seq_lens_q / the position_ids")
 
 
 def _batch_boundaries(batch, cu_seqlens, bsz: int, seqlen: int):

@@ -1,0 +1,160 @@
+"""TRL 1.16's trainers with usp-hal sequence parallelism (usp_hal.integrations.trl), against TRL's
+plain trainers in one process on the same global batches: logged losses, gradient norms (before
+clipping at 1.0) and the parameters after 3 optimizer steps, under tests/test_trainer.py's bounds;
+on Ring-2 and Ulysses-2 (2 gloo ranks), Ulysses-2 x Ring-2 and dp 2 x Ring-2 (4 ranks).  Tiny
+Llama and Qwen2 models from configs, a word-level tokenizer built locally and synthetic datasets:
+nothing is downloaded.  Every case also counts the model's attention-layer calls and usp-hal's
+attention calls (they must be equal), and the bypassed variants (usp-hal's attention left out, each
+rank attending over its own shard) must fail the comparison.
+
+The glue a TRL script adds (each test's docstring says what it uses): 3 lines, the import,
+``SFTTrainer, SFTConfig = usp_trainer(SFTTrainer), usp_config(SFTConfig)`` (likewise DPO, GRPO)
+and the ``usp_*`` degrees in the config; before, a hand-written mixin and arguments class took 9."""
+import dataclasses
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from tests import dist_trl  # noqa: E402
+from tests.mp import environ  # noqa: E402
+from tests.test_trainer import LOSS_TOL, NORM_TOL, PARAM_TOL  # noqa: E402
+
+pytestmark = [pytest.mark.models, pytest.mark.optional_pkg]
+
+RUNS = {"sft": (dist_trl.sft_run, dist_trl.sft_reference), "dpo": (dist_trl.dpo_run, dist_trl.dpo_reference),
+        "grpo": (dist_trl.grpo_run, dist_trl.grpo_reference)}
+
+MESHES = {   # name: (ranks, degrees, model)
+    "ring2": (2, dict(U=1, R=2), "llama"),
+    "ulysses2": (2, dict(U=2, R=1), "qwen"),
+    "ulysses2_ring2": (4, dict(U=2, R=2), "llama"),
+    "dp2_ring2": (4, dict(U=1, R=2), "qwen"),
+}
+
+CASES = {f"{t}_{m}": (t, m, {}) for t in RUNS for m in MESHES}
+CASES["sft_padded_ring2"] = ("sft", "ring2", dict(packing=False))         # rows with an attention_mask
+CASES["sft_padded_dp2_ring2"] = ("sft", "dp2_ring2", dict(packing=False))
+CASES["grpo_dapo_dp2_ring2"] = ("grpo", "dp2_ring2", dict(loss_type="dapo"))   # a token-count normaliser
+CASES["sft_checkpointing_ulysses2_ring2"] = ("sft", "ulysses2_ring2", dict(checkpointing=True))   # TRL's default
+
+
+def _compare(res, ref, steps: int = 3):
+    r0 = res[0]
+    assert len(ref["losses"]) == len(r0["losses"]) == steps, (ref["losses"], r0["losses"])
+    assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    norm_diff = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
+    param_diff = float((r0["params"] - ref["params"]).abs().max())
+    return loss_diff, norm_diff, param_diff
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(CASES))
+def test_trl_trainer_matches_single_process(pools, case):
+    """Glue: 3 lines (the import, ``X, XConfig = usp_trainer(X), usp_config(XConfig)``, the
+    ``usp_ulysses_degree=/usp_ring_degree=`` in the config); DPO's ``ref_model=`` and GRPO's given
+    completions are TRL's own arguments.  Loss, grad norm and parameters after 3 steps within
+    tests/test_trainer.py's bounds; every attention call went through usp-hal."""
+    kind, mesh, extra = CASES[case]
+    world, degrees, model = MESHES[mesh]
+    run, reference = RUNS[kind]
+    with environ(dist_trl.OFFLINE):
+        res = pools(world).run(run, timeout=300, kind=model, **degrees, **extra)
+        dp = world // (degrees["U"] * degrees["R"])
+        ref = reference(dp=dp, kind=model, **extra)
+    assert res[0]["dp"] == dp
+    loss_diff, norm_diff, param_diff = _compare(res, ref)
+    print(f"{case}: loss diff {loss_diff:.1e}, grad-norm rel diff {norm_diff:.1e}, param diff {param_diff:.1e}")
+    assert loss_diff <= LOSS_TOL and norm_diff <= NORM_TOL and param_diff <= PARAM_TOL, (loss_diff, norm_diff,
+                                                                                        param_diff)
+    assert max(ref["grad_norms"]) > 1.0, ref["grad_norms"]                    # clipping took part
+    moved = float((ref["params"] - dist_trl.initial_params(model)).abs().max())
+    assert moved > 20 * PARAM_TOL, moved                                       # it trained
+    for r in res:      # every attention call of every step went through usp-hal (2 layers per forward)
+        calls = r["layer_calls"] + r.get("ref_layer_calls", 0)
+        assert r["layer_calls"] >= 3 * 2 and r["usp_calls"] == calls, r
+        assert r["attn_after"] == "sdpa" and r.get("ref_attn_after", "sdpa") == "sdpa"
+    if kind == "grpo":
+        assert all("does not generate" in r["generate"] for r in res), res[0]["generate"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+def test_bypassed_usp_attention_fails_the_comparison(pools, kind):
+    """The negative control (the same 3 lines of glue, then the trainer's attention set back to SDPA):
+    each rank attends over its own shard only, no call reaches usp-hal, and the losses and
+    parameters leave the single-process reference by far more than the bounds."""
+    run, reference = RUNS[kind]
+    with environ(dist_trl.OFFLINE):
+        res = pools(2).run(run, timeout=300, U=1, R=2, bypass=True)
+        ref = reference(dp=1)
+    loss_diff, _, param_diff = _compare(res, ref)
+    print(f"{kind} bypassed: loss diff {loss_diff:.1e}, param diff {param_diff:.1e}")
+    assert all(r["usp_calls"] == 0 and r["layer_calls"] > 0 for r in res), res
+    assert loss_diff > 100 * LOSS_TOL and param_diff > 10 * PARAM_TOL, (loss_diff, param_diff)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["varlen_zigzag", "zigzag", "basic"])
+def test_shard_batch_shards_trls_seq_idx_with_the_tokens(pools, layout):
+    """Glue: none (shard_batch runs inside the trainer).  TRL 1.16's padding-free collator adds
+    seq_idx (each token's document); shard_batch gives
+    each rank the documents of its own tokens, and refuses a seq_idx that disagrees with the
+    boundaries (on every rank)."""
+    with environ(dist_trl.OFFLINE):
+        res = pools(2).run(dist_trl.seq_idx_shards, timeout=120, layout=layout)
+    assert sorted(x for r in res for x in r["seq_idx"]) == sorted(x for r in res for x in r["docs"])
+    for r in res:
+        assert r["seq_idx"] == r["docs"], r
+        assert r["dtype"] == "torch.int32"
+        assert "does not number the documents" in r["bad"], r["bad"]
+    assert res[0]["n_docs"] == 4
+
+
+@pytest.mark.multirank
+def test_plain_sft_trainer_with_usp_attention_names_the_trainers(pools):
+    """Glue: none, the failing case (usp-hal's attention on the model, TRL's plain SFTTrainer):
+    refused on every rank, and
+    the message names USPTrainer and usp_hal.integrations.trl (a Trainer user cannot call shard_batch)."""
+    with environ(dist_trl.OFFLINE):
+        res = pools(2).run(dist_trl.plain_sft_refused, timeout=120)
+    for r in res:
+        assert r["error"] and "did not come through shard_batch" in r["error"], r
+        assert "USPTrainer" in r["error"] and "usp_hal.integrations.trl" in r["error"], r["error"]
+
+
+REFUSED = {
+    "precompute_ref_log_probs": "precompute_ref_log_probs=True",
+    "no_ref_model": "Pass ref_model=",
+    "use_vllm": "must share theirs",
+    "positional": "pass the arguments by name",
+    "moe_router_loss": "Pass router_aux_loss_coef=0.0",
+    "parallelism_config_cp": "Set usp_ulysses_degree/usp_ring_degree instead",
+}
+
+
+@pytest.mark.parametrize("what", list(REFUSED))
+def test_unsupported_trl_options_are_refused_before_set_up(what):
+    """Glue: the same 3 lines; each refusal comes from the arguments, before TRL's set-up."""
+    with environ(dist_trl.OFFLINE):
+        err = dist_trl.refusal(what)
+    assert err is not None and REFUSED[what] in err, err
+
+
+def test_import_patches_nothing_and_other_trainers_are_refused():
+    """Glue: the import alone changes no TRL class; the configs keep TRL's defaults."""
+    import trl
+
+    import usp_hal.integrations.trl as ut
+    before = (trl.SFTTrainer.compute_loss, trl.DPOTrainer.compute_loss, trl.GRPOTrainer._generate)
+    assert ut.USPSFTTrainer is ut.usp_trainer(trl.SFTTrainer)
+    assert issubclass(ut.USPDPOConfig, trl.DPOConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(ut.USPSFTConfig)}
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.SFTConfig)}
+    assert all(defaults[k] == v for k, v in theirs.items() if not callable(v)), "TRL's defaults kept"
+    assert {"usp_ulysses_degree", "usp_ring_degree", "usp_layout"} <= set(defaults)
+    assert (trl.SFTTrainer.compute_loss, trl.DPOTrainer.compute_loss, trl.GRPOTrainer._generate) == before
+    with pytest.raises(ValueError, match="only the losses of TRL's SFTTrainer, DPOTrainer and GRPOTrainer"):
+        ut.usp_trainer(trl.RewardTrainer)
