@@ -9,6 +9,8 @@ tp 2 x sp 2.  3 AdamW steps with the gradient norm clipped at 1.0; rank 0 trains
 unmodified in one process on every replica's batch and compares loss, grad norm and params."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -21,7 +23,7 @@ _DIMS: dict = {}
 def tiny_llama_config():
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import (  # noqa: I001
+    from torchtitan.models.llama3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
         Llama3Model,
@@ -175,4 +177,125 @@ def titan_train(dp_shard: int = 2, tp: int = 1, cp: int = 2, layout: str = "zigz
     res.update(ref_losses=ref_losses, ref_norms=ref_norms,
                param_diff=max(float((params[n] - p).abs().max()) for n, p in ref_params.items()),
                moved=max(float((p - init[n].detach()).abs().max()) for n, p in ref_params.items()))
+    return res
+
+
+# ----------------------------------------------------------------------------- gpt-oss attention (sinks)
+class _Layers(torch.nn.Module):
+    """Blocks of torchtitan's gpt-oss ``Attention`` (sinks; layer 0 with a causal sliding window),
+    shaped as torchtitan's Decoder is where apply_usp looks (``.layers[i].attention`` and
+    ``.config.layers[i].attention``).  The MoE of gpt-oss's block is left out: its experts run
+    in bfloat16 (torchtitan/models/gpt_oss/moe.py), which an exact comparison cannot use."""
+
+    def __init__(self, cfgs):
+        super().__init__()
+        from types import SimpleNamespace
+        self.config = SimpleNamespace(layers=[SimpleNamespace(attention=c) for c in cfgs])
+        self.layers = torch.nn.ModuleDict()
+        for i, c in enumerate(cfgs):
+            block = torch.nn.Module()
+            block.attention = c.build()
+            self.layers[str(i)] = block
+
+    def forward(self, x, positions=None, masks=None):
+        for i, block in self.layers.items():
+            x = x + block.attention(x, masks[i] if masks else None, positions)
+        return x
+
+
+def gptoss_layers(seed: int = 0, window: int = 8):
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.gpt_oss import _make_gptoss_attn_config
+    rope = CosSinRoPE.Config(dim=16, max_seq_len=256, theta=150000.0)
+    cfgs = [_make_gptoss_attn_config(dim=DIM, layer_id=i, attn_backend="flex", n_heads=HEADS, n_kv_heads=KV_HEADS,
+                                     head_dim=16, sliding_window_size=window if i == 0 else None, rope=rope)
+            for i in range(2)]
+    torch.manual_seed(seed)
+    model = _Layers(cfgs)
+    for block in model.layers.values():
+        block.attention.init_states(buffer_device=torch.device("cpu"))
+        with torch.no_grad():
+            block.attention.sinks.normal_(0.0, 1.0)       # sinks that matter
+    return model.double()
+
+
+def _math_inner(window: Optional[int]):
+    """Attention as torchtitan's FlexAttention computes it for gpt-oss (causal, optional
+    sliding window, lse handed to ``out_transform``), in plain float64 torch: flex_attention has
+    no backward on the CPU ("FlexAttention does not support backward on CPU")."""
+    def forward(q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, out_transform=None, **_):
+        H, Hkv = q.shape[2], k.shape[2]
+        k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
+        scores = torch.einsum("blhd,bshd->bhls", q, k) * scale
+        L = q.shape[1]
+        i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+        keep = (j <= i) & ((i - j < window) if window else True)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        lse = scores.logsumexp(-1)                                   # [B, H, L]
+        out = torch.einsum("bhls,bshd->blhd", (scores - lse[..., None]).exp(), v)
+        return out_transform(out, lse.transpose(1, 2))
+    return forward
+
+
+def gptoss_reference(seed: int, x, dout, window: int):
+    """torchtitan's gpt-oss attention modules in one process (their projections, RoPE, GQA and
+    sink rescaling), the inner attention in float64 math; its forward also checked against
+    torchtitan's own FlexAttention (eager flex_attention, forward only on the CPU)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+    from torchtitan.models.common.attention import FlexAttention, get_causal_mask_mod, get_sliding_window_mask_mod
+    B, S = x.shape[:2]
+    pos = torch.arange(S).expand(B, S)
+    flex = gptoss_layers(seed, window)
+    causal = get_causal_mask_mod()
+    masks = {"0": create_block_mask(and_masks(causal, get_sliding_window_mask_mod(window)), B, None, S, S,
+                                    device="cpu"),
+             "1": create_block_mask(causal, B, None, S, S, device="cpu")}
+    saved = FlexAttention._compiled_flex_attn
+    FlexAttention._compiled_flex_attn = flex_attention        # eager: no Inductor compile on the CPU
+    try:
+        with torch.no_grad():
+            flex_out = flex(x, positions=pos, masks=masks)
+    finally:
+        FlexAttention._compiled_flex_attn = saved
+    model = gptoss_layers(seed, window)
+    for i, block in model.layers.items():
+        block.attention.inner_attention.forward = _math_inner(window if i == "0" else None)
+    xin = x.clone().requires_grad_()
+    out = model(xin, positions=pos)
+    out.backward(dout)
+    return out.detach(), xin.grad, {n: p.grad for n, p in model.named_parameters()}, \
+        float((out.detach() - flex_out).abs().max())
+
+
+def gptoss_case(U: int = 2, R: int = 2, layout: str = "zigzag", B: int = 2, S: int = 40, window: int = 8,
+                seed: int = 0) -> dict:
+    """gpt-oss attention (sinks, sliding window, GQA) through apply_usp on U x R ranks, float64:
+    {name: max abs error} of the output and of the input's and every parameter's gradient
+    (summed over the group by sync_gradients) against one process, on rank 0."""
+    from tests.dist_cases import get_mesh
+    from usp_hal.integrations import sync_gradients
+    from usp_hal.integrations.torchtitan import apply_usp, local_positions
+    mesh = get_mesh(U, R)
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(B, S, DIM, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, S, DIM, generator=g, dtype=torch.float64)
+    model = gptoss_layers(seed, window)
+    n = apply_usp(model, mesh, layout=layout)
+    xin = usp_hal.shard(x, layout=layout, mesh=mesh).requires_grad_()
+    out = model(xin, positions=local_positions(mesh, S, B, layout))
+    out.backward(usp_hal.shard(dout, layout=layout, mesh=mesh))
+    sync_gradients(model, mesh)
+    res = {"layers": n}
+    if dist.get_rank() != 0:
+        return res
+    ref_out, ref_dx, ref_grads, res["math_vs_flex"] = gptoss_reference(seed, x, dout, window)
+
+    def sh(t):
+        return usp_hal.shard(t, layout=layout, mesh=mesh)
+    res["out"] = float((out.detach() - sh(ref_out)).abs().max())
+    res["dx"] = float((xin.grad - sh(ref_dx)).abs().max())
+    res["dparams"] = max(float((p.grad - ref_grads[name]).abs().max()) for name, p in model.named_parameters())
+    res["dsinks"] = max(float((p.grad - ref_grads[name]).abs().max()) for name, p in model.named_parameters()
+                        if name.endswith("sinks"))
+    res["sinks_grad_size"] = max(float(ref_grads[name].abs().max()) for name in ref_grads if name.endswith("sinks"))
     return res

@@ -92,3 +92,27 @@ def test_torchtitan_trainer_cannot_start_without_cuda():
     assert utils.device_type == "cuda" and utils.device_module is torch.cuda
     with pytest.raises((AttributeError, RuntimeError), match="_cuda_setDevice|Torch not compiled with CUDA"):
         utils.device_module.set_device(torch.device("cuda", 0))
+
+
+@pytest.mark.multirank
+def test_torchtitan_gptoss_attention_with_sinks_matches_one_process(pools):
+    """torchtitan's gpt-oss attention (sinks, a sliding-window layer and a full one, GQA) through
+    apply_usp on Ulysses 2 x Ring 2, float64: output, input gradient and every parameter's
+    gradient (sinks included) against one process."""
+    res = pools(4).run(dist_torchtitan.gptoss_case, timeout=300, U=2, R=2)
+    r0 = res[0]
+    assert all(r["layers"] == 2 for r in res)
+    assert r0["math_vs_flex"] < 1e-12, r0          # the reference's forward is torchtitan's flex one
+    assert max(r0["out"], r0["dx"], r0["dparams"], r0["dsinks"]) < 1e-10, r0
+    assert r0["sinks_grad_size"] > 1e-3, r0        # the sinks take part
+
+
+def test_apply_usp_refuses_an_unknown_out_transform():
+    from usp_hal.integrations.torchtitan import apply_usp
+    from usp_hal.mesh import SequenceParallelMesh
+    model = _llama()
+    apply_usp(model, SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,)))
+    q = torch.randn(1, 4, dist_torchtitan.HEADS, 16)
+    inner = model.layers["0"].attention.inner_attention
+    with pytest.raises(NotImplementedError, match="gradient of the lse"):
+        inner(q, q, q, out_transform=lambda out, lse: out)

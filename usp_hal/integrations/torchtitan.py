@@ -19,8 +19,9 @@ dim as the sequence-parallel one)::
 
 What the hook honours: ``scale``, ``is_causal``, GQA (heads as they arrive), a causal sliding
 window that the block's config declares (gpt-oss ``sliding_window_size``), and gpt-oss's
-sinks: its ``out_transform(out, lse)`` gets usp-hal's lse of the whole row, so the
-rescaling by ``sigmoid(lse - sink)`` is the one-process one.
+sinks: its ``out_transform`` (``out * sigmoid(lse - sink)``) is softmax with ``exp(sink)`` in
+the denominator, which usp-hal computes itself (``sinks=``, gradient included); any other
+``out_transform`` is refused (usp-hal's lse output carries no gradient).
 
 Refused: an inner attention other than torchtitan's ``ScaledDotProductAttention`` /
 ``FlexAttention`` (by layer name, in :func:`apply_usp`: e.g. ``VarlenAttention``, whose
@@ -68,7 +69,7 @@ def apply_usp(model: torch.nn.Module, mesh, *, layout: str = "zigzag", **usp_kwa
     if blocks is None:
         raise TypeError(f"apply_usp: {type(model).__name__} has no .layers; pass a torchtitan Decoder "
                         "(Llama3Model, Qwen3Model, GptOssModel, ...)")
-    found: List[Tuple[str, torch.nn.Module, Tuple[int, int]]] = []
+    found: List[Tuple[str, Any, Tuple[int, int]]] = []
     refused: List[str] = []
     for i, (name, block) in enumerate(blocks.items() if hasattr(blocks, "items") else enumerate(blocks)):
         inner = getattr(getattr(block, "attention", None), "inner_attention", None)
@@ -86,7 +87,7 @@ def apply_usp(model: torch.nn.Module, mesh, *, layout: str = "zigzag", **usp_kwa
     for name, inner, window in found:
         inner.forward = _usp_forward(attn, name, window)      # the hook torchtitan's own CP uses
     model.register_forward_pre_hook(_needs_positions(mesh), with_kwargs=True)
-    model._usp_attention = attn                               # type: ignore[assignment]
+    model._usp_attention = attn
     return len(found)
 
 
@@ -100,9 +101,26 @@ def _usp_forward(attn, name: str, window: Tuple[int, int]):
                 "documents are not supported through this hook)")
         if out_transform is None:
             return attn(q, k, v, softmax_scale=scale, causal=is_causal, window_size=window)
-        out, lse = attn(q, k, v, softmax_scale=scale, causal=is_causal, window_size=window, return_lse=True)
-        return out_transform(out, lse.transpose(1, 2))          # torchtitan's lse is [B, L, H]
+        sinks = _sinks_of(out_transform)
+        if sinks is None:
+            raise NotImplementedError(
+                f"apply_usp (layers.{name}): an out_transform other than gpt-oss's sink rescaling "
+                f"({getattr(out_transform, '__qualname__', out_transform)!r}): it would need the gradient of the "
+                "lse, which usp-hal's attention does not return")
+        # gpt-oss's out * sigmoid(lse - sink) is softmax with exp(sink) in the denominator: usp-hal's sinks=
+        return attn(q, k, v, softmax_scale=scale, causal=is_causal, window_size=window, sinks=sinks)
     return forward
+
+
+def _sinks_of(out_transform) -> Optional[torch.Tensor]:
+    """The per-head sink logits behind gpt-oss's ``Attention._apply_sinks`` (this TP rank's
+    heads, as its own hook takes them: torchtitan/models/gpt_oss/model.py), else None."""
+    owner = getattr(out_transform, "__self__", None)
+    sinks = getattr(owner, "sinks", None)
+    if getattr(out_transform, "__name__", "") != "_apply_sinks" or not isinstance(sinks, torch.Tensor):
+        return None
+    to_local = getattr(sinks, "to_local", None)
+    return to_local(grad_placements=sinks.placements) if to_local is not None else sinks  # type: ignore[attr-defined]
 
 
 def _needs_positions(mesh):
