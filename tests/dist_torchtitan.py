@@ -126,7 +126,7 @@ def one_process(seed: int, data, steps: int, lr: float):
         logits = ref(ids)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         norms.append(_clip(list(ref.parameters())))
         opt.step()
         opt.zero_grad()

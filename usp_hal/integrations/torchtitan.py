@@ -1,4 +1,4 @@
-"""usp-hal as the attention of torchtitan's decoders (torchtitan 0.3.0: Llama3, Qwen3, gpt-oss).
+"""usp-hal as the attention of torchtitan 0.3.0's decoders (tested: Llama3, and gpt-oss's attention with sinks).
 
 torchtitan's own context parallel swaps each block's ``attention.inner_attention.forward``
 (torchtitan/distributed/context_parallel/api.py, ``apply_cp_to_forward``) before
@@ -10,12 +10,18 @@ FSDP2 (``apply_fsdp_to_decoder``, which shards over ``dp_shard x cp``: use the `
 dim as the sequence-parallel one)::
 
     mesh = usp_hal.init_sequence_parallel(device_mesh=parallel_dims.get_mesh("cp"), set_default=False)
-    apply_usp(model, mesh)                    # before model.parallelize(parallel_dims) and FSDP
+    apply_usp(model, mesh)                    # in place of apply_cp_to_forward: before model.parallelize and FSDP
     ...
-    logits = model(tokens_local, positions=positions_local)     # this rank's tokens and their global positions
-    loss = ce_sum(logits, labels_local) / tokens_in_replica     # this rank's share of the replica's loss
+    tokens, labels = (usp_hal.shard(t, layout="zigzag", mesh=mesh) for t in (tokens, labels))
+    logits = model(tokens, positions=local_positions(mesh, S, B))    # this rank's tokens, their global positions
+    loss = ce_sum(logits, labels) / global_valid_tokens               # torchtitan's own loss convention
     loss.backward()
-    loss = usp_hal.integrations.sync_gradients(model, mesh, loss)   # before clipping / the optimizer step
+
+No :func:`usp_hal.integrations.sync_gradients` here: torchtitan's ``apply_fsdp_to_decoder``
+sets FSDP's gradient divide factor to 1.0, so FSDP *sums* over ``dp_shard x cp`` (the sp ranks
+included) and, with the loss divided by the global token count, the gradients are already the
+whole sequence's.  ``sync_gradients`` takes a DTensor gradient whose mesh holds the sp group
+as averaged and multiplies it by sp (measured: the gradient norm doubled on sp 2).
 
 What the hook honours: ``scale``, ``is_causal``, GQA (heads as they arrive), a causal sliding
 window that the block's config declares (gpt-oss ``sliding_window_size``), and gpt-oss's
