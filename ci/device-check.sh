@@ -67,6 +67,17 @@ else
     else
         step install-sage pass "sageattention $("$PY" -c 'import importlib.metadata as m; print(m.version("sageattention"))') already installed"
     fi
+    # fla 0.6.0 (pure Python, about 1.5 MB together): its wheels are not carried in the tree; put them
+    # in ci/wheels (pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0) to run
+    # the fla state-passing checks on the real Triton kernels, else those checks skip by name
+    if ! "$PY" -c "import fla" 2>/dev/null; then
+        fla_wheels=$(ls ci/wheels/fla_core-0.6.0-*.whl ci/wheels/flash_linear_attention-0.6.0-*.whl 2>/dev/null)
+        if [[ -n "$fla_wheels" ]] && "$PY" -m pip install --no-deps --no-index $fla_wheels >> "$OUT/install.log" 2>&1; then
+            step install-fla pass "fla 0.6.0 from ci/wheels"
+        else
+            step install-fla skip "fla 0.6.0 not in ci/wheels: the fla checks skip"
+        fi
+    fi
 fi
 if ! "$PY" -c "import usp_hal.backends" 2>/dev/null; then
     echo "usp_hal cannot be imported after the install step; see $OUT/install.log" >&2

@@ -620,6 +620,67 @@ def multirank_one(device: str, case: str) -> dict:
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
 
+def fla_state_passing_case(device: str, op: str) -> dict:
+    """fla's gated DeltaNet (op "gdn") or KDA ("kda") kernel as the per-rank kernel of usp-hal's
+    state passing on Ring-2 (zigzag, packed documents): out and dq/dk/dv/dg/dbeta vs the float64
+    recurrence over the whole sequence.  CUDA: fla's Triton chunk kernel, fp32 inputs; CPU: its
+    torch reference kernel (naive_chunk_*)."""
+    import usp_hal
+    from usp_hal import state_passing as sp
+    from usp_hal.integrations import fla as usp_fla
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    mesh = usp_hal.init_sequence_parallel(1, 2, set_default=False)
+    kernel = ("chunk_" if device == "cuda" else "naive_chunk_") + ("kda" if op == "kda" else "gated_delta_rule")
+    S, H, dk, dv = (300, 4, 64, 64) if device == "cuda" else (26, 2, 16, 16)
+    cu = (0, S // 3, S - 7, S)
+    gen = torch.Generator().manual_seed(5)
+    gshape = (1, S, H, dk) if op == "kda" else (1, S, H)
+    glob = {"q": torch.randn(1, S, H, dk, generator=gen),
+            "k": torch.nn.functional.normalize(torch.randn(1, S, H, dk, generator=gen), dim=-1),
+            "v": torch.randn(1, S, H, dv, generator=gen),
+            "g": -torch.rand(*gshape, generator=gen) * 0.5, "beta": torch.rand(1, S, H, generator=gen)}
+    dout = torch.randn(1, S, H, dv, generator=gen)
+    ref_in = {n: t.double().requires_grad_() for n, t in glob.items()}
+    ref = torch.cat([sp.delta_rule_reference(*(ref_in[n][:, a:b] for n in ("q", "k", "v", "g", "beta")))[0]
+                     for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    ref.backward(dout.double())
+
+    def sh(t):
+        return usp_hal.shard(t, layout="varlen_zigzag", mesh=mesh, cu_seqlens=cu)
+    loc = {n: sh(t).to(device).requires_grad_() for n, t in glob.items()}
+    out = usp_fla.gated_delta_rule(*(loc[n] for n in ("q", "k", "v", "g", "beta")), mesh=mesh,
+                                   layout="varlen_zigzag", cu_seqlens=cu, kernel=kernel)
+    out.backward(sh(dout).to(device))
+    tol = (5e-3, 5e-3) if device == "cuda" else (2e-4, 2e-4)     # fla's Triton dots may run in tf32
+    parts = {"out": _cmp(out.detach().cpu(), sh(ref.detach()), torch.float32, tol=tol)}
+    for n, t in loc.items():
+        parts["d" + n] = _cmp(t.grad.cpu(), sh(ref_in[n].grad), torch.float32, tol=tol)
+    bad = [k for k, v in parts.items() if not v["ok"]]
+    return {"ok": not bad, "kernel": kernel, "problem": ", ".join(f"{k} worst {parts[k]['worst']}" for k in bad)}
+
+
+def fla_state_passing_one(device: str, op: str) -> dict:
+    try:
+        return fla_state_passing_case(device, op)
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+
+
+def _fla_check(op: str):
+    def run(ctx: Context) -> dict:
+        try:
+            import fla  # noqa: F401
+        except ImportError as exc:
+            raise Skip(f"flash-linear-attention is not installed ({exc}); pip install --no-deps "
+                       "flash-linear-attention==0.6.0 fla-core==0.6.0 (pure Python; einops needed)") from None
+        got = _run_on_ranks(2, fla_state_passing_one, 180 if ctx.cuda else 120, device=ctx.device, op=op)
+        if isinstance(got, Exception):
+            return {"status": "fail", "detail": f"the 2 ranks failed: {str(got)[:400]}"}
+        return _sum_up({f"rank {r}": res for r, res in enumerate(got)})
+    return run
+
+
 _POOLS: Dict[int, Any] = {}
 
 
@@ -938,6 +999,10 @@ def _checks() -> List[Check]:
         for case in cases:
             out.append(Check(f"multirank/{world}/{case}", "", f"{case} on {world} ranks (one device, gloo): out "
                              "and dq/dk/dv vs float64", _multirank_check(world, case)))
+    for op in ("gdn", "kda"):
+        out.append(Check(f"multirank/2/fla-{op}-state-passing", "", f"fla 0.6.0's {op} kernel (CUDA: its Triton "
+                         "chunk kernel; CPU: its torch reference) under usp-hal's state passing, Ring-2 zigzag "
+                         "with packed documents: out and every input's gradient vs float64", _fla_check(op)))
     out.append(Check("host-reads/meter", "", "the host-read meter counts a planted .item()", check_host_reads_meter))
     for u, r in SYNC_MESHES:
         out.append(Check(f"sync/steady/U{u}R{r}", "", f"U{u} x R{r} (rank 0 of a fake group): steady forward+"
