@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .grads import UnsyncedGradientsError, mark_synced, set_sync_check, sync_gradients
+from .training.grads import UnsyncedGradientsError, mark_synced, set_sync_check, sync_gradients
 
 __all__ = ["init_distributed", "sync_gradients", "set_sync_check", "mark_synced", "UnsyncedGradientsError"]
 

@@ -37,6 +37,9 @@ Limits: a layer whose ``forward`` mixes positions with plain tensor code (a ``cu
 the pinned transformers is walked by the tests (``tests/test_hybrid_detect.py``) with a
 list of the types known to mix positions outside attention; a rule that stops seeing one
 of them fails that test.
+
+Its error is :class:`SequenceMixerError`.  The module was ``usp_hal.integrations.hybrid``; that
+name still imports it (the same module object).
 """
 from __future__ import annotations
 
@@ -201,40 +204,62 @@ def model_problem(model: nn.Module, findings: Optional[List[Finding]] = None, li
 # ----------------------------------------------------------------------------- the check before a forward
 _CHECKED = "_usp_hal_checked"       # on a checked model: (implementation name, id of the mesh)
 _HOOKED = "_usp_hal_hooked"
-_INSTALLED = False
 
 
-def install(lookup) -> None:
+def install(lookup) -> List[str]:
     """Make every transformers model check itself before its first forward under one of our
     attention implementations.  ``lookup(name)`` gives the registered attention function of
-    an implementation name (None for names that are not ours).  Patches
-    ``PreTrainedModel.post_init`` (models built from now on) and ``set_attn_implementation``
-    (models switched later) to add a forward pre-hook; the hook costs one attribute lookup
-    per forward once the model has been checked."""
-    global _INSTALLED, _LOOKUP
+    an implementation name (None for names that are not ours).  Patches (through
+    :mod:`usp_hal.integrations.patching`, once; :func:`uninstall` and ``patching.restore_all``
+    undo it) ``PreTrainedModel.post_init`` (models built from now on) and
+    ``set_attn_implementation`` (models switched later) to add a forward pre-hook, and routes
+    the per-head functions of the covered layers' modeling modules (:data:`COVERED_LAYERS`),
+    which call the originals except while a wired layer runs; the hook costs one attribute
+    lookup per forward once the model has been checked.  Called by
+    :func:`usp_hal.integrations.transformers.enable`; returns the labels of the patches."""
+    global _LOOKUP
     _LOOKUP = lookup
-    if _INSTALLED:
-        return
-    import functools
+    import importlib
 
     from transformers import PreTrainedModel
-    post_init, set_impl = PreTrainedModel.post_init, PreTrainedModel.set_attn_implementation
 
-    @functools.wraps(post_init)
-    def patched_post_init(self, *args, **kwargs):
-        out = post_init(self, *args, **kwargs)
+    from .patching import patch
+    done = [patch(PreTrainedModel, "post_init", _attaching),
+            patch(PreTrainedModel, "set_attn_implementation", _attaching)]
+    for modname, names in COVERED_LAYERS.values():
+        try:
+            importlib.import_module(modname)
+        except ImportError:     # a transformers without this model type: none of its layers can be built
+            continue
+        done += _route(modname, names)
+    return done
+
+
+def uninstall() -> None:
+    """Models stop looking up our attention functions (their hooks then do nothing); the
+    patches themselves are put back by ``patching.restore_all``."""
+    global _LOOKUP
+    _LOOKUP = _no_lookup
+
+
+def _attaching(original):
+    import functools
+
+    @functools.wraps(original)
+    def patched(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
         attach(self)
         return out
+    return patched
 
-    @functools.wraps(set_impl)
-    def patched_set_impl(self, *args, **kwargs):
-        out = set_impl(self, *args, **kwargs)
-        attach(self)
-        return out
 
-    PreTrainedModel.post_init = patched_post_init  # type: ignore[method-assign]
-    PreTrainedModel.set_attn_implementation = patched_set_impl  # type: ignore[method-assign]
-    _INSTALLED = True
+def _route(modname: str, names) -> List[str]:
+    """Route the functions ``names`` of the modeling module ``modname`` (once)."""
+    import importlib
+
+    from .patching import patch
+    mod = importlib.import_module(modname)
+    return [patch(mod, name, _ROUTES[name]) for name in names]
 
 
 def _no_lookup(name):
@@ -406,7 +431,6 @@ class _Active(threading.local):
 
 
 _ACTIVE = _Active()
-_PATCHED: dict = {}
 
 
 def _enter(module, args, kwargs):
@@ -430,7 +454,6 @@ def wire(model: nn.Module, mesh, layout: str, recurrence: str = "auto") -> List[
     head-parallel region, or their recurrences through state passing (``recurrence``, see
     :data:`RECURRENCES`), on ``mesh`` in ``layout`` (once per layer; the mesh, layout and
     recurrence are updated when they change).  Returns the paths wired."""
-    import importlib
     check_recurrence(recurrence)
     if model_type(model) not in COVERED_MODEL_TYPES:
         return []
@@ -442,13 +465,7 @@ def wire(model: nn.Module, mesh, layout: str, recurrence: str = "auto") -> List[
         if entry is None:
             continue
         modname, names = entry
-        mod = importlib.import_module(modname)
-        for name in names:
-            key = (modname, name)
-            if key not in _PATCHED:
-                original = getattr(mod, name)
-                _PATCHED[key] = original
-                setattr(mod, name, _ROUTES[name](original))
+        _route(modname, names)      # in place already when enable() ran (it routes every covered module)
         if _WIRED not in module.__dict__:
             module.register_forward_pre_hook(_enter, with_kwargs=True)
             module.register_forward_hook(_leave, with_kwargs=True, always_call=True)

@@ -65,10 +65,10 @@ import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 import usp_hal
+from usp_hal.integrations import transformers as usp
+from usp_hal.integrations.sequence_mixers import RECURRENCES, check_recurrence
 
-from . import transformers as usp
 from .grads import mark_synced
-from .hybrid import RECURRENCES, check_recurrence
 from .tiled_loss import check_chunk_tokens, disable_tiled_loss, enable_tiled_loss
 
 __all__ = ["USPTrainer", "USPTrainingArguments"]
