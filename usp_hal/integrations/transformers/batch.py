@@ -16,6 +16,7 @@ IGNORE_INDEX = -100
 SHARDED_ATTR = "_usp_hal_sharded"   # set by shard_batch on the position_ids it returns
 PADDING_ATTR = "_usp_hal_padding"   # a Padding, set by shard_batch on those position_ids for a padded batch
 
+
 class Padding:
     """The padding of a batch given to :func:`shard_batch` with an ``attention_mask`` that has
     zeros: ``keep`` ``[B, S]`` (bool, global, the same on every rank: shard_batch checks) says
@@ -45,6 +46,8 @@ class Padding:
         assert self.left is not None
         lead = torch.tensor(self.left, dtype=index_positions.dtype, device=index_positions.device).view(-1, 1)
         return (index_positions - lead).clamp(min=0)
+
+
 # A call is sequence-parallel only when its batch came through shard_batch (its position_ids
 # carry SHARDED_ATTR).  Any other call raises at once, on this rank, before any collective: the
 # other ranks may not be calling at all (evaluation on rank 0 alone), and attention over this
@@ -55,6 +58,7 @@ _OUTSIDE = ("usp_hal attention (transformers): this {what} did not come through 
             "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); to run the "
             "model on one rank or on whole sequences, switch its attention back first: "
             "model.set_attn_implementation('sdpa') (and back to the usp_hal name afterwards)")
+
 
 def _packing(cu_q, cu_k):
     """``(boundaries, None)`` for a packed self-attention call (``cu_seq_lens_q`` as a tuple:

@@ -106,6 +106,8 @@ def usp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offs
         return MaskInfo(refused="a mask combining several patterns")
     return MaskInfo(causal=next(iter(causal)), sliding_window=next(iter(windows)) if windows else None)
 
+
+# refused by usp_mask here and by generate()
 _DIRECT_PADDING = ("a padding mask (attention_mask with zeros) given to the model or generate() directly: each rank "
                    "would see its own shard of it only; pass the attention_mask to shard_batch with the batch "
                    "(shard_batch({'input_ids': ids, 'attention_mask': mask}, mesh)), which carries the global "
