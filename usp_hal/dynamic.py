@@ -146,7 +146,7 @@ class DynamicDegree:
             total = flat[-1:].reshape(()) if loss is not None else None
         else:
             total = loss.detach() if loss is not None else None
-        from .integrations.grads import mark_synced
+        from .integrations.training.grads import mark_synced
         for mesh in self.meshes.values():
             mark_synced(mesh)
         return total

@@ -10,12 +10,22 @@
     :func:`~usp_hal.integrations.diffusers.parallelize` for diffusers models that declare a
     context-parallel plan and call ``dispatch_attention_fn`` (Flux and others).
 
-This package imports neither framework; each submodule imports its own on first use.  The
-helpers here are shared by both:
+``usp_hal.integrations.sequence_mixers``
+    the check (and the sequence-parallel wiring) of layers that mix positions outside
+    attention, for the transformers integration (old name: ``integrations.hybrid``).
+``usp_hal.integrations.training``
+    the Hugging Face Trainer (``.trainer``), the gradient synchronisation (``.grads``) and the
+    tiled loss (``.tiled_loss``); their old paths ``integrations.trainer``, ``.grads`` and
+    ``.tiled_loss`` import the same modules.
+
+This package imports neither framework; each submodule imports its own on first use, and
+importing one changes nothing in the framework (the transformers integration makes its
+changes in ``register()``/``enable()``, listed by ``patched()``).  The helpers here are shared
+by both:
 
 * :func:`init_distributed`: the process group (from torchrun's environment) and the mesh;
 * :func:`sync_gradients`: after ``backward()``, make every rank's gradients the gradients of
-  the whole sequence (plain modules, DDP and FSDP2 alike: see :mod:`.grads` for the reduction
+  the whole sequence (plain modules, DDP and FSDP2 alike: see :mod:`.training.grads` for the reduction
   each kind of gradient gets), and optionally return the loss of the whole sequence;
 * the check behind it: an optimizer step after a sequence-parallel backward that
   :func:`sync_gradients` did not follow raises :class:`UnsyncedGradientsError`
@@ -28,7 +38,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .grads import UnsyncedGradientsError, mark_synced, set_sync_check, sync_gradients
+from .training.grads import UnsyncedGradientsError, mark_synced, set_sync_check, sync_gradients
 
 __all__ = ["init_distributed", "sync_gradients", "set_sync_check", "mark_synced", "UnsyncedGradientsError"]
 

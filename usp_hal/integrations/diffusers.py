@@ -46,7 +46,7 @@ import torch
 import usp_hal
 
 from . import init_distributed, sync_gradients
-from .grads import watch
+from .training.grads import watch
 
 __all__ = ["BACKEND_NAME", "TESTED_VERSIONS", "VERIFIED_MODELS", "REFUSED_MODELS", "parallelize", "enable_attention",
            "usp_attention", "init_distributed", "sync_gradients"]
