@@ -208,3 +208,59 @@ def trainer_run(stage: int = 2, U: int = 2, R: int = 1, steps: int = 4, ga: int 
     if dist.get_rank() == 0:
         res["params"] = params
     return res
+
+
+# ----------------------------------------------------------------------------- ALST's 2x
+def alst_grad_norm_ratio(B: int = 2, S: int = 24, seed: int = 0, layers: int = 2):
+    """The first gradient's norm over one process's, for DeepSpeed ALST's loss with ZeRO's
+    reduction under ``sequence_parallel_size`` and for usp-hal's, with sp = the world (Ulysses)
+    and the same usp-hal attention (only the loss and the gradient reduction differ).  sp is the
+    world because on gloo the backward of ``torch.distributed.nn.functional.all_gather`` over a
+    group that does not start at rank 0 fails (``ValueError: Global rank 0 is not part of group``:
+    its gloo reduce-scatter fallback passes group ranks as global ones), so ALST's loss cannot run
+    on the second replica of a dp 2 x sp 2 mesh here.
+
+    ALST's loss: transformers 5.23.0 ``integrations.deepspeed.deepspeed_sp_compute_loss`` itself
+    (each rank's mean token loss, combined over the sp group through the differentiable
+    ``all_gather``; reached through its torch-DeviceMesh branch, given the ``sp`` dim).  ZeRO's
+    reduction with ``sequence_parallel_size = sp``: an all-reduce over the sp x dp group divided
+    by dp (deepspeed 0.19.8 ``runtime/zero/stage_1_and_2.py``: ``div_(world / sequence_parallel_size)``).
+    usp-hal's: each rank's exact share (``num_items_in_batch``), ``sync_gradients``."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+    from usp_hal.integrations import mark_synced, sync_gradients
+    from usp_hal.integrations import transformers as usp
+
+    if "alst" not in _DM:
+        from torch.distributed.device_mesh import init_device_mesh
+        dm = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("sp",))
+        _DM["alst"] = dm, usp_hal.init_sequence_parallel(device_mesh=dm["sp"], set_default=False)
+    dm, mesh = _DM["alst"]
+    replica = 0
+    name = usp.register("usp_hal_test_engines_alst", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    data = [_batches(1, B, S, seed)[0]]
+    norms = {}
+    for kind in ("alst", "usp"):
+        model = tiny_llama(seed, num_hidden_layers=layers)
+        model.set_attn_implementation(name)
+        batch = usp.shard_batch({"input_ids": data[replica], "labels": data[replica]}, mesh, "zigzag")
+        if kind == "alst":
+            batch.pop("num_items_in_batch")          # ALST: each rank's own mean, weighted afterwards
+            pc = SimpleNamespace(sp_backend="torch", sp_size=mesh.sp_size)
+            loss = deepspeed_sp_compute_loss(SimpleNamespace(torch_device_mesh=dm), model, batch, False, pc)
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)                               # the sp x dp group (the world here)
+                p.grad /= dist.get_world_size() / mesh.sp_size        # ... divided by dp
+            mark_synced(mesh)
+        else:
+            model(**batch).loss.backward()
+            sync_gradients(model, mesh)
+        norms[kind] = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    ref = tiny_llama(seed, num_hidden_layers=layers)
+    ids = torch.cat(data)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])))
+    return {k: v / ref_norm for k, v in norms.items()}

@@ -60,6 +60,16 @@ def test_bypassed_gradient_sum_differs(pools, engine):
         assert r0["param_diff"] > PARAM_TOL, r0["param_diff"]
 
 
+def test_alst_loss_doubles_the_gradient_and_usp_hal_does_not(pools):
+    """DeepSpeed ALST's measured 2.00x, reproduced with its own loss function and ZeRO's reduction
+    rule under sequence_parallel_size (the engine itself needs its sp groups): two sums over the
+    sp group (the all_gather's backward and ZeRO's divide by dp only); usp-hal's is 1.00x."""
+    res = pools(2).run(dsd.alst_grad_norm_ratio, timeout=200)      # sp = 2 = the world (see its doc)
+    print("first grad norm over one process's:", res[0])
+    assert all(abs(r["alst"] - 2.0) < 1e-5 for r in res), res
+    assert all(abs(r["usp"] - 1.0) < NORM_TOL for r in res), res
+
+
 def test_deepspeed_sequence_parallel_engine_is_refused(pools):
     res = pools(4).run(dsd.alst_refused, timeout=200)
     assert all(r and "ALST" in r and "sequence_parallel_size=2" in r for r in res), res
