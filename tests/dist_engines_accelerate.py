@@ -30,13 +30,17 @@ def _config(kw: dict):
     return ParallelismConfig(**kw)
 
 
-def _mesh(pc_kw: dict, U, R):
-    """(DeviceMesh, sp mesh) of a config, built once per pool and config."""
-    key = (tuple(sorted(pc_kw.items())), U, R)
+def _mesh(pc_kw: dict, U, R, accelerate_mesh: bool = False):
+    """(DeviceMesh, sp mesh) of a config, built once per pool and config.  ``accelerate_mesh``: the
+    DeviceMesh from accelerate's own helper (``ParallelismConfig.build_device_mesh``, what
+    ``accelerator.torch_device_mesh`` holds where accelerate takes the config), handed over."""
+    key = (tuple(sorted(pc_kw.items())), U, R, accelerate_mesh)
     if key not in _MESHES:
         from usp_hal.integrations import engines
-        _MESHES[key] = engines.parallelism_mesh(_config(pc_kw), ulysses_degree=U, ring_degree=R,
-                                                device_type="cpu")
+        config = _config(pc_kw)
+        given = config.build_device_mesh("cpu") if accelerate_mesh else None
+        _MESHES[key] = engines.parallelism_mesh(config, ulysses_degree=U, ring_degree=R, device_type="cpu",
+                                                device_mesh=given)
     return _MESHES[key]
 
 
@@ -48,8 +52,11 @@ def _replica(dm) -> int:
 
 
 def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3, B: int = 2, S: int = 24,
-                    seed: int = 0, layers: int = 2, bypass: bool = False):
-    """``steps`` AdamW steps; ``bypass``: usp-hal's gradient reduction skipped (check off)."""
+                    seed: int = 0, layers: int = 2, bypass: bool = False, accelerate_mesh: bool = False):
+    """``steps`` AdamW steps; ``wrap``: "fsdp" (FSDP2 on dm["dp_shard"]), "fsdp_dp_shard_cp" (on
+    accelerate's flattened dp_shard x cp dim, as its FSDP2 plugin shards: the whole sp group inside),
+    "accelerate" (accelerate's DDP over the world); ``bypass``: usp-hal's gradient reduction
+    skipped (check off)."""
     from accelerate import Accelerator
 
     from usp_hal.integrations import engines, set_sync_check
@@ -57,17 +64,18 @@ def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3
 
     from .dist_trainer import _reset_accelerate
 
-    dm, mesh = _mesh(pc, U, R)
+    dm, mesh = _mesh(pc, U, R, accelerate_mesh)
     replicas = mesh.dp_degree
     name = usp.register("usp_hal_test_engines_acc", mesh=mesh, layout="zigzag", attn_type="sdpa")
     model = tiny_llama(seed, num_hidden_layers=layers)
     model.set_attn_implementation(name)
     accelerator = Accelerator(cpu=True)
-    if wrap == "fsdp":
+    if wrap in ("fsdp", "fsdp_dp_shard_cp"):
         from torch.distributed.fsdp import fully_shard
+        sub = dm["dp_shard"] if wrap == "fsdp" else dm["dp_shard_cp"]
         for layer in model.model.layers:
-            fully_shard(layer, mesh=dm["dp_shard"])
-        fully_shard(model, mesh=dm["dp_shard"])
+            fully_shard(layer, mesh=sub)
+        fully_shard(model, mesh=sub)
         opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
         wrapped = model
     else:       # accelerate's own wrapping on this machine: DDP over the world

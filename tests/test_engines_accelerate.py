@@ -29,6 +29,10 @@ pytestmark = pytest.mark.models
 
 LOOPS = {   # name: (ParallelismConfig kwargs, ulysses, ring, wrap, DeviceMesh dims)
     "fsdp2_dp_shard2_x_cp2_ring2": (dict(dp_shard_size=2, cp_size=2), 1, 2, "fsdp", ["dp_shard", "cp"]),
+    # accelerate's own DeviceMesh (ParallelismConfig.build_device_mesh) handed to usp-hal, FSDP2 on its
+    # flattened dp_shard_cp dim as accelerate's FSDP2 plugin would shard (sync_gradients scales by sp)
+    "accelerate_mesh_fsdp2_dp_shard_cp_ulysses2": (dict(dp_shard_size=2, cp_size=2), 2, 1, "fsdp_dp_shard_cp",
+                                                   ["dp_shard", "cp"]),
     "ddp_dp_replicate2_x_sp2_ulysses2": (dict(dp_replicate_size=2, sp_size=2), 2, 1, "accelerate",
                                          ["dp_replicate", "sp"]),
     "cp4_ulysses2_x_ring2": (dict(cp_size=4), 2, 2, "accelerate", ["cp"]),
@@ -38,7 +42,8 @@ LOOPS = {   # name: (ParallelismConfig kwargs, ulysses, ring, wrap, DeviceMesh d
 @pytest.mark.parametrize("case", list(LOOPS))
 def test_accelerate_loop_matches_one_process(pools, case):
     pc, U, R, wrap, dims = LOOPS[case]
-    res = pools(4).run(dea.accelerate_loop, timeout=300, pc=pc, U=U, R=R, wrap=wrap)
+    res = pools(4).run(dea.accelerate_loop, timeout=300, pc=pc, U=U, R=R, wrap=wrap,
+                       accelerate_mesh=case.startswith("accelerate_mesh"))
     r0 = res[0]
     assert r0["dims"] == dims and tuple(r0["split"]) == (U, R), (r0["dims"], r0["split"])
     assert all(r["losses"] == r0["losses"] and r["norms"] == r0["norms"] for r in res)

@@ -75,10 +75,12 @@ def test_deepspeed_sequence_parallel_engine_is_refused(pools):
     assert all(r and "ALST" in r and "sequence_parallel_size=2" in r for r in res), res
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_trainer_with_deepspeed_matches_single_process_trainer(pools, stage):
-    res = pools(4).run(dsd.trainer_run, timeout=300, stage=stage, U=2, R=1)
-    ref = dist_trainer.reference_run(dp=2)
+@pytest.mark.parametrize("stage,ga", [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_trainer_with_deepspeed_matches_single_process_trainer(pools, stage, ga):
+    """ga=2: the engine accumulates (the Trainer turns off its scaling by the accumulation steps)
+    and the loss divides by the whole step's token count."""
+    res = pools(4).run(dsd.trainer_run, timeout=300, stage=stage, U=2, R=1, ga=ga)
+    ref = dist_trainer.reference_run(dp=2, ga=ga)
     r0 = res[0]
     assert r0["dp"] == 2 and r0["kind"] == "DeepSpeedEngine", (r0["dp"], r0["kind"])
     assert len(ref["losses"]) == len(r0["losses"]) == 4, (ref["losses"], r0["losses"])
@@ -86,7 +88,7 @@ def test_trainer_with_deepspeed_matches_single_process_trainer(pools, stage):
     loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
     norm_rel = max(abs(a - b) / b for a, b in zip(r0["grad_norms"], ref["grad_norms"]))
     param_diff = float((r0["params"] - ref["params"]).abs().max())
-    print(f"Trainer ZeRO-{stage}: loss diff {loss_diff:.1e}, grad-norm rel diff {norm_rel:.1e}, "
+    print(f"Trainer ZeRO-{stage} ga {ga}: loss diff {loss_diff:.1e}, grad-norm rel diff {norm_rel:.1e}, "
           f"param diff {param_diff:.1e}")
     assert loss_diff <= LOSS_TOL, (r0["losses"], ref["losses"])
     assert norm_rel <= NORM_TOL, (r0["grad_norms"], ref["grad_norms"])
