@@ -141,21 +141,32 @@ def _release(wrapped) -> None:
         destroy()
 
 
-def alst_refused(seed: int = 0):
-    """A DeepSpeed engine that runs its own sequence parallelism cannot be combined: the
-    refusal on every rank (faked: the attribute ALST's groups set, without building them)."""
+def engine_refusals(seed: int = 0):
+    """The refusals of engines whose own reduction cannot give the exact gradient, on every rank
+    (faked on a real engine: the attributes DeepSpeed's groups set, without building them):
+    DeepSpeed's own sequence parallelism (ALST), and an mpu whose data-parallel group holds one
+    rank of each sp group (ZeRO would never sum over the sp group)."""
     from usp_hal.integrations import engines
     dm, mesh = _meshes()
     model = tiny_llama(seed, num_hidden_layers=1)
     wrapped, _ = _wrap(model, "zero1", dm)
-    wrapped.sequence_parallel_size = 2
+    out = {}
     try:
-        engines.loss_factor(wrapped, mesh)
-    except ValueError as exc:
-        return str(exc)
+        for what, attr, value in (("alst", "sequence_parallel_size", 2), ("mpu", "seq_data_parallel_group",
+                                                                           mesh.dp_group)):
+            old = getattr(wrapped, attr)
+            setattr(wrapped, attr, value)
+            try:
+                engines.loss_factor(wrapped, mesh)
+                out[what] = None
+            except ValueError as exc:
+                out[what] = str(exc)
+            finally:
+                setattr(wrapped, attr, old)
+        out["plain"] = engines.loss_factor(wrapped, mesh)
     finally:
         _release(wrapped)
-    return None
+    return out
 
 
 # ----------------------------------------------------------------------------- USPTrainer

@@ -70,9 +70,11 @@ def test_alst_loss_doubles_the_gradient_and_usp_hal_does_not(pools):
     assert all(abs(r["usp"] - 1.0) < NORM_TOL for r in res), res
 
 
-def test_deepspeed_sequence_parallel_engine_is_refused(pools):
-    res = pools(4).run(dsd.alst_refused, timeout=200)
-    assert all(r and "ALST" in r and "sequence_parallel_size=2" in r for r in res), res
+def test_engines_that_cannot_give_the_exact_gradient_are_refused(pools):
+    res = pools(4).run(dsd.engine_refusals, timeout=200)
+    assert all(r["alst"] and "ALST" in r["alst"] and "sequence_parallel_size=2" in r["alst"] for r in res), res
+    assert all(r["mpu"] and "without an mpu" in r["mpu"] for r in res), res
+    assert all(r["plain"] == 2 for r in res), res           # the world-wide engine: loss times sp
 
 
 @pytest.mark.parametrize("stage,ga", [(1, 1), (2, 1), (3, 1), (2, 2)])

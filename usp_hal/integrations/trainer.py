@@ -191,6 +191,9 @@ def _args_problems(args: TrainingArguments) -> List[ValueError]:
         why = parallelism_problem(args.parallelism_config)
         if why:
             out.append(_refuse("this ParallelismConfig", why, "Or drop it and set usp_ulysses_degree/usp_ring_degree"))
+        if getattr(args, "usp_dynamic_degree", False):
+            out.append(_refuse("a ParallelismConfig with usp_dynamic_degree", "the dynamic split builds its own "
+                               "groups per global batch", "Use one or the other"))
     if args.train_sampling_strategy == "batch_rebalance":
         # Trainer._get_dataloader makes accelerate's BatchSamplerShard a passthrough for it: each
         # rank would draw its own batches, and the ranks of one sequence must share them
