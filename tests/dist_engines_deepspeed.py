@@ -171,9 +171,10 @@ def engine_refusals(seed: int = 0):
 
 # ----------------------------------------------------------------------------- USPTrainer
 def trainer_run(stage: int = 2, U: int = 2, R: int = 1, steps: int = 4, ga: int = 1, bs: int = 2, S: int = 24,
-                seed: int = 0, lr: float = 3e-3):
+                seed: int = 0, lr: float = 3e-3, premade_state: bool = True):
     """USPTrainer with ``args.deepspeed`` a ZeRO-``stage`` config: as tests/dist_trainer.py's
-    ``trainer_run`` (its reference is ``dist_trainer.reference_run``)."""
+    ``trainer_run`` (its reference is ``dist_trainer.reference_run``).  ``premade_state=False``:
+    without the gloo PartialState made beforehand (the refusal's message is returned)."""
     from tests.dist_trainer import MODEL, RaggedRows, _common, _Losses, _reset_accelerate
     from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
 
@@ -194,13 +195,19 @@ def trainer_run(stage: int = 2, U: int = 2, R: int = 1, steps: int = 4, ga: int 
     os.environ.update(LOCAL_RANK="0", ACCELERATE_USE_DEEPSPEED="true")
     try:
         from accelerate import PartialState
-        PartialState(cpu=False, backend="gloo")
+        if premade_state:
+            PartialState(cpu=False, backend="gloo")
         with tempfile.TemporaryDirectory() as tmp:
             common = _common(tmp, steps, ga, lr, seed)
-            common.update(use_cpu=False, accelerator_config={"use_configured_state": True})
+            common.update(use_cpu=False, accelerator_config={"use_configured_state": premade_state})
             args = USPTrainingArguments(usp_ulysses_degree=U, usp_ring_degree=R, usp_attn_type="sdpa",
                                         per_device_train_batch_size=bs, deepspeed=copy.deepcopy(cfg), **common)
-            trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep])
+            try:
+                trainer = USPTrainer(model=model, args=args, train_dataset=data, callbacks=[keep])
+            except ValueError as exc:
+                if premade_state:
+                    raise
+                return {"refused": str(exc)}
             trainer.train()
             wrapped = trainer.model_wrapped
             params = _params(wrapped)

@@ -97,3 +97,11 @@ def test_trainer_with_deepspeed_matches_single_process_trainer(pools, stage, ga)
     assert max(ref["grad_norms"]) > 1.0, ref["grad_norms"]
     assert param_diff <= PARAM_TOL, param_diff
     assert all(r["attn_after"] == "sdpa" for r in res)
+
+
+def test_trainer_with_deepspeed_without_a_gloo_state_is_refused(pools):
+    """Without an accelerator accelerate finds no backend for DeepSpeed and counts one process:
+    refused on every rank, saying how to make the state."""
+    res = pools(4).run(dsd.trainer_run, timeout=200, stage=1, premade_state=False)
+    assert all("use_configured_state" in r["refused"] and "1 process(es) under DeepSpeed" in r["refused"]
+               for r in res), res

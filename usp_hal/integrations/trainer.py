@@ -56,8 +56,8 @@ with ``tp_size > 1`` or without a ``cp``/``sp`` dim, DeepSpeed's ``sequence_para
 DeepSpeed with ``use_cpu=True`` or ``usp_dynamic_degree``, tensor-parallel models, evaluation
 during training (``evaluate()`` after ``train()`` gives the evaluation loss of one process;
 ``compute_metrics`` is refused) and prediction, label smoothing, ``compute_loss_func``, NEFTune,
-Liger kernels, ``model_init``, ``average_tokens_across_devices=False``, the ``batch_rebalance`` sampling strategy,
-``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several GPUs in one
+Liger kernels, ``model_init``, ``average_tokens_across_devices=False``, the ``batch_rebalance``
+sampling strategy, ``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several GPUs in one
 process).  A batch's ``attention_mask`` with padding goes through ``shard_batch`` as a key
 mask (see its doc; tested there, not with the Trainer).
 """
@@ -358,6 +358,15 @@ class USPTrainer(Trainer):
         u = int(getattr(self.args, "usp_ulysses_degree", 1))
         r = int(getattr(self.args, "usp_ring_degree", 1))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.accelerator.num_processes != world and self.is_deepspeed_enabled:
+            # PartialState finds no backend for DeepSpeed without an accelerator (state.py's
+            # _prepare_backend) and counts one process; a state made beforehand with gloo is reused
+            raise ValueError(f"USPTrainer: accelerate sees {self.accelerator.num_processes} process(es) under "
+                             f"DeepSpeed but the process group has {world} ranks (no accelerator backend was "
+                             "found). On a machine without accelerators set ACCELERATE_USE_DEEPSPEED=true and "
+                             "LOCAL_RANK, create "
+                             "accelerate.PartialState(cpu=False, backend='gloo') before the arguments and pass "
+                             "accelerator_config={'use_configured_state': True}")
         if self.accelerator.num_processes != world:
             # accelerate.state.PartialState._prepare_backend picks MULTI_CPU only with cpu=True: a
             # CPU-only torchrun without use_cpu runs as DistributedType.NO, one process per rank
