@@ -55,7 +55,8 @@ def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3
                     seed: int = 0, layers: int = 2, bypass: bool = False, accelerate_mesh: bool = False):
     """``steps`` AdamW steps; ``wrap``: "fsdp" (FSDP2 on dm["dp_shard"]), "fsdp_dp_shard_cp" (on
     accelerate's flattened dp_shard x cp dim, as its FSDP2 plugin shards: the whole sp group inside),
-    "accelerate" (accelerate's DDP over the world); ``bypass``: usp-hal's gradient reduction
+    "hsdp" (FSDP2 replicated over dp_replicate, sharded over dp_shard), "accelerate" (accelerate's
+    DDP over the world); ``bypass``: usp-hal's gradient reduction
     skipped (check off)."""
     from accelerate import Accelerator
 
@@ -70,9 +71,10 @@ def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3
     model = tiny_llama(seed, num_hidden_layers=layers)
     model.set_attn_implementation(name)
     accelerator = Accelerator(cpu=True)
-    if wrap in ("fsdp", "fsdp_dp_shard_cp"):
+    if wrap in ("fsdp", "fsdp_dp_shard_cp", "hsdp"):
         from torch.distributed.fsdp import fully_shard
-        sub = dm["dp_shard"] if wrap == "fsdp" else dm["dp_shard_cp"]
+        sub = {"fsdp": lambda: dm["dp_shard"], "fsdp_dp_shard_cp": lambda: dm["dp_shard_cp"],
+               "hsdp": lambda: dm["dp_replicate", "dp_shard"]}[wrap]()
         for layer in model.model.layers:
             fully_shard(layer, mesh=sub)
         fully_shard(model, mesh=sub)

@@ -104,3 +104,18 @@ def test_unsupported_parallelism_configs_are_refused_on_every_rank(pools, name):
     pc, words = REFUSED[name]
     res = pools(4).run(dea.refused_everywhere, timeout=60, pc=pc)
     assert all(r and words in r for r in res), res
+
+
+def test_hsdp_x_cp_on_8_ranks_matches_one_process(pools):
+    """dp_replicate 2 x dp_shard 2 x cp 2 (Ring 2): HSDP (FSDP2 on the 2-D dp sub-mesh) and
+    usp-hal on one DeviceMesh, 4 replicas."""
+    pc = dict(dp_replicate_size=2, dp_shard_size=2, cp_size=2)
+    res = pools(8).run(dea.accelerate_loop, timeout=400, pc=pc, U=1, R=2, wrap="hsdp", layers=1)
+    r0 = res[0]
+    assert r0["dims"] == ["dp_replicate", "dp_shard", "cp"] and r0["sp_ranks"] == [0, 1], r0
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], r0["ref_losses"]))
+    norm_rel = max(abs(a - b) / b for a, b in zip(r0["norms"], r0["ref_norms"]))
+    print(f"hsdp x cp2: loss diff {loss_diff:.1e}, grad-norm rel diff {norm_rel:.1e}, "
+          f"param diff {r0['param_diff']:.1e}")
+    assert loss_diff <= LOSS_TOL and norm_rel <= NORM_TOL and r0["param_diff"] <= PARAM_TOL, r0
+    assert max(r0["ref_norms"]) > 1.0, r0["ref_norms"]
