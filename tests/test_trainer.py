@@ -60,16 +60,22 @@ def _args(**kw):
     return USPTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, usp_ulysses_degree=2, **kw)
 
 
-def _parallelism_config():
+def _parallelism_config(**kw):
     from accelerate import ParallelismConfig
-    return ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    return ParallelismConfig(**kw)
 
 
 REFUSED = {
     "label_smoothing_factor": (lambda: _args(label_smoothing_factor=0.1), "shifts the labels again"),
     "average_tokens_across_devices": (lambda: _args(average_tokens_across_devices=False), "Leave it at its default"),
     "eval_strategy": (lambda: _args(eval_strategy="steps", eval_steps=1), "eval_strategy='no'"),
-    "parallelism_config": (lambda: _args(parallelism_config=_parallelism_config()), "ALST"),
+    # a cp/sp dim is usp-hal's sequence-parallel group (tests/test_engines_accelerate.py); tp is not composed
+    "parallelism_config_tp": (lambda: _args(parallelism_config=_parallelism_config(tp_size=2, cp_size=2)), "tp_size=2"),
+    "parallelism_config_no_sp": (lambda: _args(parallelism_config=_parallelism_config(dp_shard_size=2)),
+                                 "no sequence-parallel group"),
+    "deepspeed_alst": (lambda: _args(deepspeed={"sequence_parallel_size": 2, "zero_optimization": {"stage": 1}}),
+                       "ALST"),
+    "deepspeed_use_cpu": (lambda: _args(deepspeed={"zero_optimization": {"stage": 2}}), "never builds"),
     "batch_rebalance": (lambda: _args(train_sampling_strategy="batch_rebalance"), "load the same batch"),
     "fsdp": (lambda: _args(fsdp="full_shard"), "Use DDP (the default), or FSDP2 on the dp dim of a DeviceMesh"),
 }

@@ -42,18 +42,28 @@ runs its jobs one per round of the schedule (a stand-in call where it has none),
 last backward lets DDP all-reduce; each call's loss is ``num_processes`` times its share of the
 global batch's mean token loss, as above.
 
-Refused (``ValueError`` naming the reason and what to use instead): DeepSpeed, FSDP and an
-accelerate ``ParallelismConfig`` (its ``sp_backend`` is DeepSpeed's ALST), tensor-parallel
-models, evaluation during training (``evaluate()`` after ``train()`` gives the evaluation
-loss of one process; ``compute_metrics`` is refused) and prediction, label smoothing,
-``compute_loss_func``, NEFTune, Liger kernels, ``model_init``,
-``average_tokens_across_devices=False``, the ``batch_rebalance`` sampling strategy,
-``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several GPUs in one
+Two engine choices beside DDP (usp_hal.integrations.engines, docs/engines.md):
+``args.deepspeed`` (a ZeRO 1-3 config; the engine averages over the world as DDP does, so the
+same loss scaling is exact; DeepSpeed's own ``sequence_parallel_size`` is refused), and
+``args.parallelism_config`` with a ``cp_size`` or ``sp_size`` dim: that dim becomes usp-hal's
+sequence-parallel group (split by ``usp_ulysses_degree``/``usp_ring_degree``, default all
+Ulysses) and ``dp_replicate`` x ``dp_shard`` the replicas.  The config is kept from accelerate
+(whose ``cp`` would run torch's context parallel and ``sp`` DeepSpeed's ALST, and which refuses any
+``ParallelismConfig`` on CPU), so the replicas train under DDP (or DeepSpeed) over the world.
+
+Refused (``ValueError`` naming the reason and what to use instead): FSDP, a ``ParallelismConfig``
+with ``tp_size > 1`` or without a ``cp``/``sp`` dim, DeepSpeed's ``sequence_parallel_size``,
+DeepSpeed with ``use_cpu=True`` or ``usp_dynamic_degree``, tensor-parallel models, evaluation
+during training (``evaluate()`` after ``train()`` gives the evaluation loss of one process;
+``compute_metrics`` is refused) and prediction, label smoothing, ``compute_loss_func``, NEFTune,
+Liger kernels, ``model_init``, ``average_tokens_across_devices=False``, the ``batch_rebalance``
+sampling strategy, ``dispatch_batches``/``split_batches`` loaders and ``DataParallel`` (several GPUs in one
 process).  A batch's ``attention_mask`` with padding goes through ``shard_batch`` as a key
 mask (see its doc; tested there, not with the Trainer).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import warnings
@@ -68,7 +78,7 @@ import usp_hal
 from usp_hal.integrations import transformers as usp
 from usp_hal.integrations.sequence_mixers import RECURRENCES, check_recurrence
 
-from .grads import mark_synced
+from .grads import mark_synced, set_sync_check
 from .tiled_loss import check_chunk_tokens, disable_tiled_loss, enable_tiled_loss
 
 __all__ = ["USPTrainer", "USPTrainingArguments"]
@@ -156,20 +166,34 @@ def _args_problems(args: TrainingArguments) -> List[ValueError]:
         out.append(_refuse("use_liger_kernel", "Liger's fused losses are not verified with sharded, pre-shifted "
                            "labels", "Leave use_liger_kernel=False"))
     if args.deepspeed:
-        out.append(_refuse("deepspeed", "DeepSpeed's engine is the other route (ALST: "
-                           "ParallelismConfig(sp_backend='deepspeed') with the plain Trainer)", "Use one or the other: "
-                           "USPTrainer with DDP, or the plain Trainer with DeepSpeed ALST"))
+        # the engine averages over its data-parallel group, the world (no mpu): as DDP does, so the
+        # Trainer's loss * num_processes gives the exact gradient (usp_hal.integrations.engines)
+        ds = args.deepspeed if isinstance(args.deepspeed, dict) else {}
+        if int(ds.get("sequence_parallel_size", 1) or 1) > 1:
+            out.append(_refuse("a DeepSpeed config with sequence_parallel_size", "that is DeepSpeed's own sequence "
+                               "parallelism (ALST), which would shard the sequence a second time", "Drop "
+                               "sequence_parallel_size and set usp_ulysses_degree/usp_ring_degree"))
+        if getattr(args, "usp_dynamic_degree", False):
+            out.append(_refuse("deepspeed with usp_dynamic_degree", "it is verified under DDP only", "Leave "
+                               "usp_dynamic_degree off under DeepSpeed"))
+        if args.use_cpu:
+            out.append(_refuse("deepspeed with use_cpu=True", "accelerate then runs MULTI_CPU (DDP) and never builds "
+                               "the DeepSpeed engine", "Pass use_cpu=False (DeepSpeed's CPU accelerator runs on "
+                               "gloo on a machine without accelerators)"))
     if args.fsdp:
         out.append(_refuse("fsdp", "FSDP under this Trainer path is not verified yet", "Use DDP (the default), or "
                            "FSDP2 on the dp dim of a DeviceMesh in your own loop with sync_gradients "
                            "(docs/quickstart.md, 'Data parallel x sequence parallel')"))
     if args.parallelism_config is not None:
-        # accelerate.parallelism_config.ParallelismConfig accepts sp_backend='deepspeed' only, and
-        # any of its dp/cp/tp dims makes accelerate build its own device mesh and sharding
-        out.append(_refuse("an accelerate ParallelismConfig", "its sp_size/sp_backend select DeepSpeed's ALST (the "
-                           "only sp_backend accelerate accepts) and its dp/cp/tp dims other wrappers",
-                           "Set usp_ulysses_degree/usp_ring_degree instead; the data-parallel size is the rest of "
-                           "the world"))
+        # its cp/sp dim becomes usp-hal's sequence-parallel group (USPTrainer.__init__ keeps the
+        # config from accelerate, whose cp would run torch's context parallel and sp DeepSpeed's ALST)
+        from .engines import parallelism_problem
+        why = parallelism_problem(args.parallelism_config)
+        if why:
+            out.append(_refuse("this ParallelismConfig", why, "Or drop it and set usp_ulysses_degree/usp_ring_degree"))
+        if getattr(args, "usp_dynamic_degree", False):
+            out.append(_refuse("a ParallelismConfig with usp_dynamic_degree", "the dynamic split builds its own "
+                               "groups per global batch", "Use one or the other"))
     if args.train_sampling_strategy == "batch_rebalance":
         # Trainer._get_dataloader makes accelerate's BatchSamplerShard a passthrough for it: each
         # rank would draw its own batches, and the ranks of one sequence must share them
@@ -277,6 +301,10 @@ class USPTrainer(Trainer):
         problems = _args_problems(args) if args is not None else []
         if problems:
             raise problems[0]
+        self.usp_parallelism_config = getattr(args, "parallelism_config", None)
+        if self.usp_parallelism_config is not None:     # usp-hal's, not accelerate's (see _build_mesh)
+            args = copy.copy(args)
+            args.parallelism_config = None
         if trainer_args:
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         else:       # by name: trainers over this one (TRL's) take other arguments second
@@ -310,9 +338,9 @@ class USPTrainer(Trainer):
             raise _refuse("compute_loss_func", "it would receive this rank's shard of labels that are already "
                           "shifted over the whole sequence", "Subclass USPTrainer.compute_loss and use "
                           "inputs['shift_labels'] (no further shift), dividing by num_items_in_batch")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise _refuse("an accelerate DeepSpeed/FSDP launch configuration", "only DDP is verified on this path",
-                          "Launch with torchrun (or an accelerate config without DeepSpeed/FSDP)")
+        if self.is_fsdp_enabled:
+            raise _refuse("an accelerate FSDP launch configuration", "only DDP and DeepSpeed are verified on this "
+                          "path", "Launch with torchrun (or an accelerate config without FSDP)")
         if self.args.n_gpu > 1:
             raise _refuse("DataParallel (several GPUs in one process)", "each sequence-parallel rank is one "
                           "process", "Launch one process per device with torchrun")
@@ -336,6 +364,15 @@ class USPTrainer(Trainer):
         u = int(getattr(self.args, "usp_ulysses_degree", 1))
         r = int(getattr(self.args, "usp_ring_degree", 1))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.accelerator.num_processes != world and self.is_deepspeed_enabled:
+            # PartialState finds no backend for DeepSpeed without an accelerator (state.py's
+            # _prepare_backend) and counts one process; a state made beforehand with gloo is reused
+            raise ValueError(f"USPTrainer: accelerate sees {self.accelerator.num_processes} process(es) under "
+                             f"DeepSpeed but the process group has {world} ranks (no accelerator backend was "
+                             "found). On a machine without accelerators set ACCELERATE_USE_DEEPSPEED=true and "
+                             "LOCAL_RANK, create "
+                             "accelerate.PartialState(cpu=False, backend='gloo') before the arguments and pass "
+                             "accelerator_config={'use_configured_state': True}")
         if self.accelerator.num_processes != world:
             # accelerate.state.PartialState._prepare_backend picks MULTI_CPU only with cpu=True: a
             # CPU-only torchrun without use_cpu runs as DistributedType.NO, one process per rank
@@ -344,6 +381,15 @@ class USPTrainer(Trainer):
                              "Trainer would neither shard the data nor wrap the model in DDP. On a machine without "
                              "accelerators pass use_cpu=True in the training arguments (accelerate runs gloo ranks "
                              "as MULTI_CPU only then)")
+        pc = self.usp_parallelism_config
+        if pc is not None:
+            if mesh is not None:
+                raise ValueError("USPTrainer: pass either mesh= or a ParallelismConfig in the arguments, not both")
+            from .engines import parallelism_mesh
+            split = (None, None) if (u, r) == (1, 1) else (u, r)       # default: all Ulysses
+            self.usp_device_mesh, mesh = parallelism_mesh(pc, ulysses_degree=split[0], ring_degree=split[1],
+                                                          device_type=self.args.device.type)
+            return mesh
         if mesh is not None:
             if (u, r) not in ((1, 1), (mesh.ulysses_degree, mesh.ring_degree)):
                 raise ValueError(f"USPTrainer: mesh= is {mesh.ulysses_degree} x {mesh.ring_degree} (ulysses x ring) "
@@ -562,6 +608,20 @@ class USPTrainer(Trainer):
                 for mesh in self.usp_dynamic.meshes.values():
                     mark_synced(mesh)
             return loss
+        if self.is_deepspeed_enabled:
+            # accelerate's DeepSpeed backward runs the engine's step too; the engine averages over
+            # the world (checked here, before the first one), so the partial-gradient check is off
+            # for the call and the mesh marked synced
+            if not self._reduction_checked:
+                self._check_reduction(model)
+                self._reduction_checked = True
+            old = set_sync_check("off")
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                set_sync_check(old)
+            mark_synced(self.usp_mesh)
+            return loss
         loss = super().training_step(model, inputs, num_items_in_batch)
         # Trainer._run_epoch sets gradient_state's sync flag before the step of each micro-batch:
         # on the last one DDP has just all-reduced the accumulated gradients
@@ -579,6 +639,12 @@ class USPTrainer(Trainer):
         ranks = None
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             ranks = sorted(int(x) for x in dist.get_process_group_ranks(model.process_group))
+        from .engines import _group_ranks, engine_problem, is_deepspeed_engine
+        if is_deepspeed_engine(model):      # averages over its data-parallel group, as DDP does
+            why = engine_problem(model, self.usp_mesh)
+            if why:
+                raise _refuse("this DeepSpeed engine", why, "Let the Trainer build the engine from args.deepspeed")
+            ranks = sorted(_group_ranks(getattr(model, "seq_data_parallel_group", None)))
         if ranks != list(range(world)):
             raise _refuse(f"a model prepared as {type(model).__name__}" + (f" over ranks {ranks}" if ranks else ""),
                           "the exact gradient needs DDP's mean over every rank of the world (each rank's loss is "
