@@ -1,7 +1,7 @@
 """Rank functions for usp-hal on accelerate's ParallelismConfig (tests/test_engines_accelerate.py).
 
 4 ranks.  The sequence-parallel group is the config's ``cp`` or ``sp`` dim, taken by
-:func:`usp_hal.integrations.engines.parallelism_mesh` (1 line of glue) and split into Ulysses x
+:func:`usp_hal.integrations.training.engines.parallelism_mesh` (1 line of glue) and split into Ulysses x
 Ring; data parallel runs on the same DeviceMesh's ``dp_replicate``/``dp_shard`` dims.  On this
 machine accelerate refuses every ``ParallelismConfig`` (``DistributedType.MULTI_CPU``), so the
 Accelerator is built without one and usp-hal builds the DeviceMesh from the config.
@@ -36,7 +36,7 @@ def _mesh(pc_kw: dict, U, R, accelerate_mesh: bool = False):
     ``accelerator.torch_device_mesh`` holds where accelerate takes the config), handed over."""
     key = (tuple(sorted(pc_kw.items())), U, R, accelerate_mesh)
     if key not in _MESHES:
-        from usp_hal.integrations import engines
+        from usp_hal.integrations.training import engines
         config = _config(pc_kw)
         given = config.build_device_mesh("cpu") if accelerate_mesh else None
         _MESHES[key] = engines.parallelism_mesh(config, ulysses_degree=U, ring_degree=R, device_type="cpu",
@@ -60,8 +60,9 @@ def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3
     skipped (check off)."""
     from accelerate import Accelerator
 
-    from usp_hal.integrations import engines, set_sync_check
+    from usp_hal.integrations import set_sync_check
     from usp_hal.integrations import transformers as usp
+    from usp_hal.integrations.training import engines
 
     from .dist_trainer import _reset_accelerate
 
@@ -114,7 +115,7 @@ def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3
 
 def refused_everywhere(pc: dict):
     """Every rank's refusal of a config usp-hal cannot take (None where it went through)."""
-    from usp_hal.integrations import engines
+    from usp_hal.integrations.training import engines
     try:
         engines.parallelism_mesh(_config(pc), device_type="cpu")
     except ValueError as exc:

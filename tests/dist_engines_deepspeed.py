@@ -92,8 +92,9 @@ def engine_loop(engine: str = "zero1", steps: int = 3, B: int = 2, S: int = 24, 
                 bypass: bool = False):
     """``steps`` steps of dp 2 x Ulysses 2 under ``engine``; ``bypass``: the engine gets each
     rank's loss share as it is (no sum over the sp group), the check turned off."""
-    from usp_hal.integrations import engines, set_sync_check
+    from usp_hal.integrations import set_sync_check
     from usp_hal.integrations import transformers as usp
+    from usp_hal.integrations.training import engines
 
     dm, mesh = _meshes()
     replica = dm.get_coordinate()[0]
@@ -146,7 +147,7 @@ def engine_refusals(seed: int = 0):
     (faked on a real engine: the attributes DeepSpeed's groups set, without building them):
     DeepSpeed's own sequence parallelism (ALST), and an mpu whose data-parallel group holds one
     rank of each sp group (ZeRO would never sum over the sp group)."""
-    from usp_hal.integrations import engines
+    from usp_hal.integrations.training import engines
     dm, mesh = _meshes()
     model = tiny_llama(seed, num_hidden_layers=1)
     wrapped, _ = _wrap(model, "zero1", dm)

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
+# its parallelize code imports torchtitan.distributed.minimal_async_ep.kernels, which imports triton
+pytest.importorskip("triton")
 
 from tests import dist_torchtitan  # noqa: E402
 

@@ -42,7 +42,7 @@ runs its jobs one per round of the schedule (a stand-in call where it has none),
 last backward lets DDP all-reduce; each call's loss is ``num_processes`` times its share of the
 global batch's mean token loss, as above.
 
-Two engine choices beside DDP (usp_hal.integrations.engines, docs/engines.md):
+Two engine choices beside DDP (usp_hal.integrations.training.engines, docs/engines.md):
 ``args.deepspeed`` (a ZeRO 1-3 config; the engine averages over the world as DDP does, so the
 same loss scaling is exact; DeepSpeed's own ``sequence_parallel_size`` is refused), and
 ``args.parallelism_config`` with a ``cp_size`` or ``sp_size`` dim: that dim becomes usp-hal's
@@ -167,7 +167,7 @@ def _args_problems(args: TrainingArguments) -> List[ValueError]:
                            "labels", "Leave use_liger_kernel=False"))
     if args.deepspeed:
         # the engine averages over its data-parallel group, the world (no mpu): as DDP does, so the
-        # Trainer's loss * num_processes gives the exact gradient (usp_hal.integrations.engines)
+        # Trainer's loss * num_processes gives the exact gradient (usp_hal.integrations.training.engines)
         ds = args.deepspeed if isinstance(args.deepspeed, dict) else {}
         if int(ds.get("sequence_parallel_size", 1) or 1) > 1:
             out.append(_refuse("a DeepSpeed config with sequence_parallel_size", "that is DeepSpeed's own sequence "

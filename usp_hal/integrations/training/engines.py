@@ -166,7 +166,7 @@ def loss_factor(model, mesh) -> int:
         return 1
     problem = engine_problem(model, mesh)
     if problem:
-        raise ValueError(f"usp_hal.integrations.engines: {problem}")
+        raise ValueError(f"usp_hal.integrations.training.engines: {problem}")
     return int(mesh.sp_size)
 
 
