@@ -24,12 +24,9 @@ class BoundedCache(Dict[K, V]):
 
     def put(self, key: K, value: V) -> V:
         """Store ``value`` under ``key`` (emptying the cache first when it is over its limit); returns it."""
-        if len(self) > self.limit:
-            self.clear()
-            if self.also is not None:
-                self.also()
-        self[key] = value
-        return value
+        if len(self) > self.limit and self.also is not None:
+            self.also()
+        return put(self, key, value, self.limit)
 
     def get_or(self, key: K, make: Callable[[], V]) -> V:
         """The value under ``key``, made by ``make()`` and stored on a miss."""
@@ -41,3 +38,12 @@ class BoundedCache(Dict[K, V]):
     def add(self, key: K) -> None:
         """Use as a bounded set: remember ``key`` (``key in cache`` asks)."""
         self.put(key, True)  # type: ignore[arg-type]
+
+
+def put(cache: dict, key, value, limit: int):
+    """``cache[key] = value``, emptying ``cache`` first when it holds more than ``limit``
+    entries (a caller's plain dict bounded as :class:`BoundedCache` is); returns ``value``."""
+    if len(cache) > limit:
+        cache.clear()
+    cache[key] = value
+    return value

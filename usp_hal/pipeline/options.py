@@ -11,7 +11,7 @@ import ast
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
-from ..bounded import BoundedCache
+from ..bounded import put
 
 
 class Sinks:
@@ -84,15 +84,16 @@ class CallOptions:
         return key
 
     @classmethod
-    def cached(cls, cache: Optional[BoundedCache], **kw) -> "CallOptions":
-        """``cls.of(**kw)``, kept in ``cache`` (None: no cache) under :meth:`key`."""
+    def cached(cls, cache: Optional[dict], **kw) -> "CallOptions":
+        """``cls.of(**kw)``, kept in ``cache`` (None: no cache; a plain dict is bounded at 64
+        entries, a :class:`~usp_hal.bounded.BoundedCache` at its own limit) under :meth:`key`."""
         key = cls.key(**kw) if cache is not None else None
         got = cache.get(key) if key is not None else None     # type: ignore[union-attr]
         if got is None:
             got = cls.of(**kw)
             if key is not None:
                 assert cache is not None
-                cache.put(key, got)
+                put(cache, key, got, getattr(cache, "limit", 64))
         return got
 
     @property
