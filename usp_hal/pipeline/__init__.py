@@ -89,7 +89,6 @@ class Pipeline:
         self.last_backend: Any = None
         #: the global length of the last masked call (what a mask is digested at before the agreement)
         self.mask_seqlen = 0
-        self.mask_unchecked = False    # from each agreement (Agreed.mask_unchecked)
         self.handle = next(_NEXT)
         _PIPELINES[self.handle] = self
         #: the mesh of the last call (its caches are dropped once its groups are destroyed)
@@ -154,12 +153,11 @@ class Pipeline:
             return entry.spec, entry.solo
         if lengths is None:
             agreed = _agree.agree(self, mesh, checked)
-            self.mask_unchecked = agreed.mask_unchecked
             if agreed.frozen is not None:
                 self.frozen = agreed.frozen
             lengths = agreed.lengths
             if local is not None and local.mask is not None:
-                self.mask_seqlen = agree_mask(self, mesh, checked, lengths)
+                self.mask_seqlen = agree_mask(self, mesh, checked, agreed)
         elif checked.err is not None:
             raise checked.err
         assert spec is not None and local is not None
