@@ -1,9 +1,9 @@
 """Host reads of tensor data and collectives per steady call, per rank, as a GPU would pay them.
 
 On spawned gloo ranks (127.0.0.1), each mesh gets a separate gloo group over its ranks as its
-metadata (side) group, as on a GPU machine whose device group has no CPU transport; the gloo
-host-tensor shortcuts (the ring's agreement flag inside its K/V messages, q/k/v split into
-three all-to-alls) are turned off, as on a device transport.  After three warm-up calls, one
+metadata (side) group, as on a GPU machine whose device group has no CPU transport (the
+library's data path takes no gloo-only shortcut, so gloo data groups count as a device
+transport would).  After three warm-up calls, one
 call runs under :class:`usp_hal.harness.hostreads.HostReadMeter`, which counts
 
 * host reads of tensor data (``item``, ``tolist``, ``bool``/``float``/``int``/``index`` of a
@@ -24,7 +24,6 @@ on the sizes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -35,24 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # label, ulysses, ring
 CASES = [("U2", 2, 1), ("R2", 1, 2), ("U2xR2", 2, 2)]
 DECODE = [("R2", 1, 2), ("U2", 2, 1)]
-
-
-@contextlib.contextmanager
-def device_transport_defaults():
-    """Turn off the gloo host-tensor shortcuts (a device transport never takes them) for the
-    block; where a tree no longer has them, nothing to do."""
-    from usp_hal import rotation, ulysses
-    saved = []
-    for owner, attr in ((getattr(rotation, "P2PRotation", None), "CARRY_BYTES"),
-                        (getattr(ulysses, "UlyssesExchange", None), "SPLIT_BYTES")):
-        if owner is not None and hasattr(owner, attr):
-            saved.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, 0)
-    try:
-        yield
-    finally:
-        for owner, attr, value in saved:
-            setattr(owner, attr, value)
 
 
 def mesh_with_side_group(u: int, r: int):
@@ -126,17 +107,16 @@ def rank_counts(cases, decode, S=256, H=4, Hkv=2, D=32, layers=2) -> list:
     import torch
     torch.set_num_threads(1)
     rows = []
-    with device_transport_defaults():
-        for label, u, r in cases:
-            for check in ("every call", "first call"):
-                for bwd in (False, True):
-                    rows.append({"case": label, "mode": "fwd+bwd" if bwd else "fwd", "check": check,
-                                 **_attention_counts(u, r, S, H, Hkv, D, check, bwd)})
-        for label, u, r in decode:
-            for verify in ("layer", "step"):
-                got = _decode_counts(u, r, S, H, Hkv, D, verify, layers)
-                rows.append({"case": f"decode {label}", "mode": f"per layer ({layers} layers)",
-                             "check": f"verify={verify}", "layers": layers, **got})
+    for label, u, r in cases:
+        for check in ("every call", "first call"):
+            for bwd in (False, True):
+                rows.append({"case": label, "mode": "fwd+bwd" if bwd else "fwd", "check": check,
+                             **_attention_counts(u, r, S, H, Hkv, D, check, bwd)})
+    for label, u, r in decode:
+        for verify in ("layer", "step"):
+            got = _decode_counts(u, r, S, H, Hkv, D, verify, layers)
+            rows.append({"case": f"decode {label}", "mode": f"per layer ({layers} layers)",
+                         "check": f"verify={verify}", "layers": layers, **got})
     return rows
 
 

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+from .bounded import BoundedCache
 from .dispatch.registry import REGISTRY
 from .parallel.codec import get_codec
 from .parallel.heads import HeadPlan, most_groups, split_plan
@@ -20,7 +21,7 @@ from .parallel.ring import merge_dtype
 from .parallel.rotation import get_rotation
 from .pipeline import CallOptions, CallPlan, Pipeline, USPError
 from .pipeline.compiled import compiled_forward
-from .pipeline.options import check_mode
+from .pipeline.options import Sinks, check_mode
 from .pipeline.validate import check_joint
 from .sequence.positions import get_layout
 
@@ -131,7 +132,7 @@ class LongContextAttention(torch.nn.Module):
         self.wire = self._pipe.wire
         self.ring_wire = self._pipe.ring_wire
         self._wire_name = self._pipe.wire_name
-        self._options: Dict[Any, CallOptions] = {}
+        self._options: BoundedCache[Any, CallOptions] = BoundedCache(64)
 
     # the pipeline's settings, readable and settable on the module ----------------------
     @property
@@ -233,9 +234,9 @@ class LongContextAttention(torch.nn.Module):
                     if mask is not None and not isinstance(mask, Mask):
                         raise TypeError("under torch.compile pass mask= as a usp_hal.masks.Mask built outside the "
                                         "compiled function (Mask.from_mod / from_slices), not a bare mask_mod or list")
-                    opts = opts.with_(mask=mask, sinks=sinks is not None)
+                    opts = opts.with_(mask=mask, sinks=Sinks.given(sinks is not None))
                 else:
-                    opts = self._with_mask(opts, mask, sinks is not None)
+                    opts = self._with_mask(opts, mask, Sinks.given(sinks is not None))
         except Exception as exc:
             if torch.compiler.is_compiling():
                 raise
@@ -266,18 +267,16 @@ class LongContextAttention(torch.nn.Module):
                           joint=joint, err=err, cu_seqlens=cu_seqlens, sinks=sinks)
         return (out, lse) if return_lse else out
 
-    def _with_mask(self, opts: CallOptions, mask, sinks: bool) -> CallOptions:
+    def _with_mask(self, opts: CallOptions, mask, sinks: int) -> CallOptions:
         """``opts`` with the call's mask and sinks flag, cached per (options, mask object, sinks):
         a bare mask_mod or slice list becomes one :class:`~usp_hal.masks.Mask` per object, so
         its tile classification is computed once."""
-        cache = self.__dict__.setdefault("_mask_options", {})
+        cache = self.__dict__.setdefault("_mask_options", BoundedCache(16))
         key = (opts, id(mask), sinks)
         got = cache.get(key)
         if got is None or got[0] is not mask:      # the object itself: an id may be reused
             from .sequence.masks import Mask
-            if len(cache) > 16:
-                cache.clear()
-            got = cache[key] = (mask, opts.with_(mask=Mask.of(mask) if mask is not None else None, sinks=sinks))
+            got = cache.put(key, (mask, opts.with_(mask=Mask.of(mask) if mask is not None else None, sinks=sinks)))
         return got[1]
 
     def _head_groups(self, heads: HeadPlan) -> List[HeadPlan]:

@@ -50,6 +50,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..bounded import BoundedCache
 from . import platform as _platform
 from .capabilities import (
     TOP_LEFT,
@@ -228,7 +229,7 @@ class AttentionBackend:
         return ""
 
     # ---------------------------------------------------------------- per-call admission
-    _admitted_calls: ClassVar[Optional[set]] = None    # per instance once used
+    _admitted_calls: ClassVar[Optional[BoundedCache]] = None    # per instance once used
 
     def _admit(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
                mask=None):
@@ -248,10 +249,9 @@ class AttentionBackend:
         self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
                          mask)
         if sig is not None:
-            seen = self._admitted_calls
-            if seen is None or len(seen) > 1024:
-                seen = self._admitted_calls = set()
-            seen.add(sig)
+            if self._admitted_calls is None:
+                self._admitted_calls = BoundedCache(1024)
+            self._admitted_calls.add(sig)
 
     def _request(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
                  mask=None):

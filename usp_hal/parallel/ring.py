@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import torch
 
+from ..bounded import BoundedCache
 from ..sequence.blocks import BlockCall, pack_groups, plan_blocks
 from ..sequence.positions import Segment
 from .rotation import Accum
@@ -364,7 +365,7 @@ def _kernel_call(ctx: RingContext, call: BlockCall, src: int):
     validated once per shape, dtype and device; kept on this context, which lives as long
     as its plan), or its ``forward`` where the backend has a forward of its own (an
     adapter, a meter's wrapper) or the call is masked."""
-    calls = ctx.__dict__.setdefault("_kernel_calls", {})
+    calls = ctx.__dict__.setdefault("_kernel_calls", BoundedCache(256))
     got = calls.get((id(call), src))
     if got is not None and got[0] is call:
         return got[1]
@@ -374,7 +375,7 @@ def _kernel_call(ctx: RingContext, call: BlockCall, src: int):
         def fn(q, k, v):
             return backend.forward(q, k, v, **kw)
     else:
-        cache: dict = {}
+        cache: BoundedCache = BoundedCache(8)
 
         def fn(q, k, v):
             if not backend.binds_forward():        # wrapped since (the harness's kernel timer): go through it
@@ -382,13 +383,9 @@ def _kernel_call(ctx: RingContext, call: BlockCall, src: int):
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device)
             bound = cache.get(key)
             if bound is None:
-                if len(cache) > 8:
-                    cache.clear()
-                bound = cache[key] = backend.bind(q, k, v, **kw)
+                bound = cache.put(key, backend.bind(q, k, v, **kw))
             return bound(q, k, v)
-    if len(calls) > 256:
-        calls.clear()
-    calls[(id(call), src)] = (call, fn)
+    calls.put((id(call), src), (call, fn))
     return fn
 
 

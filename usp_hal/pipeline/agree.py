@@ -6,11 +6,12 @@ same error together, so none waits in a data collective."""
 from __future__ import annotations
 
 import builtins
-from typing import List, Optional
+from typing import Optional
 
 from ..parallel import comm
 from ..parallel.comm import AgreementError
 from ..sequence.positions import local_lengths, local_positions
+from .entry import Agreed, Checked
 from .spec import CallSpec, compare, digest_ints, field_index, meta_length
 from .validate import MASK_UNCHECKED, USPError, mask_seqlen, share
 
@@ -21,10 +22,12 @@ def joint_total(spec: CallSpec) -> int:
     return int(spec.joint.split(":")[1])
 
 
-def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[int]:
-    """Every rank's local length, after making sure every rank can run this call and all
-    agree on it; raises the same error on every rank otherwise.  ``cu_seqlens``: the
-    validated document boundaries of a packed call (their digest is in the spec).
+def agree(pipe, mesh, checked: Checked) -> Agreed:
+    """Every rank's local length (and what else every rank learnt: :class:`Agreed`), after
+    making sure every rank can run this call and all agree on it; raises the same error on
+    every rank otherwise.  ``checked``: this rank's call (its spec, or its refusal; a packed
+    call's validated document boundaries, whose digest is in the spec).  Reads the pipeline's
+    configuration and fills its caches; what changes is returned.
 
     ``pipe.check_ranks`` picks what is exchanged: ``"every_call"`` (every call: the spec's
     metadata vector, compared), ``"first_call"`` (that once; later calls of the same spec
@@ -32,20 +35,19 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     :class:`~usp_hal.comm.OutOfStepError` on the rank that sees it and ends the use of the
     mesh's groups there: :func:`out_of_step`), ``"off"`` (every call: the local lengths,
     refusals, and whether a mask awaits its check at the agreed length)."""
-    n = mesh.sp_size
-    pipe.mask_unchecked = False
-    if n == 1:
+    spec, err, cu_seqlens = checked.spec, checked.err, checked.cu_seqlens
+    if mesh.sp_size == 1:
         if err is not None:
             raise err
         assert spec is not None
         if cu_seqlens is not None:
             check_layout(pipe, mesh, spec, [spec.local_len], None, cu_seqlens)
-        return [spec.local_len]
+        return Agreed([spec.local_len])
     compare_meta = pipe.check_ranks != "off"
     if pipe.check_ranks == "first_call" and pipe.frozen is not None:
         frozen, lengths = pipe.frozen
         if err is None and spec is not None and spec == frozen:
-            return lengths
+            return Agreed(lengths)
         out_of_step(mesh, frozen, spec, err)
     group = mesh.metadata_group
     where = mesh.where("sequence-parallel")
@@ -54,9 +56,7 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     width, values = row_values(pipe, spec, err, rep)
     if rep is None and err is None and spec is not None:
         # a call of this spec again: one all-gather and one comparison of host integers
-        if len(pipe.repeats) > 64:
-            pipe.repeats.clear()
-        rep = pipe.repeats[(spec, group)] = comm.Repeat(values)
+        rep = pipe.repeats.put((spec, group), comm.Repeat(values))
 
     def differences(rows):
         if not compare_meta or all(r == rows[0] for r in rows[1:]):
@@ -85,18 +85,15 @@ def agree(pipe, mesh, spec: Optional[CallSpec], err, cu_seqlens=None) -> List[in
     assert spec is not None      # no rank flagged an error, so this one has a spec
     # the same on every rank (from the rows): some rank's mask was not digested before the agreement
     flag = field_index("mask") - 1 if compare_meta else 1
-    pipe.mask_unchecked = bool(any(r[flag] == MASK_UNCHECKED for r in rows) if compare_meta
-                               else any(r[flag] for r in rows))
+    unchecked = bool(any(r[flag] == MASK_UNCHECKED for r in rows) if compare_meta else any(r[flag] for r in rows))
     if rep is not None and rep.hit and rep.result is not None:
-        return rep.result       # the same rows as the last call whose checks all passed
+        return Agreed(rep.result, unchecked)     # the same rows as the last call whose checks all passed
     rows = [[0] + r for r in rows]
     lengths = [r[field_index("local_len")] for r in rows] if compare_meta else [r[1] for r in rows]
     check_layout(pipe, mesh, spec, lengths, rows if compare_meta else None, cu_seqlens)
     if rep is not None:
         rep.result = lengths
-    if pipe.check_ranks == "first_call":
-        pipe.frozen = (spec, lengths)
-    return lengths
+    return Agreed(lengths, unchecked, (spec, lengths) if pipe.check_ranks == "first_call" else None)
 
 
 def out_of_step(mesh, frozen: CallSpec, spec: Optional[CallSpec], err) -> None:
@@ -193,6 +190,4 @@ def check_layout(pipe, mesh, spec: CallSpec, lengths, rows, cu=None) -> None:
                            f"S={seqlen} (checked because positions= was passed); shard inputs with "
                            f"usp_hal.shard(x, layout={layout!r})")
         return
-    if len(pipe.checked_layouts) > 64:
-        pipe.checked_layouts.clear()
     pipe.checked_layouts.add(key)

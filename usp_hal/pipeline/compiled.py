@@ -12,7 +12,9 @@ The op's scalar arguments are the call's :class:`~usp_hal.pipeline.CallOptions` 
 string, so a new call option needs no change here.  The backward op gets the call's
 inputs, output, log-sum-exp and every rank's length (an int64 output of the forward op)
 and rebuilds the plan without any metadata exchange; the backward loop moves q, k, v, the
-output, its lse and the output gradient to the head layout in one all-to-all (eager mode
+output, its lse and the output gradient to the head layout in three all-to-alls (q/k/v/out
+in one, the output gradient in a second, the lse in a third; one of bytes when their
+dtypes or head dims differ: :meth:`~usp_hal.ulysses.UlyssesExchange.saved_to_heads`) (eager mode
 keeps the head-layout tensors from the forward instead; a compiled graph can only save
 tensors whose shapes it knows, and those depend on the other ranks' lengths).  With the
 fp8 wire format the backward then sees the output after its fp8 round trip (eager:
@@ -29,6 +31,7 @@ import torch
 
 from . import CallOptions, pipeline_of, sink_options
 from . import run as _run
+from .options import Sinks
 from .validate import joint_info
 
 
@@ -41,8 +44,8 @@ def _prepare(handle: int, q, k, v, alibi_slopes, options: str, with_lse: bool, s
     pipe = pipeline_of(handle)
     mesh = pipe.resolve_mesh()
     opts = CallOptions.decode(options)
-    if sinks is not None:     # compared across ranks by value (and whether they take a gradient: 2)
-        opts = sink_options(pipe, opts, sinks, opts.sinks == 2)
+    if sinks is not None:     # compared across ranks by value (and whether they take a gradient)
+        opts = sink_options(pipe, opts, sinks, opts.sinks == Sinks.GIVEN_GRAD)
     if with_lse and not opts.return_lse:
         opts = opts.with_(return_lse=True)
     joint = joint_info(mesh, opts.joint_strategy, opts.joint_total)
@@ -149,7 +152,7 @@ def compiled_forward(pipe, q, k, v, opts: CallOptions, alibi_slopes, positions, 
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                              or (sinks is not None and sinks.requires_grad))
     if sinks is not None:
-        opts = opts.with_(sinks=2 if torch.is_grad_enabled() and sinks.requires_grad else 1)
+        opts = opts.with_(sinks=Sinks.given(True, torch.is_grad_enabled() and sinks.requires_grad))
     out, lse, _ = torch.ops.usp_hal.attention(q, k, v, alibi_slopes, sinks, pipe.handle, opts.encode(), need_grad,
                                               mesh.sp_size)
     return out, (lse if opts.return_lse else None)

@@ -14,20 +14,27 @@ from __future__ import annotations
 
 from ..parallel import comm
 from ..parallel.comm import AgreementError
+from .entry import Agreed, Checked
 from .validate import USPError, mask_seqlen
 
 _WHAT = "attention mask digest"
 
 
-def agree_mask(pipe, mesh, spec, local, lengths) -> None:
+def agree_mask(pipe, mesh, checked: Checked, agreed: Agreed) -> int:
     """After the agreement of a masked call: compare the masks at the agreed length when the
-    spec's digest was not taken at it (see the module doc)."""
+    spec's digest was not taken at it (see the module doc).  Returns the agreed global length
+    (the pipeline's next ``mask_seqlen``)."""
     from ..sequence.masks import Predicate
-    S = sum(int(n) for n in lengths)
+    spec, local = checked.spec, checked.local
+    assert spec is not None and local is not None
+    S = sum(int(n) for n in agreed.lengths)
     # the same decision on every rank: from the agreed lengths, and from every rank's digest
-    # (pipe.mask_unchecked: some rank could not digest its mask before the agreement)
-    stale = S != mask_seqlen(pipe, local.cu_seqlens) or getattr(pipe, "mask_unchecked", False)
-    if stale and mesh.sp_size > 1 and pipe.check_ranks:
+    # (agreed.mask_unchecked: some rank could not digest its mask before the agreement)
+    stale = S != mask_seqlen(pipe, local.cu_seqlens) or agreed.mask_unchecked
+    # every check_ranks mode, "off" included: a mask that fails on one rank must be a refusal on every
+    # rank (the "off" agreement carries the mask flag for this); "first_call" calls after the first
+    # one never get here stale (the same length, or out of step before)
+    if stale and mesh.sp_size > 1:
         err = None
         digest = 0
         try:
@@ -47,7 +54,7 @@ def agree_mask(pipe, mesh, spec, local, lengths) -> None:
                                "(each rank's own mask named):\n"
                                + "\n".join(f"  rank {r}: {m}" for r, m in exc.problems.items())) from err
             raise USPError(mismatch_text(exc.rows, mesh.sp_ranks)) from None
-    pipe.mask_seqlen = S
+    return S
 
 
 def mismatch_text(rows, ranks) -> str:

@@ -11,6 +11,30 @@ import ast
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
+from ..bounded import put
+
+
+class Sinks:
+    """The values of :attr:`CallOptions.sinks` (plain ints: the options travel as one string
+    of literals through the compiled op).  Any other value is a :meth:`digest`: the sink
+    logits' values and whether they take a gradient, compared across ranks like ALiBi
+    slopes (:func:`usp_hal.pipeline.sink_options`)."""
+
+    NONE = 0        #: no sink logits
+    GIVEN = 1       #: sink logits travel beside the options (not digested yet)
+    GIVEN_GRAD = 2  #: the same, taking a gradient (how the compiled op's string says so)
+
+    @classmethod
+    def given(cls, present: bool, grad: bool = False) -> int:
+        """The value before the logits are digested: :attr:`NONE`, :attr:`GIVEN` or :attr:`GIVEN_GRAD`."""
+        return cls.NONE if not present else cls.GIVEN_GRAD if grad else cls.GIVEN
+
+    @staticmethod
+    def digest(values: int, grad: bool) -> int:
+        """The value once the logits are digested (``values``: a digest of their values)."""
+        from ..parallel.comm import digest_ints
+        return digest_ints([values, int(bool(grad))])
+
 
 @dataclass(frozen=True)
 class CallOptions:
@@ -29,9 +53,8 @@ class CallOptions:
     joint_strategy: str = "none"
     joint_total: int = 0
     mask: Any = None          # a usp_hal.masks.Mask (hashed by identity: one object, one cached plan)
-    #: per-head sink logits (the tensor travels beside the options): 0 none, 1 given, else a
-    #: digest of their values and of whether they take a gradient (``pipeline.sink_options``)
-    sinks: int = 0
+    #: per-head sink logits (the tensor travels beside the options): one of :class:`Sinks`
+    sinks: int = Sinks.NONE
 
     @classmethod
     def of(cls, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -43,7 +66,7 @@ class CallOptions:
         return cls(causal=bool(causal), scale=softmax_scale, window=window_size, softcap=softcap,
                    deterministic=bool(deterministic), return_lse=bool(return_lse), dropout_p=dropout_p,
                    joint_strategy=joint_strategy or "none", joint_total=int(joint_total), mask=mask,
-                   sinks=int(sinks))
+                   sinks=Sinks.given(bool(sinks)))
 
     @classmethod
     def key(cls, **kw) -> Optional[tuple]:
@@ -62,16 +85,15 @@ class CallOptions:
 
     @classmethod
     def cached(cls, cache: Optional[dict], **kw) -> "CallOptions":
-        """``cls.of(**kw)``, kept in ``cache`` (None: no cache) under :meth:`key`."""
+        """``cls.of(**kw)``, kept in ``cache`` (None: no cache; a plain dict is bounded at 64
+        entries, a :class:`~usp_hal.bounded.BoundedCache` at its own limit) under :meth:`key`."""
         key = cls.key(**kw) if cache is not None else None
         got = cache.get(key) if key is not None else None     # type: ignore[union-attr]
         if got is None:
             got = cls.of(**kw)
             if key is not None:
                 assert cache is not None
-                if len(cache) > 64:
-                    cache.clear()
-                cache[key] = got
+                put(cache, key, got, getattr(cache, "limit", 64))
         return got
 
     @property
@@ -153,3 +175,12 @@ def check_mode(check_ranks, static_shapes: bool = False) -> str:
                              "check_ranks='first_call' (checked once, then no host collective)")
         mode = "first_call"
     return mode
+
+
+def sink_options(pipe, opts: CallOptions, sinks, grad: bool) -> CallOptions:
+    """``opts`` whose ``sinks`` field is a digest of the sink logits' values and of whether
+    they take a gradient here, so the ranks compare both like ALiBi slopes (the values are
+    read once per tensor version: no host read per call in steady state).  ``pipe``: the
+    :class:`~usp_hal.pipeline.Pipeline` (its digests and its cache of these options)."""
+    token = Sinks.digest(pipe.digest(sinks), grad)
+    return pipe.sink_opts.get_or((opts, token), lambda: opts.with_(sinks=token))

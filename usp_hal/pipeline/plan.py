@@ -16,6 +16,7 @@ from ..parallel.ulysses import UlyssesExchange
 from ..sequence.blocks import plan_ring
 from ..sequence.positions import Segment, local_positions, ring_segments, segments_from_positions
 from .agree import joint_total
+from .entry import Checked
 from .spec import CallSpec
 from .validate import Local, USPError, share
 
@@ -110,10 +111,7 @@ def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None, mask
         calls = {src: list(ring.calls_of(me, src)) for src in range(R)}
         shape = Shape(heads, per, segments, tuple(sum(p) for p in per), calls, ring.blocks,
                       local_only=ring.local_only, cu=cu)
-    if len(pipe.shapes) > 32:
-        pipe.shapes.clear()
-    pipe.shapes[key] = shape
-    return shape
+    return pipe.shapes.put(key, shape)
 
 
 def masked_shape(mesh, spec: CallSpec, heads, per, segments, seqlen: int, cu, mask, backend) -> Shape:
@@ -170,14 +168,15 @@ def check_blocks(pipe, shape: Shape, local: Local) -> None:
     if reasons:
         raise USPError(f"attn_type={backend.NAME!r} cannot run every block this call needs:\n  - "
                        + "\n  - ".join(dict.fromkeys(reasons)) + "\nuse attn_type='sdpa' or another layout")
-    if len(pipe.checked_blocks) > 64:
-        pipe.checked_blocks.clear()
     pipe.checked_blocks.add(key)
 
 
-def build(pipe, mesh, spec: CallSpec, lengths, local: Local, head_groups=None) -> CallPlan:
-    """The call's plan: one stage per head group (``head_groups``: HeadPlan -> its groups;
-    the pipeline's own split by default)."""
+def build(pipe, mesh, checked: Checked, lengths, head_groups=None) -> CallPlan:
+    """The call's plan for ``checked`` (a call this rank can run) at the agreed ``lengths``:
+    one stage per head group (``head_groups``: HeadPlan -> its groups; the pipeline's own
+    split by default)."""
+    spec, local = checked.spec, checked.local
+    assert spec is not None and local is not None
     heads = local.heads
     shape = shape_of(pipe, mesh, spec, lengths, heads, local.cu_seqlens, local.mask, local.backend)
     check_blocks(pipe, shape, local)

@@ -8,6 +8,7 @@ output gradient to heads, the ring's backward, dq/dk/dv back in one all-to-all.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -35,6 +36,18 @@ def nan_guard(qh: torch.Tensor) -> torch.Tensor:
     any finite ``x`` and NaN for NaN or inf; a sum of the row would overflow to inf for
     large finite values)."""
     return torch.matmul(qh, _zeros(qh, 1))
+
+
+def guard_of(plan: CallPlan, own: bool, keep: bool) -> Optional[str]:
+    """How a forward keeps a non-finite query's row non-finite (some kernels return a finite
+    row for it): None, no guard (the backend's kernels carry it into the row:
+    ``plan.nan_guard`` is False); ``"fold"``, folded into the output in one launch
+    (:func:`guard_output`: one Ulysses rank, forward only, no lse returned); ``"add"``, the
+    guard column (:func:`nan_guard`) is added to the output in its exchange back and to the
+    lse where one is returned or kept."""
+    if not plan.nan_guard:
+        return None
+    return "fold" if own and not (keep or plan.spec.return_lse) else "add"
 
 
 def guard_output(out: torch.Tensor, qh: torch.Tensor, dtype: torch.dtype):
@@ -83,6 +96,30 @@ def sink_grad_buffer(sinks):
     return torch.zeros(sinks.shape, dtype=merge_dtype(sinks.dtype), device=sinks.device)
 
 
+@dataclass
+class Saved:
+    """What one stage's backward needs in the head layout, kept by the forward.  A stage whose
+    exchange is one rank's (``own``) keeps only its lse: its q, k, v and output are the
+    call's own tensors (views of them), which the autograd node saves (:func:`_local`)."""
+
+    lse: torch.Tensor
+    q: Optional[torch.Tensor] = None
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None       # set once the output's exchange back is done
+
+    @property
+    def own(self) -> bool:
+        return self.q is None
+
+    def heads(self, st, local):
+        """``(qh, kh, vh, outh, lse_h)``; ``local``: the call's ``(q, k, v, out)`` for an own stage."""
+        if self.own:
+            qh, kh, vh = st.exchange.start_qkv(_own_heads(st, local[0]), local[1], local[2]).wait()
+            return qh, kh, vh, _own_heads(st, local[3]), self.lse
+        return self.q, self.k, self.v, self.out, self.lse
+
+
 class Received:
     """Stage 0's head-layout q/k/v from all-to-alls the caller already started (the async
     projections path): ``wait()`` waits on each and gives ``(qh, kh, vh)``."""
@@ -97,9 +134,8 @@ class Received:
 
 def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None, saved)``; ``saved`` holds per stage what the backward needs
-    (head-layout q, k, v, out and lse) when ``keep``; for a one-rank exchange only the lse
-    (the rest are the call's own q, k, v and ``out``: :func:`_local`).  ``sinks`` ``[H]``: per-head sink
-    logits (:func:`add_sink`, after the ring's merge).
+    (a :class:`Saved`) when ``keep``.  ``sinks`` ``[H]``: per-head sink logits
+    (:func:`add_sink`, after the ring's merge).
 
     A ``low_memory`` plan (``plan.sequential``) runs its stages one after another, each
     stage's exchange buffers, K/V blocks and accumulators gone before the next starts, and
@@ -115,13 +151,12 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         out = torch.empty((b, s, spec.heads, spec.v_dim), dtype=plan.dtype, device=q.device)
         lse = torch.empty((b, spec.heads, s), dtype=merge_dtype(plan.dtype), device=q.device) \
             if want_lse else None
-    saved: List[list] = []
+    saved: List[Saved] = []
     sends: List[Any] = []
     # one Ulysses rank keeps no head-layout copy: its head layout is the rank's own q/k/v and
     # returned output, which the autograd node saves itself (:func:`_local`)
     own = _local(plan)
-    # forward only on one Ulysses rank, the guard is folded into the output (one launch)
-    fold = plan.nan_guard and own and not (keep or spec.return_lse)
+    guarding = guard_of(plan, own, keep)
     if HOOKS:
         step("exchange")
     pending: Any = received
@@ -132,13 +167,13 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         pending = None
         if i + 1 < len(stages) and not seq:      # the next stage's q/k/v travel while this one computes
             pending = stages[i + 1].exchange.start_qkv(_own_heads(stages[i + 1], q), k, v, async_op=True)
-        guard = nan_guard(qh) if plan.nan_guard and not fold else None
+        guard = nan_guard(qh) if guarding == "add" else None
         if HOOKS:
             step("ring")
         out_acc, lse_h = ring_forward(st.ring, qh, kh, vh)
         if sinks is not None:
             out_acc, lse_h = add_sink(out_acc, lse_h, sinks[st.heads[0]:st.heads[1]])
-        if fold:
+        if guarding == "fold":
             out_acc, guard = guard_output(out_acc, qh, plan.dtype)
         if HOOKS:
             step("exchange")
@@ -150,19 +185,20 @@ def forward(plan: CallPlan, q, k, v, keep: bool, received: Optional[Received] = 
         if seq:       # this stage's buffers go before the next stage's exchange
             sent = Done(sent.wait())
         sends.append(sent)
-        saved.append(([None] * 4 + [lse_h] if own else [qh, kh, vh, None, lse_h]) if keep_heads else [])
+        if keep_heads:
+            saved.append(Saved(lse_h) if own else Saved(lse_h, qh, kh, vh))
         del qh, kh, vh, out_acc, lse_h, guard
     for i, p in enumerate(sends):
         o, l, outh = p.wait()
         if keep_heads and outh is not None:
-            saved[i][3] = outh
+            saved[i].out = outh
         if not many:
             out, lse = o, l
     if HOOKS:
         step(None)
-    if seq:
+    if seq:       # low_memory: the full-width lse, for the backward's re-exchange
         return out, (lse if spec.return_lse else None), ([lse] if keep else [])
-    return out, lse, [tuple(x) for x in saved]
+    return out, lse, saved
 
 
 def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None, local=None):
@@ -191,11 +227,8 @@ def backward(plan: CallPlan, dout, saved=None, seq=None, sinks=None, dsinks=None
             assert pending is not None
             douth = pending.wait()
             pending = stages[i + 1].exchange.start_dout(dout, async_op=True) if i + 1 < len(stages) else None
-            qh, kh, vh, outh, lse_h = saved[i]
+            qh, kh, vh, outh, lse_h = saved[i].heads(st, local)
             saved[i] = None        # this stage's saved tensors go as soon as its ring backward has run
-            if qh is None:         # a one-rank exchange: the call's own tensors (:func:`_local`)
-                qh, kh, vh = st.exchange.start_qkv(_own_heads(st, local[0]), local[1], local[2]).wait()
-                outh = _own_heads(st, local[3])
         else:
             qh, kh, vh, outh, douth, lse_h = _seq_to_heads(st, seq, dout)
         if HOOKS:

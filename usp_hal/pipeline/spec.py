@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..bounded import BoundedCache
 from ..parallel.comm import digest_ints, dtype_code
 
 # fields that may differ between ranks (everything else must agree)
@@ -62,10 +63,16 @@ class CallSpec:
 
     def meta(self) -> List[int]:
         """The metadata vector: error flag 0, then every field encoded as integers."""
-        out = [0]
-        for f in fields(self):
-            out += _encode(getattr(self, f.name))
-        return out
+        return meta_vector(self)
+
+
+def meta_vector(spec) -> List[int]:
+    """A frozen spec dataclass's metadata vector: error flag 0, then every field encoded as
+    integers, one encoder per field type (a tuple gives one integer per item)."""
+    out = [0]
+    for f in fields(spec):
+        out += _encode(getattr(spec, f.name))
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,17 +200,12 @@ class TensorDigests:
 
     def __init__(self, limit: int = 64):
         self.limit = limit
-        self._seen: Dict[tuple, int] = {}
+        self._seen: BoundedCache[tuple, int] = BoundedCache(limit)
 
     def __call__(self, t: torch.Tensor) -> int:
         key = (id(t), t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), t.dtype)
-        got = self._seen.get(key)
-        if got is None:
-            if len(self._seen) > self.limit:
-                self._seen.clear()
-            got = self._seen[key] = digest_tensor(t)
-        return got
+        return self._seen.get_or(key, lambda: digest_tensor(t))
 
 
 __all__ = ["CallSpec", "TensorDigests", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
-           "field_index", "meta_length"]
+           "field_index", "meta_length", "meta_vector"]

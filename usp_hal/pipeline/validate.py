@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..dispatch import platform as _platform
 from ..dispatch.capabilities import AttnRequest
@@ -32,6 +33,44 @@ def check_scale(scale: float) -> None:
         raise ValueError(f"softmax_scale={scale!r}: the scale must be a finite number > 0; for a negative scale "
                          "-s pass softmax_scale=s with the query negated (-q), and for scale 0 (uniform attention) "
                          "pass a zero query with any positive scale")
+
+
+def check_sinks(sinks, q) -> Optional[Exception]:
+    """The error for sink logits that do not fit the call (None: they do)."""
+    h = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or (h is not None and sinks.shape[0] != h):
+        return ValueError(f"sinks must be a 1-D tensor of one logit per query head ({h}), got "
+                          f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        return ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    if isinstance(q, torch.Tensor) and sinks.device != q.device:
+        return ValueError(f"sinks are on {sinks.device}, the query on {q.device}")
+    return None
+
+
+def check_options(*, window, softcap, scale, head_dim: int, alibi_slopes, heads: int, batch: int, sinks=None,
+                  q=None) -> Tuple[Tuple[int, int], float, float]:
+    """The options an attention call and a decode step share, checked alike for both:
+    ``(window, softcap, scale)`` as numbers (``scale`` None: ``1/sqrt(head_dim)``);
+    ``alibi_slopes`` ``[heads]`` or ``[batch, heads]``; ``sinks`` (when given) one floating
+    logit per query head of ``q``, on its device."""
+    win = window_pair(window)
+    if len(win) != 2 or any(x < -1 for x in win):
+        raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window}")
+    softcap = float(softcap)
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must be a tensor of shape ({heads},) or ({batch}, {heads}), got "
+                             f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
+    if sinks is not None:
+        err = check_sinks(sinks, q)
+        if err is not None:
+            raise err
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+    check_scale(scale)
+    return (win[0], win[1]), softcap, scale
 
 
 def share(total: int, parts: int, i: int) -> Tuple[int, int]:
@@ -174,24 +213,15 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
         raise ValueError(f"query heads ({h}) must be a positive multiple of key/value heads ({hkv})")
     if d < 1 or v.shape[3] < 1:
         raise ValueError("head_dim must be >= 1")
-    win = window_pair(opts.window)
-    if len(win) != 2 or any(x < -1 for x in win):
-        raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {opts.window}")
-    softcap = float(opts.softcap)
-    if not softcap >= 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    win, softcap, scale = check_options(window=opts.window, softcap=opts.softcap, scale=opts.scale, head_dim=d,
+                                        alibi_slopes=alibi_slopes, heads=h, batch=b)
     if opts.dropout_p:
         raise NotImplementedError(
             f"dropout_p={opts.dropout_p}: attention dropout inside sequence-parallel attention is refused, since "
             "no kernel's dropout mask can be reproduced across Ulysses/ring blocks and the backward; "
             "use dropout_p=0.0 (apply dropout to the attention output instead)")
     causal = bool(opts.causal)
-    alibi = 0
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape not in ((h,), (b, h)):
-            raise ValueError(f"alibi_slopes must be a tensor of shape ({h},) or ({b}, {h}), got "
-                             f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
-        alibi = pipe.digest(alibi_slopes)
+    alibi = pipe.digest(alibi_slopes) if alibi_slopes is not None else 0
     R, U = mesh.ring_degree, mesh.ulysses_degree
     layout = pipe.layout
     positional = win != (-1, -1) or alibi_slopes is not None
@@ -232,8 +262,6 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
     device_type = _platform.device_type_of(q.device)
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    scale = float(opts.scale) if opts.scale is not None else 1.0 / math.sqrt(d)
-    check_scale(scale)
     spec = CallSpec(batch=b, local_len=s, heads=h, kv_heads=hkv, head_dim=d, v_dim=int(v.shape[3]),
                     dtype=q.dtype, device_type=device_type, causal=causal, window=win, softcap=softcap,
                     scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(opts.deterministic),
@@ -252,3 +280,22 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
         device_model=_platform.device_model(device_type, q.device.index or 0), varlen=cu is not None,
         mask=mask is not None)
     return spec, Local(pipe.backend_for(req), plan, alibi_slopes, q.device, req, cu, mask)
+
+
+def is_live(mesh) -> bool:
+    """The mesh's process groups are registered (not destroyed by ``destroy_process_group``)."""
+    group = getattr(mesh, "sp_group", None)
+    if group is None:
+        return True
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return pg_map is None or group in pg_map
+
+
+def check_live(mesh) -> None:
+    if not is_live(mesh):
+        raise USPError(f"usp_hal: the sequence-parallel mesh of this call ({mesh.ulysses_degree} x "
+                       f"{mesh.ring_degree}, ranks {list(mesh.sp_ranks)}) is on process groups that were destroyed "
+                       "(torch.distributed.destroy_process_group); build a new mesh with "
+                       "usp_hal.init_sequence_parallel(...) after init_process_group and pass it to the module "
+                       "(module.mesh = mesh, or a new module), or use the default mesh (mesh=None)")

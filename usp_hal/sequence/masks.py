@@ -38,10 +38,11 @@ import operator
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..bounded import BoundedCache
 from .blocks import BlockCall
 from .positions import Segment
 
@@ -86,7 +87,7 @@ class Mask:
         self.name = name or (getattr(fn, "__name__", "mask_mod") if fn is not None else "slices")
         self.key = key
         self._fp: Optional[int] = None
-        self._tiles: Dict[Tuple, Tuple[object, torch.Tensor, int]] = {}
+        self._tiles: BoundedCache[Tuple, Tuple[object, torch.Tensor, int]] = BoundedCache(8)
         #: an integer naming this mask in this process (how a compiled graph refers to it)
         self.handle: int = next(_HANDLES)
         _BY_HANDLE[self.handle] = self
@@ -244,7 +245,7 @@ class _Unseen:
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
-_LOADED: Dict[int, Tuple[object, Tuple[str, ...]]] = {}
+_LOADED: BoundedCache[int, Tuple[object, Tuple[str, ...]]] = BoundedCache(4096)
 _BUDGET = 200_000       # values walked per state token, at most (then: untracked, classified every call)
 
 
@@ -260,9 +261,7 @@ def _globals_loaded(code) -> Tuple[str, ...]:
         names += [i.argval for i in dis.get_instructions(c) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
         stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
     out = tuple(dict.fromkeys(n for n in names if isinstance(n, str)))
-    if len(_LOADED) > 4096:
-        _LOADED.clear()
-    _LOADED[id(code)] = (code, out)
+    _LOADED.put(id(code), (code, out))
     return out
 
 
@@ -521,9 +520,7 @@ class Predicate:
                 if bits is not None:
                     _update_bits(h, bits, dims)
         digest = (int.from_bytes(h.digest(), "little") >> 1) | 1
-        if len(self.mask._tiles) > 8:
-            self.mask._tiles.clear()
-        self.mask._tiles[key] = (state, out, digest)
+        self.mask._tiles.put(key, (state, out, digest))
         return out, digest
 
 

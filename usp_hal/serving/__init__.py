@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -53,10 +53,12 @@ from ..dispatch.registry import REGISTRY
 from ..parallel.comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
 from ..parallel.heads import head_plan
 from ..parallel.ring import merge_block, merge_dtype
-from ..pipeline.spec import TensorDigests
-from ..pipeline.validate import check_scale
+from ..pipeline.options import window_pair
+from ..pipeline.spec import TensorDigests, meta_vector
+from ..pipeline.validate import check_options
 from ..sequence.blocks import plan_blocks
 from ..sequence.positions import Segment, check_layout, ring_segments
+from .blocktable import BlockTable, Piece, add_run
 
 __all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
 
@@ -104,10 +106,6 @@ def _fingerprint(*ts: torch.Tensor) -> int:
     return digest_ints(list(struct.unpack(f"<{len(vals)}q", struct.pack(f"<{len(vals)}d", *vals))))
 
 
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
 def _plan_from(queries: Segment, runs: List[List[int]], first: int, causal: bool, win, positional: bool) -> list:
     """The kernel calls of ``queries`` against the stored runs ``[start position, count]``
     (in storage order) restricted to the keys at positions ``>= first``: each run's visible
@@ -127,53 +125,152 @@ def _plan_from(queries: Segment, runs: List[List[int]], first: int, causal: bool
 
 # --------------------------------------------------------------------------------- layer state
 @dataclass
-class _Layer:
-    """One layer's shard: storage ``[B, hk, cap, D]`` and the replicated placement table."""
+class _Layer(BlockTable):
+    """One layer's shard: storage ``[B, hk, cap, D]`` beside its block table (replicated)."""
 
-    batch: int
-    ring: int
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
-    local: List[int] = field(default_factory=list)             # per row: tokens held here
-    runs: List[List[List[int]]] = field(default_factory=list)  # per row: [start position, count] in storage order
-    counts: List[List[int]] = field(default_factory=list)      # per row, per ring rank (every rank knows all)
-    total: List[int] = field(default_factory=list)             # per row: global length
-    owner: List[int] = field(default_factory=list)             # per row: ring rank of the open block
-    left: List[int] = field(default_factory=list)              # per row: room left in the open block
     options: Optional[int] = None      # digest of the options this layer's decode last agreed on (every rank)
 
-    def __post_init__(self):
-        self.reset()
-
     def reset(self):
-        b, r = self.batch, self.ring
+        super().reset()
         self.k = self.v = None
-        self.local = [0] * b
-        self.runs = [[] for _ in range(b)]
-        self.counts = [[0] * r for _ in range(b)]
-        self.total = [0] * b
-        self.owner = [0] * b
-        self.left = [0] * b
         self.options = None
 
+
+def _labelled(label: str):
+    return field(metadata={"label": label})
+
+
+_OPTIONS = "the options (causal, window, softcap, scale, alibi, sinks, key_start)"
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What every rank of the sequence-parallel group must agree on for one decode call.
+    Its agreement vector is derived from the fields as :meth:`usp_hal.spec.CallSpec.meta`
+    derives the call's (:func:`usp_hal.spec.meta_vector`); each field names itself in a
+    disagreement.  Then come, outside the spec, this rank's ring rank and lengths."""
+
+    config: int = _labelled("the cache's configuration")
+    ulysses: int = _labelled("ulysses degree")
+    ring: int = _labelled("ring degree")
+    layer: int = _labelled("layer")
+    new_tokens: int = _labelled("new tokens per sequence")
+    causal: bool = _labelled(_OPTIONS)
+    window: Tuple[int, int] = _labelled(_OPTIONS)
+    softcap: float = _labelled(_OPTIONS)
+    scale: float = _labelled(_OPTIONS)
+    alibi: int = _labelled(_OPTIONS)           # a digest of the slopes' values (0: none)
+    sinks: int = _labelled(_OPTIONS)           # a digest of the sink logits' values (0: none)
+    key_start: int = _labelled(_OPTIONS)       # a digest of the rows' first keys (0: none)
+    inputs: int = _labelled("the new tokens' q, k and v (check_inputs=True: they must be the same on every rank, "
+                            "replicated after the projections)")
+    table: int = _labelled("the placement table (where every token lives)")
+
+    def meta(self) -> List[int]:
+        return meta_vector(self)
+
+    def options(self) -> int:
+        """A digest of the options (what a layer's later steps repeat under ``verify="step"``)."""
+        return digest_ints(meta_vector(replace(self, config=0, ulysses=0, ring=0, layer=0, new_tokens=0, inputs=0,
+                                               table=0)))
+
+    @staticmethod
+    def differences(rows, names) -> List[str]:
+        """One line per label whose values differ between the ranks' rows (vectors without the flag)."""
+        diffs, at = [], 0
+        cols: Dict[str, List[int]] = {}
+        for f in fields(DecodeSpec):
+            width = 2 if f.name == "window" else 1
+            cols.setdefault(f.metadata["label"], []).extend(range(at, at + width))
+            at += width
+        for label, idx in cols.items():
+            vals = [tuple(r[j] for j in idx) for r in rows]
+            if len(set(vals)) > 1:
+                diffs.append(f"{label} differs between ranks (" + ", ".join(
+                    f"rank {names[i]}: {v[0] if len(v) == 1 else v}" for i, v in enumerate(vals)) + ")")
+        return diffs
+
+
+@dataclass
+class _Decode:
+    """One decode call on this rank, checked: its spec, this rank's refusal (None: it can run)
+    and what its kernels take."""
+
+    spec: DecodeSpec
+    refusal: Optional[BaseException]
+    backend: Any
+    causal: bool
+    window: Tuple[int, ...]
+    softcap: float
+    alibi_slopes: Optional[torch.Tensor]
+    key_start: Optional[List[int]]
+
     @property
-    def filled(self) -> bool:
-        return any(self.total)
+    def positional(self) -> bool:
+        return self.window != (-1, -1) or self.alibi_slopes is not None
 
-    def table(self) -> tuple:
-        """The placement state (not the storage): what :meth:`restore` puts back."""
-        return (list(self.local), [[list(r) for r in row] for row in self.runs], [list(c) for c in self.counts],
-                list(self.total), list(self.owner), list(self.left))
 
-    def restore(self, table: tuple) -> None:
-        """Undo appends since :meth:`table` (the storage past ``local`` is simply unused)."""
-        self.local, self.runs, self.counts, self.total, self.owner, self.left = table
+class _EveryLayer:
+    """``verify="layer"``: every call agrees on its metadata."""
 
-    def table_digest(self) -> int:
-        flat: List[int] = []
-        for b in range(self.batch):
-            flat += [self.total[b], self.owner[b], self.left[b], *self.counts[b]]
-        return digest_ints(flat)
+    def agrees(self, layer, ly: Optional[_Layer]) -> bool:
+        return True
+
+    def problem(self, cache: "ShardedKVCache", ly: Optional[_Layer], spec: DecodeSpec) -> Optional[Exception]:
+        return None
+
+    def agreed(self, layer, spec: Optional[DecodeSpec]) -> None:
+        """After an agreement (``spec``), or before one (None: nothing agreed in this step yet)."""
+
+    def new_tokens(self, spec: DecodeSpec) -> int:
+        return spec.new_tokens
+
+
+class _EveryStep(_EveryLayer):
+    """``verify="step"``: the calls on layer 0 agree (and a layer's first decode step); a later
+    layer checks itself against what layer 0 agreed in this step, and a difference is flagged
+    in the data all-gather (see :class:`ShardedKVCache`)."""
+
+    def __init__(self):
+        self.step: Optional[DecodeSpec] = None     # what layer 0 agreed on in this step
+
+    def agrees(self, layer, ly: Optional[_Layer]) -> bool:
+        # a layer decoded for the first time agrees in full (layers may differ: a sliding-window layer
+        # beside a full one, each with its own sinks); later steps compare with what it agreed then
+        return layer == 0 or self.step is None or ly is None or ly.options is None
+
+    def agreed(self, layer, spec: Optional[DecodeSpec]) -> None:
+        if spec is None or layer == 0:
+            self.step = spec
+
+    def new_tokens(self, spec: DecodeSpec) -> int:
+        assert self.step is not None
+        return self.step.new_tokens       # the size every rank's partials have in the gather
+
+    def problem(self, cache, ly, spec) -> Optional[Exception]:
+        """Why this call differs from what was agreed (the step's size and placement at layer 0;
+        the options at this layer's first decode step)."""
+        step = self.step
+        assert step is not None
+        if ly is None:
+            return ValueError("layer out of range")
+        if spec.new_tokens != step.new_tokens:
+            return ValueError(f"{spec.new_tokens} new tokens per sequence, but layer 0 of this step agreed on "
+                              f"{step.new_tokens}")
+        if spec.options() != ly.options:
+            return ValueError("the options (causal, window, softcap, scale, alibi, sinks, key_start) differ from the "
+                              "ones this layer agreed on at its first decode step")
+        if ly.digest() != step.table:
+            return ValueError(f"this layer's placement table differs from layer 0's at the start of the step "
+                              f"(lengths {ly.total} per sequence)")
+        me = cache.mesh.ring_rank
+        want = ly.held_by(me)
+        if ly.local != want:
+            return ValueError(f"this rank holds {ly.local} tokens per sequence, but the placement table says ring "
+                              f"rank {me} holds {want}")
+        return None
 
 
 class ShardedKVCache:
@@ -267,7 +364,8 @@ class ShardedKVCache:
         #: debug mode: every agreed decode call also compares a fingerprint of q, k and v (one
         #: device->host read per call); off, their equality on every rank is the caller's contract
         self.check_inputs = bool(check_inputs)
-        self._step: Optional[Tuple[int, int, int]] = None    # (new tokens, options, table) layer 0 agreed on
+        #: when decode calls agree (``verify``): every call, or once per step
+        self._verifier: _EveryLayer = _EveryStep() if verify == "step" else _EveryLayer()
 
     # ------------------------------------------------------------------ facts
     def lengths(self, layer: int = 0) -> List[int]:
@@ -284,10 +382,7 @@ class ShardedKVCache:
 
     def local_positions(self, layer: int, row: int) -> List[int]:
         """Global positions of the tokens of sequence ``row`` held here, in storage order."""
-        out: List[int] = []
-        for start, count in self.layers[layer].runs[row]:
-            out += range(start, start + count)
-        return out
+        return self.layers[layer].positions(row)
 
     def memory_bytes(self) -> int:
         """Bytes of K/V storage this rank holds (allocated capacity, all layers)."""
@@ -300,7 +395,7 @@ class ShardedKVCache:
         return sum(n * hk * (self.head_dim + self.v_head_dim) * item for ly in self.layers for n in ly.local)
 
     def reset(self) -> None:
-        self._step = None
+        self._verifier.agreed(0, None)
         for ly in self.layers:
             ly.reset()
 
@@ -330,56 +425,30 @@ class ShardedKVCache:
             x = x.index_select(2, torch.tensor(self.kv_expand, device=x.device))
         return x
 
-    @staticmethod
-    def _add_run(runs: List[List[int]], start: int, count: int) -> None:
-        if count <= 0:
-            return
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1][1] += count
-        else:
-            runs.append([start, count])
+    def _place(self, ly: BlockTable, row: int, n: int) -> List[Piece]:
+        """Assign the next ``n`` positions of ``row`` to ring ranks (:meth:`BlockTable.place`)."""
+        return ly.place(row, n, self.block_size)
 
-    def _place(self, ly: _Layer, row: int, n: int) -> List[Tuple[int, int, int]]:
-        """Assign the next ``n`` positions of ``row`` to ring ranks (updates the table);
-        returns ``(ring rank, first index among the n, count)`` pieces in order."""
-        pieces: List[Tuple[int, int, int]] = []
-        j = 0
-        while j < n:
-            if ly.left[row] == 0:
-                counts = ly.counts[row]
-                ly.owner[row] = min(range(len(counts)), key=lambda r: (counts[r], r))
-                ly.left[row] = self.block_size
-            take = min(ly.left[row], n - j)
-            r = ly.owner[row]
-            pieces.append((r, j, take))
-            ly.counts[row][r] += take
-            ly.left[row] -= take
-            ly.total[row] += take
-            j += take
-        return pieces
-
-    def _append(self, ly: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append the new tokens ``k``/``v`` ``[B, n, Hkv, D]`` (every rank has them): the
-        table advances on every rank, the owners copy their heads in."""
+    def _append(self, ly: _Layer, table: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the new tokens ``k``/``v`` ``[B, n, Hkv, D]`` (every rank has them): ``table``
+        (the layer's, or a copy of it) advances on every rank, the owners copy their heads
+        into ``ly``'s storage past the tokens ``table`` holds."""
         n = k.shape[1]
         me = self.mesh.ring_rank
-        starts = list(ly.total)
-        plan = [self._place(ly, b, n) for b in range(self.batch_size)]
+        starts = list(table.total)
+        plan = [table.place(b, n, self.block_size) for b in range(self.batch_size)]
         mine = [sum(c for r, _, c in p if r == me) for p in plan]
         if not any(mine):
             return
-        self._reserve(ly, max(ly.local[b] + mine[b] for b in range(self.batch_size)))
+        self._reserve(ly, max(table.local[b] + mine[b] for b in range(self.batch_size)))
         assert ly.k is not None and ly.v is not None
         kk, vv = self._my_heads(k), self._my_heads(v)
         for b, pieces in enumerate(plan):
             for r, j, c in pieces:
-                if r != me:
-                    continue
-                at = ly.local[b]
-                ly.k[b, :, at:at + c] = kk[b, j:j + c].transpose(0, 1)
-                ly.v[b, :, at:at + c] = vv[b, j:j + c].transpose(0, 1)
-                ly.local[b] = at + c
-                self._add_run(ly.runs[b], starts[b] + j, c)
+                if r == me:
+                    at = table.hold(b, starts[b] + j, c)
+                    ly.k[b, :, at:at + c] = kk[b, j:j + c].transpose(0, 1)
+                    ly.v[b, :, at:at + c] = vv[b, j:j + c].transpose(0, 1)
 
     # ------------------------------------------------------------------ filling
     def load(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],
@@ -435,11 +504,9 @@ class ShardedKVCache:
                 for s in segs:
                     if s.step != 1 and s.count > 1:
                         raise ValueError(f"placement {p!r} is not contiguous; use 'basic' or 'zigzag'")
-                    at = ly.local[b]
+                    at = ly.hold(b, s.start, s.count)
                     ly.k[b, :, at:at + s.count] = kk[b, s.start:s.start + s.count].transpose(0, 1)
                     ly.v[b, :, at:at + s.count] = vv[b, s.start:s.start + s.count].transpose(0, 1)
-                    ly.local[b] += s.count
-                    self._add_run(ly.runs[b], s.start, s.count)
             ly.total[b] = n
 
     def prefill(self, layer: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -455,6 +522,7 @@ class ShardedKVCache:
         from ..attention import LongContextAttention
         from ..pipeline import CallOptions
         from ..pipeline import run as _run
+        from ..pipeline.options import Sinks
         m = self.mesh
         ly = self.layers[layer] if 0 <= layer < self.num_layers else None
         problem = None
@@ -483,7 +551,7 @@ class ShardedKVCache:
         assert ly is not None
         pipe = attn.pipeline
         opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                              sinks=sinks is not None, mask=mask)
+                              sinks=Sinks.given(sinks is not None), mask=mask)
         _, plan = pipe.prepare(m, q, k, v, opts, alibi_slopes=alibi_slopes, needs_grad=False)
         stage = plan.stages[0]
         ring = stage.ring
@@ -514,7 +582,7 @@ class ShardedKVCache:
             ly.local[b] = n
             ly.runs[b] = []
             for s in ring.segments[me]:
-                self._add_run(ly.runs[b], s.start, s.count)
+                add_run(ly.runs[b], s.start, s.count)
             ly.counts[b] = list(ring.lengths)
             ly.total[b] = sum(ring.lengths)
         return out
@@ -580,11 +648,55 @@ class ShardedKVCache:
         Collective."""
         m = self.mesh
         ly = self.layers[layer] if isinstance(layer, int) and 0 <= layer < self.num_layers else None
+        agreeing = m.sp_size > 1 and self._verifier.agrees(layer, ly)
+        call = self._decode_call(layer, ly, q, k, v, mesh, problem, causal, softmax_scale, window_size, softcap,
+                                 alibi_slopes, sinks, key_start, fingerprint=agreeing and self.check_inputs)
+        failure = call.refusal
+        if failure is not None and m.sp_size == 1:
+            raise failure
+        if agreeing:
+            self._verifier.agreed(layer, None)
+        elif failure is None and m.sp_size > 1:      # verify="step" past layer 0: checked here, flagged in the gather
+            failure = self._verifier.problem(self, ly, call.spec)
+        # this rank's work first (append, then the kernels: launched, not waited for), on a copy of the
+        # block table, so that a failure of it is a refusal in the agreement and nothing needs undoing
+        table = ly.copy() if ly is not None else BlockTable(self.batch_size, m.ring_degree)
+        out = lse = None
+        if failure is None:
+            try:
+                assert ly is not None
+                starts = list(table.total)
+                self._append(ly, table, k, v)
+                out, lse = self._attend(ly, table, call, q, starts)
+            except Exception as exc:
+                if m.sp_size == 1:
+                    raise
+                failure = exc
+        if agreeing:       # raises on every rank if one refused or they differ: the table stays as it was
+            self._agree_decode(failure, call.spec, table if ly is not None else None)
+            assert ly is not None
+            ly.options = call.spec.options()
+            self._verifier.agreed(layer, call.spec)
+        if ly is not None:
+            ly.adopt(table)
+        if out is None or lse is None:     # a local failure still joins the collective (flagged), so no peer waits
+            out, lse = self._no_partials(self._verifier.new_tokens(call.spec))
+        out, lse = self._gather(out, lse, failure, flagged=not agreeing)
+        if sinks is not None:        # once, on the merged rows (every rank holds every head now)
+            from ..pipeline.run import add_sink
+            out, lse = add_sink(out, lse, sinks.detach())
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _decode_call(self, layer, ly: Optional[_Layer], q, k, v, mesh, problem, causal, softmax_scale, window_size,
+                     softcap, alibi_slopes, sinks, key_start, fingerprint: bool) -> _Decode:
+        """This rank's decode call checked (the same checks as the attention call's options,
+        :func:`usp_hal.pipeline.validate.check_options`), nothing communicated."""
+        m = self.mesh
         n = int(q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
-        win = tuple(int(x) for x in window_size) if isinstance(window_size, (tuple, list)) else (-2, -2)
-        positional = win != (-1, -1) or alibi_slopes is not None
-        backend = None
-        refusal: Optional[BaseException] = None
+        win = window_pair(window_size)
+        win = win if len(win) == 2 else (-2, -2)
+        backend = refusal = None
         scale = 1.0 / math.sqrt(self.head_dim)
         try:
             if problem:
@@ -599,14 +711,9 @@ class ShardedKVCache:
             self._check_kv(k, v, "decode", q)
             if n < 1:
                 raise ValueError("decode needs at least one new token per sequence")
-            if len(win) != 2 or any(x < -1 for x in win):
-                raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window_size}")
-            if not float(softcap) >= 0:
-                raise ValueError(f"softcap must be >= 0, got {softcap}")
-            if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape)
-                                             not in ((self.num_heads,), (self.batch_size, self.num_heads))):
-                raise ValueError(f"alibi_slopes must be [H] or [B, H] = ({self.num_heads},) or ({self.batch_size}, "
-                                 f"{self.num_heads})")
+            scale = check_options(window=window_size, softcap=softcap, scale=softmax_scale, head_dim=self.head_dim,
+                                  alibi_slopes=alibi_slopes, heads=self.num_heads, batch=self.batch_size,
+                                  sinks=sinks, q=q)[2]
             if key_start is not None:
                 key_start = [int(x) for x in key_start]
                 if len(key_start) != self.batch_size or min(key_start) < 0:
@@ -614,109 +721,27 @@ class ShardedKVCache:
                                      f"sequences, got {list(key_start)}")
                 if not any(key_start):
                     key_start = None
-            if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (self.num_heads,)):
-                raise ValueError(f"sinks must be a [H] = ({self.num_heads},) tensor, got "
-                                 f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+            positional = win != (-1, -1) or alibi_slopes is not None
             backend = self._backend(self._request(q, causal, win, softcap, alibi_slopes, positional))
-            if softmax_scale is not None:
-                scale = float(softmax_scale)
-                check_scale(scale)
         except Exception as exc:      # any failure of this rank's call is a refusal every rank sees
             refusal = exc
         # alibi slopes and sinks are the same tensors step after step: digested once per tensor version
-        opts = [int(bool(causal)), *(win if len(win) == 2 else (-2, -2)), _float_bits(float(softcap)),
-                _float_bits(scale), self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
-                self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0,
-                digest_ints(key_start) if isinstance(key_start, list) else 0]
-        failure: Optional[BaseException] = None
-        step = self._step
-        # a layer decoded for the first time agrees in full (layers may differ: a sliding-window layer
-        # beside a full one, each with its own sinks); later steps compare with what it agreed then
-        first = ly is None or ly.options is None
-        out = lse = None
-        if m.sp_size > 1 and (self.verify == "layer" or layer == 0 or step is None or first):
-            inputs = 0
-            if self.check_inputs and refusal is None:
-                inputs = _fingerprint(q, k, v)           # debug mode: one device->host read
-            table = ly.table_digest() if ly is not None else 0
-            fixed = [self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
-                     digest_ints(opts), inputs, table]
-            self._step = None
-            # this rank's work first (append, then the kernels: launched, not waited for), so that a
-            # failure of it is a refusal in the agreement; undone on every rank if the agreement fails
-            undo = None
-            failure = refusal
-            if failure is None:
-                assert ly is not None and backend is not None
-                undo = ly.table()
-                try:
-                    starts = list(ly.total)
-                    self._append(ly, k, v)
-                    out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale,
-                                            alibi_slopes, positional, key_start)
-                except Exception as exc:
-                    failure = exc
-            local = list(ly.local) if ly is not None else [0] * self.batch_size
-            try:
-                self._agree_decode(failure, fixed, m.ring_rank, local, ly)
-            except BaseException:
-                if undo is not None and ly is not None:
-                    ly.restore(undo)
-                raise
-            assert ly is not None and out is not None and lse is not None
-            ly.options = digest_ints(opts)
-            if layer == 0:
-                self._step = (n, digest_ints(opts), table)
-            out, lse = self._gather(out, lse, flagged=False)
-        else:
-            if m.sp_size > 1:      # verify="step" past layer 0: checked here, a difference is flagged in the gather
-                assert step is not None
-                failure = refusal or self._step_problem(ly, step, n, digest_ints(opts))
-                n = step[0]
-            elif refusal is not None:
-                raise refusal
-            try:      # a local failure from here on still joins the collective (flagged), so no peer waits
-                if failure is not None:
-                    raise failure
-                assert ly is not None and backend is not None
-                starts = list(ly.total)
-                self._append(ly, k, v)
-                out, lse = self._attend(ly, backend, q, starts, bool(causal), win, float(softcap), scale,
-                                        alibi_slopes, positional, key_start)
-            except Exception as exc:
-                if m.sp_size == 1:
-                    raise
-                failure = exc
-                hq = self.q_range[1] - self.q_range[0]
-                out = torch.zeros((self.batch_size, n, hq, self.v_head_dim), dtype=merge_dtype(self.dtype),
-                                  device=self.device)
-                lse = torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
-            out, lse = self._gather(out, lse, failure)
-        if sinks is not None:        # once, on the merged rows (every rank holds every head now)
-            from ..pipeline.run import add_sink
-            out, lse = add_sink(out, lse, sinks.detach())
-        out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
+        spec = DecodeSpec(
+            self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
+            bool(causal), (win[0], win[1]), float(softcap), scale,
+            self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
+            self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0,
+            digest_ints(key_start) if isinstance(key_start, list) else 0,
+            _fingerprint(q, k, v) if fingerprint and refusal is None else 0,     # debug mode: one device->host read
+            ly.digest() if ly is not None else 0)
+        return _Decode(spec, refusal, backend, bool(causal), win, float(softcap), alibi_slopes,
+                       key_start if isinstance(key_start, list) else None)
 
-    def _step_problem(self, ly: Optional[_Layer], step, n: int, opts: int) -> Optional[ValueError]:
-        """Why a call past layer 0 (``verify="step"``) differs from what was agreed (the step's
-        size and placement at layer 0; the options at this layer's first decode step)."""
-        if ly is None:
-            return ValueError("layer out of range")
-        if n != step[0]:
-            return ValueError(f"{n} new tokens per sequence, but layer 0 of this step agreed on {step[0]}")
-        if opts != ly.options:
-            return ValueError("the options (causal, window, softcap, scale, alibi, sinks, key_start) differ from the "
-                              "ones this layer agreed on at its first decode step")
-        if ly.table_digest() != step[2]:
-            return ValueError(f"this layer's placement table differs from layer 0's at the start of the step "
-                              f"(lengths {ly.total} per sequence)")
-        me = self.mesh.ring_rank
-        want = [ly.counts[b][me] for b in range(self.batch_size)]
-        if ly.local != want:
-            return ValueError(f"this rank holds {ly.local} tokens per sequence, but the placement table says ring "
-                              f"rank {me} holds {want}")
-        return None
+    def _no_partials(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What a rank that failed sends in the gather: out 0 and lse -inf for its heads."""
+        hq = self.q_range[1] - self.q_range[0]
+        out = torch.zeros((self.batch_size, n, hq, self.v_head_dim), dtype=merge_dtype(self.dtype), device=self.device)
+        return out, torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
 
     def _request(self, q, causal, win, softcap, alibi_slopes, positional) -> AttnRequest:
         device_type = _platform.device_type_of(q.device)
@@ -728,39 +753,35 @@ class ShardedKVCache:
                            compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
                            device_model=_platform.device_model(device_type, q.device.index or 0))
 
-    def _agree_decode(self, problem, fixed: list, ring_rank: int, local: list, ly: Optional[_Layer]) -> None:
+    def _agree_decode(self, problem, spec: DecodeSpec, table: Optional[BlockTable]) -> None:
+        """One agreement of every rank's :class:`DecodeSpec`, ring rank and lengths (after this
+        rank's append to ``table``: they must be what the table says its ring rank holds)."""
         m = self.mesh
-        labels = ("the cache's configuration", "ulysses degree", "ring degree", "layer", "new tokens per sequence",
-                  "the options (causal, window, softcap, scale, alibi, sinks, key_start)", "the new tokens' q, k and v "
-                  "(check_inputs=True: they must be the same on every rank, replicated after the projections)",
-                  "the placement table (where every token lives)")
-        nf = len(fixed)
         names = m.sp_ranks
+        values = spec.meta()[1:]
+        nf = len(values)
 
         def check(rows):
-            diffs = []
-            for j, label in enumerate(labels):
-                vals = [r[j] for r in rows]
-                if len(set(vals)) > 1:
-                    diffs.append(f"{label} differs between ranks (" + ", ".join(
-                        f"rank {names[i]}: {v}" for i, v in enumerate(vals)) + ")")
-            if diffs or ly is None:
+            diffs = DecodeSpec.differences([r[:nf] for r in rows], names)
+            if diffs or table is None:
                 return diffs
             for i, r in enumerate(rows):
                 rr, got = r[nf], r[nf + 1:]
-                want = [ly.counts[b][rr] for b in range(self.batch_size)]
+                want = table.held_by(rr)
                 if list(got) != want:
                     diffs.append(f"rank {names[i]} (ring rank {rr}) holds {list(got)} tokens per sequence, but the "
                                  f"ranks' placement table says ring rank {rr} holds {want}")
             return diffs
 
         agree(problem, m.metadata_group, what=f"{SERVING_WHAT}: decode", where=m.where("sequence-parallel"),
-              values=[*fixed, ring_rank, *local], width=nf + 1 + self.batch_size, check=check, ranks=names)
+              values=[*values, m.ring_rank, *(table.local if table is not None else [0] * self.batch_size)],
+              width=nf + 1 + self.batch_size, check=check, ranks=names)
 
-    def _attend(self, ly: _Layer, backend, q, starts, causal, win, softcap, scale, alibi_slopes, positional,
-                key_start=None):
+    def _attend(self, ly: _Layer, table: BlockTable, call: _Decode, q, starts):
         """This rank's partial ``(out [B, n, hq, Dv], lse [B, hq, n])`` over its cached tokens
-        (of sequence b, those at positions >= ``key_start[b]``)."""
+        (``table``'s, in ``ly``'s storage; of sequence b, those at positions >= ``key_start[b]``)."""
+        causal, win, softcap, scale = call.causal, call.window, call.softcap, call.spec.scale
+        alibi_slopes, positional, key_start, backend = call.alibi_slopes, call.positional, call.key_start, call.backend
         qa, qb = self.q_range
         hq = qb - qa
         bsz, n = q.shape[0], q.shape[1]
@@ -776,11 +797,11 @@ class ShardedKVCache:
         if alibi_slopes is not None:
             slopes = alibi_slopes[..., qa:qb].to(torch.float32)
         for b in range(bsz):
-            runs = [Segment(s, c) for s, c in ly.runs[b]]
+            runs = [Segment(s, c) for s, c in table.runs[b]]
             if not runs:
                 continue
-            if key_start is not None and key_start[b] > min(s for s, _ in ly.runs[b]):
-                plan = _plan_from(Segment(starts[b], n), ly.runs[b], key_start[b], causal, win, positional)
+            if key_start is not None and key_start[b] > min(s for s, _ in table.runs[b]):
+                plan = _plan_from(Segment(starts[b], n), table.runs[b], key_start[b], causal, win, positional)
             else:
                 plan = plan_blocks([Segment(starts[b], n)], runs, causal=causal, window=win, positional=positional)
             assert ly.k is not None and ly.v is not None
