@@ -70,3 +70,24 @@ def test_backward_twice_with_retain_graph_then_frees_its_saved_tensors():
         _close(mine.grad, 2 * theirs.grad)
     with pytest.raises(RuntimeError, match="second time"):
         out.sum().backward()
+
+
+def test_a_gradient_through_the_returned_lse_is_refused_not_dropped():
+    """The backward carries the output's gradient only: a loss that differentiates the lse
+    returned by ``return_lse=True`` raises (naming ``lse.detach()`` and ``sinks=``) instead of
+    training on a gradient without the lse's part; a detached or unused lse trains exactly."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 10, 4, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    attn = usp_hal.LongContextAttention(attn_type="sdpa")
+    out, lse = attn(q, k, v, causal=True, return_lse=True)
+    assert lse.requires_grad
+    with pytest.raises(RuntimeError, match=r"lse.detach\(\).*sinks="):
+        (out.sum() + lse.sum()).backward()
+    out, lse = attn(q, k, v, causal=True, return_lse=True)
+    (out.sum() + lse.detach().sum()).backward()
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref, ref_lse = reference_attention(qr, kr, vr, causal=True)
+    ref.sum().backward()
+    _close(lse, ref_lse)
+    for mine, theirs in ((q, qr), (k, kr), (v, vr)):
+        _close(mine.grad, theirs.grad)

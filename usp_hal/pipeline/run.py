@@ -287,6 +287,12 @@ def _local(plan: CallPlan) -> bool:
     return all(st.exchange.size == 1 for st in plan.stages)
 
 
+LSE_GRADIENT = ("usp_hal attention: a gradient reached the lse returned by return_lse=True, and the backward "
+                "carries only the output's gradient, so it would be dropped. Detach the lse where it is a "
+                "statistic (lse.detach()); for gpt-oss-style attention sinks pass sinks= (exact, with its gradient) "
+                "instead of rescaling the output by the lse")
+
+
 class USPFunction(torch.autograd.Function):
     """The call as one autograd node: every rank issues the same collectives in the same
     order in backward too."""
@@ -309,12 +315,15 @@ class USPFunction(torch.autograd.Function):
         # through save_for_backward so that a backward that does not keep the graph can free each
         # stage's as soon as it is used (:func:`_keeps_graph`)
         fctx.saved = saved
-        if lse is not None:
-            fctx.mark_non_differentiable(lse)
+        # the lse stays differentiable so that a gradient reaching it is refused, not dropped (the
+        # backward carries only the output's); an lse the caller does not differentiate gets None
+        fctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(fctx, dout, _dlse):
+    def backward(fctx, dout, dlse):
+        if dlse is not None:
+            raise RuntimeError(LSE_GRADIENT)
         sinks = fctx.sinks
         dsinks = sink_grad_buffer(sinks) if sinks is not None and fctx.sinks_grad else None
         if fctx.plan.sequential:      # low_memory: the stages move q/k/v/out to the head layout again
