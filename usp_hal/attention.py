@@ -187,7 +187,8 @@ class LongContextAttention(torch.nn.Module):
         (lse ``[B, H, S_local]``, float32).  The lse carries no gradient: a backward that reaches
         it raises rather than dropping it (eager; under torch.compile it is returned as a
         non-differentiable output); for attention sinks pass ``sinks=``.
-        ``return_attn_probs`` is accepted for yunchang's signature and, as there, changes nothing: yunchang 0.6.4's ``LongContextAttention``,
+        ``return_attn_probs`` is accepted for yunchang's signature and, as there, changes nothing:
+        yunchang 0.6.4's ``LongContextAttention``,
         ``LongContextAttentionQKVPacked`` and ``UlyssesAttention`` return the output tensor
         alone whatever it is (yunchang/hybrid/attn_layer.py, yunchang/ulysses/attn_layer.py).
 
