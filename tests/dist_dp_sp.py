@@ -208,3 +208,34 @@ def tiled_loss_sharded_head(chunk: int = 4, lens=(12, 7), seed: int = 0):
             "tiled_calls": models[1]._usp_tiled_loss.calls,
             "grad_diff": max(_max_diff(a, b) for a, b in zip(*grads)),
             "grad_scale": max(float(g.abs().max()) for g in grads[0])}
+
+
+def custom_divide_factor(factor):
+    """FSDP2 over all 4 ranks (it holds the whole sp group) with ``set_gradient_divide_factor(factor)``
+    (None: left at its default): sync_gradients refuses a custom factor on every rank before any
+    collective, naming it, and leaves the gradients as they were; the default one goes through."""
+    from usp_hal.integrations import sync_gradients
+    from usp_hal.integrations import transformers as usp
+
+    dm, mesh = _meshes()
+    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    model = tiny_llama(0, num_hidden_layers=1)
+    model.set_attn_implementation(name)
+    wrapped = _wrap(model, "fsdp_world", dm)
+    if factor is not None:
+        for m in wrapped.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(factor)
+                m.set_force_sum_reduction_for_comms(True)     # gloo has no PREMUL_SUM
+    ids = _batches(1, 2, 24, 0)[0]
+    out = wrapped(**usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag"))
+    out.loss.backward()
+    before = [_full(p.grad).detach().clone() for p in model.parameters() if p.grad is not None]
+    res = {"error": None}
+    try:
+        sync_gradients(wrapped, mesh, out.loss)
+    except ValueError as exc:
+        res["error"] = str(exc)
+    after = [_full(p.grad).detach() for p in model.parameters() if p.grad is not None]
+    res["grads_unchanged"] = all(bool(torch.equal(a, b)) for a, b in zip(after, before))
+    return res

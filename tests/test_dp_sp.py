@@ -53,6 +53,18 @@ def _mesh(rank, sp_ranks, world=8):
                            dp_degree=world // len(sp_ranks))
 
 
+@pytest.mark.models
+def test_custom_fsdp_divide_factor_is_refused_on_every_rank(pools):
+    """torchtitan sets FSDP's divide factor to 1.0 (a sum); sync_gradients' rules assume the
+    default mean, and applying them there doubled the gradient norm.  A custom factor is refused
+    on every rank before any collective; the default one is synced."""
+    for r in pools(4).run(dist_dp_sp.custom_divide_factor, timeout=180, factor=1.0):
+        assert r["error"] and "divide factor" in r["error"] and "mark_synced" in r["error"], r
+        assert r["grads_unchanged"], r
+    for r in pools(4).run(dist_dp_sp.custom_divide_factor, timeout=180, factor=None):
+        assert r["error"] is None and not r["grads_unchanged"], r      # synced: times sp
+
+
 def test_reduction_rules_per_wrapper_group():
     from usp_hal.integrations import grads
 

@@ -27,6 +27,8 @@ not all, of the sp ranks; Partial)
 These rules are exact when every rank's loss is its share of the replica's loss (what
 ``shard_batch``'s ``num_items_in_batch`` gives, or a loss on ``unshard``-ed outputs with no
 further division) and the wrapper averages with its default divide factor (its group size).
+An FSDP2 module with another divide factor (``set_gradient_divide_factor``) is refused, on
+every rank, naming it: its gradients follow a loss normalisation these rules cannot see.
 A plain module whose gradients were already averaged over the dp group by hand is safe too:
 the mean over dp of equal values is that value.
 
@@ -202,6 +204,33 @@ def _classify(name: str, g: torch.Tensor, mesh, ddp_ranks, cache: dict) -> Tuple
     return _mode_for(ddp_ranks, mesh, f"the gradient of {name} (DDP)")
 
 
+def _divide_factor_problem(model: torch.nn.Module) -> Optional[str]:
+    """FSDP2 modules whose gradient divide factor is not the default (the mean over their mesh):
+    the rules above assume that mean.  torchtitan, for one, sets 1.0 (a sum) and normalises its
+    loss by the global token count, and a factor sp there doubled the gradient."""
+    for name, m in model.named_modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:      # torch before 2.10: one group
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        for group in groups:
+            factor = getattr(group, "gradient_divide_factor", None)
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            size = mesh.size() if mesh is not None else None
+            if factor is not None and factor != size:
+                return (f"FSDP's gradient divide factor of {name or 'the model'} is {factor:g}, not its mesh size "
+                        f"{size} (the default mean), so sync_gradients cannot tell what is left to reduce. Where "
+                        "FSDP's mesh holds the whole sequence-parallel group and the loss is normalised over the "
+                        "global batch (torchtitan's set-up), the gradients are already whole: skip sync_gradients "
+                        "and call usp_hal.integrations.grads.mark_synced(mesh); otherwise leave the factor at its "
+                        "default")
+    return None
+
+
 def _local(g: torch.Tensor) -> torch.Tensor:
     local = getattr(g, "_local_tensor", None)        # a DTensor's shard on this rank (no copy)
     return local if local is not None else g
@@ -233,6 +262,9 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
             ddp_ranks = _group_ranks(model.process_group)
         if isinstance(model, torch.nn.Module):
             named = list(model.named_parameters())
+            why = _divide_factor_problem(model)
+            if why:
+                problem = ValueError(f"sync_gradients: {why}")
         else:
             named = [(f"parameter {i}", p) for i, p in enumerate(model)]
         if loss is not None and not isinstance(loss, torch.Tensor):
