@@ -136,7 +136,7 @@ def usp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     mesh = ctx.mesh
     rows = [[query.shape[1], key.shape[1], kind, int(ctx.cross_hint)]]
     if mesh.sp_size > 1:
-        from usp_hal.comm import agree
+        from usp_hal.parallel.comm import agree
         rows = agree(problem, mesh.metadata_group, what="usp_hal attention (diffusers)",
                      where=mesh.where("sequence-parallel"), values=rows[0], width=4, ranks=mesh.sp_ranks,
                      check=_mask_kinds_problem)
@@ -225,7 +225,7 @@ def _padding_mask(ctx, keep: torch.Tensor):
     """A :class:`usp_hal.masks.Mask` keeping the keys where ``keep`` ``[B, S]`` is True, one
     per distinct ``keep`` (the last few kept; its tensor is never modified, so the core's
     classification of it stays valid)."""
-    from usp_hal.masks import Mask
+    from usp_hal.sequence.masks import Mask
     rows = keep if bool((keep != keep[:1]).any()) else keep[:1]
     ident = (tuple(rows.shape), rows.cpu().numpy().tobytes())
     got = ctx.masks.get(ident)
@@ -268,7 +268,7 @@ def _cross_attention(ctx, query, key, value, dropout_p, scale, mask=None):
     A key mask (text padding, ``[B, H or 1, 1, S_keys]``) follows its keys: gathered with them
     when they are shards (LTX-Video's plan splits ``encoder_attention_mask`` as it splits the
     text), used as it is when they are replicated."""
-    from usp_hal.comm import agree
+    from usp_hal.parallel.comm import agree
     mesh = ctx.mesh
     rows = agree(None, mesh.metadata_group, what="usp_hal attention (diffusers): cross-attention check",
                  where=mesh.where("sequence-parallel"), values=[key.shape[1], *_fingerprint(key), *_fingerprint(value)],
@@ -601,7 +601,7 @@ class _GatherOutputs:
         self.specs, self.mesh, self.path = specs, mesh, path
 
     def __call__(self, module, args, output):
-        from usp_hal.comm import agree
+        from usp_hal.parallel.comm import agree
         single = isinstance(output, torch.Tensor)
         outs = [output] if single else list(output)
         problem = None

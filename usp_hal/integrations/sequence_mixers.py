@@ -299,7 +299,7 @@ def _before_forward(model, args, kwargs):
             if _HOOKED in sub.__dict__:
                 sub.__dict__[_CHECKED] = key
     if mesh.sp_size > 1 and getattr(model, _COVERED_MODEL, False) and model.__dict__.get(_HOOKED):
-        from usp_hal.comm import agree
+        from usp_hal.parallel.comm import agree
         problem = call_problem(model, kwargs)
         agree(problem, mesh.metadata_group, what="usp_hal sequence parallelism (transformers)",
               where=mesh.where("sequence-parallel"), ranks=mesh.sp_ranks)
@@ -314,7 +314,7 @@ def check_model(model: nn.Module, mesh, recurrence: str = "auto") -> None:
     (nothing is sharded)."""
     if mesh.sp_size == 1:
         return
-    from usp_hal.comm import agree
+    from usp_hal.parallel.comm import agree
     problem = model_problem(model) or recurrence_problem(model, recurrence)
     agree(problem, mesh.metadata_group, what="usp_hal sequence parallelism (transformers)",
           where=mesh.where("sequence-parallel"), ranks=mesh.sp_ranks)
@@ -440,7 +440,7 @@ def _enter(module, args, kwargs):
         return
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
-        from usp_hal.positions import as_cu_seqlens
+        from usp_hal.sequence.positions import as_cu_seqlens
         cu = as_cu_seqlens(cu)
     _ACTIVE.region = _Region(mesh, layout, recurrence, cu)
 
@@ -502,7 +502,7 @@ def _conv_route(original):
         region = _ACTIVE.region
         if region is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        from usp_hal.hybrid import halo_causal_conv, head_parallel
+        from usp_hal.mixers.head_parallel import halo_causal_conv, head_parallel
         mesh, layout, cu = region.mesh, region.layout, region.cu
         mode = CONV_EXCHANGE if CONV_EXCHANGE != "auto" else ("head_parallel" if layout == "stripe" else "halo")
         if mode == "halo":
@@ -542,13 +542,13 @@ def _gdn_route(original):
         region = _ACTIVE.region
         if region is None:          # outside a wired layer: the original, however it is called
             return original(*args, **kwargs)
-        from usp_hal.hybrid import head_parallel
+        from usp_hal.mixers.head_parallel import head_parallel
         bound = sig.bind(*args, **kwargs)
         got = bound.arguments
         extra = dict(got.get("kwargs", {}))
         cu = region.cu
         if cu is None and extra.get("cu_seqlens") is not None:
-            from usp_hal.positions import as_cu_seqlens
+            from usp_hal.sequence.positions import as_cu_seqlens
             cu = as_cu_seqlens(extra["cu_seqlens"])
         if got.get("initial_state") is not None or got.get("output_final_state"):
             # the model-level check refuses caches first, on every rank
@@ -558,7 +558,7 @@ def _gdn_route(original):
         mesh, layout = region.mesh, region.layout
         q, k, v, g, beta = (got[n] for n in ("query", "key", "value", "g", "beta"))
         if region.recurrence == "state_passing":
-            from usp_hal.state_passing import gated_delta_rule
+            from usp_hal.mixers.state_passing import gated_delta_rule
 
             def kernel(q, k, v, g, beta, initial_state=None, output_final_state=True):
                 return original(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
@@ -595,7 +595,7 @@ def _ssd_route(original):
         if region is None:
             return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
                             return_final_states=return_final_states, **kwargs)
-        from usp_hal.hybrid import head_parallel
+        from usp_hal.mixers.head_parallel import head_parallel
         mesh, layout, cu = region.mesh, region.layout, region.cu
         if initial_states is not None or return_final_states:
             raise NotImplementedError("usp_hal: a cached Mamba2 scan under sequence parallelism")
@@ -603,7 +603,7 @@ def _ssd_route(original):
             raise NotImplementedError("usp_hal: a Mamba2 scan gated by z inside the scan under sequence parallelism")
         kwargs = {k: v for k, v in kwargs.items() if k in ("dt_softplus", "dt_limit")}
         if region.recurrence == "state_passing":
-            from usp_hal.state_passing import ssd
+            from usp_hal.mixers.state_passing import ssd
 
             def kernel(x, d_t, A, b, c, initial_state=None):     # states [B, H, N, P] here, [B, H, P, N] there
                 init = None if initial_state is None else initial_state.transpose(-1, -2)

@@ -251,7 +251,7 @@ def sync_gradients(model: Union[torch.nn.Module, Iterable[torch.nn.Parameter]], 
     on every rank together.  Clears the partial-gradient mark that an optimizer step checks.
     """
     import usp_hal
-    from usp_hal.comm import agree, digest_ints, dtype_code
+    from usp_hal.parallel.comm import agree, digest_ints, dtype_code
 
     mesh = mesh if mesh is not None else usp_hal.get_default_mesh()
     problem: Optional[BaseException] = None

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 import torch
 
 import usp_hal
-from usp_hal.comm import agree
 from usp_hal.integrations.training.grads import watch
+from usp_hal.parallel.comm import agree
 
 from .batch import _OUTSIDE, DEFAULT_LAYOUT, PADDING_ATTR, SHARDED_ATTR, _brief, _packing
 from .masks import TESTED_VERSIONS, MaskInfo, usp_mask
@@ -75,7 +75,7 @@ class USPAttentionFunction:
     def __init__(self, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto", rotation: str = "p2p",
                  low_memory=False):
         from usp_hal.attention import low_memory_groups
-        from usp_hal.layout import check_layout
+        from usp_hal.sequence.positions import check_layout
         low_memory_groups(low_memory)                   # a bad value fails at registration
         self.low_memory = low_memory
         self.mesh = mesh

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 
 import usp_hal
-from usp_hal.comm import agree, digest_ints
+from usp_hal.parallel.comm import agree, digest_ints
 
 DEFAULT_LAYOUT = "zigzag"
 IGNORE_INDEX = -100
@@ -26,7 +26,7 @@ class Padding:
     None.  It travels with the position_ids shard_batch returns (attribute ``PADDING_ATTR``)."""
 
     def __init__(self, keep: torch.Tensor):
-        from usp_hal.masks import Mask
+        from usp_hal.sequence.masks import Mask
         self.keep = keep = keep.detach().bool().contiguous()
         bsz, seqlen = keep.shape
         ones = keep.sum(1)
@@ -67,7 +67,7 @@ def _packing(cu_q, cu_k):
     """``(boundaries, None)`` for a packed self-attention call (``cu_seq_lens_q`` as a tuple:
     one host copy of each, and shard_batch gives CPU tensors), ``(None, why)`` when the pair
     cannot be used, ``(None, None)`` without packing."""
-    from usp_hal.varlen import as_cu_seqlens
+    from usp_hal.sequence.positions import as_cu_seqlens
     if cu_q is None and cu_k is None:
         return None, None
     if cu_q is None or cu_k is None:
@@ -178,7 +178,7 @@ def _global_count(count: Optional[int], dp_group, device):
     """The label count of every replica's batch over the replicas (see shard_batch's ``dp_group``)."""
     import torch.distributed as dist
 
-    from usp_hal.comm import collective
+    from usp_hal.parallel.comm import collective
     replicas = dist.get_world_size(dp_group)
     total = torch.tensor([-1 if count is None else count, 1 if count is None else 0], dtype=torch.int64,
                          device=device)
@@ -195,7 +195,7 @@ def _global_count(count: Optional[int], dp_group, device):
 def _batch_plan(batch, layout: str, cu_seqlens, ignore_index: int):
     """The local checks of :func:`shard_batch` (ValueError/TypeError naming the problem), and
     what it shards: ``(batch, main key, sequence keys, B, S, cu, shifted labels, passed-through)``."""
-    from usp_hal.positions import check_layout, document_positions
+    from usp_hal.sequence.positions import check_layout, document_positions
     check_layout(layout)
     if not isinstance(batch, dict) and hasattr(batch, "keys"):
         batch = dict(batch)
@@ -299,7 +299,7 @@ def _check_seq_idx(seq_idx, bsz: int, seqlen: int, cu) -> None:
 
 def _batch_boundaries(batch, cu_seqlens, bsz: int, seqlen: int):
     """The packed batch's global document boundaries (a tuple), or None for one sequence per row."""
-    from usp_hal.varlen import as_cu_seqlens
+    from usp_hal.sequence.positions import as_cu_seqlens
     cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
     found = []
     if cu_seqlens is not None:

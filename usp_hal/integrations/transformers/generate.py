@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 import usp_hal
-from usp_hal.comm import agree
+from usp_hal.parallel.comm import agree
 
 from .batch import _OUTSIDE, PADDING_ATTR, SHARDED_ATTR
 from .masks import _DIRECT_PADDING
@@ -92,8 +92,8 @@ def _sharded_generate(original, model, fn, args, kwargs):
     shard followed by the generated tokens, which are the same on every rank)."""
     import torch.distributed as dist
 
-    from usp_hal.comm import collective
     from usp_hal.integrations.cache import ShardedCache
+    from usp_hal.parallel.comm import collective
     mesh = fn.mesh if fn.mesh is not None else usp_hal.get_default_mesh()
     kwargs = dict(kwargs)
     if args:
@@ -220,7 +220,7 @@ def _share_rng_state(mesh, device) -> None:
     draws; each decode step then checks that the ranks did pick the same tokens."""
     import torch.distributed as dist
 
-    from usp_hal.comm import collective
+    from usp_hal.parallel.comm import collective
     src = mesh.sp_ranks[0]
     states: list = [(torch.get_rng_state, torch.set_rng_state)]
     module = getattr(torch, device.type, None) if device.type != "cpu" else None
@@ -248,7 +248,7 @@ class _AgreedStop(list):
         return self.criteria.max_length
 
     def __call__(self, input_ids, scores, **kwargs):
-        from usp_hal.comm import digest_ints
+        from usp_hal.parallel.comm import digest_ints
         done = self.criteria(input_ids, scores, **kwargs)
         mine = [int(x) for x in done.reshape(-1).tolist()]
         tokens = digest_ints(input_ids[:, -1].tolist())
