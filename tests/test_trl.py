@@ -131,7 +131,9 @@ REFUSED = {
     "use_vllm": "must share theirs",
     "positional": "pass the arguments by name",
     "moe_router_loss": "Pass router_aux_loss_coef=0.0",
-    "parallelism_config_cp": "Set usp_ulysses_degree/usp_ring_degree instead",
+    # USPTrainer takes a ParallelismConfig's cp/sp dim as its group (docs/engines.md); on one
+    # process a cp of 2 does not fit, and that is refused before TRL's set-up
+    "parallelism_config_cp": "make the product the world size",
 }
 
 

@@ -179,7 +179,11 @@ class _WholeSequenceLoss(_TRL):
         if args:
             return TypeError(f"{type(self).__name__}: pass the arguments by name (model=, args=, ...): TRL's "
                              "trainer takes other arguments second than USPTrainer")
-        return super()._usp_arguments_problem(args, kwargs)
+        return super()._usp_arguments_problem(args, kwargs) or self._usp_config_problem(kwargs.get("args"), kwargs)
+
+    def _usp_config_problem(self, args, kwargs: dict) -> Optional[BaseException]:
+        """What this trainer's configuration asks that the sequence-parallel step cannot honour."""
+        return None
 
     def _refuse_after_init(self) -> None:
         from accelerate.utils import is_peft_model
@@ -246,11 +250,7 @@ class _WholeSequenceLoss(_TRL):
 
 
 class _DPO(_WholeSequenceLoss):
-    def _usp_arguments_problem(self, positional: tuple, kwargs: dict) -> Optional[BaseException]:
-        problem = super()._usp_arguments_problem(positional, kwargs)
-        if problem is not None:
-            return problem
-        args = kwargs.get("args")
+    def _usp_config_problem(self, args, kwargs: dict) -> Optional[BaseException]:
         if args is not None and getattr(args, "precompute_ref_log_probs", False):
             return _refuse("precompute_ref_log_probs=True", "the reference log-probabilities would be computed "
                            "before training, per process, outside the sequence-parallel step", "Leave it False "
@@ -265,11 +265,7 @@ class _DPO(_WholeSequenceLoss):
 
 
 class _GRPO(_WholeSequenceLoss):
-    def _usp_arguments_problem(self, positional: tuple, kwargs: dict) -> Optional[BaseException]:
-        problem = super()._usp_arguments_problem(positional, kwargs)
-        if problem is not None:
-            return problem
-        args = kwargs.get("args")
+    def _usp_config_problem(self, args, kwargs: dict) -> Optional[BaseException]:
         if args is not None and getattr(args, "use_vllm", False):
             return _refuse("use_vllm=True", "vLLM's completions are handed out per process, and the ranks of one "
                            "sequence-parallel replica must share theirs", "Generate outside and give the trainer "
