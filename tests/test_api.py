@@ -108,3 +108,16 @@ def test_documented_names_reachable_after_plain_import():
             "usp_hal.shard; usp_hal.unshard; usp_hal.LongContextAttention\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_all_lists_usp_hal_names_and_yunchang_names_still_resolve():
+    """``usp_hal.__all__`` is usp-hal's own surface; yunchang's extra names resolve from
+    ``usp_hal`` without being listed, and usp_hal.compat.YUNCHANG_NAMES lists them."""
+    from usp_hal import compat
+    assert not set(compat.YUNCHANG_NAMES) & set(usp_hal.__all__)
+    assert len(compat.YUNCHANG_NAMES) == len(set(compat.YUNCHANG_NAMES)) == 24
+    for name in compat.YUNCHANG_NAMES:
+        assert getattr(usp_hal, name) is getattr(compat, name) is getattr(compat.yunchang, name), name
+        assert name in dir(usp_hal)
+    for name in usp_hal.__all__:
+        assert getattr(usp_hal, name) is not None, name

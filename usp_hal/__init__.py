@@ -39,23 +39,23 @@ _LAZY = {
     "EXTRACT_FUNC_DICT": "sequence.positions",
     "plan": "planner",
     "ShardedKVCache": "serving",
-    # yunchang 0.6.4's other top-level names (usp_hal.compat)
-    "RING_IMPL_DICT": "compat",
-    "RING_IMPL_QKVPACKED_DICT": "compat",
-    "basic_extract_local": "compat",
-    "zigzag_extract_local": "compat",
-    "stripe_extract_local": "compat",
-    **{name: "compat" for name in (
-        "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
-        "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func",
-        "ring_flash_attn_varlen_qkvpacked_func", "zigzag_ring_flash_attn_func",
-        "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
-        "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_qkvpacked_func",
-        "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
-        "ring_pytorch_attn_func", "ring_flashinfer_attn_func", "ring_flashinfer_attn_kvpacked_func",
-        "ring_flashinfer_attn_qkvpacked_func", "ring_npu_flash_attn_func")},
     "head_parallel": "mixers.head_parallel",
 }
+
+# yunchang 0.6.4's other top-level names: they resolve here (``from usp_hal import
+# ring_flash_attn_func`` works, as the drop-in promises) but are not usp-hal's own API, so they
+# stay out of ``__all__``; usp_hal.compat.YUNCHANG_NAMES lists them.
+_YUNCHANG = {name: "compat" for name in (
+    "RING_IMPL_DICT", "RING_IMPL_QKVPACKED_DICT", "basic_extract_local", "zigzag_extract_local",
+    "stripe_extract_local",
+    "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func",
+    "ring_flash_attn_varlen_qkvpacked_func", "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_qkvpacked_func",
+    "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+    "ring_pytorch_attn_func", "ring_flashinfer_attn_func", "ring_flashinfer_attn_kvpacked_func",
+    "ring_flashinfer_attn_qkvpacked_func", "ring_npu_flash_attn_func")}
 
 __all__ = [
     "AttentionBackend", "BackendUnavailable", "AttnRequest", "Availability", "Package",
@@ -72,13 +72,13 @@ _SUBMODULES = ("attention", "compat", "kernels", "overlap", "planner", "sharding
 
 
 def __dir__():
-    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+    return sorted({*globals(), *_LAZY, *_YUNCHANG, *_SUBMODULES})
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
-    if name in _LAZY:
-        mod = _LAZY[name]
+    if name in _LAZY or name in _YUNCHANG:
+        mod = _LAZY.get(name) or _YUNCHANG[name]
         return getattr(importlib.import_module(f".{mod}", __name__), name)
     raise AttributeError(f"module 'usp_hal' has no attribute {name!r}")

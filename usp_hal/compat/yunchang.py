@@ -24,9 +24,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Dict, Tuple
 
-from .dispatch.processor import processor_attn_type, processor_backend
-from .parallel.mesh import mesh_of_group
-from .sequence.positions import EXTRACT_FUNC_DICT
+from ..dispatch.processor import processor_attn_type, processor_backend
+from ..parallel.mesh import mesh_of_group
+from ..sequence.positions import EXTRACT_FUNC_DICT
 
 # ---------------------------------------------------------------------------- ring functions
 
@@ -36,7 +36,7 @@ _RING_MODULES: Dict[Tuple[Any, ...], Tuple[Any, Any]] = {}
 def _ring_module(layout: str, attn_type, attn_processor, group):
     """One ring module per (layout, kernel, processor, group), kept so that repeated calls reuse
     its plans (at most 32; the oldest goes first)."""
-    from .attention import RingAttention
+    from ..attention import RingAttention
     key = (layout, attn_type if isinstance(attn_type, str) else repr(attn_type), id(attn_processor), group)
     got = _RING_MODULES.get(key)
     if got is None or got[1] is not attn_processor:
