@@ -254,25 +254,12 @@ class Limit:
 
     def condition(self) -> str:
         """The condition in words (docs)."""
-        parts = []
-        if self.devices:
-            parts.append("on " + "/".join(self.devices))
-        if self.uses:
-            parts.append("with " + " + ".join(self.uses))
-        if self.unless:
-            parts.append("without " + " or ".join(self.unless))
-        if self.version:
-            parts.append(f"package {self.version}")
-        if self.torch:
-            parts.append(f"torch {self.torch}")
-        if self.archs:
-            parts.append("outside " + ", ".join(self.archs))
-        if self.models:
-            parts.append("other than " + ", ".join(self.models))
-        if self.head_dims:
-            parts.append(f"head dim {self.head_dims[0]}..{self.head_dims[1]}")
-        if self.env:
-            parts.append(f"{self.env[0]}={self.env[1]}")
+        words = (("devices", lambda x: "on " + "/".join(x)), ("uses", lambda x: "with " + " + ".join(x)),
+                 ("unless", lambda x: "without " + " or ".join(x)), ("version", lambda x: f"package {x}"),
+                 ("torch", lambda x: f"torch {x}"), ("archs", lambda x: "outside " + ", ".join(x)),
+                 ("models", lambda x: "other than " + ", ".join(x)),
+                 ("head_dims", lambda x: f"head dim {x[0]}..{x[1]}"), ("env", lambda x: f"{x[0]}={x[1]}"))
+        parts = [say(getattr(self, name)) for name, say in words if getattr(self, name)]
         return ", ".join(parts) or "always"
 
 
