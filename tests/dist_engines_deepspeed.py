@@ -21,20 +21,12 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
+from tests.dist_dp_sp import _meshes
 from tests.integration_cases import _batches, _max_diff, tiny_llama
 
 _DM: dict = {}
 LR = 2e-3
 MAX_NORM = 1.0
-
-
-def _meshes():
-    if "dm" not in _DM:
-        from torch.distributed.device_mesh import init_device_mesh
-        dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
-        _DM["dm"] = dm
-        _DM["mesh"] = usp_hal.init_sequence_parallel(device_mesh=dm["sp"], set_default=False)
-    return _DM["dm"], _DM["mesh"]
 
 
 def ds_config(stage: int, micro: int = 1, ga: int = 1) -> dict:

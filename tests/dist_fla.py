@@ -7,8 +7,8 @@ import torch
 
 import usp_hal
 from tests.dist_cases import get_mesh
-from tests.dist_state_passing import _docs_reference, _errors, _mutated
-from usp_hal import state_passing as sp
+from tests.dist_kda import delta_rule_problem
+from tests.dist_state_passing import _errors, _mutated
 
 
 def fla_case(U=1, R=2, layout="zigzag", S=26, op="gdn", kernel="naive_chunk_gated_delta_rule", cu=None,
@@ -21,19 +21,7 @@ def fla_case(U=1, R=2, layout="zigzag", S=26, op="gdn", kernel="naive_chunk_gate
     if device == "cuda":
         torch.cuda.set_device(0)
     mesh = get_mesh(U, R)
-    gen = torch.Generator().manual_seed(seed)
-    B, H, dk, dv = 2, 3, 16, 16
-    gshape = (B, S, H, dk) if op == "kda" else (B, S, H)
-    glob = {"q": torch.randn(B, S, H, dk, generator=gen),
-            "k": torch.nn.functional.normalize(torch.randn(B, S, H, dk, generator=gen), dim=-1),
-            "v": torch.randn(B, S, H, dv, generator=gen),
-            "g": -torch.rand(*gshape, generator=gen) * 0.5,
-            "beta": torch.rand(B, S, H, generator=gen)}
-    dout = torch.randn(B, S, H, dv, generator=gen)
-    ref_in = {n: t.double().requires_grad_() for n, t in glob.items()}
-    ref = _docs_reference(lambda *xs: sp.delta_rule_reference(*xs)[0], cu, S,
-                          *(ref_in[n] for n in ("q", "k", "v", "g", "beta")))
-    ref.backward(dout.double())
+    glob, dout, ref_in, ref = delta_rule_problem(seed, S, cu, B=2, H=3, dk=16, dv=16, per_channel=op == "kda")
 
     def sh(t):
         return usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu)

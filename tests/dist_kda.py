@@ -11,24 +11,32 @@ from tests.dist_state_passing import _docs_reference, _errors, _mutated
 from usp_hal import state_passing as sp
 
 
-def kda_case(U=1, R=2, layout="zigzag", S=26, dtype="fp64", cu=None, kernel="reference", mutation=None, seed=0):
-    """{name: worst error / tolerance} of the output and the gradients of q, k, v, g, beta on
-    this rank.  ``kernel``: "reference" (:func:`usp_hal.state_passing.delta_rule_reference`, in
-    ``dtype``) or "transformers" (``chunk_kimi_delta_attention``, fp32 inside, chunks of 4)."""
-    mesh = get_mesh(U, R)
-    dt = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
+def delta_rule_problem(seed: int, S: int, cu, B: int, H: int, dk: int, dv: int, per_channel: bool):
+    """One delta-rule case: the global inputs (``g`` a decay per key channel with
+    ``per_channel``, KDA's, else per head, the gated delta rule's), ``dout``, and the float64
+    reference per document of ``cu`` backpropagated from ``dout``: (glob, dout, ref_in, ref)."""
     gen = torch.Generator().manual_seed(seed)
-    B, H, dk, dv = 2, 3, 4, 5
+    gshape = (B, S, H, dk) if per_channel else (B, S, H)
     glob = {"q": torch.randn(B, S, H, dk, generator=gen),
             "k": torch.nn.functional.normalize(torch.randn(B, S, H, dk, generator=gen), dim=-1),
             "v": torch.randn(B, S, H, dv, generator=gen),
-            "g": -torch.rand(B, S, H, dk, generator=gen) * 0.5,         # a decay per key channel
+            "g": -torch.rand(*gshape, generator=gen) * 0.5,
             "beta": torch.rand(B, S, H, generator=gen)}
     dout = torch.randn(B, S, H, dv, generator=gen)
     ref_in = {n: t.double().requires_grad_() for n, t in glob.items()}
     ref = _docs_reference(lambda *xs: sp.delta_rule_reference(*xs)[0], cu, S,
                           *(ref_in[n] for n in ("q", "k", "v", "g", "beta")))
     ref.backward(dout.double())
+    return glob, dout, ref_in, ref
+
+
+def kda_case(U=1, R=2, layout="zigzag", S=26, dtype="fp64", cu=None, kernel="reference", mutation=None, seed=0):
+    """{name: worst error / tolerance} of the output and the gradients of q, k, v, g, beta on
+    this rank.  ``kernel``: "reference" (:func:`usp_hal.state_passing.delta_rule_reference`, in
+    ``dtype``) or "transformers" (``chunk_kimi_delta_attention``, fp32 inside, chunks of 4)."""
+    mesh = get_mesh(U, R)
+    dt = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
+    glob, dout, ref_in, ref = delta_rule_problem(seed, S, cu, B=2, H=3, dk=4, dv=5, per_channel=True)
 
     def sh(t):
         return usp_hal.shard(t, layout=layout, mesh=mesh, cu_seqlens=cu)

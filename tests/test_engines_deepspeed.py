@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
+pytest.importorskip("triton")   # its ZeRO engine path imports triton (ModuleNotFoundError without it)
 
 from tests import dist_engines_deepspeed as dsd  # noqa: E402
 from tests import dist_trainer  # noqa: E402

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("fla")
+pytest.importorskip("triton")   # fla's ops import triton, even its naive kernels' modules
 
 from tests import dist_fla  # noqa: E402
 from usp_hal.integrations import fla as usp_fla  # noqa: E402
