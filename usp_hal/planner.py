@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -260,9 +260,13 @@ class Prediction:
     why: str = ""
     valid: bool = True
     reason: str = ""
+    #: the model's parts before they are summed into terms (what :mod:`usp_hal.stepcost`
+    #: tabulates to price packed jobs from their documents)
+    detail: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d.pop("detail", None)
         d["label"] = self.candidate.label
         return d
 
@@ -382,6 +386,39 @@ class _Machine:
         return self.coll("all_gather", scope)[1]
 
 
+def call_fixed(profile: dict, world: int, bwd: bool) -> float:
+    """The fixed seconds of one attention call (the library's own work per call: metadata,
+    dispatch, Python), forward (+ what a backward adds); ``call_overhead_local`` where the
+    profile measured a one-rank call apart (it makes no collective)."""
+    fwd = profile.get("call_overhead_local") if world == 1 else None
+    base = float(fwd if fwd is not None else profile.get("call_overhead", 0.0))
+    if not bwd:
+        return base
+    extra = profile.get("call_overhead_bwd_local") if world == 1 else None
+    return base + float(extra if extra is not None else profile.get("call_overhead_bwd", 0.0))
+
+
+def kernel_varlen(entry: dict) -> bool:
+    """Whether a profile's kernel runs packed documents as one varlen launch per kind: its
+    ``varlen`` field, else what the registered backend it names declares (``VARLEN_KERNEL``)."""
+    if "varlen" in entry:
+        return bool(entry["varlen"])
+    from .dispatch.registry import REGISTRY
+    try:
+        cls = REGISTRY.get(str(entry.get("backend")))
+    except (KeyError, ValueError, ImportError, RuntimeError):
+        return False
+    return bool(getattr(cls, "VARLEN_KERNEL", False))
+
+
+def ring_pass(comps: Sequence[float], comm: float, penalty: float) -> Tuple[float, float]:
+    """One lock-step pass of a p2p ring: ``comps`` the busiest rank's compute per step; the
+    next block moves (``comm`` seconds) while a step computes.  Returns (time, compute)."""
+    R = len(comps)
+    time = sum(max(c, comm) + penalty * min(c, comm) for c in comps[:R - 1]) + comps[R - 1]
+    return time, sum(comps)
+
+
 def _placement(c: Candidate, world: int, g: int) -> str:
     inside = c.ulysses <= g and g % c.ulysses == 0
     nodes = max(1, -(-world // g))
@@ -416,33 +453,51 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     merge_s = float(profile.get("merge_s_per_elem", 0.0))
     copy_bw = float(profile.get("copy_bandwidth", 0.0)) or None
     penalty = float(profile.get("overlap_penalty", 0.0))
-    fixed = float(profile.get("call_overhead", 0.0)) + (float(profile.get("call_overhead_bwd", 0.0)) if P.bwd else 0.0)
+    fixed = call_fixed(profile, P.world, P.bwd)
+    # a varlen kernel runs a step's per-document calls of one kind (causal squares, full
+    # rectangles) as one launch (usp_hal.ring packs them); another kernel launches each
+    varlen = P.cu_seqlens is not None and P.mask is None and kernel_varlen(kent)
 
-    def kcost(call, h, bwd):
+    def kwork(call, h, bwd):
+        """A call's kernel seconds without its launch overhead."""
         rows, cols, causal = call
         if h == 0:
             return 0.0
         share = (cf if tile is None else min(1.0, 0.5 + float(tile) / max(cols, 1))) if causal else 1.0
         pairs = rows * cols * share * (1.0 + key_half / max(cols, 1))
         if bwd:
-            return overhead + BWD_FLOPS_RATIO * FLOPS_PER_PAIR * D * pairs * h * B / bwd_rate
-        return overhead + FLOPS_PER_PAIR * D * pairs * h * B / fwd_rate
+            return BWD_FLOPS_RATIO * FLOPS_PER_PAIR * D * pairs * h * B / bwd_rate
+        return FLOPS_PER_PAIR * D * pairs * h * B / fwd_rate
+
+    def launches(calls) -> int:
+        return len({c[2] for c in calls}) if varlen else len(calls)
 
     hmax = max(hq)
     passes = (False, True) if P.bwd else (False,)
-    # per pass, ring rank, step: compute with the busiest Ulysses rank's heads
-    step_cost = {b: [[sum(kcost(c, hmax, b) for c in work[r][s]) for s in range(R)] for r in range(R)]
+    # per pass, ring rank, step: compute with the busiest Ulysses rank's heads, and its launches
+    step_work = {b: [[sum(kwork(c, hmax, b) for c in work[r][s]) for s in range(R)] for r in range(R)]
                  for b in passes}
-    kernel_mean = sum(kcost(c, hq[u], b) for b in passes for r in range(R) for u in range(U)
+    step_calls = [[launches(work[r][s]) if hmax else 0 for s in range(R)] for r in range(R)]
+    step_cost = {b: [[step_work[b][r][s] + overhead * step_calls[r][s] for s in range(R)] for r in range(R)]
+                 for b in passes}
+    busy = sum(1 for u in range(U) if hq[u])
+    kernel_work = sum(kwork(c, hq[u], b) for b in passes for r in range(R) for u in range(U)
                       for st in work[r] for c in st) / (R * U)
+    mean_calls = len(passes) * sum(step_calls[r][s] for r in range(R) for s in range(R)) * busy / (R * U)
+    kernel_mean = kernel_work + overhead * mean_calls
     pairs_rank = [sum(call_pairs(c) for st in work[r] for c in st) * hq[u] for r in range(R) for u in range(U)]
     work_balance = balance(pairs_rank)
     merges = 0.0
     for r in range(R):
+        # the ring's accumulator copies a row's first partial result and merges the later ones
+        # (usp_hal.ring.Accumulator), so only rows that already hold one merge: packed
+        # documents, whose calls cover disjoint rows and keys, merge nothing
         calls = [c for st in work[r] for c in st]
-        m = sum(c[0] for c in calls[1:]) * hmax * D * B
-        if P.bwd and len(calls) > 1:   # dq, dk, dv accumulation
-            m += sum(c[0] * hmax + 2 * c[1] * max(hk_local) for c in calls) * D * B
+        again_q = max(0, sum(c[0] for c in calls) - shard[r])
+        m = again_q * hmax * D * B
+        if P.bwd:   # dq, dk, dv accumulation over the calls that meet the same rows / keys again
+            again_k = max(0, sum(c[1] for c in calls) - shard[r])
+            m += (again_q * hmax + 2 * again_k * max(hk_local)) * D * B
         merges = max(merges, m)
     other = merges * merge_s + fixed + M.small_collective()
 
@@ -457,7 +512,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     cross_flows = U if hop == "cross" else 1
 
     # ---- Ulysses all-to-alls (rank 0 of each ring rank's group is representative; take the max)
-    a2a_t, a2a_bytes, ncoll, fwd_t = 0.0, 0.0, 0, 0.0
+    a2a_t, a2a_bytes, ncoll, fwd_t, copies = 0.0, 0.0, 0, 0.0, 0.0
     codec_name, pattern = wire_codec(C.fp8)
     fp8_q = pattern in ("qvo", "qkvo")
     fp8_k = pattern == "qkvo"
@@ -490,7 +545,8 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
         a2a_t, a2a_bytes = worst_t, worst_b
         ncoll += 4 if P.bwd else 2
         if copy_bw:   # pack / unpack copies of everything that moves, both ends
-            other += 2 * a2a_bytes * U / max(U - 1, 1) / copy_bw
+            copies = 2 * a2a_bytes * U / max(U - 1, 1) / copy_bw
+            other += copies
     ulysses_exposed = a2a_t
     if C.pipeline and U > 1:
         k = C.pipeline
@@ -504,8 +560,12 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     kv_block = max(B * shard[r] * 2 * max(hk) * D * e for r in range(R))   # K and V of a ring shard, after Ulysses
     grad_block = kv_block / e * e_acc
     scope = "inter" if hop == "inter" else "intra"
+    steps: Dict[bool, List[Tuple[float, int]]] = {}       # per pass and step: the busiest rank's (work, launches)
+    comms: Dict[bool, float] = {}
     for b in passes:
         cost = step_cost[b]
+        busiest = [max(range(R), key=lambda r: cost[r][s]) for s in range(R)]
+        steps[b] = [(step_work[b][r][s], step_calls[r][s]) for s, r in enumerate(busiest)]
         if R == 1 or local_ring:      # one block (or only the own block has work): no K/V moves
             comp = max(cost[r][0] for r in range(R))
             crit += comp
@@ -513,11 +573,10 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
             continue
         if rotation_model(C.rotation) != "allgather":
             nb = kv_block + (grad_block if b else 0.0)      # next K/V block (+ a dK/dV partial going home)
-            comm = M.p2p_time(nb, hop, cross_flows)
-            for s in range(R):
-                comp = max(cost[r][s] for r in range(R))
-                crit += comp
-                ring_time += (max(comp, comm) + penalty * min(comp, comm)) if s < R - 1 else comp
+            comm = comms[b] = M.p2p_time(nb, hop, cross_flows)
+            t, c = ring_pass([cost[r][s] for s, r in enumerate(busiest)], comm, penalty)
+            ring_time += t
+            crit += c
             ring_bytes += (R - 1) * nb
             ncoll += R - 1
         else:   # allgather: every block gathered while the own block computes
@@ -569,6 +628,10 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     pred = Prediction(C, total, terms, a2a_bytes + ring_bytes, mem, work_balance, ncoll + 1,
                       _placement(C, P.world, M.g))
     pred.dominant = max(("kernel", "imbalance", "ulysses_a2a", "ring_exposed"), key=lambda k: terms[k])
+    pred.detail = {"kernel_work": kernel_work, "mean_calls": mean_calls, "overhead": overhead, "steps": steps,
+                   "comm": comms, "local": R == 1 or local_ring, "penalty": penalty, "merges": merges * merge_s,
+                   "fixed": fixed, "small": M.small_collective(), "a2a": ulysses_exposed, "copies": copies,
+                   "bytes": a2a_bytes + ring_bytes, "collectives": ncoll + 1}
     limit = profile.get("memory_bytes")
     if limit and mem > float(limit) * float(profile.get("memory_usable", 0.9)):
         pred.valid = False
