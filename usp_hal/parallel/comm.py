@@ -380,13 +380,28 @@ def _padded(n: int) -> int:
     return size
 
 
+def _gather_message(msg: List[int], tag: int, group, what: str, where: str,
+                    ranks: Optional[Sequence[Any]]) -> List[int]:
+    """Every rank's tagged message, flat in group-rank order.  One all-gather when it fits
+    :data:`_BUCKET`; a longer one sends its first bucket alone first, so that a rank at
+    another agreement (whose message may be of another length) is told apart, in an exchange
+    of one size, before messages whose lengths could differ meet; then the rest."""
+    if len(msg) <= _BUCKET:
+        return _gather_flat(msg, group, f"{what}: agreement check", where)
+    head = _gather_flat(msg[:_BUCKET], group, f"{what}: agreement check", where)
+    _tagged_rows(head, _BUCKET - 2, tag, group, what, where, ranks, size=_BUCKET)   # raises on another tag
+    rest = _gather_flat(msg[_BUCKET:], group, f"{what}: agreement values", where)
+    heads, tails = _split_rows(head, _BUCKET), _split_rows(rest, len(msg) - _BUCKET)
+    return [x for h, t in zip(heads, tails) for x in h + t]
+
+
 def _tagged_rows(flat: List[int], n_values: int, tag: int, group, what: str, where: str,
-                 ranks: Optional[Sequence[Any]]) -> List[List[int]]:
+                 ranks: Optional[Sequence[Any]], size: Optional[int] = None) -> List[List[int]]:
     """Every rank's ``[flag, *values]`` from a gathered ``[flag, tag, *values, 0...]``
     message; when some rank sent another agreement's tag (the ranks are not making the same
     call at this point), every rank raises the same :class:`AgreementError` naming what each
     rank was doing (one more exchange, of the labels, only then)."""
-    size = _padded(n_values + 2)
+    size = _padded(n_values + 2) if size is None else size
     msgs = _split_rows(flat, size)
     if any(m[1] != tag for m in msgs):
         labels = all_gather_bytes(what.encode("utf-8", "replace"), group, what=f"{what}: agreement labels",
@@ -449,7 +464,7 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
         repeat.hit = False
         if not text and multi:
             tag = agreement_tag(what, len(repeat.values))
-            flat = _gather_flat(_message(0, tag, repeat.values), group, f"{what}: agreement check", where)
+            flat = _gather_message(_message(0, tag, repeat.values), tag, group, what, where, ranks)
             if flat == repeat.last:
                 repeat.hit = True
                 assert repeat.rows is not None
@@ -473,8 +488,8 @@ def agree(problem: Problem, group=None, *, what: str, where: str = "sequence-par
             raise _error_class()(f"{what}: {text}", {0: text})
         return settle([[0] + row], problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
     tag = agreement_tag(what, n_values)
-    gathered = _tagged_rows(_gather_flat(_message(1 if text else 0, tag, row), group, f"{what}: agreement check",
-                                         where), n_values, tag, group, what, where, ranks)
+    gathered = _tagged_rows(_gather_message(_message(1 if text else 0, tag, row), tag, group, what, where, ranks),
+                            n_values, tag, group, what, where, ranks)
     return settle(gathered, problem, group, what=what, where=where, same=same, check=check, ranks=ranks)
 
 
