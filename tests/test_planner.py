@@ -243,8 +243,12 @@ def test_calibrate_writes_a_profile_plan_can_use(tmp_path):
                      reps=2, timeout=120)
     k = prof["kernel"]["fp32"]
     assert k["fwd_flops"] > 1e6 and k["bwd_flops"] > 1e6 and 0.5 <= k["causal_factor"] <= 1.0
-    assert set(prof["collectives"]) == {"all_to_all", "p2p", "all_gather"}
+    assert set(prof["collectives"]) == {"all_to_all", "p2p", "all_gather", "all_reduce"}
     assert all(c["intra"]["bandwidth"] > 0 and c["intra"]["latency"] >= 0 for c in prof["collectives"].values())
+    # the token-proportional layers (usp_hal.stepcost) and the one-rank call
+    assert prof["linear"]["fp32"]["flops"] > 1e6 and prof["elementwise_bandwidth"] > 1e6
+    assert prof["layer_overhead"] > 0 and prof["model_overhead"] > 0 and prof["optimizer_overhead"] >= 0
+    assert 0 < prof["call_overhead_local"]
     path = planner.save_profile(prof, str(tmp_path / "me.json"))
     res = planner.plan(2, 2, 1024, 32, dtype="fp32", profile=path)
     assert {r["label"] for r in res["rows"]} >= {"ulysses2", "ring2 basic p2p"}

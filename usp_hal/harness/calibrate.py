@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from .. import planner
 from . import pool as _pool
@@ -42,7 +42,8 @@ def _best(fn, reps: int) -> float:
     return min(_times(fn, reps))
 
 
-def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes: list, reps: int) -> dict:
+def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes: list, reps: int,
+                   layer: Optional[dict] = None) -> dict:
     """Measure on this rank (kernel, merge, copies) and on the group (collectives)."""
     import torch
     import torch.distributed as dist
@@ -105,7 +106,7 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     out["copy_bandwidth"] = x.numel() * 4 / tc
     # collectives on the whole group: latency + bytes / bandwidth per kind
     colls = {}
-    for kind in ("all_to_all", "p2p", "all_gather"):
+    for kind in ("all_to_all", "p2p", "all_gather", "all_reduce"):
         pts = []
         for nbytes in msg_sizes:
             numel = max(world, nbytes // 4 // world * world)
@@ -121,6 +122,10 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
                                                    dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
                     for r in reqs:
                         r.wait()
+                sent = numel * 4
+            elif kind == "all_reduce":      # priced per byte reduced (the gradients' size)
+                def op():
+                    dist.all_reduce(recv)
                 sent = numel * 4
             else:
                 gat = torch.empty(numel * world)
@@ -139,8 +144,60 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
                                  "measured": [{"bytes": b, "s": t} for b, t in pts]}}
     out["collectives"] = colls
     out["call_fixed"] = _usp_call_fixed(out["backend"], head_dim, world, reps)
+    out["call_fixed_local"] = _usp_call_fixed(out["backend"], head_dim, 1, reps)
+    if layer is not None:
+        out["token_layers"] = _token_layers(tdt, reps=reps, **layer)
     dist.barrier()
     return out
+
+
+def _token_layers(tdt, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int,
+                  reps: int) -> dict:
+    """The token-proportional layers' rates on this rank: GEMMs (a linear layer's forward and
+    backward, flops/s), elementwise ops (bytes/s), and the fixed seconds of a Llama-shaped
+    decoder layer and of the rest of a model call (embedding, norm, head, loss) at 4 tokens,
+    forward and backward; AdamW's fixed seconds per step."""
+    import torch
+    import torch.nn.functional as F
+
+    from .standin import StandInHead, StandInLayer, rope
+    torch.manual_seed(0)
+    t = 1024
+    x = torch.randn(t, hidden, dtype=tdt, requires_grad=True)
+    w = torch.randn(intermediate, hidden, dtype=tdt, requires_grad=True)
+    dy = torch.randn(t, intermediate, dtype=tdt)
+
+    def gemm():
+        F.linear(x, w).backward(dy)
+    gemm()
+    linear = 6.0 * t * hidden * intermediate / _typical(gemm, reps)
+    a, b = (torch.randn(t, intermediate, dtype=tdt) for _ in range(2))
+
+    def elementwise():     # mul, add, silu, cat: 3 + 3 + 2 + 2 tensors of t x intermediate moved
+        c = F.silu(a * b + a)
+        torch.cat((c[:, : intermediate // 2], c[:, intermediate // 2:]), dim=-1)
+    elementwise()
+    elem_bw = 10.0 * a.numel() * a.element_size() / _typical(elementwise, reps)
+    layer = StandInLayer(hidden, heads, kv_heads, head_dim, intermediate).to(tdt)
+    head = StandInHead(hidden, vocab).to(tdt)
+    few = 4
+    cos, sin = rope(few, head_dim, tdt)
+    h = torch.randn(1, few, hidden, dtype=tdt, requires_grad=True)
+    ids = torch.randint(0, vocab, (1, few))
+
+    def one_layer():
+        layer(h, cos, sin).sum().backward()
+
+    def rest():
+        head.loss(head.embed(ids), ids).backward()
+    one_layer()
+    rest()
+    opt = torch.optim.AdamW(list(layer.parameters()) + list(head.parameters()), lr=1e-4)
+    params = sum(p.numel() for p in opt.param_groups[0]["params"])
+    return {"linear_flops": linear, "elementwise_bandwidth": elem_bw, "layer_s": _typical(one_layer, reps),
+            "rest_s": _typical(rest, reps), "adamw_s": _typical(opt.step, reps), "adamw_params": params,
+            "shape": {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                      "intermediate": intermediate, "vocab": vocab}}
 
 
 def _usp_call_fixed(backend: str, head_dim: int, world: int, reps: int) -> dict:
@@ -176,17 +233,29 @@ def _usp_call_fixed(backend: str, head_dim: int, world: int, reps: int) -> dict:
     return res
 
 
+#: the decoder layer the token-proportional rates are measured on, unless told another
+#: (Llama-shaped, small enough to time on a CPU: hidden 256, 8 heads of 32, 2 KV heads)
+LAYER = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 704, "vocab": 2048}
+
+
 def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads: int = 2, threads: int = 1,
               sizes=(512, 1024, 2048), msg_sizes=(4 << 10, 256 << 10, 2 << 20, 8 << 20), reps: int = 5,
-              timeout: float = 120.0) -> dict:
-    """Spawn ``nproc`` CPU ranks (gloo), measure, and return a profile dict."""
+              timeout: float = 120.0, layer: Optional[dict] = None) -> dict:
+    """Spawn ``nproc`` CPU ranks (gloo), measure, and return a profile dict.  Every rank
+    measures at once, so on a machine with fewer cores than ranks the rates are what each
+    rank gets when all of them run.  ``layer``: the decoder layer's shape for the token-
+    proportional rates (default :data:`LAYER`)."""
     t0 = time.monotonic()
+    layer = dict(LAYER if layer is None else layer)
     pool = _pool.RankPool(nproc, threads=threads, device_type="cpu", start_timeout=timeout)
     try:
         res = pool.run(rank_calibrate, timeout=timeout, dtype=dtype, head_dim=head_dim, heads=heads,
-                       sizes=list(sizes), msg_sizes=list(msg_sizes), reps=reps)
+                       sizes=list(sizes), msg_sizes=list(msg_sizes), reps=reps, layer=layer)
     finally:
         pool.close()
+    tok = [r["token_layers"] for r in res]
+    elem_bw = min(t["elementwise_bandwidth"] for t in tok)
+    adamw = max(max(0.0, t["adamw_s"] - 28.0 * t["adamw_params"] / elem_bw) for t in tok)
     # the slowest rank's numbers (the ranks run in lock step)
     kern = min((r["kernel"] for r in res), key=lambda k: k["fwd_flops"])
     colls = {}
@@ -207,7 +276,13 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
                         "backward throughput is per 2.5x the forward flops (recompute + 4 matmuls)",
                         "kernel times are medians of the runs (as the bench reports a call), not the best run",
                         "call_overhead / call_overhead_bwd: a tiny Ulysses call timed like the bench times one "
-                        "(after a barrier, slowest rank, median): the fixed cost every call pays"],
+                        "(after a barrier, slowest rank, median): the fixed cost every call pays; *_local: the same "
+                        "on a one-rank group",
+                        "linear: a linear layer's forward and backward (3 GEMMs) at 1024 tokens of the calibration "
+                        "layer; elementwise_bandwidth: mul, add, SiLU and cat on its MLP activations",
+                        "layer_overhead / model_overhead: a Llama-shaped decoder layer (usp_hal.harness.standin) and "
+                        "the embedding + norm + head + loss, forward and backward at 4 tokens; optimizer_overhead: "
+                        "AdamW's step beyond 7 fp32 words per parameter at the elementwise bandwidth"],
         "gpus_per_node": 1 << 20,
         "memory_bytes": None,
         "intra": {"bandwidth": colls["p2p"]["intra"]["bandwidth"], "latency": colls["p2p"]["intra"]["latency"]},
@@ -222,6 +297,16 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
         "call_overhead": max(r["call_fixed"]["fwd"] for r in res),
         "call_overhead_bwd": max(0.0, max(r["call_fixed"]["fwdbwd"] for r in res)
                                  - max(r["call_fixed"]["fwd"] for r in res)),
+        # the same on a one-rank group (no collective): what a job alone on a rank pays
+        "call_overhead_local": max(r["call_fixed_local"]["fwd"] for r in res),
+        "call_overhead_bwd_local": max(0.0, max(r["call_fixed_local"]["fwdbwd"] for r in res)
+                                       - max(r["call_fixed_local"]["fwd"] for r in res)),
+        # the token-proportional layers (usp_hal.stepcost), each the slowest rank's
+        "linear": {dtype: {"flops": min(t["linear_flops"] for t in tok)}},
+        "elementwise_bandwidth": elem_bw,
+        "layer_overhead": max(t["layer_s"] for t in tok),
+        "model_overhead": max(t["rest_s"] for t in tok),
+        "optimizer_overhead": adamw,
         "calibration": {"nproc": nproc, "threads_per_rank": threads, "dtype": dtype, "head_dim": head_dim,
-                        "heads": heads, "wall_s": round(time.monotonic() - t0, 1)},
+                        "heads": heads, "layer": layer, "wall_s": round(time.monotonic() - t0, 1)},
     }
