@@ -1,0 +1,115 @@
+"""The whole-step price of a job (usp_hal.stepcost): its tables against the planner's direct
+prediction, packed documents priced as the kernel runs them, the token-proportional layers."""
+import math
+
+import numpy as np
+import pytest
+
+from usp_hal.planner import Candidate, PlanError, Problem, load_profile, predict
+from usp_hal.stepcost import AttentionShape, StepModel, least_tokens
+
+ATT = AttentionShape(32, 128, 8, "bf16", True, True)
+LLAMA8B = AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermediate=14336, layers=32, vocab=128256)
+
+
+@pytest.mark.parametrize("profile", ["h100-nvlink", "l40-pcie"])
+def test_the_tables_give_the_planners_prediction(profile):
+    """One sequence alone: the interpolated table within 1.5% of predict() at lengths between the
+    grid's points (the rest is the planner's own rounding of shards to whole tokens)."""
+    m = StepModel(ATT, profile)
+    worst = 0.0
+    for g, u, lay in [(1, 1, "basic"), (2, 1, "zigzag"), (4, 2, "zigzag"), (4, 4, "basic"), (8, 2, "zigzag")]:
+        ns = np.unique(np.geomspace(g, 40000, 25).astype(int))
+        got = m.alone(ns, g, u, lay)["time"]
+        for n, t in zip(ns, got):
+            p = predict(Problem(g, 32, int(n), 128, 8, 1, "bf16", True, True), Candidate(u, g // u, lay), m.profile)
+            worst = max(worst, abs(t / p.time - 1))
+    assert worst < 0.015, worst
+
+
+def test_packed_documents_on_one_rank_are_the_sum_of_the_documents():
+    """Packed documents share no keys: on one rank no merge between them, each document's kernel
+    work, one call's fixed costs, and with a varlen kernel (FA3 on h100-nvlink) one launch per
+    pass: the price is the documents' alone minus what the pack pays once."""
+    m = StepModel(LLAMA8B, "h100-nvlink")
+    assert m.varlen
+    docs = (900, 40, 3000, 7)
+    packed = m.job(docs, 1, 1, "basic")
+    exact = m.job_exact(docs, 1, 1, "basic")
+    assert math.isclose(packed.time, exact.time, rel_tol=1e-3), (packed, exact)
+    alone = sum(m.job((n,), 1, 1, "basic").time for n in docs)
+    tab = m.table(1, 1, "basic")
+    once = m.layers * (tab.fixed + 2 * tab.launch) + m.call_overhead()   # fixed costs and the launches per pass
+    assert math.isclose(packed.time, alone - (len(docs) - 1) * once, rel_tol=1e-6), (packed.time, alone, once)
+    # the planner itself: no merges (or gradient accumulation) between packed documents
+    cu = (0, 900, 940, 3940, 3947)
+    p = predict(Problem(1, 32, 3947, 128, 8, 1, "bf16", True, True, cu), Candidate(1, 1, "basic"), m.profile)
+    assert p.detail["merges"] == 0.0
+
+
+def test_a_kernel_without_varlen_launches_each_document():
+    """SDPA (the CPU profile) has no varlen entry: a packed one-rank call launches per document."""
+    shape = AttentionShape(8, 32, 2, "fp32", True, True, hidden=256, intermediate=896, layers=2, vocab=2048)
+    m = StepModel(shape, "cpu-4ranks")
+    assert not m.varlen
+    p4 = predict(Problem(1, 8, 400, 32, 2, 1, "fp32", True, True, (0, 100, 200, 300, 400)), Candidate(1, 1, "basic"),
+                 m.profile)
+    assert p4.detail["mean_calls"] == 8        # 4 documents x forward and backward
+
+
+@pytest.mark.parametrize("g, u", [(2, 1), (4, 2), (2, 2), (4, 1)])
+def test_packed_ring_jobs_from_their_documents_are_close_to_the_direct_prediction(g, u):
+    """Several documents on a group: summed from each document's table entry (varlen_zigzag cuts
+    every document for the ring), the all-to-alls and ring messages at the total length; within
+    8% of one direct prediction of the packed call."""
+    m = StepModel(ATT, "h100-nvlink")
+    lay = "varlen_zigzag" if g // u > 1 else "basic"
+    for docs in [(1000, 200, 3000), (100,) * 10, (5000, 2000), (3, 40, 7000, 1), (16000, 300)]:
+        a, e = m.job(docs, g, u, lay), m.job_exact(docs, g, u, lay)
+        assert abs(a.time / e.time - 1) < 0.08, (docs, a.time, e.time)
+
+
+def test_token_layers_and_the_step_constant():
+    m = StepModel(LLAMA8B, "h100-nvlink")
+    # Llama-3-8B: about 6.98e9 parameters plus 2 x 0.53e9 for the embedding and head
+    assert 7.9e9 < LLAMA8B.parameters() < 8.1e9
+    lin = load_profile("h100-nvlink")["linear"]["bf16"]["flops"]
+    per_token = float(m.tokens_time(1))
+    gemm = 3 * LLAMA8B.gemm_flops_per_token() / lin
+    assert gemm < per_token < 1.3 * gemm          # GEMMs dominate; the elementwise traffic adds a part
+    assert float(m.tokens_time(1000)) == pytest.approx(1000 * per_token)
+    # a job of one sequence: its parts sum to its time, the tokens' share what the layers cost
+    c = m.job((4096,), 2, 2, "basic")
+    assert c.time == pytest.approx(sum(c.parts().values()))
+    assert c.tokens == pytest.approx(float(m.tokens_time(2048)))
+    assert m.step_constant(4) > 0 and m.step_constant(1) < m.step_constant(4)
+
+
+def test_shape_from_a_transformers_config():
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256)
+    assert AttentionShape.from_config(cfg) == LLAMA8B
+    from transformers import Qwen3MoeConfig
+    moe = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts_per_tok=8, num_hidden_layers=4,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=1000)
+    s = AttentionShape.from_config(moe, dtype="float32")
+    assert (s.intermediate, s.head_dim, s.kv_heads, s.dtype) == (768 * 8, 128, 4, "fp32")
+
+
+def test_a_profile_without_what_the_step_needs_is_refused_naming_what_to_do():
+    with pytest.raises(PlanError, match=r"no attention kernel rate for fp32 .* calibrate"):
+        StepModel(AttentionShape(8, 64, dtype="fp32", hidden=512, intermediate=1024, vocab=100), "h100-nvlink")
+    prof = dict(load_profile("h100-nvlink"))
+    prof.pop("linear")
+    with pytest.raises(PlanError, match=r"no linear-layer rate for bf16, .*usp-hal calibrate"):
+        StepModel(LLAMA8B, prof)
+    StepModel(ATT, prof)          # attention alone needs no linear rate
+
+
+def test_least_tokens_gives_every_rank_one():
+    from usp_hal.sequence.positions import local_lengths
+    for g, u, lay in [(2, 1, "zigzag"), (4, 2, "zigzag"), (4, 4, "basic"), (8, 1, "zigzag")]:
+        n = least_tokens(g, u, lay)
+        assert min(min(r) for r in local_lengths(lay, n, g // u, u)) >= 1
+        assert min(min(r) for r in local_lengths(lay, n - 1, g // u, u)) == 0

@@ -1,0 +1,510 @@
+"""The price of a training step: every job a rank runs, whole (not only its attention).
+
+A *job* is one model call, forward and backward, on a group of ``g`` ranks with one
+Ulysses x Ring split, holding one sequence or several packed ones.  Its time on the busiest
+rank of the group is
+
+    layers x one attention call            usp_hal.planner.predict: kernel, merges, the all-to-alls,
+                                           the ring's exposed exchange, the call's fixed cost
+  + token-proportional layers              tokens per rank x (GEMM flops / the profile's linear rate
+                                           + elementwise bytes / its elementwise bandwidth): the
+                                           q/k/v/o projections, the MLP, norms, RoPE, residuals,
+                                           the LM head and the loss
+  + per-call overheads                     layers x ``layer_overhead`` + ``model_overhead``
+
+and a step on a rank is its jobs one after another; the step takes as long as its slowest rank,
+plus what every schedule pays alike (:meth:`StepModel.step_constant`: the gradient all-reduce
+over the world and the optimizer step).
+
+Packed documents share no keys: their attention is priced as the kernel runs them, per
+document, without any merge between them, and with one launch per kind of call when the
+profile's kernel has a varlen entry point (``usp_hal.planner.kernel_varlen``); the packed
+call's fixed cost, its all-to-alls and its ring messages are paid once, for all its tokens.
+
+Pricing must be cheap enough to run every step.  A :class:`StepModel` therefore tabulates the
+planner's prediction of one sequence on each (group size, Ulysses degree, layout) at a grid of
+lengths (every length up to :data:`DENSE`, then :data:`PER_OCTAVE` per octave) and
+interpolates; :func:`tests.test_stepcost` holds the table to the direct prediction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .planner import DTYPE_ALIASES, DTYPE_BYTES, Candidate, PlanError, Problem, kernel_varlen, load_profile, predict
+from .sequence.positions import local_lengths
+
+#: lengths below this are tabulated one by one (where shards are a few tokens, rounding matters)
+DENSE = 64
+#: grid points per doubling of the length above :data:`DENSE`
+PER_OCTAVE = 16
+#: the parts a job's time is reported in (they sum to it)
+PARTS = ("attention", "tokens", "communication", "overhead")
+
+# ATen ops of transformers' LlamaDecoderLayer with SDPA attention, counted with a dispatch mode
+# (transformers 5.23.0): 77 in the forward, 142 in the backward; the elementwise traffic per token
+# and layer in the forward, in elements: two RMSNorms (8 x hidden each, eager: pow, mean, rsqrt,
+# two multiplies, casts), two residual adds (3 x hidden each), RoPE on q and k (8 per element:
+# two multiplies, rotate_half's slice and cat, an add), SiLU(gate) x up (5 x intermediate), the
+# attention output's transposes (4 per q element); the backward moves about twice as much
+_LAYER_ELEMS_HIDDEN = 22
+_LAYER_ELEMS_INTER = 5
+_LAYER_ELEMS_QK = 8
+_LAYER_ELEMS_Q = 4
+# the loss on fp32 logits: upcast, log-softmax, gather, and their backward, about 10 passes over
+# a row of the vocabulary per token
+_LOSS_PASSES = 10
+# AdamW (torch's foreach path) reads the parameter, its gradient and both moments and writes three
+# of them: 7 fp32 words per parameter
+_ADAMW_WORDS = 7
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A model's shape as the step's price needs it.  ``heads``, ``head_dim``, ``kv_heads``,
+    ``dtype``, ``causal``, ``bwd`` describe its attention call; ``hidden``, ``intermediate``,
+    ``layers`` and ``vocab`` its token-proportional layers (Llama-shaped: q/k/v/o projections,
+    a gated MLP, an LM head).  ``hidden=0`` prices attention alone (one call per job).
+    :meth:`from_config` reads them from a transformers config."""
+    heads: int
+    head_dim: int
+    kv_heads: Optional[int] = None
+    dtype: str = "bf16"
+    causal: bool = True
+    bwd: bool = True
+    hidden: int = 0
+    intermediate: int = 0
+    layers: int = 1
+    vocab: int = 0
+
+    @classmethod
+    def from_config(cls, config, *, dtype: str = "bf16", causal: bool = True, bwd: bool = True) -> "AttentionShape":
+        """A transformers config's shape (``num_attention_heads``, ``head_dim`` or ``hidden_size
+        / heads``, ``num_key_value_heads``, ``intermediate_size`` (a MoE's active experts'
+        ``moe_intermediate_size`` x ``num_experts_per_tok``, plus its shared experts'),
+        ``num_hidden_layers``, ``vocab_size``)."""
+        cfg = getattr(config, "get_text_config", lambda: config)()
+        heads = int(cfg.num_attention_heads)
+        hidden = int(cfg.hidden_size)
+        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+        inter = int(getattr(cfg, "intermediate_size", 0) or 0)
+        per_tok = getattr(cfg, "num_experts_per_tok", None)
+        moe = getattr(cfg, "moe_intermediate_size", None)
+        if per_tok and moe:
+            inter = int(moe) * int(per_tok) + int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        return cls(heads, head_dim, int(getattr(cfg, "num_key_value_heads", None) or heads),
+                   DTYPE_ALIASES.get(str(dtype), str(dtype)), causal, bwd, hidden, inter,
+                   int(cfg.num_hidden_layers), int(getattr(cfg, "vocab_size", 0) or 0))
+
+    def describe(self) -> str:
+        att = f"H={self.heads} Hkv={self.kv_heads or self.heads} D={self.head_dim} {self.dtype}"
+        if not self.hidden:
+            return f"{att} (attention only)"
+        return (f"{self.layers} layers, hidden {self.hidden}, intermediate {self.intermediate}, vocab {self.vocab}, "
+                f"{att}")
+
+    @property
+    def attention_only(self) -> "AttentionShape":
+        """The attention call's part (what the tables are keyed by)."""
+        return AttentionShape(self.heads, self.head_dim, self.kv_heads, self.dtype, self.causal, self.bwd)
+
+    # ---- the token-proportional layers
+    def gemm_flops_per_token(self) -> float:
+        """GEMM flops per token of one model call (forward; the backward is twice this)."""
+        if not self.hidden:
+            return 0.0
+        q = self.heads * self.head_dim
+        kv = (self.kv_heads or self.heads) * self.head_dim
+        layer = 2 * (self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.intermediate)
+        return float(self.layers * layer + 2 * self.hidden * self.vocab)
+
+    def elementwise_bytes_per_token(self) -> float:
+        """Bytes the elementwise ops move per token of one model call (forward)."""
+        if not self.hidden:
+            return 0.0
+        q = self.heads * self.head_dim
+        kv = (self.kv_heads or self.heads) * self.head_dim
+        per_layer = (_LAYER_ELEMS_HIDDEN * self.hidden + _LAYER_ELEMS_INTER * self.intermediate
+                     + _LAYER_ELEMS_QK * (q + kv) + _LAYER_ELEMS_Q * q)
+        return float(self.layers * per_layer * DTYPE_BYTES[self.dtype] + _LOSS_PASSES * self.vocab * 4 / 3)
+
+    def parameters(self) -> int:
+        """Parameters of the model (untied embedding and head)."""
+        if not self.hidden:
+            return 0
+        q = self.heads * self.head_dim
+        kv = (self.kv_heads or self.heads) * self.head_dim
+        layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.layers * layer + 2 * self.vocab * self.hidden + self.hidden
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One job's price on its group: the split, what the busiest rank of the group pays, and
+    the time in :data:`PARTS`."""
+    ulysses: int
+    ring: int
+    layout: str
+    time: float          # predicted seconds of the whole model call (forward and backward with bwd)
+    pairs: int           # query-key pairs x query heads the busiest rank scores (forward, one layer)
+    bytes: float         # bytes the busiest rank sends (all layers)
+    collectives: int     # collectives of the call (all layers)
+    attention: float = 0.0
+    tokens: float = 0.0
+    communication: float = 0.0
+    overhead: float = 0.0
+
+    def parts(self) -> Dict[str, float]:
+        return {k: getattr(self, k) for k in PARTS}
+
+
+# columns of a table: the assembled one-sequence parts, then the components a packed job sums
+_TOTALS = ("time", "attention", "communication", "overhead", "bytes", "collectives", "pairs")
+_PACK = ("kernel_work", "merges", "w0_f", "wr_f", "w0_b", "wr_b", "c0", "cr", "k0", "kr")
+_AT_N = ("a2a", "copies", "comm_f", "comm_b", "bytes", "collectives")
+
+
+class _Table:
+    """One (group size, Ulysses degree, layout)'s predictions of one sequence on a grid of
+    lengths from 1 (a document in a pack may be shorter than the group; a sequence alone needs
+    :func:`least_tokens`), every length up to a few dozen, then geometric; extended when a
+    longer length is asked for.  Rings above 8 ranks (whose block plans cost the most to
+    predict) get a sparser grid."""
+
+    def __init__(self, model: "StepModel", g: int, u: int, layout: str, top: int):
+        self.model, self.g, self.u, self.r, self.layout = model, g, u, g // u, layout
+        self.least = least_tokens(g, u, layout)
+        self.dense = DENSE if self.r <= 8 else 16
+        self.ratio = 2 ** (1.0 / (PER_OCTAVE if self.r <= 8 else 8 if self.r <= 16 else 4))
+        self.n = np.zeros(0)
+        self.cols: Dict[str, np.ndarray] = {}
+        self._extend(max(1, int(top)))
+
+    def _extend(self, top: int) -> None:
+        grid = [int(x) for x in self.n]
+        new: List[int] = []
+        last = grid[-1] if grid else 0
+        while last < min(top, self.dense):
+            last += 1
+            new.append(last)
+        while last < top:
+            last = max(last + 1, int(round(last * self.ratio)))
+            new.append(last)
+        if not new:
+            return
+        rows = [self.model._predict_one(self.g, self.u, self.layout, n) for n in new]
+        add = {k: np.array([row[k] for row in rows], dtype=np.float64) for k in rows[0]}
+        self.cols = {k: np.concatenate([self.cols[k], add[k]]) if self.cols else add[k] for k in add}
+        self.n = np.concatenate([self.n, np.array(new, dtype=np.float64)])
+        self.top = int(self.n[-1])
+        end = rows[-1]       # the split's constants, read at the longest length (every rank has work)
+        self.fixed, self.small, self.launch = end["overhead"], end["small"], end["launch"]
+        self.busy, self.penalty = end["busy"], end["penalty"]
+
+    def at(self, n, cols, extrapolate: bool = False) -> Dict[str, np.ndarray]:
+        """``cols`` at lengths ``n`` (interpolated).  Past the grid's end the table grows, or
+        with ``extrapolate`` (columns affine in the length: bytes and their transfer times)
+        continues the last segment."""
+        x = np.asarray(n, dtype=np.float64)
+        if x.size and float(x.min()) < 1:
+            raise ValueError(f"a length must be >= 1, got {float(x.min())}")
+        hi = float(x.max()) if x.size else 0.0
+        if hi > self.top and not extrapolate:
+            self._extend(max(int(hi), 2 * self.top))
+        out = {k: np.interp(x, self.n, self.cols[k]) for k in cols}
+        if extrapolate and hi > self.top:
+            far = x > self.top
+            n0, n1 = self.n[-2], self.n[-1]
+            for k in cols:
+                c0, c1 = self.cols[k][-2], self.cols[k][-1]
+                out[k][far] = c1 + (x[far] - n1) * (c1 - c0) / (n1 - n0)
+        return out
+
+
+def least_tokens(g: int, u: int, layout: str) -> int:
+    """The fewest tokens a sequence needs so that every rank of a ``u x (g / u)`` group holds
+    one in ``layout`` (what ``usp_hal.sharding.empty_rank_problem`` asks of the model path)."""
+    if g == 1:
+        return 1
+    r = g // u
+    n = g
+    while min(min(row) for row in local_lengths(layout, n, r, u)) < 1:
+        n += 1
+    return n
+
+
+def fits_packed(lengths: Sequence[int], g: int, u: int, layout: str) -> bool:
+    """Whether a packed job of ``lengths`` gives every rank of its group a token."""
+    if g == 1:
+        return True
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return min(min(row) for row in local_lengths(layout, cu[-1], g // u, u, cu_seqlens=cu)) >= 1
+
+
+class StepModel:
+    """Whole-step prices of jobs for one model shape on one profile.
+
+    ``shape``: an :class:`AttentionShape` (with its token-proportional layers, or
+    ``hidden=0`` for attention alone); ``profile``: a planner profile (name, path or dict);
+    ``top``: the length the tables start out covering (they grow when asked for longer)."""
+
+    def __init__(self, shape: AttentionShape, profile="h100-nvlink", *, top: int = 1 << 13):
+        self.shape = shape
+        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.top = int(top)
+        dt = shape.dtype
+        kern = self.profile.get("kernel", {})
+        if dt not in kern:
+            have = ", ".join(k for k in kern if not k.startswith("_"))
+            raise PlanError(f"profile {self.profile.get('name')!r} has no attention kernel rate for {dt} (it has "
+                            f"{have}): train in one of those dtypes, pick a profile with {dt}, or calibrate this "
+                            f"machine (`usp-hal calibrate --dtype {dt}`) and pass the profile it writes")
+        self.varlen = kernel_varlen(kern[dt])
+        lin = (self.profile.get("linear") or {}).get(dt)
+        if shape.hidden and not lin:
+            raise PlanError(f"profile {self.profile.get('name')!r} has no linear-layer rate for {dt}, so the "
+                            f"token-proportional layers cannot be priced: calibrate this machine (`usp-hal calibrate "
+                            f"--dtype {dt}`) and pass the profile it writes, or pick a profile with a 'linear' entry")
+        self.linear_flops = float(lin["flops"]) if lin else 0.0
+        self.elem_bw = float(self.profile.get("elementwise_bandwidth") or self.profile.get("copy_bandwidth") or 0.0)
+        self.layer_overhead = float(self.profile.get("layer_overhead", 0.0)) if shape.hidden else 0.0
+        self.model_overhead = float(self.profile.get("model_overhead", 0.0)) if shape.hidden else 0.0
+        self._tables: Dict[Tuple[int, int, str], _Table] = {}
+        self._jobs: Dict[tuple, Cost] = {}
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers if self.shape.hidden else 1
+
+    # ---------------------------------------------------------------- the token-proportional part
+    def tokens_time(self, tokens_per_rank):
+        """Seconds of the token-proportional layers for this many tokens on a rank (array ok)."""
+        s = self.shape
+        passes = 3.0 if s.bwd else 1.0
+        t = np.asarray(tokens_per_rank, dtype=np.float64)
+        rate = s.gemm_flops_per_token() / self.linear_flops if self.linear_flops else 0.0
+        mem = s.elementwise_bytes_per_token() / self.elem_bw if self.elem_bw else 0.0
+        return t * passes * (rate + mem)
+
+    def call_overhead(self) -> float:
+        """The fixed seconds of one model call beyond its attention calls."""
+        return self.layers * self.layer_overhead + self.model_overhead
+
+    def step_constant(self, world: int) -> float:
+        """What every schedule of a step pays alike: the gradients summed over the world (one
+        all-reduce) and the optimizer step (AdamW)."""
+        params = self.shape.parameters()
+        if not params:
+            return 0.0
+        grad_bytes = params * (4 if self.shape.dtype in ("fp32", "fp64") else 2)
+        t = _ADAMW_WORDS * 4.0 * params / self.elem_bw if self.elem_bw else 0.0
+        t += float(self.profile.get("optimizer_overhead", 0.0))
+        if world > 1:
+            meas = (self.profile.get("collectives") or {}).get("all_reduce", {}).get("intra")
+            if meas:
+                bw, lat = float(meas["bandwidth"]), float(meas["latency"])
+                t += lat + grad_bytes / bw
+            else:
+                gpn = int(self.profile.get("gpus_per_node") or world)
+                link = self.profile.get("inter" if world > gpn else "intra") or self.profile["intra"]
+                eff = float((self.profile.get("efficiency") or {}).get("all_gather", 1.0))
+                t += float(link.get("latency", 0.0)) + 2 * (world - 1) / world * grad_bytes / (
+                    float(link["bandwidth"]) * eff)
+        return t
+
+    # ---------------------------------------------------------------- attention, tabulated
+    def _predict_one(self, g: int, u: int, layout: str, n: int) -> dict:
+        """The table row of length ``n``: one sequence's assembled parts (:data:`_TOTALS`),
+        the components a packed job sums, per document (:data:`_PACK`, from a pack of two
+        documents of ``n`` tokens, halved: inside a pack the block plan cuts every call at the
+        documents' boundaries), and what a packed job pays once at its total length
+        (:data:`_AT_N`)."""
+        s = self.shape
+        single = "zigzag" if layout == "varlen_zigzag" else layout
+        p = predict(Problem(g, s.heads, n, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd),
+                    Candidate(u, g // u, single), self.profile)
+        pair = predict(Problem(g, s.heads, 2 * n, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd, (0, n, 2 * n)),
+                       Candidate(u, g // u, layout), self.profile)
+        d, dp = p.detail, pair.detail
+        assert d is not None and dp is not None
+        f = dp["steps"][False]
+        b = dp["steps"].get(True, [(0.0, 0)] * len(f))
+        rest = range(1, len(f))
+        launches = sum(c for _, c in f)
+        return {"time": p.time, "attention": p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"],
+                "communication": p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"],
+                "overhead": d["fixed"], "bytes": p.comm_bytes, "collectives": float(p.collectives),
+                "pairs": float(_pairs(n, g // u, single, s.causal) * _heads_on_busiest(s, u)),
+                # per document of a pack
+                "kernel_work": dp["kernel_work"] / 2, "merges": dp["merges"] / 2,
+                "w0_f": f[0][0] / 2, "wr_f": max((f[i][0] for i in rest), default=0.0) / 2,
+                "w0_b": b[0][0] / 2, "wr_b": max((b[i][0] for i in rest), default=0.0) / 2,
+                "c0": f[0][1] / 2, "cr": max((f[i][1] for i in rest), default=0) / 2,
+                "k0": float(_kinds(2 * n, g // u, layout, s.causal, 0, (0, n, 2 * n))),
+                "kr": float(_kinds(2 * n, g // u, layout, s.causal, 1, (0, n, 2 * n))),
+                # paid once by a packed job, at its total length
+                "a2a": d["a2a"], "copies": d["copies"], "comm_f": d["comm"].get(False, 0.0),
+                "comm_b": d["comm"].get(True, 0.0),
+                # constants of the split
+                "small": d["small"], "launch": d["overhead"],
+                # launches on the mean rank per launch on the busiest (idle Ulysses ranks launch none)
+                "busy": dp["mean_calls"] / (launches * (2 if s.bwd else 1)) if launches else 1.0,
+                "penalty": d["penalty"]}
+
+    def table(self, g: int, u: int, layout: str) -> _Table:
+        key = (g, u, layout)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = _Table(self, g, u, layout, self.top)
+        return t
+
+    def least(self, g: int, u: int, layout: str) -> int:
+        return least_tokens(g, u, layout)
+
+    # ---------------------------------------------------------------- prices
+    def alone(self, lengths, g: int, u: int, layout: str, cols: Sequence[str] = _TOTALS) -> Dict[str, np.ndarray]:
+        """One sequence's job on ``u x (g / u)`` for each of ``lengths`` (arrays, one entry per
+        length; ``time`` and the :data:`PARTS`, ``bytes``, ``collectives``, ``pairs``; ``cols``
+        those needed: ``("time",)`` is the cheapest).  The lengths must give every rank a token
+        (:func:`least_tokens`)."""
+        n = np.asarray(lengths, dtype=np.float64)
+        want = set(cols) | ({"attention", "communication", "overhead"} if "time" in cols else set())
+        t = self.table(g, u, layout).at(n, [c for c in _TOTALS if c in want and c not in ("time", "tokens")])
+        L = self.layers
+        out: Dict[str, np.ndarray] = {}
+        for k in ("attention", "communication", "bytes", "collectives"):
+            if k in t:
+                out[k] = L * t[k]
+        if "pairs" in t:
+            out["pairs"] = t["pairs"]
+        if "overhead" in t:
+            out["overhead"] = L * t["overhead"] + self.call_overhead()
+        if "tokens" in want or "time" in want:
+            out["tokens"] = self.tokens_time(np.ceil(n / g))
+        if "time" in want:
+            out["time"] = out["attention"] + out["communication"] + out["tokens"] + out["overhead"]
+        return out
+
+    def job(self, lengths: Tuple[int, ...], g: int, u: int, layout: str) -> Cost:
+        """The price of one job: one sequence, or several packed (each document priced on its
+        own, the call's fixed cost, all-to-alls and ring messages paid once for all)."""
+        key = (tuple(lengths), g, u, layout)
+        got = self._jobs.get(key)
+        if got is None:
+            if len(self._jobs) > 200_000:
+                self._jobs.clear()
+            got = self._jobs[key] = self.costs([tuple(lengths)], g, u, layout)[0]
+        return got
+
+    def costs(self, jobs: Sequence[Tuple[int, ...]], g: int, u: int, layout: str) -> List[Cost]:
+        """:meth:`job` for many jobs of one split at once (one table lookup per column)."""
+        out: List[Optional[Cost]] = [None] * len(jobs)
+        ones = [k for k, ls in enumerate(jobs) if len(ls) == 1]
+        if ones:
+            a = self.alone([jobs[k][0] for k in ones], g, u, layout)
+            for j, k in enumerate(ones):
+                out[k] = Cost(u, g // u, layout, float(a["time"][j]), int(a["pairs"][j]), float(a["bytes"][j]),
+                              int(round(float(a["collectives"][j]))), float(a["attention"][j]), float(a["tokens"][j]),
+                              float(a["communication"][j]), float(a["overhead"][j]))
+        many = [k for k, ls in enumerate(jobs) if len(ls) > 1]
+        if many:
+            for k, c in zip(many, self._packed([jobs[k] for k in many], g, u, layout)):
+                out[k] = c
+        return out    # type: ignore[return-value]
+
+    def job_exact(self, lengths: Tuple[int, ...], g: int, u: int, layout: str) -> Cost:
+        """:meth:`job` from one direct prediction of the packed call (its exact block plan, any
+        layout; slower: what the tables are checked against)."""
+        s = self.shape
+        total = int(sum(lengths))
+        cu = None
+        if len(lengths) > 1:
+            acc = [0]
+            for n in lengths:
+                acc.append(acc[-1] + int(n))
+            cu = tuple(acc)
+        p = predict(Problem(g, s.heads, total, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd, cu),
+                    Candidate(u, g // u, layout), self.profile)
+        d = p.detail
+        assert d is not None
+        L = self.layers
+        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"])
+        communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"])
+        overhead = L * d["fixed"] + self.call_overhead()
+        tokens = float(self.tokens_time(math.ceil(total / g)))
+        from .planner import call_pairs, ring_work
+        work, _, _ = ring_work(layout, total, g // u, s.causal, cu)
+        pairs = max(sum(call_pairs(c) for st in rank for c in st) for rank in work) * _heads_on_busiest(s, u)
+        return Cost(u, g // u, layout, attention + communication + overhead + tokens, pairs, L * p.comm_bytes,
+                    L * p.collectives, attention, tokens, communication, overhead)
+
+    def _packed(self, jobs: Sequence[Tuple[int, ...]], g: int, u: int, layout: str) -> List[Cost]:
+        tab = self.table(g, u, layout)
+        sizes = np.array([len(ls) for ls in jobs])
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        flat = np.array([n for ls in jobs for n in ls], dtype=np.float64)
+        docs = tab.at(flat, _PACK + ("pairs",))
+        total = np.add.reduceat(flat, starts)
+        at_n = tab.at(total, _AT_N, extrapolate=True)
+
+        def summed(k):
+            return np.add.reduceat(docs[k], starts)
+        ov, r, pen = tab.launch, g // u, tab.penalty
+        if self.varlen:     # one launch per kind of call and step
+            c0, cr = np.maximum.reduceat(docs["k0"], starts), np.maximum.reduceat(docs["kr"], starts)
+        else:
+            c0, cr = summed("c0"), summed("cr")
+        crit = np.zeros(len(jobs))
+        ring_time = np.zeros(len(jobs))
+        for p in ("f", "b") if self.shape.bwd else ("f",):
+            comm = at_n[f"comm_{p}"]
+            first = summed(f"w0_{p}") + ov * c0
+            rest = summed(f"wr_{p}") + ov * cr
+            crit += first + (r - 1) * rest
+            if r == 1:
+                ring_time += first
+            else:     # each step but the last hides the next block's move behind its compute (planner.ring_pass)
+                hop_first = np.maximum(first, comm) + pen * np.minimum(first, comm)
+                hop_rest = np.maximum(rest, comm) + pen * np.minimum(rest, comm)
+                ring_time += hop_first + (r - 2) * hop_rest + rest
+        launches = (c0 + cr * (r - 1)) * (2 if self.shape.bwd else 1) * tab.busy
+        kmean = summed("kernel_work") + ov * launches
+        L = self.layers
+        attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"])
+        communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small)
+        overhead = L * tab.fixed + self.call_overhead()
+        tokens = self.tokens_time(np.ceil(total / g))
+        time = attention + communication + overhead + tokens
+        pairs = summed("pairs")
+        return [Cost(u, r, layout, float(time[k]), int(pairs[k]), L * float(at_n["bytes"][k]),
+                     int(round(L * float(at_n["collectives"][k]))), float(attention[k]), float(tokens[k]),
+                     float(communication[k]), float(overhead)) for k in range(len(jobs))]
+
+
+def _heads_on_busiest(shape: AttentionShape, u: int) -> int:
+    from .parallel.heads import head_plan
+    return max(b - a for a, b in head_plan(shape.heads, shape.kv_heads or shape.heads, u).q)
+
+
+def _pairs(n: int, r: int, layout: str, causal: bool) -> int:
+    from .planner import call_pairs, ring_work
+    work, _, _ = ring_work(layout, n, r, causal)
+    return max(sum(call_pairs(c) for step in rank_steps for c in step) for rank_steps in work)
+
+
+def _kinds(n: int, r: int, layout: str, causal: bool, step: int, cu=None) -> int:
+    """Kinds of call (causal square, full rectangle) at ``step`` on the busiest ring rank."""
+    from .planner import ring_work
+    work, _, _ = ring_work(layout, n, r, causal, cu)
+    if step >= r:
+        return 0
+    return max(len({c[2] for c in rank_steps[step]}) for rank_steps in work)
+
+
+def shape_fields() -> Tuple[str, ...]:
+    return tuple(f.name for f in fields(AttentionShape))
