@@ -195,3 +195,77 @@ def short_sequence(U: int, R: int, S: int, layout: str = "zigzag"):
         return {"error": str(exc)}
     full = usp_hal.unshard(out.logits.detach(), layout=layout, mesh=mesh)
     return {"diff": float((full - ref(input_ids=ids).logits).abs().max())}
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:     # noqa: BLE001 - the point is what comes out
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def settings_error(**per_rank):
+    """What every rank raises building a DynamicDegree whose settings are this rank's entry of
+    each list in ``per_rank`` (budget_tokens, profile, pack, sizes, ulysses_degrees; the rest
+    the same everywhere), or None when it builds."""
+    rank = dist.get_rank()
+    kw = dict(budget_tokens=64, profile="cpu-4ranks")
+    kw.update({k: v[rank] for k, v in per_rank.items()})
+    return _error(lambda: DynamicDegree(SHAPE, **kw))
+
+
+def mixed_global_batch():
+    """Rank 0 schedules with ``global_batch=True``, the others gather their own lengths: every
+    rank's error (None where it scheduled)."""
+    dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks")
+    rank = dist.get_rank()
+    return _error(lambda: dd.schedule([10, 20, 30], global_batch=rank == 0))
+
+
+def bad_lengths(bad, rank_with_bad: int = 1, global_batch: bool = False):
+    """One rank passes ``bad`` among its lengths: every rank's error."""
+    dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks")
+    mine = [10, bad] if dist.get_rank() == rank_with_bad else [10, 20]
+    return _error(lambda: dd.schedule(mine, global_batch=global_batch))
+
+
+def many_lengths(counts, budget: int = 64):
+    """Each rank gives ``counts[rank]`` lengths (more than the gather's first message holds on
+    some): the gathered lengths and their ranks, and the schedule's jobs."""
+    rank = dist.get_rank()
+    mine = [1 + (rank * 1000 + i) % 50 for i in range(counts[rank])]
+    dd = DynamicDegree(SHAPE, budget_tokens=budget, profile="cpu-4ranks")
+    got, owner = dd.gather_lengths(mine)
+    sched = dd.plan(got)
+    return {"lengths": got, "owner": owner, "jobs": [(j.seqs, j.first, j.size) for j in sched.jobs]}
+
+
+def same_schedules(batches, budget: int, world_sizes=(1, 2, 4, 8)):
+    """Every batch scheduled for several worlds on this rank (a digest of each schedule)."""
+    import hashlib
+
+    from usp_hal.schedule import ScheduleError, schedule_batch
+    out = []
+    for w in world_sizes:
+        for b in batches:
+            try:
+                s = schedule_batch(b, w, SHAPE, budget_tokens=budget, profile="cpu-4ranks")
+                out.append(hashlib.sha256(repr([(j.seqs, j.first, j.size, j.cost) for j in s.jobs]).encode())
+                           .hexdigest())
+            except ScheduleError as exc:
+                out.append(str(exc))
+    return out
+
+
+def hybrid_packing(pack=None):
+    """``usp.dynamic_degree`` for a qwen3_next (gated DeltaNet, whose one-rank torch kernel cannot keep
+    packed documents apart): the ``pack`` it chose, or every rank's error."""
+    from tests.hybrid_cases import tiny_hybrid
+    from usp_hal.integrations import transformers as usp
+    model = tiny_hybrid("qwen3_next", 0)
+    try:
+        dd = usp.dynamic_degree(model, budget_tokens=16, profile="cpu-4ranks", pack=pack)
+    except Exception as exc:     # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return {"pack": dd.pack, "packed_jobs": sum(1 for j in dd.plan([7, 4, 12, 11, 9, 5]).jobs if len(j.seqs) > 1)}

@@ -1,59 +1,105 @@
 """The Ulysses x Ring degree per global batch, at run time: the groups built once, a schedule
-per step (see :mod:`usp_hal.schedule` for how sequences are placed).
+per step (see :mod:`usp_hal.schedule` for how sequences are placed and priced).
 
-    dd = DynamicDegree(AttentionShape(heads=32, head_dim=128, kv_heads=8), budget_tokens=16384)
+    shape = AttentionShape.from_config(model.config, dtype="bf16")     # attention and token layers
+    dd = DynamicDegree(shape, budget_tokens=16384, profile="h100-nvlink")
     sched = dd.schedule(my_lengths)          # one all-gather; the same schedule on every rank
     for job in dd.my_jobs(sched):            # this rank's jobs, in the order every rank runs them
         with dd.on(job):                     # modules built with mesh=None use the job's mesh
             ...                              # shard the job's sequences, call the model
 
-Set-up (:class:`DynamicDegree`) builds one mesh per (group size, Ulysses degree) of
-:func:`usp_hal.schedule.group_sizes`, on every rank in the same order, contiguous ranks first to
-Ulysses (the intra-node rule) and the rest to the ring: for a world of W ranks, at most
-``sum over sizes g of d(g)`` meshes (d: the number of divisors), each with ``W / g`` sequence-
-parallel groups; 6 meshes on 4 ranks, 10 on 8.  A step creates no group: it only selects among
-them.  Jobs of one rank make no collective, those of a group make theirs on that group's own
-process groups, and every rank runs its jobs in the schedule's one order, so no two groups can
-wait on each other.
+Set-up (:class:`DynamicDegree`) agrees its settings over the default group (a rank built with
+another budget, profile, shape, group sizes, packing or Ulysses degrees makes every rank raise,
+naming the setting), then builds one mesh per (group size, Ulysses degree) of the sizes, on every
+rank in the same order, contiguous ranks first to Ulysses (the intra-node rule) and the rest to
+the ring: for a world of W ranks, at most ``sum over sizes g of d(g)`` meshes (d: the number of
+divisors), each with ``W / g`` sequence-parallel groups; 6 meshes on 4 ranks, 10 on 8.  A step
+creates no group: it only selects among them.  Jobs of one rank make no collective, those of a
+group make theirs on that group's own process groups, and every rank runs its jobs in the
+schedule's one order, so no two groups can wait on each other.
 """
 from __future__ import annotations
 
+import json
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .parallel.comm import agree, digest_ints
+from .parallel.comm import agree, collective, digest_ints
 from .parallel.mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
-from .schedule import AttentionShape, Job, Schedule, ScheduleError, group_sizes, schedule_batch, ulysses_degrees_of
+from .planner import PlanError, load_profile
+from .schedule import (
+    MARGIN,
+    AttentionShape,
+    Job,
+    Schedule,
+    ScheduleError,
+    Scheduler,
+    group_sizes,
+    length_problem,
+    ulysses_degrees_of,
+)
+from .stepcost import shape_fields
 
-#: the most sequences one rank may contribute to a step (the gather's fixed width)
-MAX_LOCAL_SEQUENCES = 1024
+#: the most sequences one rank may contribute to a step
+MAX_LOCAL_SEQUENCES = 1 << 16
+#: lengths that travel in the gather's first (fixed-size) message; more take a second all-gather
+_FIRST = 61
+
+_SETTINGS = ("budget_tokens", "shape", "profile", "sizes", "pack", "ulysses_degrees", "margin")
+
+
+def _digest_text(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
 
 
 class DynamicDegree:
     """The meshes a schedule may use, built once; one schedule per global batch.
 
-    ``shape``: the attention call apart from its length (heads, head dim, kv heads, dtype,
-    causal, backward); ``budget_tokens``: the most tokens one rank may hold in one job;
-    ``profile``: the planner profile that prices the jobs (use the one of the machine the run is
-    on); ``sizes``: group sizes (default :func:`usp_hal.schedule.group_sizes` of the world);
-    ``ulysses_degrees``: the Ulysses degrees a group may use besides 1 (``(1,)``: rings only);
-    ``pack=False``: each sequence a job of its own (see :func:`usp_hal.schedule.schedule_batch`);
-    ``timeout``: given to every group (as :func:`usp_hal.init_sequence_parallel`)."""
+    ``shape``: the model as the step's price needs it (:class:`usp_hal.stepcost.AttentionShape`:
+    its attention call and, for whole-step pricing, its token-proportional layers, e.g.
+    ``AttentionShape.from_config(model.config)``); ``budget_tokens``: the most tokens one rank
+    may hold in one job; ``profile``: the planner profile that prices the jobs (use the one of
+    the machine the run is on, or one ``usp-hal calibrate`` wrote there); ``sizes``: group sizes
+    (default :func:`usp_hal.schedule.group_sizes` of the world); ``ulysses_degrees``: the Ulysses
+    degrees a group may use besides 1 (``(1,)``: rings only); ``pack=False``: each sequence a
+    job of its own (for models whose layers cannot keep packed documents apart);
+    ``margin``: a step whose dynamic schedule is predicted to gain less than this over the best
+    fixed split runs that split (0: never); ``timeout``: given to every group (as
+    :func:`usp_hal.init_sequence_parallel`).
+
+    Every setting is agreed over the default group before any group is built: a rank whose
+    settings differ makes every rank raise the same :class:`ValueError` naming the setting."""
 
     def __init__(self, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
                  sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
-                 pack: bool = True, timeout=None):
+                 pack: bool = True, margin: float = MARGIN, timeout=None):
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
+        problem: Optional[BaseException] = None
+        values = [0] * len(_SETTINGS)
+        try:
+            if not isinstance(shape, AttentionShape):
+                raise TypeError(f"DynamicDegree: shape must be an AttentionShape, got {type(shape).__name__}")
+            prof = load_profile(profile) if isinstance(profile, str) else profile
+            self.scheduler = Scheduler(self.world, shape, budget_tokens=budget_tokens, profile=prof, sizes=sizes,
+                                       ulysses_degrees=ulysses_degrees, pack=pack, margin=margin)
+            s = self.scheduler
+            values = [s.budget, _digest_text(repr([getattr(shape, f) for f in shape_fields()])),
+                      _digest_text(json.dumps(prof, sort_keys=True, default=str)), digest_ints(list(s.sizes)),
+                      int(s.pack), digest_ints(list(s.ulysses_degrees or (0,))), int(round(s.margin * 1e9))]
+        except (ScheduleError, PlanError, TypeError, ValueError) as exc:
+            problem = exc
+        # one all-gather before any group is built: the same settings everywhere, or every rank raises
+        agree(problem, None, what="DynamicDegree: the settings", where="default process group", values=values,
+              same=_SETTINGS)
         self.shape = shape
-        self.budget_tokens = int(budget_tokens)
+        self.budget_tokens = self.scheduler.budget
         self.profile = profile
-        self.sizes = tuple(sorted(set(sizes))) if sizes is not None else group_sizes(self.world)
-        if any(g < 1 or self.world % g for g in self.sizes):
-            raise ScheduleError(f"group sizes {self.sizes} must divide the world ({self.world})")
-        self.ulysses_degrees = None if ulysses_degrees is None else tuple(sorted(set(ulysses_degrees)))
-        self.pack = bool(pack)
+        self.sizes = self.scheduler.sizes
+        self.ulysses_degrees = self.scheduler.ulysses_degrees
+        self.pack = self.scheduler.pack
         self.meshes: Dict[Tuple[int, int, int], SequenceParallelMesh] = {}
         for g in self.sizes:                               # the same order on every rank
             for u in ulysses_degrees_of(g, self.ulysses_degrees):
@@ -62,46 +108,69 @@ class DynamicDegree:
             self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout)
 
     # ------------------------------------------------------------------ per step
-    def gather_lengths(self, lengths: Sequence[int]) -> Tuple[List[int], List[int]]:
-        """Every rank's sequence lengths, in rank order, and the rank that gave each one (one
-        all-gather of :data:`MAX_LOCAL_SEQUENCES` + 1 integers; a rank whose lengths are not
-        positive integers, or too many, makes every rank raise)."""
+    def gather_lengths(self, lengths: Sequence[int], problem: Optional[str] = None) -> Tuple[List[int], List[int]]:
+        """Every rank's sequence lengths, in rank order, and the rank that gave each one.  Each
+        length is checked before any conversion (positive integers only: no bools, floats,
+        strings or None); a rank whose lengths are bad, or too many, or that gives a
+        ``problem`` of its own, makes every rank raise.  One all-gather of a fixed-size int64
+        message (the count and the first lengths), and a second one only when some rank gives
+        more than fit in it."""
         vals = list(lengths)
-        problem = None
-        if len(vals) > MAX_LOCAL_SEQUENCES:
+        if not problem and len(vals) > MAX_LOCAL_SEQUENCES:
             problem = f"{len(vals)} sequences, over the {MAX_LOCAL_SEQUENCES} one rank may give"
-        elif not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in vals):
-            problem = f"lengths must be positive integers, got {vals[:8]}{' ...' if len(vals) > 8 else ''}"
-        send = [] if problem else [len(vals), *vals]
+        elif not problem:
+            for i, n in enumerate(vals):
+                why = length_problem(n)
+                if why:
+                    problem = f"lengths must be positive integers: sequence {i} of this rank {why}"
+                    break
+        send = [] if problem else [len(vals), *(int(n) for n in vals[:_FIRST])]
         rows = agree(problem, None, what="DynamicDegree.schedule: the sequence lengths", where="default process group",
-                     values=send, width=MAX_LOCAL_SEQUENCES + 1)
-        out, owner = [], []
+                     values=send, width=_FIRST + 1)
+        counts = [row[0] for row in rows]
+        more = max(counts) - _FIRST
+        tails: List[List[int]] = [[] for _ in rows]
+        if more > 0:           # every rank knows every count, so all take this branch alike
+            import torch
+            mine = torch.zeros(more, dtype=torch.long)
+            extra = [int(n) for n in vals[_FIRST:]]
+            mine[:len(extra)] = torch.tensor(extra, dtype=torch.long)
+            out = torch.empty(more * self.world, dtype=torch.long)
+            from .parallel.comm import all_gather_single
+            collective("DynamicDegree.schedule: the sequence lengths", "default process group", all_gather_single,
+                       out, mine)
+            flat = out.tolist()
+            tails = [flat[r * more:(r + 1) * more] for r in range(self.world)]
+        gathered, owner = [], []
         for r, row in enumerate(rows):
-            out += row[1:1 + row[0]]
-            owner += [r] * row[0]
-        return out, owner
+            n = row[0]
+            mine_ = (row[1:1 + min(n, _FIRST)] + tails[r])[:n]
+            gathered += mine_
+            owner += [r] * n
+        return gathered, owner
 
     def schedule(self, lengths: Sequence[int], *, global_batch: bool = False) -> Schedule:
         """This step's schedule.  ``lengths``: this rank's sequences (the schedule's indices run
         over every rank's, in rank order); with ``global_batch=True`` every rank passes the whole
         batch's lengths and the gather checks they are the same everywhere (ranks given different
-        batches all raise, naming them, instead of computing different schedules).  An
+        batches all raise, naming them, instead of computing different schedules).  Bad lengths
+        on any rank, or ranks that disagree on ``global_batch``, make every rank raise; an
         unplaceable batch raises :class:`ScheduleError` on every rank; no data has moved."""
         if global_batch:
-            rows = agree(None, None, what="DynamicDegree.schedule: the global batch's lengths",
-                         where="default process group", values=[len(lengths), digest_ints([int(n) for n in lengths])],
-                         same=("sequences", "lengths digest"))
-            del rows
-            gathered = [int(n) for n in lengths]
+            vals = list(lengths)
+            problem = next((f"sequence {i} {why}" for i, n in enumerate(vals) for why in [length_problem(n)] if why),
+                           None)
+            send = [] if problem else [len(vals), digest_ints([int(n) for n in vals])]
+            agree(problem, None, what="DynamicDegree.schedule: the global batch's lengths",
+                  where="default process group", values=send, width=2, same=("sequences", "lengths digest"))
+            gathered = [int(n) for n in vals]
         else:
-            gathered, _ = self.gather_lengths([int(n) for n in lengths])
+            gathered, _ = self.gather_lengths(lengths)
         return self.plan(gathered)
 
     def plan(self, lengths: Sequence[int]) -> Schedule:
         """The schedule of lengths every rank already holds alike (no collective)."""
-        return schedule_batch([int(n) for n in lengths], self.world, self.shape, budget_tokens=self.budget_tokens,
-                              profile=self.profile, sizes=self.sizes, ulysses_degrees=self.ulysses_degrees,
-                              pack=self.pack)
+        return self.scheduler.schedule(lengths)
 
     def mesh(self, job: Job) -> SequenceParallelMesh:
         """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""
@@ -160,3 +229,6 @@ class DynamicDegree:
         if self.rank not in job.ranks or mesh.sp_ranks != tuple(job.ranks):
             raise ValueError(f"rank {self.rank} is not in this job's group (ranks {list(job.ranks)})")
         return default_mesh_set_to(mesh)
+
+
+__all__ = ["DynamicDegree", "MAX_LOCAL_SEQUENCES", "group_sizes"]

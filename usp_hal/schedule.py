@@ -1,63 +1,55 @@
-"""A Ulysses x Ring split per global batch, chosen from its sequence lengths.
+"""A Ulysses x Ring split per global batch, chosen from its sequence lengths and priced as a
+whole training step.
 
 One split for a whole run cuts every sequence over the whole sequence-parallel group, a short
-one as much as a long one.  :func:`schedule_batch` instead places each sequence of a global
-batch on a *group* of ranks sized for it, with that group's best Ulysses x Ring split:
+one as much as a long one.  :class:`Scheduler` instead places each sequence of a global batch on
+a *group* of ranks sized for it, with that group's best Ulysses x Ring split, and prices every
+job as the model call it is (:mod:`usp_hal.stepcost`: attention, the token-proportional layers,
+communication and per-call overheads):
 
 - the groups are contiguous, aligned blocks of ranks whose size is a power of two dividing the
-  world, or the whole world (:func:`group_sizes`): at most ``sum(world / g)`` groups per split,
-  built once at set-up;
-- a sequence goes to the smallest group whose ranks hold it within ``budget_tokens`` per rank
-  and on which it takes no longer than the batch's balanced share per rank (a sequence that fits
-  on one rank and is not the slowest rank's alone runs there with no sequence parallelism);
-- the placement is longest-first onto the block of its size whose ranks are free earliest, priced
-  by the planner's cost model (:func:`usp_hal.planner.predict`) on one device profile, a job
-  starting when every rank of its block is free;
-- the sequences a rank holds alone are packed into as few jobs as the budget allows.
+  world, or the whole world (:func:`group_sizes`), built once at set-up;
+- each sequence goes to the smallest group on which its job takes no longer than a target time
+  (or to its fastest group when none does), and only to groups that give each of their ranks a
+  token and hold it within ``budget_tokens`` per rank; targets are tried on a fast estimate of
+  the step (the larger of the work per rank and the longest job) and the best one placed;
+- placement: group jobs largest group first onto the aligned block that is free earliest; what
+  ranks hold alone, longest first onto the rank free earliest, then moved and swapped between the
+  slowest and the fastest rank while that lowers the slowest; each rank's own sequences packed
+  first-fit decreasing into jobs of at most the budget (one model call each);
+- never slower than a fixed split: every step the best fixed split for the batch (``static+``:
+  :meth:`Scheduler.static`) is placed with the same care, and when the dynamic schedule's
+  predicted gain over it is below ``margin`` the step runs the fixed split (logged once).
 
 Every input is a number, every step deterministic: ranks that compute the schedule from the same
-gathered lengths get the same schedule.  A batch that cannot be placed (one sequence over the
+gathered lengths get the same schedule.  A batch that cannot be placed (a sequence over the
 budget on every group) raises :class:`ScheduleError` naming the sequence and the budget.
-
-The counts of each job (query-key pairs scored per rank, bytes each rank sends, collectives) come
-from the same block plans the attention runs; :func:`static_schedule` prices a fixed split (dp x sp
-replicas, each packing its sequences) on the same terms, for comparison.
 """
 from __future__ import annotations
 
+import heapq
+import logging
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
-from .parallel.heads import head_plan
-from .planner import Candidate, Problem, call_pairs, load_profile, predict, ring_work
+import numpy as np
+
+from .stepcost import AttentionShape, Cost, StepModel, fits_packed  # noqa: F401  (re-exported)
+
+logger = logging.getLogger(__name__)
+
+#: the predicted gain under which a step runs the best fixed split instead (3%)
+MARGIN = 0.03
+#: the target times tried (geometric, from the fastest job to the longest job on its smallest
+#: group), on the fast estimate; the best few estimates are placed
+TARGETS = 24
+PLACED = 3
 
 
 class ScheduleError(ValueError):
     """A batch that no schedule can place within the budget (raised before any data moves)."""
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """Everything about one attention call but its length."""
-    heads: int
-    head_dim: int
-    kv_heads: Optional[int] = None
-    dtype: str = "bf16"
-    causal: bool = True
-    bwd: bool = True
-
-
-@dataclass(frozen=True)
-class Cost:
-    """One job's price on its group: the best split and what each rank of the group pays."""
-    ulysses: int
-    ring: int
-    layout: str
-    time: float          # predicted seconds (the profile's), forward (and backward with bwd)
-    pairs: int           # query-key pairs x query heads the busiest rank of the group scores (forward)
-    bytes: float         # bytes the busiest rank sends
-    collectives: int
 
 
 @dataclass(frozen=True)
@@ -89,23 +81,59 @@ class Schedule:
     world: int
     budget_tokens: int
     jobs: Tuple[Job, ...]                  # in the order every rank runs its own ones
-    finish: Tuple[float, ...] = field(default=())   # predicted time each rank ends the step
+    finish: Tuple[float, ...] = field(default=())   # predicted time each rank ends its jobs
+    label: str = "dynamic"                 # "dynamic", or the fixed split that runs the step
+    constant: float = 0.0                  # what every schedule pays alike (gradient all-reduce, optimizer)
+
+    @property
+    def predicted(self) -> float:
+        """The predicted whole-step time: the slowest rank's jobs and the step's constant part."""
+        return max(self.finish, default=0.0) + self.constant
+
+    @property
+    def balance(self) -> float:
+        """The slowest rank's predicted step time over the mean rank's."""
+        if not self.finish:
+            return 1.0
+        mean = sum(self.finish) / len(self.finish) + self.constant
+        return self.predicted / mean if mean else 1.0
 
     def jobs_of(self, rank: int) -> List[Job]:
         return [j for j in self.jobs if rank in j.ranks]
 
     def per_rank(self, what: str) -> List[float]:
-        """Sum over each rank's jobs of ``pairs``, ``bytes`` or ``collectives``."""
+        """Sum over each rank's jobs of a :class:`Cost` field (``pairs``, ``bytes``, ``tokens`` ...)."""
         out = [0.0] * self.world
         for j in self.jobs:
             for r in j.ranks:
                 out[r] += getattr(j.cost, what)
         return out
 
+    def tokens(self) -> List[int]:
+        """Tokens each rank holds over its jobs."""
+        out = [0] * self.world
+        for j in self.jobs:
+            share = -(-sum(j.lengths) // j.size)
+            for r in j.ranks:
+                out[r] += share
+        return out
+
     def slowest(self) -> Dict[str, float]:
         """The slowest rank's attention work, bytes sent, collectives and predicted time."""
         return {"pairs": max(self.per_rank("pairs")), "bytes": max(self.per_rank("bytes")),
-                "collectives": max(self.per_rank("collectives")), "predicted": max(self.finish)}
+                "collectives": max(self.per_rank("collectives")), "predicted": self.predicted}
+
+    def parts(self) -> Dict[str, float]:
+        """The slowest rank's predicted step in parts: attention, tokens (the token-proportional
+        layers), communication, overhead (per-call), idle (waiting for a group) and constant."""
+        r = max(range(self.world), key=lambda i: (self.finish[i], -i))
+        out = {k: 0.0 for k in ("attention", "tokens", "communication", "overhead")}
+        for j in self.jobs_of(r):
+            for k, v in j.cost.parts().items():
+                out[k] += v
+        out["idle"] = max(0.0, self.finish[r] - sum(out.values()))
+        out["constant"] = self.constant
+        return out
 
     def slots(self) -> List[List[Optional[Job]]]:
         """The jobs in rounds: per round, per rank, its job or None.  Every job's ranks run it in
@@ -156,88 +184,33 @@ def split_label(world: int, ulysses: int, ring: int) -> str:
     return f"dp{world // sp} x {name}" if world > sp else name
 
 
-def fitting_static_splits(batches: Sequence[Sequence[int]], world: int, shape: AttentionShape, *,
-                          budget_tokens: int, profile="h100-nvlink") -> Dict[Tuple[int, int], List[Schedule]]:
-    """``(ulysses, ring)`` -> every batch's schedule, for each static split (``sp`` ranks of the
-    group sizes, largest first, ``world / sp`` replicas) that holds every batch within the budget."""
-    out: Dict[Tuple[int, int], List[Schedule]] = {}
-    for sp in sorted(group_sizes(world), reverse=True):
-        for u in ulysses_degrees_of(sp):
-            try:
-                out[(u, sp // u)] = [static_schedule(b, world, shape, ulysses=u, ring=sp // u,
-                                                     budget_tokens=budget_tokens, profile=profile) for b in batches]
-            except ScheduleError:
-                continue
-    return out
-
-
-class _Pricer:
-    """Costs of (lengths, group size), each priced once."""
-
-    def __init__(self, shape: AttentionShape, profile, ulysses_degrees: Optional[Sequence[int]] = None):
-        self.shape = shape
-        self.ulysses_degrees = None if ulysses_degrees is None else frozenset(ulysses_degrees)
-        self.profile = load_profile(profile) if isinstance(profile, str) else profile
-        self._seen: Dict[Tuple[Tuple[int, ...], int], Cost] = {}
-
-    def __call__(self, lengths: Tuple[int, ...], g: int) -> Cost:
-        key = (lengths, g)
-        cost = self._seen.get(key)
-        if cost is None:
-            options = (self._price(lengths, g, u, g // u, lay) for u, lay in self._options(lengths, g))
-            cost = self._seen[key] = min(options, key=lambda c: (c.time, c.bytes, -c.ulysses))
-        return cost
-
-    def _options(self, lengths, g):
-        packed = len(lengths) > 1
-        for u in self.splits(g):
-            if g // u == 1:
-                yield u, "basic"
-            elif not self.shape.causal:
-                yield u, "basic"
-            else:
-                yield u, "zigzag"
-                if packed:
-                    yield u, "varlen_zigzag"
-
-    def splits(self, g: int) -> List[int]:
-        return ulysses_degrees_of(g, self.ulysses_degrees)
-
-    def _price(self, lengths, g, u, r, layout) -> Cost:
-        s = self.shape
-        total = sum(lengths)
-        cu = None
-        if len(lengths) > 1:
-            acc = [0]
-            for n in lengths:
-                acc.append(acc[-1] + n)
-            cu = tuple(acc)
-        pred = predict(Problem(g, s.heads, total, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd, cu),
-                       Candidate(u, r, layout), self.profile)
-        work, _, _ = ring_work(layout, total, r, s.causal, cu)
-        heads = max(b - a for a, b in head_plan(s.heads, s.kv_heads or s.heads, u).q)
-        pairs = max(sum(call_pairs(call) for step in rank_steps for call in step) for rank_steps in work) * heads
-        return Cost(u, r, layout, pred.time, pairs, pred.comm_bytes, pred.collectives)
-
-
-def _check_lengths(lengths: Sequence[int]) -> Tuple[int, ...]:
-    out = tuple(int(n) for n in lengths)
-    if not out:
+def check_lengths(lengths: Sequence) -> Tuple[int, ...]:
+    """The lengths as ints, or :class:`ScheduleError` naming the first one that is not a
+    positive integer (bools, floats, strings and None refused before any conversion; values up
+    to 2**62)."""
+    vals = list(lengths)
+    if not vals:
         raise ScheduleError("an empty batch: give at least one sequence length")
-    bad = [(i, n) for i, n in enumerate(out) if n < 1]
-    if bad:
-        raise ScheduleError(f"sequence {bad[0][0]} has {bad[0][1]} tokens: every length must be >= 1")
-    return out
+    for i, n in enumerate(vals):
+        problem = length_problem(n)
+        if problem:
+            raise ScheduleError(f"sequence {i} {problem}")
+    return tuple(int(n) for n in vals)
 
 
-def _smallest_group(i: int, n: int, sizes: Tuple[int, ...], budget: int) -> int:
-    for g in sizes:
-        if math.ceil(n / g) <= budget:
-            return g
-    world = sizes[-1]
-    raise ScheduleError(f"sequence {i} has {n} tokens: {math.ceil(n / world)} per rank even on all {world} ranks, "
-                        f"over the budget of {budget} tokens per rank; raise budget_tokens (low_memory=True lowers "
-                        f"what a token costs) or add ranks")
+#: the largest length accepted (lengths travel as int64 and are summed)
+MAX_LENGTH = 2 ** 62
+
+
+def length_problem(n) -> Optional[str]:
+    """Why ``n`` is not a sequence length, as the end of "sequence i ..." (None when it is one)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        return f"is {n!r} ({type(n).__name__}): every length must be a positive integer (a token count)"
+    if int(n) < 1:
+        return f"has {int(n)} tokens: every length must be >= 1"
+    if int(n) > MAX_LENGTH:
+        return f"has {int(n)} tokens: over the 2**62 a length may be"
+    return None
 
 
 def _finish_times(jobs: Sequence[Job], world: int) -> Tuple[float, ...]:
@@ -250,154 +223,431 @@ def _finish_times(jobs: Sequence[Job], world: int) -> Tuple[float, ...]:
     return tuple(free)
 
 
-def _pack(seqs: Sequence[int], lengths: Tuple[int, ...], limit: int) -> List[List[int]]:
-    """Consecutive bins of at most ``limit`` tokens, in the given order."""
+def _ffd(items: Sequence[int], lens: Sequence[int], cap: int) -> List[List[int]]:
+    """First-fit decreasing: ``items`` (indices into ``lens``) into bins of at most ``cap``
+    tokens (a longer item gets a bin of its own); bins in the order opened."""
     bins: List[List[int]] = []
-    used = 0
-    for i in seqs:
-        if not bins or used + lengths[i] > limit:
-            bins.append([])
-            used = 0
-        bins[-1].append(i)
-        used += lengths[i]
+    room: List[int] = []
+    for i in sorted(items, key=lambda i: (-lens[i], i)):
+        n = lens[i]
+        for b, left in enumerate(room):
+            if n <= left:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(cap - n)
     return bins
+
+
+def _balance(assign: List[List[int]], load: np.ndarray, cost: np.ndarray, rounds: int) -> None:
+    """Moves and swaps of items between the most and the least loaded bin while that lowers the
+    most loaded one (in place: ``assign[b]`` the items of bin b, ``load[b]`` its load)."""
+    for _ in range(rounds):
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = float(load[hi] - load[lo])
+        if gap <= 1e-9 * max(float(load[hi]), 1e-30) or not assign[hi]:
+            return
+        best = 0.0
+        move: Optional[Tuple[int, Optional[int]]] = None
+        for i in assign[hi]:          # a move of i: the gap shrinks by 2 c_i while c_i < gap
+            c = float(cost[i])
+            if 0 < c < gap:
+                gain = min(c, gap - c)
+                if gain > best:
+                    best, move = gain, (i, None)
+        if assign[lo]:
+            lo_items = sorted(assign[lo], key=lambda j: float(cost[j]))
+            lo_costs = np.array([float(cost[j]) for j in lo_items])
+            for i in assign[hi]:      # a swap of i for j: as a move of c_i - c_j
+                c = float(cost[i])
+                k = int(np.searchsorted(lo_costs, c - gap / 2))
+                for kk in (k - 1, k):
+                    if 0 <= kk < len(lo_items):
+                        d = c - lo_costs[kk]
+                        if 0 < d < gap and min(d, gap - d) > best:
+                            best, move = min(d, gap - d), (i, lo_items[kk])
+        if move is None or best <= 1e-12 * gap:
+            return
+        i, j = move
+        assign[hi].remove(i)
+        assign[lo].append(i)
+        delta = float(cost[i])
+        if j is not None:
+            assign[lo].remove(j)
+            assign[hi].append(j)
+            delta -= float(cost[j])
+        load[hi] -= delta
+        load[lo] += delta
+
+
+class Scheduler:
+    """Schedules the global batches of one run: the world, the model's shape, the profile that
+    prices the jobs and the budget, fixed at set-up (the price tables are built once).
+
+    ``budget_tokens``: the most tokens one rank holds in one job; ``sizes``: the group sizes to
+    use (default :func:`group_sizes`); ``ulysses_degrees``: the Ulysses degrees a group may use
+    besides 1 (default any divisor of its size; ``(1,)``: rings only); ``pack=False``: each
+    sequence a job of its own (for models whose layers cannot keep packed documents apart);
+    ``margin``: the predicted gain under which a step runs the best fixed split (0: never)."""
+
+    def __init__(self, world: int, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
+                 sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
+                 pack: bool = True, margin: float = MARGIN, model: Optional[StepModel] = None):
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ScheduleError(f"world must be a positive integer, got {world!r}")
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, (int, np.integer)) or budget_tokens < 1:
+            raise ScheduleError(f"budget_tokens must be a positive integer, got {budget_tokens!r}")
+        self.world, self.budget = world, int(budget_tokens)
+        self.sizes = tuple(sorted(set(sizes))) if sizes is not None else group_sizes(world)
+        if not self.sizes or any(g < 1 or world % g for g in self.sizes):
+            raise ScheduleError(f"group sizes {self.sizes} must divide the world ({world})")
+        self.ulysses_degrees = None if ulysses_degrees is None else tuple(sorted(set(ulysses_degrees)))
+        self.pack, self.margin = bool(pack), float(margin)
+        self.shape = shape
+        self.model = model if model is not None else StepModel(shape, profile, top=min(self.budget, 1 << 13))
+        self.constant = self.model.step_constant(world)
+        self._told = False
+
+    # ---------------------------------------------------------------- prices
+    def layout(self, g: int, u: int, packed: bool = False) -> str:
+        if g // u == 1 or not self.shape.causal:
+            return "basic"
+        return "varlen_zigzag" if packed else "zigzag"
+
+    def splits(self, g: int) -> List[int]:
+        return ulysses_degrees_of(g, self.ulysses_degrees)
+
+    def _alone(self, lens: np.ndarray) -> Dict[int, Tuple[np.ndarray, np.ndarray]]:
+        """Per group size: each sequence's job time there with its best Ulysses degree (inf
+        where it does not fit: fewer tokens than ranks, or over the budget), and that degree."""
+        out = {}
+        for g in self.sizes:
+            best = np.full(len(lens), np.inf)
+            deg = np.ones(len(lens), dtype=np.int64)
+            ok = (lens >= g) & (np.ceil(lens / g) <= self.budget)
+            if ok.any():
+                for u in self.splits(g):
+                    t = np.full(len(lens), np.inf)
+                    t[ok] = self.model.alone(lens[ok], g, u, self.layout(g, u), ("time",))["time"]
+                    better = t < best
+                    best[better], deg[better] = t[better], u
+            out[g] = (best, deg)
+        return out
+
+    def _one_rank_fixed(self) -> float:
+        """What a one-rank job costs before its first token (its calls' fixed costs and, with
+        a varlen kernel, its one launch per pass): a packed job is this plus each sequence's
+        cost beyond it."""
+        m = self.model
+        tab = m.table(1, 1, "basic")
+        launch = tab.launch * (2 if self.shape.bwd else 1) if m.varlen else 0.0
+        return m.layers * (tab.fixed + launch) + m.call_overhead()
+
+    def _jobs(self, specs: Sequence[Tuple[Sequence[int], int, int, int]], lens: Tuple[int, ...]) -> List[Job]:
+        """Jobs of (sequences, first rank, group size, Ulysses degree), in order, priced a
+        split at a time."""
+        groups: Dict[Tuple[int, int, str], List[int]] = {}
+        for k, (seqs, _, g, u) in enumerate(specs):
+            groups.setdefault((g, u, self.layout(g, u, len(seqs) > 1)), []).append(k)
+        costs: List[Optional[Cost]] = [None] * len(specs)
+        for (g, u, lay), ks in groups.items():
+            for k, c in zip(ks, self.model.costs([tuple(lens[i] for i in specs[k][0]) for k in ks], g, u, lay)):
+                costs[k] = c
+        return [Job(tuple(seqs), tuple(lens[i] for i in seqs), first, g, c)
+                for (seqs, first, g, _), c in zip(specs, costs) if c is not None]
+
+    def _schedule(self, jobs: List[Job], label: str) -> Schedule:
+        return Schedule(self.world, self.budget, tuple(jobs), _finish_times(jobs, self.world), label, self.constant)
+
+    # ---------------------------------------------------------------- the dynamic schedule
+    def dynamic(self, lengths: Sequence[int]) -> Schedule:
+        """The batch's dynamic schedule (no comparison with a fixed split)."""
+        lens = check_lengths(lengths)
+        arr = np.array(lens, dtype=np.float64)
+        alone = self._alone(arr)
+        times = np.stack([alone[g][0] for g in self.sizes])          # [sizes, N]
+        if not np.isfinite(times).any(axis=0).all():
+            i = int(np.argmin(np.isfinite(times).any(axis=0)))
+            raise ScheduleError(self._unplaceable(i, lens[i]))
+        one = self.sizes[0] == 1
+        fixed1 = self._one_rank_fixed() if one else 0.0
+        sizes = np.array(self.sizes, dtype=np.float64)[:, None]
+        work = times * sizes
+        if one and self.pack:          # alone on a rank: packed, its cost beyond the job's fixed part
+            work[0] = times[0] - fixed1
+        finite = np.isfinite(times)
+        fastest = np.argmin(times, axis=0)
+        idx = np.arange(len(lens))
+        smallest = np.argmax(finite, axis=0)                      # each sequence's smallest group that fits
+        top = float(times[smallest, idx].max())
+        low = float(times[fastest, idx].min())
+        targets = np.geomspace(max(low, 1e-12), max(top, low, 1e-12), TARGETS)
+        ranked = []
+        for tau in targets:            # each sequence on its smallest group within tau, else its fastest
+            within = finite & (times <= tau)
+            pick = np.where(within.any(axis=0), np.argmax(within, axis=0), fastest)
+            longest = float(times[pick, idx].max())
+            est = max(float(work[pick, idx].sum()) / self.world + (fixed1 if one and self.pack else 0.0), longest)
+            ranked.append((est, -float(tau), pick))
+        ranked.sort(key=lambda x: x[:2])
+        best: Optional[Schedule] = None
+        seen = set()
+        for _, _, pick in ranked:      # the best few estimates placed, the fastest placement kept
+            key = pick.tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+            groups = [self.sizes[k] for k in pick]
+            degrees = [int(alone[g][1][i]) for i, g in enumerate(groups)]
+            sched = self._place(lens, groups, degrees, times, pick, fixed1)
+            if best is None or max(sched.finish) < max(best.finish):
+                best = sched
+            if len(seen) == PLACED:
+                break
+        assert best is not None
+        return best
+
+    def _place(self, lens, groups, degrees, times, choice, fixed1) -> Schedule:
+        W = self.world
+        free = np.zeros(W)
+        specs: List[Tuple[Sequence[int], int, int, int]] = []
+        idx = range(len(lens))
+        shared = sorted((i for i in idx if groups[i] > 1), key=lambda i: (-groups[i], -times[choice[i], i], i))
+        for i in shared:
+            g = groups[i]
+            blocks = free.reshape(W // g, g).max(axis=1)
+            b = int(np.argmin(blocks))
+            free[b * g:(b + 1) * g] = blocks[b] + times[choice[i], i]
+            specs.append(((i,), b * g, g, degrees[i]))
+        alone = [i for i in idx if groups[i] == 1]
+        if alone:
+            cost = times[0] - (fixed1 if self.pack else 0.0)
+            assign: List[List[int]] = [[] for _ in range(W)]
+            load = free.copy()
+            heap = [(float(load[r]), r) for r in range(W)]
+            heapq.heapify(heap)
+            for i in sorted(alone, key=lambda i: (-cost[i], i)):
+                t, r = heapq.heappop(heap)
+                assign[r].append(i)
+                load[r] += cost[i]
+                heapq.heappush(heap, (float(load[r]), r))
+            _balance(assign, load, cost, rounds=4 * len(alone) + W)
+            for r in range(W):
+                bins = _ffd(assign[r], lens, self.budget) if self.pack else [[i] for i in sorted(assign[r])]
+                specs += [(b, r, 1, 1) for b in bins]
+        return self._schedule(self._jobs(specs, lens), "dynamic")
+
+    def _unplaceable(self, i: int, n: int) -> str:
+        big = max(self.sizes)
+        return (f"sequence {i} has {n} tokens: {math.ceil(n / big)} per rank even on all {big} ranks, over the budget "
+                f"of {self.budget} tokens per rank; raise budget_tokens (low_memory=True lowers what a token costs) "
+                "or add ranks")
+
+    # ---------------------------------------------------------------- fixed splits (static+)
+    def static(self, lengths: Sequence[int], ulysses: int, ring: int) -> Schedule:
+        """One fixed split for the whole batch, placed with the dynamic schedule's care:
+        ``world / (ulysses x ring)`` replicas, sequences longest first onto the replica whose
+        predicted time is lowest, then moved and swapped between the slowest and the fastest
+        replica, each replica's sequences packed first-fit decreasing into jobs of at most the
+        budget per rank (``varlen_zigzag`` on a ring: each document split for balance).
+        Raises :class:`ScheduleError` when a sequence does not fit (over the budget, or a job
+        that leaves a rank without a token)."""
+        lens = check_lengths(lengths)
+        u, r = int(ulysses), int(ring)
+        sp = u * r
+        if u < 1 or r < 1 or self.world % sp:
+            raise ScheduleError(f"ulysses x ring = {sp} must divide the world ({self.world})")
+        for i, n in enumerate(lens):
+            if math.ceil(n / sp) > self.budget:
+                raise ScheduleError(f"sequence {i} has {n} tokens: {math.ceil(n / sp)} per rank on {u} x {r}, "
+                                    f"over the budget of {self.budget} tokens per rank")
+        arr = np.array(lens, dtype=np.float64)
+        reps = self.world // sp
+        short = arr < sp                         # fewer tokens than ranks: only packed with others
+        if short.any() and not self.pack:
+            i = int(np.argmax(short))
+            raise ScheduleError(f"sequence {i} has {lens[i]} tokens, fewer than the {sp} ranks of {u} x {r}")
+        cost = np.zeros(len(lens))
+        ok = ~short
+        if ok.any():
+            cost[ok] = self.model.alone(arr[ok], sp, u, self.layout(sp, u), ("time",))["time"]
+        if short.any():                          # a short one's share: its tokens' token-layer time
+            cost[short] = self.model.tokens_time(np.ceil(arr[short] / sp))
+        assign: List[List[int]] = [[] for _ in range(reps)]
+        load = np.zeros(reps)
+        heap = [(0.0, d) for d in range(reps)]
+        for i in sorted(range(len(lens)), key=lambda i: (-cost[i], i)):
+            t, d = heapq.heappop(heap)
+            assign[d].append(i)
+            load[d] += cost[i]
+            heapq.heappush(heap, (float(load[d]), d))
+        _balance(assign, load, cost, rounds=4 * len(lens) + reps)
+        specs: List[Tuple[Sequence[int], int, int, int]] = []
+        for d in range(reps):
+            bins = _ffd(assign[d], lens, self.budget * sp) if self.pack else [[i] for i in sorted(assign[d])]
+            merged = _merge_short(bins, lens, sp, u, self.budget * sp, self.layout(sp, u, True))
+            if merged is None:
+                raise ScheduleError(f"{split_label(self.world, u, r)}: a replica's short sequences leave a rank "
+                                    f"without a token and fit no other job")
+            specs += [(b, d * sp, sp, u) for b in merged]
+        return self._schedule(self._jobs(specs, lens), split_label(self.world, u, r))
+
+    def static_splits(self) -> List[Tuple[int, int]]:
+        """Every (ulysses, ring) a fixed split may use: each group size and its Ulysses degrees."""
+        return [(u, g // u) for g in sorted(self.sizes, reverse=True) for u in self.splits(g)]
+
+    def best_static(self, lengths: Sequence[int]) -> Optional[Schedule]:
+        """The fixed split with the lowest estimate for this batch (the larger of its work per
+        rank and its longest job), placed; None when no fixed split holds the batch."""
+        lens = check_lengths(lengths)
+        arr = np.array(lens, dtype=np.float64)
+        ranked = []
+        for u, r in self.static_splits():
+            sp = u * r
+            if np.ceil(arr.max() / sp) > self.budget or (not self.pack and arr.min() < sp):
+                continue
+            ok = arr >= sp
+            t = np.zeros(len(lens))
+            if ok.any():
+                t[ok] = self.model.alone(arr[ok], sp, u, self.layout(sp, u), ("time",))["time"]
+            est = max(float(t.sum()) * sp / self.world, float(t.max()))
+            ranked.append((est, -u, u, r))
+        for _, _, u, r in sorted(ranked)[:2]:
+            try:
+                got = self.static(lens, u, r)
+            except ScheduleError:
+                continue
+            return got
+        return None
+
+    # ---------------------------------------------------------------- the step's schedule
+    def schedule(self, lengths: Sequence[int]) -> Schedule:
+        """The step's schedule: the dynamic one, or the best fixed split when the dynamic one is
+        predicted to gain less than ``margin`` over it."""
+        dyn = self.dynamic(lengths)
+        if self.margin <= 0:
+            return dyn
+        st = self.best_static(lengths)
+        if st is not None and dyn.predicted > (1.0 - self.margin) * st.predicted:
+            if not self._told:
+                self._told = True
+                logger.info("usp_hal.schedule: a step's dynamic schedule is predicted to gain %.1f%% over the fixed "
+                            "split %s, under the %.0f%% margin: such steps run the fixed split (logged once)",
+                            100 * (1 - dyn.predicted / st.predicted), st.label, 100 * self.margin)
+            return st
+        return dyn
+
+    def bound(self, lengths: Sequence[int]) -> float:
+        """A lower bound of any schedule's predicted step for the batch: each sequence at its
+        cheapest rank-seconds (alone on a rank: without a job's fixed cost, as if packed) over
+        the world, and no less than its fastest job; plus the step's constant part."""
+        lens = check_lengths(lengths)
+        arr = np.array(lens, dtype=np.float64)
+        alone = self._alone(arr)
+        times = np.stack([alone[g][0] for g in self.sizes])
+        work = times * np.array(self.sizes, dtype=np.float64)[:, None]
+        if self.sizes[0] == 1:
+            work[0] = times[0] - self._one_rank_fixed()
+        return max(float(work.min(axis=0).sum()) / self.world, float(times.min(axis=0).max())) + self.constant
+
+
+def _merge_short(bins: List[List[int]], lens, sp: int, u: int, cap: int, layout: str) -> Optional[List[List[int]]]:
+    """Bins whose job leaves a rank without a token (a lone sequence shorter than the group)
+    merged into another bin with room; None when one cannot be."""
+    if sp == 1:
+        return bins
+    out = [list(b) for b in bins]
+    for k in range(len(out)):
+        b = out[k]     # a sequence of at least sp tokens gives every rank one (least_tokens)
+        if not b or max(lens[i] for i in b) >= sp or fits_packed([lens[i] for i in b], sp, u, layout):
+            continue
+        tokens = sum(lens[i] for i in b)
+        for other in out:
+            if other is not b and other and sum(lens[i] for i in other) + tokens <= cap:
+                other.extend(b)
+                b.clear()
+                break
+        else:
+            return None
+    return [sorted(b, key=lambda i: (-lens[i], i)) for b in out if b]
+
+
+@lru_cache(maxsize=16)
+def _scheduler(world, shape, budget, profile, sizes, ulysses_degrees, pack, margin) -> Scheduler:
+    return Scheduler(world, shape, budget_tokens=budget, profile=profile, sizes=sizes, ulysses_degrees=ulysses_degrees,
+                     pack=pack, margin=margin)
+
+
+def scheduler(world: int, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
+              sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
+              pack: bool = True, margin: float = MARGIN) -> Scheduler:
+    """A :class:`Scheduler`, shared between calls with the same arguments (a profile given by
+    name; a dict builds a new one)."""
+    sz = None if sizes is None else tuple(sorted(set(sizes)))
+    ud = None if ulysses_degrees is None else tuple(sorted(set(ulysses_degrees)))
+    if not isinstance(profile, str):
+        return Scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, sizes=sz, ulysses_degrees=ud,
+                         pack=pack, margin=margin)
+    return _scheduler(world, shape, budget_tokens, profile, sz, ud, bool(pack), float(margin))
 
 
 def schedule_batch(lengths: Sequence[int], world: int, shape: AttentionShape, *, budget_tokens: int,
                    profile="h100-nvlink", sizes: Optional[Sequence[int]] = None,
-                   ulysses_degrees: Optional[Sequence[int]] = None, pack: bool = True) -> Schedule:
-    """Place every sequence of a global batch on a group of ranks with its own U x R split.
-
-    ``lengths``: every sequence's token count, in the batch's order (gather them with
-    :func:`usp_hal.dynamic.gather_lengths`); ``budget_tokens``: the most tokens one rank may hold
-    in one job; ``profile``: the planner profile that prices the jobs (a name, a path or a dict);
-    ``sizes``: the group sizes to use (default :func:`group_sizes`); ``ulysses_degrees``: the
-    Ulysses degrees a group may use besides 1 (default: any divisor of its size; ``(1,)``: rings
-    only, say for layers whose recurrence crosses the shards by state passing); ``pack=False``:
-    each sequence a job of its own (for models whose one-rank kernels cannot keep packed
-    documents apart)."""
-    lens = _check_lengths(lengths)
-    if budget_tokens < 1:
-        raise ScheduleError(f"budget_tokens must be >= 1, got {budget_tokens}")
-    sizes = tuple(sorted(set(sizes))) if sizes is not None else group_sizes(world)
-    if any(g < 1 or world % g for g in sizes):
-        raise ScheduleError(f"group sizes {sizes} must divide the world ({world})")
-    price = _Pricer(shape, profile, ulysses_degrees)
-    least = [_smallest_group(i, n, sizes, budget_tokens) for i, n in enumerate(lens)]
-
-    # each sequence's group: the smallest (within the budget) on which it takes no longer than a
-    # target time; the balanced share of the batch's rank-seconds is the natural target (a sequence
-    # longer than that on one rank is the slowest rank's alone), smaller ones split more and
-    # balance better for more exchanges: each is scheduled, the fastest kept
-    base = sum(price((n,), 1).time for n in lens) / world
-    best: Optional[Schedule] = None
-    for frac in TARGETS:
-        group = [next((g for g in sizes if g >= least[i] and price((n,), g).time <= frac * base), sizes[-1])
-                 for i, n in enumerate(lens)]
-        sched = _place(lens, group, world, budget_tokens, price, pack)
-        if best is None or max(sched.finish) < max(best.finish):
-            best = sched
-    # a fixed split is one more candidate: the schedule is never predicted slower than one that fits
-    # (a fixed split packs its replica's sequences: not a candidate without packing)
-    for g in (sizes if pack else ()):
-        for u in price.splits(g):
-            try:
-                sched = _static(lens, world, budget_tokens, price, u, g // u, None)
-            except ScheduleError:
-                continue
-            if best is None or max(sched.finish) < max(best.finish):
-                best = sched
-    assert best is not None
-    return best
-
-
-#: fractions of the balanced share tried as the longest time a sequence may take on its group
-TARGETS = (1.0, 0.75, 0.5, 0.35, 0.25)
-
-
-def _place(lens: Tuple[int, ...], group: List[int], world: int, budget: int, price: _Pricer,
-           pack: bool = True) -> Schedule:
-    """The groups' jobs longest first, each onto the block of its size whose ranks are free
-    earliest; then what ranks hold alone, longest first onto the rank free earliest, moved from
-    the slowest rank to the fastest while that lowers the slowest; each rank's own sequences
-    packed into as few jobs as the budget allows (fewer kernel calls).  They make no collective,
-    so they run after the groups' jobs."""
-    free = [0.0] * world
-    shared: List[Job] = []
-    by_time = sorted(range(len(lens)), key=lambda i: (-price((lens[i],), group[i]).time, i))
-    for i in (i for i in by_time if group[i] > 1):
-        g = group[i]
-        b = min(range(world // g), key=lambda b: (max(free[b * g:(b + 1) * g]), b))
-        job = Job((i,), (lens[i],), b * g, g, price((lens[i],), g))
-        end = max(free[r] for r in job.ranks) + job.cost.time
-        for r in job.ranks:
-            free[r] = end
-        shared.append(job)
-    mine: List[List[int]] = [[] for _ in range(world)]
-    for i in (i for i in by_time if group[i] == 1):
-        r = min(range(world), key=lambda r: (free[r], r))
-        mine[r].append(i)
-        free[r] += price((lens[i],), 1).time
-    for _ in range(len(lens) * world):   # a move from the slowest rank to the fastest that lowers the slowest
-        hi = max(range(world), key=lambda r: (free[r], -r))
-        lo = min(range(world), key=lambda r: (free[r], r))
-        gap = free[hi] - free[lo]
-        # t < gap lowers the sum of squared loads by 2t(gap - t): moves that gain a fraction of
-        # it only would trade rounding for iterations
-        moves = [(abs(gap - 2 * price((lens[i],), 1).time), i) for i in mine[hi]
-                 if 0 < price((lens[i],), 1).time < gap * (1 - 1e-6)]
-        if not moves:
-            break
-        _, i = min(moves)
-        t = price((lens[i],), 1).time
-        mine[hi].remove(i)
-        mine[lo].append(i)
-        free[hi] -= t
-        free[lo] += t
-    alone: List[Job] = []
-    for r in range(world):      # without packing: each sequence a job (bins of 0 tokens hold one each)
-        for bin_ in _pack(sorted(mine[r], key=lambda i: (-lens[i], i)), lens, budget if pack else 0):
-            ls = tuple(lens[i] for i in bin_)
-            alone.append(Job(tuple(bin_), ls, r, 1, price(ls, 1)))
-    jobs = tuple(shared + alone)
-    return Schedule(world, budget, jobs, _finish_times(jobs, world))
+                   ulysses_degrees: Optional[Sequence[int]] = None, pack: bool = True,
+                   margin: float = MARGIN) -> Schedule:
+    """Place every sequence of a global batch on a group of ranks with its own U x R split
+    (:meth:`Scheduler.schedule`; see :class:`Scheduler` for the arguments).  ``lengths``: every
+    sequence's token count, in the batch's order (gather them with
+    :meth:`usp_hal.dynamic.DynamicDegree.gather_lengths`)."""
+    return scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, sizes=sizes,
+                     ulysses_degrees=ulysses_degrees, pack=pack, margin=margin).schedule(lengths)
 
 
 def static_schedule(lengths: Sequence[int], world: int, shape: AttentionShape, *, ulysses: int, ring: int,
-                    budget_tokens: int, profile="h100-nvlink", layout: Optional[str] = None) -> Schedule:
-    """One fixed split for the whole batch: ``world / (ulysses * ring)`` data-parallel replicas,
-    each a ``ulysses x ring`` group; sequences go to the replica with the fewest tokens
-    (longest first), and each replica packs its sequences into jobs of at most
-    ``budget_tokens`` per rank.  Raises :class:`ScheduleError` when a sequence does not fit."""
-    lens = _check_lengths(lengths)
-    if ulysses < 1 or ring < 1 or world % (ulysses * ring):
-        raise ScheduleError(f"ulysses x ring = {ulysses * ring} must divide the world ({world})")
-    return _static(lens, world, budget_tokens, _Pricer(shape, profile), ulysses, ring, layout)
+                    budget_tokens: int, profile="h100-nvlink", pack: bool = True) -> Schedule:
+    """One fixed split for the whole batch (:meth:`Scheduler.static`)."""
+    return scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, pack=pack).static(
+        lengths, ulysses, ring)
 
 
-def _static(lens: Tuple[int, ...], world: int, budget: int, price: _Pricer, ulysses: int, ring: int,
-            layout: Optional[str]) -> Schedule:
+def static_rule(lengths: Sequence[int], world: int, shape: AttentionShape, *, ulysses: int, ring: int,
+                budget_tokens: int, profile="h100-nvlink") -> Schedule:
+    """The fixed split as earlier versions placed it, for comparison: sequences to the replica
+    with the fewest tokens (longest first), each replica's sequences packed in index order into
+    consecutive jobs of at most the budget, a ring's packed jobs in the ``zigzag`` layout (priced
+    on the packed stream by the planner)."""
+    sch = scheduler(world, shape, budget_tokens=budget_tokens, profile=profile)
+    lens = check_lengths(lengths)
     sp = ulysses * ring
+    if world % sp:
+        raise ScheduleError(f"ulysses x ring = {sp} must divide the world ({world})")
     for i, n in enumerate(lens):
-        if math.ceil(n / sp) > budget:
-            raise ScheduleError(f"sequence {i} has {n} tokens: {math.ceil(n / sp)} per rank on {ulysses} x {ring}, "
-                                f"over the budget of {budget} tokens per rank")
-    if layout is None:
-        layout = "basic" if ring == 1 or not price.shape.causal else "zigzag"
-    replicas = world // sp
-    tokens = [0] * replicas
-    held: List[List[int]] = [[] for _ in range(replicas)]
+        if math.ceil(n / sp) > budget_tokens:
+            raise ScheduleError(f"sequence {i} has {n} tokens: over the budget on {ulysses} x {ring}")
+    reps = world // sp
+    tokens = [0] * reps
+    held: List[List[int]] = [[] for _ in range(reps)]
     for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
-        d = min(range(replicas), key=lambda d: (tokens[d], d))
+        d = min(range(reps), key=lambda d: (tokens[d], d))
         held[d].append(i)
         tokens[d] += lens[i]
+    lay = "basic" if ring == 1 or not shape.causal else "zigzag"
     jobs = []
-    for d in range(replicas):
-        for bin_ in _pack(sorted(held[d]), lens, budget * sp):
-            ls = tuple(lens[i] for i in bin_)
-            jobs.append(Job(tuple(bin_), ls, d * sp, sp, price._price(ls, sp, ulysses, ring, layout)))
-    jobs_t = tuple(jobs)
-    return Schedule(world, budget, jobs_t, _finish_times(jobs_t, world))
+    for d in range(reps):
+        bins: List[List[int]] = []
+        used = 0
+        for i in sorted(held[d]):
+            if not bins or used + lens[i] > budget_tokens * sp:
+                bins.append([])
+                used = 0
+            bins[-1].append(i)
+            used += lens[i]
+        for b in bins:
+            ls = tuple(lens[i] for i in b)
+            jobs.append(Job(tuple(b), ls, d * sp, sp, sch.model.job_exact(ls, sp, ulysses, lay)))
+    return sch._schedule(jobs, f"rule {split_label(world, ulysses, ring)}")
 
 
 # ------------------------------------------------------------------------- length distributions
@@ -431,7 +681,6 @@ def draw_batches(spec: str, steps: int, tokens_per_step: int, *, seed: int = 0, 
       arXiv 2505.19609): 99.89% short sequences averaging about 1K tokens, 0.11% long ones
       averaging about 37K; the shapes are assumed (log-normal, sigma 1.0 and 0.3), clipped to
       [16, 65,536]."""
-    import numpy as np
     name, args = _parse_dist(spec)
     rng = np.random.default_rng(seed)
 
@@ -458,21 +707,40 @@ def draw_batches(spec: str, steps: int, tokens_per_step: int, *, seed: int = 0, 
 
 
 def compare_with_static(batches: Sequence[Sequence[int]], world: int, shape: AttentionShape, *, budget_tokens: int,
-                        profile="h100-nvlink") -> Dict[str, object]:
-    """The dynamic schedule against every static split (``U x R`` over ``sp`` ranks, ``world /
-    sp`` replicas) that holds every batch within the budget, summed over the batches: per
-    schedule the slowest rank's ``pairs``, ``bytes``, ``collectives`` and ``predicted`` time;
-    ``ratio``: dynamic over the best static split of each metric (None without one that fits)."""
-    def total(scheds: List[Schedule]) -> Dict[str, float]:
+                        profile="h100-nvlink", ulysses_degrees: Optional[Sequence[int]] = None,
+                        sizes: Optional[Sequence[int]] = None, pack: bool = True) -> Dict[str, object]:
+    """The dynamic schedule against ``static+`` (every fixed split that holds every batch, each
+    placed with the same care: :meth:`Scheduler.static`), summed over the batches.
+
+    Returns ``dynamic`` and ``static`` (label -> totals of ``predicted``, ``pairs``, ``bytes``,
+    ``collectives``, ``tokens`` (the slowest rank's), and the parts), ``best`` (the one fixed
+    split with the lowest predicted total), ``bound`` (the sum of the batches' lower bounds),
+    ``balance`` (the dynamic schedules' largest slowest/mean), ``token_balance`` (the slowest
+    rank's tokens over the mean, largest over the batches), ``ratio`` (dynamic / best on
+    ``predicted``) and ``fallbacks`` (steps that ran the fixed split)."""
+    sch = scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, sizes=sizes,
+                    ulysses_degrees=ulysses_degrees, pack=pack)
+
+    def totals(scheds: List[Schedule]) -> Dict[str, float]:
         out: Dict[str, float] = {}
         for s in scheds:
-            for k, v in s.slowest().items():
+            for k, v in {**s.slowest(), **s.parts(), "tokens_slowest": max(s.tokens())}.items():
                 out[k] = out.get(k, 0.0) + v
         return out
 
-    dynamic = total([schedule_batch(b, world, shape, budget_tokens=budget_tokens, profile=profile) for b in batches])
-    static = {split_label(world, u, r): total(scheds) for (u, r), scheds in
-              fitting_static_splits(batches, world, shape, budget_tokens=budget_tokens, profile=profile).items()}
-    ratio = {k: (v / min(s[k] for s in static.values()) if static and min(s[k] for s in static.values()) else None)
-             for k, v in dynamic.items()}
-    return {"dynamic": dynamic, "static": static, "ratio": ratio}
+    dyn = [sch.schedule(b) for b in batches]
+    static: Dict[str, Dict[str, float]] = {}
+    for u, r in sch.static_splits():
+        try:
+            static[split_label(world, u, r)] = totals([sch.static(b, u, r) for b in batches])
+        except ScheduleError:
+            continue
+    best = min(static, key=lambda k: static[k]["predicted"]) if static else None
+    d = totals(dyn)
+    toks = [s.tokens() for s in dyn]
+    return {"dynamic": d, "static": static, "best": best,
+            "bound": sum(sch.bound(b) for b in batches),
+            "balance": max(s.balance for s in dyn),
+            "token_balance": max(max(t) / (sum(t) / len(t)) for t in toks),
+            "ratio": d["predicted"] / static[best]["predicted"] if best else None,
+            "fallbacks": sum(1 for s in dyn if s.label != "dynamic"), "schedules": dyn}

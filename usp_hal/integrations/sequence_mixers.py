@@ -202,7 +202,8 @@ def model_problem(model: nn.Module, findings: Optional[List[Finding]] = None, li
 
 
 # ----------------------------------------------------------------------------- the check before a forward
-_CHECKED = "_usp_hal_checked"       # on a checked model: (implementation name, id of the mesh)
+# on a checked model: (its last key, the keys checked); a key: (implementation, id of the mesh, recurrence)
+_CHECKED = "_usp_hal_checked"
 _HOOKED = "_usp_hal_hooked"
 
 
@@ -289,15 +290,21 @@ def _before_forward(model, args, kwargs):
     mesh = fn.mesh if fn.mesh is not None else usp_hal.get_default_mesh()
     recurrence = _RECURRENCE.get(_implementation(model), "auto")
     key = (_implementation(model), id(mesh), recurrence)
-    if model.__dict__.get(_CHECKED) != key:
+    last, checked = model.__dict__.get(_CHECKED, (None, frozenset()))
+    if last != key:
         if mesh.sp_size > 1 or getattr(model, _COVERED_MODEL, False):
             # a model wired before is rewired on a one-rank mesh too: its layers must not keep
             # exchanging on the groups of the mesh they last ran on
             wire(model, mesh, fn.layout, recurrence)
-        check_model(model, mesh, recurrence)
+        # the check is an agreement over the mesh's group: made at the first call on each mesh,
+        # which every rank of the group makes together, whatever meshes a rank used in between
+        # (per-batch degrees: a rank that ran a one-rank job since must not check again alone)
+        if key not in checked:
+            check_model(model, mesh, recurrence)
+            checked = checked | {key} if len(checked) < 64 else frozenset({key})
         for sub in model.modules():           # sub-models (the base model inside a ForCausalLM) are checked too
             if _HOOKED in sub.__dict__:
-                sub.__dict__[_CHECKED] = key
+                sub.__dict__[_CHECKED] = (key, checked)
     if mesh.sp_size > 1 and getattr(model, _COVERED_MODEL, False) and model.__dict__.get(_HOOKED):
         from usp_hal.parallel.comm import agree
         problem = call_problem(model, kwargs)
