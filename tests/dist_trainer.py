@@ -249,11 +249,11 @@ class TailRows(torch.utils.data.Dataset):
 
     LENGTHS = (60, 30, 21, 15, 14, 13, 12, 11, 9, 7, 5, 4)
 
-    def __init__(self, steps: int, S: int = 64, seed: int = 0, vocab: int = VOCAB):
+    def __init__(self, steps: int, S: int = 64, seed: int = 0, vocab: int = VOCAB, lengths=None):
         g = torch.Generator().manual_seed(seed + 700)
         self.rows = []
         for _ in range(steps):
-            for n in self.LENGTHS:
+            for n in lengths or self.LENGTHS:
                 ids = torch.zeros(S, dtype=torch.long)
                 ids[:n] = torch.randint(1, vocab, (n,), generator=g)
                 labels = torch.full((S,), -100, dtype=torch.long)
@@ -267,7 +267,8 @@ class TailRows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3, budget: int = 16):
+def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3, budget: int = 16,
+                        lengths=None):
     """USPTrainer with usp_dynamic_degree on every rank of the pool (each rank loads its own rows);
     returns the logged losses and grad norms, the group sizes of the last step and, on rank 0,
     the final parameters."""
@@ -282,7 +283,8 @@ def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 
             args = USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=budget, usp_profile="cpu-4ranks",
                                         usp_attn_type="sdpa", per_device_train_batch_size=bs,
                                         train_sampling_strategy="sequential", **_common(tmp, steps, 1, lr, seed))
-            trainer = USPTrainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed), callbacks=[keep])
+            trainer = USPTrainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed, lengths=lengths),
+                                 callbacks=[keep])
             trainer.train()
     finally:
         _reset_accelerate()
@@ -294,7 +296,7 @@ def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 
     return res
 
 
-def dynamic_reference_run(world: int = 4, steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3):
+def dynamic_reference_run(world: int = 4, steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3, lengths=None):
     """The plain Trainer in this process on the same rows, ``world * bs`` rows per step."""
     from transformers import Trainer, TrainingArguments
     model = tiny_llama(seed, **MODEL)
@@ -303,7 +305,8 @@ def dynamic_reference_run(world: int = 4, steps: int = 3, bs: int = 3, seed: int
         with tempfile.TemporaryDirectory() as tmp:
             args = TrainingArguments(per_device_train_batch_size=bs * world, train_sampling_strategy="sequential",
                                      **_common(tmp, steps, 1, lr, seed))
-            Trainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed), callbacks=[keep]).train()
+            Trainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed, lengths=lengths),
+                    callbacks=[keep]).train()
     finally:
         _reset_accelerate()
     return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}

@@ -122,6 +122,20 @@ def test_dynamic_degree_trainer_matches_single_process_trainer(pools):
     assert all(r["attn_after"] == "sdpa" for r in res)
 
 
+@pytest.mark.multirank
+def test_dynamic_degree_trainer_takes_rows_shorter_than_a_group(pools):
+    """4 rows of 9, 8, 8 and 3 tokens with at most 4 tokens per rank in a call (USPTrainer once
+    refused this valid batch): trains like the plain Trainer in one process."""
+    kw = dict(steps=2, bs=1, budget=4, lengths=(9, 8, 8, 3))
+    res = pools(4).run(dist_trainer.dynamic_trainer_run, timeout=240, **kw)
+    ref = dist_trainer.dynamic_reference_run(steps=2, bs=1, lengths=(9, 8, 8, 3))
+    r0 = res[0]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    param_diff = float((r0["params"] - ref["params"]).abs().max())
+    assert len(r0["losses"]) == len(ref["losses"]) == 2
+    assert loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL, (loss_diff, param_diff)
+
+
 def test_dynamic_degree_arguments_are_checked(tmp_path):
     from usp_hal.integrations.trainer import USPTrainingArguments, _sequence
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
@@ -131,6 +145,15 @@ def test_dynamic_degree_arguments_are_checked(tmp_path):
         USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, usp_ring_degree=2, **common)
     with pytest.raises(ValueError, match="usp_tiled_loss or usp_low_memory"):
         USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, usp_low_memory=True, **common)
+    # the default profile prices bf16 GPU steps: in fp32 the arguments say so at set-up, naming the
+    # Trainer's own arguments (once the first step's scheduling failed)
+    with pytest.raises(ValueError, match=r"usp_profile='h100-nvlink', which has no attention kernel or linear-layer "
+                                         r"rate for fp32 .* Set bf16=True .* set usp_profile="):
+        USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, **common)
+    with pytest.raises(ValueError, match="usp_profile='nope'"):
+        USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, usp_profile="nope", **common)
+    USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, bf16=True, **common)
+    USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=64, usp_profile="cpu", **common)
     import torch
     ids = torch.arange(1, 9).view(1, 8)
     labels = ids.clone()

@@ -130,9 +130,34 @@ class USPTrainingArguments(TrainingArguments):
             if self.usp_tiled_loss or self.usp_low_memory:
                 raise ValueError("USPTrainingArguments: usp_dynamic_degree is not verified with usp_tiled_loss or "
                                  "usp_low_memory yet; leave them off")
+            if self.usp_layout not in (usp.DEFAULT_LAYOUT, usp.DYNAMIC_LAYOUT):
+                raise ValueError(f"USPTrainingArguments: usp_dynamic_degree chooses each job's layout (zigzag on a "
+                                 f"ring, per document when packed); leave usp_layout at {usp.DEFAULT_LAYOUT!r}, got "
+                                 f"{self.usp_layout!r}")
+            _check_profile(self)
         if isinstance(self.usp_tiled_loss, bool) or self.usp_tiled_loss != 0:      # 0: off
             check_chunk_tokens(self.usp_tiled_loss, "usp_tiled_loss (0: off)")
         super().__post_init__()
+
+
+def _check_profile(args) -> None:
+    """usp_profile must price this run's steps: an attention kernel rate and a linear-layer rate
+    in the dtype the Trainer trains in (bf16 / fp16 / fp32 from its own flags)."""
+    from usp_hal.planner import PlanError, load_profile
+    dtype = _dtype_of(args)
+    try:
+        prof = load_profile(args.usp_profile)
+    except PlanError as exc:
+        raise ValueError(f"USPTrainingArguments: usp_profile={args.usp_profile!r}: {exc}") from None
+    missing = [what for what, table in (("attention kernel", "kernel"), ("linear-layer", "linear"))
+               if dtype not in (prof.get(table) or {})]
+    if missing:
+        have = sorted(k for k in (prof.get("kernel") or {}) if not k.startswith("_"))
+        raise ValueError(f"USPTrainingArguments: usp_dynamic_degree prices each step on usp_profile="
+                         f"{args.usp_profile!r}, which has no {' or '.join(missing)} rate for {dtype} (the dtype "
+                         f"these arguments train in; it has {', '.join(have)}). Set bf16=True (or fp16=True) to "
+                         f"train in what it has, or set usp_profile= to the path of a profile of this machine "
+                         f"with {dtype} rates (the usp-hal calibrate command writes one)")
 
 
 def _refuse(what: str, why: str, instead: str) -> ValueError:
@@ -224,15 +249,38 @@ class _DynamicStep(dict):
         self.calls, self.n_items, self.sizes = calls, n_items, sizes
 
 
+def _dtype_of(args) -> str:
+    """The dtype a step runs its attention and linear layers in, as the schedule prices it."""
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
 def _dynamic_degree(model, args):
-    from usp_hal.dynamic import DynamicDegree
-    from usp_hal.schedule import AttentionShape
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    shape = AttentionShape(heads, head_dim, getattr(cfg, "num_key_value_heads", None) or heads,
-                           "bf16" if args.bf16 else "fp32", True, True)
-    return DynamicDegree(shape, budget_tokens=int(args.usp_budget_tokens), profile=args.usp_profile)
+    """The per-batch degree for the model: its whole-step shape from the config, packing as its
+    layers allow (usp_hal.integrations.transformers.dynamic_degree)."""
+    return usp.dynamic_degree(model, budget_tokens=int(args.usp_budget_tokens), profile=args.usp_profile,
+                              dtype=_dtype_of(args))
+
+
+def _gather_rows(rows: list, lengths: List[int], owner: List[int], world: int) -> list:
+    """Every rank's ``(ids, labels)`` rows in rank order: one all-gather of an int64 tensor per
+    rank (its rows' ids then labels, padded to the longest rank's), the lengths known to all."""
+    per_rank = [0] * world
+    for n, r in zip(lengths, owner):
+        per_rank[r] += n
+    width = 2 * max(per_rank)
+    mine = torch.zeros(width, dtype=torch.long)
+    if rows:
+        flat = torch.cat([ids.reshape(-1) for ids, _ in rows] + [lab.reshape(-1) for _, lab in rows])
+        mine[:flat.numel()] = flat.to(torch.long)
+    out = torch.empty(width * world, dtype=torch.long)
+    dist.all_gather_into_tensor(out, mine)
+    seqs, start = [], [0] * world
+    for n, r in zip(lengths, owner):
+        part = out[r * width:(r + 1) * width]
+        a = start[r]
+        seqs.append((part[a:a + n].clone(), part[per_rank[r] + a:per_rank[r] + a + n].clone()))
+        start[r] += n
+    return seqs
 
 
 def _sequence(batch, i: int):
@@ -319,6 +367,8 @@ class USPTrainer(Trainer):
         self.usp_mesh = self._build_mesh(mesh)
         self._drop_uneven_last_batch()
         layout = getattr(self.args, "usp_layout", usp.DEFAULT_LAYOUT)
+        if self.usp_dynamic is not None:     # one registration serves every job of a schedule
+            layout = usp.DYNAMIC_LAYOUT
         self.usp_layout = layout
         self._attn_name = usp.register(f"usp_hal_trainer_{next(_NAMES)}",
                                        mesh=None if self.usp_dynamic is not None else self.usp_mesh, layout=layout,
@@ -533,25 +583,24 @@ class USPTrainer(Trainer):
         return out
 
     def _dynamic_samples(self, loaded: list, device) -> Tuple[list, Optional[Any]]:
-        """The step's rows of every rank (one all-gather of their tokens), scheduled; this rank's
-        model calls, one per round of the schedule, prepared (sharded on each job's mesh).  The
-        Trainer gets them as its last micro-batch (the others empty), so it syncs once."""
+        """The step's rows of every rank, scheduled; this rank's model calls, one per round of
+        the schedule, prepared (sharded on each job's mesh, in the job's layout).  The rows'
+        lengths travel in the schedule's gather (int64, a bad row on any rank refused on every
+        rank), their tokens and labels in one all-gather of an int64 tensor.  The Trainer gets
+        the calls as its last micro-batch (the others empty), so it syncs once."""
         problem, rows = None, []
         try:
-            rows = [_sequence(b, i) for b in loaded for i in range(int(b["input_ids"].shape[0]))]
-        except ValueError as exc:     # told to every rank with the rows, so none waits on the others
+            rows = [r for b in loaded for i in range(int(b["input_ids"].shape[0])) for r in [_sequence(b, i)]
+                    if r is not None]
+        except ValueError as exc:     # told to every rank with the lengths, so none waits on the others
             problem = str(exc)
-        gathered: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (problem, [r for r in rows if r is not None]))
-        bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p]
-        if bad:
-            raise ValueError("; ".join(bad))
-        seqs = [r for _, part in gathered for r in part]
-        if not seqs:
-            return [], None
         dd = self.usp_dynamic
         assert dd is not None
-        sched = dd.plan([int(ids.numel()) for ids, _ in seqs])
+        lengths, owner = dd.gather_lengths([int(ids.numel()) for ids, _ in rows], problem=problem)
+        if not lengths:
+            return [], None
+        seqs = _gather_rows(rows, lengths, owner, dd.world)
+        sched = dd.plan(lengths)
         items = sum(int((labels[1:] != usp.IGNORE_INDEX).sum()) for _, labels in seqs)
         calls: List[Tuple[Any, Any]] = []
         for row in sched.slots():
@@ -563,7 +612,7 @@ class USPTrainer(Trainer):
             labels = torch.cat([seqs[i][1] for i in job.seqs]).unsqueeze(0)
             with dd.on(job) as mesh:
                 cu = list(job.cu_seqlens) if job.cu_seqlens else None
-                batch = usp.shard_batch({"input_ids": ids, "labels": labels}, mesh, self.usp_layout, cu_seqlens=cu)
+                batch = usp.shard_batch({"input_ids": ids, "labels": labels}, mesh, job.cost.layout, cu_seqlens=cu)
             batch.pop("num_items_in_batch", None)
             calls.append((job, batch))
         step = _DynamicStep(calls=calls, n_items=items, sizes=sorted({j.size for j in sched.jobs}))

@@ -83,7 +83,8 @@ layers' modeling modules, and logs it; :func:`patched` lists what is in place an
 
 The modules: :mod:`.attention` (the attention function, :func:`register`, :func:`enable`,
 :func:`disable`), :mod:`.masks` (what the model's mask function asks for), :mod:`.generate`
-(sharded generate()) and :mod:`.batch` (:func:`shard_batch`).
+(sharded generate()), :mod:`.batch` (:func:`shard_batch`) and :mod:`.dynamic` (the per-batch
+degree for a model: :func:`dynamic_degree`).
 """
 from usp_hal.integrations import init_distributed, sync_gradients
 
@@ -98,11 +99,13 @@ from .attention import (
     usp_attention_forward,
 )
 from .batch import DEFAULT_LAYOUT, IGNORE_INDEX, PADDING_ATTR, SHARDED_ATTR, Padding, shard_batch
+from .dynamic import DYNAMIC_LAYOUT, dynamic_degree, model_shape, packing_problem
 from .masks import TESTED_VERSIONS, MaskInfo, usp_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "enable", "disable", "patched", "shard_batch", "init_distributed",
            "sync_gradients", "usp_attention_forward", "usp_mask", "MaskInfo", "Padding", "USPAttentionFunction",
-           "DEFAULT_LAYOUT", "IGNORE_INDEX", "SHARDED_ATTR", "PADDING_ATTR", "TESTED_VERSIONS"]
+           "DEFAULT_LAYOUT", "IGNORE_INDEX", "SHARDED_ATTR", "PADDING_ATTR", "TESTED_VERSIONS", "DYNAMIC_LAYOUT",
+           "dynamic_degree", "model_shape", "packing_problem"]
 
 # When this package was one module, code outside it read the registered attention functions
 # as ``usp_hal.integrations.transformers._FUNCTIONS``: the same dict, not a copy.
