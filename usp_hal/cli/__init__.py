@@ -1,4 +1,4 @@
-"""usp-hal command line: probe, run, bench, matrix, plan."""
+"""usp-hal command line: probe, run, bench, matrix, plan, calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ COMMANDS = {
     "bench": "bench",
     "matrix": "matrix",
     "plan": "plan",
+    "calibrate": "calibrate",
 }
 
 

@@ -99,6 +99,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget-tokens", type=int, default=None, metavar="N",
                    help="with --length-dist/--lengths: the most tokens one rank holds in one job "
                         "(default: --seqlen / --world, what a static split over every rank holds)")
+    model = p.add_argument_group("the model's token-proportional layers (with --length-dist/--lengths: the jobs are "
+                                 "priced as whole training steps)")
+    model.add_argument("--hidden", type=int, default=0, help="hidden size (0: price attention alone)")
+    model.add_argument("--intermediate", type=int, default=0, help="MLP (intermediate) size")
+    model.add_argument("--layers", type=int, default=1, help="decoder layers")
+    model.add_argument("--vocab", type=int, default=0, help="vocabulary size")
+    model.add_argument("--model-config", default=None, metavar="PATH",
+                       help="a transformers config.json (or a directory holding one) to read the above and the "
+                            "heads from")
     p.set_defaults(func=run)
 
 
@@ -166,13 +175,42 @@ def run(args) -> int:
     return 0
 
 
+def _model_shape(args):
+    """The model as the schedule prices it: --model-config, or the heads and --hidden etc."""
+    from ..schedule import AttentionShape
+    if args.model_config:
+        import os
+        path = os.path.join(args.model_config, "config.json") if os.path.isdir(args.model_config) else \
+            args.model_config
+        with open(path, encoding="utf-8") as f:
+            try:
+                cfg = json.load(f)
+            except ValueError:
+                raise planner.PlanError(f"--model-config {path}: not a JSON config") from None
+        from types import SimpleNamespace
+        try:
+            return AttentionShape.from_config(SimpleNamespace(**cfg), dtype=args.dtype, causal=bool(args.causal),
+                                              bwd=bool(args.bwd))
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise planner.PlanError(f"--model-config {path}: {exc} (a transformers decoder config: "
+                                    "num_attention_heads, hidden_size, num_hidden_layers, ...)") from None
+    for name in ("hidden", "intermediate", "vocab"):
+        if getattr(args, name) < 0:
+            raise planner.PlanError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.layers < 1:
+        raise planner.PlanError(f"--layers must be >= 1, got {args.layers}")
+    return AttentionShape(args.heads, args.head_dim, args.kv_heads, args.dtype, bool(args.causal), bool(args.bwd),
+                          hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, vocab=args.vocab)
+
+
 def _dynamic_degree(args, prof) -> Optional[dict]:
-    """--length-dist / --lengths: the schedule per global batch against every static split."""
+    """--length-dist / --lengths: the schedule per global batch against static+ (every fixed
+    split, placed with the same care), priced as whole steps when the model's layers are given."""
     if args.length_dist is None and args.lengths is None:
         if args.budget_tokens is not None:
             raise planner.PlanError("--budget-tokens goes with --length-dist or --lengths")
         return None
-    from ..schedule import AttentionShape, compare_with_static, draw_batches
+    from ..schedule import compare_with_static, draw_batches
     budget = args.budget_tokens if args.budget_tokens is not None else -(-args.seqlen // args.world)
     if budget < 1:
         raise planner.PlanError(f"--budget-tokens must be >= 1, got {budget}")
@@ -186,22 +224,38 @@ def _dynamic_degree(args, prof) -> Optional[dict]:
     else:
         batches = draw_batches(args.length_dist, 16, args.seqlen, seed=0)
         source = f"16 batches of {args.length_dist} (seed 0), >= {args.seqlen} tokens each"
-    shape = AttentionShape(args.heads, args.head_dim, args.kv_heads, args.dtype, bool(args.causal), bool(args.bwd))
+    shape = _model_shape(args)
     cmp = compare_with_static(batches, args.world, shape, budget_tokens=budget, profile=prof)
-    return {"source": source, "budget_tokens": budget, **cmp}
+    cmp.pop("schedules", None)
+    profile = args.profile or ("the calibration" if args.calibrate else "cpu")
+    return {"source": source, "budget_tokens": budget, "shape": shape.describe(), "steps": len(batches),
+            "profile": profile, "world": args.world, **cmp}
 
 
 def format_dynamic(d: dict) -> list:
+    n = d["steps"]
     lines = [f"split per global batch (usp_hal.dynamic) on {d['source']}, at most {d['budget_tokens']} tokens per "
-             f"rank in one job: the slowest rank's totals"]
+             f"rank in one job; model {d['shape']}; predicted whole step of the slowest rank (ms, mean over the "
+             "batches):"]
     if not d["static"]:
-        lines.append("  no static split holds every batch within the budget")
-    for name, t in [("dynamic", d["dynamic"])] + sorted(d["static"].items()):
-        lines.append(f"  {name:22s} predicted {t['predicted'] * 1e3:10.2f} ms   bytes {t['bytes'] / 1e9:9.3f} GB   "
-                     f"work {t['pairs'] / 1e9:9.2f} G pairs")
-    r = d["ratio"]
-    fmt = {k: "n/a" if v is None else f"{v:.3f}" for k, v in r.items()}
-    lines.append(f"  dynamic / best static: predicted {fmt['predicted']}, bytes {fmt['bytes']}, work {fmt['pairs']}")
+        lines.append("  no fixed split holds every batch within the budget")
+    rows = [("dynamic", d["dynamic"])] + [(f"static+ {k}" + (" (best)" if k == d["best"] else ""), v)
+                                          for k, v in sorted(d["static"].items(), key=lambda kv: kv[1]["predicted"])]
+    for name, t in rows:
+        lines.append(f"  {name:26s} {t['predicted'] / n * 1e3:10.2f} ms   attention {t['attention'] / n * 1e3:9.2f}  "
+                     f"tokens {t['tokens'] / n * 1e3:9.2f}  comm {t['communication'] / n * 1e3:8.2f}  "
+                     f"overhead {t['overhead'] / n * 1e3:7.2f}")
+    if d["best"] is not None:
+        gain = 1 - d["ratio"]
+        lines.append(f"  predicted gain over static+ ({d['best']}): {100 * gain:.1f}% (dynamic / static+ "
+                     f"{d['ratio']:.3f}); slowest rank / mean {d['balance']:.3f}; {d['fallbacks']} of {n} batches "
+                     "gain under 3% over their own best fixed split and run it")
+    prof = d["profile"]
+    lines += ["  turn it on:",
+              f"    USPTrainer: USPTrainingArguments(..., usp_dynamic_degree=True, usp_budget_tokens="
+              f"{d['budget_tokens']}, usp_profile={prof!r})",
+              f"    custom loop: dd = usp.dynamic_degree(model, budget_tokens={d['budget_tokens']}, profile={prof!r}) "
+              "(usp_hal.integrations.transformers; then dd.schedule(lengths) per step, docs/dynamic-degree.md)"]
     return lines
 
 
