@@ -1,159 +1,312 @@
-"""The Ulysses x Ring split per global batch against every static split, on 4 ranks.
+"""The per-batch Ulysses x Ring degree against the best fixed split, as whole training steps.
 
-    python -m benchmarks.dynamic_degree                      # counts, predictions and CPU time
+    python -m benchmarks.dynamic_degree                      # lognormal: predicted, then measured here
     python -m benchmarks.dynamic_degree --dist llama3-sft    # the second length distribution
-    python -m benchmarks.dynamic_degree --no-time            # counts and predictions only
+    python -m benchmarks.dynamic_degree --no-time            # the predictions only
+    python -m benchmarks.dynamic_degree --host-time          # also the scheduling's host time, 64 ranks
 
-For the same global batches it schedules each one (usp_hal.schedule.schedule_batch) and runs
-every static split that holds every batch within the memory budget: U x R over all ranks, and
-dp x sp replicas (each packing its sequences).  Per step, as counts that do not depend on load:
-the slowest rank's attention work (query-key pairs x heads, forward), the bytes it sends (forward
-and backward), and its collectives; then the planner's predicted step time on an NVLink and a
-PCIe profile (each schedule made with that profile).  Summed over the steps; for each metric the
-best static split is the lowest one.
+**Predicted** (the planner's whole-step model, usp_hal.stepcost): a Llama-3-8B-shaped model (32
+layers, hidden 4,096, MLP 14,336, 32 heads of 128, 8 KV heads, vocabulary 128,256, bf16) on 4 GPUs
+of one node, 16 global batches of about 32K tokens per rank, at most 16,384 tokens per rank in
+one job.  Each profile on its own line: the dynamic schedule (usp_hal.schedule.Scheduler) against
+``static+``, every fixed split that holds every batch, each placed with the same care
+(Scheduler.static: balanced by predicted time, packed first-fit decreasing, varlen_zigzag for
+packed ring jobs), the best being the one split with the lowest predicted total; the fixed splits
+as earlier versions placed them (static_rule) beside it; a lower bound per batch
+(Scheduler.bound: every sequence at its cheapest rank-seconds over the world, and no less than
+its fastest job); the slowest rank's step in parts.
 
-The wall time runs the schedules for real (forward and backward of attention alone, torch SDPA,
-4 gloo ranks on this CPU) at a scaled-down size (--time-scale: lengths, budget and tokens per rank
-divided by it, heads 4, head dim 32), dynamic and each static split interleaved step by step,
-scheduled with the CPU profile; the ratio is the dynamic's total over the fastest static's.  It
-measures this CPU, not a GPU.
+**Measured** (this CPU, 4 gloo ranks, one thread each): the machine is calibrated first
+(usp_hal.harness.calibrate, 4 ranks at once) unless --profile names a profile; a Llama built
+from a transformers config with every size divided by 16 (2 layers, hidden 256, MLP 896, 8 heads
+of 32, 2 KV heads, vocabulary 2,048, fp32), lengths divided by 16, 2,048 tokens per rank, at most
+1,024 tokens per rank in one job, so that the linear layers' compute dominates a step (about a
+second per step here, per-call costs a few percent).  Per seed, 7 batches (after one warm-up),
+each run under every schedule in turn (the order rotating), a whole step each: every job's
+forward and backward through the transformers integration, the gradients summed over the world,
+an AdamW step.  The slowest rank's step time (barrier to barrier); per schedule the predicted
+time (the calibrated profile) against it: the plan's error and the Spearman rank correlation of
+the schedules' totals.
 
-Distributions: ``lognormal`` (median 1,024 tokens, sigma 1.5, clipped to [16, 32,768]: the
-issue's long tail), and ``llama3-sft`` (the Llama 3 long-context SFT mix as reported in its paper
-and quoted by Skrull, arXiv 2505.19609: 99.89% short sequences averaging about 1K tokens, 0.11%
-long ones averaging about 37K; the shapes are ours: log-normal, sigma 1.0 and 0.3, clipped to
-[16, 65,536]).  Batches hold about --tokens-per-rank tokens per rank, drawn with a fixed seed.
+The last line: ``dynamic/static+ predicted=<the NVLink profile's ratio> measured=<this CPU,
+every seed's total> slowest/mean=<the NVLink dynamic schedule's worst batch> schedule/bound=<its
+total over the bound> plan-error=<the largest |predicted / measured - 1|> spearman=<the lowest
+over the seeds>``.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import time
 from typing import Dict, List, Optional
 
 from usp_hal.schedule import (
     AttentionShape,
     Schedule,
+    ScheduleError,
+    Scheduler,
     compare_with_static,
     draw_batches,
-    fitting_static_splits,
+    scheduler,
     split_label,
-    static_schedule,
+    static_rule,
 )
 
 WORLD = 4
 PROFILES = ("h100-nvlink", "l40-pcie")
 DISTS = {"lognormal": "lognormal:1024:32768:1.5", "llama3-sft": "llama3-sft"}
+#: the model the predictions price: Llama-3-8B's shape
+GPU_MODEL = AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermediate=14336, layers=32, vocab=128256)
+#: the model measured here: every size of GPU_MODEL over 16 (layers and vocabulary fewer), fp32
+CPU_LAYER = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 896, "vocab": 2048}
+CPU_LAYERS = 2
+SCALE = 16
 
 
-# ------------------------------------------------------------------------- the wall time (4 ranks)
-def _run(sched: Schedule, meshes, rank: int, shape, seed: int, mods: dict) -> None:
+def cpu_shape() -> AttentionShape:
+    c = CPU_LAYER
+    return AttentionShape(c["heads"], c["head_dim"], c["kv_heads"], "fp32", True, True, hidden=c["hidden"],
+                          intermediate=c["intermediate"], layers=CPU_LAYERS, vocab=c["vocab"])
+
+
+def spearman(xs: List[float], ys: List[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = statistics.mean(a), statistics.mean(b)
+    num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    den = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return num / den if den else 1.0
+
+
+# ------------------------------------------------------------------------- predicted (GPU scale)
+def predicted(dist: str, steps: int, tokens_per_rank: int, budget: int, seed: int) -> Dict[str, dict]:
+    bs = draw_batches(DISTS[dist], steps, WORLD * tokens_per_rank, seed=seed)
+    n_seq = sum(len(b) for b in bs)
+    print(f"{dist} ({DISTS[dist]}): {steps} global batches on {WORLD} ranks, {n_seq / steps:.0f} sequences and "
+          f"{sum(map(sum, bs)) / steps / WORLD:.0f} tokens per rank per step, longest {max(map(max, bs))}; budget "
+          f"{budget} tokens per rank; model: {GPU_MODEL.describe()}, causal, forward+backward")
+    out = {}
+    for prof in PROFILES:
+        cmp = compare_with_static(bs, WORLD, GPU_MODEL, budget_tokens=budget, profile=prof)
+        static: Dict[str, Dict[str, float]] = cmp["static"]     # type: ignore[assignment]
+        best = cmp["best"]
+        dyn: Dict[str, float] = cmp["dynamic"]                   # type: ignore[assignment]
+        print(f"\n{prof}: predicted whole step (ms, mean over the steps), the slowest rank's")
+        print(f"  {'schedule':24s} {'step':>9s} {'attention':>10s} {'tokens':>9s} {'comm':>8s} {'overhead':>9s} "
+              f"{'idle':>7s} {'constant':>9s}")
+        rows = [("dynamic", dyn)] + [(f"static+ {k}" + (" (best)" if k == best else ""), v)
+                                     for k, v in sorted(static.items(), key=lambda kv: kv[1]["predicted"])]
+        for name, t in rows:
+            print(f"  {name:24s} {t['predicted'] / steps * 1e3:9.1f} {t['attention'] / steps * 1e3:10.1f} "
+                  f"{t['tokens'] / steps * 1e3:9.1f} {t['communication'] / steps * 1e3:8.1f} "
+                  f"{t['overhead'] / steps * 1e3:9.1f} {t['idle'] / steps * 1e3:7.1f} "
+                  f"{t['constant'] / steps * 1e3:9.1f}")
+        sch = scheduler(WORLD, GPU_MODEL, budget_tokens=budget, profile=prof)
+        for u, r in sch.static_splits():
+            try:
+                tot = sum(static_rule(b, WORLD, GPU_MODEL, ulysses=u, ring=r, budget_tokens=budget,
+                                      profile=prof).predicted for b in bs)
+            except ScheduleError:
+                continue
+            print(f"  {'rule ' + split_label(WORLD, u, r):24s} {tot / steps * 1e3:9.1f}   (earlier versions' "
+                  f"placement: replicas by tokens, index-order packing, zigzag)")
+        bound = float(cmp["bound"])           # type: ignore[arg-type]
+        ratio = float(cmp["ratio"]) if cmp["ratio"] is not None else float("nan")    # type: ignore[arg-type]
+        print(f"  lower bound {bound / steps * 1e3:.1f} ms per step: every sequence at its cheapest rank-seconds "
+              "(alone on a rank: without a job's fixed cost) over the ranks, and no less than its fastest job, plus "
+              "the step's constant part (gradient all-reduce, optimizer)")
+        line = (f"{prof}: dynamic/static+ predicted={ratio:.3f} (static+ = {best}) slowest/mean={cmp['balance']:.3f} "
+                f"token-balance={cmp['token_balance']:.3f} schedule/bound={dyn['predicted'] / bound:.3f} "
+                f"fixed-split steps={cmp['fallbacks']}/{steps}")
+        print(line)
+        out[prof] = {"ratio": ratio, "balance": cmp["balance"], "bound": dyn["predicted"] / bound,
+                     "token_balance": cmp["token_balance"], "best": best}
+    return out
+
+
+# ------------------------------------------------------------------------- measured (this CPU)
+def _ids(seed: int, step: int, i: int, n: int, vocab: int):
     import torch
-
-    import usp_hal
-    for job in sched.jobs_of(rank):
-        key = (job.size, job.cost.ulysses, job.cost.ring)
-        mesh = meshes[key]
-        attn = mods.get((key, job.cost.layout))
-        if attn is None:
-            attn = mods[(key, job.cost.layout)] = usp_hal.LongContextAttention(
-                attn_type="sdpa", ring_impl_type=job.cost.layout, mesh=mesh)
-        total = sum(job.lengths)
-        g = torch.Generator().manual_seed(seed + job.seqs[0])
-        q, k, v = (torch.randn(1, total, n, shape.head_dim, generator=g)
-                   for n in (shape.heads, shape.kv_heads, shape.kv_heads))
-        cu = job.cu_seqlens
-        q, k, v = (usp_hal.shard(x, layout=job.cost.layout, mesh=mesh, cu_seqlens=cu).requires_grad_()
-                   for x in (q, k, v))
-        out = attn(q, k, v, causal=shape.causal, cu_seqlens=cu) if cu else attn(q, k, v, causal=shape.causal)
-        out.sum().backward()
+    g = torch.Generator().manual_seed(hash((seed, step, i)) % (1 << 31))
+    return torch.randint(0, vocab, (1, n), generator=g)
 
 
-def timed_ranks(dist: str, steps: int, tokens_per_rank: int, budget: int, seed: int, scale: int,
-                statics: list) -> dict:
-    """On each of 4 ranks: every step's dynamic and static schedules run in turn (the order
-    rotating each step), each timed after a barrier; returns seconds per variant per step."""
+def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int, budget: int, profile) -> dict:
+    """On each of 4 ranks: per seed, ``steps`` + 1 batches, each run under every schedule in
+    turn (rotating), a whole training step each; returns per seed, batch and schedule the
+    seconds (this rank's view: barrier to barrier) and the predicted seconds."""
+    import torch
     import torch.distributed as dist_
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from usp_hal.dynamic import DynamicDegree
-    shape = AttentionShape(4, 32, 2, "fp32", True, True)
-    dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu")
+    from usp_hal.integrations import transformers as usp
+    c = CPU_LAYER
+    cfg = LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["intermediate"], num_hidden_layers=CPU_LAYERS,
+                      num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
+                      vocab_size=c["vocab"], max_position_embeddings=1 << 16)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    name = usp.register("usp_hal_bench_dynamic", mesh=None, layout="varlen_zigzag", attn_type="sdpa")
+    model.set_attn_implementation(name)
+    shape = AttentionShape.from_config(cfg, dtype="fp32")
+    assert shape == cpu_shape(), (shape, cpu_shape())
+    dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
+    variants = {"dynamic": dd.scheduler,
+                "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
+                                                ulysses_degrees=(1,), model=dd.scheduler.model),
+                "dynamic unpacked": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
+                                              pack=False, model=dd.scheduler.model)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     rank = dist_.get_rank()
-    bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=scale)
-    variants = ["dynamic"] + [split_label(WORLD, u, r) for u, r in statics]
-    times: Dict[str, List[float]] = {v: [] for v in variants}
-    mods: dict = {}
-    for step, b in enumerate(bs):
-        scheds = {"dynamic": dd.schedule(b, global_batch=True)}
-        for u, r in statics:
-            scheds[split_label(WORLD, u, r)] = static_schedule(b, WORLD, shape, ulysses=u, ring=r, budget_tokens=budget,
-                                                      profile="cpu")
-        order = variants[step % len(variants):] + variants[:step % len(variants)]
-        for name in order:
-            dist_.barrier()
-            t0 = time.perf_counter()
-            _run(scheds[name], dd.meshes, rank, shape, seed * 1000 + step, mods)
-            dist_.barrier()
-            if step:                       # the first step warms every path up
-                times[name].append(time.perf_counter() - t0)
-    return times
+    out: Dict[int, dict] = {}
+    for seed in seeds:
+        bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=SCALE)
+        base = dd.scheduler
+        totals = {}
+        for u, r in base.static_splits():
+            try:
+                totals[(u, r)] = sum(base.static(b, u, r).predicted for b in bs[1:])
+            except ScheduleError:
+                continue
+        best = min(totals, key=lambda k: totals[k])
+        names = list(variants) + [("static+ " if k == best else "static ") + split_label(WORLD, *k) for k in totals]
+        runs: Dict[str, List[float]] = {n: [] for n in names}
+        preds: Dict[str, List[float]] = {n: [] for n in names}
+        for step, b in enumerate(bs):
+            scheds: Dict[str, Schedule] = {n: s.schedule(b) for n, s in variants.items()}
+            for k in totals:
+                scheds[("static+ " if k == best else "static ") + split_label(WORLD, *k)] = base.static(b, *k)
+            items = sum(n - 1 for n in b)
+            shift = step % len(names)
+            for n in names[shift:] + names[:shift]:
+                dist_.barrier()
+                t0 = time.perf_counter()
+                _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
+                dist_.barrier()
+                if step:                   # the first batch warms every path up
+                    runs[n].append(time.perf_counter() - t0)
+                    preds[n].append(scheds[n].predicted)
+        out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best)}
+    return out
 
 
-# ------------------------------------------------------------------------- main
+def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, items: int, vocab: int) -> None:
+    import torch
+
+    from usp_hal.integrations import transformers as usp
+    mine = torch.zeros(())
+    for job in sched.jobs_of(rank):
+        ids = torch.cat([_ids(seed, step, i, n, vocab) for i, n in zip(job.seqs, job.lengths)], 1)
+        with dd.on(job) as mesh:
+            cu = list(job.cu_seqlens) if job.cu_seqlens else None
+            batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, job.cost.layout, cu_seqlens=cu)
+            batch["num_items_in_batch"] = items
+            out = model(**batch)
+        out.loss.backward()
+        mine = mine + out.loss.detach()
+    dd.sync_gradients(model, mine)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) -> dict:
+    from benchmarks._ranks import run_on_ranks
+    from usp_hal.planner import load_profile
+    tokens, budget = 32768 // SCALE, 16384 // SCALE
+    t0 = time.monotonic()
+    if profile is None:
+        from usp_hal.harness.calibrate import calibrate
+        prof = calibrate(WORLD, dtype="fp32", head_dim=CPU_LAYER["head_dim"], heads=CPU_LAYER["heads"],
+                         layer=CPU_LAYER, timeout=600)
+        how = f"calibrated here now ({time.monotonic() - t0:.0f} s, 4 ranks)"
+    else:
+        prof = load_profile(profile)
+        how = f"profile {profile}"
+    res = run_on_ranks(measured_ranks, world=WORLD, timeout=5400, dist=dist, seeds=seeds, steps=steps,
+                       tokens_per_rank=tokens, budget=budget, profile=prof)
+    print(f"\nmeasured on this CPU: 4 gloo ranks x 1 thread, {cpu_shape().describe()}, lengths / {SCALE}, about "
+          f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; "
+          f"prices from the {how}")
+    worst_err, worst_spear = 0.0, 1.0
+    ratios, dyn_all, st_all = [], 0.0, 0.0
+    for seed in seeds:
+        runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
+        preds = res[0][seed]["preds"]
+        names = list(runs)
+        best = next(n for n in names if n.startswith("static+ "))
+        print(f"  seed {seed}: schedule                 predicted (ms/step)  measured (ms/step)  error")
+        for n in names:
+            p, m = sum(preds[n]) / steps, sum(runs[n]) / steps
+            errs = [abs(a / b - 1) for a, b in zip(preds[n], runs[n])]
+            worst_err = max(worst_err, max(errs))
+            print(f"    {n:32s} {p * 1e3:12.1f} {m * 1e3:18.1f} {100 * (p / m - 1):+8.1f}%  (worst batch "
+                  f"{100 * max(errs):.1f}%)")
+        sp = spearman([sum(preds[n]) for n in names], [sum(runs[n]) for n in names])
+        worst_spear = min(worst_spear, sp)
+        r = sum(runs["dynamic"]) / sum(runs[best])
+        ratios.append(r)
+        dyn_all += sum(runs["dynamic"])
+        st_all += sum(runs[best])
+        print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f}, predicted "
+              f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules")
+    return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear}
+
+
+def host_time(n_seq: int = 1000, world: int = 64, reps: int = 20) -> float:
+    """Seconds of host time to schedule one global batch of ``n_seq`` sequences on ``world``
+    ranks (the median after the tables are built), H100 profile, Llama-3-8B shape."""
+    sch = Scheduler(world, GPU_MODEL, budget_tokens=16384, profile="h100-nvlink")
+    bs = [b[:n_seq] for b in draw_batches(DISTS["lognormal"], reps + 2, world * 32768, seed=1)]
+    for b in bs[:2]:
+        sch.schedule(b)
+    ts = []
+    for b in bs[2:]:
+        t0 = time.perf_counter()
+        sch.schedule(b)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dist", default="lognormal", choices=("lognormal", "llama3-sft"))
+    ap.add_argument("--dist", default="lognormal", choices=tuple(DISTS))
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--tokens-per-rank", type=int, default=32768)
-    ap.add_argument("--budget", type=int, default=16384,
-                    help="most tokens one rank holds in one job (default: half the longest lognormal sequence)")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=int, default=16384, help="most tokens one rank holds in one job")
+    ap.add_argument("--seed", type=int, default=0, help="the predicted batches' seed")
     ap.add_argument("--time", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run the schedules on 4 gloo ranks here (scaled down) for the wall-time ratio")
-    ap.add_argument("--time-scale", type=int, default=32)
-    ap.add_argument("--time-steps", type=int, default=6)
+                    help="also measure whole steps on 4 gloo ranks here")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the measured runs' seeds")
+    ap.add_argument("--time-steps", type=int, default=7, help="measured batches per seed")
+    ap.add_argument("--profile", default=None, help="price the measured runs with this profile (default: calibrate)")
+    ap.add_argument("--host-time", action="store_true", help="also time the scheduling of 1,000 sequences on 64 ranks")
     args = ap.parse_args(argv)
-    shape = AttentionShape(args.heads, args.head_dim, args.kv_heads, "bf16", True, True)
-    bs = draw_batches(DISTS[args.dist], args.steps, WORLD * args.tokens_per_rank, seed=args.seed)
-    n_seq = sum(len(b) for b in bs)
-    print(f"{args.dist} ({DISTS[args.dist]}): {args.steps} global batches on {WORLD} ranks, {n_seq / args.steps:.0f} "
-          f"sequences and {sum(map(sum, bs)) / args.steps / WORLD:.0f} tokens per rank per step, longest "
-          f"{max(map(max, bs))}; budget {args.budget} tokens per rank; H={args.heads} Hkv={args.kv_heads} "
-          f"D={args.head_dim} bf16 causal, forward+backward")
-    ratio: Dict[str, float] = {}
-    for prof in PROFILES:
-        cmp = compare_with_static(bs, WORLD, shape, budget_tokens=args.budget, profile=prof)
-        rows: Dict[str, Dict[str, float]] = cmp["static"]     # type: ignore[assignment]
-        print(f"\n{prof}: per step, the slowest rank's   work (G pairs)   bytes (GB)   collectives   predicted (ms)")
-        for name, t in [("dynamic", cmp["dynamic"])] + sorted(rows.items()):
-            print(f"  {name:22s} {t['pairs'] / args.steps / 1e9:16.2f} {t['bytes'] / args.steps / 1e9:12.3f} "
-                  f"{t['collectives'] / args.steps:13.1f} {t['predicted'] / args.steps * 1e3:15.2f}")
-        for k, r in cmp["ratio"].items():       # type: ignore[union-attr]
-            print(f"  dynamic / best static {k}: {'n/a' if r is None else f'{r:.3f}'}")
-            ratio[k] = max(ratio.get(k, 0.0), float("inf") if r is None else r)     # the worse of the two profiles
-    time_ratio = float("nan")
+    pred = predicted(args.dist, args.steps, args.tokens_per_rank, args.budget, args.seed)
+    meas = {"ratio": float("nan"), "plan_error": float("nan"), "spearman": float("nan")}
     if args.time:
-        from benchmarks._ranks import run_on_ranks
-        sc = args.time_scale
-        tb = draw_batches(DISTS[args.dist], args.time_steps + 1, WORLD * args.tokens_per_rank // sc, seed=args.seed,
-                          scale=sc)
-        tstatics = list(fitting_static_splits(tb, WORLD, AttentionShape(4, 32, 2, "fp32", True, True),
-                                              budget_tokens=args.budget // sc, profile="cpu"))
-        res = run_on_ranks(timed_ranks, world=WORLD, dist=args.dist, steps=args.time_steps,
-                           tokens_per_rank=args.tokens_per_rank // sc, budget=args.budget // sc, seed=args.seed,
-                           scale=sc, statics=tstatics)
-        slow = {v: [max(r[v][i] for r in res) for i in range(len(res[0][v]))] for v in res[0]}
-        tot = {v: sum(x) for v, x in slow.items()}
-        print(f"\nwall time on this CPU, 4 gloo ranks, sizes / {sc} (H=4 Hkv=2 D=32 fp32), {args.time_steps} steps "
-              f"interleaved, slowest rank's seconds per step:")
-        for v, t in tot.items():
-            print(f"  {v:22s} {t / len(slow[v]) * 1e3:9.1f} ms")
-        best = min(t for v, t in tot.items() if v != "dynamic")
-        time_ratio = tot["dynamic"] / best
-    print(f"\ndynamic/best-static slowest-rank work={ratio['pairs']:.3f} bytes={ratio['bytes']:.3f} "
-          f"predicted={ratio['predicted']:.3f} time={time_ratio:.3f}")
+        meas = measured(args.dist, args.seeds, args.time_steps, args.profile)
+    if args.host_time:
+        print(f"\nscheduling one batch of 1,000 sequences on 64 ranks: {host_time() * 1e3:.2f} ms of host time "
+              "(median, the price tables built)")
+    nv = pred["h100-nvlink"]
+    print(f"\ndynamic/static+ predicted={nv['ratio']:.3f} measured={meas['ratio']:.3f} "
+          f"slowest/mean={nv['balance']:.3f} "
+          f"schedule/bound={nv['bound']:.3f} plan-error={100 * meas['plan_error']:.1f}% "
+          f"spearman={meas['spearman']:.3f}")
     return 0
 
 
