@@ -3,6 +3,8 @@ passing (usp_hal.state_passing.gated_delta_rule with ``g [B, T, H, dk]``) on eve
 WorkerPool, against the float64 recurrence over the whole sequence, per document."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import usp_hal
@@ -11,14 +13,18 @@ from tests.dist_state_passing import _docs_reference, _errors, _mutated
 from usp_hal import state_passing as sp
 
 
-def delta_rule_problem(seed: int, S: int, cu, B: int, H: int, dk: int, dv: int, per_channel: bool):
+def delta_rule_problem(seed: int, S: int, cu, B: int, H: int, dk: int, dv: int, per_channel: bool,
+                       Hk: Optional[int] = None):
     """One delta-rule case: the global inputs (``g`` a decay per key channel with
     ``per_channel``, KDA's, else per head, the gated delta rule's), ``dout``, and the float64
-    reference per document of ``cu`` backpropagated from ``dout``: (glob, dout, ref_in, ref)."""
+    reference per document of ``cu`` backpropagated from ``dout``: (glob, dout, ref_in, ref).
+    ``H`` value heads; ``Hk`` q/k heads (default ``H``; fewer: GVA, value head j reads q/k
+    head j // (H / Hk) in the reference)."""
     gen = torch.Generator().manual_seed(seed)
     gshape = (B, S, H, dk) if per_channel else (B, S, H)
-    glob = {"q": torch.randn(B, S, H, dk, generator=gen),
-            "k": torch.nn.functional.normalize(torch.randn(B, S, H, dk, generator=gen), dim=-1),
+    Hk = H if Hk is None else Hk
+    glob = {"q": torch.randn(B, S, Hk, dk, generator=gen),
+            "k": torch.nn.functional.normalize(torch.randn(B, S, Hk, dk, generator=gen), dim=-1),
             "v": torch.randn(B, S, H, dv, generator=gen),
             "g": -torch.rand(*gshape, generator=gen) * 0.5,
             "beta": torch.rand(B, S, H, generator=gen)}

@@ -20,7 +20,7 @@ V, DIM, HEADS, KV_HEADS, LAYERS = 128, 64, 4, 2, 2
 _DIMS: dict = {}
 
 
-def tiny_llama_config():
+def tiny_llama_config(inner: str = "sdpa"):
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import (
@@ -35,8 +35,9 @@ def tiny_llama_config():
                                   rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=256, theta=10000.0,
                                                           scaling="none"),
                                   attn_backend="flex")
-    for layer in layers:      # torchtitan 0.3.0 builds LMs with flex/varlen; its SDPA module runs eagerly on the CPU
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if inner == "sdpa":       # torchtitan 0.3.0 builds LMs with flex/varlen; its SDPA module runs eagerly on the CPU
+        for layer in layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg = Llama3Model.Config(
         dim=DIM, vocab_size=V, layers=layers,
         tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
@@ -46,9 +47,9 @@ def tiny_llama_config():
     return cfg
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, inner: str = "sdpa"):
     torch.manual_seed(seed)
-    model = tiny_llama_config().build()
+    model = tiny_llama_config(inner).build()
     model.init_states(buffer_device=torch.device("cpu"))
     return model
 
@@ -64,11 +65,12 @@ def batches(replicas: int, B: int, S: int, seed: int):
     return out
 
 
-def parallel_dims(dp_shard: int, tp: int, cp: int):
+def parallel_dims(dp_shard: int, tp: int, cp: int, ring: bool = False):
     """torchtitan's ParallelDims for this world, its meshes on the CPU.  torchtitan 0.3.0 picks
     the mesh device type once, at import (torchtitan/tools/utils.py: ``_get_available_device_type()
-    or "cuda"``), and parallel_dims.py imports that name: here it is set to "cpu"."""
-    key = (dp_shard, tp, cp)
+    or "cuda"``), and parallel_dims.py imports that name: here it is set to "cpu".  The ``cp``
+    dim is usp-hal's mesh: Ulysses over it, or with ``ring`` a ring."""
+    key = (dp_shard, tp, cp, ring)
     if key not in _DIMS:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake", for degree-1 dims)
         import torchtitan.distributed.parallel_dims as pd
@@ -76,7 +78,8 @@ def parallel_dims(dp_shard: int, tp: int, cp: int):
         dims = pd.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, pp=1, ep=1,
                                world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
         dims.build_mesh()
-        mesh = usp_hal.init_sequence_parallel(device_mesh=dims.get_mesh("cp"), set_default=False)
+        mesh = usp_hal.init_sequence_parallel(device_mesh=dims.get_mesh("cp"), set_default=False,
+                                              **({"ulysses_degree": 1, "ring_degree": cp} if ring else {}))
         _DIMS[key] = (dims, mesh)
     return _DIMS[key]
 
@@ -178,6 +181,193 @@ def titan_train(dp_shard: int = 2, tp: int = 1, cp: int = 2, layout: str = "zigz
                param_diff=max(float((params[n] - p).abs().max()) for n, p in ref_params.items()),
                moved=max(float((p - init[n].detach()).abs().max()) for n, p in ref_params.items()))
     return res
+
+
+# ----------------------------------------------------------------------------- packed documents
+def packed_batches(replicas: int, B: int, S: int, seed: int):
+    """Per replica: (ids, labels, positions) ``[B, S]`` as torchtitan's text dataloader packs
+    documents (torchtitan/hf_datasets/text_datasets.py): positions restart at 0 at every
+    document, labels are the next token inside the document (-100 after its last one).  Each
+    row has its own documents, a one-token one among them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(replicas):
+        ids = torch.randint(0, V, (B, S), generator=g)
+        positions = torch.empty(B, S, dtype=torch.long)
+        labels = torch.full((B, S), -100)
+        for b in range(B):
+            cuts = sorted(set(torch.randperm(S - 2, generator=g)[:3].add(1).tolist()) | {0, S})
+            if b == 0:
+                cuts = sorted(set(cuts) | {S - 1})                      # a document of one token at the end
+            for a, e in zip(cuts[:-1], cuts[1:]):
+                positions[b, a:e] = torch.arange(e - a)
+                labels[b, a:e - 1] = ids[b, a + 1:e]
+        out.append((ids, labels, positions))
+    return out
+
+
+def documents_of(positions_row: torch.Tensor):
+    """(start, end) of each document of one row (torchtitan's convention: positions == 0 start one)."""
+    starts = (positions_row == 0).nonzero().flatten().tolist() + [positions_row.numel()]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def one_process_documents(seed: int, data, steps: int, lr: float):
+    """The same model unmodified in one process, every document of every row of every replica
+    run alone (what a document mask computes), 3 AdamW steps, loss over the global tokens."""
+    ref = build(seed)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    tokens = sum(int((lab != -100).sum()) for _, lab, _ in data)
+    losses, norms = [], []
+    for _ in range(steps):
+        loss = 0.0
+        for ids, labels, positions in data:
+            for b in range(ids.shape[0]):
+                for a, e in documents_of(positions[b]):
+                    logits = ref(ids[b:b + 1, a:e])
+                    loss = loss + torch.nn.functional.cross_entropy(logits[0], labels[b, a:e], ignore_index=-100,
+                                                                    reduction="sum")
+        loss = loss / tokens
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(_clip(list(ref.parameters())))
+        opt.step()
+        opt.zero_grad()
+    return losses, norms, {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def titan_document_masks_vs_per_document(seed: int, ids, positions) -> float:
+    """torchtitan's own packed-document attention, forward: the model built with its
+    FlexAttention and the masks of ``model.get_attention_masks(positions)`` (causal and
+    torchtitan's packed-document mask, run eagerly: no Inductor on the CPU), against every
+    document run alone through the SDPA model.  Max abs difference of the logits."""
+    import torchtitan.models.common.decoder as decoder
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+    flex = build(seed, inner="flex")
+    saved = decoder.create_attention_mask, FlexAttention._compiled_flex_attn
+    decoder.create_attention_mask, FlexAttention._compiled_flex_attn = create_block_mask, flex_attention
+    try:
+        with torch.no_grad():
+            got = flex(ids, positions=positions, attention_masks=flex.get_attention_masks(positions))
+    finally:
+        decoder.create_attention_mask, FlexAttention._compiled_flex_attn = saved
+    ref = build(seed)
+    with torch.no_grad():
+        want = torch.cat([torch.cat([ref(ids[b:b + 1, a:e]) for a, e in documents_of(positions[b])], dim=1)
+                          for b in range(ids.shape[0])])
+    return float((got - want).abs().max())
+
+
+def titan_train_packed(dp_shard: int = 1, cp: int = 2, ring: bool = False, layout: str = "varlen_zigzag",
+                       steps: int = 3, B: int = 2, S: int = 24, seed: int = 0, lr: float = 2e-3,
+                       mutation: Optional[str] = None):
+    """``steps`` AdamW steps of the tiny Llama on packed documents, dp_shard x cp (= sp) ranks,
+    the batch sharded by ``prepare_inputs`` (torchtitan's per-document positions in); rank 0
+    also returns the comparison with one process (every document alone).  ``mutation=
+    "ignore_documents"``: the attention is not told the boundaries (the negative control)."""
+    from usp_hal.integrations.torchtitan import prepare_inputs
+    dims, mesh = parallel_dims(dp_shard, 1, cp, ring)
+    replica = dims.get_mesh("batch").get_local_rank() if dp_shard > 1 else 0
+    data = packed_batches(dp_shard, B, S, seed + 1)
+    model = build(seed)
+    layers = parallelize(model, dims, mesh, layout)
+    attn = model._usp_attention
+    calls = []
+    attn.register_forward_hook(lambda mod, args, kwargs, out: calls.append(kwargs.get("cu_seqlens")),
+                               with_kwargs=True)
+    if mutation == "ignore_documents":
+        inner = attn.forward
+        attn.forward = lambda *a, cu_seqlens=None, **k: inner(*a, **k)
+    ids, labels, extra = prepare_inputs(model, *(data[replica][i] for i in (0, 1, 2)))
+    global_tokens = sum(int((d[1] != -100).sum()) for d in data)
+    loss_group = dims.get_mesh("loss").get_group()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for _ in range(steps):
+        logits = _full(model(ids, **extra))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                                 reduction="sum") / global_tokens
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=loss_group)
+        losses.append(float(total))
+        norms.append(_clip(list(model.parameters())))
+        opt.step()
+        opt.zero_grad()
+    params = {n: _full(p).detach() for n, p in model.named_parameters()}
+    batch = extra["attention_masks"]
+    res = {"losses": losses, "norms": norms, "layers": layers, "usp_calls": len(calls),
+           "documents": len(batch.cu_seqlens) - 1, "cu_passed": all(c == list(batch.cu_seqlens) for c in calls),
+           "local_shape": tuple(ids.shape)}
+    if dist.get_rank() != 0:
+        return res
+    ref_losses, ref_norms, ref_params = one_process_documents(seed, data, steps, lr)
+    init = dict(build(seed).named_parameters())
+    res.update(ref_losses=ref_losses, ref_norms=ref_norms,
+               param_diff=max(float((params[n] - p).abs().max()) for n, p in ref_params.items()),
+               moved=max(float((p - init[n].detach()).abs().max()) for n, p in ref_params.items()),
+               titan_masks=titan_document_masks_vs_per_document(seed, data[0][0], data[0][2]))
+    return res
+
+
+# ----------------------------------------------------------------------------- refusals
+def titan_refusal(case: str, S: int = 24, B: int = 2, seed: int = 0) -> dict:
+    """A model call apply_usp must refuse, on 2 ranks (ring 2, FSDP over them): {"error":
+    type name, "message": text, "seconds": from the call to the error}, or {"ran": True}
+    when the call went through (the silent case)."""
+    import time
+
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+    from usp_hal.integrations import torchtitan as tt
+    from usp_hal.integrations.torchtitan import local_positions
+    dims, mesh = parallel_dims(1, 1, 2, True)
+    model = build(seed)
+    parallelize(model, dims, mesh, "varlen_zigzag" if case == "documents_other_layout" else "zigzag")
+    ids, labels, positions = packed_batches(1, B, S, seed + 1)[0]
+    rank = dist.get_rank()
+    kwargs: dict = {}
+    if case == "basic_layout":               # usp_hal.shard's default layout, and that layout's positions
+        tokens = usp_hal.shard(ids, mesh=mesh)
+        kwargs["positions"] = local_positions(mesh, S, B, "basic")
+    elif case == "one_rank_without_positions":
+        tokens = usp_hal.shard(ids, layout="zigzag", mesh=mesh)
+        kwargs["positions"] = local_positions(mesh, S, B, "zigzag") if rank == 0 else None
+    elif case in ("titan_varlen_metadata", "titan_block_mask"):
+        tokens = usp_hal.shard(ids, layout="zigzag", mesh=mesh)
+        kwargs["positions"] = local_positions(mesh, S, B, "zigzag")
+        if case == "titan_varlen_metadata":
+            kwargs["attention_masks"] = create_varlen_metadata_for_document(positions)
+        else:
+            from torch.nn.attention.flex_attention import and_masks, create_block_mask
+            from torchtitan.models.common.attention import (
+                get_causal_mask_mod,
+                get_efficient_causal_mask_mod_for_packed_document,
+            )
+            kwargs["attention_masks"] = create_block_mask(
+                and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions)),
+                B, None, S, S, device="cpu")
+    elif case == "different_batches":
+        tokens, _, kwargs = tt.prepare_inputs(model, ids + rank, labels, positions)
+    elif case == "not_per_document_positions":
+        bad = positions.clone()
+        bad[1, 5] += 7
+        tokens, _, kwargs = tt.prepare_inputs(model, ids, labels, bad)
+    elif case == "documents_other_layout":   # the model's layout is varlen_zigzag: tokens and positions by hand
+        _, _, kwargs = tt.prepare_inputs(model, ids, labels, positions)
+        cu = kwargs["attention_masks"].cu_seqlens
+        tokens = usp_hal.shard(ids.reshape(1, -1), layout="zigzag", mesh=mesh, cu_seqlens=cu)
+        kwargs["positions"] = usp_hal.shard(positions.reshape(1, -1), layout="zigzag", mesh=mesh, cu_seqlens=cu)
+    else:
+        raise ValueError(case)
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        model(tokens, **kwargs)
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
+    return {"ran": True}
 
 
 # ----------------------------------------------------------------------------- gpt-oss attention (sinks)

@@ -54,6 +54,45 @@ def test_every_xfuser_yunchang_import_resolves(yunchang_alias):
     assert ns["LongContextAttention"] is usp_hal.LongContextAttention
 
 
+def test_install_logs_the_modules_it_serves_at_info(caplog):
+    saved = {n: m for n, m in sys.modules.items() if n == "yunchang" or n.startswith("yunchang.")}
+    for n in saved:
+        del sys.modules[n]
+    try:
+        with caplog.at_level("INFO", logger="usp_hal.compat.alias"):
+            served = alias.install_yunchang_alias()
+    finally:
+        alias.remove_yunchang_alias()
+        sys.modules.update(saved)
+    records = [r for r in caplog.records if r.name == "usp_hal.compat.alias" and r.levelname == "INFO"
+               and "install_yunchang_alias" in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    message = records[0].getMessage()
+    assert served == list(alias.ALIAS_MODULES) and all(name in message for name in served), message
+
+
+@pytest.mark.parametrize("statement", ["import yunchang.hybrid", "from yunchang import hybrid",
+                                       "from yunchang.ring import zigzag_ring_flash_attn"])
+def test_unserved_submodule_names_the_alias_and_what_it_serves(yunchang_alias, statement):
+    """yunchang 0.6.4 has yunchang/hybrid/ and yunchang/ring/zigzag_ring_flash_attn.py; the
+    alias serves neither: the error says so (still a ModuleNotFoundError for ``except``)."""
+    with pytest.raises(ModuleNotFoundError) as info:
+        exec(statement, {})
+    assert isinstance(info.value, alias.YunchangAliasModuleNotFound), repr(info.value)
+    text = str(info.value)
+    assert "install_yunchang_alias" in text and "usp-hal's alias" in text, text
+    assert all(name in text for name in alias.ALIAS_MODULES), text
+    import yunchang.ring.utils  # the served ones still resolve
+    assert yunchang.ring.utils.__usp_hal_alias__
+
+
+def test_remove_takes_the_finder_out(yunchang_alias):
+    alias.install_yunchang_alias()                     # twice: one finder
+    assert sum(f is alias._FINDER for f in sys.meta_path) == 1
+    alias.remove_yunchang_alias()
+    assert alias._FINDER not in sys.meta_path and "yunchang" not in sys.modules
+
+
 def test_subclass_as_xfuser_does(yunchang_alias):
     from yunchang.ring.ring_flash_attn import RingFlashAttnFunc
     from yunchang.ring.ring_npu_flash_attn import RingNpuFlashAttnFunc

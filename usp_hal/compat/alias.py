@@ -18,9 +18,16 @@ honour raises :class:`YunchangUnsupported` naming why and what to call instead.
 ``yunchang.ring.ring_npu_flash_attn``     ``RingNpuFlashAttnFunc``, ``ring_npu_flash_attn_func``
 ``yunchang.ring.ring_pytorch_attn``       ``ring_pytorch_attn_func``
 ========================================  ===============================================
+
+It logs the names it serves (logger ``usp_hal.compat.alias``, INFO).  While it is installed, a
+``yunchang`` submodule it does not serve (``import yunchang.hybrid``) raises
+:class:`YunchangAliasModuleNotFound` (a ``ModuleNotFoundError``, so ``except ImportError`` still
+takes it) naming the alias and listing what it serves.
 """
 from __future__ import annotations
 
+import importlib.abc
+import logging
 import sys
 import types
 from typing import Any, Dict, List, Optional, Tuple
@@ -33,7 +40,10 @@ from ..dispatch.registry import REGISTRY
 from ..parallel import comm as _comm
 from . import yunchang as _yc
 
-__all__ = ["install_yunchang_alias", "remove_yunchang_alias", "YunchangUnsupported", "ALIAS_MODULES"]
+__all__ = ["install_yunchang_alias", "remove_yunchang_alias", "YunchangUnsupported", "YunchangAliasModuleNotFound",
+           "ALIAS_MODULES"]
+
+log = logging.getLogger(__name__)
 
 
 class YunchangUnsupported(NotImplementedError):
@@ -451,11 +461,44 @@ ALIAS_MODULES: Tuple[str, ...] = (
 _PACKAGES = {"yunchang", "yunchang.comm", "yunchang.ring", "yunchang.kernels"}
 
 
+class YunchangAliasModuleNotFound(ModuleNotFoundError):
+    """A ``yunchang`` submodule the alias does not serve was imported while it is installed
+    (``import yunchang.x`` or ``from yunchang import x``)."""
+
+
+def _served() -> str:
+    return ", ".join(ALIAS_MODULES)
+
+
+class _UnservedFinder(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path`` while the alias is installed: a ``yunchang.*`` name that is not
+    one of :data:`ALIAS_MODULES` raises :class:`YunchangAliasModuleNotFound` instead of the bare
+    ``No module named ...`` the alias's empty package paths would give."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith("yunchang.") or fullname in ALIAS_MODULES:
+            return None
+        if not getattr(sys.modules.get("yunchang"), "__usp_hal_alias__", False):
+            return None      # the alias was taken out of sys.modules by hand: not ours to answer
+        raise YunchangAliasModuleNotFound(
+            f"No module named {fullname!r}: 'yunchang' is usp-hal's alias (usp_hal.compat.alias."
+            f"install_yunchang_alias), which serves only {_served()}; import those names, call usp_hal directly, "
+            "or take the alias out (remove_yunchang_alias()) and install yunchang itself")
+        # no name=: CPython's importlib._bootstrap._handle_fromlist drops a ModuleNotFoundError whose
+        # .name is the submodule tried, so `from yunchang import hybrid` would end in its generic
+        # "cannot import name" (which names neither the alias nor what it serves)
+
+
+_FINDER = _UnservedFinder()
+
+
 def install_yunchang_alias() -> List[str]:
     """Make ``import yunchang`` and its submodules in :data:`ALIAS_MODULES` resolve to usp-hal;
-    returns the module names it put in ``sys.modules``.  Refused while a real ``yunchang`` is
-    imported (remove it from ``sys.modules`` first, or do not install the alias).  Calling it
-    again reinstalls the alias (``PROCESS_GROUP`` is the same object)."""
+    returns the module names it put in ``sys.modules`` and logs them (INFO, logger
+    ``usp_hal.compat.alias``).  Any other ``yunchang.*`` import then raises
+    :class:`YunchangAliasModuleNotFound` naming the alias and what it serves.  Refused while a
+    real ``yunchang`` is imported (remove it from ``sys.modules`` first, or do not install the
+    alias).  Calling it again reinstalls the alias (``PROCESS_GROUP`` is the same object)."""
     real = sys.modules.get("yunchang")
     if real is not None and not getattr(real, "__usp_hal_alias__", False):
         raise RuntimeError("install_yunchang_alias: the real yunchang package is already imported "
@@ -469,12 +512,21 @@ def install_yunchang_alias() -> List[str]:
         if parent:
             setattr(mods[parent], child, mod)
     sys.modules.update(mods)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    log.info("install_yunchang_alias: 'import yunchang' now resolves to usp-hal for these modules: %s "
+             "(any other yunchang submodule is refused)", _served())
     return list(ALIAS_MODULES)
 
 
 def remove_yunchang_alias() -> List[str]:
-    """Remove the alias's modules from ``sys.modules``; returns the names removed."""
+    """Remove the alias's modules from ``sys.modules`` (and its finder from ``sys.meta_path``);
+    returns the names removed."""
     gone = [n for n in ALIAS_MODULES if getattr(sys.modules.get(n), "__usp_hal_alias__", False)]
     for n in gone:
         del sys.modules[n]
+    while _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    if gone:
+        log.info("remove_yunchang_alias: took out %s", ", ".join(gone))
     return gone

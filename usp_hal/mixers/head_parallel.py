@@ -216,7 +216,8 @@ def _mesh_layout_documents(mesh, layout: str, cu_seqlens):
 
 
 def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Sequence[int],
-                shape_names: Sequence[str], layout: str, cu=None, seqlen: Optional[int] = None) -> List[int]:
+                shape_names: Sequence[str], layout: str, cu=None, seqlen: Optional[int] = None,
+                settings: str = "") -> List[int]:
     """Every rank's local length, after one small all-gather (ints, on the CPU metadata
     group) in which every rank of ``mesh`` shows how it runs this sequence mixer: ``mode``
     (one of :data:`MIXERS`: which exchange it is about to make), its local length and batch,
@@ -226,15 +227,22 @@ def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Seq
     local ``problem``, another mode, batch, shape, layout or boundaries on any rank, or
     per-rank lengths that are not the layout's, raise the same error on every rank before any
     data moves.  All mixers share one label, so ranks that reach different mixers (another
-    ``recurrence=`` or conv exchange on one rank) meet in this exchange and are told so."""
-    from ..parallel.comm import agree, digest_ints
+    ``recurrence=`` or conv exchange on one rank) meet in this exchange and are told so.
+
+    ``settings``: a text naming the mixer's kernel and every argument it runs with (state
+    passing's kernel and keywords): its digest travels with the rest, and when it differs
+    every rank exchanges the texts (a second all-gather, only then) and raises the same error
+    showing each rank's."""
+    from ..parallel.comm import agree, all_gather_bytes, digest_ints
     from ..sequence.positions import local_lengths
     shape = [int(x) for x in shape][:_SHAPE_WIDTH]
     shape += [0] * (_SHAPE_WIDTH - len(shape))
     code = MIXERS.index(mode) + 1
     lay = digest_ints(list(layout.encode())) if isinstance(layout, str) else 0
     cud = digest_ints([int(c) for c in cu]) if cu is not None else 0
+    sett = digest_ints(list(settings.encode("utf-8", "replace"))) if settings else 0
     names = mesh.sp_ranks
+    where = mesh.where("sequence-parallel")
 
     def per_rank(rows, j, show=str):
         return ", ".join(f"rank {names[i]}: {show(r[j])}" for i, r in enumerate(rows))
@@ -247,6 +255,15 @@ def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Seq
             return ("the ranks run this layer's sequence mixing differently (" + per_rank(rows, 0, mode_name)
                     + "); every rank must make the same choice: pass the same recurrence= and conv exchange on "
                     "every rank")
+        if len({r[-1] for r in rows}) > 1:
+            # every rank sees the same rows, so every rank makes this second exchange
+            texts = all_gather_bytes(settings.encode("utf-8", "replace"), mesh.metadata_group,
+                                     what=f"{_MIXER_WHAT}: kernel settings", where=where)
+            shown = "; ".join(f"rank {names[i]}: {t.decode('utf-8', 'replace') or '(none)'}"
+                              for i, t in enumerate(texts))
+            return (f"the ranks run this layer's kernel with different settings ({shown}); the kernel and every "
+                    "argument it takes change what each rank computes: pass the same kernel= and keywords on every "
+                    "rank")
         if len({r[2] for r in rows}) > 1:
             return ("the ranks hold different batch sizes (" + per_rank(rows, 2) + "); every rank of the "
                     "sequence-parallel group must hold the same batch (shard one batch over the group with "
@@ -275,10 +292,9 @@ def agree_mixer(mesh, mode: str, problem, local_len: int, batch: int, shape: Seq
                     "the inputs with usp_hal.shard(x, layout, mesh)")
         return None
 
-    values = [code, int(local_len), int(batch), *shape, lay, cud, -1 if seqlen is None else int(seqlen)]
+    values = [code, int(local_len), int(batch), *shape, lay, cud, -1 if seqlen is None else int(seqlen), sett]
     rows = agree(f"usp_hal.{mode}: {problem}" if problem else None, mesh.metadata_group, what=_MIXER_WHAT,
-                 where=mesh.where("sequence-parallel"), values=[] if problem else values, width=len(values),
-                 ranks=names, check=check)
+                 where=where, values=[] if problem else values, width=len(values), ranks=names, check=check)
     return [r[1] for r in rows]
 
 

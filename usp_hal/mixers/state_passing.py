@@ -36,13 +36,16 @@ ones.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import weakref
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["Piece", "pieces", "state_passing", "gated_delta_rule", "ssd", "delta_rule_reference", "ssd_reference",
-           "ssd_chunked", "state_bytes"]
+           "ssd_chunked", "state_bytes", "kernel_settings"]
 
 
 # ----------------------------------------------------------------------------- the piece plan
@@ -89,6 +92,70 @@ def _mine(plan: List[Piece], me: int) -> List[Tuple[int, Piece]]:
 def state_bytes(num_heads: int, dk: int, dv: int, pieces_per_rank: int, elem: int = 4) -> int:
     """Bytes each rank sends for one state-passing call: its pieces' ``[P | S]``."""
     return pieces_per_rank * num_heads * dk * (dk + dv) * elem
+
+
+# ----------------------------------------------------------------------------- the kernel's settings
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return (f"partial({_callable_name(fn.func)}, " + ", ".join(_value_text(a) for a in fn.args)
+                + "".join(f", {k}={_value_text(v)}" for k, v in sorted(fn.keywords.items())) + ")")
+    mod = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{mod}.{name}"
+
+
+#: a tensor argument's value digest by id(tensor): (a weak reference to it, its version, its
+#: data pointer, the digest); a steady argument (a parameter between optimizer steps) is read
+#: to the host once, and an entry counts only while its weak reference is that same tensor
+_TENSOR_DIGESTS: Dict[int, Tuple[Any, int, int, str]] = {}
+
+
+def _tensor_text(t: torch.Tensor) -> str:
+    version, ptr = int(getattr(t, "_version", 0)), t.data_ptr() if t.layout == torch.strided else 0
+    seen = _TENSOR_DIGESTS.get(id(t))
+    if seen is not None and seen[0]() is t and seen[1:3] == (version, ptr):
+        digest = seen[3]
+    else:
+        data = t.detach()
+        data = data.to_local() if hasattr(data, "to_local") else data     # a DTensor: this rank's shard
+        raw = data.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+        if len(_TENSOR_DIGESTS) > 256:
+            for key in [k for k, e in _TENSOR_DIGESTS.items() if e[0]() is None]:
+                del _TENSOR_DIGESTS[key]
+        _TENSOR_DIGESTS[id(t)] = (weakref.ref(t), version, ptr, digest)
+    return f"tensor(shape={list(t.shape)}, dtype={str(t.dtype).replace('torch.', '')}, values={digest})"
+
+
+def _value_text(v: Any) -> str:
+    """An argument as text that is equal on two ranks exactly when the argument is (floats by
+    their repr, which round-trips; tensors by shape, dtype and a digest of their values;
+    functions by qualified name).  Another object shows only its type: its value is not
+    compared."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return repr(v)
+    if isinstance(v, torch.Tensor):
+        return _tensor_text(v)
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        inner = ", ".join(_value_text(x) for x in v)
+        return f"[{inner}]" if isinstance(v, list) else f"({inner})"
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_value_text(x)}" for k, x in sorted(v.items(), key=lambda kv: str(kv[0])))\
+            + "}"
+    if callable(v):
+        return _callable_name(v)
+    return f"<{type(v).__module__}.{type(v).__qualname__}>"
+
+
+def kernel_settings(kernel: Any, kwargs: Mapping[str, Any]) -> str:
+    """What a state-passing call's kernel computes with, as text for the cross-rank agreement:
+    the kernel (a name, or a callable's qualified name) and every keyword with its value, e.g.
+    ``fla.naive_chunk_gated_delta_rule(scale=0.2)``.  Two ranks whose texts differ compute
+    different recurrences; every rank then refuses the call (:func:`state_passing`)."""
+    head = kernel if isinstance(kernel, str) else _callable_name(kernel)
+    return f"{head}(" + ", ".join(f"{k}={_value_text(v)}" for k, v in sorted(kwargs.items())) + ")"
 
 
 # ----------------------------------------------------------------------------- the exchange
@@ -173,8 +240,8 @@ def _carry_in(finals: torch.Tensor, plan: List[Piece], where, dv: int) -> List[O
 
 
 def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_index: int, key_dim: int, mesh,
-                  layout: str = "basic", cu_seqlens=None, seq_dim: int = 1, seqlen: Optional[int] = None
-                  ) -> torch.Tensor:
+                  layout: str = "basic", cu_seqlens=None, seq_dim: int = 1, seqlen: Optional[int] = None,
+                  settings: Optional[str] = None, problem: Optional[str] = None) -> torch.Tensor:
     """Run a column-separable linear recurrence over the group's sequence-sharded timeline.
 
     ``kernel(*inputs, initial_state=state or None) -> (out, final_state)`` runs the recurrence
@@ -182,10 +249,15 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
     key_dim, dv]`` and ``inputs[value_index]`` is ``[B, T, H, dv]``, the value whose columns
     the state's columns follow.  ``seqlen``: the global length, if known (checked against the
     ranks' lengths).  One small all-gather of ints on the metadata group first agrees on
-    the call across the ranks (:func:`usp_hal.hybrid.agree_mixer`).  Returns this rank's
-    output, in local order."""
+    the call across the ranks (:func:`usp_hal.hybrid.agree_mixer`): with it ``settings``
+    (default: :func:`kernel_settings` of ``kernel``; pass the kernel's name and every
+    argument it runs with, which must be equal on every rank) and ``problem`` (this rank's
+    reason to refuse the call, found before it: every rank then raises it together).
+    Returns this rank's output, in local order."""
     me = mesh.sp_rank
-    total = _agree(inputs, value_index, key_dim, mesh, layout, cu_seqlens, seq_dim, seqlen)
+    if settings is None:
+        settings = kernel_settings(kernel, {})
+    total = _agree(inputs, value_index, key_dim, mesh, layout, cu_seqlens, seq_dim, seqlen, settings, problem)
     plan = pieces(mesh, total, layout, cu_seqlens)
     mine = _mine(plan, me)
     per_rank, where = _slot_table(plan, mesh.sp_size)
@@ -239,20 +311,20 @@ def _nothing_of(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq_dim: int,
-           seqlen: Optional[int]) -> int:
+           seqlen: Optional[int], settings: str = "", problem: Optional[str] = None) -> int:
     """The global length, after every rank showed how it runs this recurrence (one small
     all-gather of ints on the metadata group, no device sync: :func:`usp_hal.hybrid.agree_mixer`):
     the batch, heads, state sizes, dtype, layout, document boundaries and per-rank lengths
-    must agree, else every rank raises the same error before the states move."""
+    must agree, and the kernel's ``settings``; else every rank raises the same error before
+    the states move."""
     from ..parallel.comm import digest_ints, dtype_code
     from ..sequence.positions import check_layout
     from .head_parallel import agree_mixer
-    problem = None
     lay = layout
     try:
         lay = check_layout(layout)
     except (TypeError, ValueError) as exc:
-        problem = str(exc)
+        problem = problem or str(exc)
     v = inputs[value_index] if 0 <= value_index < len(inputs) else None
     if not (isinstance(v, torch.Tensor) and v.dim() == 4):
         problem = problem or (f"the value (input {value_index}) must be [B, T, H, dv], got "
@@ -275,7 +347,7 @@ def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq
     cu = tuple(int(c) for c in cu_seqlens) if cu_seqlens is not None else None
     sizes = agree_mixer(mesh, "state_passing", problem, length, batch, shape,
                         ("H", "key dim", "value dim", "dtype (code)", "inputs", "input shapes (digest)"),
-                        lay, cu, seqlen)
+                        lay, cu, seqlen, settings=settings)
     return sum(sizes)
 
 
@@ -291,13 +363,16 @@ def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlen
     KDA (Kimi delta attention, kimi_linear) is the same call with ``g [B, T, H, dk]``, a decay
     per key channel (``S_t = diag(e^{g_t}) S_{t-1} + ...``), and its kernel (transformers'
     ``chunk_kimi_delta_attention`` or FLA's ``chunk_kda``): each value column of the state
-    still follows the same linear map, so the same ``[P | S]`` pieces pass it."""
+    still follows the same linear map, so the same ``[P | S]`` pieces pass it.
+
+    The kernel (its qualified name) and ``kernel_kwargs`` (their values) are part of the
+    cross-rank agreement: a rank with another kernel or argument refuses with the others."""
     kern = kernel or delta_rule_reference
 
     def run(q, k, v, g, beta, initial_state=None):
         return kern(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, **kernel_kwargs)
     return state_passing(run, [q, k, v, g, beta], value_index=2, key_dim=k.shape[-1], mesh=mesh, layout=layout,
-                         cu_seqlens=cu_seqlens, seqlen=seqlen)
+                         cu_seqlens=cu_seqlens, seqlen=seqlen, settings=kernel_settings(kern, kernel_kwargs))
 
 
 # eager under torch.compile (a graph break): every rank runs its collectives from the same eager code
@@ -313,7 +388,7 @@ def ssd(x, dt, A, B, C, *, mesh, layout: str = "basic", cu_seqlens=None, kernel=
     def run(x, dt, B, C, initial_state=None):
         return kern(x, dt, A, B, C, initial_state=initial_state)
     return state_passing(run, [x, dt, B, C], value_index=0, key_dim=B.shape[-1], mesh=mesh, layout=layout,
-                         cu_seqlens=cu_seqlens, seqlen=seqlen)
+                         cu_seqlens=cu_seqlens, seqlen=seqlen, settings=kernel_settings(kern, {}))
 
 
 # ----------------------------------------------------------------------------- plain kernels
