@@ -269,3 +269,12 @@ def hybrid_packing(pack=None):
     except Exception as exc:     # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return {"pack": dd.pack, "packed_jobs": sum(1 for j in dd.plan([7, 4, 12, 11, 9, 5]).jobs if len(j.seqs) > 1)}
+
+
+def ahead(local_lengths, budget: int = 64):
+    """schedule_ahead's schedule (the gather now, the scheduling in a thread) against schedule()'s."""
+    dd = DynamicDegree(SHAPE, budget_tokens=budget, profile="cpu-4ranks")
+    mine = local_lengths[dist.get_rank()]
+    fut = dd.schedule_ahead(mine)
+    now = dd.schedule(mine)
+    return fut.result(timeout=60) == now

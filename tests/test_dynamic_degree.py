@@ -319,6 +319,13 @@ def test_lengths_beyond_the_first_message_are_gathered(pools):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_a_schedule_computed_ahead_is_the_same_schedule(pools):
+    res = pools(4).run(dist_dynamic.ahead, timeout=120, local_lengths=[[190, 12], [40, 33, 20], [95], [7, 60, 18, 9]])
+    assert res == [True] * 4
+
+
+@pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_every_rank_computes_the_same_schedules(pools):
     """Random batches scheduled on every rank for worlds of 1, 2, 4 and 8: the same jobs and
