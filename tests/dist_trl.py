@@ -205,11 +205,39 @@ def sft_batch(packing: bool = True, n: int = 4):
 
 # ----------------------------------------------------------------------------- DPO
 def _dpo_config(cls, tmp, steps, bs, lr, seed, **extra):
-    return cls(per_device_train_batch_size=bs, beta=0.5, max_length=None, **_common(tmp, steps, lr, seed), **extra)
+    return cls(per_device_train_batch_size=bs, beta=0.5, max_length=None,
+               **dict(_common(tmp, steps, lr, seed), **extra))
+
+
+def _optim(name: str) -> dict:
+    """The config's ``optim`` when one is named (else the Trainer's default, AdamW)."""
+    return {"optim": name} if name else {}
+
+
+class Trajectory:
+    """A TrainerCallback (made lazily) that records the model's parameters at the start of each
+    step, or, given ``forced`` (such a record), loads them instead."""
+
+    @staticmethod
+    def make(model, forced=None):
+        from transformers import TrainerCallback
+
+        class Steps(TrainerCallback):
+            def __init__(self):
+                self.params: list = []
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if forced is None:
+                    self.params.append(_flat(model))
+                    return
+                with torch.no_grad():
+                    torch.nn.utils.vector_to_parameters(forced[state.global_step].float(), model.parameters())
+        return Steps()
 
 
 def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3,
-            kind: str = "llama", bypass: bool = False):
+            kind: str = "llama", bypass: bool = False, optim: str = "",
+            max_grad_norm: float = 1.0):
     """``steps`` optimizer steps of usp_trainer(DPOTrainer) with sp = U x R (dp = the rest).
 
     The glue in a TRL script (3 lines): the import, ``DPO, Config = usp_trainer(DPOTrainer),
@@ -227,9 +255,10 @@ def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = _dpo_config(Config, tmp, steps, bs, lr, seed, usp_ulysses_degree=U, usp_ring_degree=R,
-                               usp_attn_type="sdpa")
+                               usp_attn_type="sdpa", max_grad_norm=max_grad_norm, **_optim(optim))
+            path = Trajectory.make(model)
             trainer = DPO(model=model, ref_model=ref, args=args, train_dataset=dpo_data(steps * bs * dp, seed),
-                          processing_class=tiny_tokenizer(), callbacks=[keep])
+                          processing_class=tiny_tokenizer(), callbacks=[keep, path])
             counts = Counts(model, trainer)
             ref_counts = Counts(ref)
             if bypass:
@@ -239,21 +268,30 @@ def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
         _reset_accelerate()
         torch.set_num_threads(threads)
     res = _result(trainer, keep, model, counts, dist)
+    res["optimizer"] = type(trainer.optimizer.optimizer).__name__
+    if dist.get_rank() == 0:
+        res["trajectory"] = path.params
     res["ref_layer_calls"] = ref_counts.close()["layer_calls"]
     res["ref_attn_after"] = ref.config._attn_implementation
     return res
 
 
-def dpo_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3, kind: str = "llama"):
+def dpo_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3, kind: str = "llama",
+                  optim: str = "", max_grad_norm: float = 1.0, forced: Any = None):
+    """TRL's plain DPOTrainer in this process on ``dp`` times the rows per batch.  ``forced``:
+    the policy's parameters at the start of each step (another run's trajectory, from
+    :class:`Trajectory`), loaded before each step, so that each step's loss and gradient are
+    one process's at that run's parameters (no error carried from step to step)."""
     offline()
     from trl import DPOConfig, DPOTrainer
     model, ref = tiny_model(kind, seed), tiny_model(kind, seed)
     keep = Logged.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = _dpo_config(DPOConfig, tmp, steps, bs * dp, lr, seed)
+            args = _dpo_config(DPOConfig, tmp, steps, bs * dp, lr, seed, max_grad_norm=max_grad_norm, **_optim(optim))
+            callbacks = [keep] + ([Trajectory.make(model, forced)] if forced is not None else [])
             DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=dpo_data(steps * bs * dp, seed),
-                       processing_class=tiny_tokenizer(), callbacks=[keep]).train()
+                       processing_class=tiny_tokenizer(), callbacks=callbacks).train()
     finally:
         _reset_accelerate()
     return {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens,
@@ -509,6 +547,7 @@ def grpo_train_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: in
                 cls = PerRank
             trainer = cls(model=model, reward_funcs=rewards, args=args, train_dataset=grpo_prompts(16, seed),
                           processing_class=tiny_tokenizer(), callbacks=[keep])
+            seed_after_init = torch.initial_seed()
             counts = Counts(model, trainer)
             ref = getattr(trainer, "ref_model", None)
             ref_counts = Counts(ref) if ref is not None else None
@@ -524,7 +563,8 @@ def grpo_train_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: in
         _reset_accelerate()
         torch.set_num_threads(threads)
     res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens, "dp": dp,
-           "replica": trainer._dp_index(), "calls": rewards.calls, "attn_after": model.config._attn_implementation,
+           "replica": trainer._dp_index(), "initial_seed": seed_after_init, "calls": rewards.calls,
+           "attn_after": model.config._attn_implementation,
            "generation_batch_size": args.generation_batch_size, "prefill_calls": cached.prefill,
            "decode_calls": cached.decode, "error": error, **counts.close()}
     if ref_counts is not None:
