@@ -11,6 +11,10 @@ The glue a TRL script adds (each test's docstring says what it uses): 3 lines, t
 ``SFTTrainer, SFTConfig = usp_trainer(SFTTrainer), usp_config(SFTConfig)`` (likewise DPO, GRPO)
 and the ``usp_*`` degrees in the config; before, a hand-written mixin and arguments class took 9."""
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -301,3 +305,34 @@ def test_import_patches_nothing_and_other_trainers_are_refused():
     assert (trl.SFTTrainer.compute_loss, trl.DPOTrainer.compute_loss, trl.GRPOTrainer._generate) == before
     with pytest.raises(ValueError, match="only the losses of TRL's SFTTrainer, DPOTrainer and GRPOTrainer"):
         ut.usp_trainer(trl.RewardTrainer)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _doc_grpo_script() -> str:
+    with open(os.path.join(ROOT, "docs", "engines.md"), encoding="utf-8") as f:
+        text = f.read()
+    m = re.search(r"<!-- grpo-script -->\n```python\n(.*?)```", text, flags=re.S)
+    assert m, "docs/engines.md has no GRPO script block"
+    row = next(line for line in text.splitlines() if line.startswith("| **TRL"))
+    return m.group(1), row
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_grpo_doc_script_runs_and_adds_three_lines(tmp_path):
+    """docs/engines.md's whole GRPO script runs as written under ``torchrun --nproc_per_node 2``
+    (3 steps, Ring 2), and the lines it marks as usp-hal's are the 3 the TRL row counts."""
+    code, row = _doc_grpo_script()
+    added = [line for line in code.splitlines() if line.rstrip().endswith("# usp-hal")]
+    assert len(added) == 3 and "| 3 lines, for each trainer" in row, added
+    assert not re.search(r"\b(register|set_attn_implementation|shard_batch)\(", code)   # the trainer does them
+    script = tmp_path / "grpo_sp.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               **dist_trl.OFFLINE)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                          str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    assert res.stdout.count("GRPO steps: 3") == 2, res.stdout[-2000:]

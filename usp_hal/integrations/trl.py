@@ -32,12 +32,22 @@ How each trainer's loss stays exact:
   process would; the gather's backward sums the sp ranks' (equal) gradients of the gathered
   log-probabilities and hands each rank its slice (``usp_hal.unshard(..., reduce_grad=True)``),
   so after DDP's mean over the world each parameter's gradient is the mean over the replicas
-  of each replica's loss gradient, as under plain data parallel with ``dp`` processes.
+  of each replica's loss gradient, as under plain data parallel with ``dp`` processes.  Inside
+  ``compute_loss`` TRL's gathers and reductions (metrics, token counts) run over the replicas
+  (:class:`_ReplicaView`): the logged metrics and ``num_tokens`` are those of a ``dp``-process run.
+* **GRPO's whole loop** (``train()`` with TRL's transformers generation): each replica's ranks
+  load the same prompts, start from the same seed and generate together, sequence-parallel
+  (the sharded-KV ``generate()`` of :mod:`usp_hal.integrations.transformers`), so they train on
+  the same completions; TRL's own code sees the replicas as its processes (the generation
+  batch, the rewards grouped by prompt, each replica's slice, the token counts); the old
+  policy's and the reference model's log-probabilities (``beta != 0``) are sharded calls too.
+  See :class:`_GRPO`.
 
 GRPO's loss types: ``grpo`` and ``dapo`` are tested.  The token-count normaliser of ``dapo``,
-``cispo`` and ``vespo`` (``inputs["num_items_in_batch"] / num_processes``) stays right when the
-count is made as TRL's ``_generate_and_score_completions`` makes it, gathered over every process
-(so each replica's count ``sp`` times, over ``dp * sp`` processes).
+``cispo`` and ``vespo`` (``inputs["num_items_in_batch"] / num_processes``) is the global batch's
+count over the replicas, as TRL's ``_generate_and_score_completions`` makes it here (a batch
+given by an override of ``_generate_and_score_completions`` or ``_prepare_inputs`` must carry
+that count).
 
 Refused, each with its reason and what to do instead (``ValueError``, ``TypeError``,
 ``NotImplementedError``; from the arguments, before TRL's set-up, on every rank alike): what
@@ -47,13 +57,14 @@ Refused, each with its reason and what to do instead (``ValueError``, ``TypeErro
 GRPO, positional arguments (their trainers take other arguments second), PEFT models, model calls
 other than TRL's fused log-probability call on ``input_ids``/``attention_mask`` (vision inputs)
 and ``return_outputs=True``; DPO without ``ref_model=``, with ``precompute_ref_log_probs`` or
-``sync_ref_model``; GRPO with ``use_vllm`` or ``beta != 0`` (the reference log-probabilities
-come from the generation step), and GRPO's own generation (``train()`` raises at once unless the
-completions step is overridden: each rank would sample its own completions for the batch its
-replica shares) - its training step runs on completions given to it (override
-``_generate_and_score_completions`` or ``_prepare_inputs``); DPO's and GRPO's ``evaluate()``.
-DPO's and GRPO's logged ``num_tokens`` counts each replica's tokens ``sp`` times (every rank of a
-replica holds its whole batch); their ratios (entropy, accuracies, rewards) are unaffected.
+``sync_ref_model``; GRPO with ``use_vllm``, ``use_transformers_continuous_batching``,
+``sync_ref_model``, ``usp_dynamic_degree``, ``tools=``, ``rollout_func=`` or
+``environment_factory=`` (they would run once per rank, not once per replica), and images in
+the prompts; DPO's and GRPO's ``evaluate()``.
+
+Logged ``num_tokens`` is the real tokens of the global batches, as one process counts them:
+SFT's per-rank count is corrected to each shard's real tokens (summed at each log, one
+all-reduce of one integer), DPO's and GRPO's are made over the replicas.
 """
 from __future__ import annotations
 
@@ -553,41 +564,47 @@ def usp_config(config_cls: type) -> type:
     :class:`~usp_hal.integrations.trainer.USPTrainingArguments` (degrees, layout, backend)."""
     from .trainer import USPTrainingArguments
     name = f"USP{config_cls.__name__}"
-    extra = {"__post_init__": _replica_generation_batch} if config_cls.__name__ == "GRPOConfig" else {}
+    first = (_ReplicaGenerationBatch,) if config_cls.__name__ == "GRPOConfig" else ()
     # TRL's config first: its defaults (bf16, logging_steps, learning_rate, ...) win over TrainingArguments'
     # (dataclass fields are collected along the reversed MRO), and its __post_init__ runs USPTrainingArguments'
-    cls = type(name, (config_cls, USPTrainingArguments), {"__module__": __name__, "__doc__": (
-        f"trl.{config_cls.__name__} plus the usp_* fields of USPTrainingArguments."), **extra})
+    cls = type(name, first + (config_cls, USPTrainingArguments), {"__module__": __name__, "__doc__": (
+        f"trl.{config_cls.__name__} plus the usp_* fields of USPTrainingArguments.")})
     return dataclasses.dataclass(cls)
 
 
-def _replica_generation_batch(self) -> None:
-    """GRPO's ``generation_batch_size`` / ``steps_per_generation``, with the data-parallel
-    replicas as the processes.  TRL's ``GRPOConfig.__post_init__`` counts ``world_size``
-    processes (``per_device_train_batch_size * world_size * steps_per_generation``); the
-    sampler would then draw ``sp`` times the prompts the replicas train on per step.  Here the
-    same rules count ``dp = world_size / (usp_ulysses_degree * usp_ring_degree)``."""
-    gbs, spg = self.generation_batch_size, self.steps_per_generation
-    mine = gbs is None or spg is None        # both set: TRL's own error
-    if mine:     # a stand-in TRL's checks over the world accept; set again below
-        self.generation_batch_size, self.steps_per_generation = None, self.num_generations
-    cls = next(c for c in type(self).__mro__ if c.__dict__.get("__post_init__") is _replica_generation_batch)
-    super(cls, self).__post_init__()
-    if not mine:
-        return
-    sp = int(self.usp_ulysses_degree) * int(self.usp_ring_degree)
-    rows = self.per_device_train_batch_size * max(int(self.world_size) // sp, 1)    # per step, all replicas
-    if gbs is None and spg is None:
-        spg = self.gradient_accumulation_steps
-    elif gbs is not None:
-        if gbs % rows:
-            raise ValueError(f"generation_batch_size ({gbs}) must be divisible by the global batch size ({rows}: "
-                             "per_device_train_batch_size x the data-parallel replicas)")
-        spg = gbs // rows
-    self.generation_batch_size, self.steps_per_generation = rows * spg, spg
-    if self.generation_batch_size % self.num_generations:
-        raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
-                         f"({self.num_generations})")
+class _ReplicaGenerationBatch(_Mixin):
+    """Goes before ``trl.GRPOConfig`` in :func:`usp_config`'s class (not a dataclass: its
+    annotations are not fields)."""
+
+    generation_batch_size: Optional[int]
+    steps_per_generation: Optional[int]
+
+    def __post_init__(self) -> None:
+        """GRPO's ``generation_batch_size`` / ``steps_per_generation``, with the data-parallel
+        replicas as the processes.  TRL's ``GRPOConfig.__post_init__`` counts ``world_size``
+        processes (``per_device_train_batch_size * world_size * steps_per_generation``); the
+        sampler would then draw ``sp`` times the prompts the replicas train on per step.  Here the
+        same rules count ``dp = world_size / (usp_ulysses_degree * usp_ring_degree)``."""
+        gbs, spg = self.generation_batch_size, self.steps_per_generation
+        mine = gbs is None or spg is None        # both set: TRL's own error
+        if mine:     # a stand-in TRL's checks over the world accept; set again below
+            self.generation_batch_size, self.steps_per_generation = None, self.num_generations
+        super().__post_init__()
+        if not mine:
+            return
+        sp = int(self.usp_ulysses_degree) * int(self.usp_ring_degree)
+        rows = self.per_device_train_batch_size * max(int(self.world_size) // sp, 1)    # per step, all replicas
+        if gbs is None and spg is None:
+            spg = self.gradient_accumulation_steps
+        elif gbs is not None:
+            if gbs % rows:
+                raise ValueError(f"generation_batch_size ({gbs}) must be divisible by the global batch size ({rows}: "
+                                 "per_device_train_batch_size x the data-parallel replicas)")
+            spg = gbs // rows
+        self.generation_batch_size, self.steps_per_generation = rows * spg, spg
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by "
+                             f"num_generations ({self.num_generations})")
 
 
 def _check_version() -> None:
