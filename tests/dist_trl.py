@@ -505,7 +505,8 @@ class ShardedDecodeCounts:
 
 
 def grpo_train_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3,
-                   kind: str = "llama", beta: float = 0.0, loss_type: str = "grpo", bypass: str = "") -> dict:
+                   kind: str = "llama", beta: float = 0.0, loss_type: str = "grpo", bypass: str = "",
+                   steps_per_generation: int = 1) -> dict:
     """``steps`` optimizer steps of ``usp_trainer(GRPOTrainer).train()`` with TRL's own
     transformers generation, sp = U x R (dp = the rest).  ``bypass="training"``: the model
     attends with plain SDPA inside the loss (each rank over its own shard), generation staying
@@ -527,7 +528,7 @@ def grpo_train_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: in
         with tempfile.TemporaryDirectory() as tmp:
             model = _grpo_model(kind, seed, beta, tmp)
             args = _grpo_config(Config, tmp, steps, bs, lr, seed, beta, loss_type, usp_ulysses_degree=U,
-                                usp_ring_degree=R, usp_attn_type="sdpa")
+                                usp_ring_degree=R, usp_attn_type="sdpa", steps_per_generation=steps_per_generation)
             cls = GRPO
             if bypass == "training":
                 class Bypassed(GRPO):
@@ -591,7 +592,7 @@ class _attention:
 
 def grpo_train_reference(dp: int = 1, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3,
                          kind: str = "llama", beta: float = 0.0, loss_type: str = "grpo",
-                         completions: Any = None) -> dict:
+                         completions: Any = None, steps_per_generation: int = 1) -> dict:
     """TRL's plain GRPOTrainer in this process on ``dp`` times the rows per step: its own
     generation, or with ``completions`` (the replicas' recorded calls, joined per step in
     replica order) given in its place."""
@@ -608,7 +609,8 @@ def grpo_train_reference(dp: int = 1, steps: int = 3, bs: int = 4, seed: int = 0
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model = _grpo_model(kind, seed, beta, tmp)
-            args = _grpo_config(GRPOConfig, tmp, steps, bs * dp, lr, seed, beta, loss_type)
+            args = _grpo_config(GRPOConfig, tmp, steps, bs * dp, lr, seed, beta, loss_type,
+                                steps_per_generation=steps_per_generation)
             Given(model=model, reward_funcs=rewards, args=args, train_dataset=grpo_prompts(16, seed),
                   processing_class=tiny_tokenizer(), callbacks=[keep]).train()
     finally:

@@ -134,13 +134,15 @@ def test_dpo_drift_on_a_diverging_sgd_run_is_rounding(pools):
                                                                                         param_diff)
 
 
-GRPO_TRAIN = {   # name: (ranks, degrees, model, beta, loss type)
-    "ring2": (2, dict(U=1, R=2), "llama", 0.0, "dapo"),
-    "ring2_beta": (2, dict(U=1, R=2), "llama", 0.1, "grpo"),
-    "ulysses2": (2, dict(U=2, R=1), "qwen", 0.0, "grpo"),
-    "ulysses2_beta": (2, dict(U=2, R=1), "qwen", 0.1, "dapo"),
-    "dp2_ring2": (4, dict(U=1, R=2), "llama", 0.0, "dapo"),
-    "dp2_ring2_beta": (4, dict(U=1, R=2), "qwen", 0.1, "grpo"),
+GRPO_TRAIN = {   # name: (ranks, degrees, model, beta, loss type, steps per generation)
+    "ring2": (2, dict(U=1, R=2), "llama", 0.0, "dapo", 1),
+    "ring2_beta": (2, dict(U=1, R=2), "llama", 0.1, "grpo", 1),
+    # one generation for 2 steps: the old policy's log-probabilities scored in the generation step
+    "ring2_two_steps_per_generation": (2, dict(U=1, R=2), "llama", 0.0, "grpo", 2),
+    "ulysses2": (2, dict(U=2, R=1), "qwen", 0.0, "grpo", 1),
+    "ulysses2_beta": (2, dict(U=2, R=1), "qwen", 0.1, "dapo", 1),
+    "dp2_ring2": (4, dict(U=1, R=2), "llama", 0.0, "dapo", 1),
+    "dp2_ring2_beta": (4, dict(U=1, R=2), "qwen", 0.1, "grpo", 1),
 }
 
 
@@ -173,20 +175,20 @@ def test_grpo_train_matches_single_process(pools, case):
     grad norm, parameters and the logged num_tokens match one process training on the same
     completions.  Every attention call went through usp-hal: the training ones through its
     attention module, the generation ones through its sharded KV cache."""
-    world, degrees, kind, beta, loss_type = GRPO_TRAIN[case]
+    world, degrees, kind, beta, loss_type, spg = GRPO_TRAIN[case]
     dp = world // (degrees["U"] * degrees["R"])
+    run = dict(kind=kind, beta=beta, loss_type=loss_type, steps_per_generation=spg)
+    generations = -(-3 // spg)
     with environ(dist_trl.OFFLINE):
-        res = pools(world).run(dist_trl.grpo_train_run, timeout=600, kind=kind, beta=beta, loss_type=loss_type,
-                               **degrees)
+        res = pools(world).run(dist_trl.grpo_train_run, timeout=600, **run, **degrees)
         by = _replicas_calls(res)
-        assert len(by) == dp and all(len(calls) == 3 for calls in by.values()), by
+        assert len(by) == dp and all(len(calls) == generations for calls in by.values()), by
         if dp == 1:         # TRL's own generation in one process, with the same prompts and seed
-            ref = dist_trl.grpo_train_reference(dp=1, kind=kind, beta=beta, loss_type=loss_type)
+            ref = dist_trl.grpo_train_reference(dp=1, **run)
             assert ref["calls"] == by[0], "the completions differ from one process's"
         else:               # one process, given the replicas' completions
             assert by[0] != by[1], "the replicas sampled the same prompts"
-            ref = dist_trl.grpo_train_reference(dp=dp, kind=kind, beta=beta, loss_type=loss_type,
-                                                completions=_joined(by))
+            ref = dist_trl.grpo_train_reference(dp=dp, completions=_joined(by), **run)
             assert ref["calls"] == _joined(by)
     lengths = {len(c) for calls in by.values() for call in calls for c in call["completion_ids"]}
     assert len(lengths) > 2, lengths            # the completions differ in length (dapo's count is not trivial)
@@ -197,18 +199,19 @@ def test_grpo_train_matches_single_process(pools, case):
                                                                                         param_diff)
     moved = float((ref["params"] - dist_trl.initial_params(kind)).abs().max())
     assert moved > 20 * PARAM_TOL, moved                                       # it trained
-    if beta:
-        assert max(ref["losses"][1:]) > 100 * LOSS_TOL, ref["losses"]          # the KL term takes part
+    if beta or spg > 1:     # the KL term, or the old policy's ratio, takes part
+        assert max(abs(x) for x in ref["losses"][1:]) > 100 * LOSS_TOL, ref["losses"]
     for r in res:
         assert r["num_tokens"] == ref["num_tokens"], (r["num_tokens"], ref["num_tokens"])
-        assert r["generation_batch_size"] == 4 * dp          # the sampler counts the replicas
+        assert r["generation_batch_size"] == 4 * dp * spg    # the sampler counts the replicas
         assert r["initial_seed"] == r["replica"]             # seed 0 + the replica, as TRL's dp processes
-        # 3 generations of 2 layers: the prefill and every decode step through the sharded cache
-        assert r["prefill_calls"] == 3 * 2 and r["decode_calls"] >= 3 * 2, r
+        # the generations of 2 layers: the prefill and every decode step through the sharded cache
+        assert r["prefill_calls"] == generations * 2 and r["decode_calls"] >= generations * 2, r
         training = r["layer_calls"] - r["prefill_calls"] - r["decode_calls"]
-        assert training == 3 * 2, r              # one forward of the loss per step
+        # one forward of the loss per step; with spg > 1 the old policy's, in spg chunks per generation
+        assert training == 2 * (3 + (generations * spg if spg > 1 else 0)), r
         assert r["usp_calls"] == training + r.get("ref_layer_calls", 0), r
-        assert (r.get("ref_layer_calls", 0) == 3 * 2) == bool(beta), r
+        assert (r.get("ref_layer_calls", 0) == 2 * generations * spg) == bool(beta), r
         assert r["attn_after"] == "sdpa" and r.get("ref_attn_after", "sdpa") == "sdpa"
         assert r["error"] is None
 
