@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.dist_trainer import MODEL, _flat, _Losses, _reset_accelerate
+from tests.dist_trainer import MODEL, _flat, _reset_accelerate
 from tests.integration_cases import VOCAB, tiny_llama
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -79,6 +79,25 @@ def _common(out_dir: str, steps: int, lr: float, seed: int, checkpointing: bool 
                 max_grad_norm=1.0, bf16=False, gradient_checkpointing=checkpointing)
 
 
+class Logged:
+    """A TrainerCallback (made lazily) keeping the logged loss, grad norm and num_tokens of each step."""
+
+    @staticmethod
+    def make():
+        from transformers import TrainerCallback
+
+        class Keep(TrainerCallback):
+            def __init__(self):
+                self.losses, self.grad_norms, self.num_tokens = [], [], []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.losses.append(float(logs["loss"]))
+                    self.grad_norms.append(float(logs.get("grad_norm", float("nan"))))
+                    self.num_tokens.append(logs.get("num_tokens"))
+        return Keep()
+
+
 class Counts:
     """Calls of the model's attention layers and of usp-hal's attention module during training."""
 
@@ -106,7 +125,7 @@ class Counts:
 
 
 def _result(trainer, keep, model, counts, dist) -> dict:
-    res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "dp": trainer.dp_size,
+    res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens, "dp": trainer.dp_size,
            "attn_after": model.config._attn_implementation, **counts.close()}
     if dist.get_rank() == 0:
         res["params"] = _flat(model)
@@ -140,7 +159,7 @@ def sft_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
     SFT, Config = usp_trainer(SFTTrainer), usp_config(SFTConfig)
     dp = dist.get_world_size() // (U * R)
     model = tiny_model(kind, seed)
-    keep = _Losses.make()
+    keep = Logged.make()
     threads = torch.get_num_threads()
     layout = layout or ("varlen_zigzag" if packing else "zigzag")
     try:
@@ -164,7 +183,7 @@ def sft_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: f
     offline()
     from trl import SFTConfig, SFTTrainer
     model = tiny_model(kind, seed)
-    keep = _Losses.make()
+    keep = Logged.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = _sft_config(SFTConfig, tmp, steps, bs * dp, lr, seed, packing, checkpointing)
@@ -172,7 +191,8 @@ def sft_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: f
                        processing_class=tiny_tokenizer(), callbacks=[keep]).train()
     finally:
         _reset_accelerate()
-    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}
+    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens,
+            "params": _flat(model)}
 
 
 def sft_batch(packing: bool = True, n: int = 4):
@@ -185,11 +205,39 @@ def sft_batch(packing: bool = True, n: int = 4):
 
 # ----------------------------------------------------------------------------- DPO
 def _dpo_config(cls, tmp, steps, bs, lr, seed, **extra):
-    return cls(per_device_train_batch_size=bs, beta=0.5, max_length=None, **_common(tmp, steps, lr, seed), **extra)
+    return cls(per_device_train_batch_size=bs, beta=0.5, max_length=None,
+               **dict(_common(tmp, steps, lr, seed), **extra))
+
+
+def _optim(name: str) -> dict:
+    """The config's ``optim`` when one is named (else the Trainer's default, AdamW)."""
+    return {"optim": name} if name else {}
+
+
+class Trajectory:
+    """A TrainerCallback (made lazily) that records the model's parameters at the start of each
+    step, or, given ``forced`` (such a record), loads them instead."""
+
+    @staticmethod
+    def make(model, forced=None):
+        from transformers import TrainerCallback
+
+        class Steps(TrainerCallback):
+            def __init__(self):
+                self.params: list = []
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if forced is None:
+                    self.params.append(_flat(model))
+                    return
+                with torch.no_grad():
+                    torch.nn.utils.vector_to_parameters(forced[state.global_step].float(), model.parameters())
+        return Steps()
 
 
 def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3,
-            kind: str = "llama", bypass: bool = False):
+            kind: str = "llama", bypass: bool = False, optim: str = "",
+            max_grad_norm: float = 1.0):
     """``steps`` optimizer steps of usp_trainer(DPOTrainer) with sp = U x R (dp = the rest).
 
     The glue in a TRL script (3 lines): the import, ``DPO, Config = usp_trainer(DPOTrainer),
@@ -202,14 +250,15 @@ def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
     DPO, Config = usp_trainer(DPOTrainer), usp_config(DPOConfig)
     dp = dist.get_world_size() // (U * R)
     model, ref = tiny_model(kind, seed), tiny_model(kind, seed)
-    keep = _Losses.make()
+    keep = Logged.make()
     threads = torch.get_num_threads()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = _dpo_config(Config, tmp, steps, bs, lr, seed, usp_ulysses_degree=U, usp_ring_degree=R,
-                               usp_attn_type="sdpa")
+                               usp_attn_type="sdpa", max_grad_norm=max_grad_norm, **_optim(optim))
+            path = Trajectory.make(model)
             trainer = DPO(model=model, ref_model=ref, args=args, train_dataset=dpo_data(steps * bs * dp, seed),
-                          processing_class=tiny_tokenizer(), callbacks=[keep])
+                          processing_class=tiny_tokenizer(), callbacks=[keep, path])
             counts = Counts(model, trainer)
             ref_counts = Counts(ref)
             if bypass:
@@ -219,24 +268,34 @@ def dpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 2, seed: int = 0, 
         _reset_accelerate()
         torch.set_num_threads(threads)
     res = _result(trainer, keep, model, counts, dist)
+    res["optimizer"] = type(trainer.optimizer.optimizer).__name__
+    if dist.get_rank() == 0:
+        res["trajectory"] = path.params
     res["ref_layer_calls"] = ref_counts.close()["layer_calls"]
     res["ref_attn_after"] = ref.config._attn_implementation
     return res
 
 
-def dpo_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3, kind: str = "llama"):
+def dpo_reference(dp: int = 1, steps: int = 3, bs: int = 2, seed: int = 0, lr: float = 3e-3, kind: str = "llama",
+                  optim: str = "", max_grad_norm: float = 1.0, forced: Any = None):
+    """TRL's plain DPOTrainer in this process on ``dp`` times the rows per batch.  ``forced``:
+    the policy's parameters at the start of each step (another run's trajectory, from
+    :class:`Trajectory`), loaded before each step, so that each step's loss and gradient are
+    one process's at that run's parameters (no error carried from step to step)."""
     offline()
     from trl import DPOConfig, DPOTrainer
     model, ref = tiny_model(kind, seed), tiny_model(kind, seed)
-    keep = _Losses.make()
+    keep = Logged.make()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = _dpo_config(DPOConfig, tmp, steps, bs * dp, lr, seed)
+            args = _dpo_config(DPOConfig, tmp, steps, bs * dp, lr, seed, max_grad_norm=max_grad_norm, **_optim(optim))
+            callbacks = [keep] + ([Trajectory.make(model, forced)] if forced is not None else [])
             DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=dpo_data(steps * bs * dp, seed),
-                       processing_class=tiny_tokenizer(), callbacks=[keep]).train()
+                       processing_class=tiny_tokenizer(), callbacks=callbacks).train()
     finally:
         _reset_accelerate()
-    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "params": _flat(model)}
+    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens,
+            "params": _flat(model)}
 
 
 # ----------------------------------------------------------------------------- GRPO
@@ -245,8 +304,8 @@ def grpo_batches(steps: int, rows: int, seed: int = 0, ranks_per_replica: int = 
     returns): prompts of 6 tokens (some left-padded), completions of 3 to 10 tokens
     (right-padded), advantages and the sampling policy's per-token log-probs (off-policy).
     ``num_items_in_batch`` (the dapo/cispo/vespo normaliser) is the completion-token count as
-    TRL 1.16's ``_generate_and_score_completions`` makes it: gathered over every process, so each
-    replica's count ``ranks_per_replica`` times (``accelerator.gather(loss_mask.sum()).sum()``)."""
+    TRL 1.16's ``_generate_and_score_completions`` makes it (``accelerator.gather(loss_mask.sum()).sum()``),
+    which under usp_trainer gathers over the replicas: the global batch's count."""
     g = torch.Generator().manual_seed(seed + 990)
     out = []
     for _ in range(steps):
@@ -261,7 +320,7 @@ def grpo_batches(steps: int, rows: int, seed: int = 0, ranks_per_replica: int = 
         out.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                     "completion_mask": completion_mask, "advantages": torch.randn(rows, generator=g),
                     "old_per_token_logps": -5.5 + 0.3 * torch.randn(rows, C, generator=g),
-                    "num_items_in_batch": completion_mask.sum() * ranks_per_replica})
+                    "num_items_in_batch": completion_mask.sum()})
     return out
 
 
@@ -326,7 +385,7 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
                 _bypass(trainer)
             replica = trainer._dp_index()
             mine = [{k: v[replica * bs:(replica + 1) * bs] if v.dim() else v for k, v in b.items()}
-                    for b in grpo_batches(steps, bs * dp, seed, ranks_per_replica=U * R)]
+                    for b in grpo_batches(steps, bs * dp, seed)]
             with trainer.usp_attention():
                 res = _grpo_steps(trainer, model, mine)
     finally:
@@ -335,17 +394,6 @@ def grpo_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0,
     res.update(counts.close(), attn_after=model.config._attn_implementation, dp=dp)
     if dist.get_rank() == 0:
         res["params"] = _flat(model)
-    try:       # generation itself: refused when train() starts (TRL's own completions step left in)
-        with tempfile.TemporaryDirectory() as tmp:
-            args = usp_config(GRPOConfig)(per_device_train_batch_size=bs, num_generations=2, beta=0.0,
-                                          usp_ulysses_degree=U, usp_ring_degree=R, **_common(tmp, 1, lr, seed))
-            usp_trainer(GRPOTrainer)(model=model, args=args, reward_funcs=lambda completions, **kw: [0.0] * len(
-                completions), train_dataset=_prompts(8), processing_class=tiny_tokenizer()).train()
-    except NotImplementedError as exc:
-        res["generate"] = str(exc)
-    finally:
-        _reset_accelerate()
-        torch.set_num_threads(threads)
     return res
 
 
@@ -362,6 +410,213 @@ def grpo_reference(dp: int = 1, steps: int = 3, bs: int = 4, seed: int = 0, lr: 
         _reset_accelerate()
     res["params"] = _flat(model)
     return res
+
+
+# ----------------------------------------------------------------------------- GRPO train()
+def grpo_prompts(n: int = 16, seed: int = 0):
+    """``n`` text prompts of 2 to 6 words (left-padded to different lengths in a batch)."""
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed + 970)
+    return Dataset.from_dict({"prompt": [_words(g, 2 + int(torch.randint(0, 5, (1,), generator=g)))
+                                         for _ in range(n)]})
+
+
+class Rewards:
+    """A reward function of the completion tokens alone (the share of tokens divisible by 3),
+    which records the prompts and completions of every call (one per generation batch)."""
+
+    __name__ = "share_of_threes"
+
+    def __init__(self):
+        self.calls: list = []
+
+    def __call__(self, prompts, completions, completion_ids, **kw):
+        self.calls.append({"prompts": list(prompts), "completion_ids": [list(c) for c in completion_ids]})
+        return [sum(1 for t in c if t % 3 == 0) / max(len(c), 1) for c in completion_ids]
+
+
+class Replayed:
+    """Completions given to a one-process GRPOTrainer in place of its generation: the next
+    recorded batch, after checking that its prompts are the ones recorded with it."""
+
+    def __init__(self, calls: list):
+        self.calls = list(calls)
+
+    def __call__(self, prompt_ids) -> list:
+        call = self.calls.pop(0)
+        expect = tiny_tokenizer()(text=call["prompts"])["input_ids"]
+        assert [list(p) for p in prompt_ids] == expect, (prompt_ids, expect)
+        return call["completion_ids"]
+
+
+def _grpo_config(cls, tmp, steps, bs, lr, seed, beta, loss_type, **extra):
+    return cls(per_device_train_batch_size=bs, num_generations=2, max_completion_length=8, beta=beta,
+               loss_type=loss_type, **_common(tmp, steps, lr, seed), **extra)
+
+
+def _grpo_model(kind: str, seed: int, beta: float, tmp: str):
+    """The tiny model; for ``beta != 0`` saved first, since TRL loads the reference model from
+    the policy's name (``create_model_from_path(config._name_or_path)``): rank 0 saves it (as
+    transformers' ``save_pretrained`` does under torch.distributed) in its ``tmp``, which every
+    rank then reads.  Its generation config ends a completion at any of 26 tokens, so
+    completions differ in length."""
+    import torch.distributed as dist
+    model = tiny_model(kind, seed)
+    model.generation_config.eos_token_id = [1] + list(range(10, VOCAB, 10))
+    if beta:
+        shared = dist.is_initialized() and dist.get_world_size() > 1
+        path = [os.path.join(tmp, "policy")]
+        if shared:
+            dist.broadcast_object_list(path, src=0)
+        if not shared or dist.get_rank() == 0:
+            model.save_pretrained(path[0])
+        if shared:
+            dist.barrier()
+        model.config._name_or_path = path[0]
+    return model
+
+
+class ShardedDecodeCounts:
+    """Calls of usp-hal's sharded KV cache (``ShardedKVCache.prefill`` / ``.decode``, one per
+    attention layer) during the block: the attention calls of sequence-parallel generation
+    (they reach the cache, not usp-hal's attention module).  The class methods are wrapped for
+    the block and restored."""
+
+    def __init__(self):
+        self.prefill = self.decode = 0
+
+    def __enter__(self):
+        from usp_hal.serving import ShardedKVCache
+        self.cls, self.saved = ShardedKVCache, (ShardedKVCache.prefill, ShardedKVCache.decode)
+        prefill, decode = self.saved
+
+        def counted_prefill(cache, *a, **k):
+            self.prefill += 1
+            return prefill(cache, *a, **k)
+
+        def counted_decode(cache, *a, **k):
+            self.decode += 1
+            return decode(cache, *a, **k)
+        ShardedKVCache.prefill, ShardedKVCache.decode = counted_prefill, counted_decode
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.prefill, self.cls.decode = self.saved
+
+
+def grpo_train_run(U: int = 1, R: int = 2, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3,
+                   kind: str = "llama", beta: float = 0.0, loss_type: str = "grpo", bypass: str = "",
+                   steps_per_generation: int = 1) -> dict:
+    """``steps`` optimizer steps of ``usp_trainer(GRPOTrainer).train()`` with TRL's own
+    transformers generation, sp = U x R (dp = the rest).  ``bypass="training"``: the model
+    attends with plain SDPA inside the loss (each rank over its own shard), generation staying
+    sequence-parallel; ``bypass="generation"``: TRL's own generation on every rank, each from
+    TRL's per-process seed (the ranks of a replica get different completions).
+
+    The glue in a TRL script (3 lines): the import, ``GRPO, Config = usp_trainer(GRPOTrainer),
+    usp_config(GRPOConfig)`` and the ``usp_*`` fields in the config."""
+    offline()
+    import torch.distributed as dist
+    from trl import GRPOConfig, GRPOTrainer
+
+    from usp_hal.integrations.trl import usp_config, usp_trainer
+    GRPO, Config = usp_trainer(GRPOTrainer), usp_config(GRPOConfig)
+    dp = dist.get_world_size() // (U * R)
+    keep, rewards = Logged.make(), Rewards()
+    threads = torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = _grpo_model(kind, seed, beta, tmp)
+            args = _grpo_config(Config, tmp, steps, bs, lr, seed, beta, loss_type, usp_ulysses_degree=U,
+                                usp_ring_degree=R, usp_attn_type="sdpa", steps_per_generation=steps_per_generation)
+            cls = GRPO
+            if bypass == "training":
+                class Bypassed(GRPO):
+                    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                        with _attention(self.model, "sdpa"):
+                            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                cls = Bypassed
+            elif bypass == "generation":
+                class PerRank(GRPO):
+                    """TRL's own generation on each rank, from TRL's per-process seed."""
+
+                    def _generate_single_turn(self, *a, **k):
+                        from accelerate.utils import set_seed
+                        set_seed(self.args.seed + dist.get_rank())
+                        with _attention(self.model, "sdpa"):
+                            return GRPOTrainer._generate_single_turn(self, *a, **k)
+                cls = PerRank
+            trainer = cls(model=model, reward_funcs=rewards, args=args, train_dataset=grpo_prompts(16, seed),
+                          processing_class=tiny_tokenizer(), callbacks=[keep])
+            seed_after_init = torch.initial_seed()
+            counts = Counts(model, trainer)
+            ref = getattr(trainer, "ref_model", None)
+            ref_counts = Counts(ref) if ref is not None else None
+            error = None
+            with ShardedDecodeCounts() as cached:
+                try:
+                    trainer.train()
+                except ValueError as exc:
+                    if bypass != "generation":
+                        raise
+                    error = str(exc)
+    finally:
+        _reset_accelerate()
+        torch.set_num_threads(threads)
+    res = {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens, "dp": dp,
+           "replica": trainer._dp_index(), "initial_seed": seed_after_init, "calls": rewards.calls,
+           "attn_after": model.config._attn_implementation,
+           "generation_batch_size": args.generation_batch_size, "prefill_calls": cached.prefill,
+           "decode_calls": cached.decode, "error": error, **counts.close()}
+    if ref_counts is not None:
+        res["ref_layer_calls"] = ref_counts.close()["layer_calls"]
+        res["ref_attn_after"] = ref.config._attn_implementation
+    if dist.get_rank() == 0:
+        res["params"] = _flat(model)
+    return res
+
+
+class _attention:
+    """A model's attention implementation set to ``name`` for the block."""
+
+    def __init__(self, model, name):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        self.old = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.name)
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.old)
+
+
+def grpo_train_reference(dp: int = 1, steps: int = 3, bs: int = 4, seed: int = 0, lr: float = 3e-3,
+                         kind: str = "llama", beta: float = 0.0, loss_type: str = "grpo",
+                         completions: Any = None, steps_per_generation: int = 1) -> dict:
+    """TRL's plain GRPOTrainer in this process on ``dp`` times the rows per step: its own
+    generation, or with ``completions`` (the replicas' recorded calls, joined per step in
+    replica order) given in its place."""
+    offline()
+    from trl import GRPOConfig, GRPOTrainer
+    keep, rewards = Logged.make(), Rewards()
+    replay = Replayed(completions) if completions is not None else None
+
+    class Given(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            if replay is None:
+                return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            return replay(prompt_ids), None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = _grpo_model(kind, seed, beta, tmp)
+            args = _grpo_config(GRPOConfig, tmp, steps, bs * dp, lr, seed, beta, loss_type,
+                                steps_per_generation=steps_per_generation)
+            Given(model=model, reward_funcs=rewards, args=args, train_dataset=grpo_prompts(16, seed),
+                  processing_class=tiny_tokenizer(), callbacks=[keep]).train()
+    finally:
+        _reset_accelerate()
+    return {"losses": keep.losses, "grad_norms": keep.grad_norms, "num_tokens": keep.num_tokens,
+            "calls": rewards.calls, "params": _flat(model)}
 
 
 def initial_params(kind: str = "llama", seed: int = 0) -> torch.Tensor:
@@ -390,6 +645,13 @@ def refusal(what: str) -> Any:
                 usp_trainer(GRPOTrainer)(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                          args=usp_config(GRPOConfig)(use_vllm=True, **common),
                                          processing_class=tiny_tokenizer(), train_dataset=_prompts(4))
+            elif what in ("continuous_batching", "tools"):
+                extra = dict(tools=[len]) if what == "tools" else {}
+                config = usp_config(GRPOConfig)(use_transformers_continuous_batching=what == "continuous_batching",
+                                                **common)
+                usp_trainer(GRPOTrainer)(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                         args=config, processing_class=tiny_tokenizer(), train_dataset=_prompts(4),
+                                         **extra)
             elif what == "moe_router_loss":
                 from transformers import MixtralConfig, MixtralForCausalLM
                 from trl import SFTConfig, SFTTrainer
