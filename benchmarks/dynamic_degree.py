@@ -115,7 +115,7 @@ def predicted(dist: str, steps: int, tokens_per_rank: int, budget: int, seed: in
                   f"{t['overhead'] / steps * 1e3:9.1f} {t['idle'] / steps * 1e3:7.1f} "
                   f"{t['constant'] / steps * 1e3:9.1f}")
         sch = scheduler(WORLD, GPU_MODEL, budget_tokens=budget, profile=prof)
-        for u, r in sch.static_splits():
+        for u, r in sch.static_splits(max(map(max, bs))):
             try:
                 tot = sum(static_rule(b, WORLD, GPU_MODEL, ulysses=u, ring=r, budget_tokens=budget,
                                       profile=prof).predicted for b in bs)
@@ -177,7 +177,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
         bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=SCALE)
         base = dd.scheduler
         totals = {}
-        for u, r in base.static_splits():
+        for u, r in base.static_splits(max(map(max, bs))):
             try:
                 totals[(u, r)] = sum(base.static(b, u, r).predicted for b in bs[1:])
             except ScheduleError:

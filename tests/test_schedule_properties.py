@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from usp_hal.schedule import AttentionShape, Scheduler, ScheduleError
+from usp_hal.schedule import AttentionShape, ScheduleError, Scheduler
 from usp_hal.sequence.positions import local_lengths
 from usp_hal.stepcost import StepModel
 

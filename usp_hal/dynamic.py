@@ -4,6 +4,7 @@ per step (see :mod:`usp_hal.schedule` for how sequences are placed and priced).
     shape = AttentionShape.from_config(model.config, dtype="bf16")     # attention and token layers
     dd = DynamicDegree(shape, budget_tokens=16384, profile="h100-nvlink")
     sched = dd.schedule(my_lengths)          # one all-gather; the same schedule on every rank
+    # or, computed while the step before runs: ahead = dd.schedule_ahead(next_lengths) ... ahead.result()
     for job in dd.my_jobs(sched):            # this rank's jobs, in the order every rank runs them
         with dd.on(job):                     # modules built with mesh=None use the job's mesh
             ...                              # shard the job's sequences, call the model
@@ -21,7 +22,9 @@ schedule's one order, so no two groups can wait on each other.
 from __future__ import annotations
 
 import json
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -106,6 +109,8 @@ class DynamicDegree:
                 self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout)
         if (1, 1, 1) not in self.meshes:                   # each rank alone: a round without a job of its own
             self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout)
+        self._lock = threading.Lock()
+        self._ahead: Optional[ThreadPoolExecutor] = None
 
     # ------------------------------------------------------------------ per step
     def gather_lengths(self, lengths: Sequence[int], problem: Optional[str] = None) -> Tuple[List[int], List[int]]:
@@ -149,6 +154,16 @@ class DynamicDegree:
             owner += [r] * n
         return gathered, owner
 
+    def schedule_ahead(self, lengths: Sequence[int], *, global_batch: bool = False) -> "Future[Schedule]":
+        """The lengths gathered now (the same collective as :meth:`schedule`, checked the same
+        way), the schedule computed in a background thread while this rank goes on (the step
+        before runs meanwhile, as Megatron's dynamic CP schedules ahead); ``.result()`` gives it.
+        Every rank must call it at the same point, as :meth:`schedule`."""
+        gathered = self._gathered(lengths, global_batch)
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usp_hal-schedule")
+        return self._ahead.submit(self.plan, gathered)
+
     def schedule(self, lengths: Sequence[int], *, global_batch: bool = False) -> Schedule:
         """This step's schedule.  ``lengths``: this rank's sequences (the schedule's indices run
         over every rank's, in rank order); with ``global_batch=True`` every rank passes the whole
@@ -156,21 +171,22 @@ class DynamicDegree:
         batches all raise, naming them, instead of computing different schedules).  Bad lengths
         on any rank, or ranks that disagree on ``global_batch``, make every rank raise; an
         unplaceable batch raises :class:`ScheduleError` on every rank; no data has moved."""
-        if global_batch:
-            vals = list(lengths)
-            problem = next((f"sequence {i} {why}" for i, n in enumerate(vals) for why in [length_problem(n)] if why),
-                           None)
-            send = [] if problem else [len(vals), digest_ints([int(n) for n in vals])]
-            agree(problem, None, what="DynamicDegree.schedule: the global batch's lengths",
-                  where="default process group", values=send, width=2, same=("sequences", "lengths digest"))
-            gathered = [int(n) for n in vals]
-        else:
-            gathered, _ = self.gather_lengths(lengths)
-        return self.plan(gathered)
+        return self.plan(self._gathered(lengths, global_batch))
+
+    def _gathered(self, lengths: Sequence[int], global_batch: bool) -> List[int]:
+        if not global_batch:
+            return self.gather_lengths(lengths)[0]
+        vals = list(lengths)
+        problem = next((f"sequence {i} {why}" for i, n in enumerate(vals) for why in [length_problem(n)] if why), None)
+        send = [] if problem else [len(vals), digest_ints([int(n) for n in vals])]
+        agree(problem, None, what="DynamicDegree.schedule: the global batch's lengths",
+              where="default process group", values=send, width=2, same=("sequences", "lengths digest"))
+        return [int(n) for n in vals]
 
     def plan(self, lengths: Sequence[int]) -> Schedule:
         """The schedule of lengths every rank already holds alike (no collective)."""
-        return self.scheduler.schedule(lengths)
+        with self._lock:         # the price tables grow as lengths come: one schedule at a time
+            return self.scheduler.schedule(lengths)
 
     def mesh(self, job: Job) -> SequenceParallelMesh:
         """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""

@@ -36,7 +36,7 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stepcost import AttentionShape, Cost, StepModel, fits_packed  # noqa: F401  (re-exported)
+from .stepcost import AttentionShape, Cost, StepModel, fits_packed, least_tokens  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,15 @@ MARGIN = 0.03
 #: the target times tried (geometric, from the fastest job to the longest job on its smallest
 #: group), on the fast estimate; the best few estimates are placed
 TARGETS = 24
-PLACED = 3
+PLACED = 2
+#: a batch of few sequences gets more of its estimates placed: about this many sequences placed in all
+PLACEMENTS = 1000
+#: a fixed split whose estimate is this far above the dynamic schedule's price (beyond the
+#: margin) is not placed to compare (the estimate can undercount a packed job by a few percent)
+CLEAR = 0.9
+#: a sequence is priced on groups up to this many times the smallest that holds it (beyond,
+#: its shards get too short to gain; and the price tables of large rings cost the most to build)
+REACH = 4
 
 
 class ScheduleError(ValueError):
@@ -191,6 +199,8 @@ def check_lengths(lengths: Sequence) -> Tuple[int, ...]:
     vals = list(lengths)
     if not vals:
         raise ScheduleError("an empty batch: give at least one sequence length")
+    if set(map(type, vals)) == {int} and 1 <= min(vals) and max(vals) <= MAX_LENGTH:
+        return tuple(vals)         # plain ints in range (the common case, checked in one pass)
     for i, n in enumerate(vals):
         problem = length_problem(n)
         if problem:
@@ -226,6 +236,8 @@ def _finish_times(jobs: Sequence[Job], world: int) -> Tuple[float, ...]:
 def _ffd(items: Sequence[int], lens: Sequence[int], cap: int) -> List[List[int]]:
     """First-fit decreasing: ``items`` (indices into ``lens``) into bins of at most ``cap``
     tokens (a longer item gets a bin of its own); bins in the order opened."""
+    if sum(lens[i] for i in items) <= cap:      # all in one bin (the usual case of a rank's own sequences)
+        return [sorted(items, key=lambda i: (-lens[i], i))] if items else []
     bins: List[List[int]] = []
     room: List[int] = []
     for i in sorted(items, key=lambda i: (-lens[i], i)):
@@ -290,11 +302,12 @@ class Scheduler:
     use (default :func:`group_sizes`); ``ulysses_degrees``: the Ulysses degrees a group may use
     besides 1 (default any divisor of its size; ``(1,)``: rings only); ``pack=False``: each
     sequence a job of its own (for models whose layers cannot keep packed documents apart);
-    ``margin``: the predicted gain under which a step runs the best fixed split (0: never)."""
+    ``margin``: the predicted gain under which a step runs the best fixed split (0: never);
+    ``rings=False``: groups use Ulysses alone (the group size its degree)."""
 
     def __init__(self, world: int, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
                  sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
-                 pack: bool = True, margin: float = MARGIN, model: Optional[StepModel] = None):
+                 pack: bool = True, margin: float = MARGIN, model: Optional[StepModel] = None, rings: bool = True):
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ScheduleError(f"world must be a positive integer, got {world!r}")
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, (int, np.integer)) or budget_tokens < 1:
@@ -304,9 +317,9 @@ class Scheduler:
         if not self.sizes or any(g < 1 or world % g for g in self.sizes):
             raise ScheduleError(f"group sizes {self.sizes} must divide the world ({world})")
         self.ulysses_degrees = None if ulysses_degrees is None else tuple(sorted(set(ulysses_degrees)))
-        self.pack, self.margin = bool(pack), float(margin)
+        self.pack, self.margin, self.rings = bool(pack), float(margin), bool(rings)
         self.shape = shape
-        self.model = model if model is not None else StepModel(shape, profile, top=min(self.budget, 1 << 13))
+        self.model = model if model is not None else StepModel(shape, profile, top=self.budget)
         self.constant = self.model.step_constant(world)
         self._told = False
 
@@ -317,16 +330,29 @@ class Scheduler:
         return "varlen_zigzag" if packed else "zigzag"
 
     def splits(self, g: int) -> List[int]:
-        return ulysses_degrees_of(g, self.ulysses_degrees)
+        """The Ulysses degrees a group of ``g`` may use: the allowed divisors, none above the
+        query heads (a Ulysses rank beyond them would hold no head)."""
+        return [u for u in ulysses_degrees_of(g, self.ulysses_degrees) if u <= self.shape.heads and
+                (self.rings or u == g)]
+
+    def _least_group(self, lens: np.ndarray) -> np.ndarray:
+        """Each sequence's smallest group size that holds it (inf where none does)."""
+        least = np.full(len(lens), np.inf)
+        for g in sorted(self.sizes, reverse=True):
+            fits = (lens >= g) & (np.ceil(lens / g) <= self.budget)
+            least[fits] = g
+        return least
 
     def _alone(self, lens: np.ndarray) -> Dict[int, Tuple[np.ndarray, np.ndarray]]:
         """Per group size: each sequence's job time there with its best Ulysses degree (inf
-        where it does not fit: fewer tokens than ranks, or over the budget), and that degree."""
+        where it does not fit: fewer tokens than ranks, over the budget, or a group more than
+        :data:`REACH` times the smallest that holds it), and that degree."""
         out = {}
+        least = self._least_group(lens)
         for g in self.sizes:
             best = np.full(len(lens), np.inf)
             deg = np.ones(len(lens), dtype=np.int64)
-            ok = (lens >= g) & (np.ceil(lens / g) <= self.budget)
+            ok = (lens >= g) & (np.ceil(lens / g) <= self.budget) & (g <= REACH * least)
             if ok.any():
                 for u in self.splits(g):
                     t = np.full(len(lens), np.inf)
@@ -384,55 +410,63 @@ class Scheduler:
         top = float(times[smallest, idx].max())
         low = float(times[fastest, idx].min())
         targets = np.geomspace(max(low, 1e-12), max(top, low, 1e-12), TARGETS)
-        ranked = []
-        for tau in targets:            # each sequence on its smallest group within tau, else its fastest
-            within = finite & (times <= tau)
-            pick = np.where(within.any(axis=0), np.argmax(within, axis=0), fastest)
-            longest = float(times[pick, idx].max())
-            est = max(float(work[pick, idx].sum()) / self.world + (fixed1 if one and self.pack else 0.0), longest)
-            ranked.append((est, -float(tau), pick))
-        ranked.sort(key=lambda x: x[:2])
+        # every target at once: each sequence on its smallest group within the target, else its fastest
+        within = finite[None] & (times[None] <= targets[:, None, None])          # [targets, sizes, N]
+        picks = np.where(within.any(axis=1), np.argmax(within, axis=1), fastest[None])    # [targets, N]
+        # and one group size for all (each sequence on it, or on its smallest group when it does not
+        # fit there): fixed-split-like choices, which balance best when few sequences share many ranks
+        level = np.arange(len(self.sizes))[:, None]
+        uniform = np.where(finite[level.ravel(), :], level, np.maximum(smallest[None], np.minimum(level, fastest)))
+        uniform = np.where(finite[uniform, idx[None]], uniform, fastest[None])
+        picks = np.concatenate([picks, uniform])
+        targets = np.concatenate([targets, np.full(len(self.sizes), np.inf)])
+        chosen_work, chosen_time = work[picks, idx[None]], times[picks, idx[None]]           # [targets, N]
+        est = np.maximum(chosen_work.sum(axis=1) / self.world + (fixed1 if one and self.pack else 0.0),
+                         chosen_time.max(axis=1))
+        degs = np.stack([alone[g][1] for g in self.sizes])
         best: Optional[Schedule] = None
         seen = set()
-        for _, _, pick in ranked:      # the best few estimates placed, the fastest placement kept
+        for t in np.lexsort((-targets, est)):     # the best few estimates placed, the fastest placement kept
+            pick = picks[t]
             key = pick.tobytes()
             if key in seen:
                 continue
             seen.add(key)
-            groups = [self.sizes[k] for k in pick]
-            degrees = [int(alone[g][1][i]) for i, g in enumerate(groups)]
-            sched = self._place(lens, groups, degrees, times, pick, fixed1)
+            sched = self._place(lens, pick, degs[pick, idx], times, fixed1)
             if best is None or max(sched.finish) < max(best.finish):
                 best = sched
-            if len(seen) == PLACED:
+            if len(seen) >= max(PLACED, PLACEMENTS // len(lens)):
                 break
         assert best is not None
         return best
 
-    def _place(self, lens, groups, degrees, times, choice, fixed1) -> Schedule:
+    def _place(self, lens, pick: np.ndarray, degrees: np.ndarray, times: np.ndarray, fixed1: float) -> Schedule:
+        """Place one choice of groups (``pick``: each sequence's index into the sizes)."""
         W = self.world
         free = np.zeros(W)
         specs: List[Tuple[Sequence[int], int, int, int]] = []
-        idx = range(len(lens))
-        shared = sorted((i for i in idx if groups[i] > 1), key=lambda i: (-groups[i], -times[choice[i], i], i))
-        for i in shared:
-            g = groups[i]
+        sizes = np.array(self.sizes)
+        groups = sizes[pick]
+        t_own = times[pick, np.arange(len(lens))]
+        shared = np.flatnonzero(groups > 1)
+        for i in shared[np.lexsort((shared, -t_own[shared], -groups[shared]))]:   # largest group, longest first
+            g = int(groups[i])
             blocks = free.reshape(W // g, g).max(axis=1)
             b = int(np.argmin(blocks))
-            free[b * g:(b + 1) * g] = blocks[b] + times[choice[i], i]
-            specs.append(((i,), b * g, g, degrees[i]))
-        alone = [i for i in idx if groups[i] == 1]
-        if alone:
+            free[b * g:(b + 1) * g] = blocks[b] + t_own[i]
+            specs.append(((int(i),), b * g, g, int(degrees[i])))
+        alone = np.flatnonzero(groups == 1)
+        if alone.size:
             cost = times[0] - (fixed1 if self.pack else 0.0)
             assign: List[List[int]] = [[] for _ in range(W)]
             load = free.copy()
             heap = [(float(load[r]), r) for r in range(W)]
             heapq.heapify(heap)
-            for i in sorted(alone, key=lambda i: (-cost[i], i)):
+            for i in alone[np.lexsort((alone, -cost[alone]))].tolist():           # longest first
                 t, r = heapq.heappop(heap)
                 assign[r].append(i)
+                heapq.heappush(heap, (t + float(cost[i]), r))
                 load[r] += cost[i]
-                heapq.heappush(heap, (float(load[r]), r))
             _balance(assign, load, cost, rounds=4 * len(alone) + W)
             for r in range(W):
                 bins = _ffd(assign[r], lens, self.budget) if self.pack else [[i] for i in sorted(assign[r])]
@@ -494,27 +528,43 @@ class Scheduler:
             specs += [(b, d * sp, sp, u) for b in merged]
         return self._schedule(self._jobs(specs, lens), split_label(self.world, u, r))
 
-    def static_splits(self) -> List[Tuple[int, int]]:
-        """Every (ulysses, ring) a fixed split may use: each group size and its Ulysses degrees."""
-        return [(u, g // u) for g in sorted(self.sizes, reverse=True) for u in self.splits(g)]
+    def static_splits(self, longest: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Every (ulysses, ring) a fixed split may use: each group size and its Ulysses degrees;
+        with ``longest`` (a batch's longest sequence), only groups that hold it and are at most
+        :data:`REACH` times the smallest that does."""
+        sizes = sorted(self.sizes, reverse=True)
+        if longest is not None:
+            least = float(self._least_group(np.array([float(longest)]))[0])
+            sizes = [g for g in sizes if least <= g <= REACH * least]
+        return [(u, g // u) for g in sizes for u in self.splits(g)]
 
-    def best_static(self, lengths: Sequence[int]) -> Optional[Schedule]:
-        """The fixed split with the lowest estimate for this batch (the larger of its work per
-        rank and its longest job), placed; None when no fixed split holds the batch."""
-        lens = check_lengths(lengths)
+    def _static_estimates(self, lens: Tuple[int, ...]) -> List[Tuple[float, int, int, int]]:
+        """(estimate, -ulysses, ulysses, ring) of every fixed split that holds the batch, best
+        first.  The estimate of a split: the larger of its work per replica (each sequence's job
+        beyond the split's fixed cost, one fixed cost per replica, as packed) and its longest
+        job, plus the step's constant part."""
         arr = np.array(lens, dtype=np.float64)
         ranked = []
-        for u, r in self.static_splits():
+        for u, r in self.static_splits(max(lens)):
             sp = u * r
             if np.ceil(arr.max() / sp) > self.budget or (not self.pack and arr.min() < sp):
                 continue
             ok = arr >= sp
-            t = np.zeros(len(lens))
+            t = np.asarray(self.model.tokens_time(np.ceil(arr / sp)), dtype=np.float64)
+            fixed = float(self.model.alone([least_tokens(sp, u, self.layout(sp, u))], sp, u, self.layout(sp, u),
+                                           ("time",))["time"][0])
             if ok.any():
                 t[ok] = self.model.alone(arr[ok], sp, u, self.layout(sp, u), ("time",))["time"]
-            est = max(float(t.sum()) * sp / self.world, float(t.max()))
-            ranked.append((est, -u, u, r))
-        for _, _, u, r in sorted(ranked)[:2]:
+            beyond = np.where(ok, np.maximum(t - fixed, 0.0), t) if self.pack else t
+            est = max(float(beyond.sum()) * sp / self.world + (fixed if self.pack else 0.0), float(t.max()))
+            ranked.append((est + self.constant, -u, u, r))
+        return sorted(ranked)
+
+    def best_static(self, lengths: Sequence[int]) -> Optional[Schedule]:
+        """The fixed split with the lowest estimate for this batch (:meth:`_static_estimates`),
+        placed; None when no fixed split holds the batch."""
+        lens = check_lengths(lengths)
+        for _, _, u, r in self._static_estimates(lens)[:2]:
             try:
                 got = self.static(lens, u, r)
             except ScheduleError:
@@ -529,7 +579,11 @@ class Scheduler:
         dyn = self.dynamic(lengths)
         if self.margin <= 0:
             return dyn
-        st = self.best_static(lengths)
+        lens = check_lengths(lengths)
+        est = self._static_estimates(lens)
+        if not est or dyn.predicted < (1.0 - self.margin) * CLEAR * est[0][0]:
+            return dyn             # no fixed split holds the batch, or none comes near: not placed
+        st = self.best_static(lens)
         if st is not None and dyn.predicted > (1.0 - self.margin) * st.predicted:
             if not self._told:
                 self._told = True
@@ -708,7 +762,8 @@ def draw_batches(spec: str, steps: int, tokens_per_step: int, *, seed: int = 0, 
 
 def compare_with_static(batches: Sequence[Sequence[int]], world: int, shape: AttentionShape, *, budget_tokens: int,
                         profile="h100-nvlink", ulysses_degrees: Optional[Sequence[int]] = None,
-                        sizes: Optional[Sequence[int]] = None, pack: bool = True) -> Dict[str, object]:
+                        sizes: Optional[Sequence[int]] = None, pack: bool = True,
+                        model: Optional[StepModel] = None) -> Dict[str, object]:
     """The dynamic schedule against ``static+`` (every fixed split that holds every batch, each
     placed with the same care: :meth:`Scheduler.static`), summed over the batches.
 
@@ -718,8 +773,12 @@ def compare_with_static(batches: Sequence[Sequence[int]], world: int, shape: Att
     ``balance`` (the dynamic schedules' largest slowest/mean), ``token_balance`` (the slowest
     rank's tokens over the mean, largest over the batches), ``ratio`` (dynamic / best on
     ``predicted``) and ``fallbacks`` (steps that ran the fixed split)."""
-    sch = scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, sizes=sizes,
-                    ulysses_degrees=ulysses_degrees, pack=pack)
+    if model is not None:       # price tables shared with other comparisons (other worlds, variants)
+        sch = Scheduler(world, shape, budget_tokens=budget_tokens, profile=model.profile, sizes=sizes,
+                        ulysses_degrees=ulysses_degrees, pack=pack, model=model)
+    else:
+        sch = scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, sizes=sizes,
+                        ulysses_degrees=ulysses_degrees, pack=pack)
 
     def totals(scheds: List[Schedule]) -> Dict[str, float]:
         out: Dict[str, float] = {}
@@ -730,7 +789,7 @@ def compare_with_static(batches: Sequence[Sequence[int]], world: int, shape: Att
 
     dyn = [sch.schedule(b) for b in batches]
     static: Dict[str, Dict[str, float]] = {}
-    for u, r in sch.static_splits():
+    for u, r in sch.static_splits(max(max(b) for b in batches)):
         try:
             static[split_label(world, u, r)] = totals([sch.static(b, u, r) for b in batches])
         except ScheduleError:

@@ -163,7 +163,7 @@ class Cost:
 
 # columns of a table: the assembled one-sequence parts, then the components a packed job sums
 _TOTALS = ("time", "attention", "communication", "overhead", "bytes", "collectives", "pairs")
-_PACK = ("kernel_work", "merges", "w0_f", "wr_f", "w0_b", "wr_b", "c0", "cr", "k0", "kr")
+_PACK = ("kernel_work", "merges", "w0_f", "wr_f", "w0_b", "wr_b", "c0", "cr", "k0", "kr", "busy")
 _AT_N = ("a2a", "copies", "comm_f", "comm_b", "bytes", "collectives")
 
 
@@ -171,22 +171,27 @@ class _Table:
     """One (group size, Ulysses degree, layout)'s predictions of one sequence on a grid of
     lengths from 1 (a document in a pack may be shorter than the group; a sequence alone needs
     :func:`least_tokens`), every length up to a few dozen, then geometric; extended when a
-    longer length is asked for.  Rings above 8 ranks (whose block plans cost the most to
-    predict) get a sparser grid."""
+    longer length is asked for.  Large groups and rings (whose predictions cost the most) get a
+    sparser grid; the per-document columns of packed jobs (:data:`_PACK`) are predicted only
+    once a packed job on this split is priced."""
 
     def __init__(self, model: "StepModel", g: int, u: int, layout: str, top: int):
         self.model, self.g, self.u, self.r, self.layout = model, g, u, g // u, layout
         self.least = least_tokens(g, u, layout)
-        self.dense = DENSE if self.r <= 8 else 16
-        self.ratio = 2 ** (1.0 / (PER_OCTAVE if self.r <= 8 else 8 if self.r <= 16 else 4))
+        self.dense = DENSE if g <= 8 else 16
+        self.ratio = 2 ** (1.0 / (PER_OCTAVE if g <= 8 else 8 if self.r <= 16 else 4))
         self.n = np.zeros(0)
         self.cols: Dict[str, np.ndarray] = {}
+        self.packs = False
         self._extend(max(1, int(top)))
 
+    def _rows(self, new: Sequence[int], which) -> Dict[str, np.ndarray]:
+        rows = [which(self.g, self.u, self.layout, n) for n in new]
+        return {k: np.array([row[k] for row in rows], dtype=np.float64) for k in rows[0]}
+
     def _extend(self, top: int) -> None:
-        grid = [int(x) for x in self.n]
+        last = int(self.n[-1]) if len(self.n) else 0
         new: List[int] = []
-        last = grid[-1] if grid else 0
         while last < min(top, self.dense):
             last += 1
             new.append(last)
@@ -195,14 +200,17 @@ class _Table:
             new.append(last)
         if not new:
             return
-        rows = [self.model._predict_one(self.g, self.u, self.layout, n) for n in new]
-        add = {k: np.array([row[k] for row in rows], dtype=np.float64) for k in rows[0]}
-        self.cols = {k: np.concatenate([self.cols[k], add[k]]) if self.cols else add[k] for k in add}
+        add = self._rows(new, self.model._predict_one)
+        if self.packs:
+            add.update(self._rows(new, self.model._predict_pack))
+        self.cols = {k: np.concatenate([self.cols[k], add[k]]) if k in self.cols else add[k] for k in add}
         self.n = np.concatenate([self.n, np.array(new, dtype=np.float64)])
         self.top = int(self.n[-1])
-        end = rows[-1]       # the split's constants, read at the longest length (every rank has work)
-        self.fixed, self.small, self.launch = end["overhead"], end["small"], end["launch"]
-        self.busy, self.penalty = end["busy"], end["penalty"]
+        # the split's constants, read at the longest length (every rank has work)
+        self.fixed, self.small, self.launch, self.penalty = (float(self.cols[k][-1])
+                                                             for k in ("overhead", "small", "launch", "penalty"))
+        if self.packs:
+            self.busy = float(self.cols["busy"][-1])
 
     def at(self, n, cols, extrapolate: bool = False) -> Dict[str, np.ndarray]:
         """``cols`` at lengths ``n`` (interpolated).  Past the grid's end the table grows, or
@@ -211,6 +219,10 @@ class _Table:
         x = np.asarray(n, dtype=np.float64)
         if x.size and float(x.min()) < 1:
             raise ValueError(f"a length must be >= 1, got {float(x.min())}")
+        if not self.packs and any(c in _PACK for c in cols):
+            self.packs = True
+            self.cols.update(self._rows([int(v) for v in self.n], self.model._predict_pack))
+            self.busy = float(self.cols["busy"][-1])
         hi = float(x.max()) if x.size else 0.0
         if hi > self.top and not extrapolate:
             self._extend(max(int(hi), 2 * self.top))
@@ -251,7 +263,8 @@ class StepModel:
 
     ``shape``: an :class:`AttentionShape` (with its token-proportional layers, or
     ``hidden=0`` for attention alone); ``profile``: a planner profile (name, path or dict);
-    ``top``: the length the tables start out covering (they grow when asked for longer)."""
+    ``top``: the tokens per rank the tables start out covering (a group of g ranks: g x top;
+    they grow when asked for longer)."""
 
     def __init__(self, shape: AttentionShape, profile="h100-nvlink", *, top: int = 1 << 13):
         self.shape = shape
@@ -319,48 +332,52 @@ class StepModel:
 
     # ---------------------------------------------------------------- attention, tabulated
     def _predict_one(self, g: int, u: int, layout: str, n: int) -> dict:
-        """The table row of length ``n``: one sequence's assembled parts (:data:`_TOTALS`),
-        the components a packed job sums, per document (:data:`_PACK`, from a pack of two
-        documents of ``n`` tokens, halved: inside a pack the block plan cuts every call at the
-        documents' boundaries), and what a packed job pays once at its total length
-        (:data:`_AT_N`)."""
+        """The table row of length ``n``: one sequence's assembled parts (:data:`_TOTALS`), what
+        a packed job pays once at its total length (:data:`_AT_N`), the split's constants."""
         s = self.shape
         single = "zigzag" if layout == "varlen_zigzag" else layout
         p = predict(Problem(g, s.heads, n, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd),
                     Candidate(u, g // u, single), self.profile)
-        pair = predict(Problem(g, s.heads, 2 * n, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd, (0, n, 2 * n)),
-                       Candidate(u, g // u, layout), self.profile)
-        d, dp = p.detail, pair.detail
-        assert d is not None and dp is not None
-        f = dp["steps"][False]
-        b = dp["steps"].get(True, [(0.0, 0)] * len(f))
-        rest = range(1, len(f))
-        launches = sum(c for _, c in f)
+        d = p.detail
+        assert d is not None
         return {"time": p.time, "attention": p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"],
                 "communication": p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"],
                 "overhead": d["fixed"], "bytes": p.comm_bytes, "collectives": float(p.collectives),
                 "pairs": float(_pairs(n, g // u, single, s.causal) * _heads_on_busiest(s, u)),
-                # per document of a pack
-                "kernel_work": dp["kernel_work"] / 2, "merges": dp["merges"] / 2,
+                # paid once by a packed job, at its total length
+                "a2a": d["a2a"], "copies": d["copies"], "comm_f": d["comm"].get(False, 0.0),
+                "comm_b": d["comm"].get(True, 0.0),
+                # constants of the split
+                "small": d["small"], "launch": d["overhead"], "penalty": d["penalty"]}
+
+    def _predict_pack(self, g: int, u: int, layout: str, n: int) -> dict:
+        """The per-document columns of a packed job (:data:`_PACK`) at length ``n``: from a pack
+        of two documents of ``n`` tokens, halved (inside a pack the block plan cuts every call at
+        the documents' boundaries, so a document costs more than alone on a ring)."""
+        s = self.shape
+        pair = predict(Problem(g, s.heads, 2 * n, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd, (0, n, 2 * n)),
+                       Candidate(u, g // u, layout), self.profile)
+        dp = pair.detail
+        assert dp is not None
+        f = dp["steps"][False]
+        b = dp["steps"].get(True, [(0.0, 0)] * len(f))
+        rest = range(1, len(f))
+        launches = sum(c for _, c in f)
+        return {"kernel_work": dp["kernel_work"] / 2, "merges": dp["merges"] / 2,
                 "w0_f": f[0][0] / 2, "wr_f": max((f[i][0] for i in rest), default=0.0) / 2,
                 "w0_b": b[0][0] / 2, "wr_b": max((b[i][0] for i in rest), default=0.0) / 2,
                 "c0": f[0][1] / 2, "cr": max((f[i][1] for i in rest), default=0) / 2,
                 "k0": float(_kinds(2 * n, g // u, layout, s.causal, 0, (0, n, 2 * n))),
                 "kr": float(_kinds(2 * n, g // u, layout, s.causal, 1, (0, n, 2 * n))),
-                # paid once by a packed job, at its total length
-                "a2a": d["a2a"], "copies": d["copies"], "comm_f": d["comm"].get(False, 0.0),
-                "comm_b": d["comm"].get(True, 0.0),
-                # constants of the split
-                "small": d["small"], "launch": d["overhead"],
                 # launches on the mean rank per launch on the busiest (idle Ulysses ranks launch none)
-                "busy": dp["mean_calls"] / (launches * (2 if s.bwd else 1)) if launches else 1.0,
-                "penalty": d["penalty"]}
+                "busy": dp["mean_calls"] / (launches * (2 if s.bwd else 1)) if launches else 1.0}
 
     def table(self, g: int, u: int, layout: str) -> _Table:
+        """The table of a split, built at its first use up to ``top`` tokens per rank."""
         key = (g, u, layout)
         t = self._tables.get(key)
         if t is None:
-            t = self._tables[key] = _Table(self, g, u, layout, self.top)
+            t = self._tables[key] = _Table(self, g, u, layout, min(self.top * g, 1 << 20))
         return t
 
     def least(self, g: int, u: int, layout: str) -> int:
