@@ -24,7 +24,7 @@ call's fixed cost, its all-to-alls and its ring messages are paid once, for all 
 Pricing must be cheap enough to run every step.  A :class:`StepModel` therefore tabulates the
 planner's prediction of one sequence on each (group size, Ulysses degree, layout) at a grid of
 lengths (every length up to :data:`DENSE`, then :data:`PER_OCTAVE` per octave) and
-interpolates; :func:`tests.test_stepcost` holds the table to the direct prediction.
+interpolates; tests/test_stepcost.py holds the tables to the direct prediction.
 """
 from __future__ import annotations
 
@@ -105,11 +105,6 @@ class AttentionShape:
             return f"{att} (attention only)"
         return (f"{self.layers} layers, hidden {self.hidden}, intermediate {self.intermediate}, vocab {self.vocab}, "
                 f"{att}")
-
-    @property
-    def attention_only(self) -> "AttentionShape":
-        """The attention call's part (what the tables are keyed by)."""
-        return AttentionShape(self.heads, self.head_dim, self.kv_heads, self.dtype, self.causal, self.bwd)
 
     # ---- the token-proportional layers
     def gemm_flops_per_token(self) -> float:
@@ -380,10 +375,6 @@ class StepModel:
             t = self._tables[key] = _Table(self, g, u, layout, min(self.top * g, 1 << 20))
         return t
 
-    def least(self, g: int, u: int, layout: str) -> int:
-        return least_tokens(g, u, layout)
-
-    # ---------------------------------------------------------------- prices
     def alone(self, lengths, g: int, u: int, layout: str, cols: Sequence[str] = _TOTALS) -> Dict[str, np.ndarray]:
         """One sequence's job on ``u x (g / u)`` for each of ``lengths`` (arrays, one entry per
         length; ``time`` and the :data:`PARTS`, ``bytes``, ``collectives``, ``pairs``; ``cols``
