@@ -277,6 +277,7 @@ def test_parse_version_handles_local_builds():
 
 
 # ----------------------------------------------------------------------------- declared limits
+from usp_hal import KernelCall  # noqa: E402
 from usp_hal.capabilities import (  # noqa: E402
     Limit,
     Positions,
@@ -453,7 +454,7 @@ class Counting(AttentionBackend):
         cls.asked += 1
         return super().not_supported_reasons(request)
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, **kw):
+    def kernel_forward(self, q, k, v, call):
         return q.clone(), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
 
@@ -462,14 +463,14 @@ def test_each_call_signature_is_validated_once_and_refusals_come_before_the_kern
     Counting.asked = 0
     q = torch.randn(1, 8, 2, 4)
     for _ in range(5):
-        b.forward(q, q, q, softmax_scale=0.5, causal=True)
+        b.forward(q, q, q, KernelCall(scale=0.5, causal=True))
     assert Counting.asked == 1
-    b.forward(q, q, q, softmax_scale=0.5, window=(2, 0))
+    b.forward(q, q, q, KernelCall(scale=0.5, window=(2, 0)))
     assert Counting.asked == 2
     with pytest.raises(NotImplementedError, match="dtype=fp64"):
-        b.forward(q.double(), q.double(), q.double(), softmax_scale=0.5)
+        b.forward(q.double(), q.double(), q.double(), KernelCall(scale=0.5))
     with pytest.raises(NotImplementedError, match="treats as unbounded"):    # lengths: checked on every call
         b.forward(torch.randn(1, 24, 2, 4), torch.randn(1, 12, 2, 4), torch.randn(1, 12, 2, 4),
-                  softmax_scale=0.5, causal=True)
+                  KernelCall(scale=0.5, causal=True))
     with pytest.raises(NotImplementedError, match="forward-only"):
-        b.backward(q, q, q, q, q, torch.zeros(1, 2, 8), softmax_scale=0.5)
+        b.backward(q, q, q, q, q, torch.zeros(1, 2, 8), KernelCall(scale=0.5))

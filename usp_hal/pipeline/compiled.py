@@ -146,9 +146,7 @@ def compiled_forward(pipe, q, k, v, opts: CallOptions, alibi_slopes, positions, 
     if joint is not None:
         q, k, v = joint.extend(q, k, v)
         opts = opts.with_(joint_strategy=joint.strategy, joint_total=joint.total)
-    scale = float(opts.scale) if opts.scale is not None else None
-    window = tuple(int(x) for x in opts.window)
-    opts = opts.with_(scale=scale, window=window, softcap=float(opts.softcap), dropout_p=0.0)
+    opts = opts.literal()
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                              or (sinks is not None and sinks.requires_grad))
     if sinks is not None:

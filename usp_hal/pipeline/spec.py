@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..bounded import BoundedCache
+from ..dispatch.capabilities import KernelCall
 from ..parallel.comm import digest_ints, dtype_code
 
 # fields that may differ between ranks (everything else must agree)
@@ -61,9 +62,28 @@ class CallSpec:
     def positional(self) -> bool:
         return tuple(self.window) != (-1, -1) or self.alibi != 0
 
+    @classmethod
+    def of(cls, call: KernelCall, **rest) -> "CallSpec":
+        """The spec of a call whose options are ``call``: the fields it shares with the
+        :class:`KernelCall` (by name) from it, the others from ``rest``."""
+        return spec_of(cls, call, **rest)
+
     def meta(self) -> List[int]:
         """The metadata vector: error flag 0, then every field encoded as integers."""
         return meta_vector(self)
+
+
+def spec_of(cls, call: KernelCall, **rest):
+    """An instance of the spec dataclass ``cls`` whose fields named like a :class:`KernelCall`
+    field come from ``call`` (so a new kernel option is agreed on by declaring it in both)."""
+    shared = _SHARED.get(cls)
+    if shared is None:
+        own = {f.name for f in fields(KernelCall)}
+        shared = _SHARED[cls] = tuple(f.name for f in fields(cls) if f.name in own)
+    return cls(**{name: getattr(call, name) for name in shared if name not in rest}, **rest)
+
+
+_SHARED: Dict[type, Tuple[str, ...]] = {}
 
 
 def meta_vector(spec) -> List[int]:
@@ -208,4 +228,4 @@ class TensorDigests:
 
 
 __all__ = ["CallSpec", "TensorDigests", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
-           "field_index", "meta_length", "meta_vector"]
+           "field_index", "meta_length", "meta_vector", "spec_of"]

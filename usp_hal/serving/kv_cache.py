@@ -48,14 +48,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..dispatch import platform as _platform
-from ..dispatch.capabilities import AttnRequest
+from ..dispatch.capabilities import AttnRequest, KernelCall
 from ..dispatch.registry import REGISTRY
 from ..parallel.comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
 from ..parallel.heads import head_plan
 from ..parallel.ring import merge_block, merge_dtype
-from ..pipeline.options import window_pair
+from ..pipeline.options import check_options, window_pair
 from ..pipeline.spec import TensorDigests, meta_vector
-from ..pipeline.validate import check_options
 from ..sequence.blocks import plan_blocks
 from ..sequence.positions import Segment, check_layout, ring_segments
 from .blocktable import BlockTable, Piece, add_run
@@ -806,11 +805,11 @@ class ShardedKVCache:
                 plan = plan_blocks([Segment(starts[b], n)], runs, causal=causal, window=win, positional=positional)
             assert ly.k is not None and ly.v is not None
             sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b:b + 1])
+            base = KernelCall(scale=scale, window=(win[0], win[1]), softcap=softcap, alibi_slopes=sl, needs_lse=True)
             for c in plan:
                 o, s = backend.forward(qh[b:b + 1, c.rows], ly.k[b:b + 1, :, c.cols].transpose(1, 2),
                                        ly.v[b:b + 1, :, c.cols].transpose(1, 2),
-                                       softmax_scale=scale, causal=c.causal, window=win, softcap=softcap,
-                                       alibi_slopes=sl, key_offset=c.key_offset if positional else 0)
+                                       base.with_(causal=c.causal, key_offset=c.key_offset if positional else 0))
                 merge_block(out[b:b + 1], lse[b:b + 1], c.rows, o, s, empty_rows=True)
                 calls += 1
         self.last_calls = calls
