@@ -180,6 +180,22 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of ``P`` partial attentions over disjoint key sets, by :func:`merge_block`
+    (the ring's merge), in the dtype of ``outs``.
+
+    ``outs`` ``[P, B, n, h, D]`` and ``lses`` ``[P, B, h, n]`` (natural log, -inf for a part
+    that saw no key) -> ``(out [B, n, h, D], lse [B, h, n])``: ``lse = log sum_p exp(lse_p)``
+    and ``out = sum_p exp(lse_p - lse) out_p``.  Rows that no part saw give out 0 and lse
+    -inf (never NaN)."""
+    out = torch.zeros(outs.shape[1:], dtype=outs.dtype, device=outs.device)
+    lse = torch.full(lses.shape[1:], NEG_INF, dtype=outs.dtype, device=outs.device)
+    rows = slice(None)
+    for p in range(outs.shape[0]):
+        merge_block(out, lse, rows, outs[p], lses[p])
+    return out, lse
+
+
 # --------------------------------------------------------------------------------- context
 @dataclass
 class RingContext:
