@@ -4,8 +4,10 @@ plan, float32 merge of (out, lse), forward and backward over a rotation strategy
 The block plan itself (:class:`BlockCall`, :func:`plan_blocks`: which calls every ring rank
 makes against every source block) is pure integer code in ``usp_hal.blocks``, re-exported
 here under the names it has always had; this module runs it: :class:`PackedCall` (a
-varlen kernel call over several planned calls), :class:`RingContext`, the merge and the
-ring's forward and backward.
+varlen kernel call over several planned calls), :class:`RingContext` (the plan's blocks and
+the call's :class:`~usp_hal.dispatch.capabilities.KernelCall`, from which each block call's
+value is derived), the merge (:func:`merge_block`, and :func:`merge_partials` for a decode
+step's partial results) and the ring's forward and backward.
 """
 from __future__ import annotations
 
