@@ -83,7 +83,7 @@ from usp_hal.dispatch.backend import (
     pad_head_dim,
     parse_version,
 )
-from usp_hal.dispatch.capabilities import Availability, Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.capabilities import Availability, KernelCall, Limit, Package, Positions, kernel_window
 
 # ``module`` is the package itself: the Triton AMD build has no ``flash_attn_2_cuda`` (which
 # of the two builds is present is checked by ``FlashAttn2Backend.availability``)
@@ -197,14 +197,15 @@ class _FA2Kernel:
         # 2.5.7-2.6.0: the varlen forward's ``block_table`` has no default (read once, not per call)
         self.varlen_block_table = "block_table" in (signature_parameters(iface._flash_attn_varlen_forward) or {})
 
-    def _common(self, kw: dict, causal, left, right, softcap) -> dict:
+    def _common(self, kw: dict, call: KernelCall) -> dict:
+        left, right = call.window
         if self.split_window:
             kw.update(window_size_left=left, window_size_right=right)
         else:
             kw["window_size"] = (left, right)
         if self.has_softcap:
-            kw["softcap"] = float(softcap)
-        kw["causal"] = causal
+            kw["softcap"] = float(call.softcap or 0.0)
+        kw["causal"] = bool(call.causal)
         return kw
 
     @staticmethod
@@ -216,13 +217,15 @@ class _FA2Kernel:
             kw["block_table"] = None
         return kw
 
-    def forward(self, q, k, v, scale, causal, left, right, softcap, slopes, packing=None):
-        """``_flash_attn_forward``, or with ``packing`` ``_flash_attn_varlen_forward`` (q/k/v then
-        hold the sequences back to back): (out, lse as this version lays it out)."""
+    def forward(self, q, k, v, call: KernelCall):
+        """``_flash_attn_forward``, or with ``call.packing`` ``_flash_attn_varlen_forward`` (q/k/v
+        then hold the sequences back to back): (out, lse as this version lays it out).  ``call``
+        is in the kernel's terms (its causal flag and window bounds, its slopes)."""
+        packing = call.packing
         name = "_flash_attn_varlen_forward" if packing is not None else "_flash_attn_forward"
         fn = getattr(self.iface, name)
-        kw = self._common(dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale,
-                               alibi_slopes=slopes, return_softmax=False), causal, left, right, softcap)
+        kw = self._common(dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=call.scale,
+                               alibi_slopes=call.alibi_slopes, return_softmax=False), call)
         res = fn(**(self._varlen(kw, packing, self.varlen_block_table) if packing is not None else kw))
         want = 4 if self.split_window else 8
         if len(res) != want:
@@ -231,15 +234,14 @@ class _FA2Kernel:
         # <= 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
         return (res[0], res[1]) if self.split_window else (res[0], res[5])
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, slopes, deterministic,
-                 packing=None):
+    def backward(self, dout, q, k, v, out, lse, call: KernelCall):
+        packing = call.packing
         name = "_flash_attn_varlen_backward" if packing is not None else "_flash_attn_backward"
         fn = getattr(self.iface, name)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kw = self._common(dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                               dropout_p=0.0, softmax_scale=scale, alibi_slopes=slopes,
-                               deterministic=bool(deterministic), rng_state=None),
-                          causal, left, right, softcap)
+                               dropout_p=0.0, softmax_scale=call.scale, alibi_slopes=call.alibi_slopes,
+                               deterministic=bool(call.deterministic), rng_state=None), call)
         res = fn(**(self._varlen(kw, packing, False) if packing is not None else kw))
         if self.split_window:
             return dq, dk, dv          # written in place; ``res`` is softmax_d
@@ -465,14 +467,21 @@ class FlashAttn2Backend(AttentionBackend):
                                      f"match the kernel; set {name} once, before flash_attn is imported")
         return kernel
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+    def _kernel_call(self, kernel: _FA2Kernel, q, k, call: KernelCall) -> KernelCall:
+        """``call`` in the kernel's terms: the contract's top-left masks as its bottom-right causal
+        flag and window (refused where they cannot be expressed), its slopes' layout."""
+        k_causal, left, right = kernel_window(POSITIONS, q.shape[1], k.shape[1], call.causal, call.window,
+                                              call.alibi_slopes is not None)
+        return call.with_(causal=k_causal, window=(left, right),
+                          alibi_slopes=_slopes(call.alibi_slopes, q, per_batch=kernel.triton_amd))
+
+    def kernel_forward(self, q, k, v, call: KernelCall):
         kernel = self._kernel()
-        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window, alibi_slopes is not None)
-        slopes = _slopes(alibi_slopes, q, per_batch=kernel.triton_amd)
+        sk, d = k.shape[1], q.shape[-1]
+        kcall = self._kernel_call(kernel, q, k, call)
+        k_causal, (left, right), slopes = kcall.causal, kcall.window, kcall.alibi_slopes
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
-        out, lse = kernel.forward(qp, kp, vp, softmax_scale, k_causal, left, right, softcap or 0.0, slopes)
+        out, lse = kernel.forward(qp, kp, vp, kcall)
         lse = normalize_lse(lse)
         # the Triton AMD kernels add -slope * |distance| on every path: no causal-path shift there
         shift = None if kernel.triton_amd else _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
@@ -480,40 +489,36 @@ class FlashAttn2Backend(AttentionBackend):
             lse = lse - shift
         return unpad(out, d), lse
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         kernel = self._kernel()
-        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window, alibi_slopes is not None)
-        slopes = _slopes(alibi_slopes, q, per_batch=kernel.triton_amd)
+        sk, d = k.shape[1], q.shape[-1]
+        kcall = self._kernel_call(kernel, q, k, call)
+        k_causal, (left, right), slopes = kcall.causal, kcall.window, kcall.alibi_slopes
         lse_k = lse_for_backward(lse).to(torch.float32)
         shift = None if kernel.triton_amd else _alibi_lse_shift(slopes, q, k_causal, left, right, sk)
         if shift is not None:
             lse_k = lse_k + shift
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k.contiguous(), softmax_scale,
-                                     k_causal, left, right, softcap or 0.0, slopes, deterministic)
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k.contiguous(), kcall)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)
 
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
+    def kernel_forward_packed(self, q, k, v, call: KernelCall):
         # every sequence is a square with key offset 0 when causal or windowed, where the kernel's
         # bottom-right masks are the contract's
         kernel = self._kernel()
-        d = q.shape[-1]
+        d, packing = q.shape[-1], call.packing
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
-        out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, window[0], window[1], softcap or 0.0, None,
-                                  packing=packing)
+        out, lse = kernel.forward(qp, kp, vp, call)
         if kernel.triton_amd:
             lse = lse.t()          # the Triton AMD varlen lse is [total_q, H]
         elif not kernel.unpadded_lse:
             lse = padded_lse_to_packed(lse, packing)
         return unpad(out, d), normalize_lse(lse)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
-                               deterministic):
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, call: KernelCall):
         kernel = self._kernel()
-        d = q.shape[-1]
+        d, packing = q.shape[-1], call.packing
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
         if kernel.triton_amd:
             lse_k = lse_k.t().contiguous()      # its varlen backward reads the lse as [total_q, H]
@@ -521,6 +526,5 @@ class FlashAttn2Backend(AttentionBackend):
             lse_k = packed_lse_to_padded(lse_k, packing)
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, window[0], window[1],
-                                     softcap or 0.0, None, deterministic, packing=packing)
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, call)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d)

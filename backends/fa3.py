@@ -77,7 +77,7 @@ from usp_hal.dispatch.backend import (
     normalize_lse,
     pad_head_dim,
 )
-from usp_hal.dispatch.capabilities import Availability, Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.capabilities import Availability, KernelCall, Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flash_attn_3", module="flash_attn_interface", alt_dists=("flash-attn-3",), wheel=False)
 BUILD_HINT = "not on PyPI: build it from the hopper/ directory of Dao-AILab/flash-attention"
@@ -154,24 +154,27 @@ class _FA3Kernel:
         """The varlen arguments (q/k/v then hold the sequences back to back; the lse is [H, total_q])."""
         return packing.flash_kwargs() if packing is not None else {}
 
-    def forward(self, q, k, v, scale, causal, left, right, softcap, packing=None):
+    def forward(self, q, k, v, call: KernelCall):
+        """``call`` in the kernel's terms (its causal flag and window bounds)."""
+        (left, right), softcap, causal = call.window, float(call.softcap or 0.0), bool(call.causal)
         if self.api == "new":
-            res = self.iface._flash_attn_forward(q=q, k=k, v=v, softmax_scale=scale, causal=causal,
+            res = self.iface._flash_attn_forward(q=q, k=k, v=v, softmax_scale=call.scale, causal=causal,
                                                  window_size_left=left, window_size_right=right,
-                                                 softcap=float(softcap), **self._varlen(packing))
+                                                 softcap=softcap, **self._varlen(call.packing))
         else:
             res = self.iface._flash_attn_forward(**self._fill(self._fwd_required, dict(
-                q=q, k=k, v=v, softmax_scale=scale, causal=causal, window_size=(left, right),
-                softcap=float(softcap), **self._varlen(packing))))
+                q=q, k=k, v=v, softmax_scale=call.scale, causal=causal, window_size=(left, right),
+                softcap=softcap, **self._varlen(call.packing))))
         if not isinstance(res, (tuple, list)) or len(res) < 2:
             raise RuntimeError("fa3: _flash_attn_forward did not return (out, softmax_lse, ...)")
         return res[0], res[1]
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic, packing=None):
+    def backward(self, dout, q, k, v, out, lse, call: KernelCall):
+        (left, right), causal = call.window, bool(call.causal)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                      softmax_scale=scale, softcap=float(softcap), deterministic=bool(deterministic),
-                      **self._varlen(packing))
+                      softmax_scale=call.scale, softcap=float(call.softcap or 0.0),
+                      deterministic=bool(call.deterministic), **self._varlen(call.packing))
         if self.api == "new":
             self.iface._flash_attn_backward(**common, is_causal=causal,
                                             window_size_left=left, window_size_right=right)
@@ -288,25 +291,27 @@ class FlashAttn3Backend(AttentionBackend):
             kernel = self._loaded_kernel = _load_kernel()
         return kernel
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+    @staticmethod
+    def _kernel_call(q, k, call: KernelCall) -> KernelCall:
+        """``call`` in the kernel's terms: its bottom-right causal flag and window (or refused)."""
+        k_causal, left, right = kernel_window(POSITIONS, q.shape[1], k.shape[1], call.causal, call.window)
+        return call.with_(causal=k_causal, window=(left, right))
+
+    def kernel_forward(self, q, k, v, call: KernelCall):
         kernel = self._kernel()
-        sq, sk = q.shape[1], k.shape[1]
-        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window)
+        kcall = self._kernel_call(q, k, call)
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
-        out, lse = kernel.forward(qp, kp, vp, softmax_scale, k_causal, left, right, softcap or 0.0)
+        out, lse = kernel.forward(qp, kp, vp, kcall)
         return unpad(out, v.shape[-1]), normalize_lse(lse)
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         kernel = self._kernel()
-        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        k_causal, left, right = kernel_window(POSITIONS, sq, sk, causal, window)
+        d = q.shape[-1]
+        kcall = self._kernel_call(q, k, call)
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale,
-                                     k_causal, left, right, softcap or 0.0, deterministic)
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, kcall)
         return unpad(dq, d), unpad(dk, d), unpad(dv, v.shape[-1])
 
     # a build compiled with FLASHATTENTION_DISABLE_VARLEN (Dao-AILab/flash-attention hopper/flash_api.cpp
@@ -314,34 +319,27 @@ class FlashAttn3Backend(AttentionBackend):
     # served by one dense call per sequence (the base class), decided once on the first packed call
     NO_VARLEN_BUILD = "does not support varlen"
 
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
+    def kernel_forward_packed(self, q, k, v, call: KernelCall):
         if getattr(self, "_dense_only", False):
-            return super().kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
-                                                 window=window, softcap=softcap)
+            return super().kernel_forward_packed(q, k, v, call)
         kernel = self._kernel()
         qp, kp, vp = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE) for x in (q, k, v))
         try:
-            out, lse = kernel.forward(qp, kp, vp, softmax_scale, causal, window[0], window[1], softcap or 0.0,
-                                      packing=packing)
+            out, lse = kernel.forward(qp, kp, vp, call)
         except RuntimeError as exc:
             if self.NO_VARLEN_BUILD not in str(exc):
                 raise
             self._dense_only = True
-            return self.kernel_forward_packed(q, k, v, packing, softmax_scale=softmax_scale, causal=causal,
-                                              window=window, softcap=softcap)
+            return self.kernel_forward_packed(q, k, v, call)
         return unpad(out, v.shape[-1]), normalize_lse(lse)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
-                               deterministic):
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, call: KernelCall):
         if getattr(self, "_dense_only", False):
-            return super().kernel_backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=softmax_scale,
-                                                  causal=causal, window=window, softcap=softcap,
-                                                  deterministic=deterministic)
+            return super().kernel_backward_packed(dout, q, k, v, out, lse, call)
         kernel = self._kernel()
         d = q.shape[-1]
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
         dop, qp, kp, vp, op = (pad_head_dim(x, KERNEL_HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, softmax_scale, causal, window[0], window[1],
-                                     softcap or 0.0, deterministic, packing=packing)
+        dq, dk, dv = kernel.backward(dop, qp, kp, vp, op, lse_k, call)
         return unpad(dq, d), unpad(dk, d), unpad(dv, v.shape[-1])

@@ -53,7 +53,7 @@ from usp_hal.dispatch.backend import (
     normalize_lse,
     pad_head_dim,
 )
-from usp_hal.dispatch.capabilities import Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.capabilities import KernelCall, Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flash-attn-4", module="flash_attn")
 SRC = "flash-attn-4 4.0.0b36 flash_attn/cute/interface.py"
@@ -200,43 +200,46 @@ class FlashAttn4Backend(AttentionBackend):
         """The varlen arguments (q/k/v then hold the sequences back to back; the lse is [H, total_q])."""
         return packing.flash_kwargs() if packing is not None else {}
 
-    def _fwd(self, q, k, v, scale, causal, left, right, softcap, packing=None):
+    def _fwd(self, q, k, v, call: KernelCall):
+        """``call`` in the kernel's terms (its causal flag and window bounds)."""
         qp, kp, vp = (pad_head_dim(x, HEAD_DIM_MULTIPLE) for x in (q, k, v))
-        res = self._iface()._flash_attn_fwd(qp, kp, vp, softmax_scale=scale, causal=bool(causal),
-                                            softcap=float(softcap or 0.0), window_size_left=_side(left),
+        left, right = call.window
+        res = self._iface()._flash_attn_fwd(qp, kp, vp, softmax_scale=call.scale, causal=bool(call.causal),
+                                            softcap=float(call.softcap or 0.0), window_size_left=_side(left),
                                             window_size_right=_side(right), return_lse=True,
-                                            **self._varlen(packing))
+                                            **self._varlen(call.packing))
         out, lse = res[0], res[1]
         if lse is None:
             raise RuntimeError("fa4: _flash_attn_fwd returned no lse although return_lse=True")
         return out[..., :v.shape[-1]], normalize_lse(lse)
 
-    def _bwd(self, dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic, packing=None):
+    def _bwd(self, dout, q, k, v, out, lse, call: KernelCall):
         d, dv = q.shape[-1], v.shape[-1]
+        left, right = call.window
         dop, qp, kp, vp, op = (pad_head_dim(x, HEAD_DIM_MULTIPLE)
                                for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         lse_k = lse_for_backward(lse).to(torch.float32).contiguous()
-        res = self._iface()._flash_attn_bwd(qp, kp, vp, op, dop, lse_k, softmax_scale=scale, causal=bool(causal),
-                                            softcap=float(softcap or 0.0), window_size_left=_side(left),
-                                            window_size_right=_side(right), deterministic=bool(deterministic),
-                                            **self._varlen(packing))
+        res = self._iface()._flash_attn_bwd(qp, kp, vp, op, dop, lse_k, softmax_scale=call.scale,
+                                            causal=bool(call.causal), softcap=float(call.softcap or 0.0),
+                                            window_size_left=_side(left), window_size_right=_side(right),
+                                            deterministic=bool(call.deterministic), **self._varlen(call.packing))
         return res[0][..., :d], res[1][..., :d], res[2][..., :dv]
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
-        k_causal, left, right = kernel_window(POSITIONS, q.shape[1], k.shape[1], causal, window)
-        return self._fwd(q, k, v, softmax_scale, k_causal, left, right, softcap)
+    @staticmethod
+    def _kernel_call(q, k, call: KernelCall) -> KernelCall:
+        """``call`` in the kernel's terms: its bottom-right causal flag and window (or refused)."""
+        k_causal, left, right = kernel_window(POSITIONS, q.shape[1], k.shape[1], call.causal, call.window)
+        return call.with_(causal=k_causal, window=(left, right))
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
-        k_causal, left, right = kernel_window(POSITIONS, q.shape[1], k.shape[1], causal, window)
-        return self._bwd(dout, q, k, v, out, lse, softmax_scale, k_causal, left, right, softcap, deterministic)
+    def kernel_forward(self, q, k, v, call: KernelCall):
+        return self._fwd(q, k, v, self._kernel_call(q, k, call))
+
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
+        return self._bwd(dout, q, k, v, out, lse, self._kernel_call(q, k, call))
 
     # packed: causal/window are asked only for sequences with Sq == Sk and no offset (no translation)
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
-        return self._fwd(q, k, v, softmax_scale, causal, window[0], window[1], softcap, packing)
+    def kernel_forward_packed(self, q, k, v, call: KernelCall):
+        return self._fwd(q, k, v, call)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
-                               deterministic):
-        return self._bwd(dout, q, k, v, out, lse, softmax_scale, causal, window[0], window[1], softcap,
-                         deterministic, packing)
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, call: KernelCall):
+        return self._bwd(dout, q, k, v, out, lse, call)

@@ -33,7 +33,7 @@ import shutil
 import torch
 
 from usp_hal.dispatch.backend import AttentionBackend, normalize_lse, pad_to
-from usp_hal.dispatch.capabilities import Limit, Package, Positions, kernel_window
+from usp_hal.dispatch.capabilities import KernelCall, Limit, Package, Positions, kernel_window
 
 PACKAGE = Package(dist="flashinfer-python", module="flashinfer", min_version="0.2.0",
                   alt_dists=("flashinfer",), extra="flashinfer")
@@ -113,11 +113,11 @@ class FlashInferBackend(AttentionBackend):
     def extra_availability(cls, device_type, version):
         return jit_reason()
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+    def kernel_forward(self, q, k, v, call: KernelCall):
         b, sq, h, d = q.shape
         sk = k.shape[1]
-        k_causal, window_left, _ = kernel_window(POSITIONS, sq, sk, causal, window)
+        k_causal, window_left, _ = kernel_window(POSITIONS, sq, sk, call.causal, call.window)
+        softcap = call.softcap
         target = kernel_head_dim(d)
         qp, kp, vp = (pad_to(x, target) for x in (q, k, v))
 
@@ -126,7 +126,7 @@ class FlashInferBackend(AttentionBackend):
         outs, lses = [], []
         for i in range(b):
             o, lse2 = flashinfer.single_prefill_with_kv_cache(
-                qp[i], kp[i], vp[i], causal=bool(k_causal), kv_layout="NHD", sm_scale=softmax_scale,
+                qp[i], kp[i], vp[i], causal=bool(k_causal), kv_layout="NHD", sm_scale=call.scale,
                 window_left=window_left, logits_soft_cap=float(softcap) if softcap else None,
                 return_lse=True)
             outs.append(o)

@@ -46,7 +46,7 @@ import warnings
 import torch
 
 from usp_hal.dispatch.backend import AttentionBackend, normalize_lse
-from usp_hal.dispatch.capabilities import Limit
+from usp_hal.dispatch.capabilities import KernelCall, Limit
 from usp_hal.dispatch.platform import device_type_of
 
 SRC = "pytorch v2.13.0"
@@ -75,9 +75,11 @@ def flex_ops(device_type: str):
     return _compiled_flex(), create_block_mask, aux
 
 
-def _mods(b, h, sq, sk, *, causal, window, key_offset, mask, softcap, alibi_slopes, device, work):
+def _mods(b, h, sq, sk, call: KernelCall, device, work):
     """``(mask_mod or None, its batch/head extents for create_block_mask, score_mod or None)``."""
-    left, right = int(window[0]), int(window[1])
+    causal, key_offset, mask, softcap, alibi_slopes = call.causal, call.key_offset, call.mask, call.softcap, \
+        call.alibi_slopes
+    left, right = call.window
     rules = []
     if causal or left >= 0 or right >= 0:
         pos = torch.tensor([int(key_offset), left, right], dtype=torch.int64, device=device)
@@ -177,12 +179,11 @@ class FlexAttentionBackend(AttentionBackend):
                            "torch/_inductor/kernel/flex/templates/flex_attention.py.jinja, common.py.jinja"),
     )
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset, mask=None):
-        out, lse = self._run(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, key_offset, mask)
+    def kernel_forward(self, q, k, v, call: KernelCall):
+        out, lse = self._run(q, k, v, call)
         return out.transpose(1, 2), normalize_lse(lse)
 
-    def _run(self, q, k, v, scale, causal, window, softcap, alibi_slopes, key_offset, mask, grad=False):
+    def _run(self, q, k, v, call: KernelCall):
         """flex on [B, H, S, D] views: ``(out [B, H, Sq, D], lse [B, H, Sq])`` (natural log)."""
         b, sq, h, d = q.shape
         sk = k.shape[1]
@@ -191,10 +192,8 @@ class FlexAttentionBackend(AttentionBackend):
             return (q.new_zeros(b, h, sq, v.shape[-1]),
                     torch.full((b, h, sq), float("-inf"), dtype=dt, device=q.device))
         flex, create_block_mask, aux_request = flex_ops(device_type_of(q.device))
-        mask_mod, (mb, mh), score_mod = _mods(b, h, sq, sk, causal=causal, window=window, key_offset=key_offset,
-                                              mask=mask, softcap=softcap, alibi_slopes=alibi_slopes,
-                                              device=q.device,
-                                              work=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        mask_mod, (mb, mh), score_mod = _mods(b, h, sq, sk, call, q.device,
+                                              torch.float64 if q.dtype == torch.float64 else torch.float32)
         block_mask = None
         if mask_mod is not None:
             block_mask = create_block_mask(mask_mod, mb, mh, sq, sk, device=q.device)
@@ -202,14 +201,13 @@ class FlexAttentionBackend(AttentionBackend):
         with warnings.catch_warnings():
             # the uncompiled CPU path warns once that it is unfused: that is the path chosen here on purpose
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out, aux = flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, scale=scale,
+            out, aux = flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, scale=call.scale,
                             enable_gqa=k.shape[2] != h, return_aux=aux_request(lse=True))
         if aux.lse is None:
             raise RuntimeError("flex: flex_attention returned no lse although return_aux asked for it")
         return out, aux.lse
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset, mask=None):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         """flex's autograd on a recomputed block, re-weighted to the given ``out``/``lse``.
 
         The block's own result is ``(o_b, lse_b)``; with ``w = exp(lse_b - lse)`` (0 where
@@ -219,8 +217,7 @@ class FlexAttentionBackend(AttentionBackend):
         gradient of the full attention restricted to this block's keys."""
         with torch.enable_grad():
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            o_b, lse_b = self._run(qg, kg, vg, softmax_scale, causal, window, softcap, alibi_slopes, key_offset,
-                                   mask)
+            o_b, lse_b = self._run(qg, kg, vg, call)
             if not (o_b.requires_grad or lse_b.requires_grad):     # no key at all: nothing flows back
                 return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             work = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -40,7 +40,7 @@ import torch
 
 from usp_hal import platform as _platform
 from usp_hal.dispatch.backend import AttentionBackend, lse_for_backward, normalize_lse
-from usp_hal.dispatch.capabilities import Availability, Package
+from usp_hal.dispatch.capabilities import Availability, KernelCall, Package
 
 PACKAGE = Package(dist="torch-npu", module="torch_npu", min_version="2.1.0", extra="npu")
 DOC = "Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md (0d8f401d, 3ec6c1fc)"
@@ -112,18 +112,16 @@ class NPUBackend(AttentionBackend):
             return {"atten_mask": causal_mask(q.device), "sparse_mode": SPARSE_LEFT_UP_CAUSAL}
         return {"atten_mask": None, "sparse_mode": SPARSE_NONE}
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+    def kernel_forward(self, q, k, v, call: KernelCall):
         import torch_npu
 
         res = torch_npu.npu_fusion_attention(
-            q, k, v, q.shape[2], LAYOUT, scale=softmax_scale, keep_prob=1.0, **self._mask_args(q, causal))
+            q, k, v, q.shape[2], LAYOUT, scale=call.scale, keep_prob=1.0, **self._mask_args(q, call.causal))
         out, smax, ssum = res[0], res[1], res[2]
         lse = smax[..., 0].float() + torch.log(ssum[..., 0].float())
         return out, normalize_lse(lse)
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         b, sq, h, _ = q.shape
         row_max = lse_for_backward(lse).float().unsqueeze(-1).expand(b, h, sq, 8).contiguous()
         row_sum = torch.ones_like(row_max)
@@ -132,5 +130,5 @@ class NPUBackend(AttentionBackend):
         res = torch_npu.npu_fusion_attention_grad(
             q, k, v, dout.to(q.dtype).contiguous(), h, LAYOUT,
             softmax_max=row_max, softmax_sum=row_sum, attention_in=out.to(q.dtype).contiguous(),
-            scale_value=softmax_scale, keep_prob=1.0, **self._mask_args(q, causal))
+            scale_value=call.scale, keep_prob=1.0, **self._mask_args(q, call.causal))
         return res[0], res[1], res[2]

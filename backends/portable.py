@@ -28,6 +28,7 @@ import torch
 
 from usp_hal import platform as _platform
 from usp_hal.dispatch.backend import AttentionBackend
+from usp_hal.dispatch.capabilities import KernelCall
 
 
 def _work(dtype: torch.dtype) -> torch.dtype:
@@ -37,15 +38,16 @@ def _work(dtype: torch.dtype) -> torch.dtype:
 class _Tiles:
     """One call's geometry: GQA views (``[B, Hkv, G, S, D]``), the masks and biases of a tile."""
 
-    def __init__(self, q, k, v, *, scale, causal, window, softcap, alibi_slopes, key_offset, mask, tile_elements):
+    def __init__(self, q, k, v, call: KernelCall, tile_elements: int):
         self.b, self.sq, self.h, self.dk = q.shape
         self.sk, self.hkv, self.dv = k.shape[1], k.shape[2], v.shape[-1]
         self.g = self.h // self.hkv
         self.work = _work(q.dtype)
-        self.scale, self.causal = float(scale), bool(causal)
-        self.left, self.right = int(window[0]), int(window[1])
-        self.softcap = float(softcap or 0.0)
-        self.offset = int(key_offset)
+        self.scale, self.causal = call.scale_for(self.dk), bool(call.causal)
+        self.left, self.right = call.window
+        self.softcap = float(call.softcap or 0.0)
+        self.offset = int(call.key_offset)
+        alibi_slopes, mask = call.alibi_slopes, call.mask
         self.device = q.device
         # [B, Hkv, G, S, D] views of q (no copy); k/v as [B, Hkv, 1, S, D] broadcast over the group
         self.qg = q.view(self.b, self.sq, self.hkv, self.g, self.dk).permute(0, 2, 3, 1, 4)
@@ -141,14 +143,8 @@ class PortableBackend(AttentionBackend):
          "(tests/test_portable_backend.py)", "usp-hal itself"),
     )
 
-    def _tiles(self, q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, key_offset, mask):
-        return _Tiles(q, k, v, scale=softmax_scale, causal=causal, window=window, softcap=softcap,
-                      alibi_slopes=alibi_slopes, key_offset=key_offset, mask=mask,
-                      tile_elements=int(self.TILE_ELEMENTS))
-
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset, mask=None):
-        T = self._tiles(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, key_offset, mask)
+    def kernel_forward(self, q, k, v, call: KernelCall):
+        T = _Tiles(q, k, v, call, int(self.TILE_ELEMENTS))
         w = T.work
         out = torch.zeros(T.b, T.hkv, T.g, T.sq, T.dv, dtype=w, device=q.device)
         lse = torch.full((T.b, T.hkv, T.g, T.sq), float("-inf"), dtype=w, device=q.device)
@@ -176,9 +172,8 @@ class PortableBackend(AttentionBackend):
         out = out.reshape(T.b, T.h, T.sq, T.dv).transpose(1, 2).to(q.dtype)
         return out, lse.reshape(T.b, T.h, T.sq)
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset, mask=None):
-        T = self._tiles(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, key_offset, mask)
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
+        T = _Tiles(q, k, v, call, int(self.TILE_ELEMENTS))
         w = T.work
         dq = torch.zeros(T.b, T.hkv, T.g, T.sq, T.dk, dtype=w, device=q.device)
         dk = torch.zeros(T.b, T.hkv, T.sk, T.dk, dtype=w, device=q.device)

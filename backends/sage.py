@@ -47,7 +47,15 @@ from typing import Optional
 import torch
 
 from usp_hal.dispatch.backend import AttentionBackend, installed_version, normalize_lse, pad_to, parse_version
-from usp_hal.dispatch.capabilities import AttnRequest, Limit, Package, Positions, RuleContext, _arch_matches
+from usp_hal.dispatch.capabilities import (
+    AttnRequest,
+    KernelCall,
+    Limit,
+    Package,
+    Positions,
+    RuleContext,
+    _arch_matches,
+)
 
 PACKAGE = Package(dist="sageattention", module="sageattention", extra="sage")
 SRC = "thu-ml/SageAttention"
@@ -177,9 +185,8 @@ class SageFP8Backend(AttentionBackend):
             self.__dict__["_version"] = version
         return version
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
-        d = q.shape[-1]
+    def kernel_forward(self, q, k, v, call: KernelCall):
+        d, causal, softmax_scale = q.shape[-1], call.causal, call.scale
         version = self._installed()
         from sageattention import sageattn
 

@@ -37,7 +37,7 @@ from usp_hal.dispatch.backend import (
     pad_to,
     position_mask,
 )
-from usp_hal.dispatch.capabilities import Limit
+from usp_hal.dispatch.capabilities import KernelCall, Limit
 from usp_hal.dispatch.platform import compute_capability, device_type_of
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -106,48 +106,46 @@ class SDPABackend(AttentionBackend):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _needs_mask(window, alibi_slopes, keep=None) -> bool:
-        return tuple(window) != (-1, -1) or alibi_slopes is not None or keep is not None
+    def _needs_mask(call: KernelCall) -> bool:
+        return call.positional or call.mask is not None
 
     @staticmethod
-    def _compute_dtype(q, alibi_slopes):
+    def _compute_dtype(q, call: KernelCall):
         # an alibi bias in bf16/fp16 loses integer distances; compute those calls in fp32
-        return torch.float32 if (alibi_slopes is not None and q.dtype in _HALF) else q.dtype
+        return torch.float32 if (call.alibi_slopes is not None and q.dtype in _HALF) else q.dtype
 
-    def _mask(self, q, k, causal, window, key_offset, alibi_slopes, dtype, keep=None):
-        return position_mask(q.shape[1], k.shape[1], causal=causal, window=window, key_offset=key_offset,
-                             alibi_slopes=alibi_slopes, batch=q.shape[0], heads=q.shape[2],
-                             dtype=dtype, device=q.device, keep=keep)
+    @staticmethod
+    def _mask(q, k, call: KernelCall, dtype):
+        return position_mask(q.shape[1], k.shape[1], causal=call.causal, window=call.window,
+                             key_offset=call.key_offset, alibi_slopes=call.alibi_slopes, batch=q.shape[0],
+                             heads=q.shape[2], dtype=dtype, device=q.device, keep=call.mask)
 
     # ------------------------------------------------------------------ forward
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset, mask=None):
+    def kernel_forward(self, q, k, v, call: KernelCall):
         dk, dv = q.shape[-1], v.shape[-1]
         if dk != dv:        # Dk != Dv: one common head dim (zero columns change no score and no output column)
             d = max(dk, dv)
-            out, lse = self.kernel_forward(pad_to(q, d), pad_to(k, d), pad_to(v, d), softmax_scale=softmax_scale,
-                                           causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                           dropout_p=dropout_p, key_offset=key_offset, mask=mask)
+            out, lse = self.kernel_forward(pad_to(q, d), pad_to(k, d), pad_to(v, d), call)
             return out[..., :dv], lse
         dev = device_type_of(q.device)
         if dev == "cpu":
-            return self._forward_cpu(q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset, mask)
-        return self._forward_cuda(dev, q, k, v, softmax_scale, causal, window, alibi_slopes, key_offset, mask)
+            return self._forward_cpu(q, k, v, call)
+        return self._forward_cuda(dev, q, k, v, call)
 
-    def _forward_cpu(self, q, k, v, scale, causal, window, alibi_slopes, key_offset, keep=None):
-        cdt = self._compute_dtype(q, alibi_slopes)
+    def _forward_cpu(self, q, k, v, call: KernelCall):
+        cdt = self._compute_dtype(q, call)
         if cdt == q.dtype:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
             qt, kt, vt = (x.to(cdt).transpose(1, 2) for x in (q, k, v))
         empty = None
-        if self._needs_mask(window, alibi_slopes, keep):
-            mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt, keep)
+        if self._needs_mask(call):
+            mask, empty = self._mask(q, k, call, cdt)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qt, kt, vt, 0.0, False, attn_mask=mask, scale=scale)
+                qt, kt, vt, 0.0, False, attn_mask=mask, scale=call.scale)
         else:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qt, kt, vt, 0.0, causal, scale=scale)
+                qt, kt, vt, 0.0, call.causal, scale=call.scale)
             if lse.dtype in (torch.float32, torch.float64):
                 # no mask: no row is empty and the CPU op never writes +inf, so the lse only needs
                 # the contract's contiguous [B, H, S] layout (the op's memory is [B, S, H])
@@ -155,106 +153,103 @@ class SDPABackend(AttentionBackend):
                 return (out if out.dtype == q.dtype else out.to(q.dtype)), lse.contiguous()
         return out.transpose(1, 2).to(q.dtype), normalize_lse(lse, empty)
 
-    def _bound_forward(self, q, kw: dict, want_lse: bool):
+    def _bound_forward(self, q, call: KernelCall, want_lse: bool):
         """The CPU call without a mask in float32/float64: the op on transposed views, and the lse
         made contiguous only when the caller keeps it; anything else takes the general path."""
-        general = super()._bound_forward(q, kw, want_lse)
-        if (self._needs_mask(kw["window"], kw["alibi_slopes"]) or device_type_of(q.device) != "cpu"
+        general = super()._bound_forward(q, call, want_lse)
+        if (self._needs_mask(call) or device_type_of(q.device) != "cpu"
                 or q.dtype not in (torch.float32, torch.float64)):
             return general
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        scale, causal = kw["softmax_scale"], kw["causal"]
+        scale, causal = call.scale, call.causal
 
-        def call(q, k, v):
+        def run(q, k, v):
             if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.shape[-1] != v.shape[-1]:
                 return general(q, k, v)
             out, lse = op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
             return out.transpose(1, 2), (lse.contiguous() if want_lse else lse)
-        return call
+        return run
 
-    def _use_flash(self, dev, q, k, causal, window, alibi_slopes) -> bool:
-        if q.dtype not in _HALF or self._needs_mask(window, alibi_slopes) or dev != "cuda":
+    def _use_flash(self, dev, q, k, call: KernelCall) -> bool:
+        if q.dtype not in _HALF or self._needs_mask(call) or dev != "cuda":
             return False
-        if causal and q.shape[1] != k.shape[1]:
+        if call.causal and q.shape[1] != k.shape[1]:
             return False        # the flash op aligns causal bottom-right
         if q.shape[-1] > FLASH_HEAD_DIM_MAX:
             return False
         cc = compute_capability(dev, q.device.index or 0)
         return cc is None or tuple(cc) >= (8, 0)
 
-    def _forward_cuda(self, dev, q, k, v, scale, causal, window, alibi_slopes, key_offset, keep=None):
+    def _forward_cuda(self, dev, q, k, v, call: KernelCall):
         flash, efficient, _ = cuda_ops()
         d, sq, h = q.shape[-1], q.shape[1], q.shape[2]
-        if keep is None and self._use_flash(dev, q, k, causal, window, alibi_slopes):
+        if self._use_flash(dev, q, k, call):
             qt, kt, vt = (pad_head_dim(x, FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, k, v))
-            res = flash(qt, kt, vt, 0.0, bool(causal), False, scale=scale)
+            res = flash(qt, kt, vt, 0.0, bool(call.causal), False, scale=call.scale)
             return res[0].transpose(1, 2)[..., :d], normalize_lse(normalize_cuda_lse(res[1], sq))
-        cdt = self._compute_dtype(q, alibi_slopes)
+        cdt = self._compute_dtype(q, call)
         qt, kt, vt = (pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, k, v))
         kt, vt = _repeat_kv(kt, h), _repeat_kv(vt, h)
-        bias, empty = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt, keep)
-        res = efficient(qt, kt, vt, bias, True, 0.0, bool(causal) and bias is None, scale=scale)
+        bias, empty = self._bias(q, k, call, cdt)
+        res = efficient(qt, kt, vt, bias, True, 0.0, bool(call.causal) and bias is None, scale=call.scale)
         out = res[0].transpose(1, 2)[..., :d].to(q.dtype)
         if empty is not None:     # rows that see no key: out 0 whatever the kernel left there
             out = out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0)
         return out, normalize_lse(normalize_cuda_lse(res[1], sq), empty)
 
-    def _bias(self, q, k, causal, window, key_offset, alibi_slopes, dtype, keep=None):
-        """The additive bias [B, H, Sq, Sk] for window/alibi (causal folded in), or (None, None).
+    def _bias(self, q, k, call: KernelCall, dtype):
+        """The additive bias [B, H, Sq, Sk] for window/alibi/mask (causal folded in), or (None, None).
         Built with its last dim padded to a multiple of 16 elements, then sliced, so every
         stride the kernel checks is aligned."""
-        if not self._needs_mask(window, alibi_slopes, keep):
+        if not self._needs_mask(call):
             return None, None
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         sk = k.shape[1]
-        mask, empty = self._mask(q, k, causal, window, key_offset, alibi_slopes, dtype, keep)
+        mask, empty = self._mask(q, k, call, dtype)
         padded = -(-sk // BIAS_ALIGN_ELEMENTS) * BIAS_ALIGN_ELEMENTS
         bias = torch.empty(*mask.shape[:-1], padded, dtype=dtype, device=q.device)[..., :sk]
         bias.copy_(mask)
         return bias.expand(b, h, sq, sk), empty      # broadcast dims have stride 0: aligned
 
     # ------------------------------------------------------------------ backward
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset, mask=None):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         dk_, dv_ = q.shape[-1], v.shape[-1]
         if dk_ != dv_:      # Dk != Dv: the forward's common head dim; the zero columns get gradients that are dropped
             d = max(dk_, dv_)
             dq, dk, dv = self.kernel_backward(pad_to(dout, d), pad_to(q, d), pad_to(k, d), pad_to(v, d),
-                                              pad_to(out, d), lse, softmax_scale=softmax_scale, causal=causal,
-                                              window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                              dropout_p=dropout_p, deterministic=deterministic,
-                                              key_offset=key_offset, mask=mask)
+                                              pad_to(out, d), lse, call)
             return dq[..., :dk_], dk[..., :dk_], dv[..., :dv_]
         lse = lse_for_backward(lse)
         dev = device_type_of(q.device)
         if dev == "cpu":
-            cdt = self._compute_dtype(q, alibi_slopes)
+            cdt = self._compute_dtype(q, call)
             qt, kt, vt, ot, dot = (x.to(cdt).transpose(1, 2) for x in (q, k, v, out, dout))
-            kw = {"scale": softmax_scale}
-            if self._needs_mask(window, alibi_slopes, mask):
-                kw["attn_mask"] = self._mask(q, k, causal, window, key_offset, alibi_slopes, cdt, mask)[0]
+            kw = {"scale": call.scale}
+            causal = call.causal
+            if self._needs_mask(call):
+                kw["attn_mask"] = self._mask(q, k, call, cdt)[0]
                 causal = False
             lse = lse.to(torch.float64 if cdt == torch.float64 else torch.float32)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, causal, **kw)
             return tuple(g.transpose(1, 2).to(q.dtype) for g in (dq, dk, dv))
-        return self._backward_cuda(dev, dout, q, k, v, out, lse, softmax_scale, causal, window, alibi_slopes,
-                                   key_offset, mask)
+        return self._backward_cuda(dev, (dout, q, k, v, out, lse), call)
 
-    def _backward_cuda(self, dev, dout, q, k, v, out, lse, scale, causal, window, alibi_slopes, key_offset,
-                       keep=None):
+    def _backward_cuda(self, dev, tensors, call: KernelCall):
         _, _, efficient_backward = cuda_ops()
+        dout, q, k, v, out, lse = tensors
         d, h, hkv = q.shape[-1], q.shape[2], k.shape[2]
-        cdt = self._compute_dtype(q, alibi_slopes)
+        cdt = self._compute_dtype(q, call)
         qt, ot, dot = (pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2) for x in (q, out, dout))
         kt, vt = (_repeat_kv(pad_head_dim(x.to(cdt), FLASH_HEAD_DIM_MULTIPLE).transpose(1, 2), h) for x in (k, v))
-        bias, _ = self._bias(q, k, causal, window, key_offset, alibi_slopes, cdt, keep)
+        bias, _ = self._bias(q, k, call, cdt)
         align = CUDA_LSE_ALIGN.get(dev, 32)
         pad = (-lse.shape[-1]) % align
         lse_p = torch.nn.functional.pad(lse.float(), (0, pad)) if pad else lse.float().contiguous()
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = efficient_backward(dot, qt, kt, vt, bias, ot, lse_p, seed, seed, 0.0,
-                                           [True, True, True, False], bool(causal) and bias is None, scale=scale)
+                                           [True, True, True, False], bool(call.causal) and bias is None,
+                                           scale=call.scale)
         dk, dv = _sum_kv(dk, hkv), _sum_kv(dv, hkv)
         return tuple(g.transpose(1, 2)[..., :d].to(q.dtype) for g in (dq, dk, dv))
 

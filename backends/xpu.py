@@ -45,7 +45,7 @@ import torch
 
 from usp_hal import platform as _platform
 from usp_hal.dispatch.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_to, parse_version
-from usp_hal.dispatch.capabilities import Availability, Limit, Positions
+from usp_hal.dispatch.capabilities import Availability, KernelCall, Limit, Positions
 
 MIN_TORCH = "2.10"
 SRC = "intel/torch-xpu-ops"
@@ -132,18 +132,16 @@ class XPUBackend(AttentionBackend):
                                        f"XPU build of torch >= {MIN_TORCH})", avail.version)
         return avail
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+    def kernel_forward(self, q, k, v, call: KernelCall):
         d = q.shape[-1]
         target = kernel_head_dim(d)
         qt, kt, vt = (pad_to(x, target).transpose(1, 2) for x in (q, k, v))
         fwd, _ = flash_ops()
-        res = fwd(qt, kt, vt, 0.0, bool(causal), False, scale=softmax_scale)
+        res = fwd(qt, kt, vt, 0.0, bool(call.causal), False, scale=call.scale)
         out = res[0].transpose(1, 2)[..., :d].contiguous()
         return out, normalize_lse(res[1])
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         d = q.shape[-1]
         sq, sk, hkv = q.shape[1], k.shape[1], k.shape[2]
         target = kernel_head_dim(d)
@@ -153,8 +151,8 @@ class XPUBackend(AttentionBackend):
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
         _, bwd = flash_ops()
-        dq, dk, dv = bwd(dot, qt, kt, vt, ot, lse, None, None, sq, sk, 0.0, bool(causal), seed, offset,
-                         scale=softmax_scale)[:3]
+        dq, dk, dv = bwd(dot, qt, kt, vt, ot, lse, None, None, sq, sk, 0.0, bool(call.causal), seed, offset,
+                         scale=call.scale)[:3]
         dk, dv = _sum_groups(dk, hkv), _sum_groups(dv, hkv)
         return tuple(g.transpose(1, 2)[..., :d].contiguous() for g in (dq, dk, dv))
 

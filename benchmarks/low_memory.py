@@ -68,6 +68,7 @@ def job(U=1, R=2, S=4096, H=8, D=64, rounds=5, low=True, causal=True, layout="zi
 
 def one_process(S=4096, H=8, D=64, causal=True):
     """The same call on the whole sequence in one process (the sdpa backend directly)."""
+    from usp_hal import KernelCall
     from usp_hal.harness import meter
     from usp_hal.registry import REGISTRY
     torch.set_num_threads(1)
@@ -79,14 +80,14 @@ def one_process(S=4096, H=8, D=64, causal=True):
     class F(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            out, lse = backend.forward(q, k, v, softmax_scale=D ** -0.5, causal=causal)
+            out, lse = backend.forward(q, k, v, KernelCall(scale=D ** -0.5, causal=causal))
             ctx.save_for_backward(q, k, v, out, lse)
             return out
 
         @staticmethod
         def backward(ctx, g):
             q, k, v, out, lse = ctx.saved_tensors
-            return backend.backward(g.contiguous(), q, k, v, out, lse, softmax_scale=D ** -0.5, causal=causal)
+            return backend.backward(g.contiguous(), q, k, v, out, lse, KernelCall(scale=D ** -0.5, causal=causal))
 
     F.apply(q, k, v).backward(dout)
     for t in (q, k, v):

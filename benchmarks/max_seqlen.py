@@ -67,6 +67,7 @@ def _attention_peak(mesh, mode: str, S: int, fresh: dict) -> int:
 
 
 def _one_process_attention(q, k, v):
+    from usp_hal import KernelCall
     from usp_hal.registry import REGISTRY
     backend = REGISTRY.get("sdpa")()
     scale = q.shape[-1] ** -0.5
@@ -74,14 +75,14 @@ def _one_process_attention(q, k, v):
     class F(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            out, lse = backend.forward(q, k, v, softmax_scale=scale, causal=True)
+            out, lse = backend.forward(q, k, v, KernelCall(scale=scale, causal=True))
             ctx.save_for_backward(q, k, v, out, lse)
             return out
 
         @staticmethod
         def backward(ctx, g):
             q, k, v, out, lse = ctx.saved_tensors
-            return backend.backward(g.contiguous(), q, k, v, out, lse, softmax_scale=scale, causal=True)
+            return backend.backward(g.contiguous(), q, k, v, out, lse, KernelCall(scale=scale, causal=True))
 
     return F.apply(q, k, v)
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
+from usp_hal import KernelCall
 from usp_hal.backends.sdpa import SDPABackend
 
 
@@ -59,7 +60,7 @@ def one_rank(calls: int, rounds: int) -> dict:
             mesh = usp_hal.init_sequence_parallel(1, 1, set_default=False)
             attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
             variants = {"raw aten op": lambda: op(qt, kt, vt, 0.0, False, scale=0.3),
-                        "sdpa backend forward": lambda: b.forward(q, k, v, softmax_scale=0.3),
+                        "sdpa backend forward": lambda: b.forward(q, k, v, KernelCall(scale=0.3)),
                         "LongContextAttention": lambda: attn(q, k, v)}
             times = {name: [] for name in variants}
             with torch.no_grad():

@@ -80,7 +80,7 @@ def kernel_ratio(args) -> dict:
 
     import torch
 
-    from usp_hal import get_backend
+    from usp_hal import KernelCall, get_backend
     from usp_hal.capabilities import parse_dtype
     torch.set_num_threads(1)
     backend = get_backend("sdpa")()
@@ -89,13 +89,13 @@ def kernel_ratio(args) -> dict:
     S, n, H, D = args.seqlen, args.docs, args.heads, args.head_dim
     q, k, v, do = (torch.randn(1, S, H, D, generator=g).to(dt) for _ in range(4))
     bounds = equal_documents(S, n)
-    kw = dict(softmax_scale=D ** -0.5, causal=True)
+    call = KernelCall(scale=D ** -0.5, causal=True)
 
     def run(pieces):
         t0 = time.perf_counter()
         for a, b in pieces:
-            o, lse = backend.forward(q[:, a:b], k[:, a:b], v[:, a:b], **kw)
-            backend.backward(do[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o, lse, **kw)
+            o, lse = backend.forward(q[:, a:b], k[:, a:b], v[:, a:b], call)
+            backend.backward(do[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o, lse, call)
         return time.perf_counter() - t0
 
     cases = {"one": [(0, S)], "docs": list(zip(bounds[:-1], bounds[1:]))}
@@ -112,11 +112,11 @@ def kernel_ratio(args) -> dict:
         x = (q[:, :n], k[:, :n], v[:, :n])
         per = {}
         for causal in (True, False):
-            o, lse = backend.forward(*x, softmax_scale=D ** -0.5, causal=causal)
+            o, lse = backend.forward(*x, KernelCall(scale=D ** -0.5, causal=causal))
 
             def step(causal=causal, o=o, lse=lse, x=x, d=do[:, :n]):
-                backend.forward(*x, softmax_scale=D ** -0.5, causal=causal)
-                backend.backward(d, *x, o, lse, softmax_scale=D ** -0.5, causal=causal)
+                backend.forward(*x, KernelCall(scale=D ** -0.5, causal=causal))
+                backend.backward(d, *x, o, lse, KernelCall(scale=D ** -0.5, causal=causal))
             step()
             ts = []
             for _ in range(args.iters):

@@ -253,10 +253,11 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
         else:
             out, got_lse = attn(qg, kg, vg, **kw), None
     else:
+        from usp_hal.dispatch.capabilities import KernelCall
         kernel = cls()
-        opts = dict(softmax_scale=scale, causal=causal, window=(-1, -1), softcap=0.0)
+        call = KernelCall(scale=scale, causal=causal)
         with torch.no_grad():
-            out, got_lse = kernel.forward(q, k, v, **opts)
+            out, got_lse = kernel.forward(q, k, v, call)
     parts = {"out": _cmp(out, ref, dtype, tol=tol)}
     if lse and got_lse is not None:
         parts["lse"] = _cmp(got_lse.float(), ref_lse.detach(), dtype, tol=tol or tolerance_lse(dtype))
@@ -266,7 +267,7 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
             grads = (qg.grad, kg.grad, vg.grad)
         else:
             with torch.no_grad():
-                grads = kernel.backward(dout, q, k, v, out, got_lse, **opts)
+                grads = kernel.backward(dout, q, k, v, out, got_lse, call)
         for n, g, r in zip(("dq", "dk", "dv"), grads, (qr.grad, kr.grad, vr.grad)):
             parts[n] = _cmp(g, r, dtype, tol=tol)
     return {"ok": all(p["ok"] for p in parts.values()), **parts}
@@ -314,7 +315,8 @@ def nonfinite_case(device: str, dtype, *, causal: bool, s: int, h: int = 2, d: i
 
     facts: Dict[str, Any] = {}
     with torch.no_grad():
-        out, lse = REGISTRY.get("sdpa")().forward(q, k, v, softmax_scale=None, causal=causal)
+        from usp_hal.dispatch.capabilities import KernelCall
+        out, lse = REGISTRY.get("sdpa")().forward(q, k, v, KernelCall(causal=causal))
         facts["adapter_out_carries"] = bool(torch.equal(rows(out), want))
         facts["adapter_lse_carries"] = bool(torch.equal(lse_rows(lse), want))
         if device == "cuda":

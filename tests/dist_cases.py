@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
+from usp_hal import KernelCall
 from usp_hal.harness import CommMeter, compare
 from usp_hal.reference import reference_attention, tolerance
 
@@ -35,6 +36,14 @@ def kernel_inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
     return q, k, v, dout
 
 
+def kernel_call(**kw) -> KernelCall:
+    """A :class:`~usp_hal.KernelCall` from the reference's keyword names (``softmax_scale`` for
+    ``scale``), so that a test hands one set of options to the reference and the backend."""
+    if "softmax_scale" in kw:
+        kw["scale"] = kw.pop("softmax_scale")
+    return KernelCall(**kw)
+
+
 def merged_key_blocks(backend, q, k, v, dout, bounds, per_block=None, **kw):
     """The ring's kernel contract on one process: a forward over each key range of ``bounds``,
     the results merged by lse (in the lse's dtype), then each range's backward given the merged
@@ -42,14 +51,15 @@ def merged_key_blocks(backend, q, k, v, dout, bounds, per_block=None, **kw):
     Returns ``(out, lse, dq, dk, dv, grads)``: dq summed over the ranges, dk/dv concatenated,
     and each range's own gradients."""
     extra = per_block or (lambda a, z: {})
-    parts = [backend.forward(q, k[:, a:z], v[:, a:z], **kw, **extra(a, z)) for a, z in bounds]
+    parts = [backend.forward(q, k[:, a:z], v[:, a:z], kernel_call(**kw, **extra(a, z))) for a, z in bounds]
     lse = parts[0][1]
     for _, pl in parts[1:]:
         lse = torch.logaddexp(lse, pl)
     # a row no range sees has lse -inf everywhere: its weights are 0, not NaN
     weights = [torch.exp(pl - lse).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1) for _, pl in parts]
     out = sum(po.to(lse.dtype) * w for (po, _), w in zip(parts, weights)).to(q.dtype)
-    grads = [backend.backward(dout, q, k[:, a:z], v[:, a:z], out, lse, **kw, **extra(a, z)) for a, z in bounds]
+    grads = [backend.backward(dout, q, k[:, a:z], v[:, a:z], out, lse, kernel_call(**kw, **extra(a, z)))
+             for a, z in bounds]
     dq = sum(g[0].to(lse.dtype) for g in grads)
     return out, lse, dq, torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1), grads
 

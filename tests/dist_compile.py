@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 import usp_hal
-from tests.dist_cases import _err, get_mesh
+from tests.dist_cases import _err, error_of, get_mesh, make_inputs
+from usp_hal.reference import reference_attention
 
 
 class Block(torch.nn.Module):
@@ -88,3 +89,38 @@ def compile_cu_seqlens_refused(U=2, R=1):
     fallback = torch.compile(f, backend="eager")(x)
     torch._dynamo.reset()
     return {"msg": msg, "fallback_err": float((fallback - eager).abs().max())}
+
+
+def compile_lse_gradient_case(U=2, R=1, backend="aot_eager", layout="zigzag", S=16, H=4, D=8):
+    """``return_lse=True`` under torch.compile: a loss that uses the lse gets eager's refusal on
+    every rank (the backward carries the output's gradient only), raised before the backward's
+    collectives, so the ranks go on; with the lse unused or detached the output, the lse and
+    the gradients equal float64 attention's."""
+    torch._dynamo.reset()
+    mesh = get_mesh(U, R)
+    dt = torch.float64
+    q, k, v, dout, _ = make_inputs(1, S, H, H, D, dt, 3)
+    wl = torch.randn(1, H, S, generator=torch.Generator().manual_seed(4), dtype=dt)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ro, rl = reference_attention(qr, kr, vr, causal=True)
+    rg = torch.autograd.grad(ro, (qr, kr, vr), dout)     # the loss's gradient without the lse's part
+
+    def sh(x, seq_dim=1):
+        return usp_hal.shard(x, layout=layout, mesh=mesh, seq_dim=seq_dim)
+
+    attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=layout, mesh=mesh)
+    compiled = torch.compile(lambda a, b, c: attn(a, b, c, causal=True, return_lse=True), fullgraph=True,
+                             backend=backend)
+    res = {}
+    for use in ("lse", "detached", "unused"):
+        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+        out, lse = compiled(ql, kl, vl)
+        loss = (out * sh(dout)).sum()
+        if use != "unused":
+            loss = loss + ((lse if use == "lse" else lse.detach()) * sh(wl, 2)).sum()
+        res[use] = error_of(loss.backward)
+        if use != "lse":
+            res[f"{use}_errs"] = {"out": _err(out, sh(ro), dt), "lse": _err(lse, sh(rl, 2), dt, lse=True),
+                                  **{n: _err(g, sh(r), dt) for n, g, r in zip(("dq", "dk", "dv"),
+                                                                            (ql.grad, kl.grad, vl.grad), rg)}}
+    return res

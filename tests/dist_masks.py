@@ -17,13 +17,13 @@ class MaskCountingSDPA(SDPABackend):
     NAME = "test_mask_counting_sdpa"
     calls: list = []
 
-    def forward(self, q, k, v, **kw):
-        type(self).calls.append(("fwd", q.shape[1], k.shape[1], kw.get("mask") is not None))
-        return super().forward(q, k, v, **kw)
+    def forward(self, q, k, v, call):
+        type(self).calls.append(("fwd", q.shape[1], k.shape[1], call.mask is not None))
+        return super().forward(q, k, v, call)
 
-    def backward(self, dout, q, k, v, out, lse, **kw):
-        type(self).calls.append(("bwd", q.shape[1], k.shape[1], kw.get("mask") is not None))
-        return super().backward(dout, q, k, v, out, lse, **kw)
+    def backward(self, dout, q, k, v, out, lse, call):
+        type(self).calls.append(("bwd", q.shape[1], k.shape[1], call.mask is not None))
+        return super().backward(dout, q, k, v, out, lse, call)
 
 
 def _lossy(a, b, dtype, lse=False):

@@ -37,10 +37,10 @@ def register_softcap_backend() -> str:
         SUPPORTS_WINDOW = SUPPORTS_SOFTCAP = SUPPORTS_ALIBI = SUPPORTS_KEY_OFFSET = True
         HAS_BACKWARD = False
 
-        def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                           key_offset, **_):
-            out, lse = reference_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
-                                           softcap=softcap, alibi_slopes=alibi_slopes, key_offset=key_offset)
+        def kernel_forward(self, q, k, v, call):
+            out, lse = reference_attention(q, k, v, softmax_scale=call.scale, causal=call.causal, window=call.window,
+                                           softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+                                           key_offset=call.key_offset)
             mdt = torch.float64 if q.dtype == torch.float64 else torch.float32
             return out.to(q.dtype), lse.to(mdt)
 

@@ -25,17 +25,17 @@ class CountingSDPA(SDPABackend):
         sq, sk, h = q.shape[1], k.shape[1], q.shape[2]
         return h * (sq * (sq + 1) // 2 if causal else sq * sk)
 
-    def forward(self, q, k, v, **kw):
+    def forward(self, q, k, v, call):
         c = type(self).counts
         c["fwd_calls"] += 1
-        c["fwd_pairs"] += self._pairs(q, k, kw.get("causal"))
-        return super().forward(q, k, v, **kw)
+        c["fwd_pairs"] += self._pairs(q, k, call.causal)
+        return super().forward(q, k, v, call)
 
-    def backward(self, dout, q, k, v, out, lse, **kw):
+    def backward(self, dout, q, k, v, out, lse, call):
         c = type(self).counts
         c["bwd_calls"] += 1
-        c["bwd_pairs"] += self._pairs(q, k, kw.get("causal"))
-        return super().backward(dout, q, k, v, out, lse, **kw)
+        c["bwd_pairs"] += self._pairs(q, k, call.causal)
+        return super().backward(dout, q, k, v, out, lse, call)
 
 
 class NoVarlenSDPA(SDPABackend):

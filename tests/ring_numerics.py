@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from usp_hal import KernelCall
 from usp_hal.reference import reference_attention
 
 
@@ -35,7 +36,8 @@ def merged_blocks(q, k, v, R: int, causal: bool, acc=torch.float32) -> torch.Ten
         acc_lse = torch.full((B, H, qb - qa), NEG_INF, dtype=acc)
         for j in range(i + 1 if causal else R):
             a, b = edges[j], edges[j + 1]
-            out, lse = backend.forward(q[:, qa:qb], k[:, a:b], v[:, a:b], softmax_scale=None, causal=causal and i == j)
+            out, lse = backend.forward(q[:, qa:qb], k[:, a:b], v[:, a:b],
+                                       KernelCall(scale=None, causal=causal and i == j))
             merge_block(out_acc, acc_lse, slice(None), out, lse)
         outs.append(out_acc.to(q.dtype))
     return torch.cat(outs, 1)

@@ -277,6 +277,7 @@ def test_parse_version_handles_local_builds():
 
 
 # ----------------------------------------------------------------------------- declared limits
+from usp_hal import KernelCall  # noqa: E402
 from usp_hal.capabilities import (  # noqa: E402
     Limit,
     Positions,
@@ -453,7 +454,7 @@ class Counting(AttentionBackend):
         cls.asked += 1
         return super().not_supported_reasons(request)
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, **kw):
+    def kernel_forward(self, q, k, v, call):
         return q.clone(), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
 
@@ -462,14 +463,41 @@ def test_each_call_signature_is_validated_once_and_refusals_come_before_the_kern
     Counting.asked = 0
     q = torch.randn(1, 8, 2, 4)
     for _ in range(5):
-        b.forward(q, q, q, softmax_scale=0.5, causal=True)
+        b.forward(q, q, q, KernelCall(scale=0.5, causal=True))
     assert Counting.asked == 1
-    b.forward(q, q, q, softmax_scale=0.5, window=(2, 0))
+    b.forward(q, q, q, KernelCall(scale=0.5, window=(2, 0)))
     assert Counting.asked == 2
     with pytest.raises(NotImplementedError, match="dtype=fp64"):
-        b.forward(q.double(), q.double(), q.double(), softmax_scale=0.5)
+        b.forward(q.double(), q.double(), q.double(), KernelCall(scale=0.5))
     with pytest.raises(NotImplementedError, match="treats as unbounded"):    # lengths: checked on every call
         b.forward(torch.randn(1, 24, 2, 4), torch.randn(1, 12, 2, 4), torch.randn(1, 12, 2, 4),
-                  softmax_scale=0.5, causal=True)
+                  KernelCall(scale=0.5, causal=True))
     with pytest.raises(NotImplementedError, match="forward-only"):
-        b.backward(q, q, q, q, q, torch.zeros(1, 2, 8), softmax_scale=0.5)
+        b.backward(q, q, q, q, q, torch.zeros(1, 2, 8), KernelCall(scale=0.5))
+
+
+def test_kernel_call_is_one_frozen_value_and_the_request_is_built_from_it():
+    """A KernelCall normalises its window, derives variants with with_(), keys admission by
+    what the rules see (not the scale, not the tensors' values), and AttnRequest.of builds the
+    request from the tensors and the call (fields a caller knows better given as overrides)."""
+    import dataclasses
+
+    call = KernelCall(scale=0.5, causal=True, window=[3, 0], softcap=2.0, needs_lse=True)
+    assert call.window == (3, 0) and call.has_window and call.positional
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        call.causal = False       # type: ignore[misc]
+    block = call.with_(causal=False, key_offset=7)
+    assert (block.causal, block.key_offset, block.softcap, block.scale) == (False, 7, 2.0, 0.5) and call.causal
+    assert KernelCall(scale=0.1, causal=True).key == KernelCall(scale=0.9, causal=True).key
+    assert KernelCall(key_offset=3).key != KernelCall().key and KernelCall(needs_lse=True).key != KernelCall().key
+    slopes = torch.rand(4)
+    assert KernelCall(alibi_slopes=slopes).key == KernelCall(alibi_slopes=slopes * 2).key != KernelCall().key
+    assert KernelCall().scale_for(16) == 0.25 and call.scale_for(16) == 0.5
+    q, k, v = torch.zeros(2, 5, 4, 8), torch.zeros(2, 9, 2, 8), torch.zeros(2, 9, 2, 6)
+    req = AttnRequest.of(q, k, v, call)
+    assert (req.dtype, req.device_type, req.head_dim, req.head_dim_v, req.num_heads, req.kv_heads) == \
+        (torch.float32, "cpu", 8, 6, 4, 2)
+    assert (req.seqlen_q, req.seqlen_k, req.causal, req.window, req.softcap, req.needs_lse, req.key_offset) == \
+        (5, 9, True, (3, 0), 2.0, True, False)
+    over = AttnRequest.of(q, k, v, call, lengths=False, num_heads=2, key_offset=True, mask=True)
+    assert (over.seqlen_q, over.num_heads, over.key_offset, over.mask) == (None, 2, True, True)

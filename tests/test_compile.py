@@ -41,3 +41,22 @@ def test_compile_with_cu_seqlens_is_refused_under_fullgraph(pools):
     for r in pools(2).run(dist_compile.compile_cu_seqlens_refused, timeout=120):
         assert "cu_seqlens under torch.compile" in r["msg"], r["msg"][-2000:]
         assert r["fallback_err"] == 0.0, r
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("U,R", [(2, 1), (1, 2)], ids=["u2", "r2"])
+def test_compiled_lse_gradient_is_refused_as_in_eager_on_every_rank(pools, U, R, backend):
+    """A loss that uses the lse returned by return_lse=True: eager refuses its gradient (the
+    backward carries the output's only); compiled, it was dropped silently (dq/dk off).  Now
+    every rank raises eager's error, and with the lse unused or detached the compiled output,
+    lse and gradients equal float64 attention's."""
+    res = pools(2).run(dist_compile.compile_lse_gradient_case, timeout=600, U=U, R=R, backend=backend)
+    for r in res:
+        assert r["lse"] is not None and "lse.detach()" in r["lse"] and "sinks=" in r["lse"], r
+        assert r["lse"].startswith(("RuntimeError", "AgreementRuntimeError")), r["lse"]
+        for use in ("detached", "unused"):
+            assert r[use] is None, r
+            bad = {k: v for k, v in r[f"{use}_errs"].items() if not v <= 1.0}
+            assert not bad, (use, r)
+    assert res[0]["lse"] == res[1]["lse"]          # the same error on every rank

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import usp_hal
-from tests.dist_cases import kernel_inputs, merged_key_blocks
-from usp_hal import platform
+from tests.dist_cases import kernel_call, kernel_inputs, merged_key_blocks
+from usp_hal import KernelCall, platform
 from usp_hal.backend import Unsupported
 from usp_hal.backends import flex as flex_module
 from usp_hal.backends.flex import FlexAttentionBackend
@@ -53,7 +53,7 @@ def _close(got, ref, dtype, what, lse=False):
 def _forward_check(dtype, shape=None, **kw):
     q, k, v, _ = _inputs(dtype, **(shape or {}))
     kw.setdefault("softmax_scale", 0.3)
-    out, lse = KERNEL.forward(q, k, v, **kw)
+    out, lse = KERNEL.forward(q, k, v, kernel_call(**kw))
     assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -135,7 +135,7 @@ def test_flex_alibi_softcap_across_offset():
 def test_flex_no_keys_at_all():
     """Sk = 0 (flex's kernels refuse it): out 0 and lse -inf without calling the kernel."""
     q, k, v, _ = _inputs(torch.float32, sq=5, sk=0)
-    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.25)
+    out, lse = KERNEL.forward(q, k, v, KernelCall(scale=0.25))
     assert torch.count_nonzero(out) == 0 and torch.isneginf(lse).all()
 
 
@@ -153,9 +153,9 @@ def test_flex_cpu_declares_forward_with_lse_and_no_backward():
 
 def test_flex_backward_refused_on_cpu_before_the_kernel():
     q, k, v, dout = _inputs(torch.float32, sq=6)
-    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.25)
+    out, lse = KERNEL.forward(q, k, v, KernelCall(scale=0.25))
     with pytest.raises(Unsupported, match="no backward on CPU"):
-        KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=0.25)
+        KERNEL.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25))
 
 
 # --------------------------------------------------------------------------- through the USP core
@@ -230,9 +230,9 @@ def test_flex_mask_mod_through_long_context_attention_one_rank(monkeypatch):
     seen = []
     kernel = FlexAttentionBackend.kernel_forward
 
-    def record(self, *args, **kw):
-        seen.append("mask" in kw)
-        return kernel(self, *args, **kw)
+    def record(self, q, k, v, call):
+        seen.append(call.mask is not None)
+        return kernel(self, q, k, v, call)
     monkeypatch.setattr(FlexAttentionBackend, "kernel_forward", record)
     q, k, v, _ = _inputs(torch.float32, b=1, sq=40, h=4, d=16, seed=8)
 

@@ -147,3 +147,36 @@ def test_head_plan_is_consistent(H, Hkv, U):
     assert max(counts) - min(counts) <= 1
     # only the groups a split cuts travel to two ranks
     assert plan.wire_kv_heads() <= Hkv + U - 1
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 2))])
+def test_plan_runs_covers_exactly_the_visible_stored_keys(causal, window):
+    """Decode's block plan over keys stored as runs (storage order != position order), cut at
+    a row's first real key: every (query, stored key) pair the calls score is one the mask
+    keeps, every kept pair is scored once, and each call's key offset is its keys' positions."""
+    from usp_hal.sequence.blocks import plan_runs
+    from usp_hal.sequence.positions import Segment
+    runs = [[6, 3], [0, 4], [12, 2], [9, 3]]            # [start position, count], in storage order
+    pos = [p for s, c in runs for p in range(s, s + c)]  # the position of each stored key
+    queries = Segment(14, 3)                              # new tokens at 14, 15, 16
+    positional = window != (-1, -1)
+    for first in (0, 2, 7, 10, 15):
+        calls = plan_runs(queries, runs, causal=causal, window=window, positional=positional, first=first)
+        seen = []
+        for c in calls:
+            for m in range(c.q_start, c.q_stop):
+                for j in range(c.k_start, c.k_stop):
+                    qpos, kpos = 14 + m, pos[j]
+                    d = c.key_offset + (j - c.k_start) - (m - c.q_start)     # what the kernel sees
+                    if positional or c.causal:      # the contract's positions are the true ones
+                        assert d == kpos - qpos, (first, c, m, j)
+                    if c.causal and d > 0:
+                        continue                            # above the call's causal diagonal
+                    left, right = window
+                    if (left >= 0 and d < -left) or (right >= 0 and d > right):
+                        continue                            # the kernel's window drops it
+                    seen.append((qpos, kpos))
+        want = [(14 + m, p) for m in range(3) for p in pos
+                if p >= first and (not causal or p <= 14 + m)
+                and (window[0] < 0 or p >= 14 + m - window[0]) and (window[1] < 0 or p <= 14 + m + window[1])]
+        assert sorted(seen) == sorted(want), (first, calls)

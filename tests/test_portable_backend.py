@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import usp_hal
 from tests import dist_cases, integration_cases
-from tests.dist_cases import merged_key_blocks
+from tests.dist_cases import kernel_call, merged_key_blocks
 from usp_hal import registry
 from usp_hal.backends.portable import PortableBackend, tile_shape
 from usp_hal.capabilities import AttnRequest
@@ -79,10 +79,10 @@ def _check(kernel, feature, dtype):
     shape, kw = FEATURES[feature]
     q, k, v, dout, kw = _case(shape, kw, dtype)
     ro, rl, rg = _reference(q, k, v, dout, kw)
-    out, lse = kernel.forward(q, k, v, **kw)
+    out, lse = kernel.forward(q, k, v, kernel_call(**kw))
     assert out.shape == ro.shape and out.dtype == dtype
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and lse.is_contiguous()
-    grads = kernel.backward(dout, q, k, v, out, lse, **kw)
+    grads = kernel.backward(dout, q, k, v, out, lse, kernel_call(**kw))
     errs = {"out": _worst(out, ro, dtype), "lse": _worst(lse, rl, dtype, lse=True)}
     for name, g, r, x in zip(("dq", "dk", "dv"), grads, rg, (q, k, v)):
         assert g.shape == x.shape and g.dtype == dtype
@@ -160,8 +160,8 @@ def test_tiles_bound_memory():
     for cls in (Tiled, Whole):
         kernel = cls()
         with _Largest() as seen:
-            out, lse = kernel.forward(q, k, v, **kw)
-            kernel.backward(dout, q, k, v, out, lse, **kw)
+            out, lse = kernel.forward(q, k, v, kernel_call(**kw))
+            kernel.backward(dout, q, k, v, out, lse, kernel_call(**kw))
         sizes[cls.__name__] = seen.most
     rows, cols = tile_shape(B, H, S, S, Tiled.TILE_ELEMENTS)
     assert rows * cols * B * H <= Tiled.TILE_ELEMENTS and rows < S

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.dist_cases import kernel_inputs, merged_key_blocks
+from usp_hal import KernelCall
 from usp_hal.backends.sdpa import SDPABackend, normalize_cuda_lse
 from usp_hal.capabilities import AttnRequest
 from usp_hal.reference import TOLERANCES, reference_attention
@@ -42,11 +43,11 @@ def _check(dtype, *, b=2, sq=24, sk=None, h=4, hkv=None, d=32, **kw):
     q, k, v, dout = _inputs(dtype, b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d)
     scale = kw.pop("softmax_scale", 1.0 / math.sqrt(d))
     ref = _reference(q, k, v, dout, softmax_scale=scale, **kw)
-    out, lse = KERNEL.forward(q, k, v, softmax_scale=scale, **kw)
+    out, lse = KERNEL.forward(q, k, v, KernelCall(scale=scale, **kw))
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (b, h, sq) and lse.is_contiguous()
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    dq, dk, dv = KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
+    dq, dk, dv = KERNEL.backward(dout, q, k, v, out, lse, KernelCall(scale=scale, **kw))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert dq.dtype == dk.dtype == dv.dtype == dtype
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref):
@@ -102,9 +103,9 @@ def test_masked_rows_give_minus_inf_lse_zero_out_and_zero_grads(dtype):
 
 def test_fully_masked_block_gives_zero_everything():
     q, k, v, dout = _inputs(torch.float32, sq=8)
-    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.2, window=(-1, 0), key_offset=8)
+    out, lse = KERNEL.forward(q, k, v, KernelCall(scale=0.2, window=(-1, 0), key_offset=8))
     assert torch.isneginf(lse).all() and (out == 0).all()
-    grads = KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=0.2, window=(-1, 0), key_offset=8)
+    grads = KERNEL.backward(dout, q, k, v, out, lse, KernelCall(scale=0.2, window=(-1, 0), key_offset=8))
     assert all((g == 0).all() for g in grads)
 
 
@@ -138,12 +139,12 @@ def test_backward_with_the_ring_merged_out_and_lse():
 def test_softcap_and_dropout_are_refused_not_ignored():
     q, k, v, dout = _inputs(torch.float32, sq=8)
     with pytest.raises(NotImplementedError, match="softcap"):
-        KERNEL.forward(q, k, v, softmax_scale=0.2, softcap=30.0)
+        KERNEL.forward(q, k, v, KernelCall(scale=0.2, softcap=30.0))
     with pytest.raises(NotImplementedError, match="dropout"):
-        KERNEL.forward(q, k, v, softmax_scale=0.2, dropout_p=0.1)
-    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.2)
+        KERNEL.forward(q, k, v, KernelCall(scale=0.2, dropout_p=0.1))
+    out, lse = KERNEL.forward(q, k, v, KernelCall(scale=0.2))
     with pytest.raises(NotImplementedError, match="softcap"):
-        KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=0.2, softcap=30.0)
+        KERNEL.backward(dout, q, k, v, out, lse, KernelCall(scale=0.2, softcap=30.0))
     req = AttnRequest(device_type="cpu")
     assert SDPABackend.not_supported_reasons(req.with_(softcap=30.0)) == ["softcap=30.0 not supported"]
     assert SDPABackend.not_supported_reasons(req.with_(dropout_p=0.1)) == ["dropout_p=0.1 not supported"]
@@ -160,9 +161,9 @@ def test_device_specific_declarations():
 
 def test_backward_is_deterministic_on_cpu():
     q, k, v, dout = _inputs(torch.float32, sq=16)
-    out, lse = KERNEL.forward(q, k, v, softmax_scale=0.2, causal=True)
-    a = KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=0.2, causal=True)
-    b = KERNEL.backward(dout, q, k, v, out, lse, softmax_scale=0.2, causal=True)
+    out, lse = KERNEL.forward(q, k, v, KernelCall(scale=0.2, causal=True))
+    a = KERNEL.backward(dout, q, k, v, out, lse, KernelCall(scale=0.2, causal=True))
+    b = KERNEL.backward(dout, q, k, v, out, lse, KernelCall(scale=0.2, causal=True))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

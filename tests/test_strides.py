@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.contract import usp_cases
+from usp_hal import KernelCall
 from usp_hal.backend import INPUT_LAYOUTS, AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.reference import TOLERANCES, reference_attention
@@ -48,9 +49,9 @@ def test_strided_query_single_process():
     q = buf[..., ::2]
     k, v, dout = (torch.randn(2, 12, 3, 8, generator=g) for _ in range(3))
     backend = SDPABackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=0.3, causal=True)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=0.3, causal=True))
     grads = backend.backward(dout[..., :], q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out, lse,
-                             softmax_scale=0.3, causal=True)
+                             KernelCall(scale=0.3, causal=True))
     qr, kr, vr = (x.double().requires_grad_() for x in (q.contiguous(), k, v))
     ro, rl = reference_attention(qr, kr, vr, softmax_scale=0.3, causal=True)
     ref_grads = torch.autograd.grad(ro, (qr, kr, vr), dout.double())

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 __path__.append(os.path.join(os.path.dirname(__file__), "_moved"))
 
 from .dispatch.backend import AttentionBackend, BackendUnavailable  # noqa: E402
-from .dispatch.capabilities import AttnRequest, Availability, Package  # noqa: E402
+from .dispatch.capabilities import AttnRequest, Availability, KernelCall, Package  # noqa: E402
 from .dispatch.registry import (  # noqa: E402
     REGISTRY,
     AttnType,
@@ -58,7 +58,7 @@ _YUNCHANG = {name: "compat" for name in (
     "ring_flashinfer_attn_qkvpacked_func", "ring_npu_flash_attn_func")}
 
 __all__ = [
-    "AttentionBackend", "BackendUnavailable", "AttnRequest", "Availability", "Package",
+    "AttentionBackend", "BackendUnavailable", "AttnRequest", "Availability", "KernelCall", "Package",
     "REGISTRY", "AttnType", "get_backend", "list_backends", "register_backend", "select_backend",
     *_LAZY,
 ]

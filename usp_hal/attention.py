@@ -185,8 +185,8 @@ class LongContextAttention(torch.nn.Module):
 
         Returns the output ``[B, S_local, H, D]``; with ``return_lse=True``, ``(out, lse)``
         (lse ``[B, H, S_local]``, float32).  The lse carries no gradient: a backward that reaches
-        it raises rather than dropping it (eager; under torch.compile it is returned as a
-        non-differentiable output); for attention sinks pass ``sinks=``.
+        it raises rather than dropping it, in eager mode and under torch.compile (there on every
+        rank, after one host read of the lse's gradient); for attention sinks pass ``sinks=``.
         ``return_attn_probs`` is accepted for yunchang's signature and, as there, changes nothing:
         yunchang 0.6.4's ``LongContextAttention``,
         ``LongContextAttentionQKVPacked`` and ``UlyssesAttention`` return the output tensor

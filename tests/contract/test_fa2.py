@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import usp_hal.platform
-from tests.dist_cases import merged_key_blocks
+from tests.dist_cases import kernel_call, merged_key_blocks
+from usp_hal import KernelCall
 from usp_hal.backend import BackendUnavailable, parse_version
 from usp_hal.backends.fa2 import FlashAttn2Backend
 from usp_hal.capabilities import AttnRequest
@@ -106,15 +107,15 @@ def test_contract_fa2_matches_reference(fa2, version, case, dtype):
     kw = _call_kwargs(call, q.shape[0], q.shape[2], q.shape[-1])
     if kw.get("softcap") and version == "2.5.9":
         with pytest.raises(NotImplementedError, match=r"softcap needs flash-attn >= 2\.6\.0"):
-            backend.forward(q, k, v, **kw)
+            backend.forward(q, k, v, kernel_call(**kw))
         return
-    out, lse = backend.forward(q, k, v, **kw)
+    out, lse = backend.forward(q, k, v, kernel_call(**kw))
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, **kw)
     assert_matches(out, ref_out, dtype, "out")
     assert_matches(lse, ref_lse, dtype, "lse")
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, **kw)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, kernel_call(**kw))
     for name, got, want, like in (("dq", dq, ref_dq, q), ("dk", dk, ref_dk, k), ("dv", dv, ref_dv, v)):
         assert got.shape == like.shape and got.dtype == dtype, name
         assert_matches(got, want, dtype, name)
@@ -143,12 +144,12 @@ def test_contract_fa2_minus_inf_rows_contribute_nothing(fa2, version):
     backend = fa2(version)
     q, k, v, dout = make_inputs(d=32, dtype=dtype, seed=5)
     scale = 32 ** -0.5
-    out, lse = backend.forward(q, k, v, softmax_scale=scale)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=scale))
     dead = torch.zeros(q.shape[1], dtype=torch.bool)
     dead[[1, 6, 7]] = True
     lse = lse.masked_fill(dead.view(1, 1, -1), float("-inf"))
     out = out.masked_fill(dead.view(1, -1, 1, 1), 0)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=scale)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=scale))
     # the same rows with zero upstream gradient in the reference contribute nothing
     _, _, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout.masked_fill(dead.view(1, -1, 1, 1), 0),
                                              softmax_scale=scale)
@@ -173,7 +174,7 @@ def test_contract_fa2_no_key_rows_lse_plus_inf_becomes_minus_inf(fa2, version):
     assert torch.isposinf(raw_lse[..., :4]).all() and torch.isfinite(raw_lse[..., 4:]).all()
     # through the adapter: no keys at all -> every row keyless
     empty_k, empty_v = k[:, :0], v[:, :0]
-    out, lse = backend.forward(q, empty_k, empty_v, softmax_scale=0.25)
+    out, lse = backend.forward(q, empty_k, empty_v, KernelCall(scale=0.25))
     ref_out, ref_lse, *_ = reference(q, empty_k, empty_v, torch.zeros_like(q), softmax_scale=0.25)
     assert torch.isneginf(lse).all() and torch.isneginf(ref_lse).all()
     assert torch.count_nonzero(out) == 0
@@ -188,7 +189,7 @@ def test_contract_fa2_pads_head_dim_that_the_kernel_rejects(fa2, version):
     q, k, v, dout = make_inputs(d=20, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         iface._flash_attn_forward(q, k, v, 0.0, 0.2, False, -1, -1, 0.0, None, False)
-    out, lse = backend.forward(q, k, v, softmax_scale=None)          # default scale: 1/sqrt(20)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=None))          # default scale: 1/sqrt(20)
     ref_out, ref_lse, *_ = reference(q, k, v, dout, softmax_scale=20 ** -0.5)
     assert out.shape == q.shape
     assert_matches(out, ref_out, torch.bfloat16, "out")
@@ -210,9 +211,9 @@ def test_contract_fa2_deterministic_reaches_the_kernel(fa2, version):
     """contract: deterministic=True is passed to the backward kernel."""
     backend = fa2(version)
     q, k, v, dout = make_inputs(d=16, dtype=torch.float16)
-    out, lse = backend.forward(q, k, v, softmax_scale=0.25)
-    backend.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=True)
-    backend.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=False)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=0.25))
+    backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25, deterministic=True))
+    backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25, deterministic=False))
     calls = importlib.import_module("flash_attn_2_cuda").BWD_CALLS
     assert [c["deterministic"] for c in calls] == [True, False]
 
@@ -224,28 +225,28 @@ def test_contract_fa2_refuses_what_it_cannot_do(fa2):
     q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
     s = 32 ** -0.5
     with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
-        backend.forward(q, k, v, softmax_scale=s, dropout_p=0.1)
+        backend.forward(q, k, v, KernelCall(scale=s, dropout_p=0.1))
     with pytest.raises(NotImplementedError, match=r"dtype=fp32[\s\S]*sdpa"):
-        backend.forward(q.float(), k.float(), v.float(), softmax_scale=s)
+        backend.forward(q.float(), k.float(), v.float(), KernelCall(scale=s))
     big = make_inputs(d=264, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="head_dim=264"):
-        backend.forward(*big[:3], softmax_scale=s)
+        backend.forward(*big[:3], KernelCall(scale=s))
     with pytest.raises(NotImplementedError, match="window/alibi across ring blocks"):
-        backend.forward(q, k, v, softmax_scale=s, window=(4, 0), key_offset=16)
+        backend.forward(q, k, v, KernelCall(scale=s, window=(4, 0), key_offset=16))
     # causal with a key offset is the contract's block-local causal: key_offset only moves windows/alibi
-    out, _ = backend.forward(q, k, v, softmax_scale=s, causal=True, key_offset=16)
+    out, _ = backend.forward(q, k, v, KernelCall(scale=s, causal=True, key_offset=16))
     assert_matches(out, reference(q, k, v, dout, softmax_scale=s, causal=True)[0], torch.float16, "out")
     q2, k2, v2, _ = make_inputs(sq=12, sk=20, d=32, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="bottom-right"):
-        backend.forward(q2, k2, v2, softmax_scale=s, window=(4, 2))      # would need right = -6
+        backend.forward(q2, k2, v2, KernelCall(scale=s, window=(4, 2)))      # would need right = -6
     with pytest.raises(NotImplementedError, match="alibi"):
-        backend.forward(q2, k2, v2, softmax_scale=s, alibi_slopes=torch.ones(4))
+        backend.forward(q2, k2, v2, KernelCall(scale=s, alibi_slopes=torch.ones(4)))
     with pytest.raises(NotImplementedError, match="bottom-right"):
-        backend.forward(q2, k2, v2, softmax_scale=s, causal=True)        # top-left causal, Sk > Sq
+        backend.forward(q2, k2, v2, KernelCall(scale=s, causal=True))        # top-left causal, Sk > Sq
     with pytest.raises(ValueError, match=r"lse must be \[B, H, Sq\]"):
-        backend.backward(dout, q, k, v, q, torch.zeros(2, 16, 4), softmax_scale=s)
+        backend.backward(dout, q, k, v, q, torch.zeros(2, 16, 4), KernelCall(scale=s))
     with pytest.raises(ValueError, match="alibi_slopes must be"):
-        backend.forward(q, k, v, softmax_scale=s, alibi_slopes=torch.ones(3))
+        backend.forward(q, k, v, KernelCall(scale=s, alibi_slopes=torch.ones(3)))
 
 
 def test_contract_fa2_declared_rules_reach_the_core():
@@ -291,7 +292,7 @@ def test_contract_fa2_availability_not_installed(monkeypatch):
     assert avail.reason == "flash-attn not installed (pip install 'usp-hal[fa2]')"
     with pytest.raises(BackendUnavailable, match="flash-attn not installed"):
         q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
-        FlashAttn2Backend().forward(q, k, v, softmax_scale=0.25)
+        FlashAttn2Backend().forward(q, k, v, KernelCall(scale=0.25))
 
 
 def test_contract_fa2_availability_metadata_without_extension(fa2, monkeypatch):
@@ -354,8 +355,8 @@ def test_contract_fa2_triton_amd_runs_with_its_limits(fa2, monkeypatch, device):
     q, k, v, dout = make_inputs(h=4, hkv=2, d=40, dtype=torch.float16, seed=5)
     with usp_hal.platform.emulate(device):
         for causal in (False, True):
-            out, lse = backend.forward(q, k, v, softmax_scale=0.3, causal=causal)
-            grads = backend.backward(dout, q, k, v, out, lse, softmax_scale=0.3, causal=causal)
+            out, lse = backend.forward(q, k, v, KernelCall(scale=0.3, causal=causal))
+            grads = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.3, causal=causal))
             ref = reference(q, k, v, dout, softmax_scale=0.3, causal=causal)
             for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
                 assert_matches(got, want, torch.float16, name)
@@ -363,7 +364,7 @@ def test_contract_fa2_triton_amd_runs_with_its_limits(fa2, monkeypatch, device):
         for kw, needle in ((dict(window=(4, 0)), "takes the window and ignores it"),
                            (dict(softcap=2.0), "takes softcap and ignores it")):
             with pytest.raises(NotImplementedError, match=needle):
-                backend.forward(q, k, v, softmax_scale=0.3, **kw)
+                backend.forward(q, k, v, KernelCall(scale=0.3, **kw))
 
 
 def test_contract_fa2_variable_changed_after_import_is_refused(fa2, monkeypatch):
@@ -373,10 +374,10 @@ def test_contract_fa2_variable_changed_after_import_is_refused(fa2, monkeypatch)
     backend = fa2("2.8.3", triton_amd=True)
     q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
     with usp_hal.platform.emulate("rocm"):
-        backend.forward(q, k, v, softmax_scale=0.3)
+        backend.forward(q, k, v, KernelCall(scale=0.3))
         monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE")
         with pytest.raises(BackendUnavailable, match="imported with its Triton AMD kernels"):
-            backend.forward(q, k, v, softmax_scale=0.3, window=(4, 0))
+            backend.forward(q, k, v, KernelCall(scale=0.3, window=(4, 0)))
 
 
 def test_contract_fa2_availability_too_old(fa2, monkeypatch):
@@ -423,15 +424,15 @@ def test_contract_fa2_right_bound_dropped_by_the_kernel_is_refused(fa2):
     ref_out = reference(q, k, v, dout, softmax_scale=0.25, causal=True)[0]
     assert (raw_out.double() - ref_out).abs().max() > 0.5, "the stand-in must reproduce the dropped bound"
     with pytest.raises(NotImplementedError, match="treats as unbounded"):
-        backend.forward(q, k, v, softmax_scale=0.25, causal=True)
+        backend.forward(q, k, v, KernelCall(scale=0.25, causal=True))
     with pytest.raises(NotImplementedError, match="treats as unbounded"):
-        backend.forward(q, k, v, softmax_scale=0.25, window=(-1, 2))       # right' = 14 >= Sk, < Sq - 1
+        backend.forward(q, k, v, KernelCall(scale=0.25, window=(-1, 2)))       # right' = 14 >= Sk, < Sq - 1
     # expressible neighbours still run exactly: Sq = Sk + 1 (the bound only excludes the last key
     # from the first row, which the kernel's bound would do too), and a right bound below Sk
     q1, k1, v1, d1 = make_inputs(sq=13, sk=12, d=32, dtype=torch.float16)
-    out, _ = backend.forward(q1, k1, v1, softmax_scale=0.25, causal=True)
+    out, _ = backend.forward(q1, k1, v1, KernelCall(scale=0.25, causal=True))
     assert_matches(out, reference(q1, k1, v1, d1, softmax_scale=0.25, causal=True)[0], torch.float16, "out")
-    out, _ = backend.forward(q, k, v, softmax_scale=0.25, window=(-1, -10))
+    out, _ = backend.forward(q, k, v, KernelCall(scale=0.25, window=(-1, -10)))
 
 
 def test_contract_fa2_right_bound_rule_is_declared_for_dispatch():
@@ -452,8 +453,8 @@ def test_contract_fa2_rocm_ck_ignores_softcap(fa2):
         req = AttnRequest(dtype=torch.float16, device_type="rocm", softcap=1.5)
         assert any("CK backend takes softcap and ignores it" in r for r in FlashAttn2Backend.not_supported_reasons(req))
         with pytest.raises(NotImplementedError, match="ignores it"):
-            FlashAttn2Backend().forward(q, k, v, softmax_scale=0.5, softcap=1.5)
-        out, _ = FlashAttn2Backend().forward(q, k, v, softmax_scale=0.5)        # the rest runs on ROCm
+            FlashAttn2Backend().forward(q, k, v, KernelCall(scale=0.5, softcap=1.5))
+        out, _ = FlashAttn2Backend().forward(q, k, v, KernelCall(scale=0.5))        # the rest runs on ROCm
         assert_matches(out, plain, torch.float16, "out")
     cuda = AttnRequest(dtype=torch.float16, device_type="cuda", softcap=1.5)
     assert FlashAttn2Backend.not_supported_reasons(cuda) == []
@@ -483,14 +484,14 @@ def test_contract_fa2_architectures_per_version(fa2, version, cc, ok):
         iface = importlib.import_module("flash_attn.flash_attn_interface")
         if ok:
             assert reasons == [] and FlashAttn2Backend.availability().ok
-            backend.forward(q, k, v, softmax_scale=0.2)
+            backend.forward(q, k, v, KernelCall(scale=0.2))
             return
         assert any("runs on sm8x and sm90 only" in r for r in reasons), reasons
         assert "runs on sm8x and sm90 only" in FlashAttn2Backend.availability().reason
         with pytest.raises(RuntimeError, match="only supports Ampere GPUs or newer"):
             iface._flash_attn_forward(q, k, v, 0.0, 0.2, False, -1, -1, 0.0, None, False)
         with pytest.raises(NotImplementedError, match="sm8x and sm90 only"):
-            backend.forward(q, k, v, softmax_scale=0.2)
+            backend.forward(q, k, v, KernelCall(scale=0.2))
 
 
 @pytest.mark.parametrize("version,head_dim,cc,ok", [
@@ -502,17 +503,17 @@ def test_contract_fa2_backward_head_dims_per_architecture(fa2, version, head_dim
     backend = fa2(version)
     with usp_hal.platform.emulate("cuda", compute_capability=cc):
         q, k, v, dout = make_inputs(sq=8, sk=8, h=2, hkv=2, d=head_dim, dtype=torch.float16)
-        out, lse = backend.forward(q, k, v, softmax_scale=0.1)
+        out, lse = backend.forward(q, k, v, KernelCall(scale=0.1))
         req = AttnRequest(dtype=torch.float16, device_type="cuda", head_dim=head_dim, needs_grad=True,
                           compute_capability=cc)
         reasons = FlashAttn2Backend.not_supported_reasons(req)
         if ok:
             assert reasons == []
-            backend.backward(dout, q, k, v, out, lse, softmax_scale=0.1)
+            backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.1))
             return
         assert any("needs sm80 or sm90" in r for r in reasons), reasons
         with pytest.raises(NotImplementedError, match="needs sm80 or sm90"):
-            backend.backward(dout, q, k, v, out, lse, softmax_scale=0.1)
+            backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.1))
         ext = importlib.import_module("flash_attn_2_cuda")
         with pytest.raises(RuntimeError, match="requires A100/A800 or H100/H800"):
             ext.bwd(*(x.contiguous() for x in (dout, q, k, v, out)), lse, None, None, None, None, 0.0, 0.1,
@@ -533,7 +534,7 @@ def test_contract_fa2_refuses_an_operator_another_package_replaced(tmp_path, mon
         importlib.import_module("flash_attn_interface")        # FA3 replaces the operator
         q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
         with pytest.raises(BackendUnavailable, match="now belongs to another package"):
-            FlashAttn2Backend().forward(q, k, v, softmax_scale=0.2)
+            FlashAttn2Backend().forward(q, k, v, KernelCall(scale=0.2))
     finally:
         purge_modules(FA3_TOP_LEVEL)
 
@@ -548,17 +549,17 @@ def test_contract_fa2_triton_amd_varlen_lse_and_alibi(fa2, monkeypatch):
     q, k, v, dout = make_inputs(b=2, h=4, d=32, dtype=torch.float16, seed=6)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     with usp_hal.platform.emulate("rocm"):
-        out, lse = backend.forward(q, k, v, softmax_scale=0.3, causal=True, alibi_slopes=slopes)
-        grads = backend.backward(dout, q, k, v, out, lse, softmax_scale=0.3, causal=True, alibi_slopes=slopes)
+        out, lse = backend.forward(q, k, v, KernelCall(scale=0.3, causal=True, alibi_slopes=slopes))
+        grads = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.3, causal=True, alibi_slopes=slopes))
         ref = reference(q, k, v, dout, softmax_scale=0.3, causal=True, alibi_slopes=slopes)
         for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
             assert_matches(got, want, torch.float16, name)
         lens = [5, 11]
         packing = Packing(lens, lens, q.device)
         qp, kp, vp, dp = (x[0, :16] for x in (q, k, v, dout))
-        out, lse = backend.forward_packed(qp, kp, vp, packing, softmax_scale=0.3, causal=True)
+        out, lse = backend.forward_packed(qp, kp, vp, KernelCall(packing=packing, scale=0.3, causal=True))
         assert lse.shape == (4, 16)
-        grads = backend.backward_packed(dp, qp, kp, vp, out, lse, packing, softmax_scale=0.3, causal=True)
+        grads = backend.backward_packed(dp, qp, kp, vp, out, lse, KernelCall(packing=packing, scale=0.3, causal=True))
         for a, b in ((0, 5), (5, 16)):
             ref = reference(qp[None, a:b], kp[None, a:b], vp[None, a:b], dp[None, a:b], softmax_scale=0.3,
                             causal=True)

@@ -23,7 +23,8 @@ import torch
 
 import usp_hal.platform
 import usp_hal.registry
-from tests.dist_cases import merged_key_blocks
+from tests.dist_cases import kernel_call, merged_key_blocks
+from usp_hal import KernelCall
 from usp_hal.backend import BackendUnavailable
 from usp_hal.backends.fa3 import FlashAttn3Backend
 from usp_hal.capabilities import AttnRequest
@@ -86,13 +87,13 @@ def _check_against_reference(backend, dtype, shape, call):
         dout = torch.randn(*dout.shape[:3], dv, generator=g).to(dtype)
     kw = dict(call)
     kw.setdefault("softmax_scale", q.shape[-1] ** -0.5)
-    out, lse = backend.forward(q, k, v, **kw)
+    out, lse = backend.forward(q, k, v, kernel_call(**kw))
     assert out.shape == dout.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, **kw)
     assert_matches(out, ref_out, dtype, "out")
     assert_matches(lse, ref_lse, dtype, "lse")
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, **kw)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, kernel_call(**kw))
     for name, got, want, like in (("dq", dq, ref_dq, q), ("dk", dk, ref_dk, k), ("dv", dv, ref_dv, v)):
         assert got.shape == like.shape and got.dtype == dtype, name
         assert_matches(got, want, dtype, name)
@@ -141,12 +142,12 @@ def test_contract_fa3_minus_inf_rows_contribute_nothing(fa3, api):
     backend = fa3(api)
     q, k, v, dout = make_inputs(d=32, dtype=dtype, seed=5)
     scale = 32 ** -0.5
-    out, lse = backend.forward(q, k, v, softmax_scale=scale)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=scale))
     dead = torch.zeros(q.shape[1], dtype=torch.bool)
     dead[[0, 9]] = True
     lse = lse.masked_fill(dead.view(1, 1, -1), float("-inf"))
     out = out.masked_fill(dead.view(1, -1, 1, 1), 0)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=scale)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=scale))
     _, _, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout.masked_fill(dead.view(1, -1, 1, 1), 0),
                                              softmax_scale=scale)
     assert torch.count_nonzero(dq[:, dead]) == 0
@@ -165,7 +166,7 @@ def test_contract_fa3_rows_without_keys_have_minus_inf_lse(fa3, api):
     raw_out, raw_lse, *_ = c_ext.fwd(*args)       # bottom-right causal, Sq > Sk: rows 0..3 keyless
     assert torch.isneginf(raw_lse[..., :4]).all() and torch.isfinite(raw_lse[..., 4:]).all()
     empty_k, empty_v = k[:, :0], v[:, :0]
-    out, lse = backend.forward(q, empty_k, empty_v, softmax_scale=0.25)
+    out, lse = backend.forward(q, empty_k, empty_v, KernelCall(scale=0.25))
     assert torch.isneginf(lse).all() and torch.count_nonzero(out) == 0
 
 
@@ -174,9 +175,9 @@ def test_contract_fa3_deterministic_reaches_the_kernel(fa3, api):
     """contract: deterministic=True is passed to the backward kernel."""
     backend = fa3(api)
     q, k, v, dout = make_inputs(d=16, dtype=torch.float16)
-    out, lse = backend.forward(q, k, v, softmax_scale=0.25)
-    backend.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=True)
-    backend.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=False)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=0.25))
+    backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25, deterministic=True))
+    backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25, deterministic=False))
     calls = importlib.import_module("flash_attn_3._C").BWD_CALLS
     assert [c["deterministic"] for c in calls] == [True, False]
 
@@ -192,7 +193,7 @@ def test_contract_fa3_unknown_api_is_refused(fa3, tmp_path, monkeypatch):
     install_standin(tmp_path, monkeypatch, dist=FA3_DIST, version="3.0.0b1", files=files)
     q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
     with pytest.raises(BackendUnavailable, match="unrecognised flash_attn_interface API"):
-        FlashAttn3Backend().forward(q, k, v, softmax_scale=0.25)
+        FlashAttn3Backend().forward(q, k, v, KernelCall(scale=0.25))
 
 
 # --------------------------------------------------------------------------- refusals
@@ -202,21 +203,21 @@ def test_contract_fa3_refuses_what_it_cannot_do(fa3):
     q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
     s = 32 ** -0.5
     with pytest.raises(NotImplementedError, match="alibi_slopes not supported"):
-        backend.forward(q, k, v, softmax_scale=s, alibi_slopes=torch.ones(4))
+        backend.forward(q, k, v, KernelCall(scale=s, alibi_slopes=torch.ones(4)))
     with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
-        backend.forward(q, k, v, softmax_scale=s, dropout_p=0.1)
+        backend.forward(q, k, v, KernelCall(scale=s, dropout_p=0.1))
     with pytest.raises(NotImplementedError, match=r"dtype=fp32[\s\S]*sdpa"):
-        backend.forward(q.float(), k.float(), v.float(), softmax_scale=s)
+        backend.forward(q.float(), k.float(), v.float(), KernelCall(scale=s))
     with pytest.raises(NotImplementedError, match="window/alibi across ring blocks"):
-        backend.forward(q, k, v, softmax_scale=s, window=(4, 0), key_offset=16)
+        backend.forward(q, k, v, KernelCall(scale=s, window=(4, 0), key_offset=16))
     q2, k2, v2, _ = make_inputs(sq=12, sk=20, d=32, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="bottom-right"):
-        backend.forward(q2, k2, v2, softmax_scale=s, causal=True)        # top-left causal, Sk > Sq
+        backend.forward(q2, k2, v2, KernelCall(scale=s, causal=True))        # top-left causal, Sk > Sq
     big = make_inputs(d=224, dtype=torch.bfloat16)
-    out, lse = backend.forward(*big[:3], softmax_scale=s)
+    out, lse = backend.forward(*big[:3], KernelCall(scale=s))
     with pytest.raises(NotImplementedError, match="deterministic backward is not available for head_dim=224"):
-        backend.backward(big[3], *big[:3], out, lse, softmax_scale=s, deterministic=True)
-    backend.backward(big[3], *big[:3], out, lse, softmax_scale=s, deterministic=False)
+        backend.backward(big[3], *big[:3], out, lse, KernelCall(scale=s, deterministic=True))
+    backend.backward(big[3], *big[:3], out, lse, KernelCall(scale=s, deterministic=False))
 
 
 def test_contract_fa3_declared_rules_reach_the_core():
@@ -297,7 +298,7 @@ def test_contract_fa3_sm90_only_with_an_upper_bound(fa3):
             assert not avail.ok and f"<= 9.0 only, found {cc[0]}.{cc[1]}" in avail.reason
             q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
             with pytest.raises(NotImplementedError, match="compute capability <= 9.0"):
-                backend.forward(q, k, v, softmax_scale=0.2)
+                backend.forward(q, k, v, KernelCall(scale=0.2))
             c_ext = importlib.import_module("flash_attn_3._C")
             args = [q, k, v] + [None] * 20 + [0.25, False, -1, -1, 0, 0.0, True, None, 1, None, 0]
             with pytest.raises(RuntimeError, match="no kernel image"):
@@ -328,7 +329,7 @@ def test_contract_fa3_pre_2025_builds_are_not_recognised(tmp_path, monkeypatch):
     try:
         q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
         with pytest.raises(BackendUnavailable, match="unrecognised flash_attn_interface API"):
-            FlashAttn3Backend().forward(q, k, v, softmax_scale=0.25)
+            FlashAttn3Backend().forward(q, k, v, KernelCall(scale=0.25))
     finally:
         purge_modules(FA3_TOP_LEVEL)
 
@@ -348,7 +349,7 @@ def test_contract_fa3_op_name_clash_is_unavailable_with_the_reason(tmp_path, mon
         assert not {"flash_attn", "flash_attn_interface", "flash_attn_3"} & set(sys.modules)
         q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
         with pytest.raises(BackendUnavailable, match="registers flash_attn::_flash_attn_forward"):
-            FlashAttn3Backend().forward(q, k, v, softmax_scale=0.25)
+            FlashAttn3Backend().forward(q, k, v, KernelCall(scale=0.25))
         assert usp_hal.registry.REGISTRY.reasons("fa3", AttnRequest(dtype=torch.float16, device_type="cuda",
                                                                     compute_capability=(9, 0)))[0].startswith(
             "unavailable: this FlashAttention-3 build registers")

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import usp_hal
-from tests.dist_cases import merged_key_blocks
-from usp_hal import platform
+from tests.dist_cases import kernel_call, merged_key_blocks
+from usp_hal import KernelCall, platform
 from usp_hal.backend import Refusal
 from usp_hal.backends.fa4 import FlashAttn4Backend
 from usp_hal.capabilities import AttnRequest
@@ -90,13 +90,13 @@ def _check(backend, dtype, shape, call):
     q, k, v, dout = _inputs(dtype, **shape)
     kw = dict(call)
     kw.setdefault("softmax_scale", q.shape[-1] ** -0.5)
-    out, lse = backend.forward(q, k, v, **kw)
+    out, lse = backend.forward(q, k, v, kernel_call(**kw))
     assert out.shape == dout.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     ref = _reference(q, k, v, dout, **kw)
     _close(out, ref[0], dtype, "out")
     _close(lse, ref[1], dtype, "lse", lse=True)
-    grads = backend.backward(dout, q, k, v, out, lse, **kw)
+    grads = backend.backward(dout, q, k, v, out, lse, kernel_call(**kw))
     for name, got, want, like in zip(("dq", "dk", "dv"), grads, ref[2:], (q, k, v)):
         assert got.shape == like.shape and got.dtype == dtype, name
         _close(got, want, dtype, name)
@@ -112,8 +112,8 @@ def test_contract_fa4_matches_reference(fa4, case, dtype):
 def test_contract_fa4_open_window_sides_reach_the_kernel_as_none(fa4):
     """contract: FA4 reads -1 literally unless both sides are negative, so an open side must be None."""
     q, k, v, _ = _inputs(torch.float16, d=16)
-    fa4.forward(q, k, v, softmax_scale=0.25, window=(3, -1))
-    fa4.forward(q, k, v, softmax_scale=0.25)
+    fa4.forward(q, k, v, KernelCall(scale=0.25, window=(3, -1)))
+    fa4.forward(q, k, v, KernelCall(scale=0.25))
     calls = _iface().FWD_CALLS
     assert (calls[0]["window_size_left"], calls[0]["window_size_right"]) == (3, None)
     assert (calls[1]["window_size_left"], calls[1]["window_size_right"]) == (None, None)
@@ -138,7 +138,7 @@ def test_contract_fa4_rows_without_keys(fa4):
     q, k, v, dout = _inputs(torch.float16, sq=8, sk=4, d=16)
     raw_out, raw_lse, *_ = _iface()._flash_attn_fwd(q, k, v, softmax_scale=0.25, causal=True, return_lse=True)
     assert torch.isneginf(raw_lse[..., :4]).all() and torch.isfinite(raw_lse[..., 4:]).all()
-    out, lse = fa4.forward(q, k, v, softmax_scale=0.25, causal=True)   # the contract's causal is top-left
+    out, lse = fa4.forward(q, k, v, KernelCall(scale=0.25, causal=True))   # the contract's causal is top-left
     assert torch.isfinite(lse).all()
     _check(fa4, torch.float16, dict(sq=8, sk=4, d=16), dict(causal=True))
 
@@ -152,9 +152,9 @@ def test_contract_fa4_packed_documents(fa4):
     q, dout = (torch.randn(total, h, d, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(total, hkv, d, generator=g).to(dtype) for _ in range(2))
     packing = Packing(lens, lens, q.device)
-    out, lse = fa4.forward_packed(q, k, v, packing, softmax_scale=0.25, causal=True)
+    out, lse = fa4.forward_packed(q, k, v, KernelCall(packing=packing, scale=0.25, causal=True))
     assert lse.shape == (h, total)
-    dq, dk, dv = fa4.backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=0.25, causal=True)
+    dq, dk, dv = fa4.backward_packed(dout, q, k, v, out, lse, KernelCall(packing=packing, scale=0.25, causal=True))
     assert all(c["varlen"] for c in _iface().FWD_CALLS) and all(c["varlen"] for c in _iface().BWD_CALLS)
     a = 0
     for n in lens:
@@ -169,8 +169,8 @@ def test_contract_fa4_packed_documents(fa4):
 
 def test_contract_fa4_deterministic_reaches_the_kernel(fa4):
     q, k, v, dout = _inputs(torch.float16, d=16)
-    out, lse = fa4.forward(q, k, v, softmax_scale=0.25)
-    fa4.backward(dout, q, k, v, out, lse, softmax_scale=0.25, deterministic=True)
+    out, lse = fa4.forward(q, k, v, KernelCall(scale=0.25))
+    fa4.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25, deterministic=True))
     assert [c["deterministic"] for c in _iface().BWD_CALLS] == [True]
 
 
@@ -215,9 +215,9 @@ def test_contract_fa4_serves_what_the_source_allows(cc, extra):
 def test_contract_fa4_refused_call_never_reaches_the_kernel(fa4):
     q, k, v, dout = _inputs(torch.float16, d=16)
     with platform.emulate("cuda", compute_capability=(8, 0)):
-        out, lse = fa4.forward(q, k, v, softmax_scale=0.25)
+        out, lse = fa4.forward(q, k, v, KernelCall(scale=0.25))
         with pytest.raises(Refusal, match="9.x-12.x only"):
-            fa4.backward(dout, q, k, v, out, lse, softmax_scale=0.25)
+            fa4.backward(dout, q, k, v, out, lse, KernelCall(scale=0.25))
     assert _iface().BWD_CALLS == []
 
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from usp_hal import AttnRequest, get_backend, platform
+from usp_hal import AttnRequest, KernelCall, get_backend, platform
 from usp_hal import backend as backend_mod
 from usp_hal.backends.flashinfer import FlashInferBackend
 
@@ -81,7 +81,7 @@ def test_contract_forward_matches_reference(flashinfer, dtype, b, h, hkv, d, kw)
     kw = dict(kw)
     q, k, v, _ = make_inputs(b, 20, 20, h, hkv, d, dtype, seed=b + d)
     scale = kw.pop("softmax_scale", None)
-    out, lse = FlashInferBackend().forward(q, k, v, softmax_scale=scale, **kw)
+    out, lse = FlashInferBackend().forward(q, k, v, KernelCall(scale=scale, **kw))
     ref_out, ref_lse = reference(q, k, v, softmax_scale=scale, **kw)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, 20)
     assert_matches(out, ref_out, dtype, "out")
@@ -93,7 +93,7 @@ def test_contract_forward_matches_reference(flashinfer, dtype, b, h, hkv, d, kw)
 def test_contract_causal_reaches_the_kernel(flashinfer):
     fi = flashinfer()
     q, k, v, _ = make_inputs(2, 16, 16, 2, 2, 64, torch.float16, seed=7)
-    out, _ = FlashInferBackend().forward(q, k, v, softmax_scale=None, causal=True)
+    out, _ = FlashInferBackend().forward(q, k, v, KernelCall(scale=None, causal=True))
     assert all(c["causal"] is True for c in fi.CALLS)
     full, _ = reference(q, k, v)
     assert (out.double() - full).abs().max() > 0.1
@@ -105,13 +105,13 @@ def test_contract_unequal_lengths_window_is_top_left(flashinfer):
     flashinfer()
     for sq, sk, left in ((20, 16, 6), (10, 16, 3)):
         q, k, v, _ = make_inputs(2, sq, sk, 2, 2, 64, torch.float16, seed=sq)
-        out, lse = FlashInferBackend().forward(q, k, v, softmax_scale=None, window=(left, -1))
+        out, lse = FlashInferBackend().forward(q, k, v, KernelCall(scale=None, window=(left, -1)))
         ref_out, ref_lse = reference(q, k, v, window=(left, -1))
         assert_matches(out, ref_out, torch.float16, f"out Sq={sq} Sk={sk}")
         assert_lse_matches(lse, ref_lse)
     q, k, v, _ = make_inputs(1, 24, 16, 2, 2, 64, torch.float16)
     with pytest.raises(NotImplementedError, match="negative bound"):    # rows 0..3 would see no key
-        FlashInferBackend().forward(q, k, v, softmax_scale=None, window=(4, -1))
+        FlashInferBackend().forward(q, k, v, KernelCall(scale=None, window=(4, -1)))
 
 
 @pytest.mark.parametrize("req,needle", [
@@ -153,17 +153,17 @@ def test_contract_forward_refuses_what_flashinfer_cannot_do(flashinfer):
     q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 64, torch.float16)
     backend = FlashInferBackend()
     with pytest.raises(NotImplementedError, match="right bound"):
-        backend.forward(q, k, v, softmax_scale=None, window=(4, 2))
+        backend.forward(q, k, v, KernelCall(scale=None, window=(4, 2)))
     with pytest.raises(NotImplementedError, match="alibi"):
-        backend.forward(q, k, v, softmax_scale=None, alibi_slopes=torch.ones(2))
+        backend.forward(q, k, v, KernelCall(scale=None, alibi_slopes=torch.ones(2)))
     with pytest.raises(NotImplementedError, match="dropout"):
-        backend.forward(q, k, v, softmax_scale=None, dropout_p=0.1)
+        backend.forward(q, k, v, KernelCall(scale=None, dropout_p=0.1))
     with pytest.raises(NotImplementedError, match="window/alibi across ring blocks"):
-        backend.forward(q, k, v, softmax_scale=None, window=(4, -1), key_offset=8)
+        backend.forward(q, k, v, KernelCall(scale=None, window=(4, -1), key_offset=8))
     with pytest.raises(NotImplementedError, match="Sq == Sk"):
-        backend.forward(q, k[:, :4], v[:, :4], softmax_scale=None, causal=True)
+        backend.forward(q, k[:, :4], v[:, :4], KernelCall(scale=None, causal=True))
     with pytest.raises(NotImplementedError, match="forward-only"):
-        backend.backward(q, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None)
+        backend.backward(q, q, k, v, q, torch.zeros(1, 2, 8), KernelCall(scale=None))
 
 
 def test_contract_availability_not_installed(monkeypatch):

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from usp_hal import AttnRequest, get_backend, platform
+from usp_hal import AttnRequest, KernelCall, get_backend, platform
 from usp_hal import backend as backend_mod
 from usp_hal.backends.npu import NPUBackend
 
@@ -73,13 +73,13 @@ def test_contract_forward_backward_match_reference(npu, grad_outputs, dtype, b, 
     kernel = npu(grad_outputs)
     q, k, v, dout = make_inputs(b, 24, 24, h, hkv, d, dtype, seed=d)
     backend = NPUBackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=0.17, causal=causal)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=0.17, causal=causal))
     ref_out, ref_lse = reference(q, k, v, softmax_scale=0.17, causal=causal)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, 24)
     assert_matches(out, ref_out, dtype, "out")
     assert_lse_matches(lse, ref_lse)
 
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=0.17, causal=causal)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.17, causal=causal))
     rdq, rdk, rdv = reference_grads(q, k, v, dout, softmax_scale=0.17, causal=causal)
     assert dk.shape == k.shape and dv.shape == v.shape and dq.dtype == dtype
     for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
@@ -93,13 +93,13 @@ def test_contract_causal_goes_through_sparse_mode_2_with_the_compressed_mask(npu
     kernel = npu()
     q, k, v, dout = make_inputs(1, 16, 16, 2, 2, 32, torch.float32, seed=5)
     backend = NPUBackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=None, causal=True)
-    backend.backward(dout, q, k, v, out, lse, softmax_scale=None, causal=True)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=None, causal=True))
+    backend.backward(dout, q, k, v, out, lse, KernelCall(scale=None, causal=True))
     for call in kernel.CALLS:
         assert call["sparse_mode"] == 2 and call["mask_shape"] == (2048, 2048)
     full, _ = reference(q, k, v)
     assert (out.double() - full).abs().max() > 0.1
-    backend.forward(q, k, v, softmax_scale=None, causal=False)
+    backend.forward(q, k, v, KernelCall(scale=None, causal=False))
     assert kernel.CALLS[-1]["sparse_mode"] == 0 and kernel.CALLS[-1]["mask_shape"] is None
 
 
@@ -111,12 +111,12 @@ def test_contract_ring_backward_with_the_global_lse(npu, dtype):
     q, k, v, dout = make_inputs(2, 16, 24, 4, 2, 32, dtype, seed=9)
     backend = NPUBackend()
     blocks = [(0, 8), (8, 24)]
-    parts = [backend.forward(q, k[:, a:e], v[:, a:e], softmax_scale=None) for a, e in blocks]
+    parts = [backend.forward(q, k[:, a:e], v[:, a:e], KernelCall(scale=None)) for a, e in blocks]
     out64, lse64 = merge_blocks([p[0] for p in parts], [p[1] for p in parts])
     ref_out, ref_lse = reference(q, k, v)
     assert_matches(out64, ref_out, dtype, "merged out")
     out, lse = out64.to(dtype), lse64.float()
-    grads = [backend.backward(dout, q, k[:, a:e], v[:, a:e], out, lse, softmax_scale=None) for a, e in blocks]
+    grads = [backend.backward(dout, q, k[:, a:e], v[:, a:e], out, lse, KernelCall(scale=None)) for a, e in blocks]
     dq = sum(g[0].double() for g in grads)
     dk = torch.cat([g[1] for g in grads], dim=1)
     dv = torch.cat([g[2] for g in grads], dim=1)
@@ -130,16 +130,16 @@ def test_contract_rows_with_minus_inf_lse_contribute_nothing(npu):
     npu()
     q, k, v, dout = make_inputs(1, 8, 8, 2, 2, 16, torch.float32, seed=2)
     backend = NPUBackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=None)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=None))
     lse = lse.clone()
     lse[:, :, :3] = float("-inf")
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=None)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=None))
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
     assert dq[:, :3].abs().max() == 0
     keep = dout.clone()
     keep[:, :3] = 0
-    _, dk_ref, dv_ref = backend.backward(keep, q, k, v, out, backend.forward(q, k, v, softmax_scale=None)[1],
-                                         softmax_scale=None)
+    _, dk_ref, dv_ref = backend.backward(keep, q, k, v, out, backend.forward(q, k, v, KernelCall(scale=None))[1],
+                                         KernelCall(scale=None))
     torch.testing.assert_close(dk, dk_ref)
     torch.testing.assert_close(dv, dv_ref)
 
@@ -175,11 +175,11 @@ def test_contract_forward_and_backward_refuse_dropout_and_masks(npu):
     backend = NPUBackend()
     for kw in (dict(dropout_p=0.1), dict(window=(2, 2)), dict(softcap=5.0), dict(alibi_slopes=torch.ones(2))):
         with pytest.raises(NotImplementedError, match="npu"):
-            backend.forward(q, k, v, softmax_scale=None, **kw)
+            backend.forward(q, k, v, KernelCall(scale=None, **kw))
         with pytest.raises(NotImplementedError, match="npu"):
-            backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None, **kw)
+            backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 8), KernelCall(scale=None, **kw))
     with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
-        backend.forward(q, k, v, softmax_scale=None, dropout_p=0.1)
+        backend.forward(q, k, v, KernelCall(scale=None, dropout_p=0.1))
 
 
 def test_contract_declared_limits_match_the_op_documentation(npu):
@@ -193,7 +193,7 @@ def test_contract_declared_limits_match_the_op_documentation(npu):
     with pytest.raises(ValueError, match="outside 1..768"):
         kernel.npu_fusion_attention(q, k, v, 1, "BSND")
     with pytest.raises(NotImplementedError, match="head_dim=776"):
-        NPUBackend().forward(q, k, v, softmax_scale=None)
+        NPUBackend().forward(q, k, v, KernelCall(scale=None))
     assert NPUBackend.REQUIRED_PACKAGES[0].min_version == "2.1.0"
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import REGISTRY, AttnRequest, get_backend, platform
+from usp_hal import REGISTRY, AttnRequest, KernelCall, get_backend, platform
 from usp_hal import backend as backend_mod
 from usp_hal.backends.sage import SageFP8Backend
 from usp_hal.reference import TOLERANCES
@@ -71,7 +71,7 @@ def test_contract_registry_entry_is_this_class():
 def test_contract_v2_forward_matches_reference(sage, dtype, b, h, hkv, d, causal):
     kernel = sage(V2)
     q, k, v, _ = make_inputs(b, 32, 32, h, hkv, d, dtype)
-    out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.21, causal=causal)
+    out, lse = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.21, causal=causal))
     ref_out, ref_lse = reference(q, k, v, softmax_scale=0.21, causal=causal)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (b, h, 32)
@@ -86,7 +86,7 @@ def test_contract_causal_reaches_the_kernel(sage, version):
     """Peers drop ``causal`` on the way to Sage; here it must arrive and change the result."""
     kernel = sage(version)
     q, k, v, _ = make_inputs(1, 24, 24, 2, 2, 64, torch.float16, seed=3)
-    out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=None, causal=True)
+    out, _ = SageFP8Backend().forward(q, k, v, KernelCall(scale=None, causal=True))
     assert kernel.CALLS[-1]["is_causal"] is True
     causal_ref, _ = reference(q, k, v, causal=True)
     full_ref, _ = reference(q, k, v, causal=False)
@@ -97,7 +97,7 @@ def test_contract_causal_reaches_the_kernel(sage, version):
 def test_contract_v1_pads_head_dim_and_returns_no_lse(sage):
     kernel = sage(V1)
     q, k, v, _ = make_inputs(2, 64, 64, 4, 2, 40, torch.bfloat16, seed=1)
-    out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.3, causal=False)
+    out, lse = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.3, causal=False))
     # v1 has no lse: the contract's stand-in for it is NaN (never merged: dispatch refuses lse calls)
     assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32 and torch.isnan(lse).all()
     assert kernel.CALLS[-1]["head_dim"] == 64 and kernel.CALLS[-1]["sm_scale"] == 0.3
@@ -159,11 +159,11 @@ def test_contract_forward_refuses_what_sage_cannot_do(sage):
     for kw in (dict(window=(4, -1)), dict(softcap=5.0), dict(dropout_p=0.1),
                dict(alibi_slopes=torch.ones(2))):
         with pytest.raises(NotImplementedError, match="sage_fp8"):
-            backend.forward(q, k, v, softmax_scale=None, **kw)
+            backend.forward(q, k, v, KernelCall(scale=None, **kw))
     with pytest.raises(NotImplementedError, match="Sq == Sk"):
-        backend.forward(q, k[:, :4], v[:, :4], softmax_scale=None, causal=True)
+        backend.forward(q, k[:, :4], v[:, :4], KernelCall(scale=None, causal=True))
     with pytest.raises(NotImplementedError, match="forward-only"):
-        backend.backward(q, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None)
+        backend.backward(q, q, k, v, q, torch.zeros(1, 2, 8), KernelCall(scale=None))
 
 
 def test_contract_availability_not_installed(monkeypatch):
@@ -206,7 +206,7 @@ def test_contract_v1_never_modifies_the_callers_k(sage):
     kernel.sageattn(q, raw, v, tensor_layout="NHD", sm_scale=0.125)
     assert not torch.equal(raw, k), "the stand-in must mutate k like the real 1.0.6"
     before = k.clone()
-    out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=0.125)
+    out, _ = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.125))
     assert torch.equal(k, before), "the adapter let sageattention modify the caller's k"
     assert kernel.CALLS[-1]["k_ptr"] != k.data_ptr()
     ref, _ = reference(q, k, v, softmax_scale=0.125)
@@ -232,7 +232,7 @@ def test_contract_v2_architectures_follow_the_release(sage, version, cc, ok):
             with pytest.raises(ValueError, match="Unsupported CUDA architecture"):
                 kernel.sageattn(q, k, v, tensor_layout="NHD", return_lse=True)
             with pytest.raises(NotImplementedError, match=f"no kernel for sm{cc[0]}{cc[1]}"):
-                SageFP8Backend().forward(q, k, v, softmax_scale=None)
+                SageFP8Backend().forward(q, k, v, KernelCall(scale=None))
 
 
 @pytest.mark.parametrize("version", [V2_0, V2_1_1, V2])
@@ -244,7 +244,7 @@ def test_contract_v2_gqa_lse_is_exact_despite_the_smoothing_bug(sage, version):
     if version != V2:
         with pytest.raises(RuntimeError, match="must match"):
             kernel.sageattn(q, k, v, tensor_layout="NHD", return_lse=True)
-    out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.2, causal=True)
+    out, lse = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.2, causal=True))
     ref_out, ref_lse = reference(q, k, v, softmax_scale=0.2, causal=True)
     assert_matches(out, ref_out, torch.bfloat16, "out")
     assert_lse_matches(lse, ref_lse)
@@ -265,12 +265,12 @@ def test_contract_non_causal_padding_is_refused_where_the_kernel_counts_it(sage,
         raw = raw[0] if isinstance(raw, tuple) else raw
         assert (raw.double() - ref_out).abs().max() > 0.05, "the stand-in no longer models the padding"
         with pytest.raises(NotImplementedError, match=r"zero padding of the last block of 64 keys.*Sk=40"):
-            SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=False)
+            SageFP8Backend().forward(q, k, v, KernelCall(scale=0.125, causal=False))
         # causal calls and key lengths that are a multiple of 64 are served, and right
-        out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=True)
+        out, _ = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.125, causal=True))
         assert_matches(out, reference(q, k, v, softmax_scale=0.125, causal=True)[0], torch.float16, "causal out")
         q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, torch.float16, seed=4)
-        out, _ = SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=False)
+        out, _ = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.125, causal=False))
         assert_matches(out, reference(q, k, v, softmax_scale=0.125)[0], torch.float16, "out at Sk=128")
 
 
@@ -281,7 +281,7 @@ def test_contract_non_causal_padding_is_masked_elsewhere(sage, version, cc):
     sage(version)
     q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 64, torch.float16, seed=4)
     with platform.emulate("cuda", compute_capability=cc):
-        out, lse = SageFP8Backend().forward(q, k, v, softmax_scale=0.125, causal=False)
+        out, lse = SageFP8Backend().forward(q, k, v, KernelCall(scale=0.125, causal=False))
     ref_out, ref_lse = reference(q, k, v, softmax_scale=0.125)
     assert_matches(out, ref_out, torch.float16, "out")
     assert_lse_matches(lse, ref_lse)

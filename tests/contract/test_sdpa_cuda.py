@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import platform
+from tests.dist_cases import kernel_call
+from usp_hal import KernelCall, platform
 from usp_hal.backends import sdpa as sdpa_mod
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.capabilities import AttnRequest
@@ -35,13 +36,13 @@ def _check(dtype, *, b=2, sq=16, sk=16, h=4, hkv=4, d=32, grad=True, **kw):
     q, k, v, dout = make_inputs(b, sq, sk, h, hkv, d, dtype, seed=d + sq)
     kw.setdefault("softmax_scale", d ** -0.5)
     backend = SDPABackend()
-    out, lse = backend.forward(q, k, v, **kw)
+    out, lse = backend.forward(q, k, v, kernel_call(**kw))
     ref_out, ref_lse = reference(q, k, v, **kw)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)
     assert_matches(out, ref_out, dtype, "out")
     assert_lse_matches(lse, ref_lse)
     if grad:
-        grads = backend.backward(dout, q, k, v, out, lse, **kw)
+        grads = backend.backward(dout, q, k, v, out, lse, kernel_call(**kw))
         for name, got, want, like in zip(("dq", "dk", "dv"), grads, reference_grads(q, k, v, dout, **kw), (q, k, v)):
             assert got.shape == like.shape and got.dtype == dtype, name
             assert_matches(got, want, dtype, name)
@@ -79,7 +80,7 @@ def test_before_sm80_fp16_runs_and_bf16_is_refused(ops):
         assert any("bf16 on cuda needs compute capability >= 8.0" in r for r in reasons), reasons
         q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 64, torch.bfloat16)
         with pytest.raises(NotImplementedError, match="bf16 on cuda needs compute capability"):
-            SDPABackend().forward(q, k, v, softmax_scale=None)
+            SDPABackend().forward(q, k, v, KernelCall(scale=None))
         with pytest.raises(RuntimeError, match="no bfloat16 kernels below sm80"):
             ops.efficient(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True)
 
@@ -130,4 +131,4 @@ def test_rows_without_keys_give_zero_out_and_minus_inf_lse(ops):
 def test_fp64_is_refused_on_cuda():
     q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 16, torch.float64)
     with pytest.raises(NotImplementedError, match="fp64 is only supported on cpu"):
-        SDPABackend().forward(q, k, v, softmax_scale=None)
+        SDPABackend().forward(q, k, v, KernelCall(scale=None))

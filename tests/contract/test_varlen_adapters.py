@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from usp_hal import KernelCall
 from usp_hal.backends.fa2 import FlashAttn2Backend
 from usp_hal.backends.fa3 import FlashAttn3Backend
 from usp_hal.layout import ring_segments, segment_positions
@@ -60,7 +61,7 @@ def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed
     S = q.shape[1]
     segs = [ring_segments(layout, S, R, r, cu_seqlens=cu) for r in range(R)]
     pos = [segment_positions(s) for s in segs]
-    kw = dict(softmax_scale=scale, window=(-1, -1), softcap=0.0, alibi_slopes=None)
+    base = KernelCall(scale=scale)
     positional = tuple(window) != (-1, -1)
     plans = {(me, src): plan_blocks(segs[me], segs[src], causal=causal, diagonal=me == src, cu_seqlens=cu,
                                     window=window, positional=positional)
@@ -75,8 +76,8 @@ def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed
         for src in range(R):
             kb, vb = k[:, pos[src]], v[:, pos[src]]
             for c in plans[me, src]:
-                acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols], causal=c.causal,
-                                            key_offset=c.key_offset, **kw))
+                acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols],
+                                            base.with_(causal=c.causal, key_offset=c.key_offset)))
         o, l = acc.result()
         out[:, pos[me]] = o.to(q.dtype)
         lse[:, :, pos[me]] = l.float()
@@ -88,8 +89,7 @@ def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed
         for c in calls:
             rows, cols = qp[c.rows], kp[c.cols]
             gq, gk, gv = backend.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
-                                          lse[:, :, rows], causal=c.causal, key_offset=c.key_offset,
-                                          deterministic=False, dropout_p=0.0, **kw)
+                                          lse[:, :, rows], base.with_(causal=c.causal, key_offset=c.key_offset))
             dq[:, rows] += gq.float()
             dk[:, cols] += gk.float()
             dv[:, cols] += gv.float()
@@ -97,7 +97,7 @@ def _simulated_ring(backend, q, k, v, dout, cu, layout, R, causal, scale, packed
 
 
 def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale, window, softcap):
-    kw = dict(softmax_scale=scale, softcap=softcap, window=tuple(window))
+    base = KernelCall(scale=scale, softcap=softcap, window=tuple(window))
     steps = {key: pack_calls(calls, windowed=tuple(window) != (-1, -1)) for key, calls in plans.items()}
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
@@ -109,11 +109,11 @@ def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale, wind
             for c in steps[me, src]:
                 if isinstance(c, PackedCall):
                     o, lp = backend.forward_packed(c.gather(ql, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
-                                                   c.packing(q.shape[0], q.device), causal=c.causal, **kw)
+                                                   base.with_(packing=c.packing(q.shape[0], q.device), causal=c.causal))
                     acc.add_packed(c, o, lp)
                 else:
-                    acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols], causal=c.causal,
-                                                key_offset=c.key_offset, alibi_slopes=None, **kw))
+                    acc.add(c, *backend.forward(ql[:, c.rows], kb[:, c.cols], vb[:, c.cols],
+                                                base.with_(causal=c.causal, key_offset=c.key_offset)))
         o, l = acc.result()
         out[:, pos[me]] = o.to(q.dtype)
         lse[:, :, pos[me]] = l.float()
@@ -126,14 +126,15 @@ def _simulated_packed(backend, q, k, v, dout, pos, plans, R, causal, scale, wind
             if isinstance(c, PackedCall):
                 gq, gk, gv = backend.backward_packed(c.gather(dol, "q"), c.gather(ql, "q"), c.gather(kb, "k"),
                                                      c.gather(vb, "k"), c.gather(ol, "q"), c.gather_lse(ll),
-                                                     c.packing(q.shape[0], q.device), causal=c.causal, **kw)
+                                                     base.with_(packing=c.packing(q.shape[0], q.device),
+                                                                causal=c.causal))
                 c.scatter_add(gq_l, gq, "q")
                 c.scatter_add(gk_l, gk, "k")
                 c.scatter_add(gv_l, gv, "k")
             else:
                 gq, gk, gv = backend.backward(dol[:, c.rows], ql[:, c.rows], kb[:, c.cols], vb[:, c.cols],
-                                              ol[:, c.rows], ll[:, :, c.rows], causal=c.causal,
-                                              alibi_slopes=None, key_offset=c.key_offset, **kw)
+                                              ol[:, c.rows], ll[:, :, c.rows],
+                                              base.with_(causal=c.causal, key_offset=c.key_offset))
                 gq_l[:, c.rows] += gq.float()
                 gk_l[:, c.cols] += gk.float()
                 gv_l[:, c.cols] += gv.float()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import AttnRequest, get_backend, platform
+from usp_hal import AttnRequest, KernelCall, get_backend, platform
 from usp_hal.backends import xpu as xpu_mod
 from usp_hal.backends.xpu import XPUBackend
 
@@ -76,12 +76,12 @@ def test_contract_forward_backward_match_reference(ops, dtype, b, h, hkv, d, cau
 def _check_forward_backward(ops, dtype, b, h, hkv, d, causal):
     q, k, v, dout = make_inputs(b, 20, 20, h, hkv, d, dtype, seed=d + b)
     backend = XPUBackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=0.2, causal=causal)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=0.2, causal=causal))
     ref_out, ref_lse = reference(q, k, v, softmax_scale=0.2, causal=causal)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, 20)
     assert_matches(out, ref_out, dtype, "out")
     assert_lse_matches(lse, ref_lse)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=0.2, causal=causal)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.2, causal=causal))
     rdq, rdk, rdv = reference_grads(q, k, v, dout, softmax_scale=0.2, causal=causal)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dk.dtype == dtype
     for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
@@ -96,8 +96,8 @@ def test_contract_gqa_grads_per_query_head_are_summed(monkeypatch):
     monkeypatch.setattr(xpu_mod, "flash_ops", lambda: (standin.forward, standin.backward))
     q, k, v, dout = make_inputs(2, 12, 12, 4, 2, 64, torch.float16, seed=8)
     backend = XPUBackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=None, causal=True)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=None, causal=True)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=None, causal=True))
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=None, causal=True))
     assert dk.shape == k.shape and dv.shape == v.shape
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), reference_grads(q, k, v, dout, causal=True)):
         assert_matches(got, want, torch.float16, name)
@@ -105,7 +105,7 @@ def test_contract_gqa_grads_per_query_head_are_summed(monkeypatch):
 
 def test_contract_causal_reaches_the_op(ops):
     q, k, v, _ = make_inputs(1, 16, 16, 2, 2, 64, torch.float16, seed=4)
-    out, _ = XPUBackend().forward(q, k, v, softmax_scale=None, causal=True)
+    out, _ = XPUBackend().forward(q, k, v, KernelCall(scale=None, causal=True))
     full, _ = reference(q, k, v)
     assert ops.calls[-1]["is_causal"] is True
     assert (out.double() - full).abs().max() > 0.1
@@ -117,12 +117,12 @@ def test_contract_ring_backward_with_the_global_lse(ops):
     q, k, v, dout = make_inputs(2, 16, 32, 4, 2, 64, dtype, seed=13)
     backend = XPUBackend()
     blocks = [(0, 16), (16, 32)]
-    parts = [backend.forward(q, k[:, a:e], v[:, a:e], softmax_scale=None) for a, e in blocks]
+    parts = [backend.forward(q, k[:, a:e], v[:, a:e], KernelCall(scale=None)) for a, e in blocks]
     out64, lse64 = merge_blocks([p[0] for p in parts], [p[1] for p in parts])
     ref_out, _ = reference(q, k, v)
     assert_matches(out64, ref_out, dtype, "merged out")
     out, lse = out64.to(dtype), lse64.float()
-    grads = [backend.backward(dout, q, k[:, a:e], v[:, a:e], out, lse, softmax_scale=None) for a, e in blocks]
+    grads = [backend.backward(dout, q, k[:, a:e], v[:, a:e], out, lse, KernelCall(scale=None)) for a, e in blocks]
     dq = sum(g[0].double() for g in grads)
     dk = torch.cat([g[1] for g in grads], dim=1)
     dv = torch.cat([g[2] for g in grads], dim=1)
@@ -133,10 +133,10 @@ def test_contract_ring_backward_with_the_global_lse(ops):
 def test_contract_rows_with_minus_inf_lse_contribute_nothing(ops):
     q, k, v, dout = make_inputs(1, 8, 8, 2, 2, 64, torch.float16, seed=6)
     backend = XPUBackend()
-    out, lse = backend.forward(q, k, v, softmax_scale=None)
+    out, lse = backend.forward(q, k, v, KernelCall(scale=None))
     lse = lse.clone()
     lse[:, :, 5:] = float("-inf")
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, softmax_scale=None)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=None))
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
     assert dq[:, 5:].abs().max() == 0
 
@@ -148,7 +148,7 @@ def test_contract_standin_writes_zero_lse_for_masked_rows_and_adapter_never_send
     res = ops.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False)
     assert (res[1][..., :4] == 0).all()
     with pytest.raises(NotImplementedError, match="Sq == Sk"):
-        XPUBackend().forward(q, k, v, softmax_scale=None, causal=True)
+        XPUBackend().forward(q, k, v, KernelCall(scale=None, causal=True))
 
 
 @pytest.mark.parametrize("req,needle", [
@@ -177,12 +177,12 @@ def test_contract_forward_and_backward_refuse_unsupported_arguments(ops):
     backend = XPUBackend()
     for kw in (dict(window=(2, -1)), dict(softcap=5.0), dict(dropout_p=0.1), dict(alibi_slopes=torch.ones(2))):
         with pytest.raises(NotImplementedError, match="xpu"):
-            backend.forward(q, k, v, softmax_scale=None, **kw)
+            backend.forward(q, k, v, KernelCall(scale=None, **kw))
         with pytest.raises(NotImplementedError, match="xpu"):
-            backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 8), softmax_scale=None, **kw)
+            backend.backward(dout, q, k, v, q, torch.zeros(1, 2, 8), KernelCall(scale=None, **kw))
     with pytest.raises(NotImplementedError, match="head_dim=300"):
         qq, kk, vv, _ = make_inputs(1, 4, 4, 1, 1, 300, torch.float16)
-        backend.forward(qq, kk, vv, softmax_scale=None)
+        backend.forward(qq, kk, vv, KernelCall(scale=None))
     assert ops.calls == []
 
 
@@ -218,11 +218,11 @@ def test_contract_head_dims_follow_the_torch_version(ops, torch_version, head_di
             with pytest.raises(RuntimeError, match="only support headdim 64,96,128,192"):
                 ops.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.1)
             with pytest.raises(NotImplementedError, match=f"head_dim={head_dim}"):
-                XPUBackend().forward(q, k, v, softmax_scale=None)
+                XPUBackend().forward(q, k, v, KernelCall(scale=None))
             return
         assert reasons == []
-        out, lse = XPUBackend().forward(q, k, v, softmax_scale=None)
-        dq, dk, dv = XPUBackend().backward(dout, q, k, v, out, lse, softmax_scale=None)
+        out, lse = XPUBackend().forward(q, k, v, KernelCall(scale=None))
+        dq, dk, dv = XPUBackend().backward(dout, q, k, v, out, lse, KernelCall(scale=None))
         ref_out, _ = reference(q, k, v)
         assert_matches(out, ref_out, torch.float16, "out")
         for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), reference_grads(q, k, v, dout)):
@@ -240,11 +240,11 @@ def test_contract_device_models_follow_the_torch_version(ops, torch_version, mod
         reasons = XPUBackend.not_supported_reasons(xpu_request(device_model=model))
         if ok:
             assert avail.ok and reasons == []
-            XPUBackend().forward(q, k, v, softmax_scale=None)
+            XPUBackend().forward(q, k, v, KernelCall(scale=None))
             return
         assert not avail.ok and f"device model {model}" in avail.reason
         assert any(f"device model {model}" in r for r in reasons)
         with pytest.raises(RuntimeError, match="does not support flash attention"):
             ops.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         with pytest.raises(NotImplementedError, match=f"device model {model}"):
-            XPUBackend().forward(q, k, v, softmax_scale=None)
+            XPUBackend().forward(q, k, v, KernelCall(scale=None))

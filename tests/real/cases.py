@@ -11,7 +11,7 @@ import torch
 
 import usp_hal
 from tests import dist_cases
-from usp_hal import platform
+from usp_hal import KernelCall, platform
 from usp_hal.backends import interpret
 from usp_hal.harness import compare
 from usp_hal.harness.verify import tolerances_for
@@ -48,11 +48,12 @@ def adapter_case(name: str, dtype: str, B=1, Sq=64, Sk=None, H=2, Hkv=None, D=64
     with platform.emulate(**interpret.EMULATION[name]):
         kernel = backend()
         try:
-            out, lse = kernel.forward(q, k, v, **kw)
+            out, lse = kernel.forward(q, k, v, dist_cases.kernel_call(**kw))
             pairs = [("out", out, ro)] + ([("lse", lse, rl)] if backend.RETURNS_LSE and name != "sage_fp8" else [])
             if grad:
                 rg = torch.autograd.grad(ro, (qr, kr, vr), dout.double())
-                gq, gk, gv = kernel.backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+                gq, gk, gv = kernel.backward(dout, q, k, v, out, lse,
+                                             dist_cases.kernel_call(deterministic=deterministic, **kw))
                 pairs += list(zip(("dq", "dk", "dv"), (gq, gk, gv), rg))
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -98,8 +99,9 @@ def packed_case(dtype: str = "fp16", causal=False, H=2, Hkv=1, D=64, lens=((9, 9
     with platform.emulate(**interpret.EMULATION["fa2"]):
         kernel = backend()
         packing = Packing([nq for nq, _ in lens], [nk for _, nk in lens], q.device)
-        out, lse = kernel.forward_packed(q, k, v, packing, softmax_scale=D ** -0.5, causal=causal)
-        grads = kernel.backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=D ** -0.5, causal=causal)
+        out, lse = kernel.forward_packed(q, k, v, KernelCall(packing=packing, scale=D ** -0.5, causal=causal))
+        grads = kernel.backward_packed(dout, q, k, v, out, lse,
+                                       KernelCall(packing=packing, scale=D ** -0.5, causal=causal))
     return {"errors": _errors(backend, dt, [("out", out, ro), ("lse", lse, rl)]
                               + list(zip(("dq", "dk", "dv"), grads, rg)))}
 

@@ -109,8 +109,9 @@ def _local_fn(backend):
             raise YunchangUnsupported("select_flash_attn_impl(...)(return_softmax=True): usp-hal's kernels "
                                       "return (out, lse), never the attention probabilities; use "
                                       "return_softmax=False (with dropout_p=0, as yunchang passes it)")
-        return backend.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window=tuple(window_size),
-                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        from ..dispatch.capabilities import KernelCall
+        return backend.forward(q, k, v, KernelCall(scale=softmax_scale, causal=causal, window=tuple(window_size),
+                                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p))
     fwd.__name__ = f"{backend.NAME}_forward"
     return fwd
 

@@ -2,11 +2,12 @@
 
 Contract (what the USP core relies on, whichever kernel runs underneath)::
 
-    forward(q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-            alibi_slopes=None, dropout_p=0.0, key_offset=0, mask=None) -> (out, lse)
-    backward(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-             softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
-             key_offset=0, mask=None) -> (dq, dk, dv)
+    forward(q, k, v, call) -> (out, lse)
+    backward(dout, q, k, v, out, lse, call) -> (dq, dk, dv)
+
+``call`` is a :class:`~usp_hal.dispatch.capabilities.KernelCall`: every option of the call
+(scale, causal, window, alibi slopes, key offset, mask, ...) in one frozen value, which the
+plan builds once per call and the ring derives per block.
 
 * ``q`` is ``[B, Sq, H, D]``, ``k``/``v`` are ``[B, Sk, Hkv, D]`` (``H % Hkv == 0``), with any
   strides: the base class makes them acceptable to the kernel (``INPUT_LAYOUT``), copying
@@ -17,16 +18,15 @@ Contract (what the USP core relies on, whichever kernel runs underneath)::
   kernel without an lse (``RETURNS_LSE`` False, or a version-dependent :class:`Limit` on
   ``"lse"``) gives an lse of NaN: dispatch never hands such a backend a call that needs one,
   and any use of it would show as NaN rather than as a plausible number.
-* ``causal`` on ``Sq != Sk`` means top-left alignment (key ``n`` visible to query ``m`` when
-  ``n <= m``); the core only asks for causal on square diagonal blocks, and a backend whose
-  kernel aligns differently declares it in ``POSITIONS`` (translated or refused per call).
-* ``window=(left, right)`` keeps key ``n`` for query ``m`` when
+* ``call.causal`` on ``Sq != Sk`` means top-left alignment (key ``n`` visible to query ``m``
+  when ``n <= m``); the core only asks for causal on square diagonal blocks, and a backend
+  whose kernel aligns differently declares it in ``POSITIONS`` (translated or refused per call).
+* ``call.window=(left, right)`` keeps key ``n`` for query ``m`` when
   ``m - left <= n + key_offset <= m + right`` (``-1`` = unbounded on that side);
-  ``alibi_slopes`` adds ``-slope * |n + key_offset - m|``.  ``key_offset`` (global key
-  position minus global query position of the two blocks) matters only with window/alibi,
-  and only backends that declare ``SUPPORTS_KEY_OFFSET`` get a non-zero one there.
-* ``mask`` (only for backends that declare ``SUPPORTS_MASK``; ``kernel_forward`` /
-  ``kernel_backward`` receive the keyword only when it is not None) is a bool tensor
+  ``call.alibi_slopes`` adds ``-slope * |n + key_offset - m|``.  ``call.key_offset`` (global
+  key position minus global query position of the two blocks) matters only with
+  window/alibi, and only backends that declare ``SUPPORTS_KEY_OFFSET`` get a non-zero one there.
+* ``call.mask`` (only for backends that declare ``SUPPORTS_MASK``) is a bool tensor
   broadcastable to ``[B, H, Sq, Sk]``, True where the query attends the key, combined (and)
   with causal/window; a row it leaves without any key has out 0 and lse ``-inf``.
 * ``backward`` may be given the *global* (ring-merged) ``out``/``lse``; rows whose lse is
@@ -37,15 +37,15 @@ Capabilities are class attributes (data), plus per-version and per-device :class
 entries and the :class:`Positions` of the kernel's masks.  ``not_supported_reasons`` reads
 them (subclasses extend it with ``super()`` for anything that is not data); dispatch, the
 probe, the docs, the CI matrices and the per-call check of ``forward``/``backward`` all go
-through it.  An adapter implements ``kernel_forward``/``kernel_backward`` and never repeats
-a check: ``forward``/``backward`` validate each distinct call signature once (then a tuple
-lookup per call) and only then run the kernel.
+through it.  An adapter implements ``kernel_forward(q, k, v, call)`` /
+``kernel_backward(dout, q, k, v, out, lse, call)`` (``call.scale`` then a float) and never
+repeats a check: ``forward``/``backward`` validate each distinct call signature (shapes,
+dtypes, device, ``call.key``) once, then a tuple lookup per call, and only then run the kernel.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import math
 from typing import ClassVar, Optional
 
 import torch
@@ -56,6 +56,7 @@ from .capabilities import (
     TOP_LEFT,
     AttnRequest,
     Availability,
+    KernelCall,
     Package,
     Positions,
     RuleContext,
@@ -65,9 +66,9 @@ from .capabilities import (
     sorted_dtypes,
 )
 
-__all__ = ["AttentionBackend", "BackendUnavailable", "Unsupported", "Refusal", "refusal_text", "set_refusal_formatter",
-           "installed_version", "parse_version", "normalize_lse", "lse_for_backward", "pad_head_dim", "position_mask",
-           "no_lse"]
+__all__ = ["AttentionBackend", "BackendUnavailable", "KernelCall", "Unsupported", "Refusal", "refusal_text",
+           "set_refusal_formatter", "installed_version", "parse_version", "normalize_lse", "lse_for_backward",
+           "pad_head_dim", "position_mask", "no_lse"]
 
 #: INPUT_LAYOUT values: what strides the kernel accepts for q/k/v (and dout/out in backward).
 INPUT_LAYOUTS = ("strided", "last-dim-contiguous", "contiguous")
@@ -229,45 +230,31 @@ class AttentionBackend:
         return ""
 
     # ---------------------------------------------------------------- per-call admission
-    _admitted_calls: ClassVar[Optional[BoundedCache]] = None    # per instance once used
+    _admitted_calls: Optional[BoundedCache] = None    # per instance once used
 
-    def _admit(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
-               mask=None):
+    def _admit(self, q, k, v, call: KernelCall, grad: bool) -> None:
         """Validate one call against the declarations: the first call of each signature
-        (shapes, dtypes, device, options) builds the request and asks
-        ``not_supported_reasons``; a repeated signature is one tuple lookup.  Lengths are
+        (shapes, dtypes, device, ``call.key``, forward or backward) builds the request and
+        asks ``not_supported_reasons``; a repeated signature is one tuple lookup.  Lengths are
         part of the signature, so the rules on Sq/Sk are cached with the rest."""
         try:
-            sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, causal, window, softcap,
-                   alibi_slopes is None, dropout_p, not key_offset, grad, deterministic,
-                   None if mask is None else mask.shape)
+            sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, call.key, grad)
             seen = self._admitted_calls
             if seen is not None and sig in seen:
                 return
         except (AttributeError, TypeError):
             sig = None
-        self._admit_slow(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
-                         mask)
+        self._admit_slow(q, k, v, call, grad)
         if sig is not None:
             if self._admitted_calls is None:
                 self._admitted_calls = BoundedCache(1024)
             self._admitted_calls.add(sig)
 
-    def _request(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic, key_offset,
-                 mask=None):
-        dev = _platform.device_type_of(q.device)
-        index = q.device.index or 0
-        return AttnRequest(
-            dtype=q.dtype, device_type=dev, head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
-            num_kv_heads=k.shape[2], causal=bool(causal), window=tuple(int(w) for w in window),
-            softcap=float(softcap or 0.0), alibi=alibi_slopes is not None, dropout_p=float(dropout_p or 0.0),
-            needs_grad=grad, needs_lse=False, deterministic=bool(deterministic), key_offset=bool(key_offset),
-            compute_capability=_platform.compute_capability(dev, index), seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-            device_model=_platform.device_model(dev, index), mask=mask is not None)
-
-    def _admit_slow(self, q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
-                    key_offset, mask=None):
+    def _admit_slow(self, q, k, v, call: KernelCall, grad: bool) -> None:
         name = self.NAME
+        if not isinstance(call, KernelCall):
+            raise TypeError(f"{name}: the call's options must be a usp_hal KernelCall, got {type(call).__name__} "
+                            "(forward(q, k, v, KernelCall(scale=..., causal=...)))")
         for label, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -277,11 +264,10 @@ class AttentionBackend:
                              f"v {tuple(v.shape)} (expected q [B, Sq, H, D], k/v [B, Sk, Hkv, D])")
         if not (q.dtype == k.dtype == v.dtype):
             raise ValueError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        if len(tuple(window)) != 2:
-            raise ValueError(f"{name}: window must be (left, right), got {window!r}")
-        if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
+        slopes, mask = call.alibi_slopes, call.mask
+        if slopes is not None and tuple(slopes.shape) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
             raise ValueError(f"{name}: alibi_slopes must be (H,) or (B, H) = {(q.shape[0], q.shape[2])}, "
-                             f"got {tuple(alibi_slopes.shape)}")
+                             f"got {tuple(slopes.shape)}")
         if mask is not None:
             want = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
             if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
@@ -289,8 +275,9 @@ class AttentionBackend:
                 got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
                 raise ValueError(f"{name}: mask must be a bool tensor broadcastable to [B, H, Sq, Sk] = {want} "
                                  f"(Sq and Sk in full), got {got}")
-        req = self._request(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, grad, deterministic,
-                            key_offset, mask)
+        # a forward is checked as a forward (whatever the call's gradients need later), a backward
+        # as a gradient call; the lse as the call says
+        req = AttnRequest.of(q, k, v, call, needs_grad=grad)
         reasons = list(type(self).not_supported_reasons(req))     # includes the Sq/Sk rules (POSITIONS)
         if reasons:
             raise self._refusal(req, reasons)
@@ -313,21 +300,16 @@ class AttentionBackend:
         return tuple(x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous() for x in xs)
 
     # ---------------------------------------------------------------- kernel contract
-    def forward(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, key_offset=0, mask=None):
-        if type(window) is not tuple:
-            window = tuple(window)
-        self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, False, False, key_offset, mask)
+    def forward(self, q, k, v, call: KernelCall):
+        self._admit(q, k, v, call, False)
         layout = type(self).INPUT_LAYOUT
         if layout != "strided" and not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
                                         and (layout != "contiguous" or (q.is_contiguous() and k.is_contiguous()
                                                                         and v.is_contiguous()))):
             q, k, v = self._conform(q, k, v)
-        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        extra = {} if mask is None else {"mask": mask}
-        out, lse = self.kernel_forward(q, k, v, softmax_scale=scale, causal=bool(causal), window=window,
-                                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                       key_offset=key_offset, **extra)
+        if call.scale is None:
+            call = call.with_(scale=call.scale_for(q.shape[-1]))
+        out, lse = self.kernel_forward(q, k, v, call)
         if lse is None:
             lse = no_lse(q)
         return out, lse
@@ -338,110 +320,89 @@ class AttentionBackend:
         and nothing has wrapped ``forward`` on this instance since (the harness's kernel timer)."""
         return type(self).forward is AttentionBackend.forward and "forward" not in vars(self)
 
-    def bind(self, q, k, v, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-             key_offset=0, want_lse: bool = True):
-        """A callable ``(q, k, v) -> (out, lse)`` for repeated forward calls with these
-        options and these shapes, dtypes and device (what the core's per-signature fast path
-        calls): validated once, here, so each call runs the kernel and little else.  Strides
-        may differ between calls (each call lays them out as ``INPUT_LAYOUT`` needs).
+    def bind(self, q, k, v, call: KernelCall, want_lse: bool = True):
+        """A callable ``(q, k, v) -> (out, lse)`` for repeated forward calls of ``call`` with
+        these shapes, dtypes and device (what the core's per-signature fast path calls):
+        validated once, here, so each call runs the kernel and little else.  Strides may
+        differ between calls (each call lays them out as ``INPUT_LAYOUT`` needs).
         ``want_lse=False``: the caller drops the lse, so it may come back in any layout."""
-        window = tuple(window)
-        self._admit(q, k, v, causal, window, softcap, alibi_slopes, 0.0, False, False, key_offset)
-        kw = dict(softmax_scale=float(softmax_scale), causal=bool(causal), window=window, softcap=softcap,
-                  alibi_slopes=alibi_slopes, dropout_p=0.0, key_offset=key_offset)
-        return self._bound_forward(q, kw, want_lse)
+        self._admit(q, k, v, call, False)
+        return self._bound_forward(q, call.with_(scale=call.scale_for(q.shape[-1])), want_lse)
 
-    def _bound_forward(self, q, kw: dict, want_lse: bool):
+    def _bound_forward(self, q, call: KernelCall, want_lse: bool):
         """The callable :meth:`bind` returns for calls like ``q`` (adapters may specialise it by
         its device and dtype; the default lays the inputs out and calls ``kernel_forward``)."""
         kernel, conform = self.kernel_forward, self._conform
         strided = type(self).INPUT_LAYOUT == "strided"
 
-        def call(q, k, v):
+        def run(q, k, v):
             if not strided:
                 q, k, v = conform(q, k, v)
-            out, lse = kernel(q, k, v, **kw)
+            out, lse = kernel(q, k, v, call)
             return out, (lse if lse is not None else no_lse(q))
-        return call
+        return run
 
-    def backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal=False, window=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, key_offset=0, mask=None):
+    def backward(self, dout, q, k, v, out, lse, call: KernelCall):
         if not type(self).HAS_BACKWARD:
             raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
-        if type(window) is not tuple:
-            window = tuple(window)
-        self._admit(q, k, v, causal, window, softcap, alibi_slopes, dropout_p, True, bool(deterministic),
-                    key_offset, mask)
+        self._admit(q, k, v, call, True)
         want = (q.shape[0], q.shape[2], q.shape[1])
         if tuple(lse.shape) != want:
             raise ValueError(f"{self.NAME}: lse must be [B, H, Sq] = {want}, got {tuple(lse.shape)}")
         dout, q, k, v, out = self._conform(dout, q, k, v, out)
-        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        extra = {} if mask is None else {"mask": mask}
-        return self.kernel_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
-                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                    dropout_p=dropout_p, deterministic=bool(deterministic), key_offset=key_offset,
-                                    **extra)
+        if call.scale is None:
+            call = call.with_(scale=call.scale_for(q.shape[-1]))
+        return self.kernel_backward(dout, q, k, v, out, lse, call)
 
-    def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                       key_offset):
+    def kernel_forward(self, q, k, v, call: KernelCall):
         """The kernel call alone: inputs are validated and laid out as ``INPUT_LAYOUT`` says,
-        ``softmax_scale`` is a float.  Return ``(out, lse)`` (lse None when the kernel has none)."""
+        ``call.scale`` is a float.  Return ``(out, lse)`` (lse None when the kernel has none)."""
         raise NotImplementedError(f"{self.NAME}: kernel_forward not implemented")
 
-    def kernel_backward(self, dout, q, k, v, out, lse, *, softmax_scale, causal, window, softcap, alibi_slopes,
-                        dropout_p, deterministic, key_offset):
+    def kernel_backward(self, dout, q, k, v, out, lse, call: KernelCall):
         raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
 
     # ---------------------------------------------------------------- packed (varlen) contract
-    def forward_packed(self, q, k, v, packing, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0):
+    def forward_packed(self, q, k, v, call: KernelCall):
         """Sequences packed back to back: ``q`` [Tq, H, D], ``k``/``v`` [Tk, Hkv, D], sequence
-        ``i`` being rows ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]``
-        (:class:`usp_hal.ring.Packing`).  ``causal`` and ``window`` are asked only when every
-        sequence has as many queries as keys (the masks of the contract, per sequence, key
-        offset 0).  Returns ``out`` [Tq, H, D] and ``lse`` [H, Tq] (float32)."""
-        window = tuple(window)
-        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, window, softcap, None, 0.0, False,
-                    False, 0)
+        ``i`` being rows ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]`` of
+        ``call.packing`` (:class:`usp_hal.ring.Packing`).  ``call.causal`` and ``call.window``
+        are asked only when every sequence has as many queries as keys (the masks of the
+        contract, per sequence, key offset 0; no alibi, no mask).  Returns ``out`` [Tq, H, D]
+        and ``lse`` [H, Tq] (float32)."""
+        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), call, False)
         q, k, v = self._conform(q, k, v)
-        return self.kernel_forward_packed(q, k, v, packing, softmax_scale=float(softmax_scale),
-                                          causal=bool(causal), window=window, softcap=softcap)
+        return self.kernel_forward_packed(q, k, v, call.with_(scale=call.scale_for(q.shape[-1])))
 
-    def backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal=False, window=(-1, -1),
-                        softcap=0.0, deterministic=False):
+    def backward_packed(self, dout, q, k, v, out, lse, call: KernelCall):
         """Gradients of :meth:`forward_packed` from the given ``out``/``lse`` [H, Tq] (which
         may be the ring-merged ones): ``(dq [Tq, H, D], dk, dv [Tk, Hkv, D])``."""
         if not type(self).HAS_BACKWARD:
             raise Unsupported(f"{self.NAME} is forward-only: it has no backward")
-        window = tuple(window)
-        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, window, softcap, None, 0.0, True,
-                    bool(deterministic), 0)
+        self._admit(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), call, True)
         want = (q.shape[1], q.shape[0])
         if tuple(lse.shape) != want:
             raise ValueError(f"{self.NAME}: packed lse must be [H, Tq] = {want}, got {tuple(lse.shape)}")
         dout, q, k, v, out = self._conform(dout, q, k, v, out)
-        return self.kernel_backward_packed(dout, q, k, v, out, lse, packing, softmax_scale=float(softmax_scale),
-                                           causal=bool(causal), window=window, softcap=softcap,
-                                           deterministic=bool(deterministic))
+        return self.kernel_backward_packed(dout, q, k, v, out, lse, call.with_(scale=call.scale_for(q.shape[-1])))
 
-    def kernel_forward_packed(self, q, k, v, packing, *, softmax_scale, causal, window, softcap):
+    def kernel_forward_packed(self, q, k, v, call: KernelCall):
         """The varlen kernel call; the default runs one dense call per sequence (what an
         adapter falls back to when its kernel build has no varlen support)."""
         outs, lses = [], []
-        for (a, b), (c, d) in _packed_ranges(packing):
-            o, lse = self.forward(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale=softmax_scale,
-                                  causal=causal, window=window, softcap=softcap)
+        one = call.with_(packing=None)
+        for (a, b), (c, d) in _packed_ranges(call.packing):
+            o, lse = self.forward(q[None, a:b], k[None, c:d], v[None, c:d], one)
             outs.append(o[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    def kernel_backward_packed(self, dout, q, k, v, out, lse, packing, *, softmax_scale, causal, window, softcap,
-                               deterministic):
+    def kernel_backward_packed(self, dout, q, k, v, out, lse, call: KernelCall):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for (a, b), (c, d) in _packed_ranges(packing):
+        one = call.with_(packing=None)
+        for (a, b), (c, d) in _packed_ranges(call.packing):
             gq, gk, gv = self.backward(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b],
-                                       lse[None, :, a:b], softmax_scale=softmax_scale, causal=causal,
-                                       window=window, softcap=softcap, deterministic=deterministic)
+                                       lse[None, :, a:b], one)
             dq[a:b], dk[c:d], dv[c:d] = gq[0], gk[0], gv[0]
         return dq, dk, dv
 

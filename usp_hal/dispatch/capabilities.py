@@ -2,8 +2,11 @@
 
 A backend class declares its capabilities as class attributes (see
 :class:`usp_hal.backend.AttentionBackend`): flags and ranges, per-version and per-device
-:class:`Limit` entries, and the :class:`Positions` of its causal/window masks.  One call is
-described by an :class:`AttnRequest`.  :func:`declared_reasons` compares the two and returns
+:class:`Limit` entries, and the :class:`Positions` of its causal/window masks.  What one
+kernel call asks for besides its tensors is one frozen :class:`KernelCall`, carried from the
+plan (or a decode step) to the adapter; a call, with its tensors, is described for the
+rules by an :class:`AttnRequest`, which :meth:`AttnRequest.of` alone builds from the two.
+:func:`declared_reasons` compares a request with a backend's declarations and returns
 human-readable reasons; an empty list means "supported".  The backend's
 ``not_supported_reasons`` classmethod starts from it, and that one method serves dispatch,
 the probe CLI, the docs table, the test parametrisation, the CI matrices and the per-call
@@ -13,9 +16,11 @@ This module imports nothing else of the package but the platform layer (device f
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from functools import cached_property
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -43,6 +48,70 @@ def parse_dtype(name) -> torch.dtype:
         return NAME_TO_DTYPE[str(name).lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; valid: {sorted(set(DTYPE_NAMES.values()))}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class KernelCall:
+    """What one kernel call needs besides its tensors, as one frozen value: the pipeline's
+    plan builds one per call, the ring derives each block's from it (:meth:`with_`), a
+    decode step builds its own, and every backend method takes it
+    (``forward(q, k, v, call)``, ``backward(dout, q, k, v, out, lse, call)``).
+
+    * ``scale``: the softmax scale (None: ``1/sqrt(head_dim)``, resolved by the backend
+      before its kernel runs, so a kernel always sees a float);
+    * ``causal``, ``window`` ``(left, right)`` (-1: unbounded), ``softcap``,
+      ``alibi_slopes`` (``[H]`` or ``[B, H]``), ``dropout_p``, ``deterministic``;
+    * ``key_offset``: global key position minus global query position of the two blocks
+      (matters with window/alibi), ``mask``: a bool tensor broadcastable to
+      ``[B, H, Sq, Sk]`` (True: attend), ``packing``: the sequence boundaries of a packed
+      call (:class:`usp_hal.parallel.ring.Packing`; the packed methods only);
+    * ``needs_grad`` / ``needs_lse``: whether the call's gradients and its lse are used
+      (what dispatch and the per-call admission check).
+
+    Equality is identity (the value may hold tensors); :attr:`key` is what admission keys on."""
+
+    scale: Optional[float] = None
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    key_offset: int = 0
+    mask: Optional[torch.Tensor] = None
+    packing: Any = None
+    needs_grad: bool = False
+    needs_lse: bool = False
+
+    def __post_init__(self):
+        w = self.window
+        if type(w) is not tuple or len(w) != 2 or type(w[0]) is not int or type(w[1]) is not int:
+            object.__setattr__(self, "window", tuple(int(x) for x in w))
+
+    def with_(self, **kw) -> "KernelCall":
+        """A variant of this call (e.g. a ring block's: ``call.with_(causal=..., key_offset=...)``)."""
+        return replace(self, **kw)
+
+    def scale_for(self, head_dim: int) -> float:
+        """The scale as a float: the given one, or ``1/sqrt(head_dim)``."""
+        return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+    @property
+    def has_window(self) -> bool:
+        return self.window != (-1, -1)
+
+    @property
+    def positional(self) -> bool:
+        """Key positions matter beyond causal: a window or alibi (then ``key_offset`` does too)."""
+        return self.window != (-1, -1) or self.alibi_slopes is not None
+
+    @cached_property
+    def key(self) -> tuple:
+        """What the per-call rules see of this call (not the scale, the tensors' values, nor
+        ``needs_grad``: a forward is checked as a forward and a backward as a gradient call)."""
+        return (self.causal, self.window, self.softcap, self.alibi_slopes is None, self.dropout_p,
+                self.deterministic, not self.key_offset, None if self.mask is None else tuple(self.mask.shape),
+                self.packing is None, self.needs_lse)
 
 
 @dataclass(frozen=True)
@@ -96,6 +165,27 @@ class AttnRequest:
 
     def with_(self, **kw) -> "AttnRequest":
         return replace(self, **kw)
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall, *, lengths: bool = True,
+           **over) -> "AttnRequest":
+        """The one constructor of a call's request: dtype, device facts and head dims from the
+        tensors (``[.., S, H, D]``), options from ``call``, and ``Sq``/``Sk`` with ``lengths``.
+        ``over``: fields a caller knows better than the tensors show (dispatch before the
+        Ulysses split: the kernel's head counts, whether ring blocks will carry key offsets)."""
+        dev = _platform.device_type_of(q.device)
+        index = q.device.index or 0
+        fields_: dict = dict(
+            dtype=q.dtype, device_type=dev, head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[-2],
+            num_kv_heads=k.shape[-2], causal=bool(call.causal), window=call.window, softcap=float(call.softcap or 0.0),
+            alibi=call.alibi_slopes is not None, dropout_p=float(call.dropout_p or 0.0), needs_grad=call.needs_grad,
+            needs_lse=call.needs_lse, deterministic=bool(call.deterministic), key_offset=bool(call.key_offset),
+            compute_capability=_platform.compute_capability(dev, index),
+            device_model=_platform.device_model(dev, index),
+            seqlen_q=q.shape[-3] if lengths else None, seqlen_k=k.shape[-3] if lengths else None,
+            mask=call.mask is not None)
+        fields_.update(over)
+        return cls(**fields_)
 
     def describe(self) -> str:
         parts = [

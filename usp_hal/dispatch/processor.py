@@ -5,6 +5,7 @@ import torch
 
 from . import platform as _platform
 from .backend import AttentionBackend
+from .capabilities import KernelCall
 
 
 def processor_backend(processor, flash_style: bool = False) -> "type[AttentionBackend]":
@@ -35,14 +36,13 @@ def processor_backend(processor, flash_style: bool = False) -> "type[AttentionBa
         HAS_BACKWARD = False
         SUPPORTS_VARLEN = False
 
-        def kernel_forward(self, q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                           key_offset):
+        def kernel_forward(self, q, k, v, call: KernelCall):
             if flash_style:
-                out, lse = processor(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                out, lse = processor(q, k, v, dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal,
+                                     window_size=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
                                      return_softmax=False)[:2]
                 return out, lse
-            return processor(q, k, v, is_causal=causal, scale=softmax_scale, tensor_layout="NHD"), None
+            return processor(q, k, v, is_causal=call.causal, scale=call.scale, tensor_layout="NHD"), None
 
     AttnProcessorBackend.processor = processor      # type: ignore[attr-defined]
     return AttnProcessorBackend

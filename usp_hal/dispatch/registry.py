@@ -339,6 +339,25 @@ REGISTRY = Registry()
 set_refusal_formatter(lambda name, request, reasons: REGISTRY.refusal_message(name, request, reasons))
 
 
+class Dispatch:
+    """One owner's backend instances by request (an attention module's pipeline, a KV cache's
+    decode): the registry's choice (:meth:`Registry.select`, which raises the refusal with
+    its alternatives) once per distinct request, then a dictionary lookup per call.  Each
+    owner keeps its own instances (their per-call admission caches, and anything a harness
+    wraps on them, stay its own)."""
+
+    def __init__(self, attn_type, registry: "Registry | None" = None) -> None:
+        self.attn_type = attn_type
+        self.registry = registry if registry is not None else REGISTRY
+        self.instances: dict = {}
+
+    def __call__(self, request: AttnRequest) -> AttentionBackend:
+        got = self.instances.get(request)
+        if got is None:
+            got = self.instances[request] = self.registry.select(self.attn_type, request)()
+        return got
+
+
 def register_backend(name: str, backend, *, override: bool = False) -> None:
     REGISTRY.register(name, backend, override=override)
 

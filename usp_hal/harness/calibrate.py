@@ -48,7 +48,7 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     import torch
     import torch.distributed as dist
 
-    from ..dispatch.capabilities import AttnRequest
+    from ..dispatch.capabilities import AttnRequest, KernelCall
     from ..dispatch.registry import REGISTRY
     from ..parallel.comm import _all_gather_single
     from ..parallel.ring import merge_block
@@ -65,10 +65,11 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     for s in sizes:
         q, k, v = (torch.randn(1, s, heads, head_dim, dtype=tdt) for _ in range(3))
         for c in (False, True):
-            o, lse = backend.forward(q, k, v, softmax_scale=scale, causal=c)
-            tf = _typical(lambda: backend.forward(q, k, v, softmax_scale=scale, causal=c), reps)
+            call = KernelCall(scale=scale, causal=c)
+            o, lse = backend.forward(q, k, v, call)
+            tf = _typical(lambda: backend.forward(q, k, v, call), reps)
             do = torch.randn_like(o)
-            tb = _typical(lambda: backend.backward(do, q, k, v, o, lse, softmax_scale=scale, causal=c), reps)
+            tb = _typical(lambda: backend.backward(do, q, k, v, o, lse, call), reps)
             flops = planner.FLOPS_PER_PAIR * head_dim * s * s * heads
             if c:
                 causal[s] = (tf, tb)

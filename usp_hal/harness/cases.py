@@ -546,13 +546,14 @@ def rank_clear() -> None:
 def single_prepare(cfg: Any, case: str) -> dict:
     """The backend the distributed run uses, called directly on the full sequence in one
     process: the baseline every configuration is compared with."""
-    from ..dispatch.capabilities import AttnRequest
+    from ..dispatch.capabilities import AttnRequest, KernelCall
     from ..dispatch.registry import REGISTRY
     cfg = RunConfig(**cfg)
     q, k, v, dout = global_inputs(cfg)
-    req = AttnRequest(dtype=q.dtype, device_type=cfg.device_type, head_dim=cfg.head_dim, num_heads=cfg.heads,
-                      num_kv_heads=cfg.kv_heads, causal=cfg.causal, needs_grad=cfg.bwd, needs_lse=cfg.bwd)
+    call = KernelCall(scale=1.0 / math.sqrt(cfg.head_dim), causal=cfg.causal, needs_grad=cfg.bwd, needs_lse=cfg.bwd)
+    req = AttnRequest.of(q, k, v, call, lengths=False, device_type=cfg.device_type)
     st = _Case()
+    st.call = call
     st.cfg = cfg
     st.backend = REGISTRY.select(cfg.attn_type, req)()
     st.mem = meter.MemoryMeter(cfg.device_type)
@@ -567,18 +568,17 @@ def single_steps(case: str, n: int, threads: int, memory: bool = False) -> list:
     cfg = st.cfg
     torch.set_num_threads(threads)
     q, k, v, dout = global_inputs(cfg)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
     recs = []
     for _ in range(n):
         _sync(cfg.device_type)
         if memory:
             st.mem.start()
         t0 = time.perf_counter()
-        out, lse = st.backend.forward(q, k, v, softmax_scale=scale, causal=cfg.causal)
+        out, lse = st.backend.forward(q, k, v, st.call)
         _sync(cfg.device_type)
         t1 = time.perf_counter()
         if cfg.bwd:
-            st.backend.backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=cfg.causal)
+            st.backend.backward(dout, q, k, v, out, lse, st.call)
             _sync(cfg.device_type)
         t2 = time.perf_counter()
         del out, lse

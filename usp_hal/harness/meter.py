@@ -230,6 +230,11 @@ def uninstrument_core() -> None:
         _run.HOOKS.remove(step_hook)
 
 
+def _call_of(args, kwargs):
+    """The :class:`~usp_hal.dispatch.capabilities.KernelCall` of a backend call (its last argument)."""
+    return kwargs.get("call", args[-1] if args else None)
+
+
 def score_entries(args, kwargs, first: int) -> int:
     """Query-key pairs one kernel call scores: B*H*Sq*Sk, or B*H*S*(S+1)/2 for a causal
     square (the contract only asks for causal on squares).  ``first``: index of q in args."""
@@ -239,7 +244,7 @@ def score_entries(args, kwargs, first: int) -> int:
         sk = int(k.shape[1])
     except (IndexError, AttributeError, TypeError):
         return 0
-    if kwargs.get("causal") and sq == sk:
+    if getattr(_call_of(args, kwargs), "causal", False) and sq == sk:
         return b * h * sq * (sq + 1) // 2
     return b * h * sq * sk
 
@@ -249,11 +254,12 @@ def packed_score_entries(args, kwargs, first: int) -> int:
     H*Sq*Sk, or H*S*(S+1)/2 for a causal square.  ``first``: index of q in args."""
     try:
         h = int(args[first].shape[1])
-        packing = next(a for a in args[first + 1:] if hasattr(a, "q_lens"))
+        call = _call_of(args, kwargs)
+        packing = call.packing
         lens = zip(packing.q_lens, packing.k_lens)
-    except (IndexError, AttributeError, TypeError, StopIteration):
+    except (IndexError, AttributeError, TypeError):
         return 0
-    causal = bool(kwargs.get("causal"))
+    causal = bool(call.causal)
     return h * sum(nq * (nq + 1) // 2 if causal and nq == nk else nq * nk for nq, nk in lens)
 
 

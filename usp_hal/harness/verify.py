@@ -27,7 +27,7 @@ import torch
 
 from .. import __version__
 from ..dispatch import platform as _platform
-from ..dispatch.capabilities import AttnRequest, capability_row, dtype_name, parse_dtype
+from ..dispatch.capabilities import AttnRequest, KernelCall, capability_row, dtype_name, parse_dtype
 from ..dispatch.reference import TOLERANCES, reference_attention
 from ..dispatch.registry import REGISTRY
 
@@ -157,37 +157,38 @@ def _expected_lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, *, causal=False,
-                num_kv_heads: Optional[int] = None, window=(-1, -1), softcap=0.0,
-                check_lse: bool = True, check_grad: bool = True, seed: int = 0,
-                tolerance: Optional[tuple] = None) -> dict:
-    """Run ``backend`` once on ``device_type`` and compare with the float64 reference.
+def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, call: KernelCall, *,
+                num_kv_heads: Optional[int] = None, seed: int = 0, tolerance: Optional[tuple] = None) -> dict:
+    """Run ``backend`` once on ``device_type`` with the options of ``call`` (its lse checked
+    when ``call.needs_lse``, its gradients when ``call.needs_grad``) and compare with the
+    float64 reference.
 
     Returns ``{"errors": {name: max abs error}, "ok": bool, "problems": [text]}``; a kernel
     that raises gives ``ok=False`` with the exception as the problem.  ``tolerance``
     defaults to :func:`tolerances_for` the backend.
     """
+    check_lse, check_grad = call.needs_lse, call.needs_grad
     atol, rtol = tolerance if tolerance is not None else tolerances_for(backend, dtype)
     b, s, h = VERIFY_BATCH, VERIFY_SEQLEN, VERIFY_HEADS
     hkv = h if num_kv_heads is None else num_kv_heads
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, s, heads, head_dim, generator=gen).to(dtype) for heads in (h, hkv, hkv))
     dout = torch.randn(b, s, h, head_dim, generator=gen).to(dtype)
-    scale = 1.0 / math.sqrt(head_dim)
-    opts = dict(softmax_scale=scale, causal=causal, window=tuple(window), softcap=softcap)
+    call = call.with_(scale=call.scale_for(head_dim))
 
     qr, kr, vr = (x.to(torch.float64).requires_grad_(check_grad) for x in (q, k, v))
-    ref_out, ref_lse = reference_attention(qr, kr, vr, **opts)
+    ref_out, ref_lse = reference_attention(qr, kr, vr, softmax_scale=call.scale, causal=call.causal,
+                                           window=call.window, softcap=call.softcap)
     checks = _Checks(_references(ref_out, ref_lse, dout, (qr, kr, vr), check_grad), atol, rtol, dtype)
     dev = _tensor_device(device_type)
 
     def run():
         kernel = backend()
         qd, kd, vd, dod = (x.to(dev) for x in (q, k, v, dout))
-        out, lse = kernel.forward(qd, kd, vd, **opts)
+        out, lse = kernel.forward(qd, kd, vd, call)
         checks.outputs(out, lse, check_lse)
         if check_grad:
-            checks.grads(kernel.backward(dod, qd, kd, vd, out, lse, **opts))
+            checks.grads(kernel.backward(dod, qd, kd, vd, out, lse, call))
     return checks.run(run)
 
 
@@ -287,9 +288,9 @@ def verify_backend(backend, device_type: str, *, dtypes: Optional[Iterable] = No
             if why:
                 rows.append({**row0, "case": case, "status": "skip", "errors": {}, "reason": "; ".join(why)})
                 continue
-            res = verify_case(backend, device_type, dtype, base.head_dim,
-                              causal=req.causal, num_kv_heads=req.num_kv_heads, window=req.window,
-                              softcap=req.softcap, check_lse=req.needs_lse, check_grad=req.needs_grad,
+            call = KernelCall(causal=req.causal, window=req.window, softcap=req.softcap, needs_grad=req.needs_grad,
+                              needs_lse=req.needs_lse)
+            res = verify_case(backend, device_type, dtype, base.head_dim, call, num_kv_heads=req.num_kv_heads,
                               seed=seed)
             rows.append({**row0, "case": case, "status": "pass" if res["ok"] else "fail",
                          "errors": res["errors"], "reason": "; ".join(res["problems"])})
@@ -344,11 +345,11 @@ def verify_packed_case(backend, device_type: str, dtype: torch.dtype, head_dim: 
         kernel = backend()
         packing = Packing([nq for nq, _ in lens], [nk for _, nk in lens], dev)
         qd, kd, vd, dod = (x.to(dev) for x in (q, k, v, dout))
-        out, lse = kernel.forward_packed(qd, kd, vd, packing, softmax_scale=scale, causal=causal)
+        call = KernelCall(scale=scale, causal=causal, packing=packing)
+        out, lse = kernel.forward_packed(qd, kd, vd, call)
         checks.outputs(out, lse, check_lse)
         if check_grad:
-            checks.grads(kernel.backward_packed(dod, qd, kd, vd, out, lse, packing, softmax_scale=scale,
-                                                causal=causal))
+            checks.grads(kernel.backward_packed(dod, qd, kd, vd, out, lse, call))
     return checks.run(run)
 
 

@@ -4,18 +4,21 @@ plan, float32 merge of (out, lse), forward and backward over a rotation strategy
 The block plan itself (:class:`BlockCall`, :func:`plan_blocks`: which calls every ring rank
 makes against every source block) is pure integer code in ``usp_hal.blocks``, re-exported
 here under the names it has always had; this module runs it: :class:`PackedCall` (a
-varlen kernel call over several planned calls), :class:`RingContext`, the merge and the
-ring's forward and backward.
+varlen kernel call over several planned calls), :class:`RingContext` (the plan's blocks and
+the call's :class:`~usp_hal.dispatch.capabilities.KernelCall`, from which each block call's
+value is derived), the merge (:func:`merge_block`, and :func:`merge_partials` for a decode
+step's partial results) and the ring's forward and backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..bounded import BoundedCache
-from ..sequence.blocks import BlockCall, pack_groups, plan_blocks
+from ..dispatch.capabilities import KernelCall
+from ..sequence.blocks import BlockCall, pack_groups, plan_blocks  # noqa: F401  (re-exported: the plan's names)
 from ..sequence.positions import Segment
 from .rotation import Accum
 
@@ -179,28 +182,40 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of ``P`` partial attentions over disjoint key sets, by :func:`merge_block`
+    (the ring's merge), in the dtype of ``outs``.
+
+    ``outs`` ``[P, B, n, h, D]`` and ``lses`` ``[P, B, h, n]`` (natural log, -inf for a part
+    that saw no key) -> ``(out [B, n, h, D], lse [B, h, n])``: ``lse = log sum_p exp(lse_p)``
+    and ``out = sum_p exp(lse_p - lse) out_p``.  Rows that no part saw give out 0 and lse
+    -inf (never NaN)."""
+    out = torch.zeros(outs.shape[1:], dtype=outs.dtype, device=outs.device)
+    lse = torch.full(lses.shape[1:], NEG_INF, dtype=outs.dtype, device=outs.device)
+    rows = slice(None)
+    for p in range(outs.shape[0]):
+        merge_block(out, lse, rows, outs[p], lses[p])
+    return out, lse
+
+
 # --------------------------------------------------------------------------------- context
 @dataclass
 class RingContext:
-    """Everything the ring needs besides the tensors (built once per call)."""
+    """Everything the ring needs besides the tensors (built once per call by the plan):
+    ``call``, the call's :class:`~usp_hal.dispatch.capabilities.KernelCall`, from which every
+    block's value is derived (:meth:`block_call`), and ``blocks``, the block plan (per source
+    ring rank, this rank's calls against that rank's keys)."""
 
     backend: Any
     ring_size: int
     ring_rank: int
     segments: Tuple[Tuple[Segment, ...], ...]   # per ring rank: its shard's segments
     lengths: Tuple[int, ...]                     # per ring rank: shard length
-    softmax_scale: float
-    causal: bool
+    call: KernelCall
     rotation: "Rotation"
-    window: Tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi_slopes: Optional[torch.Tensor] = None
-    deterministic: bool = False
-
-    @property
-    def positional(self) -> bool:
-        return tuple(self.window) != (-1, -1) or self.alibi_slopes is not None
-
+    blocks: Dict[int, List[BlockCall]]
+    #: the packed steps (:meth:`steps`), per source; cached with the plan's shape
+    packed: Dict[int, list] = field(default_factory=dict)
     #: document boundaries of a packed call (None: one sequence)
     cu_seqlens: Optional[Tuple[int, ...]] = None
     #: a ``mask=`` call: what it keeps (:class:`usp_hal.masks.Predicate`; causal, window and
@@ -210,16 +225,14 @@ class RingContext:
     device: Optional[Any] = None        # where the masks of a masked call live
 
     def calls(self, src: int) -> List[BlockCall]:
-        return plan_blocks(self.segments[self.ring_rank], self.segments[src], causal=self.causal,
-                           window=self.window, positional=self.positional, diagonal=src == self.ring_rank,
-                           cu_seqlens=self.cu_seqlens)
+        return self.blocks[src]
 
     @property
     def packs(self) -> bool:
         """Batch each step's per-document calls into varlen calls: packed documents, a backend
         with a varlen entry point, and no alibi (its bias depends on each call's key offset;
         with a window only the calls without one are packed, see :func:`pack_calls`)."""
-        return (self.cu_seqlens is not None and self.alibi_slopes is None and self.predicate is None
+        return (self.cu_seqlens is not None and self.call.alibi_slopes is None and self.predicate is None
                 and getattr(self.backend, "VARLEN_KERNEL", False))
 
     def steps(self, src: int) -> Sequence[Union[BlockCall, PackedCall]]:
@@ -227,26 +240,34 @@ class RingContext:
         calls = self.calls(src)
         if len(calls) < 2 or not self.packs:
             return calls
-        cache = self.__dict__.setdefault("_packed_steps", {})
-        got = cache.get(src)
+        got = self.packed.get(src)
         if got is None:
-            got = cache[src] = pack_calls(calls, windowed=tuple(self.window) != (-1, -1))
+            got = self.packed[src] = pack_calls(calls, windowed=self.call.has_window)
         return got
 
-    def packed_kwargs(self, pc: PackedCall) -> dict:
-        return dict(softmax_scale=self.softmax_scale, causal=pc.causal, window=tuple(self.window),
-                    softcap=self.softcap)
+    def block_call(self, c: BlockCall, src: int) -> KernelCall:
+        """The value of one block call of the plan, derived from the call's (once per plan):
+        its causal flag and key offset; in a masked call causal and the window are part of
+        the predicate, and a partial block carries its dense mask."""
+        cache = self.__dict__.setdefault("_block_calls", {})
+        got = cache.get((c, src))
+        if got is None:
+            if self.predicate is None:
+                got = self.call.with_(causal=c.causal, key_offset=c.key_offset)
+            else:
+                got = self.call.with_(causal=False, window=(-1, -1), key_offset=c.key_offset,
+                                      mask=self.block_mask(src, c) if c.masked else None)
+            cache[(c, src)] = got
+        return got
 
-    def kernel_kwargs(self, call: BlockCall, src: int) -> dict:
-        if self.predicate is None:
-            return dict(softmax_scale=self.softmax_scale, causal=call.causal, window=tuple(self.window),
-                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, key_offset=call.key_offset)
-        # a masked call: causal and the window are part of the predicate; a full block needs no mask
-        kw = dict(softmax_scale=self.softmax_scale, causal=False, window=(-1, -1), softcap=self.softcap,
-                  alibi_slopes=self.alibi_slopes, key_offset=call.key_offset)
-        if call.masked:
-            kw["mask"] = self.block_mask(src, call)
-        return kw
+    def packed_call(self, pc: PackedCall, batch: int, device) -> KernelCall:
+        """The value of one packed call (its sequences' boundaries for ``batch`` rows)."""
+        cache = self.__dict__.setdefault("_packed_calls", {})
+        key = (pc, batch, str(device))
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = self.call.with_(causal=pc.causal, packing=pc.packing(batch, device))
+        return got
 
     def block_mask(self, src: int, call: BlockCall) -> torch.Tensor:
         """The dense bool mask of one masked call (computed once per plan, on the backend's device)."""
@@ -370,20 +391,20 @@ def _kernel_call(ctx: RingContext, call: BlockCall, src: int):
     if got is not None and got[0] is call:
         return got[1]
     backend = ctx.backend
-    kw = ctx.kernel_kwargs(call, src)
-    if "mask" in kw or not backend.binds_forward():
+    kc = ctx.block_call(call, src)
+    if kc.mask is not None or not backend.binds_forward():
         def fn(q, k, v):
-            return backend.forward(q, k, v, **kw)
+            return backend.forward(q, k, v, kc)
     else:
         cache: BoundedCache = BoundedCache(8)
 
         def fn(q, k, v):
             if not backend.binds_forward():        # wrapped since (the harness's kernel timer): go through it
-                return backend.forward(q, k, v, **kw)
+                return backend.forward(q, k, v, kc)
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device)
             bound = cache.get(key)
             if bound is None:
-                bound = cache.put(key, backend.bind(q, k, v, **kw))
+                bound = cache.put(key, backend.bind(q, k, v, kc))
             return bound(q, k, v)
     calls.put((id(call), src), (call, fn))
     return fn
@@ -400,7 +421,7 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             out, lse = _kernel_call(ctx, one, ctx.ring_rank)(q, k, v)
             mdt = merge_dtype(q.dtype)
             return out, (lse if lse.dtype == mdt else lse.to(mdt))
-    acc = _Accumulator(q, v.shape[-1], empty_rows=tuple(ctx.window) != (-1, -1) or ctx.predicate is not None)
+    acc = _Accumulator(q, v.shape[-1], empty_rows=ctx.call.has_window or ctx.predicate is not None)
     if q.shape[2] == 0:   # more ulysses ranks than heads: every member of this ring has none
         return acc.result()
     n = q.shape[1]
@@ -409,7 +430,7 @@ def ring_forward(ctx: RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             if isinstance(c, PackedCall):
                 b = q.shape[0]
                 out, lse = ctx.backend.forward_packed(c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"),
-                                                      c.packing(b, q.device), **ctx.packed_kwargs(c))
+                                                      ctx.packed_call(c, b, q.device))
                 acc.add_packed(c, out, lse)
             else:       # whole tensors where the call spans them (a slice is a dispatch of its own)
                 qc = q if c.q_start == 0 and c.q_stop == n else q[:, c.rows]
@@ -432,8 +453,7 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
 
     def kernel_backward(c, src, kb, vb):
         return ctx.backend.backward(dout[:, c.rows], q[:, c.rows], kb[:, c.cols], vb[:, c.cols], out[:, c.rows],
-                                    lse[:, :, c.rows], deterministic=ctx.deterministic, dropout_p=0.0,
-                                    **ctx.kernel_kwargs(c, src))
+                                    lse[:, :, c.rows], ctx.block_call(c, src))
 
     one = _single_call(ctx, q, k)
     if one is not None and ctx.rotation.codecs is None:
@@ -451,8 +471,7 @@ def ring_backward(ctx: RingContext, dout, q, k, v, out, lse):
             if isinstance(c, PackedCall):
                 gq, gk, gv = ctx.backend.backward_packed(
                     c.gather(dout, "q"), c.gather(q, "q"), c.gather(kb, "k"), c.gather(vb, "k"), c.gather(out, "q"),
-                    c.gather_lse(lse), c.packing(b, q.device), deterministic=ctx.deterministic,
-                    **ctx.packed_kwargs(c))
+                    c.gather_lse(lse), ctx.packed_call(c, b, q.device))
                 dq.add(gq.view(b, -1, *gq.shape[1:]), c.where("q", q.device))
                 gq = None
                 part.add(gk.view(b, -1, *gk.shape[1:]), gv.view(b, -1, *gv.shape[1:]), c.where("k", k.device))

@@ -22,7 +22,7 @@ import torch
 
 from ..bounded import BoundedCache
 from ..dispatch.capabilities import AttnRequest
-from ..dispatch.registry import REGISTRY
+from ..dispatch.registry import Dispatch
 from ..parallel import comm
 from ..parallel.comm import CommError
 from ..parallel.heads import HeadPlan
@@ -31,10 +31,10 @@ from . import plan as _plan
 from . import run as _run
 from .entry import Checked, check
 from .maskcheck import agree_mask
-from .options import CallOptions, check_mode, sink_options
+from .options import CallOptions, check_mode, check_sinks, sink_options
 from .plan import CallPlan
 from .spec import CallSpec, TensorDigests
-from .validate import Joint, JointInfo, USPError, check_live, check_sinks, is_live
+from .validate import Joint, JointInfo, USPError, check_live, is_live
 
 __all__ = ["Pipeline", "CallOptions", "CallPlan", "USPError", "Joint", "JointInfo", "pipeline_of"]
 
@@ -75,7 +75,7 @@ class Pipeline:
         #: run the head groups one after another, each group's buffers gone before the next
         #: starts, and keep only sequence-layout tensors for the backward (``low_memory``)
         self.sequential = sequential
-        self.backends: Dict[AttnRequest, Any] = {}
+        self.dispatch = Dispatch(attn_type)         # the backend instance of each dispatch request
         self.digests = TensorDigests(_LIMIT)
         self.frozen: Optional[Tuple[CallSpec, list]] = None      # check_ranks="first_call": the checked call
         self.plans: BoundedCache = BoundedCache(_LIMIT)          # (signature, lengths) -> CallPlan
@@ -96,10 +96,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ caches
     def backend_for(self, req: AttnRequest):
-        got = self.backends.get(req)
-        if got is None:
-            got = self.backends[req] = REGISTRY.select(self.attn_type, req)()
-        return got
+        return self.dispatch(req)
 
     def digest(self, t: torch.Tensor) -> int:
         """Digest of small tensors (alibi slopes), cached per tensor object and version."""

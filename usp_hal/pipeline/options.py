@@ -8,10 +8,14 @@ new field here plus what the kernels do with it, not a change of the op's schema
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
+import torch
+
 from ..bounded import put
+from ..dispatch.capabilities import KernelCall
 
 
 class Sinks:
@@ -107,6 +111,25 @@ class CallOptions:
     def with_(self, **kw) -> "CallOptions":
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **kw})
 
+    def literal(self) -> "CallOptions":
+        """The options with every number a Python literal (scale, softcap and dropout as floats,
+        the window as ints): what the compiled op's one string carries."""
+        return self.with_(scale=float(self.scale) if self.scale is not None else None,
+                          window=tuple(int(x) for x in self.window), softcap=float(self.softcap),
+                          dropout_p=float(self.dropout_p))
+
+    def kernel_call(self, *, head_dim: int, heads: int, batch: int, alibi_slopes=None, sinks=None, q=None,
+                    **flags) -> KernelCall:
+        """The options checked (:func:`check_options`) as the call's
+        :class:`~usp_hal.dispatch.capabilities.KernelCall` (``flags``: ``needs_grad``,
+        ``needs_lse``): what the attention call's plan and a decode step build their kernel
+        calls from.  The scale is a float (``1/sqrt(head_dim)`` when not given)."""
+        win, cap, scale = check_options(window=self.window, softcap=self.softcap, scale=self.scale,
+                                        head_dim=head_dim, alibi_slopes=alibi_slopes, heads=heads, batch=batch,
+                                        sinks=sinks, q=q)
+        return KernelCall(scale=scale, causal=bool(self.causal), window=win, softcap=cap, alibi_slopes=alibi_slopes,
+                          dropout_p=float(self.dropout_p or 0.0), deterministic=bool(self.deterministic), **flags)
+
     def __hash__(self) -> int:       # computed once: the value keys the pipeline's caches on every call
         h = self.__dict__.get("_hash")
         if h is None:
@@ -137,6 +160,55 @@ class CallOptions:
             from ..sequence.masks import Mask
             kw["mask"] = Mask.by_handle(kw["mask"])
         return cls(**kw)
+
+
+def check_scale(scale: float) -> None:
+    """Refuse a softmax scale that is not a finite positive number: kernels (torch's own CPU
+    flash kernel among them) return NaN for a negative or zero scale together with a causal
+    mask, and a non-finite scale has no finite answer."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale={scale!r}: the scale must be a finite number > 0; for a negative scale "
+                         "-s pass softmax_scale=s with the query negated (-q), and for scale 0 (uniform attention) "
+                         "pass a zero query with any positive scale")
+
+
+def check_sinks(sinks, q) -> Optional[Exception]:
+    """The error for sink logits that do not fit the call (None: they do)."""
+    h = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or (h is not None and sinks.shape[0] != h):
+        return ValueError(f"sinks must be a 1-D tensor of one logit per query head ({h}), got "
+                          f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        return ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    if isinstance(q, torch.Tensor) and sinks.device != q.device:
+        return ValueError(f"sinks are on {sinks.device}, the query on {q.device}")
+    return None
+
+
+def check_options(*, window, softcap, scale, head_dim: int, alibi_slopes, heads: int, batch: int, sinks=None,
+                  q=None) -> Tuple[Tuple[int, int], float, float]:
+    """The options an attention call and a decode step share, checked alike for both
+    (:meth:`CallOptions.kernel_call`):
+    ``(window, softcap, scale)`` as numbers (``scale`` None: ``1/sqrt(head_dim)``);
+    ``alibi_slopes`` ``[heads]`` or ``[batch, heads]``; ``sinks`` (when given) one floating
+    logit per query head of ``q``, on its device."""
+    win = window_pair(window)
+    if len(win) != 2 or any(x < -1 for x in win):
+        raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window}")
+    softcap = float(softcap)
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must be a tensor of shape ({heads},) or ({batch}, {heads}), got "
+                             f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
+    if sinks is not None:
+        err = check_sinks(sinks, q)
+        if err is not None:
+            raise err
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+    check_scale(scale)
+    return (win[0], win[1]), softcap, scale
 
 
 def plain(x) -> bool:

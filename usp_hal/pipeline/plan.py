@@ -71,18 +71,6 @@ class CallPlan:
         return self.stages[0].ring
 
 
-class PlannedRing(RingContext):
-    """A RingContext whose block plans were computed once for this shape."""
-
-    def __init__(self, shape: Shape, **kw):
-        super().__init__(**kw)
-        self._calls = shape.calls
-        self._packed_steps = shape.packed     # the packed steps are cached with the shape
-
-    def calls(self, src: int):
-        return self._calls[src]
-
-
 def shape_of(pipe, mesh, spec: CallSpec, lengths, heads: HeadPlan, cu=None, mask=None, backend=None) -> Shape:
     key = (id(mesh), spec.heads, spec.kv_heads, spec.causal, spec.window, spec.alibi != 0, spec.joint,
            tuple(lengths), spec.docs, (id(mask), mask.state()) if mask is not None else 0,
@@ -191,15 +179,14 @@ def build(pipe, mesh, checked: Checked, lengths, head_groups=None) -> CallPlan:
         rotation_cls = Rotation if shape.local_only else pipe.rotation_cls
         rotation = rotation_cls(mesh.ring_group, mesh.ring_ranks, me_r, shape.ring_lengths,
                                 where=mesh.where("ring"), codecs=ring_codecs)
-        slopes = None
+        # the call's one value, with this stage's alibi slopes; the ring derives each block's from it
+        call = local.call
         qa, qc = group.q[me_u]
-        if local.alibi is not None:
-            slopes = local.alibi[..., qa:qc].to(device=local.device, dtype=torch.float32)
-        ring = PlannedRing(shape, backend=local.backend, ring_size=mesh.ring_degree, ring_rank=me_r,
-                           segments=shape.segments, lengths=shape.ring_lengths, softmax_scale=spec.scale,
-                           causal=spec.causal, rotation=rotation, window=spec.window, softcap=spec.softcap,
-                           alibi_slopes=slopes, deterministic=spec.deterministic, cu_seqlens=shape.cu,
-                           predicate=shape.predicate, mask_heads=(qa, qc), device=local.device)
+        if call.alibi_slopes is not None:
+            call = call.with_(alibi_slopes=call.alibi_slopes[..., qa:qc].to(device=local.device, dtype=torch.float32))
+        ring = RingContext(local.backend, mesh.ring_degree, me_r, shape.segments, shape.ring_lengths, call, rotation,
+                           shape.calls, shape.packed, cu_seqlens=shape.cu, predicate=shape.predicate,
+                           mask_heads=(qa, qc), device=local.device)
         stages.append(Stage(exchange, ring, (qa, qc)))
     # a kernel declared to carry a non-finite query into its row (PROPAGATES_NAN: device types) needs no guard
     guard = spec.device_type not in type(local.backend).PROPAGATES_NAN

@@ -343,6 +343,27 @@ class USPFunction(torch.autograd.Function):
         return dq, dk, dv, (dsinks.to(sinks.dtype) if dsinks is not None else None), None, None
 
 
+def run_keeping_kv(plan: CallPlan, q, k, v, sinks=None):
+    """A forward-only call of a one-stage plan that also hands back this rank's head-layout
+    K/V as the call's own Ulysses all-to-all delivers them (what a KV cache's prefill keeps,
+    with no extra collective): ``(out, kh, vh)``."""
+    kept: list = []
+
+    class Keep:
+        def __init__(self, pending):
+            self.pending = pending
+
+        def wait(self):
+            got = self.pending.wait()
+            kept.append(got)
+            return got
+
+    with torch.no_grad():
+        out, _ = run(plan, q, k, v, Keep(plan.stages[0].exchange.start_qkv(q, k, v)), sinks)  # type: ignore[arg-type]
+    _, kh, vh = kept[0]
+    return out, kh, vh
+
+
 def run(plan: CallPlan, q, k, v, received: Optional[Received] = None, sinks=None):
     """``(out, lse or None)``: through the autograd Function when the call needs gradients,
     else the forward alone (nothing saved)."""

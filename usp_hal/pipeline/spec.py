@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..bounded import BoundedCache
+from ..dispatch.capabilities import KernelCall
 from ..parallel.comm import digest_ints, dtype_code
 
 # fields that may differ between ranks (everything else must agree)
@@ -61,9 +62,28 @@ class CallSpec:
     def positional(self) -> bool:
         return tuple(self.window) != (-1, -1) or self.alibi != 0
 
+    @classmethod
+    def of(cls, call: KernelCall, **rest) -> "CallSpec":
+        """The spec of a call whose options are ``call``: the fields it shares with the
+        :class:`KernelCall` (by name) from it, the others from ``rest``."""
+        return spec_of(cls, call, **rest)
+
     def meta(self) -> List[int]:
         """The metadata vector: error flag 0, then every field encoded as integers."""
         return meta_vector(self)
+
+
+def spec_of(cls, call: KernelCall, **rest):
+    """An instance of the spec dataclass ``cls`` whose fields named like a :class:`KernelCall`
+    field come from ``call`` (so a new kernel option is agreed on by declaring it in both)."""
+    shared = _SHARED.get(cls)
+    if shared is None:
+        own = {f.name for f in fields(KernelCall)}
+        shared = _SHARED[cls] = tuple(f.name for f in fields(cls) if f.name in own)
+    return cls(**{name: getattr(call, name) for name in shared if name not in rest}, **rest)
+
+
+_SHARED: Dict[type, Tuple[str, ...]] = {}
 
 
 def meta_vector(spec) -> List[int]:
@@ -119,13 +139,13 @@ def _encode(value) -> List[int]:
     raise TypeError(f"cannot encode {value!r} in the call metadata")
 
 
-def decode_rows(rows: Sequence[Sequence[int]]) -> List[Dict[str, int]]:
-    """Per rank: field name -> encoded value(s) (tuple for multi-int fields)."""
+def decode_rows(rows: Sequence[Sequence[int]], kind: type = CallSpec) -> List[Dict[str, int]]:
+    """Per rank: field name -> encoded value(s) (tuple for multi-int fields) of a ``kind`` spec."""
     out = []
     for row in rows:
         i = 1
         d: dict = {}
-        for f in fields(CallSpec):
+        for f in fields(kind):
             w = _width(f.name)
             d[f.name] = tuple(row[i:i + w]) if w > 1 else row[i]
             i += w
@@ -133,18 +153,24 @@ def decode_rows(rows: Sequence[Sequence[int]]) -> List[Dict[str, int]]:
     return out
 
 
-def compare(rows: Sequence[Sequence[int]], ranks: Sequence[object], local: Optional[CallSpec] = None) -> List[str]:
-    """Human-readable differences between the ranks' specs (``local_len`` excepted)."""
-    decoded = decode_rows(rows)
+def compare(rows: Sequence[Sequence[int]], ranks: Sequence[object], local=None, kind: Optional[type] = None
+            ) -> List[str]:
+    """Human-readable differences between the ranks' specs: one line per differing field,
+    every rank's value (the metadata vectors of a ``kind`` spec, by default :class:`CallSpec`,
+    whose per-rank ``local_len`` and ``positions`` are not compared).  A field whose metadata
+    has a ``label`` (what the decode spec's fields say they are) is named by it too."""
+    kind = kind if kind is not None else type(local) if local is not None else CallSpec
+    decoded = decode_rows(rows, kind)
     diffs = []
-    for f in fields(CallSpec):
-        if f.name in PER_RANK:
+    for f in fields(kind):
+        if kind is CallSpec and f.name in PER_RANK:
             continue
         vals = [d[f.name] for d in decoded]
         if len(set(vals)) > 1:
             mine = getattr(local, f.name) if local is not None else None
             shown = ", ".join(f"rank {r}={_show(f.name, v, mine, local, d)}" for r, v, d in zip(ranks, vals, decoded))
-            diffs.append(f"{f.name}: {shown}")
+            label = f.metadata.get("label")
+            diffs.append(f"{label} ({f.name}): {shown}" if label else f"{f.name}: {shown}")
     return diffs
 
 
@@ -185,6 +211,19 @@ def _known_strings() -> List[str]:
     return names
 
 
+def fingerprint(*ts: torch.Tensor) -> int:
+    """Cheap exact-ish fingerprint of tensors (the same inputs give the same ints on every
+    rank: replicated tensors are computed by the same ops): two weighted sums per tensor,
+    read to the host together (one device->host copy)."""
+    sums = []
+    for t in ts:
+        x = t.detach().to(torch.float64).reshape(-1)
+        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        sums += [x.sum(), (x * w).sum()]
+    vals = torch.stack(sums).tolist() if sums else []
+    return digest_ints(list(struct.unpack(f"<{len(vals)}q", struct.pack(f"<{len(vals)}d", *vals))))
+
+
 def digest_tensor(t: torch.Tensor) -> int:
     """A non-zero 63-bit digest of a tensor's values (exact: any changed bit changes it)."""
     data = t.detach().to("cpu", torch.float64).contiguous()
@@ -208,4 +247,4 @@ class TensorDigests:
 
 
 __all__ = ["CallSpec", "TensorDigests", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
-           "field_index", "meta_length", "meta_vector"]
+           "field_index", "fingerprint", "meta_length", "meta_vector", "spec_of"]

@@ -4,18 +4,16 @@ needs: the backend, the head plan, the alibi slopes).  Nothing is communicated h
 error is raised to the caller, which keeps it for the agreement step."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..dispatch import platform as _platform
-from ..dispatch.capabilities import AttnRequest
+from ..dispatch.capabilities import AttnRequest, KernelCall
 from ..parallel.heads import HeadPlan, head_plan
 from ..sequence.positions import as_cu_seqlens
-from .options import CallOptions, window_pair
+from .options import CallOptions
 from .spec import CallSpec, digest_ints
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -23,54 +21,6 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 class USPError(ValueError):
     """A call that cannot run as asked (raised identically on every rank)."""
-
-
-def check_scale(scale: float) -> None:
-    """Refuse a softmax scale that is not a finite positive number: kernels (torch's own CPU
-    flash kernel among them) return NaN for a negative or zero scale together with a causal
-    mask, and a non-finite scale has no finite answer."""
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale={scale!r}: the scale must be a finite number > 0; for a negative scale "
-                         "-s pass softmax_scale=s with the query negated (-q), and for scale 0 (uniform attention) "
-                         "pass a zero query with any positive scale")
-
-
-def check_sinks(sinks, q) -> Optional[Exception]:
-    """The error for sink logits that do not fit the call (None: they do)."""
-    h = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
-    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or (h is not None and sinks.shape[0] != h):
-        return ValueError(f"sinks must be a 1-D tensor of one logit per query head ({h}), got "
-                          f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
-    if not sinks.is_floating_point():
-        return ValueError(f"sinks must be floating point, got {sinks.dtype}")
-    if isinstance(q, torch.Tensor) and sinks.device != q.device:
-        return ValueError(f"sinks are on {sinks.device}, the query on {q.device}")
-    return None
-
-
-def check_options(*, window, softcap, scale, head_dim: int, alibi_slopes, heads: int, batch: int, sinks=None,
-                  q=None) -> Tuple[Tuple[int, int], float, float]:
-    """The options an attention call and a decode step share, checked alike for both:
-    ``(window, softcap, scale)`` as numbers (``scale`` None: ``1/sqrt(head_dim)``);
-    ``alibi_slopes`` ``[heads]`` or ``[batch, heads]``; ``sinks`` (when given) one floating
-    logit per query head of ``q``, on its device."""
-    win = window_pair(window)
-    if len(win) != 2 or any(x < -1 for x in win):
-        raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window}")
-    softcap = float(softcap)
-    if not softcap >= 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
-            raise ValueError(f"alibi_slopes must be a tensor of shape ({heads},) or ({batch}, {heads}), got "
-                             f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
-    if sinks is not None:
-        err = check_sinks(sinks, q)
-        if err is not None:
-            raise err
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
-    check_scale(scale)
-    return (win[0], win[1]), softcap, scale
 
 
 def share(total: int, parts: int, i: int) -> Tuple[int, int]:
@@ -144,11 +94,13 @@ def check_joint(mesh, q, jq, jk, jv, strategy) -> Optional[Joint]:
 
 @dataclass
 class Local:
-    """What this rank alone needs to plan and run a call (beside the shared spec)."""
+    """What this rank alone needs to plan and run a call (beside the shared spec): its
+    backend, its head plan, the call's :class:`KernelCall` (the one value the plan gives the
+    ring), the dispatch request, document boundaries and mask."""
 
     backend: Any
     heads: HeadPlan
-    alibi: Optional[torch.Tensor]
+    call: KernelCall
     device: torch.device
     request: AttnRequest
     cu_seqlens: Optional[Tuple[int, ...]]
@@ -213,18 +165,20 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
         raise ValueError(f"query heads ({h}) must be a positive multiple of key/value heads ({hkv})")
     if d < 1 or v.shape[3] < 1:
         raise ValueError("head_dim must be >= 1")
-    win, softcap, scale = check_options(window=opts.window, softcap=opts.softcap, scale=opts.scale, head_dim=d,
-                                        alibi_slopes=alibi_slopes, heads=h, batch=b)
+    R, U = mesh.ring_degree, mesh.ulysses_degree
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    # the call's one kernel value (its options checked); the plan hands it to the ring
+    call = opts.kernel_call(head_dim=d, heads=h, batch=b, alibi_slopes=alibi_slopes, needs_grad=bool(needs_grad),
+                            needs_lse=R > 1 or bool(opts.return_lse) or bool(opts.sinks))
+    causal, positional = call.causal, call.positional
     if opts.dropout_p:
         raise NotImplementedError(
             f"dropout_p={opts.dropout_p}: attention dropout inside sequence-parallel attention is refused, since "
             "no kernel's dropout mask can be reproduced across Ulysses/ring blocks and the backward; "
             "use dropout_p=0.0 (apply dropout to the attention output instead)")
-    causal = bool(opts.causal)
     alibi = pipe.digest(alibi_slopes) if alibi_slopes is not None else 0
-    R, U = mesh.ring_degree, mesh.ulysses_degree
     layout = pipe.layout
-    positional = win != (-1, -1) or alibi_slopes is not None
     if joint is not None and R > 1 and not layout.contiguous and (positional or causal):
         raise NotImplementedError(f"joint tokens with causal/window/alibi and the {layout.name} layout on "
                                   "a ring are not supported (its shards are not contiguous); use "
@@ -259,27 +213,16 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
     docs = digest_ints(cu) if cu is not None else 0
     plan = head_plan(h, hkv, U)
     hq_loc, hk_loc = plan.local_heads(mesh.ulysses_rank)
-    device_type = _platform.device_type_of(q.device)
-    if needs_grad is None:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    spec = CallSpec(batch=b, local_len=s, heads=h, kv_heads=hkv, head_dim=d, v_dim=int(v.shape[3]),
-                    dtype=q.dtype, device_type=device_type, causal=causal, window=win, softcap=softcap,
-                    scale=scale, alibi=alibi, dropout_p=0.0, deterministic=bool(opts.deterministic),
-                    needs_grad=needs_grad, return_lse=bool(opts.return_lse), layout=layout.name,
-                    rotation=pipe.rotation, ulysses=U, ring=R, wire=pipe.wire_name, positions=pos_digest,
-                    joint="" if joint is None else f"{joint.strategy}:{joint.total}", docs=docs,
-                    mask=mask_digest(pipe, mask, causal, win, cu, b) if mask is not None else 0,
-                    sinks=int(opts.sinks))
-    req = AttnRequest(
-        dtype=q.dtype, device_type=device_type, head_dim=d, head_dim_v=int(v.shape[3]),
-        num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1), causal=causal, window=win,
-        softcap=softcap, alibi=alibi_slopes is not None, dropout_p=0.0, needs_grad=needs_grad,
-        needs_lse=R > 1 or bool(opts.return_lse) or bool(opts.sinks), deterministic=bool(opts.deterministic),
-        key_offset=R > 1 or joint is not None,
-        compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
-        device_model=_platform.device_model(device_type, q.device.index or 0), varlen=cu is not None,
-        mask=mask is not None)
-    return spec, Local(pipe.backend_for(req), plan, alibi_slopes, q.device, req, cu, mask)
+    # what the kernels of this rank will see: its heads after the Ulysses split, key offsets on ring blocks
+    req = AttnRequest.of(q, k, v, call, lengths=False, num_heads=max(hq_loc, 1), num_kv_heads=max(hk_loc, 1),
+                         key_offset=R > 1 or joint is not None, varlen=cu is not None, mask=mask is not None)
+    spec = CallSpec.of(call, batch=b, local_len=s, heads=h, kv_heads=hkv, head_dim=d, v_dim=int(v.shape[3]),
+                       dtype=q.dtype, device_type=req.device_type, alibi=alibi, return_lse=bool(opts.return_lse),
+                       layout=layout.name, rotation=pipe.rotation, ulysses=U, ring=R, wire=pipe.wire_name,
+                       positions=pos_digest, joint="" if joint is None else f"{joint.strategy}:{joint.total}",
+                       docs=docs, mask=mask_digest(pipe, mask, causal, call.window, cu, b) if mask is not None else 0,
+                       sinks=int(opts.sinks))
+    return spec, Local(pipe.backend_for(req), plan, call, q.device, req, cu, mask)
 
 
 def is_live(mesh) -> bool:

@@ -35,7 +35,7 @@ local, the work per rank and the set of block shapes), which the call pipeline
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
@@ -115,6 +115,30 @@ def plan_blocks(q_segs: Sequence[Segment], k_segs: Sequence[Segment], *, causal:
             ko += ks.count
         qo += qs.count
     return _merge_calls(calls) if not positional else calls
+
+
+def plan_runs(queries: Segment, runs: Sequence[Sequence[int]], *, causal: bool, window=(-1, -1),
+              positional: bool = False, first: int = 0) -> List[BlockCall]:
+    """Kernel calls for one query segment against keys stored as runs ``[start position,
+    count]`` (in storage order, as a KV cache holds them), restricted to the keys at positions
+    ``>= first`` (a left-padded prompt's first real token): the columns index the storage.
+    Without a cut it is :func:`plan_blocks` over the runs; with one, each run's visible part
+    is planned alone and its columns shifted to where that part sits in the storage."""
+    if not runs:
+        return []
+    if first <= min(s for s, _ in runs):
+        return plan_blocks([queries], [Segment(s, c) for s, c in runs], causal=causal, window=window,
+                           positional=positional)
+    calls, at = [], 0
+    for start, count in runs:
+        lo = max(start, first)
+        if lo < start + count:
+            skip = at + lo - start
+            for c in plan_blocks([queries], [Segment(lo, start + count - lo)], causal=causal, window=window,
+                                 positional=positional):
+                calls.append(replace(c, k_start=c.k_start + skip, k_stop=c.k_stop + skip))
+        at += count
+    return calls
 
 
 def _document_calls(q_segs, k_segs, cu, causal: bool, window, positional: bool) -> List[BlockCall]:
@@ -312,7 +336,7 @@ def _block_plans(layout, seqlen: int, ring_size: int, causal: bool, window, posi
 
 
 __all__ = ["Block", "BlockCall", "RingPlan", "balance", "block_plans", "call_work", "pack_groups", "plan_blocks",
-           "plan_ring"]
+           "plan_ring", "plan_runs"]
 
 
 # ------------------------------------------------------------ per-rank summaries of the plans

@@ -1,5 +1,5 @@
-"""Serving long contexts: a KV cache sharded over the ``U x R`` mesh, prefill through the USP
-call, and decode steps merged exactly by lse.
+"""Serving long contexts: a KV cache sharded over the ``U x R`` mesh, filled by a load or a
+prefill through the USP call (``usp_hal.serving.fill``), and decode steps merged exactly by lse.
 
 Where the tokens live (:class:`ShardedKVCache`)::
 
@@ -11,10 +11,6 @@ Where the tokens live (:class:`ShardedKVCache`)::
       lowest ring rank), so every ring rank holds S_b / R tokens of each sequence b plus at
       most one block (a sequence that starts on one rank is evened out as it grows)
 
-Prefill (:meth:`ShardedKVCache.prefill`) is the module's own USP call: the Ulysses
-all-to-all that the call makes anyway delivers each rank the head-layout K/V of its ring
-shard, and the cache keeps that (one copy into the cache's storage, no extra collective).
-
 Decode (:meth:`ShardedKVCache.decode`) of ``n`` new tokens per sequence, with q/k/v of the new
 tokens on every rank of the sequence-parallel group (replicated after the projections):
 
@@ -23,16 +19,19 @@ tokens on every rank of the sequence-parallel group (replicated after the projec
    every rank's belief about where every token lives, and every rank's actual lengths;
    any difference raises the same error on every rank before any data moves;
 2. the owners append the new K/V (no communication: every rank has them);
-3. each rank attends its query heads to its cached tokens through a registry backend, one
-   kernel call per contiguous run of positions (the ring's block plan, ``blocks.plan_blocks``:
-   full rectangles and square causal diagonals, with key offsets for window/ALiBi), merged
-   per rank in float32 (float64 for float64 inputs); with ``key_start`` (left-padded
-   prompts) the runs are cut so that no call reads a key before its row's first real token;
+3. each rank attends its query heads to its cached tokens on the attention call's parts: the
+   options become a :class:`~usp_hal.dispatch.capabilities.KernelCall` as the call's do
+   (:meth:`usp_hal.pipeline.CallOptions.kernel_call`), the backend comes from a
+   :class:`~usp_hal.dispatch.registry.Dispatch` like the pipeline's, and there is one kernel
+   call per contiguous run of positions (the ring's block plan, ``blocks.plan_runs``: full
+   rectangles and square causal diagonals, with key offsets for window/ALiBi; with
+   ``key_start`` (left-padded prompts) no call reads a key before its row's first real
+   token), merged by the ring's merge in float32 (float64 for float64 inputs);
 4. ONE ``all_gather`` over the sequence-parallel group of every rank's partial ``(out, lse)``
    (float32: ``B * n * h_max * (Dv + 1) * 4`` bytes sent per rank, ``W`` times that received,
    ``h_max`` the largest head count of a Ulysses rank); every rank merges the ring ranks'
-   partials of each head group by lse (exact: weights ``exp(lse_r - max)``) and joins the
-   head groups, so every rank returns the full ``[B, n, H, Dv]`` output, bit-identical.
+   partials of each head group by lse with the ring's merge (exact) and joins the head
+   groups, so every rank returns the full ``[B, n, H, Dv]`` output, bit-identical.
 
 A rank whose cached tokens are all invisible (or that holds none) contributes lse = -inf,
 weight 0.  Attention sinks (``sinks=``, one logit per head) join the merged result once,
@@ -40,48 +39,27 @@ after the merge over the ring ranks (``lse' = logaddexp(lse, sink)``), as in the
 """
 from __future__ import annotations
 
-import math
-import struct
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..dispatch import platform as _platform
-from ..dispatch.capabilities import AttnRequest
-from ..dispatch.registry import REGISTRY
+from ..dispatch.capabilities import AttnRequest, KernelCall
+from ..dispatch.registry import REGISTRY, Dispatch
 from ..parallel.comm import agree, all_gather_bytes, all_gather_single, collective, digest_ints, dtype_code
 from ..parallel.heads import head_plan
-from ..parallel.ring import merge_block, merge_dtype
-from ..pipeline.options import window_pair
-from ..pipeline.spec import TensorDigests, meta_vector
-from ..pipeline.validate import check_options
-from ..sequence.blocks import plan_blocks
-from ..sequence.positions import Segment, check_layout, ring_segments
-from .blocktable import BlockTable, Piece, add_run
+from ..parallel.ring import merge_block, merge_dtype, merge_partials
+from ..pipeline.options import CallOptions
+from ..pipeline.spec import TensorDigests, compare, meta_vector, spec_of
+from ..pipeline.spec import fingerprint as fingerprint_of
+from ..sequence.blocks import plan_runs
+from ..sequence.positions import Segment, check_layout
+from .blocktable import BlockTable, Piece
+from .fill import SERVING_WHAT, CacheFilling
 
 __all__ = ["ShardedKVCache", "merge_partials", "decode_bytes", "SERVING_WHAT"]
 
-SERVING_WHAT = "usp_hal sharded KV cache"
 _FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of ``P`` partial attentions over disjoint key sets.
-
-    ``outs`` ``[P, B, n, h, D]`` and ``lses`` ``[P, B, h, n]`` (natural log, -inf for a part
-    that saw no key); returns ``(out [B, n, h, D], lse [B, h, n])`` in the dtype of ``outs``:
-    ``lse = log sum_p exp(lse_p)`` and ``out = sum_p exp(lse_p - lse) out_p``.  Rows that no
-    part saw give out 0 and lse -inf (never NaN)."""
-    top = lses.amax(0)
-    finite = torch.isfinite(top)
-    ref = torch.where(finite, top, torch.zeros_like(top))
-    w = torch.exp(lses - ref)                          # a part with lse -inf weighs 0
-    total = w.sum(0)
-    lse = torch.where(finite, ref + torch.log(total), top)
-    w = torch.where(finite, w / torch.where(finite, total, torch.ones_like(total)), torch.zeros_like(w))
-    out = (w.transpose(2, 3).unsqueeze(-1) * outs).sum(0)
-    return out, lse
 
 
 def decode_bytes(batch: int, new_tokens: int, heads_per_rank: int, v_dim: int, world: int,
@@ -91,36 +69,6 @@ def decode_bytes(batch: int, new_tokens: int, heads_per_rank: int, v_dim: int, w
     item = torch.empty((), dtype=merge_dtype(dtype)).element_size()
     send = batch * new_tokens * heads_per_rank * (v_dim + 1) * item
     return {"send": send, "recv": send * world}
-
-
-def _fingerprint(*ts: torch.Tensor) -> int:
-    """Cheap exact-ish fingerprint of tensors (the same inputs give the same ints on every
-    rank: replicated q/k/v are computed by the same ops): two weighted sums per tensor, read
-    to the host together (one device->host copy)."""
-    sums = []
-    for t in ts:
-        x = t.detach().to(torch.float64).reshape(-1)
-        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
-        sums += [x.sum(), (x * w).sum()]
-    vals = torch.stack(sums).tolist() if sums else []
-    return digest_ints(list(struct.unpack(f"<{len(vals)}q", struct.pack(f"<{len(vals)}d", *vals))))
-
-
-def _plan_from(queries: Segment, runs: List[List[int]], first: int, causal: bool, win, positional: bool) -> list:
-    """The kernel calls of ``queries`` against the stored runs ``[start position, count]``
-    (in storage order) restricted to the keys at positions ``>= first``: each run's visible
-    part planned alone, its columns shifted to where the part sits in the storage."""
-    calls = []
-    at = 0
-    for start, count in runs:
-        lo = max(start, first)
-        if lo < start + count:
-            skip = at + lo - start
-            for c in plan_blocks([queries], [Segment(lo, start + count - lo)], causal=causal, window=win,
-                                 positional=positional):
-                calls.append(replace(c, k_start=c.k_start + skip, k_stop=c.k_stop + skip))
-        at += count
-    return calls
 
 
 # --------------------------------------------------------------------------------- layer state
@@ -142,20 +90,22 @@ def _labelled(label: str):
     return field(metadata={"label": label})
 
 
-_OPTIONS = "the options (causal, window, softcap, scale, alibi, sinks, key_start)"
+_OPTIONS = "the options"
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
     """What every rank of the sequence-parallel group must agree on for one decode call.
     Its agreement vector is derived from the fields as :meth:`usp_hal.spec.CallSpec.meta`
-    derives the call's (:func:`usp_hal.spec.meta_vector`); each field names itself in a
-    disagreement.  Then come, outside the spec, this rank's ring rank and lengths."""
+    derives the call's (:func:`usp_hal.spec.meta_vector`), its options come from the call's
+    :class:`KernelCall` by name (:func:`usp_hal.pipeline.spec.spec_of`), and a disagreement is
+    told by the attention call's comparison (:func:`usp_hal.pipeline.spec.compare`), each
+    field by its label.  Then come, outside the spec, this rank's ring rank and lengths."""
 
     config: int = _labelled("the cache's configuration")
-    ulysses: int = _labelled("ulysses degree")
-    ring: int = _labelled("ring degree")
-    layer: int = _labelled("layer")
+    ulysses: int = _labelled("")
+    ring: int = _labelled("")
+    layer: int = _labelled("")
     new_tokens: int = _labelled("new tokens per sequence")
     causal: bool = _labelled(_OPTIONS)
     window: Tuple[int, int] = _labelled(_OPTIONS)
@@ -176,40 +126,17 @@ class DecodeSpec:
         return digest_ints(meta_vector(replace(self, config=0, ulysses=0, ring=0, layer=0, new_tokens=0, inputs=0,
                                                table=0)))
 
-    @staticmethod
-    def differences(rows, names) -> List[str]:
-        """One line per label whose values differ between the ranks' rows (vectors without the flag)."""
-        diffs, at = [], 0
-        cols: Dict[str, List[int]] = {}
-        for f in fields(DecodeSpec):
-            width = 2 if f.name == "window" else 1
-            cols.setdefault(f.metadata["label"], []).extend(range(at, at + width))
-            at += width
-        for label, idx in cols.items():
-            vals = [tuple(r[j] for j in idx) for r in rows]
-            if len(set(vals)) > 1:
-                diffs.append(f"{label} differs between ranks (" + ", ".join(
-                    f"rank {names[i]}: {v[0] if len(v) == 1 else v}" for i, v in enumerate(vals)) + ")")
-        return diffs
-
 
 @dataclass
 class _Decode:
-    """One decode call on this rank, checked: its spec, this rank's refusal (None: it can run)
-    and what its kernels take."""
+    """One decode call on this rank, checked: its spec, this rank's refusal (None: it can run),
+    its backend and :class:`KernelCall` (None after a refusal), and the rows' first keys."""
 
     spec: DecodeSpec
     refusal: Optional[BaseException]
     backend: Any
-    causal: bool
-    window: Tuple[int, ...]
-    softcap: float
-    alibi_slopes: Optional[torch.Tensor]
+    call: Optional[KernelCall]
     key_start: Optional[List[int]]
-
-    @property
-    def positional(self) -> bool:
-        return self.window != (-1, -1) or self.alibi_slopes is not None
 
 
 class _EveryLayer:
@@ -273,7 +200,7 @@ class _EveryStep(_EveryLayer):
         return None
 
 
-class ShardedKVCache:
+class ShardedKVCache(CacheFilling):
     """This rank's shard of a KV cache on a ``U x R`` sequence-parallel mesh (see the module doc).
 
     ``num_layers`` layers for a batch of ``batch_size`` sequences of ``num_heads`` query heads,
@@ -297,11 +224,9 @@ class ShardedKVCache:
     reading that flag from the device in every layer past 0 (a host sync per layer).
 
     The caller's contract: q, k and v of the new tokens are the same on every rank of the
-    sequence-parallel group (replicated after the projections).  What the agreement compares
-    is the cache's configuration, the layer, the number of new tokens, the options (causal,
-    window, softcap, scale, ALiBi slopes and sinks by value), the placement table and every
-    rank's lengths.  ``check_inputs=True`` (a debugging aid) also compares a fingerprint of q,
-    k and v, at the cost of one device->host read per agreed call.
+    sequence-parallel group (replicated after the projections); the agreement compares the
+    rest (:class:`DecodeSpec`, the ranks' lengths).  ``check_inputs=True`` (a debugging aid)
+    also compares a fingerprint of q, k and v, at one device->host read per agreed call.
     """
 
     def __init__(self, mesh=None, *, num_layers: int, batch_size: int, num_heads: int,
@@ -335,11 +260,10 @@ class ShardedKVCache:
         self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim = num_heads, hkv, head_dim, dv
         self.dtype, self.device = dtype, torch.device(device)
         self.block_size, self.attn_type, self.layout = block_size, attn_type, layout
-        config = [m.ulysses_degree, m.ring_degree, int(num_layers) if isinstance(num_layers, int) else -1,
-                  int(batch_size) if isinstance(batch_size, int) else -1, int(num_heads) if isinstance(num_heads, int)
-                  else -1, int(hkv) if isinstance(hkv, int) else -1, int(head_dim) if isinstance(head_dim, int)
-                  else -1, int(dv) if isinstance(dv, int) else -1, dtype_code(dtype) if isinstance(dtype, torch.dtype)
-                  else -1, int(block_size) if isinstance(block_size, int) else -1,
+        sizes = (num_layers, batch_size, num_heads, hkv, head_dim, dv)
+        config = [m.ulysses_degree, m.ring_degree, *(int(x) if isinstance(x, int) else -1 for x in sizes),
+                  dtype_code(dtype) if isinstance(dtype, torch.dtype) else -1,
+                  int(block_size) if isinstance(block_size, int) else -1,
                   digest_ints(list(str(attn_type).encode())), digest_ints(list(str(layout).encode()))]
         labels = ("ulysses_degree", "ring_degree", "num_layers", "batch_size", "num_heads", "num_kv_heads",
                   "head_dim", "v_head_dim", "dtype", "block_size", "attn_type", "layout")
@@ -358,7 +282,7 @@ class ShardedKVCache:
         self.local_heads = self.heads.local_heads(u)      # (query heads, stored KV heads)
         self.heads_max = max(b - a for a, b in self.heads.q)
         self.layers = [_Layer(batch_size, m.ring_degree) for _ in range(num_layers)]
-        self._backends: Dict[AttnRequest, Any] = {}
+        self._dispatch = Dispatch(attn_type)   # decode's backends, chosen as the pipeline chooses its own
         self.last_calls = 0          # kernel calls of the last decode on this rank (tests, benchmarks)
         self.verify = verify
         #: debug mode: every agreed decode call also compares a fingerprint of q, k and v (one
@@ -450,180 +374,7 @@ class ShardedKVCache:
                     ly.k[b, :, at:at + c] = kk[b, j:j + c].transpose(0, 1)
                     ly.v[b, :, at:at + c] = vv[b, j:j + c].transpose(0, 1)
 
-    # ------------------------------------------------------------------ filling
-    def load(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],
-             placement: Union[str, int, Sequence[Union[str, int]], None] = None) -> None:
-        """Fill ``layer`` from the global K/V ``[B, S_max, Hkv, D]`` (the same on every rank):
-        sequence ``b`` is ``k[b, :lengths[b]]``.  ``placement`` (per sequence, or one for all):
-        a layout name (its ring shards, default the cache's ``layout``) or a ring rank that
-        holds the whole sequence.  Later tokens are placed by blocks (see the module doc).
-        Collective (the ranks agree on the arguments)."""
-        m = self.mesh
-        ly = self.layers[layer] if 0 <= layer < self.num_layers else None
-        problem = None
-        per: List[Union[str, int]] = []
-        try:
-            if ly is None:
-                raise ValueError(f"layer {layer} is out of range (the cache has {self.num_layers} layers)")
-            self._check_kv(k, v, "load")
-            if len(lengths) != self.batch_size or any(int(n) < 0 or int(n) > k.shape[1] for n in lengths):
-                raise ValueError(f"lengths {list(lengths)} must give 0..{k.shape[1]} tokens for each of the "
-                                 f"{self.batch_size} sequences")
-            raw = placement if placement is not None else self.layout
-            per = list(raw) if isinstance(raw, (list, tuple)) else [raw] * self.batch_size  # type: ignore[list-item]
-            if len(per) != self.batch_size:
-                raise ValueError(f"placement has {len(per)} entries for {self.batch_size} sequences")
-            for p in per:
-                if isinstance(p, int):
-                    if not 0 <= p < m.ring_degree:
-                        raise ValueError(f"placement ring rank {p} is not in 0..{m.ring_degree - 1}")
-                else:
-                    check_layout(p)
-            if ly.filled:
-                raise ValueError(f"layer {layer} already holds tokens; reset() the cache first")
-        except (ValueError, TypeError) as exc:
-            problem = exc
-        codes = [p if isinstance(p, int) else -1 - sum(str(p).encode()) for p in per] or [0] * self.batch_size
-        self._agree(problem, "load", [layer, *[int(n) for n in lengths], *codes,
-                                      _fingerprint(k) if problem is None else 0])
-        assert ly is not None
-        me = m.ring_rank
-        segments = [[[Segment(0, int(n))] if p == r else [] if isinstance(p, int) else
-                     ring_segments(p, int(n), m.ring_degree, r) for r in range(m.ring_degree)]
-                    for n, p in zip(lengths, per)]
-        self._reserve(ly, max(1, max(sum(s.count for s in row[me]) for row in segments)))   # this rank's share only
-        kk, vv = self._my_heads(k), self._my_heads(v)
-        assert ly.k is not None and ly.v is not None
-        for b, (n, p) in enumerate(zip(lengths, per)):
-            n = int(n)
-            for r in range(m.ring_degree):
-                segs = segments[b][r]
-                ly.counts[b][r] = sum(s.count for s in segs)
-                if r != me:
-                    continue
-                for s in segs:
-                    if s.step != 1 and s.count > 1:
-                        raise ValueError(f"placement {p!r} is not contiguous; use 'basic' or 'zigzag'")
-                    at = ly.hold(b, s.start, s.count)
-                    ly.k[b, :, at:at + s.count] = kk[b, s.start:s.start + s.count].transpose(0, 1)
-                    ly.v[b, :, at:at + s.count] = vv[b, s.start:s.start + s.count].transpose(0, 1)
-            ly.total[b] = n
-
-    def prefill(self, layer: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                sinks: Optional[torch.Tensor] = None, mask=None) -> torch.Tensor:
-        """Run ``attn`` (a :class:`usp_hal.LongContextAttention` on this cache's mesh) on this rank's
-        shard ``q``/``k``/``v`` ``[B, S_local, H|Hkv, D]`` (sharded as ``attn``'s layout shards)
-        and keep the head-layout K/V its Ulysses all-to-all delivers.  Returns the call's
-        output, ``[B, S_local, H, Dv]``.  ``mask``: as for the module's call (a
-        :class:`usp_hal.masks.Mask` over global positions, e.g. the prompts' padding); every
-        key is stored, masked or not (decode excludes a left padding with ``key_start``).
-        Collective."""
-        from ..attention import LongContextAttention
-        from ..pipeline import CallOptions
-        from ..pipeline import run as _run
-        from ..pipeline.options import Sinks
-        m = self.mesh
-        ly = self.layers[layer] if 0 <= layer < self.num_layers else None
-        problem = None
-        try:
-            if not isinstance(attn, LongContextAttention):
-                raise TypeError(f"attn must be a usp_hal.LongContextAttention, got {type(attn).__name__}")
-            if attn.pipeline.resolve_mesh() != m:
-                raise ValueError("the attention module's mesh is not the cache's mesh")
-            if type(attn)._head_groups is not LongContextAttention._head_groups:
-                raise ValueError("prefill takes a plain LongContextAttention (not one that pipelines head groups)")
-            if not attn.pipeline.layout.contiguous:
-                raise ValueError(f"the {attn.pipeline.layout.name!r} layout is not contiguous; prefill a cache with "
-                                 "ring_impl_type='basic' or 'zigzag'")
-            if ly is None:
-                raise ValueError(f"layer {layer} is out of range (the cache has {self.num_layers} layers)")
-            if ly.filled:
-                raise ValueError(f"layer {layer} already holds {max(ly.total)} tokens: prefill fills an empty "
-                                 "layer (decode() appends); reset() the cache for a new batch")
-            self._check_kv(k, v, "prefill", q)
-            if mask is not None:
-                from ..sequence.masks import Mask
-                mask = Mask.of(mask)
-        except (ValueError, TypeError) as exc:
-            problem = exc
-        self._agree(problem, "prefill", [layer])
-        assert ly is not None
-        pipe = attn.pipeline
-        opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                              sinks=Sinks.given(sinks is not None), mask=mask)
-        _, plan = pipe.prepare(m, q, k, v, opts, alibi_slopes=alibi_slopes, needs_grad=False)
-        stage = plan.stages[0]
-        ring = stage.ring
-        me = m.ring_rank
-        kept: Dict[str, torch.Tensor] = {}
-
-        class _Keep:
-            """The call's own all-to-all; its head-layout K/V are kept as they arrive."""
-
-            def __init__(self, pending):
-                self.pending = pending
-
-            def wait(self):
-                qh, kh, vh = self.pending.wait()
-                kept["k"], kept["v"] = kh, vh
-                return qh, kh, vh
-
-        with torch.no_grad():
-            out, _ = _run.run(plan, q, k, v, _Keep(stage.exchange.start_qkv(q, k, v)),  # type: ignore[arg-type]
-                              sinks=sinks)
-        kh, vh = kept["k"], kept["v"]
-        n = kh.shape[1]
-        self._reserve(ly, max(n, 1))
-        assert ly.k is not None and ly.v is not None
-        ly.k[:, :, :n] = kh.transpose(1, 2)
-        ly.v[:, :, :n] = vh.transpose(1, 2)
-        for b in range(self.batch_size):
-            ly.local[b] = n
-            ly.runs[b] = []
-            for s in ring.segments[me]:
-                add_run(ly.runs[b], s.start, s.count)
-            ly.counts[b] = list(ring.lengths)
-            ly.total[b] = sum(ring.lengths)
-        return out
-
-    def _check_kv(self, k, v, what: str, q=None) -> None:
-        for name, t in (("key", k), ("value", v)) + ((("query", q),) if q is not None else ()):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"{what}: {name} must be a [batch, seq, heads, head_dim] tensor")
-        want_h = self.num_heads
-        if k.shape[0] != self.batch_size or k.shape[2] != self.num_kv_heads or k.shape[3] != self.head_dim:
-            raise ValueError(f"{what}: key {tuple(k.shape)} does not match the cache (batch {self.batch_size}, "
-                             f"{self.num_kv_heads} KV heads, head_dim {self.head_dim})")
-        if tuple(v.shape[:3]) != tuple(k.shape[:3]) or v.shape[3] != self.v_head_dim:
-            raise ValueError(f"{what}: value {tuple(v.shape)} does not match key {tuple(k.shape)} and v_head_dim "
-                             f"{self.v_head_dim}")
-        if q is not None and (tuple(q.shape[:2]) != tuple(k.shape[:2]) or q.shape[2] != want_h
-                              or q.shape[3] != self.head_dim):
-            raise ValueError(f"{what}: query {tuple(q.shape)} does not match the cache ({want_h} heads, head_dim "
-                             f"{self.head_dim}) and key {tuple(k.shape)}")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) if t is not None):
-            raise ValueError(f"{what}: inputs that require gradients: the sharded KV cache serves inference and "
-                             "passes no gradient; run under torch.no_grad() (or, for training, without a cache)")
-        for name, t in (("key", k), ("value", v)) + ((("query", q),) if q is not None else ()):
-            if t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"{what}: {name} is {t.dtype} on {t.device}; the cache holds {self.dtype} on "
-                                 f"{self.device}")
-
-    def _agree(self, problem, what: str, values: list) -> None:
-        m = self.mesh
-        if m.sp_size > 1:
-            agree(problem, m.metadata_group, what=f"{SERVING_WHAT}: {what}", where=m.where("sequence-parallel"),
-                  values=[self._config_digest, *values], width=1 + len(values), same=True, ranks=m.sp_ranks)
-        elif problem is not None:
-            raise problem
-
     # ------------------------------------------------------------------ decode
-    def _backend(self, req: AttnRequest):
-        got = self._backends.get(req)
-        if got is None:
-            got = self._backends[req] = REGISTRY.select(self.attn_type, req)()
-        return got
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
@@ -649,8 +400,10 @@ class ShardedKVCache:
         m = self.mesh
         ly = self.layers[layer] if isinstance(layer, int) and 0 <= layer < self.num_layers else None
         agreeing = m.sp_size > 1 and self._verifier.agrees(layer, ly)
-        call = self._decode_call(layer, ly, q, k, v, mesh, problem, causal, softmax_scale, window_size, softcap,
-                                 alibi_slopes, sinks, key_start, fingerprint=agreeing and self.check_inputs)
+        # the options as the attention call's, checked alike (CallOptions.kernel_call)
+        opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        call = self._decode_call(layer, ly, q, k, v, opts, alibi_slopes=alibi_slopes, sinks=sinks, key_start=key_start,
+                                 mesh=mesh, problem=problem, fingerprint=agreeing and self.check_inputs)
         failure = call.refusal
         if failure is not None and m.sp_size == 1:
             raise failure
@@ -688,16 +441,13 @@ class ShardedKVCache:
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
-    def _decode_call(self, layer, ly: Optional[_Layer], q, k, v, mesh, problem, causal, softmax_scale, window_size,
-                     softcap, alibi_slopes, sinks, key_start, fingerprint: bool) -> _Decode:
-        """This rank's decode call checked (the same checks as the attention call's options,
-        :func:`usp_hal.pipeline.validate.check_options`), nothing communicated."""
+    def _decode_call(self, layer, ly: Optional[_Layer], q, k, v, opts: CallOptions, *, alibi_slopes, sinks, key_start,
+                     mesh, problem, fingerprint: bool) -> _Decode:
+        """This rank's decode call checked (its options as the attention call's:
+        :meth:`usp_hal.pipeline.CallOptions.kernel_call`), nothing communicated."""
         m = self.mesh
         n = int(q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
-        win = window_pair(window_size)
-        win = win if len(win) == 2 else (-2, -2)
-        backend = refusal = None
-        scale = 1.0 / math.sqrt(self.head_dim)
+        backend = refusal = call = None
         try:
             if problem:
                 raise ValueError(problem)
@@ -711,9 +461,8 @@ class ShardedKVCache:
             self._check_kv(k, v, "decode", q)
             if n < 1:
                 raise ValueError("decode needs at least one new token per sequence")
-            scale = check_options(window=window_size, softcap=softcap, scale=softmax_scale, head_dim=self.head_dim,
-                                  alibi_slopes=alibi_slopes, heads=self.num_heads, batch=self.batch_size,
-                                  sinks=sinks, q=q)[2]
+            call = opts.kernel_call(head_dim=self.head_dim, heads=self.num_heads, batch=self.batch_size,
+                                    alibi_slopes=alibi_slopes, sinks=sinks, q=q, needs_lse=True)
             if key_start is not None:
                 key_start = [int(x) for x in key_start]
                 if len(key_start) != self.batch_size or min(key_start) < 0:
@@ -721,37 +470,27 @@ class ShardedKVCache:
                                      f"sequences, got {list(key_start)}")
                 if not any(key_start):
                     key_start = None
-            positional = win != (-1, -1) or alibi_slopes is not None
-            backend = self._backend(self._request(q, causal, win, softcap, alibi_slopes, positional))
+            # what this rank's kernels see: its heads, key offsets wherever positions matter
+            hq, hk = self.local_heads
+            backend = self._dispatch(AttnRequest.of(q, k, v, call, lengths=False, num_heads=max(hq, 1),
+                                                    num_kv_heads=max(hk, 1), key_offset=call.positional))
         except Exception as exc:      # any failure of this rank's call is a refusal every rank sees
             refusal = exc
         # alibi slopes and sinks are the same tensors step after step: digested once per tensor version
-        spec = DecodeSpec(
-            self._config_digest, m.ulysses_degree, m.ring_degree, layer if isinstance(layer, int) else -1, n,
-            bool(causal), (win[0], win[1]), float(softcap), scale,
-            self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
-            self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0,
-            digest_ints(key_start) if isinstance(key_start, list) else 0,
-            _fingerprint(q, k, v) if fingerprint and refusal is None else 0,     # debug mode: one device->host read
-            ly.digest() if ly is not None else 0)
-        return _Decode(spec, refusal, backend, bool(causal), win, float(softcap), alibi_slopes,
-                       key_start if isinstance(key_start, list) else None)
+        spec = spec_of(DecodeSpec, call if call is not None else KernelCall(scale=0.0), config=self._config_digest,
+                       ulysses=m.ulysses_degree, ring=m.ring_degree, layer=layer if isinstance(layer, int) else -1,
+                       new_tokens=n, alibi=self._digests(alibi_slopes) if isinstance(alibi_slopes, torch.Tensor) else 0,
+                       sinks=self._digests(sinks) if isinstance(sinks, torch.Tensor) else 0,
+                       key_start=digest_ints(key_start) if isinstance(key_start, list) else 0,
+                       inputs=fingerprint_of(q, k, v) if fingerprint and refusal is None else 0,   # debug: a host read
+                       table=ly.digest() if ly is not None else 0)
+        return _Decode(spec, refusal, backend, call, key_start if isinstance(key_start, list) else None)
 
     def _no_partials(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """What a rank that failed sends in the gather: out 0 and lse -inf for its heads."""
         hq = self.q_range[1] - self.q_range[0]
         out = torch.zeros((self.batch_size, n, hq, self.v_head_dim), dtype=merge_dtype(self.dtype), device=self.device)
         return out, torch.full((self.batch_size, hq, n), float("-inf"), dtype=out.dtype, device=self.device)
-
-    def _request(self, q, causal, win, softcap, alibi_slopes, positional) -> AttnRequest:
-        device_type = _platform.device_type_of(q.device)
-        hq, hk = self.local_heads
-        return AttnRequest(dtype=q.dtype, device_type=device_type, head_dim=self.head_dim,
-                           head_dim_v=self.v_head_dim, num_heads=max(hq, 1), num_kv_heads=max(hk, 1),
-                           causal=bool(causal), window=win, softcap=float(softcap), alibi=alibi_slopes is not None,
-                           needs_lse=True, key_offset=positional,
-                           compute_capability=_platform.compute_capability(device_type, q.device.index or 0),
-                           device_model=_platform.device_model(device_type, q.device.index or 0))
 
     def _agree_decode(self, problem, spec: DecodeSpec, table: Optional[BlockTable]) -> None:
         """One agreement of every rank's :class:`DecodeSpec`, ring rank and lengths (after this
@@ -762,7 +501,7 @@ class ShardedKVCache:
         nf = len(values)
 
         def check(rows):
-            diffs = DecodeSpec.differences([r[:nf] for r in rows], names)
+            diffs = compare([[0, *r[:nf]] for r in rows], names, spec)       # the attention call's comparison
             if diffs or table is None:
                 return diffs
             for i, r in enumerate(rows):
@@ -777,43 +516,33 @@ class ShardedKVCache:
               values=[*values, m.ring_rank, *(table.local if table is not None else [0] * self.batch_size)],
               width=nf + 1 + self.batch_size, check=check, ranks=names)
 
-    def _attend(self, ly: _Layer, table: BlockTable, call: _Decode, q, starts):
+    def _attend(self, ly: _Layer, table: BlockTable, dec: _Decode, q, starts):
         """This rank's partial ``(out [B, n, hq, Dv], lse [B, hq, n])`` over its cached tokens
-        (``table``'s, in ``ly``'s storage; of sequence b, those at positions >= ``key_start[b]``)."""
-        causal, win, softcap, scale = call.causal, call.window, call.softcap, call.spec.scale
-        alibi_slopes, positional, key_start, backend = call.alibi_slopes, call.positional, call.key_start, call.backend
+        (``table``'s, in ``ly``'s storage; of sequence b, those at positions >= ``key_start[b]``):
+        each run's block calls, their values derived from the decode call's, merged by the ring's merge."""
+        call, key_start, backend = dec.call, dec.key_start, dec.backend
+        assert call is not None
         qa, qb = self.q_range
-        hq = qb - qa
-        bsz, n = q.shape[0], q.shape[1]
+        bsz, n, hq = q.shape[0], q.shape[1], qb - qa
         mdt = merge_dtype(q.dtype)
         out = torch.zeros((bsz, n, hq, self.v_head_dim), dtype=mdt, device=q.device)
         lse = torch.full((bsz, hq, n), float("-inf"), dtype=mdt, device=q.device)
-        calls = 0
+        self.last_calls = 0
         if hq == 0:
-            self.last_calls = 0
             return out, lse
         qh = q[:, :, qa:qb]
-        slopes = None
-        if alibi_slopes is not None:
-            slopes = alibi_slopes[..., qa:qb].to(torch.float32)
+        slopes = None if call.alibi_slopes is None else call.alibi_slopes[..., qa:qb].to(torch.float32)
         for b in range(bsz):
-            runs = [Segment(s, c) for s, c in table.runs[b]]
-            if not runs:
-                continue
-            if key_start is not None and key_start[b] > min(s for s, _ in table.runs[b]):
-                plan = _plan_from(Segment(starts[b], n), table.runs[b], key_start[b], causal, win, positional)
-            else:
-                plan = plan_blocks([Segment(starts[b], n)], runs, causal=causal, window=win, positional=positional)
-            assert ly.k is not None and ly.v is not None
-            sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b:b + 1])
-            for c in plan:
+            plan = plan_runs(Segment(starts[b], n), table.runs[b], causal=call.causal, window=call.window,
+                             positional=call.positional, first=key_start[b] if key_start is not None else 0)
+            row = call if slopes is None else call.with_(alibi_slopes=slopes if slopes.dim() == 1 else slopes[b:b + 1])
+            for c in plan:        # (a plan has calls only where this rank holds tokens, so storage)
+                assert ly.k is not None and ly.v is not None
                 o, s = backend.forward(qh[b:b + 1, c.rows], ly.k[b:b + 1, :, c.cols].transpose(1, 2),
                                        ly.v[b:b + 1, :, c.cols].transpose(1, 2),
-                                       softmax_scale=scale, causal=c.causal, window=win, softcap=softcap,
-                                       alibi_slopes=sl, key_offset=c.key_offset if positional else 0)
+                                       row.with_(causal=c.causal, key_offset=c.key_offset if row.positional else 0))
                 merge_block(out[b:b + 1], lse[b:b + 1], c.rows, o, s, empty_rows=True)
-                calls += 1
-        self.last_calls = calls
+                self.last_calls += 1
         return out, lse
 
     def _gather(self, out: torch.Tensor, lse: torch.Tensor, failure: Optional[BaseException] = None,
