@@ -94,7 +94,7 @@ def loop_reference(name: str, dp: int) -> dict:
         ids = torch.stack([row["input_ids"] for row in rows])
         out = model(input_ids=ids, labels=torch.stack([row["labels"] for row in rows]))
         out.loss.backward()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), r.MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
@@ -163,7 +163,7 @@ def torchtitan_reference(name: str, dp: int) -> dict:
                                                                     ignore_index=-100, reduction="sum")
         loss = loss / tokens
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         norms.append(_clip(list(model.parameters()), r.MAX_NORM))
         optimizer.step()
         optimizer.zero_grad()
@@ -180,7 +180,7 @@ def fla_reference(name: str, dp: int) -> dict:
     for _ in range(r.STEPS):
         loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), r.MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()

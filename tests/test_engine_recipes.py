@@ -176,8 +176,10 @@ def test_recipe_matches_one_process(pools, case):
     ref = der.REFERENCES[name](name, world // sp)
     if name == "yunchang_alias":
         r0 = res[0]
-        diffs = {k: float((r0[k].double() - ref[k]).abs().max()) for k in ("output", "input_grad", "weight_grads")}
-        print(f"{case}: {diffs}")
+        # float32 against float64: the largest difference relative to the largest value
+        diffs = {k: float((r0[k].double() - ref[k]).abs().max() / ref[k].abs().max())
+                 for k in ("output", "input_grad", "weight_grads")}
+        print(f"{case}: relative to the largest value {diffs}")
         assert all(float((r["output"] - r0["output"]).abs().max()) == 0 for r in res)
         assert max(diffs.values()) < 1e-5, diffs
         return
@@ -215,3 +217,18 @@ def test_accelerate_launch_of_the_accelerate_recipe(tmp_path):
     assert got["dp"] == 1
     assert d["loss"] <= LOSS_TOL and d["norm"] <= NORM_TOL and d["params"] <= PARAM_TOL, d
     assert d["moved"] > 20 * PARAM_TOL, d
+
+
+def test_docs_and_ci_install_the_engines_by_one_command():
+    """docs/engines.md's install command is the one .ci/run's second tier runs, and the
+    --no-deps lines live in that script alone (not in comments for users to copy)."""
+    block = re.search(r"```bash\n(.+?)\n```", DOC.read_text(), re.S)
+    assert block, "docs/engines.md: no bash block"
+    command = block.group(1).split("#")[0].strip()
+    assert command == "bash ci/install-engines.sh", command
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any(line.split("#")[0].strip() == command for line in ci), "not in .ci/run"
+    assert not any("torchtitan==" in line or "deepspeed==" in line for line in ci if not line.startswith("#"))
+    script = (ROOT / "ci" / "install-engines.sh").read_text()
+    assert "--no-deps" in script and "'.[engines]'" in script
+    assert "pip install" not in (ROOT / "pyproject.toml").read_text()        # the script is the one place

@@ -80,18 +80,17 @@ def main(ulysses: int = 2, ring: int = 1) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     set_seq_parallel_pg(ulysses, ring, rank, world)
     model = build_model(SequenceParallelAttention())
-    x = latents().requires_grad_()
-    local = EXTRACT_FUNC_DICT["basic"](x, rank, world_size=world, rd=ring, ud=ulysses)
-    out = model(local)
-    gathered = [torch.empty_like(out) for _ in range(world)]
-    dist.all_gather(gathered, out.detach().contiguous())
-    output = torch.cat(gathered, dim=1)                    # the whole sequence again
-    out.backward(EXTRACT_FUNC_DICT["basic"](torch.ones_like(x), rank, world_size=world, rd=ring, ud=ulysses))
+    x = EXTRACT_FUNC_DICT["basic"](latents(), rank, world_size=world, rd=ring, ud=ulysses).requires_grad_()
+    out = model(x)                                         # this rank's tokens
+    out.backward(torch.ones_like(out))
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     dist.all_reduce(grads)                                 # the block's weights are shared by every token
-    dist.all_reduce(x.grad)                                # each rank's tokens' part of the input gradient
-    return {"output": output, "input_grad": x.grad, "weight_grads": grads}
 
+    def gather(t):                                         # the whole sequence again, as xfuser gathers it
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous())
+        return torch.cat(parts, dim=1)
+    return {"output": gather(out), "input_grad": gather(x.grad), "weight_grads": grads}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
