@@ -1,8 +1,12 @@
 """An accelerate training loop with usp-hal's sequence parallelism on a ``ParallelismConfig``.
 
-    accelerate launch --num_processes 2 --cpu examples/engines/accelerate_loop.py   # sp 2 (Ring 2)
-    torchrun --nproc_per_node 4 examples/engines/accelerate_loop.py                 # dp 2 x sp 2
+    accelerate launch --multi_gpu --num_processes 2 examples/engines/accelerate_loop.py   # sp 2 (Ring 2)
+    torchrun --nproc_per_node 4 examples/engines/accelerate_loop.py                       # dp 2 x sp 2
     python examples/spawn.py --nproc 4 examples/engines/accelerate_loop.py
+
+(On a machine without GPUs ``--multi_gpu`` is what makes ``accelerate launch`` start the processes
+itself, through torch's launcher, and the script's ``Accelerator(cpu=True)`` then runs them over
+gloo; ``--cpu`` starts one process unless an MPI hostfile is given.)
 
 A tiny Llama from a config, AdamW, the gradient norm clipped at 1.0, 3 steps; accelerate wraps
 the model (DDP over every rank).  The config's ``sp`` dim is usp-hal's group, split into Ulysses x
@@ -46,6 +50,8 @@ def dataset(rows: int) -> list:
 def main(ulysses: int = 1, ring: int = 2) -> dict:
     accelerator = Accelerator(cpu=True)
     sp = ulysses * ring
+    if accelerator.num_processes % sp:
+        raise SystemExit(f"{accelerator.num_processes} process(es): launch a multiple of ulysses x ring = {sp}")
     dp = accelerator.num_processes // sp
     pc = ParallelismConfig(dp_replicate_size=dp, sp_size=sp)           # accelerate's sizes
     # usp-hal: begin

@@ -86,8 +86,9 @@ def main(ulysses: int = 1, ring: int = 2, stage: int = 3) -> dict:
             print(f"step {len(losses)}  loss {losses[-1]:.6f}  grad norm {grad_norms[-1]:.6f}")
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):     # ZeRO-3: whole again
         params = torch.cat([p.detach().double().reshape(-1).clone() for p in engine.module.parameters()])
+    stage = engine.zero_optimization_stage()
     engine.destroy()
-    return {"losses": losses, "grad_norms": grad_norms, "params": params, "dp": dp}
+    return {"losses": losses, "grad_norms": grad_norms, "params": params, "dp": dp, "zero_stage": stage}
 
 
 if __name__ == "__main__":

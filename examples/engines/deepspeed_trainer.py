@@ -5,8 +5,9 @@
 
 A tiny Llama from a config and right-padded rows of different lengths (pads labelled -100), 4
 steps; ``args.deepspeed`` is a ZeRO config.  On a machine without accelerators accelerate finds
-no backend for DeepSpeed, so the script makes the gloo state itself first (the three lines marked
-as such; USPTrainer's refusal names them when they are missing); with GPUs leave them out.
+no backend for DeepSpeed, so the script makes the gloo state itself first (the lines under "a
+machine without accelerators"; USPTrainer's refusal names them when they are missing); with GPUs
+leave them out.
 
 What usp-hal adds to the plain Trainer script is between ``# usp-hal: begin`` and ``# usp-hal: end``
 (tests/test_engine_recipes.py counts those lines for docs/engines.md and runs this file against
@@ -15,6 +16,7 @@ import argparse
 import os
 import tempfile
 
+import deepspeed
 import torch
 from accelerate import PartialState
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
@@ -83,12 +85,12 @@ def main(ulysses: int = 1, ring: int = 2, stage: int = 3) -> dict:
         trainer = Trainer(model=model, args=args, train_dataset=dataset(ROWS), callbacks=[logged])
         trainer.train()
         engine = trainer.model_wrapped
-        import deepspeed
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):     # ZeRO-3: whole again
             params = torch.cat([p.detach().double().reshape(-1).clone() for p in engine.module.parameters()])
+        stage = engine.zero_optimization_stage()
         engine.destroy()
     return {"losses": logged.losses, "grad_norms": logged.grad_norms, "params": params, "dp": trainer.dp_size,
-            "engine": type(engine).__name__}
+            "zero_stage": stage}
 
 
 if __name__ == "__main__":
