@@ -10,6 +10,7 @@ have its row in docs/engines.md's recipe table.  A recipe is run by a case of CA
 the test its docstring names (``tests/test_x.py::test_name``)."""
 from __future__ import annotations
 
+import ast
 import io
 import os
 import re
@@ -54,15 +55,12 @@ def usp_hal_uses(path: Path) -> list:
     arguments and ``set_attn_implementation``."""
     src = path.read_text()
     bound = set()
-    for m in re.finditer(r"^\s*(?:from\s+(usp_hal[\w.]*)\s+import\s+(.+)|import\s+(usp_hal[\w.]*)(?:\s+as\s+(\w+))?)$",
-                         src, re.M):
-        if m.group(3):
-            bound.add(m.group(4) or m.group(3).split(".")[0])
-            continue
-        for part in m.group(2).split(","):
-            name, _, alias = part.strip().partition(" as ")
-            if not (alias and alias[:1].isupper()):      # `USPTrainer as Trainer`: the engine's name kept
-                bound.add(alias or name)
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "usp_hal"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "usp_hal":
+            # `USPTrainer as Trainer`: the engine's own class name kept, its uses are the plain script's
+            bound |= {a.asname or a.name for a in node.names if not (a.asname and a.asname[:1].isupper())}
     uses = []
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.NAME and (tok.string in bound or tok.string.startswith("usp_") or
