@@ -1,0 +1,101 @@
+"""The transformers Trainer under DeepSpeed ZeRO with usp-hal's sequence parallelism.
+
+    torchrun --nproc_per_node 4 examples/engines/deepspeed_trainer.py          # ZeRO-3, dp 2 x sp 2
+    python examples/spawn.py --nproc 4 examples/engines/deepspeed_trainer.py --stage 2
+
+A tiny Llama from a config and right-padded rows of different lengths (pads labelled -100), 4
+steps; ``args.deepspeed`` is a ZeRO config.  On a machine without accelerators accelerate finds
+no backend for DeepSpeed, so the script makes the gloo state itself first (the lines under "a
+machine without accelerators"; USPTrainer's refusal names them when they are missing); with GPUs
+leave them out.
+
+What usp-hal adds to the plain Trainer script is between ``# usp-hal: begin`` and ``# usp-hal: end``
+(tests/test_engine_recipes.py counts those lines for docs/engines.md and runs this file against
+the plain Trainer in one process)."""
+import argparse
+import os
+import tempfile
+
+import deepspeed
+import torch
+from accelerate import PartialState
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+# usp-hal: begin (in place of `from transformers import Trainer, TrainingArguments`)
+from usp_hal.integrations.trainer import USPTrainer as Trainer
+from usp_hal.integrations.trainer import USPTrainingArguments as TrainingArguments
+
+# usp-hal: end
+
+STEPS, BATCH, ROWS, SEQ, VOCAB, LR, SEED = 4, 2, 32, 24, 256, 3e-3, 0
+
+
+def build_model() -> LlamaForCausalLM:
+    torch.manual_seed(SEED)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256)
+    return LlamaForCausalLM(config)
+
+
+def dataset(rows: int) -> list:
+    """``rows`` rows of SEQ tokens; row i has ``SEQ - i % 7`` real tokens, then pads (labels -100)."""
+    g = torch.Generator().manual_seed(SEED + 500)
+    out = []
+    for i in range(rows):
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        ids[SEQ - i % 7:], labels[SEQ - i % 7:] = 0, -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def config(out_dir: str, **more) -> dict:
+    return dict(output_dir=out_dir, max_steps=STEPS, learning_rate=LR, seed=SEED, logging_steps=1, max_grad_norm=1.0,
+                save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, **more)
+
+
+def ds_config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10 ** 9}
+
+
+class Logged(TrainerCallback):
+    def __init__(self):
+        self.losses, self.grad_norms = [], []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+            self.grad_norms.append(float(logs["grad_norm"]))
+
+
+def main(ulysses: int = 1, ring: int = 2, stage: int = 3) -> dict:
+    # a machine without accelerators: the gloo state accelerate cannot find for DeepSpeed by itself
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(cpu=False, backend="gloo")
+    cpu_only = dict(use_cpu=False, accelerator_config={"use_configured_state": True})
+    model, logged = build_model(), Logged()
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = TrainingArguments(**config(out_dir, per_device_train_batch_size=BATCH, deepspeed=ds_config(stage),
+                                          # usp-hal: begin
+                                          usp_ulysses_degree=ulysses, usp_ring_degree=ring,
+                                          # usp-hal: end
+                                          **cpu_only))
+        trainer = Trainer(model=model, args=args, train_dataset=dataset(ROWS), callbacks=[logged])
+        trainer.train()
+        engine = trainer.model_wrapped
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):     # ZeRO-3: whole again
+            params = torch.cat([p.detach().double().reshape(-1).clone() for p in engine.module.parameters()])
+        stage = engine.zero_optimization_stage()
+        engine.destroy()
+    return {"losses": logged.losses, "grad_norms": logged.grad_norms, "params": params, "dp": trainer.dp_size,
+            "zero_stage": stage}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ulysses", type=int, default=1)
+    ap.add_argument("--ring", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    print(main(**vars(ap.parse_args()))["losses"])
