@@ -165,6 +165,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     shape = AttentionShape.from_config(cfg, dtype="fp32")
     assert shape == cpu_shape(), (shape, cpu_shape())
     dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
+    extra = usp.calibrate_calls(model, dd)          # the model path's own fixed cost per call and split
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                                 ulysses_degrees=(1,), model=dd.scheduler.model),
@@ -201,6 +202,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                     runs[n].append(time.perf_counter() - t0)
                     preds[n].append(scheds[n].predicted)
         out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best)}
+    out["call_extra"] = extra
     return out
 
 
@@ -238,9 +240,11 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         how = f"profile {profile}"
     res = run_on_ranks(measured_ranks, world=WORLD, timeout=5400, dist=dist, seeds=seeds, steps=steps,
                        tokens_per_rank=tokens, budget=budget, profile=prof)
+    extra = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in res[0]["call_extra"].items())
     print(f"\nmeasured on this CPU: 4 gloo ranks x 1 thread, {cpu_shape().describe()}, lengths / {SCALE}, about "
           f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; "
-          f"prices from the {how}")
+          f"prices from the {how}, and the model path's own fixed cost per call on each split (g,u,r: ms, "
+          f"usp.calibrate_calls): {extra}")
     worst_err, worst_spear = 0.0, 1.0
     ratios, dyn_all, st_all = [], 0.0, 0.0
     for seed in seeds:

@@ -99,7 +99,7 @@ def scheduled_training(local_lengths, budget: int, steps: int = 3, lr: float = 2
     from tests.integration_cases import _max_diff, tiny_llama
     from usp_hal.integrations import transformers as usp
     rank = dist.get_rank()
-    name = usp.register(f"usp_hal_test_dynamic_{model_type}", mesh=None, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_dynamic_{model_type}", mesh=None, layout=usp.DYNAMIC_LAYOUT, attn_type="sdpa")
     if model_type == "llama":
         ref = tiny_llama(seed, num_hidden_layers=2)
     else:
@@ -138,7 +138,7 @@ def scheduled_training(local_lengths, budget: int, steps: int = 3, lr: float = 2
             ids = torch.cat([_ids(i, n, VOCAB) for i, n in zip(job.seqs, job.lengths)], 1)
             with dd.on(job) as mesh:
                 cu = list(job.cu_seqlens) if job.cu_seqlens else None
-                batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag", cu_seqlens=cu)
+                batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, job.cost.layout, cu_seqlens=cu)
                 batch["num_items_in_batch"] = items
                 out = model(**batch)
             out.loss.backward()

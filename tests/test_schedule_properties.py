@@ -81,3 +81,12 @@ def test_the_fuzzed_batches_that_once_left_a_rank_empty(lengths, world, budget):
     """239 of 1,080 fuzzed batches once got a job in which a rank held no token, these among them."""
     s = _scheduler(world, budget, "cpu-4ranks").schedule(lengths)
     assert all(_runnable(j) for j in s.jobs), s.jobs
+
+
+def test_a_job_of_short_sequences_borrows_a_longer_one_when_the_others_are_full():
+    """First-fit decreasing on 4 ranks at 4 tokens each (jobs of 16): 15+1 | 10+6 | 2, and the
+    lone 2-token job would leave two ranks empty; no job has room for it, so the 6-token sequence
+    moves in with it (once, such a batch made every fixed split refuse it)."""
+    s = _scheduler(4, 4, "cpu-4ranks").static([10, 6, 15, 1, 2], 4, 1)
+    assert sorted(sorted(j.lengths) for j in s.jobs) == [[1, 15], [2, 6], [10]]
+    assert all(_runnable(j) for j in s.jobs)

@@ -447,6 +447,8 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     fwd_rate = float(kent["fwd_flops"]) * kent["scale"]
     bwd_rate = float(kent.get("bwd_flops", fwd_rate / 1.2)) * kent["scale"]
     overhead = float(kent.get("call_overhead", 0.0))
+    if R > 1:       # a ring step's call, with its piece of the accumulator's bookkeeping, where measured apart
+        overhead = float(kent.get("ring_call_overhead", overhead))
     cf = float(kent.get("causal_factor", 0.5))
     tile = kent.get("causal_tile")
     key_half = float(kent.get("key_half", 0.0))   # keys per row at which the kernel runs at half its rate

@@ -325,9 +325,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- prices
     def layout(self, g: int, u: int, packed: bool = False) -> str:
+        """A job's layout: a ring's causal work balanced per document (``varlen_zigzag``: one
+        sequence alone is cut zigzag-like), else the order kept; one layout for every job, so one
+        registration of a model integration serves them all."""
         if g // u == 1 or not self.shape.causal:
             return "basic"
-        return "varlen_zigzag" if packed else "zigzag"
+        return "varlen_zigzag"
 
     def splits(self, g: int) -> List[int]:
         """The Ulysses degrees a group of ``g`` may use: the allowed divisors, none above the
@@ -369,7 +372,7 @@ class Scheduler:
         m = self.model
         tab = m.table(1, 1, "basic")
         launch = tab.launch * (2 if self.shape.bwd else 1) if m.varlen else 0.0
-        return m.layers * (tab.fixed + launch) + m.call_overhead()
+        return m.layers * (tab.fixed + launch) + m.call_overhead() + m.call_extra.get((1, 1), 0.0)
 
     def _jobs(self, specs: Sequence[Tuple[Sequence[int], int, int, int]], lens: Tuple[int, ...]) -> List[Job]:
         """Jobs of (sequences, first rank, group size, Ulysses degree), in order, priced a
@@ -608,23 +611,36 @@ class Scheduler:
 
 
 def _merge_short(bins: List[List[int]], lens, sp: int, u: int, cap: int, layout: str) -> Optional[List[List[int]]]:
-    """Bins whose job leaves a rank without a token (a lone sequence shorter than the group)
-    merged into another bin with room; None when one cannot be."""
+    """Bins whose job would leave a rank without a token (only sequences shorter than the group)
+    emptied into the other bins with room, a sequence at a time; None when one cannot be."""
     if sp == 1:
         return bins
     out = [list(b) for b in bins]
-    for k in range(len(out)):
-        b = out[k]     # a sequence of at least sp tokens gives every rank one (least_tokens)
-        if not b or max(lens[i] for i in b) >= sp or fits_packed([lens[i] for i in b], sp, u, layout):
+
+    def ok(b) -> bool:          # a sequence of at least sp tokens gives every rank one (least_tokens)
+        return not b or max(lens[i] for i in b) >= sp or fits_packed([lens[i] for i in b], sp, u, layout)
+    for b in out:
+        if ok(b):
             continue
-        tokens = sum(lens[i] for i in b)
-        for other in out:
-            if other is not b and other and sum(lens[i] for i in other) + tokens <= cap:
-                other.extend(b)
-                b.clear()
+        for i in sorted(b, key=lambda i: (-lens[i], i)):
+            home = next((o for o in out if o is not b and o and ok(o) and sum(lens[j] for j in o) + lens[i] <= cap),
+                        None)
+            if home is None:
                 break
-        else:
+            home.append(i)
+            b.remove(i)
+        if ok(b):
+            continue
+        # no room for them elsewhere: bring the shortest sequence of at least sp tokens that fits here
+        # from a job that stays runnable without it
+        room = cap - sum(lens[j] for j in b)
+        donors = sorted((lens[d], d, o) for o in out if o is not b for d in o
+                        if sp <= lens[d] <= room and ok([j for j in o if j != d]))
+        if not donors:
             return None
+        _, d, o = donors[0]
+        o.remove(d)
+        b.append(d)
     return [sorted(b, key=lambda i: (-lens[i], i)) for b in out if b]
 
 

@@ -109,22 +109,41 @@ class AttentionShape:
     # ---- the token-proportional layers
     def gemm_flops_per_token(self) -> float:
         """GEMM flops per token of one model call (forward; the backward is twice this)."""
-        if not self.hidden:
-            return 0.0
-        q = self.heads * self.head_dim
-        kv = (self.kv_heads or self.heads) * self.head_dim
-        layer = 2 * (self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.intermediate)
-        return float(self.layers * layer + 2 * self.hidden * self.vocab)
+        layer, head = self._gemm()
+        return self.layers * layer + head
 
     def elementwise_bytes_per_token(self) -> float:
         """Bytes the elementwise ops move per token of one model call (forward)."""
+        layer, head = self._elementwise()
+        return self.layers * layer + head
+
+    def _gemm(self) -> Tuple[float, float]:
+        """GEMM flops per token, forward: one decoder layer's, the LM head's."""
         if not self.hidden:
-            return 0.0
+            return 0.0, 0.0
+        q = self.heads * self.head_dim
+        kv = (self.kv_heads or self.heads) * self.head_dim
+        layer = 2 * (self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.intermediate)
+        return float(layer), float(2 * self.hidden * self.vocab)
+
+    def _elementwise(self) -> Tuple[float, float]:
+        """Elementwise bytes per token, forward: one decoder layer's, the loss's (fp32 logits)."""
+        if not self.hidden:
+            return 0.0, 0.0
         q = self.heads * self.head_dim
         kv = (self.kv_heads or self.heads) * self.head_dim
         per_layer = (_LAYER_ELEMS_HIDDEN * self.hidden + _LAYER_ELEMS_INTER * self.intermediate
                      + _LAYER_ELEMS_QK * (q + kv) + _LAYER_ELEMS_Q * q)
-        return float(self.layers * per_layer * DTYPE_BYTES[self.dtype] + _LOSS_PASSES * self.vocab * 4 / 3)
+        return float(per_layer * DTYPE_BYTES[self.dtype]), float(_LOSS_PASSES * self.vocab * 4 / 3)
+
+    def token_cost(self, linear_flops: float, elementwise_bandwidth: float) -> Tuple[float, float]:
+        """Seconds per token of one decoder layer and of the head and loss, forward and backward
+        (the backward moves and computes twice the forward), at these rates."""
+        passes = 3.0 if self.bwd else 1.0
+        (g_layer, g_head), (e_layer, e_head) = self._gemm(), self._elementwise()
+        rate = 1.0 / linear_flops if linear_flops else 0.0
+        bw = 1.0 / elementwise_bandwidth if elementwise_bandwidth else 0.0
+        return passes * (g_layer * rate + e_layer * bw), passes * (g_head * rate + e_head * bw)
 
     def parameters(self) -> int:
         """Parameters of the model (untied embedding and head)."""
@@ -282,6 +301,12 @@ class StepModel:
         self.elem_bw = float(self.profile.get("elementwise_bandwidth") or self.profile.get("copy_bandwidth") or 0.0)
         self.layer_overhead = float(self.profile.get("layer_overhead", 0.0)) if shape.hidden else 0.0
         self.model_overhead = float(self.profile.get("model_overhead", 0.0)) if shape.hidden else 0.0
+        #: a model path's fixed cost per call on a split beyond this model's price ("g,u,r" -> s),
+        #: measured on the run's own model (usp_hal.integrations.transformers.calibrate_calls)
+        self.call_extra: Dict[Tuple[int, int], float] = {}
+        for key, sec in (self.profile.get("call_extra") or {}).items():
+            g, u, _ = (int(x) for x in str(key).split(","))
+            self.call_extra[(g, u)] = float(sec)
         self._tables: Dict[Tuple[int, int, str], _Table] = {}
         self._jobs: Dict[tuple, Cost] = {}
 
@@ -291,13 +316,21 @@ class StepModel:
 
     # ---------------------------------------------------------------- the token-proportional part
     def tokens_time(self, tokens_per_rank):
-        """Seconds of the token-proportional layers for this many tokens on a rank (array ok)."""
-        s = self.shape
-        passes = 3.0 if s.bwd else 1.0
-        t = np.asarray(tokens_per_rank, dtype=np.float64)
-        rate = s.gemm_flops_per_token() / self.linear_flops if self.linear_flops else 0.0
-        mem = s.elementwise_bytes_per_token() / self.elem_bw if self.elem_bw else 0.0
-        return t * passes * (rate + mem)
+        """Seconds of the token-proportional layers for this many tokens on a rank (array ok):
+        each token's GEMMs at the linear rate and elementwise bytes at the elementwise bandwidth,
+        times the profile's ``token_scale`` (a calibration's measured over priced token, per
+        layer and for the head; 1 where not measured)."""
+        return np.asarray(tokens_per_rank, dtype=np.float64) * self._per_token
+
+    @property
+    def _per_token(self) -> float:
+        got = self.__dict__.get("_token_s")
+        if got is None:
+            layer, head = self.shape.token_cost(self.linear_flops, self.elem_bw)
+            scale = self.profile.get("token_scale") or {}
+            got = self.__dict__["_token_s"] = (self.layers * layer * float(scale.get("layer", 1.0)) if
+                                               self.shape.hidden else 0.0) + head * float(scale.get("head", 1.0))
+        return got
 
     def call_overhead(self) -> float:
         """The fixed seconds of one model call beyond its attention calls."""
@@ -330,15 +363,14 @@ class StepModel:
         """The table row of length ``n``: one sequence's assembled parts (:data:`_TOTALS`), what
         a packed job pays once at its total length (:data:`_AT_N`), the split's constants."""
         s = self.shape
-        single = "zigzag" if layout == "varlen_zigzag" else layout
         p = predict(Problem(g, s.heads, n, s.head_dim, s.kv_heads, 1, s.dtype, s.causal, s.bwd),
-                    Candidate(u, g // u, single), self.profile)
+                    Candidate(u, g // u, layout), self.profile)
         d = p.detail
         assert d is not None
         return {"time": p.time, "attention": p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"],
                 "communication": p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"],
                 "overhead": d["fixed"], "bytes": p.comm_bytes, "collectives": float(p.collectives),
-                "pairs": float(_pairs(n, g // u, single, s.causal) * _heads_on_busiest(s, u)),
+                "pairs": float(_pairs(n, g // u, layout, s.causal) * _heads_on_busiest(s, u)),
                 # paid once by a packed job, at its total length
                 "a2a": d["a2a"], "copies": d["copies"], "comm_f": d["comm"].get(False, 0.0),
                 "comm_b": d["comm"].get(True, 0.0),
@@ -391,7 +423,7 @@ class StepModel:
         if "pairs" in t:
             out["pairs"] = t["pairs"]
         if "overhead" in t:
-            out["overhead"] = L * t["overhead"] + self.call_overhead()
+            out["overhead"] = L * t["overhead"] + self.call_overhead() + self.call_extra.get((g, u), 0.0)
         if "tokens" in want or "time" in want:
             out["tokens"] = self.tokens_time(np.ceil(n / g))
         if "time" in want:
@@ -443,7 +475,7 @@ class StepModel:
         L = self.layers
         attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"])
         communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"])
-        overhead = L * d["fixed"] + self.call_overhead()
+        overhead = L * d["fixed"] + self.call_overhead() + self.call_extra.get((g, u), 0.0)
         tokens = float(self.tokens_time(math.ceil(total / g)))
         from .planner import call_pairs, ring_work
         work, _, _ = ring_work(layout, total, g // u, s.causal, cu)
@@ -485,7 +517,7 @@ class StepModel:
         L = self.layers
         attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"])
         communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small)
-        overhead = L * tab.fixed + self.call_overhead()
+        overhead = L * tab.fixed + self.call_overhead() + self.call_extra.get((g, u), 0.0)
         tokens = self.tokens_time(np.ceil(total / g))
         time = attention + communication + overhead + tokens
         pairs = summed("pairs")

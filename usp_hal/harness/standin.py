@@ -37,7 +37,9 @@ class StandInLayer(nn.Module):
         self.n1 = nn.Parameter(torch.ones(hidden))
         self.n2 = nn.Parameter(torch.ones(hidden))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: bool = True) -> torch.Tensor:
+        """``attention=False``: the layer without its attention kernel (the queries go to the
+        output projection as they are), what its token-proportional part costs."""
         b, t, _ = x.shape
         h = _rms(x, self.n1)
         q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -45,7 +47,7 @@ class StandInLayer(nn.Module):
         v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) if attention else q
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
         h = _rms(x, self.n2)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))

@@ -99,13 +99,13 @@ from .attention import (
     usp_attention_forward,
 )
 from .batch import DEFAULT_LAYOUT, IGNORE_INDEX, PADDING_ATTR, SHARDED_ATTR, Padding, shard_batch
-from .dynamic import DYNAMIC_LAYOUT, dynamic_degree, model_shape, packing_problem
+from .dynamic import DYNAMIC_LAYOUT, calibrate_calls, dynamic_degree, model_shape, packing_problem
 from .masks import TESTED_VERSIONS, MaskInfo, usp_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "enable", "disable", "patched", "shard_batch", "init_distributed",
            "sync_gradients", "usp_attention_forward", "usp_mask", "MaskInfo", "Padding", "USPAttentionFunction",
            "DEFAULT_LAYOUT", "IGNORE_INDEX", "SHARDED_ATTR", "PADDING_ATTR", "TESTED_VERSIONS", "DYNAMIC_LAYOUT",
-           "dynamic_degree", "model_shape", "packing_problem"]
+           "dynamic_degree", "model_shape", "packing_problem", "calibrate_calls"]
 
 # When this package was one module, code outside it read the registered attention functions
 # as ``usp_hal.integrations.transformers._FUNCTIONS``: the same dict, not a copy.

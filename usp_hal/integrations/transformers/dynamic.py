@@ -17,11 +17,13 @@ from typing import Optional
 from usp_hal.dynamic import DynamicDegree
 from usp_hal.stepcost import AttentionShape
 
+from .batch import shard_batch
+
 logger = logging.getLogger(__name__)
 
-#: the layout to register for a schedule's jobs: one sequence on a ring runs zigzag (what
-#: ``varlen_zigzag`` is without document boundaries), packed documents on a ring are each split
-#: zigzag, and a Ulysses group or one rank keeps the order (a ring of one)
+#: the layout to register for a schedule's jobs: a ring's jobs run ``varlen_zigzag`` (each
+#: document, or the one sequence, cut zigzag-like), a Ulysses group or one rank keeps the order,
+#: which ``varlen_zigzag`` on a ring of one is too
 DYNAMIC_LAYOUT = "varlen_zigzag"
 
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64"}
@@ -68,3 +70,53 @@ def dynamic_degree(model, *, budget_tokens: int, profile="h100-nvlink", dtype: O
                          "pass pack=False (or leave it out)")
     return DynamicDegree(model_shape(model, dtype), budget_tokens=budget_tokens, profile=profile, pack=bool(pack),
                          **kwargs)
+
+
+def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens: int = 16) -> dict:
+    """The model path's fixed cost per call on each split of ``dd`` against what its profile
+    prices: a tiny job (``tokens`` per rank) of ``model`` on every group of a split at once,
+    forward and backward through this integration (``model`` registered with ``mesh=None``),
+    the slowest rank's median time less the price of that job (negative where the profile's
+    per-call parts overstate this path, down to all of them).  What it measures is real on
+    any machine (each call's agreements, the integration's checks, Python); what it adds
+    depends on the machine: a few milliseconds per call on CPU ranks sharing cores.  Returns
+    ``{"g,u,r": seconds}``, the same on every rank, and puts it in ``dd``'s price model (its
+    ``call_extra``), so schedules made after it price it.  Every rank must call it (it runs
+    collectives); the gradients it leaves are zeroed."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from usp_hal.schedule import Job
+    sch = dd.scheduler
+    m = sch.model
+    out = {}
+    vocab = int(getattr(model.config, "vocab_size", 2))
+    m.call_extra.clear()
+    m._jobs.clear()
+    for (g, u, r) in sorted(dd.meshes):
+        n = tokens * g
+        cost = m.job((n,), g, u, sch.layout(g, u))
+        block = dd.rank // g
+        job = Job((0,), (n,), block * g, g, cost)
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(block))
+        ts = []
+        for _ in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with dd.on(job) as job_mesh:
+                batch = shard_batch({"input_ids": ids, "labels": ids}, job_mesh, job.cost.layout)
+                model(**batch).loss.backward()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            ts.append(float(took))
+        # what the call took beyond its price (less, where the price's per-call parts overstate
+        # this path: never below taking all of them back)
+        extra = max(-cost.overhead, statistics.median(ts[1:]) - cost.time)
+        out[f"{g},{u},{r}"] = extra
+    m.call_extra.update({(int(k.split(",")[0]), int(k.split(",")[1])): v for k, v in out.items()})
+    m._jobs.clear()
+    model.zero_grad(set_to_none=True)
+    return out
