@@ -229,25 +229,28 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
     from benchmarks._ranks import run_on_ranks
     from usp_hal.planner import load_profile
     tokens, budget = 32768 // SCALE, 16384 // SCALE
-    t0 = time.monotonic()
-    if profile is None:
-        from usp_hal.harness.calibrate import calibrate
-        prof = calibrate(WORLD, dtype="fp32", head_dim=CPU_LAYER["head_dim"], heads=CPU_LAYER["heads"],
-                         layer=CPU_LAYER, timeout=600)
-        how = f"calibrated here now ({time.monotonic() - t0:.0f} s, 4 ranks)"
-    else:
-        prof = load_profile(profile)
-        how = f"profile {profile}"
-    res = run_on_ranks(measured_ranks, world=WORLD, timeout=5400, dist=dist, seeds=seeds, steps=steps,
-                       tokens_per_rank=tokens, budget=budget, profile=prof)
-    extra = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in res[0]["call_extra"].items())
     print(f"\nmeasured on this CPU: 4 gloo ranks x 1 thread, {cpu_shape().describe()}, lengths / {SCALE}, about "
-          f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; "
-          f"prices from the {how}, and the model path's own fixed cost per call on each split (g,u,r: ms, "
-          f"usp.calibrate_calls): {extra}")
+          f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; per seed, "
+          "the machine calibrated just before (usp_hal.harness.calibrate, 4 ranks at once) unless --profile names "
+          "one, then the model path's own cost per call and per token on each split against that price "
+          "(usp.calibrate_calls, two job sizes)")
     worst_err, worst_spear = 0.0, 1.0
     ratios, dyn_all, st_all = [], 0.0, 0.0
-    for seed in seeds:
+    for seed in seeds:      # each seed priced by a calibration made just before it (the machine's speed drifts)
+        t0 = time.monotonic()
+        if profile is None:
+            from usp_hal.harness.calibrate import calibrate
+            prof = calibrate(WORLD, dtype="fp32", head_dim=CPU_LAYER["head_dim"], heads=CPU_LAYER["heads"],
+                             layer=CPU_LAYER, timeout=600)
+            how = f"calibrated ({time.monotonic() - t0:.0f} s)"
+        else:
+            prof = load_profile(profile)
+            how = f"profile {profile}"
+        res = run_on_ranks(measured_ranks, world=WORLD, timeout=5400, dist=dist, seeds=[seed], steps=steps,
+                           tokens_per_rank=tokens, budget=budget, profile=prof)
+        extra = ", ".join(f"{k}: {v[0] * 1e3:+.1f} ms {v[1] * 1e6:+.1f} us/token {v[2] * 1e3:+.2f} ms/doc" for k, v in
+                          res[0]["call_extra"].items())
+        print(f"  seed {seed}: {how}; the model path against its price (g,u,r): {extra}")
         runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
         preds = res[0][seed]["preds"]
         names = list(runs)

@@ -372,7 +372,7 @@ class Scheduler:
         m = self.model
         tab = m.table(1, 1, "basic")
         launch = tab.launch * (2 if self.shape.bwd else 1) if m.varlen else 0.0
-        return m.layers * (tab.fixed + launch) + m.call_overhead() + m.call_extra.get((1, 1), 0.0)
+        return m.layers * (tab.fixed + launch) + m.call_overhead() + m.call_extra.get((1, 1), (0.0,))[0]
 
     def _jobs(self, specs: Sequence[Tuple[Sequence[int], int, int, int]], lens: Tuple[int, ...]) -> List[Job]:
         """Jobs of (sequences, first rank, group size, Ulysses degree), in order, priced a

@@ -301,14 +301,30 @@ class StepModel:
         self.elem_bw = float(self.profile.get("elementwise_bandwidth") or self.profile.get("copy_bandwidth") or 0.0)
         self.layer_overhead = float(self.profile.get("layer_overhead", 0.0)) if shape.hidden else 0.0
         self.model_overhead = float(self.profile.get("model_overhead", 0.0)) if shape.hidden else 0.0
-        #: a model path's fixed cost per call on a split beyond this model's price ("g,u,r" -> s),
-        #: measured on the run's own model (usp_hal.integrations.transformers.calibrate_calls)
-        self.call_extra: Dict[Tuple[int, int], float] = {}
-        for key, sec in (self.profile.get("call_extra") or {}).items():
-            g, u, _ = (int(x) for x in str(key).split(","))
-            self.call_extra[(g, u)] = float(sec)
+        #: a model path's own cost per call on a split against this model's price: (seconds per
+        #: call, seconds per token per rank), measured on the run's own model
+        #: (usp_hal.integrations.transformers.calibrate_calls; a profile's "call_extra")
+        self.call_extra: Dict[Tuple[int, int], Tuple[float, ...]] = {}
         self._tables: Dict[Tuple[int, int, str], _Table] = {}
         self._jobs: Dict[tuple, Cost] = {}
+        self.set_call_extra(self.profile.get("call_extra") or {})
+
+    def set_call_extra(self, extra: dict) -> None:
+        """``{"g,u,r": [seconds per call, per token per rank, per packed document]}`` (a number:
+        per call)."""
+        self.call_extra.clear()
+        for key, val in extra.items():
+            g, u, _ = (int(x) for x in str(key).split(","))
+            vals = [float(val)] if isinstance(val, (int, float)) else [float(v) for v in val]
+            self.call_extra[(g, u)] = tuple(vals + [0.0] * (3 - len(vals)))
+        self._jobs.clear()
+
+    def _extra(self, g: int, u: int, tokens_per_rank, docs=1):
+        """The model path's own cost of a job on (g, u) beyond the price: (its per-call and
+        per-document part, its per-token part)."""
+        fixed, per_token, per_doc = self.call_extra.get((g, u), (0.0, 0.0, 0.0))
+        return (fixed + per_doc * (np.asarray(docs, dtype=np.float64) - 1),
+                per_token * np.asarray(tokens_per_rank, dtype=np.float64))
 
     @property
     def layers(self) -> int:
@@ -422,10 +438,11 @@ class StepModel:
                 out[k] = L * t[k]
         if "pairs" in t:
             out["pairs"] = t["pairs"]
+        fixed, per_token = self._extra(g, u, np.ceil(n / g))
         if "overhead" in t:
-            out["overhead"] = L * t["overhead"] + self.call_overhead() + self.call_extra.get((g, u), 0.0)
+            out["overhead"] = L * t["overhead"] + self.call_overhead() + fixed
         if "tokens" in want or "time" in want:
-            out["tokens"] = self.tokens_time(np.ceil(n / g))
+            out["tokens"] = self.tokens_time(np.ceil(n / g)) + per_token
         if "time" in want:
             out["time"] = out["attention"] + out["communication"] + out["tokens"] + out["overhead"]
         return out
@@ -475,8 +492,9 @@ class StepModel:
         L = self.layers
         attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"])
         communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"])
-        overhead = L * d["fixed"] + self.call_overhead() + self.call_extra.get((g, u), 0.0)
-        tokens = float(self.tokens_time(math.ceil(total / g)))
+        fixed, per_token = self._extra(g, u, math.ceil(total / g), len(lengths))
+        overhead = L * d["fixed"] + self.call_overhead() + float(fixed)
+        tokens = float(self.tokens_time(math.ceil(total / g)) + per_token)
         from .planner import call_pairs, ring_work
         work, _, _ = ring_work(layout, total, g // u, s.causal, cu)
         pairs = max(sum(call_pairs(c) for st in rank for c in st) for rank in work) * _heads_on_busiest(s, u)
@@ -517,13 +535,14 @@ class StepModel:
         L = self.layers
         attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"])
         communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small)
-        overhead = L * tab.fixed + self.call_overhead() + self.call_extra.get((g, u), 0.0)
-        tokens = self.tokens_time(np.ceil(total / g))
+        fixed, per_token = self._extra(g, u, np.ceil(total / g), sizes)
+        overhead = L * tab.fixed + self.call_overhead() + fixed
+        tokens = self.tokens_time(np.ceil(total / g)) + per_token
         time = attention + communication + overhead + tokens
         pairs = summed("pairs")
         return [Cost(u, r, layout, float(time[k]), int(pairs[k]), L * float(at_n["bytes"][k]),
                      int(round(L * float(at_n["collectives"][k]))), float(attention[k]), float(tokens[k]),
-                     float(communication[k]), float(overhead)) for k in range(len(jobs))]
+                     float(communication[k]), float(overhead[k])) for k in range(len(jobs))]
 
 
 def _heads_on_busiest(shape: AttentionShape, u: int) -> int:

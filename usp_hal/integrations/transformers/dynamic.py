@@ -72,17 +72,19 @@ def dynamic_degree(model, *, budget_tokens: int, profile="h100-nvlink", dtype: O
                          **kwargs)
 
 
-def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens: int = 16) -> dict:
-    """The model path's fixed cost per call on each split of ``dd`` against what its profile
-    prices: a tiny job (``tokens`` per rank) of ``model`` on every group of a split at once,
-    forward and backward through this integration (``model`` registered with ``mesh=None``),
-    the slowest rank's median time less the price of that job (negative where the profile's
-    per-call parts overstate this path, down to all of them).  What it measures is real on
-    any machine (each call's agreements, the integration's checks, Python); what it adds
-    depends on the machine: a few milliseconds per call on CPU ranks sharing cores.  Returns
-    ``{"g,u,r": seconds}``, the same on every rank, and puts it in ``dd``'s price model (its
-    ``call_extra``), so schedules made after it price it.  Every rank must call it (it runs
-    collectives); the gradients it leaves are zeroed."""
+def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens=(16, 512), doc: int = 32) -> dict:
+    """``model``'s own cost per call on each split of ``dd`` against what its profile prices:
+    jobs of ``model`` on every group of a split at once (one sequence of ``tokens[0]`` and of
+    ``tokens[1]`` per rank, and the second as packed documents of ``doc`` tokens), forward and
+    backward through this integration (``model`` registered with ``mesh=None``), each the
+    slowest rank's median time less the price of that job, fitted as a part per call, per token
+    and per packed document.  What it measures is real on any machine (each call's agreements,
+    the integration's checks and per-document bookkeeping, Python, the model's own layers
+    against the stand-in the profile measured); how much it adds depends on the machine: a few
+    milliseconds per call where ranks share cores.  Returns ``{"g,u,r": [seconds per call,
+    seconds per token per rank, seconds per document]}``, the same on every rank, and puts it in
+    ``dd``'s price model (its ``call_extra``), so schedules made after it price it.  Every rank
+    must call it (it runs collectives); the gradients it leaves are zeroed."""
     import statistics
     import time
 
@@ -94,29 +96,39 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens: int = 16
     m = sch.model
     out = {}
     vocab = int(getattr(model.config, "vocab_size", 2))
-    m.call_extra.clear()
-    m._jobs.clear()
-    for (g, u, r) in sorted(dd.meshes):
-        n = tokens * g
-        cost = m.job((n,), g, u, sch.layout(g, u))
-        block = dd.rank // g
-        job = Job((0,), (n,), block * g, g, cost)
-        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(block))
+    m.set_call_extra({})
+    small, large = tokens[0], min(tokens[1], sch.budget)
+
+    def beyond(g: int, u: int, lengths, block: int):
+        """The job's time (slowest rank, median) less its price, and its price."""
+        cost = m.job(lengths, g, u, sch.layout(g, u, len(lengths) > 1))
+        job = Job(tuple(range(len(lengths))), lengths, block * g, g, cost)
+        ids = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(block))
         ts = []
         for _ in range(reps + 1):
             dist.barrier()
             t0 = time.perf_counter()
             with dd.on(job) as job_mesh:
-                batch = shard_batch({"input_ids": ids, "labels": ids}, job_mesh, job.cost.layout)
+                cu = list(job.cu_seqlens) if job.cu_seqlens else None
+                batch = shard_batch({"input_ids": ids, "labels": ids}, job_mesh, job.cost.layout, cu_seqlens=cu)
                 model(**batch).loss.backward()
             took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             ts.append(float(took))
-        # what the call took beyond its price (less, where the price's per-call parts overstate
-        # this path: never below taking all of them back)
-        extra = max(-cost.overhead, statistics.median(ts[1:]) - cost.time)
-        out[f"{g},{u},{r}"] = extra
-    m.call_extra.update({(int(k.split(",")[0]), int(k.split(",")[1])): v for k, v in out.items()})
-    m._jobs.clear()
+        return statistics.median(ts[1:]) - cost.time, cost
+
+    for (g, u, r) in sorted(dd.meshes):
+        block = dd.rank // g
+        e0, c0 = beyond(g, u, (small * g,), block)
+        e1, c1 = beyond(g, u, (large * g,), block)
+        docs = max(2, large * g // doc)
+        e2, _ = beyond(g, u, tuple([large * g // docs] * docs), block)
+        per_token = (e1 - e0) / (large - small)
+        # never priced below half the profile's per-token price or without its per-call parts
+        per_token = max(per_token, -0.5 * c1.tokens / large)
+        fixed = max(e0 - per_token * small, -c0.overhead)
+        per_doc = max(0.0, (e2 - e1) / (docs - 1))
+        out[f"{g},{u},{r}"] = [fixed, per_token, per_doc]
+    m.set_call_extra(out)
     model.zero_grad(set_to_none=True)
     return out
