@@ -16,7 +16,7 @@ version        forward                                      backward
                ``(out, softmax_lse, S_dmask, rng_state)``    returns ``softmax_d``
 =============  ===========================================  ==================================
 
-What the adapter adds so that the kernel keeps the contract of :mod:`usp_hal.backend`:
+What the adapter adds so that the kernel keeps the contract of :mod:`usp_hal.dispatch.backend`:
 
 * Head dims are zero-padded to a multiple of 8 before every call and sliced back
   (>= 2.7 rejects other head dims; zero columns add nothing to ``q.k`` and give zero

@@ -18,7 +18,7 @@ module adds to the real packages, only in such a process:
   view whose ``is_cuda`` reads True (every operation on it gives a plain CPU tensor); the
   rest of the real function runs unchanged.
 * The adapters see the device they were written for through
-  :func:`usp_hal.platform.emulate` (:data:`EMULATION`).
+  :func:`usp_hal.dispatch.platform.emulate` (:data:`EMULATION`).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_hal import platform as _platform
+from usp_hal.dispatch import platform as _platform
 from usp_hal.dispatch.backend import AttentionBackend, lse_for_backward, normalize_lse
 from usp_hal.dispatch.capabilities import Availability, KernelCall, Package
 

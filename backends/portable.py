@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from usp_hal import platform as _platform
+from usp_hal.dispatch import platform as _platform
 from usp_hal.dispatch.backend import AttentionBackend
 from usp_hal.dispatch.capabilities import KernelCall
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_hal import platform as _platform
+from usp_hal.dispatch import platform as _platform
 from usp_hal.dispatch.backend import AttentionBackend, lse_for_backward, normalize_lse, pad_to, parse_version
 from usp_hal.dispatch.capabilities import Availability, KernelCall, Limit, Positions
 

@@ -38,7 +38,7 @@ def rank_bench(U: int, R: int, seqlens, rounds: int, B: int, H: int, Hkv: int, D
 
     import usp_hal
     from usp_hal.harness import CommMeter
-    from usp_hal.mesh import SequenceParallelMesh
+    from usp_hal.parallel.mesh import SequenceParallelMesh
     from usp_hal.serving import ShardedKVCache
     mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
     rank = dist.get_rank()

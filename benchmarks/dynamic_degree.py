@@ -5,10 +5,10 @@
     python -m benchmarks.dynamic_degree --no-time            # the predictions only
     python -m benchmarks.dynamic_degree --host-time          # also the scheduling's host time, 64 ranks
 
-**Predicted** (the planner's whole-step model, usp_hal.stepcost): a Llama-3-8B-shaped model (32
+**Predicted** (the planner's whole-step model, usp_hal.planning.stepcost): a Llama-3-8B-shaped model (32
 layers, hidden 4,096, MLP 14,336, 32 heads of 128, 8 KV heads, vocabulary 128,256, bf16) on 4 GPUs
 of one node, 16 global batches of about 32K tokens per rank, at most 16,384 tokens per rank in
-one job.  Each profile on its own line: the dynamic schedule (usp_hal.schedule.Scheduler) against
+one job.  Each profile on its own line: the dynamic schedule (usp_hal.planning.schedule.Scheduler) against
 ``static+``, every fixed split that holds every batch, each placed with the same care
 (Scheduler.static: balanced by predicted time, packed first-fit decreasing, varlen_zigzag for
 packed ring jobs), the best being the one split with the lowest predicted total; the fixed splits
@@ -41,7 +41,7 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-from usp_hal.schedule import (
+from usp_hal.planning.schedule import (
     AttentionShape,
     Schedule,
     ScheduleError,
@@ -152,15 +152,15 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     import torch.distributed as dist_
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from usp_hal.dynamic import DynamicDegree
     from usp_hal.integrations import transformers as usp
+    from usp_hal.planning.dynamic import DynamicDegree
     c = CPU_LAYER
     cfg = LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["intermediate"], num_hidden_layers=CPU_LAYERS,
                       num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
                       vocab_size=c["vocab"], max_position_embeddings=1 << 16)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    name = usp.register("usp_hal_bench_dynamic", mesh=None, layout="varlen_zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_bench_dynamic", mesh=None, layout="varlen_zigzag", attn_type="sdpa", enable=True)
     model.set_attn_implementation(name)
     shape = AttentionShape.from_config(cfg, dtype="fp32")
     assert shape == cpu_shape(), (shape, cpu_shape())
@@ -227,7 +227,7 @@ def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, item
 
 def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) -> dict:
     from benchmarks._ranks import run_on_ranks
-    from usp_hal.planner import load_profile
+    from usp_hal.planning.planner import load_profile
     tokens, budget = 32768 // SCALE, 16384 // SCALE
     print(f"\nmeasured on this CPU: 4 gloo ranks x 1 thread, {cpu_shape().describe()}, lengths / {SCALE}, about "
           f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; per seed, "

@@ -6,9 +6,9 @@ rings only, with Ulysses only, against static+, from the planner alone (no runs)
 
 For each world size, GPU profile, model and length distribution: ``--batches`` global batches of
 about 32K tokens per rank, at most 16,384 tokens per rank in one job, each scheduled (whole-step
-prices, usp_hal.stepcost) by
+prices, usp_hal.planning.stepcost) by
 
-- dynamic U x R: usp_hal.schedule.Scheduler, any Ulysses degree dividing a group (up to the query heads);
+- dynamic U x R: usp_hal.planning.schedule.Scheduler, any Ulysses degree dividing a group (up to the query heads);
 - rings only: ``ulysses_degrees=(1,)`` (what Megatron's and verl's dynamic context parallel choose);
 - Ulysses only: ``rings=False`` on groups of at most the KV heads (beyond them Ulysses replicates
   KV heads); "n/a" when a sequence needs a larger group;
@@ -25,8 +25,15 @@ import argparse
 import time
 from typing import Dict, List, Optional
 
-from usp_hal.schedule import AttentionShape, ScheduleError, Scheduler, compare_with_static, draw_batches, group_sizes
-from usp_hal.stepcost import StepModel
+from usp_hal.planning.schedule import (
+    AttentionShape,
+    ScheduleError,
+    Scheduler,
+    compare_with_static,
+    draw_batches,
+    group_sizes,
+)
+from usp_hal.planning.stepcost import StepModel
 
 MODELS = {
     "Llama-3-8B (8 KV heads)": AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermediate=14336,

@@ -1,5 +1,5 @@
 """Bytes each rank sends for a depthwise causal convolution over sequence shards: the halo
-exchange (``usp_hal.hybrid.halo_causal_conv``: the kernel_size - 1 tokens before each of a
+exchange (``usp_hal.mixers.head_parallel.halo_causal_conv``: the kernel_size - 1 tokens before each of a
 rank's runs) against the head-parallel region (``usp_hal.head_parallel``: every channel's
 whole sequence to the rank that owns it and back), forward and backward, measured with
 ``usp_hal.harness.CommMeter`` on spawned gloo ranks (Ring-R, zigzag, fp32, B=1, C=64, K=4),
@@ -24,7 +24,7 @@ from benchmarks._ranks import run_on_ranks
 
 def job(R=2, lengths=(4096,), C=64, K=4):
     from usp_hal.harness import CommMeter
-    from usp_hal.hybrid import halo_causal_conv, head_parallel
+    from usp_hal.mixers.head_parallel import halo_causal_conv, head_parallel
 
     mesh = usp_hal.init_sequence_parallel(1, R, set_default=False)
     torch.manual_seed(0)

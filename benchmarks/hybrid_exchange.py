@@ -10,7 +10,7 @@ qwen3_next family) on B=1, H=4 heads, dk=dv=32, fp32, zigzag shards:
 - ``head_parallel`` (:func:`usp_hal.head_parallel`): q, k, v, g and beta all-to-all to head
   sharding over the whole group, the kernel on the whole sequence of the rank's heads, the
   output back: bytes grow with S;
-- ``state_passing`` (:func:`usp_hal.state_passing.gated_delta_rule`): the kernel on the rank's
+- ``state_passing`` (:func:`usp_hal.mixers.state_passing.gated_delta_rule`): the kernel on the rank's
   own tokens (twice), one all-gather of every piece's ``[P | S]``: bytes independent of S.
 
 Bytes: :class:`usp_hal.harness.CommMeter` around one call (forward, or forward+backward with
@@ -34,8 +34,8 @@ def job(R=2, S=4096, rounds=3, bwd=False):
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule as kernel
 
     import usp_hal
-    from usp_hal import state_passing as sp
     from usp_hal.harness import CommMeter
+    from usp_hal.mixers import state_passing as sp
     mesh = usp_hal.init_sequence_parallel(1, R, set_default=False)
     g = torch.Generator().manual_seed(0)
 

@@ -69,8 +69,8 @@ def job(U=1, R=2, S=4096, H=8, D=64, rounds=5, low=True, causal=True, layout="zi
 def one_process(S=4096, H=8, D=64, causal=True):
     """The same call on the whole sequence in one process (the sdpa backend directly)."""
     from usp_hal import KernelCall
+    from usp_hal.dispatch.registry import REGISTRY
     from usp_hal.harness import meter
-    from usp_hal.registry import REGISTRY
     torch.set_num_threads(1)
     q, k, v, dout = _inputs(S, H, D)
     for t in (q, k, v):

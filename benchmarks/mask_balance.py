@@ -1,9 +1,9 @@
 """Masks: work balance per layout, from the masked block plan (pure, no process group).
 
 For random masks of each family (parameters drawn per mask, seeded), the work of ring rank
-r = the (query, key) pairs its rows score under the mask (``usp_hal.masks.mask_work``), and
+r = the (query, key) pairs its rows score under the mask (``usp_hal.sequence.masks.mask_work``), and
 the figure per layout is worst/mean over ranks (1.00 = perfect).  ``balanced`` is
-``usp_hal.masks.balanced_layout`` (chunks handed out by mask area, a greedy min-heap, equal
+``usp_hal.sequence.masks.balanced_layout`` (chunks handed out by mask area, a greedy min-heap, equal
 token counts per rank); ``basic`` and ``zigzag`` are the fixed layouts.  Also printed: the
 share of the S x S tiles the plan skips, runs without a mask, and runs with one.
 
@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from usp_hal import masks as M
-from usp_hal.positions import ring_segments
+from usp_hal.sequence import masks as M
+from usp_hal.sequence.positions import ring_segments
 
 
 def draw(family: str, S: int, rng: random.Random) -> "tuple[M.Mask, bool]":

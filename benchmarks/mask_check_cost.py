@@ -21,7 +21,7 @@ import time
 import torch
 
 import usp_hal
-from usp_hal import masks as M
+from usp_hal.sequence import masks as M
 
 
 class _Chunk:

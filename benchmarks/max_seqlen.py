@@ -14,7 +14,7 @@ most the budget.  S doubles until it no longer fits, then bisection narrows it t
 sdpa kernel under autograd for attention, the plain model (``attn_implementation="sdpa"``) for
 the Llama.  The number users care about is S(W) / S(1).  ``--modes ...,tiled_loss`` (the Llama
 only) also runs the default module with the loss in tiles of 256 tokens
-(:func:`usp_hal.integrations.tiled_loss.enable_tiled_loss`), on one process too.
+(:func:`usp_hal.integrations.training.tiled_loss.enable_tiled_loss`), on one process too.
 
 Attention: B=1, H=8, Hkv=8, D=64, fp32, causal, zigzag (Ulysses x Ring splits are given by
 ``--split``; by default Ulysses for W=2 and Ulysses-2 x Ring-2 for W=4).  The Llama: 2 layers,
@@ -68,7 +68,7 @@ def _attention_peak(mesh, mode: str, S: int, fresh: dict) -> int:
 
 def _one_process_attention(q, k, v):
     from usp_hal import KernelCall
-    from usp_hal.registry import REGISTRY
+    from usp_hal.dispatch.registry import REGISTRY
     backend = REGISTRY.get("sdpa")()
     scale = q.shape[-1] ** -0.5
 
@@ -103,12 +103,13 @@ def _llama_peak(mesh, mode: str, S: int, fresh: dict) -> int:
     if "model" not in fresh:
         fresh["model"] = _llama()
         if mode == "tiled_loss":
-            from usp_hal.integrations.tiled_loss import enable_tiled_loss
+            from usp_hal.integrations.training.tiled_loss import enable_tiled_loss
             enable_tiled_loss(fresh["model"], TILE)
         if mesh is not None:
             from usp_hal.integrations import transformers as usp
             kw = {"low_memory": True} if mode == "low_memory" else {}
-            fresh["name"] = usp.register(f"usp_hal_maxlen_{mode}", mesh=mesh, layout="zigzag", attn_type="sdpa", **kw)
+            fresh["name"] = usp.register(f"usp_hal_maxlen_{mode}", mesh=mesh, layout="zigzag", attn_type="sdpa",
+                                         enable=True, **kw)
             fresh["model"].set_attn_implementation(fresh["name"])
     model = fresh["model"]
     ids = torch.randint(0, 2048, (1, S), generator=torch.Generator().manual_seed(S))

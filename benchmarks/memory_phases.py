@@ -47,9 +47,9 @@ def _wrap(mod, name: str, label: str = None):
 
 def rank_timeline(cfg: dict) -> list:
     import usp_hal
+    import usp_hal.parallel.ring as ring
     import usp_hal.pipeline.run as run_step
-    import usp_hal.ring as ring
-    from usp_hal.ulysses import UlyssesExchange
+    from usp_hal.parallel.ulysses import UlyssesExchange
     cfg = RunConfig(**cfg)
     mesh = usp_hal.init_sequence_parallel(cfg.ulysses, cfg.ring, set_default=False)
     q, k, v, dout = global_inputs(cfg)

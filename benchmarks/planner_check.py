@@ -23,7 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from usp_hal import planner  # noqa: E402
+from usp_hal.planning import planner  # noqa: E402
 
 
 def main(argv=None) -> int:

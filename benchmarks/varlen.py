@@ -2,7 +2,7 @@
 
 1. Balance (pure, no process): causal packed batches of 8 documents with log-uniform
    lengths; for each layout the work balance = max/min over ring ranks of the query-key
-   pairs its kernels score, from the block plan (``usp_hal.varlen.ring_work``).
+   pairs its kernels score, from the block plan (``usp_hal.sequence.blocks.ring_work``).
 2. Cost (2 spawned ranks): one causal sequence of S tokens against a packed batch of
    ``--docs`` equal documents of the same total length, forward+backward, every
    configuration checked against the reference and timed in interleaved rounds (median
@@ -30,8 +30,8 @@ from statistics import median
 
 from usp_hal.harness import RankPool, RunConfig, fmt_ms
 from usp_hal.harness.cases import merge_checks, rank_check, rank_clear, rank_prepare, rank_release, rank_steps
-from usp_hal.layout import layout_names
-from usp_hal.varlen import cu_seqlens_from_lengths, equal_documents, ring_calls, ring_work, work_balance
+from usp_hal.sequence.blocks import ring_calls, ring_work, work_balance
+from usp_hal.sequence.positions import cu_seqlens_from_lengths, equal_documents, layout_names
 
 
 def log_uniform_batch(rng: random.Random, docs: int, lo: int, hi: int) -> tuple:
@@ -81,7 +81,7 @@ def kernel_ratio(args) -> dict:
     import torch
 
     from usp_hal import KernelCall, get_backend
-    from usp_hal.capabilities import parse_dtype
+    from usp_hal.dispatch.capabilities import parse_dtype
     torch.set_num_threads(1)
     backend = get_backend("sdpa")()
     dt = parse_dtype(args.dtype)

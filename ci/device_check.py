@@ -71,13 +71,13 @@ class Skip(Exception):
 
 def one_rank_mesh():
     """The 1 x 1 mesh: no process group, nothing exchanged."""
-    from usp_hal.mesh import SequenceParallelMesh
+    from usp_hal.parallel.mesh import SequenceParallelMesh
     return SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,))
 
 
 def _cmp(got, ref, dtype, lossy: bool = False, tol: Optional[tuple] = None) -> dict:
+    from usp_hal.dispatch.reference import tolerance
     from usp_hal.harness.verify import compare
-    from usp_hal.reference import tolerance
     atol, rtol = tol if tol is not None else tolerance(dtype)
     res = compare(got, ref, atol, rtol, lossy=lossy)
     return {"worst": None if not math.isfinite(res["worst"]) else round(res["worst"], 4),
@@ -144,7 +144,7 @@ def sdpa_op_case(device: str, backend: str, dtype, *, causal: bool, sq: int, sk:
     from torch.nn.attention import sdpa_kernel
 
     from usp_hal.backends.sdpa import normalize_cuda_lse
-    from usp_hal.reference import reference_attention
+    from usp_hal.dispatch.reference import reference_attention
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_rand((1, s, n, d), dtype, device, gen) for s, n in ((sq, h), (sk, hkv), (sk, hkv)))
     dout = _rand((1, sq, h, d), dtype, device, gen)
@@ -178,7 +178,7 @@ def sdpa_op_case(device: str, backend: str, dtype, *, causal: bool, sq: int, sk:
 
 
 def tolerance_lse(dtype) -> tuple:
-    from usp_hal.reference import tolerance
+    from usp_hal.dispatch.reference import tolerance
     return tolerance(dtype, lse=True)
 
 
@@ -210,7 +210,7 @@ def _sdpa_op_check(backend: str, dtype_name: str):
 
 # ----------------------------------------------------------------------------- adapters
 def _backend_cls(name: str):
-    from usp_hal.registry import REGISTRY
+    from usp_hal.dispatch.registry import REGISTRY
     cls = REGISTRY.get(name)
     av = cls.availability()
     if not av.ok:
@@ -224,8 +224,8 @@ def kernel_case(device: str, attn_type: str, dtype, *, causal: bool, s: int, h: 
     """One kernel on one rank against float64: through the adapter (``kernel.forward`` /
     ``backward``) or through ``LongContextAttention`` on a 1 x 1 mesh."""
     from usp_hal.attention import LongContextAttention
-    from usp_hal.reference import reference_attention
-    from usp_hal.registry import REGISTRY
+    from usp_hal.dispatch.reference import reference_attention
+    from usp_hal.dispatch.registry import REGISTRY
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_rand((2, s, n, d), dtype, device, gen) for n in (h, hkv, hkv))
     dout = _rand((2, s, h, d), dtype, device, gen)
@@ -285,8 +285,8 @@ def nonfinite_case(device: str, dtype, *, causal: bool, s: int, h: int = 2, d: i
     op hides a NaN query row that sees fewer than 16 keys and carries it with more: the facts are
     per length.)"""
     from usp_hal.attention import LongContextAttention
-    from usp_hal.reference import reference_attention
-    from usp_hal.registry import REGISTRY
+    from usp_hal.dispatch.reference import reference_attention
+    from usp_hal.dispatch.registry import REGISTRY
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (_rand((1, s, h, d), dtype, device, gen) for _ in range(4))
     want = torch.zeros(s, h, dtype=torch.bool)
@@ -407,7 +407,7 @@ def _block_mod(block: int):
 def check_flex_features(ctx: Context) -> dict:
     """flex through LongContextAttention on one rank: a block mask whose blocks (100) end
     mid-tile, and sinks, forward and (on CUDA) gradients and lse vs float64."""
-    from usp_hal.masks import Mask
+    from usp_hal.sequence.masks import Mask
     _backend_cls("flex")
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     s, block = (333, 100) if ctx.cuda else (67, 20)     # blocks that end inside flex's 128-wide tiles
@@ -546,8 +546,8 @@ def multirank_case(device: str, case: str, seed: int = 0) -> dict:
     import torch.distributed as dist
 
     import usp_hal
-    from usp_hal.masks import Mask
-    from usp_hal.reference import reference_attention
+    from usp_hal.dispatch.reference import reference_attention
+    from usp_hal.sequence.masks import Mask
     if device == "cuda":
         torch.cuda.set_device(0)
     world = dist.get_world_size()
@@ -628,8 +628,8 @@ def fla_state_passing_case(device: str, op: str) -> dict:
     recurrence over the whole sequence.  CUDA: fla's Triton chunk kernel, fp32 inputs; CPU: its
     torch reference kernel (naive_chunk_*)."""
     import usp_hal
-    from usp_hal import state_passing as sp
     from usp_hal.integrations import fla as usp_fla
+    from usp_hal.mixers import state_passing as sp
     if device == "cuda":
         torch.cuda.set_device(0)
     mesh = usp_hal.init_sequence_parallel(1, 2, set_default=False)

@@ -17,7 +17,7 @@ def main(steps=20, seed=0):
     mesh = usp.init_distributed(ulysses_degree=2, ring_degree=1)  # usp-hal
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                         intermediate_size=256, vocab_size=256, attn_implementation=usp.register())  # usp-hal
+                         intermediate_size=256, vocab_size=256, attn_implementation=usp.register(enable=True))  # usp-hal  # noqa: E501
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(seed))

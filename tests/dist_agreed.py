@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
-from usp_hal import masks as M
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
+from usp_hal.sequence import masks as M
 
 S, H, D = 32, 2, 8
 GLOBAL_N = 4          # read by global_chunk_mod (a bare mask_mod reading a global)
@@ -194,7 +194,7 @@ def sinks_case(what: str):
     (rank 1's differ), "grad" (rank 1's do not require grad), "inplace" (rank 1 changes its
     sinks in place after two equal calls).  Also counts the digests taken (host reads of the
     sinks) over the steady calls."""
-    from usp_hal import spec as _spec
+    from usp_hal.pipeline import spec as _spec
     mesh = get_mesh(1, 2)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", mesh=mesh)
     r = dist.get_rank()

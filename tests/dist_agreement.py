@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import get_mesh
-from usp_hal.comm import AgreementError, agree
+from usp_hal.parallel.comm import AgreementError, agree
 
 
 def _timed(fn):

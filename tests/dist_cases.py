@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 import usp_hal
 from usp_hal import KernelCall
+from usp_hal.dispatch.reference import reference_attention, tolerance
 from usp_hal.harness import CommMeter, compare
-from usp_hal.reference import reference_attention, tolerance
 
 _MESHES = {}
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -382,14 +382,14 @@ def cpu_side_group_case(U=2, R=1):
     with the same timeout, and the per-call metadata exchange uses it."""
     import datetime
 
-    import usp_hal.mesh as mesh_mod
+    import usp_hal.parallel.mesh as mesh_mod
     orig = mesh_mod._needs_cpu_side_group
     mesh_mod._needs_cpu_side_group = lambda group: True      # pretend the groups are accelerator-only
     try:
         mesh = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=datetime.timedelta(seconds=77))
     finally:
         mesh_mod._needs_cpu_side_group = orig
-    from usp_hal.comm import group_timeout
+    from usp_hal.parallel.comm import group_timeout
     x = usp_hal.shard(torch.randn(1, 8, 2, 8, generator=torch.Generator().manual_seed(0)), mesh=mesh)
     # the metadata all-gather: all_gather_single from torch 2.13, all_gather_into_tensor before
     # (Ulysses-2 sends no data by all-gather)

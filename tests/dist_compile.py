@@ -5,7 +5,7 @@ import torch
 
 import usp_hal
 from tests.dist_cases import _err, error_of, get_mesh, make_inputs
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 
 class Block(torch.nn.Module):

@@ -81,12 +81,12 @@ def dp_sp_training(wrapper: str = "fsdp", steps: int = 4, B: int = 2, S: int = 2
 
     dm, mesh = _meshes()
     replica = dm.get_coordinate()[0]
-    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ref = tiny_llama(seed, num_hidden_layers=layers)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
     if tiled_loss:
-        from usp_hal.integrations.tiled_loss import enable_tiled_loss
+        from usp_hal.integrations.training.tiled_loss import enable_tiled_loss
         enable_tiled_loss(model, tiled_loss)
     wrapped = _wrap(model, wrapper, dm)
     data = [_batches(1, B, S, seed + i)[0] for i in range(2)]
@@ -133,7 +133,7 @@ def forgotten_sync(wrapper: str = "plain", B: int = 2, S: int = 24, seed: int = 
     from usp_hal.integrations import transformers as usp
 
     dm, mesh = _meshes()
-    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_llama(seed, num_hidden_layers=1)
     model.set_attn_implementation(name)
     wrapped = _wrap(model, wrapper, dm)
@@ -162,7 +162,7 @@ def _head_unit_llama(seed: int, chunk: int = 0):
     (each call of it gathers its weight); its loss in tiles of ``chunk`` tokens (0: untiled)."""
     from torch.distributed.fsdp import fully_shard
 
-    from usp_hal.integrations.tiled_loss import enable_tiled_loss
+    from usp_hal.integrations.training.tiled_loss import enable_tiled_loss
     mesh = _world_mesh()
     model = tiny_llama(seed, num_hidden_layers=1)
     if chunk:
@@ -218,7 +218,7 @@ def custom_divide_factor(factor):
     from usp_hal.integrations import transformers as usp
 
     dm, mesh = _meshes()
-    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_dp_sp", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_llama(0, num_hidden_layers=1)
     model.set_attn_implementation(name)
     wrapped = _wrap(model, "fsdp_world", dm)

@@ -1,13 +1,13 @@
-"""The degree per global batch (usp_hal.dynamic) on every rank of a WorkerPool (tests/mp.py)."""
+"""The degree per global batch (usp_hal.planning.dynamic) on every rank of a WorkerPool (tests/mp.py)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 import usp_hal
-from usp_hal.dynamic import DynamicDegree
-from usp_hal.reference import reference_attention
-from usp_hal.schedule import AttentionShape
+from usp_hal.dispatch.reference import reference_attention
+from usp_hal.planning.dynamic import DynamicDegree
+from usp_hal.planning.schedule import AttentionShape
 
 SHAPE = AttentionShape(heads=4, head_dim=8, kv_heads=2, dtype="fp32", causal=True, bwd=True)
 
@@ -99,7 +99,8 @@ def scheduled_training(local_lengths, budget: int, steps: int = 3, lr: float = 2
     from tests.integration_cases import _max_diff, tiny_llama
     from usp_hal.integrations import transformers as usp
     rank = dist.get_rank()
-    name = usp.register(f"usp_hal_test_dynamic_{model_type}", mesh=None, layout=usp.DYNAMIC_LAYOUT, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_dynamic_{model_type}", mesh=None, layout=usp.DYNAMIC_LAYOUT, attn_type="sdpa",
+                        enable=True)
     if model_type == "llama":
         ref = tiny_llama(seed, num_hidden_layers=2)
     else:
@@ -118,7 +119,7 @@ def scheduled_training(local_lengths, budget: int, steps: int = 3, lr: float = 2
     shape = AttentionShape(heads=8, head_dim=16, kv_heads=2, dtype="fp32", causal=True, bwd=True)
     dd = DynamicDegree(shape, budget_tokens=budget, profile="cpu-4ranks", ulysses_degrees=ulysses_degrees, pack=pack)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    from usp_hal.integrations import hybrid
+    from usp_hal.integrations import sequence_mixers as hybrid
     losses, grads, sizes, standins, modes = [], [], set(), 0, set()
     for _ in range(steps):
         sched = dd.schedule(local_lengths[rank])
@@ -184,7 +185,7 @@ def short_sequence(U: int, R: int, S: int, layout: str = "zigzag"):
     from tests.integration_cases import tiny_llama
     from usp_hal.integrations import transformers as usp
     mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
-    name = usp.register("usp_hal_test_short", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register("usp_hal_test_short", mesh=mesh, layout=layout, attn_type="sdpa", enable=True)
     ref = tiny_llama(0, num_hidden_layers=1)
     model = tiny_llama(0, num_hidden_layers=1)
     model.set_attn_implementation(name)
@@ -245,7 +246,7 @@ def same_schedules(batches, budget: int, world_sizes=(1, 2, 4, 8)):
     """Every batch scheduled for several worlds on this rank (a digest of each schedule)."""
     import hashlib
 
-    from usp_hal.schedule import ScheduleError, schedule_batch
+    from usp_hal.planning.schedule import ScheduleError, schedule_batch
     out = []
     for w in world_sizes:
         for b in batches:

@@ -68,7 +68,7 @@ def accelerate_loop(pc: dict, U=None, R=None, wrap: str = "fsdp", steps: int = 3
 
     dm, mesh = _mesh(pc, U, R, accelerate_mesh)
     replicas = mesh.dp_degree
-    name = usp.register("usp_hal_test_engines_acc", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_engines_acc", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_llama(seed, num_hidden_layers=layers)
     model.set_attn_implementation(name)
     accelerator = Accelerator(cpu=True)
@@ -127,7 +127,7 @@ def trainer_run(pc: dict, U: int = 1, R: int = 1, steps: int = 4, ga: int = 1, b
                 seed: int = 0, lr: float = 3e-3):
     """USPTrainer with ``parallelism_config=ParallelismConfig(**pc)`` (the degrees split its cp/sp
     dim; 1 x 1: all Ulysses), as tests/dist_trainer.py's ``trainer_run``."""
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
 
     from .dist_trainer import MODEL, RaggedRows, _common, _flat, _Losses, _reset_accelerate
 

@@ -90,7 +90,7 @@ def engine_loop(engine: str = "zero1", steps: int = 3, B: int = 2, S: int = 24, 
 
     dm, mesh = _meshes()
     replica = dm.get_coordinate()[0]
-    name = usp.register("usp_hal_test_engines_ds", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_engines_ds", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_llama(seed, num_hidden_layers=layers)
     model.set_attn_implementation(name)
     wrapped, opt = _wrap(model, engine, dm)
@@ -169,7 +169,7 @@ def trainer_run(stage: int = 2, U: int = 2, R: int = 1, steps: int = 4, ga: int 
     ``trainer_run`` (its reference is ``dist_trainer.reference_run``).  ``premade_state=False``:
     without the gloo PartialState made beforehand (the refusal's message is returned)."""
     from tests.dist_trainer import MODEL, RaggedRows, _common, _Losses, _reset_accelerate
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
 
     world = dist.get_world_size()
     dp = world // (U * R)
@@ -250,7 +250,7 @@ def alst_grad_norm_ratio(B: int = 2, S: int = 24, seed: int = 0, layers: int = 2
         _DM["alst"] = dm, usp_hal.init_sequence_parallel(device_mesh=dm["sp"], set_default=False)
     dm, mesh = _DM["alst"]
     replica = 0
-    name = usp.register("usp_hal_test_engines_alst", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_engines_alst", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     data = [_batches(1, B, S, seed)[0]]
     norms = {}
     for kind in ("alst", "usp"):

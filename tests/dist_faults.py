@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
+from usp_hal.dispatch.reference import reference_attention
 from usp_hal.harness import CommMeter
-from usp_hal.reference import reference_attention
 
 
 def unshard_mismatch(U=2, R=1, what="heads"):
@@ -216,7 +216,7 @@ def block_refused_before_data(U=1, R=2):
     """A backend whose rules refuse some ring block shapes (here: alibi with Sq != Sk, as a
     bottom-right kernel declares) is refused on every rank before any data collective."""
     from usp_hal.backends.sdpa import SDPABackend
-    from usp_hal.capabilities import Positions
+    from usp_hal.dispatch.capabilities import Positions
 
     class BottomRight(SDPABackend):
         NAME = "test_bottom_right"

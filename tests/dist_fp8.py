@@ -5,9 +5,9 @@ import torch
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
-from usp_hal.codec import Float8Codec
+from usp_hal.dispatch.reference import reference_attention
 from usp_hal.harness import CommMeter
-from usp_hal.reference import reference_attention
+from usp_hal.parallel.codec import Float8Codec
 
 FP8 = Float8Codec()
 

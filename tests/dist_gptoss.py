@@ -32,7 +32,8 @@ def gpt_oss_training(U=1, R=2, layout="zigzag", steps=3, B=2, S=40, seed=0, lr=1
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_gptoss_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_gptoss_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa",
+                        enable=True)
     ref = tiny_gpt_oss(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -87,7 +88,8 @@ def gpt_oss_generate(U=1, R=2, layout="zigzag", B=2, S=20, new=5, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_gptoss_gen_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_gptoss_gen_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa",
+                        enable=True)
     ref = tiny_gpt_oss(seed, window=6).eval()
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)

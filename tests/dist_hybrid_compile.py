@@ -14,7 +14,7 @@ def compiled_hybrid(model_type="qwen3_next", U=1, R=2, backend="aot_eager", recu
     """Logits, loss and every gradient of ``torch.compile(model)`` (one forward+backward),
     against one process; the modes the hybrid layers ran in."""
     import usp_hal
-    from usp_hal.integrations import hybrid
+    from usp_hal.integrations import sequence_mixers as hybrid
     from usp_hal.integrations import transformers as usp
 
     torch._dynamo.reset()
@@ -23,7 +23,7 @@ def compiled_hybrid(model_type="qwen3_next", U=1, R=2, backend="aot_eager", recu
     ref.set_attn_implementation("sdpa")
     model = copy.deepcopy(ref)
     name = usp.register(f"usp_hal_compiled_u{U}r{R}_{recurrence}", mesh=mesh, layout="zigzag", attn_type="sdpa",
-                        recurrence=recurrence)
+                        recurrence=recurrence, enable=True)
     model.set_attn_implementation(name)
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
     batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag")

@@ -20,8 +20,8 @@ def trainer_run(model_type: str = "nemotron_h", U: int = 1, R: int = 2, steps: i
     """``steps`` optimizer steps of USPTrainer (sp = U x R, dp = the rest of the pool's ranks) on a
     tiny hybrid; each rank's logged losses and grad norms, the wired layers' recurrence modes,
     and on rank 0 the final parameters."""
-    from usp_hal.integrations import hybrid
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations import sequence_mixers as hybrid
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
 
     dp = dist.get_world_size() // (U * R)
     model = tiny_hybrid(model_type, seed)
@@ -91,7 +91,8 @@ def dp_sp_training(model_type: str = "nemotron_h", runs=(("ddp", "auto"),), step
     import copy
 
     from tests.integration_cases import _max_diff
-    from usp_hal.integrations import hybrid, sync_gradients
+    from usp_hal.integrations import sequence_mixers as hybrid
+    from usp_hal.integrations import sync_gradients
     from usp_hal.integrations import transformers as usp
 
     dm, mesh = _ring_meshes()
@@ -103,7 +104,7 @@ def dp_sp_training(model_type: str = "nemotron_h", runs=(("ddp", "auto"),), step
     got = {}
     for wrapper, rec in runs:
         name = usp.register(f"usp_hal_hybrid_dp_sp_{rec}", mesh=mesh, layout="zigzag", attn_type="sdpa",
-                            recurrence=rec)
+                            recurrence=rec, enable=True)
         model = copy.deepcopy(start)
         model.set_attn_implementation(name)
         wrapped = _wrap(model, wrapper, dm)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 
 def joint_case(U=2, R=1, strategy="front", causal=False, layout="zigzag", S=14, J=7, H=4, Hkv=2, D=8,

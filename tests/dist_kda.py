@@ -1,5 +1,5 @@
 """KDA (Kimi delta attention: the gated delta rule with a decay per key channel) by state
-passing (usp_hal.state_passing.gated_delta_rule with ``g [B, T, H, dk]``) on every rank of a
+passing (usp_hal.mixers.state_passing.gated_delta_rule with ``g [B, T, H, dk]``) on every rank of a
 WorkerPool, against the float64 recurrence over the whole sequence, per document."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import usp_hal
 from tests.dist_cases import get_mesh
 from tests.dist_state_passing import _docs_reference, _errors, _mutated
-from usp_hal import state_passing as sp
+from usp_hal.mixers import state_passing as sp
 
 
 def delta_rule_problem(seed: int, S: int, cu, B: int, H: int, dk: int, dv: int, per_channel: bool,
@@ -38,7 +38,7 @@ def delta_rule_problem(seed: int, S: int, cu, B: int, H: int, dk: int, dv: int, 
 
 def kda_case(U=1, R=2, layout="zigzag", S=26, dtype="fp64", cu=None, kernel="reference", mutation=None, seed=0):
     """{name: worst error / tolerance} of the output and the gradients of q, k, v, g, beta on
-    this rank.  ``kernel``: "reference" (:func:`usp_hal.state_passing.delta_rule_reference`, in
+    this rank.  ``kernel``: "reference" (:func:`usp_hal.mixers.state_passing.delta_rule_reference`, in
     ``dtype``) or "transformers" (``chunk_kimi_delta_attention``, fp32 inside, chunks of 4)."""
     mesh = get_mesh(U, R)
     dt = {"fp64": torch.float64, "fp32": torch.float32}[dtype]

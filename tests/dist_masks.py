@@ -6,9 +6,9 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import DTYPES, _err, get_mesh, make_inputs
-from usp_hal import masks as M
 from usp_hal.backends.sdpa import SDPABackend
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
+from usp_hal.sequence import masks as M
 
 
 class MaskCountingSDPA(SDPABackend):
@@ -27,8 +27,8 @@ class MaskCountingSDPA(SDPABackend):
 
 
 def _lossy(a, b, dtype, lse=False):
+    from usp_hal.dispatch.reference import tolerance
     from usp_hal.harness.verify import compare
-    from usp_hal.reference import tolerance
     return compare(a, b, *tolerance(dtype, lse=lse), lossy=True)["worst"]
 
 

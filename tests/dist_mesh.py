@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import _err, make_inputs
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 # each shape: (mesh shape, dim names, the dims given to init_sequence_parallel, its degree keywords)
 SHAPES = {

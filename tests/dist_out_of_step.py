@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import get_mesh
-from usp_hal.comm import agree
+from usp_hal.parallel.comm import agree
 
 
 def _outcome(fn) -> dict:
@@ -74,8 +74,8 @@ def mixer_mismatch(what: str, U: int = 1, R: int = 2, layout: str = "zigzag") ->
     """Hybrid sequence mixers run differently on rank 1 (``what``): another batch size, the
     other recurrence (state passing against head parallel), the other conv exchange (halo
     against head parallel), or local lengths that are not the layout's."""
-    from usp_hal.hybrid import halo_causal_conv, head_parallel
-    from usp_hal.state_passing import delta_rule_reference, gated_delta_rule
+    from usp_hal.mixers.head_parallel import halo_causal_conv, head_parallel
+    from usp_hal.mixers.state_passing import delta_rule_reference, gated_delta_rule
     mesh = get_mesh(U, R)
     other = dist.get_rank() == 1
     g = torch.Generator().manual_seed(0)

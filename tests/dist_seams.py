@@ -6,9 +6,9 @@ import torch
 
 import usp_hal
 from tests.dist_cases import _err, get_mesh
-from usp_hal.codec import CODECS, Codec, register_codec
-from usp_hal.layout import LAYOUTS, Layout, Segment, register_layout
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
+from usp_hal.parallel.codec import CODECS, Codec, register_codec
+from usp_hal.sequence.positions import LAYOUTS, Layout, Segment, register_layout
 
 
 def _halves(seqlen, ring_size, ring_rank):

@@ -7,7 +7,7 @@ import torch
 
 import usp_hal
 from tests.dist_cases import error_of
-from usp_hal.reference import reference_attention, tolerance
+from usp_hal.dispatch.reference import reference_attention, tolerance
 from usp_hal.serving import ShardedKVCache
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -28,7 +28,7 @@ def register_softcap_backend() -> str:
     """A contract-test backend: float64 reference math behind the kernel contract, declaring
     softcap, window, ALiBi and key offsets.  No CPU kernel of the registry has softcap, so
     this proves the decode path (placement, block plan, merge) with softcap, not a kernel."""
-    from usp_hal.backend import AttentionBackend
+    from usp_hal.dispatch.backend import AttentionBackend
 
     class ReferenceSoftcap(AttentionBackend):
         NAME = SOFTCAP_BACKEND
@@ -234,7 +234,7 @@ def generate_case(U=1, R=1, arch="llama", B=2, S=23, new=6, seed=0, block_size=4
     from usp_hal.integrations.cache import ShardedCache
 
     mesh = _mesh(U, R)
-    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ref = tiny_llama(seed) if arch == "llama" else tiny_mistral(seed)
     ref.eval()
     model = copy.deepcopy(ref)
@@ -266,7 +266,7 @@ def generate_refusals(U=1, R=2, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = _mesh(U, R)
-    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_llama(seed, num_hidden_layers=1)
     model.set_attn_implementation(name)
     model.eval()
@@ -306,7 +306,7 @@ def padded_prefill_case(U=1, R=1, dtype="fp64", layout="zigzag", pads=(0, 4, 9),
     """Left-padded rows: the prefill with the padding as a key mask (over global positions,
     per row), then decode steps with ``key_start`` (the keys before it are padding), each
     against float64 attention with the padding mask over the whole cache."""
-    from usp_hal.masks import Mask
+    from usp_hal.sequence.masks import Mask
     mesh = _mesh(U, R)
     dt = DTYPES[dtype]
     B = len(pads)
@@ -363,7 +363,7 @@ def padded_generate_case(U=1, R=1, arch="llama", pads=(0, 5, 12), S=19, new=5, s
     from usp_hal.integrations.cache import ShardedCache
 
     mesh = _mesh(U, R)
-    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ref = tiny_llama(seed, num_hidden_layers=2) if arch == "llama" else tiny_mistral(seed)
     ref.eval()
     model = copy.deepcopy(ref)
@@ -404,7 +404,7 @@ def padded_forward_case(U=1, R=1, S=21, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = _mesh(U, R)
-    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ref = tiny_llama(seed, num_hidden_layers=2)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -447,7 +447,7 @@ def dynamic_padding_case(U=1, R=1, lengths=(24, 18, 30), seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = _mesh(U, R)
-    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_generate_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ref = tiny_llama(seed, num_hidden_layers=2)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)

@@ -1,4 +1,4 @@
-"""State passing (usp_hal.state_passing) on every rank of a WorkerPool, against float64
+"""State passing (usp_hal.mixers.state_passing) on every rank of a WorkerPool, against float64
 references of the whole sequence computed in each rank from the same seeded global inputs."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import get_mesh
-from usp_hal import state_passing as sp
+from usp_hal.mixers import state_passing as sp
 
 TOL = {"fp64": (1e-9, 1e-9), "fp32": (2e-4, 2e-4)}
 
@@ -153,7 +153,7 @@ def misfit(op="gdn", sizes=(9, 7), layout="basic"):
                                       -torch.rand(1, n, 2, generator=g, dtype=torch.float64),
                                       torch.rand(1, n, 2, generator=g, dtype=torch.float64), mesh=mesh, layout=layout)
         else:
-            from usp_hal.hybrid import halo_causal_conv
+            from usp_hal.mixers.head_parallel import halo_causal_conv
             out = halo_causal_conv(torch.randn(1, n, 3, generator=g), torch.randn(3, 4, generator=g),
                                    mesh=mesh, layout=layout)
     except Exception as exc:        # noqa: BLE001 - the text is what the test checks

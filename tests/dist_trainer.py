@@ -125,7 +125,7 @@ def trainer_run(U: int = 1, R: int = 2, steps: int = 4, ga: int = 1, bs: int = 2
     IterableDataset."""
     import torch.distributed as dist
 
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
 
     world = dist.get_world_size()
     dp = world // (U * R)
@@ -195,7 +195,7 @@ def evaluate_run(U: int = 1, R: int = 2, n: int = 8, bs: int = 2, S: int = 24, s
     the pool."""
     import torch.distributed as dist
 
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
 
     world = dist.get_world_size()
     dp = world // (U * R)
@@ -274,7 +274,7 @@ def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 
     the final parameters."""
     import torch.distributed as dist
 
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
     model = tiny_llama(seed, **MODEL)
     keep = _Losses.make()
     threads = torch.get_num_threads()

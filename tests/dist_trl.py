@@ -707,7 +707,7 @@ def plain_sft_refused(U: int = 1, R: int = 2) -> dict:
     import usp_hal
     from usp_hal.integrations import transformers as usp
     mesh = usp_hal.init_sequence_parallel(U, R, set_default=False)
-    name = usp.register("usp_hal_test_plain_sft", mesh=mesh, attn_type="sdpa")
+    name = usp.register("usp_hal_test_plain_sft", mesh=mesh, attn_type="sdpa", enable=True)
     model = tiny_model()
     model.set_attn_implementation(name)
     threads = torch.get_num_threads()

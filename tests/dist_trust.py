@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import usp_hal
 from tests.dist_cases import DTYPES, _err, get_mesh
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 S, H, D = 16, 2, 8
 

@@ -65,7 +65,7 @@ def autocast_llama(U=1, R=2, steps=3, B=2, S=32, seed=0, lr=1e-3):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_autocast_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_autocast_u{U}r{R}", mesh=mesh, attn_type="sdpa", enable=True)
     base = tiny_llama(seed, num_hidden_layers=2)
     g = torch.Generator().manual_seed(seed + 7)
     data = [torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(steps)]
@@ -113,7 +113,7 @@ def rank0_alone(U=1, R=2, B=2, S=24, seed=0, timeout=20.0):
     from usp_hal.integrations import transformers as usp
 
     mesh = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=timeout)
-    name = usp.register(f"usp_hal_test_alone_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_alone_u{U}r{R}", mesh=mesh, attn_type="sdpa", enable=True)
     base = tiny_llama(seed, num_hidden_layers=2)
     model = copy.deepcopy(base)
     model.set_attn_implementation(name)
@@ -150,7 +150,7 @@ def sync_twice(U=1, R=2, B=2, S=24, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_sync_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_sync_u{U}r{R}", mesh=mesh, attn_type="sdpa", enable=True)
     base = tiny_llama(seed, num_hidden_layers=2)
     model = copy.deepcopy(base)
     model.set_attn_implementation(name)
@@ -194,7 +194,7 @@ def dp_sp_unequal_labels(U=2, R=1, B=2, S=24, seed=0, lr=1e-3, steps=2):
 
     mesh = get_mesh(U, R)
     replica = dist.get_rank() // mesh.sp_size
-    name = usp.register(f"usp_hal_test_dpsp_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_dpsp_u{U}r{R}", mesh=mesh, attn_type="sdpa", enable=True)
     base = tiny_llama(seed, num_hidden_layers=2)
     g = torch.Generator().manual_seed(seed + 21)
     data = []
@@ -268,7 +268,7 @@ def generate_sampling(U=1, R=2, B=2, S=15, new=8, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_sample_u{U}r{R}", mesh=mesh, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_sample_u{U}r{R}", mesh=mesh, attn_type="sdpa", enable=True)
     ref = tiny_llama(seed, num_hidden_layers=2).eval()
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -305,7 +305,7 @@ def generate_sampling(U=1, R=2, B=2, S=15, new=8, seed=0):
 def refusal_messages(U=1, R=2):
     """The agreement's refusal text (what the integrations raise): a reason every rank shares,
     and reasons that differ."""
-    from usp_hal.comm import agree
+    from usp_hal.parallel.comm import agree
 
     mesh = get_mesh(U, R)
     rank = mesh.sp_rank

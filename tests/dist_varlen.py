@@ -9,8 +9,9 @@ import torch.distributed as dist
 import usp_hal
 from tests.dist_cases import DTYPES, _err, get_mesh, make_inputs, sharded_errors
 from usp_hal.backends.sdpa import SDPABackend
+from usp_hal.dispatch.reference import reference_packed_attention
 from usp_hal.harness import CommMeter
-from usp_hal.varlen import cu_seqlens_from_lengths, reference_packed_attention
+from usp_hal.sequence.positions import cu_seqlens_from_lengths, layout_names
 
 
 class CountingSDPA(SDPABackend):
@@ -171,7 +172,7 @@ def shard_roundtrip(U=1, R=2, lengths=(3, 1, 6, 2)):
     S = cu[-1]
     x = torch.arange(S, dtype=torch.float64).view(1, S, 1).expand(2, S, 3).contiguous()
     rep = {}
-    for layout in usp_hal.layout.layout_names():
+    for layout in layout_names():
         local = usp_hal.shard(x, layout=layout, mesh=mesh, cu_seqlens=cu)
         pos = mesh.local_positions(S, layout, cu_seqlens=cu)
         ids = mesh.local_position_ids(S, layout, cu_seqlens=cu)

@@ -3,9 +3,9 @@ import torch
 import torch.distributed as dist
 
 import usp_hal
-from usp_hal import mesh as mesh_mod
+from usp_hal.dispatch.reference import reference_attention, tolerance
 from usp_hal.kernels import AttnType
-from usp_hal.reference import reference_attention, tolerance
+from usp_hal.parallel import mesh as mesh_mod
 
 
 def _inputs(B=2, S=16, H=4, D=8, dtype=torch.float32, seed=0):

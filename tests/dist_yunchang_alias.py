@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from usp_hal.compat import alias
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 
 def _full(shape, seed):

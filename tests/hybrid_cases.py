@@ -60,7 +60,7 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_hybrid_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_hybrid_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
     batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag")
     gen = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
@@ -77,8 +77,8 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
     res["lfm2_packed"] = error_of(lambda: lfm2(**packed))          # a type not tested with documents
     res["bad_recurrence"] = error_of(lambda: usp.register("usp_hal_bad", mesh=mesh, recurrence="scan"))
     forced = usp.register(f"usp_hal_hybrid_u{U}r{R}_sp", mesh=mesh, layout="zigzag", attn_type="sdpa",
-                          recurrence="state_passing")
-    from usp_hal.integrations import hybrid
+                          recurrence="state_passing", enable=True)
+    from usp_hal.integrations import sequence_mixers as hybrid
     # a covered layer without a state-passing form: kimi_linear's KDA with its entry taken away
     # (every covered recurrence has one now); forcing state passing on it is refused, by layer
     hybrid.STATE_PASSING_LAYERS.discard("KimiLinearDeltaAttention")
@@ -98,6 +98,29 @@ def hybrid_refusals(U=1, R=2, B=1, S=16, model_types=("mamba",)):
         usp.sync_gradients(model, mesh, out.loss)
     res["qwen3_next_runs"] = error_of(run)
     res["olmo_hybrid"] = error_of(lambda: _olmo_hybrid(name)(**batch))     # GDN layers, but an untested family
+    return res
+
+
+def unchecked_models_refused(U=1, R=2, B=1, S=16):
+    """register() registers the attention name only: a sequence-parallel forward of a model whose
+    layers were never checked (built without enable(): lfm2, whose short convolutions would
+    each see only their rank's tokens) is refused on every rank, naming enable(); once enable()
+    is on, a model built afterwards is checked (its convolutions wired) and runs."""
+    from usp_hal.integrations import transformers as usp
+
+    mesh = get_mesh(U, R)
+    usp.disable()                  # the pool's ranks may hold an enable() of an earlier case
+    name = usp.register(f"usp_hal_unchecked_u{U}r{R}", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, "zigzag")
+    res = {"patched": usp.patched()}
+    model = tiny_hybrid("lfm2")
+    model.set_attn_implementation(name)
+    res["unchecked"] = error_of(lambda: model(**batch))
+    usp.enable()
+    model = tiny_hybrid("lfm2")
+    model.set_attn_implementation(name)
+    res["checked"] = error_of(lambda: model(**batch))
     return res
 
 
@@ -210,7 +233,7 @@ def head_parallel_ops(U=1, R=2, layout="zigzag", cases=(), B=2, S=13, dtype="fp6
     Returns, per case, the worst error relative to the dtype's tolerance (<= 1 passes)."""
     import usp_hal
     from tests.dist_cases import _err
-    from usp_hal.hybrid import head_parallel
+    from usp_hal.mixers.head_parallel import head_parallel
 
     mesh = get_mesh(U, R)
     dt = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
@@ -291,8 +314,8 @@ class _Mutant:
         setattr(obj, name, value)
 
     def __enter__(self):
-        import usp_hal.hybrid as hp
-        import usp_hal.state_passing as sp
+        import usp_hal.mixers.head_parallel as hp
+        import usp_hal.mixers.state_passing as sp
         if self.kind == "drop_state":
             self._patch(sp, "_carry_in", lambda finals, plan, where, dv: [None] * len(plan))
         elif self.kind == "short_halo":
@@ -327,7 +350,7 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     import copy
 
     import usp_hal
-    from usp_hal.integrations import hybrid
+    from usp_hal.integrations import sequence_mixers as hybrid
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
@@ -343,7 +366,7 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
     out_all: dict = {}
     for run_name, rec, mutant in runs:
         name = usp.register(f"usp_hal_hybrid_u{U}r{R}_{layout}_{rec}", mesh=mesh, layout=layout, attn_type="sdpa",
-                            recurrence=rec)
+                            recurrence=rec, enable=True)
         model = copy.deepcopy(start)
         model.set_attn_implementation(name)
         if unwired:             # neither wired nor refused: the layers run on each rank's shard
@@ -404,12 +427,12 @@ def hybrid_training(model_type="qwen3_next", U=2, R=1, layout="zigzag", steps=3,
 
 
 def halo_conv(U=1, R=2, layout="zigzag", B=2, S=19, C=3, K=4, cu=None, mutate=None, lengths=(19, 64, 256)):
-    """usp_hal.hybrid.halo_causal_conv on sequence shards against the depthwise causal conv on
+    """usp_hal.mixers.head_parallel.halo_causal_conv on sequence shards against the depthwise causal conv on
     the whole sequence in float64 (output, input, weight and bias gradients), and the number of
     halo tokens each rank receives for each sequence length of ``lengths``."""
     import usp_hal
     from tests.dist_cases import _err
-    from usp_hal.hybrid import _halo_plan, halo_causal_conv
+    from usp_hal.mixers.head_parallel import _halo_plan, halo_causal_conv
 
     mesh = get_mesh(U, R)
     gen = torch.Generator().manual_seed(5)

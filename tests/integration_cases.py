@@ -52,7 +52,7 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
 
     mesh = get_mesh(U, R)
     name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}{'_low' if low_memory else ''}", mesh=mesh, layout=layout,
-                        attn_type="sdpa", low_memory=low_memory)
+                        attn_type="sdpa", low_memory=low_memory, enable=True)
     ref = tiny_llama(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -63,7 +63,7 @@ def llama_training(U=2, R=1, layout="zigzag", steps=20, B=2, S=50, seed=0, lr=1e
         logits = usp_hal.unshard(local, layout=layout, mesh=mesh)
 
     if tiled_loss:
-        from usp_hal.integrations.tiled_loss import TiledLogits, enable_tiled_loss
+        from usp_hal.integrations.training.tiled_loss import TiledLogits, enable_tiled_loss
         enable_tiled_loss(model, tiled_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
@@ -103,7 +103,7 @@ def llama_checkpointing(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa", enable=True)
     ref = tiny_llama(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -130,7 +130,7 @@ def llama_label_control(U=1, R=2, layout="zigzag", B=2, S=50, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa", enable=True)
     model = tiny_llama(seed)
     ref_loss = model(input_ids=_batches(1, B, S, seed)[0], labels=_batches(1, B, S, seed)[0]).loss.item()
     model.set_attn_implementation(name)
@@ -166,7 +166,7 @@ def llama_refusals(U=1, R=2, B=2, S=24, seed=0):
 
     mesh = get_mesh(U, R)
     rank = mesh.sp_rank
-    name = usp.register(f"usp_hal_test_u{U}r{R}_zigzag", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_zigzag", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_llama(seed, num_hidden_layers=2)
     model.set_attn_implementation(name)
     model.eval()
@@ -231,7 +231,7 @@ def llama_dp_training(U=2, R=1, steps=5, B=2, S=32, seed=0, lr=1e-3):
 
     mesh = get_mesh(U, R)
     replica = dist.get_rank() // mesh.sp_size
-    name = usp.register(f"usp_hal_test_u{U}r{R}_zigzag", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_zigzag", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     ref = tiny_llama(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -268,7 +268,7 @@ def mistral_window(U=1, R=2, layout="zigzag", B=2, S=40, window=8, seed=0):
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa", enable=True)
     cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, sliding_window=window)
     torch.manual_seed(seed)
@@ -469,10 +469,10 @@ def llama_packed(U=2, R=1, layout="zigzag", docs=(17, 5, 28), source="cu_seqlens
     its parameter gradients.  ``source``: where shard_batch finds the boundaries: the
     ``cu_seqlens`` argument, the collator's ``cu_seq_lens_q/k``, or restarting position_ids."""
     from usp_hal.integrations import transformers as usp
-    from usp_hal.varlen import cu_seqlens_from_lengths, document_positions
+    from usp_hal.sequence.positions import cu_seqlens_from_lengths, document_positions
 
     mesh = get_mesh(U, R)
-    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa")
+    name = usp.register(f"usp_hal_test_u{U}r{R}_{layout}", mesh=mesh, layout=layout, attn_type="sdpa", enable=True)
     ref = tiny_llama(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)
@@ -538,7 +538,7 @@ def model_matches_one_process(family="deepseek_v3", U=2, R=1, layout="zigzag", B
 
     mesh = get_mesh(U, R)
     name = usp.register(f"usp_hal_test_{family}_u{U}r{R}_{layout}_{attn_type}", mesh=mesh, layout=layout,
-                        attn_type=attn_type)
+                        attn_type=attn_type, enable=True)
     ref = tiny_deepseek_v3(seed) if family == "deepseek_v3" else tiny_gemma2(seed)
     model = copy.deepcopy(ref)
     model.set_attn_implementation(name)

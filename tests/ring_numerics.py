@@ -1,13 +1,13 @@
 """bf16 error of ring attention against ring size: the ring's arithmetic in one process (each
 query block meets the key blocks as a ring of R ranks meets them: kernel calls in bf16 on the
-blocks, their outputs merged by usp_hal.ring.merge_block in float32), and the ring itself on gloo
+blocks, their outputs merged by usp_hal.parallel.ring.merge_block in float32), and the ring itself on gloo
 ranks (tests/test_ring_numerics.py, docs/performance.md)."""
 from __future__ import annotations
 
 import torch
 
 from usp_hal import KernelCall
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 
 def _inputs(S: int, H: int, D: int, seed: int):
@@ -24,8 +24,8 @@ def merged_blocks(q, k, v, R: int, causal: bool, acc=torch.float32) -> torch.Ten
     """The basic layout's ring of ``R`` in one process: query block ``i`` against key blocks
     ``j <= i`` (causal: the diagonal one causal) or all of them, merged in ``acc`` (the ring's
     float32; bfloat16 is the negative control)."""
-    from usp_hal.registry import REGISTRY
-    from usp_hal.ring import NEG_INF, merge_block
+    from usp_hal.dispatch.registry import REGISTRY
+    from usp_hal.parallel.ring import NEG_INF, merge_block
     backend = REGISTRY.get("sdpa")()
     B, S, H, D = q.shape
     edges = [round(i * S / R) for i in range(R + 1)]

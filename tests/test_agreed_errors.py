@@ -75,7 +75,7 @@ def test_equal_masks_in_different_forms_agree_and_match_float64(pools, forms):
 
 
 def _dense(form, p):
-    import usp_hal.masks as M
+    import usp_hal.sequence.masks as M
     return M.Mask.of(da.make_mask(form, p)).keep(torch.arange(da.S), torch.arange(da.S))
 
 
@@ -122,7 +122,7 @@ def test_mask_data_changed_on_one_rank_raises_on_every_rank(pools):
 
 def test_mask_data_changed_one_process():
     import usp_hal
-    import usp_hal.masks as M
+    import usp_hal.sequence.masks as M
     attn = usp_hal.LongContextAttention(attn_type="sdpa")
     q, k, v = da._inputs(1)
     docs = torch.zeros(da.S, dtype=torch.long)
@@ -229,7 +229,7 @@ def test_reinitialised_groups(pools):
 @pytest.mark.parametrize("what,needle,kind", [
     ("list", "query must be a torch.Tensor, got list", "TypeError"),
     ("numpy", "query must be a torch.Tensor, got ndarray", "TypeError"),
-    ("mask_type", "mask must be a usp_hal.masks.Mask", "TypeError"),
+    ("mask_type", "mask must be a usp_hal.sequence.masks.Mask", "TypeError"),
     ("odd_mask", "OddError: the caller's own failure", "USPError"),
     ("window", "window_size", "USPError"),
 ])
@@ -247,7 +247,7 @@ def test_steady_masked_calls_evaluate_no_mask(monkeypatch):
     """Steady state (same length, same mask state): the mask is not evaluated again; a change of
     its data is (and the result follows it)."""
     import usp_hal
-    import usp_hal.masks as M
+    import usp_hal.sequence.masks as M
     attn = usp_hal.LongContextAttention(attn_type="sdpa")
     q, k, v = da._inputs(6)
     docs = torch.arange(da.S) // 8

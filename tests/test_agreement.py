@@ -1,4 +1,4 @@
-"""Every communicating entry point agrees before it communicates (``usp_hal.comm.agree``): a bad
+"""Every communicating entry point agrees before it communicates (``usp_hal.parallel.comm.agree``): a bad
 argument on ONE rank only raises on every rank, within the group timeout, and the group still
 works afterwards.  The pool's process groups time out after PG_TIMEOUT seconds, so a rank left
 waiting in a collective would show as an error naming the timeout (or a hung case), never as

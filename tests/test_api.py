@@ -4,7 +4,7 @@ import torch
 
 import usp_hal
 from tests import dist_cases
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 
 @pytest.mark.multirank
@@ -103,8 +103,9 @@ def test_documented_names_reachable_after_plain_import():
     import subprocess
     import sys
     code = ("import usp_hal\n"
-            "usp_hal.layout.local_positions; usp_hal.platform.default_device_type; usp_hal.mesh.SequenceParallelMesh\n"
-            "usp_hal.reference.reference_attention; usp_hal.SequenceParallelMesh.local_positions\n"
+            "usp_hal.sequence.positions.local_positions; usp_hal.dispatch.platform.default_device_type\n"
+            "usp_hal.parallel.mesh.SequenceParallelMesh\n"
+            "usp_hal.dispatch.reference.reference_attention; usp_hal.SequenceParallelMesh.local_positions\n"
             "usp_hal.shard; usp_hal.unshard; usp_hal.LongContextAttention\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

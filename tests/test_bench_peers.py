@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from usp_hal.dispatch.reference import reference_attention
 from usp_hal.harness.cases import CPU_PEER_KERNEL, usp_hal_kernel_label, yunchang_cpu_processor
 from usp_hal.harness.sweep import PEER_MAX_CALLS, peer_ratios, round_order
-from usp_hal.reference import reference_attention
 
 HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
 

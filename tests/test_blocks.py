@@ -1,15 +1,17 @@
-"""One home for block plans (usp_hal.blocks): every ring rank x source block, the summaries
+"""One home for block plans (usp_hal.sequence.blocks): every ring rank x source block, the summaries
 varlen, the planner and the pipeline read from it, and the planner's candidates taken from
 the layout / rotation / codec tables (a layout, a rotation or a codec registered from
 outside, as tests/test_seams.py registers them, becomes a plan candidate)."""
 import pytest
 
-from usp_hal import planner, varlen
-from usp_hal.blocks import RingPlan, block_plans, pack_groups, plan_blocks, plan_ring
-from usp_hal.codec import CODECS, Codec, register_codec
-from usp_hal.layout import EXTRACT_FUNC_DICT, LAYOUTS, Layout, Segment, register_layout, ring_segments
-from usp_hal.ring import PackedCall, pack_calls
-from usp_hal.rotation import ROTATIONS, P2PRotation
+from usp_hal.compat.extract import EXTRACT_FUNC_DICT
+from usp_hal.parallel.codec import CODECS, Codec, register_codec
+from usp_hal.parallel.ring import PackedCall, pack_calls
+from usp_hal.parallel.rotation import ROTATIONS, P2PRotation
+from usp_hal.planning import planner
+from usp_hal.sequence import blocks as varlen  # the per-rank work summaries
+from usp_hal.sequence.blocks import RingPlan, block_plans, pack_groups, plan_blocks, plan_ring
+from usp_hal.sequence.positions import LAYOUTS, Layout, Segment, register_layout, ring_segments
 
 
 @pytest.mark.parametrize("layout,cu", [("basic", None), ("zigzag", None), ("stripe", None),

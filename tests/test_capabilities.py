@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.contract.standin import install_standin, purge_modules
-from usp_hal import platform
-from usp_hal.backend import AttentionBackend, installed_version, parse_version
-from usp_hal.capabilities import (
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.backend import AttentionBackend, installed_version, parse_version
+from usp_hal.dispatch.capabilities import (
     AttnRequest,
     Package,
     capability_row,
@@ -278,14 +278,7 @@ def test_parse_version_handles_local_builds():
 
 # ----------------------------------------------------------------------------- declared limits
 from usp_hal import KernelCall  # noqa: E402
-from usp_hal.capabilities import (  # noqa: E402
-    Limit,
-    Positions,
-    RuleContext,
-    Unsupported,
-    declared_reasons,
-    kernel_window,
-)
+from usp_hal.dispatch.capabilities import Limit, Positions, RuleContext, Unsupported, declared_reasons, kernel_window  # noqa: E402
 
 _CTX = RuleContext(version="2.5.0", torch_version="2.12.0")
 
@@ -433,7 +426,7 @@ def test_lengths_in_the_request_let_dispatch_apply_positions():
 def test_capabilities_module_does_not_import_the_backend_module():
     import ast
 
-    import usp_hal.capabilities as caps
+    import usp_hal.dispatch.capabilities as caps
     tree = ast.parse(open(caps.__file__).read())
     imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -20,7 +20,7 @@ def test_run_small_two_ranks_passes(tmp_path, capsys):
     assert rc == 0, out
     for field in ("ulysses 1 x ring 2", "backend    sdpa", "max abs error", "time per iteration",
                   "per rank", "kernel fwd", "peak memory per rank above its inputs", "minimum for this split",
-                  "float64 usp_hal.reference.reference_attention", "result: PASS"):
+                  "float64 usp_hal.dispatch.reference.reference_attention", "result: PASS"):
         assert field in out, (field, out)
     for name in ("out", "dq", "dk", "dv"):
         assert f"\n  {name} " in out, out

@@ -101,7 +101,7 @@ def test_the_nonfinite_check_fails_without_the_guard(monkeypatch, tmp_path):
     stand-in of the CPU op hides every non-finite query row.  The check passes (the core guards
     the rows), records that the kernel does not carry them, and fails once the sdpa backend
     claims its CPU kernel carries them (the core then adds no guard)."""
-    from usp_hal.registry import REGISTRY
+    from usp_hal.dispatch.registry import REGISTRY
     ctx = dc.Context("cpu", str(tmp_path), True)
     real = dc.check_nonfinite(ctx)           # this machine's kernel: any facts, the module's rows exact
     assert real["status"] == "pass", real

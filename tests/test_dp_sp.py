@@ -66,7 +66,7 @@ def test_custom_fsdp_divide_factor_is_refused_on_every_rank(pools):
 
 
 def test_reduction_rules_per_wrapper_group():
-    from usp_hal.integrations import grads
+    from usp_hal.integrations.training import grads
 
     m = _mesh(1, (0, 1, 2, 3))
     assert grads._mode_for(None, m, "x") == (grads.SUM_SP_MEAN_DP, None)          # plain module

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from tests import dist_dynamic
-from usp_hal.schedule import AttentionShape, ScheduleError, group_sizes, schedule_batch, static_schedule
+from usp_hal.planning.schedule import AttentionShape, ScheduleError, group_sizes, schedule_batch, static_schedule
 
 SHAPE = AttentionShape(heads=8, head_dim=64, kv_heads=2, dtype="bf16", causal=True, bwd=True)
 

@@ -61,7 +61,7 @@ def test_apply_usp_refuses_layers_by_name():
     from torchtitan.models.common.attention import VarlenAttention
 
     from usp_hal.integrations.torchtitan import apply_usp
-    from usp_hal.mesh import SequenceParallelMesh
+    from usp_hal.parallel.mesh import SequenceParallelMesh
     model = _llama()
     model.layers["1"].attention.inner_attention = VarlenAttention(VarlenAttention.Config())
     with pytest.raises(NotImplementedError, match=r"layers\.1: VarlenAttention"):
@@ -71,7 +71,7 @@ def test_apply_usp_refuses_layers_by_name():
 
 def test_apply_usp_refuses_masks_and_missing_positions():
     from usp_hal.integrations.torchtitan import apply_usp
-    from usp_hal.mesh import SequenceParallelMesh
+    from usp_hal.parallel.mesh import SequenceParallelMesh
     model = _llama()
     assert apply_usp(model, SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,))) == dist_torchtitan.LAYERS
     ids = torch.randint(0, dist_torchtitan.V, (1, 8))
@@ -111,7 +111,7 @@ def test_torchtitan_gptoss_attention_with_sinks_matches_one_process(pools):
 
 def test_apply_usp_refuses_an_unknown_out_transform():
     from usp_hal.integrations.torchtitan import apply_usp
-    from usp_hal.mesh import SequenceParallelMesh
+    from usp_hal.parallel.mesh import SequenceParallelMesh
     model = _llama()
     apply_usp(model, SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,)))
     q = torch.randn(1, 4, dist_torchtitan.HEADS, 16)
@@ -195,7 +195,7 @@ def test_prepare_inputs_packs_rows_into_documents():
     """One process (a 1 x 1 mesh): the boundaries come from torchtitan's per-document
     positions, the rows become one stream, every row starting a document."""
     from usp_hal.integrations.torchtitan import ShardedBatch, apply_usp, prepare_inputs
-    from usp_hal.mesh import SequenceParallelMesh
+    from usp_hal.parallel.mesh import SequenceParallelMesh
     model = _llama()
     apply_usp(model, SequenceParallelMesh(1, 1, 0, 1, True, (0,), (0,), (0,)), layout="varlen_zigzag")
     ids, labels, positions = dist_torchtitan.packed_batches(1, 2, 10, 3)[0]

@@ -84,7 +84,7 @@ def test_keywords_that_break_state_passing_are_refused(kw, needle):
 def test_fla_naive_kernels_match_usp_hal_reference():
     """fla's torch kernels and usp-hal's float64 recurrence are the same recurrence (with a
     nonzero initial state: the state passing seam), GDN and KDA."""
-    from usp_hal import state_passing as sp
+    from usp_hal.mixers import state_passing as sp
     g = torch.Generator().manual_seed(3)
     B, T, H, dk, dv = 1, 21, 2, 8, 6
     q, v = torch.randn(B, T, H, dk, generator=g), torch.randn(B, T, H, dv, generator=g)
@@ -127,7 +127,7 @@ def test_rank_different_or_unrunnable_kernel_is_refused_on_every_rank(pools, cas
     assert res[0]["message"] == res[1]["message"] and res[0]["error"] == res[1]["error"], res
     assert all(r["seconds"] < 20 for r in res), res
     text = res[0]["message"]
-    assert res[0]["error"].startswith("Agreement"), res[0]       # usp_hal.comm.AgreementError's kinds
+    assert res[0]["error"].startswith("Agreement"), res[0]       # usp_hal.parallel.comm.AgreementError's kinds
     for needle in REFUSALS[case]:
         assert needle in text, (needle, text)
 
@@ -156,7 +156,7 @@ def test_gva_is_the_head_mapping_of_fla_kernels():
     equals the float64 reference's mapping (value head j reads q/k head j // (HV/H)), and
     usp-hal's wrapped naive GDN kernels (q/k repeated) give the same; a mapping by j % H
     (q/k tiled instead) would not."""
-    from usp_hal import state_passing as sp
+    from usp_hal.mixers import state_passing as sp
     g = torch.Generator().manual_seed(5)
     B, T, H, HV, dk, dv = 1, 19, 2, 6, 8, 5
     q, v = torch.randn(B, T, H, dk, generator=g), torch.randn(B, T, HV, dv, generator=g)

@@ -19,12 +19,13 @@ import torch
 
 import usp_hal
 from tests.dist_cases import kernel_call, kernel_inputs, merged_key_blocks
-from usp_hal import KernelCall, platform
-from usp_hal.backend import Unsupported
+from usp_hal import KernelCall
 from usp_hal.backends import flex as flex_module
 from usp_hal.backends.flex import FlexAttentionBackend
-from usp_hal.capabilities import AttnRequest
-from usp_hal.reference import LSE_TOLERANCES, TOLERANCES, reference_attention
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.backend import Unsupported
+from usp_hal.dispatch.capabilities import AttnRequest
+from usp_hal.dispatch.reference import LSE_TOLERANCES, TOLERANCES, reference_attention
 
 KERNEL = FlexAttentionBackend()
 IDS = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -75,7 +76,7 @@ def _skip_refused_bf16(dtype) -> None:
 def test_flex_bf16_cpu_limit_names_the_version():
     """The declared limit refuses bf16 on the CPU for torch before 2.11, naming the version, and
     nothing else (fp16 there, bf16 from 2.11)."""
-    from usp_hal.capabilities import RuleContext, declared_reasons
+    from usp_hal.dispatch.capabilities import RuleContext, declared_reasons
     req = AttnRequest(dtype=torch.bfloat16, device_type="cpu", head_dim=16)
     old = declared_reasons(FlexAttentionBackend, req, RuleContext(torch_version="2.9.1"))
     assert any("torch 2.9.1" in r and "torch >= 2.11" in r for r in old), old

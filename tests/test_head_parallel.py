@@ -66,7 +66,7 @@ HALO = [dict(layout="zigzag"), dict(layout="basic"), dict(layout="stripe"),
 
 @pytest.mark.parametrize("world,U,R", [(2, 1, 2), (4, 2, 2)], ids=["u1r2", "u2r2"])
 def test_conv_halo_matches_one_process(pools, world, U, R):
-    """usp_hal.hybrid.halo_causal_conv: only the kernel_size - 1 tokens before each run travel;
+    """usp_hal.mixers.head_parallel.halo_causal_conv: only the kernel_size - 1 tokens before each run travel;
     output and gradients vs float64; halo tokens per rank flat in S for basic and zigzag."""
     for kw in HALO:
         res = pools(world).run(cases.halo_conv, timeout=120, U=U, R=R, **kw)

@@ -36,7 +36,7 @@ def test_each_kind_of_host_read_is_counted_once():
 
 
 def test_a_planted_item_in_library_code_is_found_with_its_site():
-    from usp_hal.reference import reference_attention
+    from usp_hal.dispatch.reference import reference_attention
     q = torch.randn(1, 8, 2, 4)
     with HostReadMeter() as m:
         reference_attention(q, q, q)

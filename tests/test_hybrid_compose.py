@@ -38,7 +38,7 @@ def test_usp_trainer_on_a_hybrid_matches_the_plain_trainer(pools, recurrence, mo
 
 
 def test_training_arguments_refuse_a_bad_recurrence():
-    from usp_hal.integrations.trainer import USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainingArguments
     with pytest.raises(ValueError, match=r"recurrence='scan': expected one of \('auto', 'head_parallel', "
                                          r"'state_passing'\)"):
         USPTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, usp_recurrence="scan")
@@ -49,7 +49,7 @@ def test_training_arguments_refuse_a_bad_recurrence():
 def test_recurrence_on_the_command_line():
     from transformers import HfArgumentParser
 
-    from usp_hal.integrations.trainer import USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainingArguments
     parser = HfArgumentParser(USPTrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(["--output_dir", "unused", "--report_to", "none", "--use_cpu",
                                                   "--usp_recurrence", "state_passing"])

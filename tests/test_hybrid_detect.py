@@ -35,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from usp_hal.integrations.hybrid import find_sequence_mixers, model_problem, model_type  # noqa: E402
+from usp_hal.integrations.sequence_mixers import find_sequence_mixers, model_problem, model_type  # noqa: E402
 
 pytestmark = pytest.mark.models
 

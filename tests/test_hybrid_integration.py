@@ -1,6 +1,6 @@
 """Hybrid models under the transformers integration on real gloo ranks: covered families
 against one process (head-parallel and state-passing recurrences, packed documents), the
-others refused by name on every rank before any data moves (see usp_hal.integrations.hybrid)."""
+others refused by name on every rank before any data moves (see usp_hal.integrations.sequence_mixers)."""
 import pytest
 
 pytest.importorskip("transformers")
@@ -8,6 +8,17 @@ pytest.importorskip("transformers")
 from tests import hybrid_cases as cases  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.models]
+
+
+@pytest.mark.timeout(300)
+def test_register_alone_refuses_a_model_whose_layers_were_never_checked(pools):
+    res = pools(2).run(cases.unchecked_models_refused, timeout=180, U=1, R=2)
+    for rank, r in enumerate(res):
+        assert r["patched"] == ["transformers.modeling_utils.AttentionInterface['usp_hal_unchecked_u1r2']",
+                                "transformers.masking_utils.AttentionMaskInterface['usp_hal_unchecked_u1r2']"], r
+        assert r["unchecked"] is not None and "enable()" in r["unchecked"], f"rank {rank}: {r['unchecked']}"
+        assert "never checked" in r["unchecked"] and "rank 0" in r["unchecked"] and "rank 1" in r["unchecked"], r
+        assert r["checked"] is None, f"rank {rank}: {r['checked']}"
 
 
 @pytest.mark.parametrize("split", [(2, 1), (1, 2)], ids=["u2", "r2"])

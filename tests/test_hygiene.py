@@ -1,5 +1,8 @@
 """The core stays device- and kernel-agnostic: no device API outside usp_hal/dispatch/platform.py, no
-kernel package named anywhere in usp_hal/, and `import usp_hal` loads no kernel or adapter."""
+kernel package named anywhere in usp_hal/, and `import usp_hal` loads no kernel or adapter.  The
+modules import downward only, write nothing into another module at import, and the repository
+names its modules by their current paths only (the former ones live in the compat map,
+usp_hal/_moved/, and its test, tests/test_moved.py)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from usp_hal.registry import AttnType
+from usp_hal.dispatch.registry import AttnType
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "usp_hal"
@@ -102,7 +105,7 @@ def test_import_usp_hal_loads_no_kernel_and_no_adapter():
 CIRCLE_CHECK_EXCLUDES: tuple = ()
 
 # Imports of another module's private (underscore) name still allowed, as (importer, name):
-# usp_hal.comm offers the same function as the public ``all_gather_single``; the sage adapter
+# usp_hal.parallel.comm offers the same function as the public ``all_gather_single``; the sage adapter
 # reads the capabilities' architecture matcher (to be made public there).
 PRIVATE_IMPORTS_ALLOWED = {("usp_hal.parallel.rotation", "usp_hal.parallel.comm._all_gather_single"),
                            ("usp_hal.harness.calibrate", "usp_hal.parallel.comm._all_gather_single"),
@@ -111,18 +114,23 @@ PRIVATE_IMPORTS_ALLOWED = {("usp_hal.parallel.rotation", "usp_hal.parallel.comm.
 PURE_LEAF = "usp_hal.sequence.positions"     # pure position code: imports nothing of the package, nor torch.distributed
 
 
+def _is_former_path(path: Path) -> bool:
+    """A file of the compat map: usp_hal/_moved/ and the former paths' files elsewhere (they
+    only call its redirect with their own name)."""
+    return "_moved" in path.relative_to(ROOT).parts or "redirect(__name__)" in path.read_text()
+
+
 def _modules():
-    """module name -> path, for usp_hal/ and the adapters (backends/ is ``usp_hal.backends``)."""
+    """module name -> path, for usp_hal/ and the adapters (backends/ is ``usp_hal.backends``),
+    the compat map left out."""
     mods = {}
     for base, pkg in ((CORE, "usp_hal"), (ROOT / "backends", "usp_hal.backends")):
         for path in sorted(base.rglob("*.py")):
+            if _is_former_path(path):
+                continue
             parts = [pkg, *path.relative_to(base).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
-            if parts[:2] == ["usp_hal", "_moved"]:       # the former paths: usp_hal.comm, ... (see its docstring)
-                if len(parts) == 2:
-                    continue
-                parts.pop(1)
             mods[".".join(parts)] = path
     return mods
 
@@ -245,7 +253,15 @@ LAYERS = {
     "usp_hal.parallel": ("usp_hal.sequence", "usp_hal.dispatch"),
     "usp_hal.pipeline": ("usp_hal.sequence", "usp_hal.dispatch", "usp_hal.parallel"),
     "usp_hal.mixers": ("usp_hal.sequence", "usp_hal.dispatch", "usp_hal.parallel"),
+    "usp_hal.planning": ("usp_hal.sequence", "usp_hal.dispatch", "usp_hal.parallel"),
 }
+
+# The faces sit on the layers: the top-level modules (``usp_hal`` itself, attention, overlap,
+# kernels, bounded), ``serving`` and ``compat``; none of them may import what sits on them
+# (``usp_hal.__main__`` is the CLI's entry point, part of it; the adapters are plugged in below).
+FACES = ("usp_hal.serving", "usp_hal.compat")
+ABOVE_THE_FACES = ("usp_hal.integrations", "usp_hal.harness", "usp_hal.cli", "usp_hal.__main__")
+NOT_FACES = ABOVE_THE_FACES + ("usp_hal.backends",)
 
 
 # pure leaf utilities any layer may use; they import nothing of the package
@@ -285,14 +301,229 @@ def test_the_layer_check_would_catch_an_upward_import():
                                       "usp_hal.sequence.positions -> usp_hal"]
 
 
-def test_former_paths_are_the_moved_modules():
-    """``usp_hal.comm`` and the other former paths are the very module objects of their new homes."""
-    import importlib
+def _is_face(mod: str) -> bool:
+    top = mod.count(".") <= 1 and _layer_of(mod) is None and not _excluded(mod, NOT_FACES)
+    return top or _excluded(mod, FACES)
 
-    from usp_hal._moved import FORMER
-    for old, new in FORMER.items():
-        if old in ("usp_hal.layout", "usp_hal.varlen"):       # re-export modules: their names resolve
-            mod = importlib.import_module(old)
-            assert all(getattr(mod, n) is not None for n in mod.__all__), old
-            continue
-        assert importlib.import_module(old) is importlib.import_module(new), (old, new)
+
+def _face_imports(graph):
+    """Imports of a face (a top-level module, serving, compat) from integrations, harness or cli."""
+    return [f"{mod} -> {dep}" for mod, deps in sorted(graph.items()) if _is_face(mod)
+            for dep, _ in deps if _excluded(dep, ABOVE_THE_FACES)]
+
+
+def test_the_faces_import_nothing_above_them():
+    graph = _imports(_modules())
+    faces = sorted(m for m in graph if _is_face(m))
+    assert {"usp_hal", "usp_hal.attention", "usp_hal.serving.kv_cache", "usp_hal.compat.alias"} <= set(faces), faces
+    assert not any(_layer_of(m) or _excluded(m, ABOVE_THE_FACES) for m in faces), faces
+    bad = _face_imports(graph)
+    assert not bad, "the faces import what sits on them (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_face_check_would_catch_an_import_from_above():
+    graph = {"usp_hal.serving.kv_cache": [("usp_hal.integrations.training.grads", "watch")],
+             "usp_hal.overlap": [("usp_hal.harness.meter", None)], "usp_hal.compat.alias": [("usp_hal.cli", None)],
+             "usp_hal.integrations.trl": [("usp_hal.harness", None)]}
+    assert _face_imports(graph) == ["usp_hal.compat.alias -> usp_hal.cli", "usp_hal.overlap -> usp_hal.harness.meter",
+                                    "usp_hal.serving.kv_cache -> usp_hal.integrations.training.grads"]
+
+
+# ------------------------------------------------------------------------------ writes at import
+# Importing a module changes no other module: it binds no name in another module's namespace and
+# fills no table of another module (a dict, list or set held at module level), whether by
+# assignment or through a call.  Checked by importing every module in turn in one interpreter
+# and comparing, around each import, the namespaces of the modules already imported.
+WRITES_PROBE = r"""
+import importlib, json, sys, types
+
+def fingerprint(value):
+    if isinstance(value, (dict, set, list)):
+        try:
+            keys = sorted(map(repr, value)) if isinstance(value, (dict, set)) else list(map(id, value))
+        except Exception:
+            keys = len(value)
+        items = [id(v) for v in value.values()] if isinstance(value, dict) else None
+        return [id(value), keys, items]
+    return id(value)
+
+def namespace(mod):
+    return {k: fingerprint(v) for k, v in list(vars(mod).items())
+            if not (k.startswith("__") and k.endswith("__")) and not isinstance(v, types.ModuleType)}
+
+found = []
+for name in json.loads(sys.argv[1]):
+    before = {m: namespace(mod) for m, mod in list(sys.modules.items())
+              if m.split(".")[0] == "usp_hal" and isinstance(mod, types.ModuleType)}
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        continue
+    for m, names in before.items():
+        now = namespace(sys.modules[m])
+        found += [f"importing {name} changed {m}.{k}" for k in sorted(set(names) | set(now))
+                  if names.get(k) != now.get(k)]
+print(json.dumps(found))
+"""
+
+
+def _import_time_writes(names):
+    res = subprocess.run([sys.executable, "-c", WRITES_PROBE, json.dumps(names)], capture_output=True, text=True,
+                         timeout=240, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_no_module_writes_into_another_at_import():
+    names = sorted(m for m in _modules() if m != "usp_hal.__main__")
+    found = _import_time_writes(names)
+    assert not found, "\n".join(found)
+
+
+def test_the_write_check_would_catch_a_write(tmp_path, monkeypatch):
+    pkg = tmp_path / "usp_hal_probe_pkg"
+    (pkg).mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("TABLE = {}\nhook = None\n")
+    (pkg / "high.py").write_text("from . import low\nlow.hook = print\nlow.TABLE['x'] = 1\n")
+    probe = WRITES_PROBE.replace('m.split(".")[0] == "usp_hal"', 'm.split(".")[0] == "usp_hal_probe_pkg"')
+    res = subprocess.run([sys.executable, "-c", probe, json.dumps(["usp_hal_probe_pkg.low", "usp_hal_probe_pkg.high"])],
+                         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert found == ["importing usp_hal_probe_pkg.high changed usp_hal_probe_pkg.low.TABLE",
+                     "importing usp_hal_probe_pkg.high changed usp_hal_probe_pkg.low.hook"], found
+
+
+# ------------------------------------------------------------------------------ one set of names
+# A former path may be named only by the compat map (usp_hal/_moved/, with the former paths'
+# own files) and its test (tests/test_moved.py), and in docs/architecture.md's "Moved" table.
+MAP_TEST = ROOT / "tests" / "test_moved.py"
+MOVED_TABLE = ("<!-- moved: begin -->", "<!-- moved: end -->")
+CODE_DIRS = ("usp_hal", "backends", "tests", "benchmarks", "ci", "examples")
+
+
+def _former():
+    from usp_hal._moved import MOVED, SPLIT
+    return sorted([*MOVED, *SPLIT], key=len, reverse=True)
+
+
+def _former_patterns():
+    """Regexes that find a former path in text: dotted (``pkg.mod``), as a file path
+    (``pkg/mod.py``, ``pkg/mod/``), and imported by its parent (``from pkg import mod``)."""
+    former = _former()
+    dotted = "|".join(re.escape(f) for f in former)
+    slashed = "|".join(re.escape(f.replace(".", "/")) for f in former)
+    pats = [rf"(?<![\w.])(?:{dotted})(?![\w])", rf"(?<![\w./])(?:{slashed})(?:\.py\b|/)"]
+    parents = {}
+    for f in former:
+        parent, _, leaf = f.rpartition(".")
+        parents.setdefault(parent, []).append(leaf)
+    for parent, leaves in parents.items():
+        pats.append(rf"from {re.escape(parent)} import (?:[\w ,]*,\s*)?(?:{'|'.join(leaves)})\b")
+    # a sub-package's own modules named relative to it (``integrations/trainer.py``)
+    for f in former:
+        parts = f.split(".")
+        if len(parts) > 2:
+            pats.append(rf"(?<![\w./]){re.escape('.'.join(parts[1:]))}(?![\w])")
+            pats.append(rf"(?<![\w./]){re.escape('/'.join(parts[1:]))}\.py\b")
+    return [re.compile(p) for p in pats]
+
+
+def _former_imports(path: Path, package: str):
+    """(line, module) of the imports of ``path`` (a module of ``package``, '' for a script) that
+    resolve to a former path, relative imports included."""
+    import ast
+    former = set(_former())
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names
+                      if any(a.name == f or a.name.startswith(f + ".") for f in former)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            if any(src == f or src.startswith(f + ".") for f in former):
+                found.append((node.lineno, src))
+            found += [(node.lineno, f"{src}.{a.name}") for a in node.names if f"{src}.{a.name}" in former]
+    return found
+
+
+def _package_of(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    parts = list(rel.parent.parts)
+    if parts and parts[0] == "backends":
+        parts = ["usp_hal", "backends", *parts[1:]]
+    return ".".join(parts)
+
+
+def _former_path_uses(text_files, code_files):
+    """``file:line: text`` of every former path the given files name (the "Moved" table aside)."""
+    pats = _former_patterns()
+    found = []
+    for path in text_files:
+        text = path.read_text()
+        lines = text.splitlines()
+        inside = False
+        for n, line in enumerate(lines, 1):
+            if line.strip() == MOVED_TABLE[0]:
+                inside = True
+            elif line.strip() == MOVED_TABLE[1]:
+                inside = False
+            elif not inside and any(p.search(line) for p in pats):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    for path in code_files:
+        found += [f"{path.relative_to(ROOT)}:{n}: imports {mod}" for n, mod in _former_imports(path, _package_of(path))]
+    return sorted(set(found))
+
+
+def _repository_files():
+    code = sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")
+                  if not _is_former_path(p) and p != MAP_TEST and ".venv" not in p.parts)
+    docs = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "ci").rglob("*.md"),
+                   *(ROOT / "ci").rglob("*.sh"), *(ROOT / "ci").rglob("*.yml"), *(ROOT / "benchmarks").glob("*.sh"),
+                   ROOT / "pyproject.toml", ROOT / "setup.py"])
+    return code, docs
+
+
+def test_the_repository_names_current_paths_only():
+    code, docs = _repository_files()
+    assert len(code) > 200 and ROOT / "docs" / "architecture.md" in docs
+    found = _former_path_uses(code + docs, code)
+    assert not found, ("former paths (use the current ones; the compat map, usp_hal/_moved/, lists them):\n"
+                       + "\n".join(found))
+
+
+def test_the_docs_have_one_moved_table_and_it_lists_every_former_path():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert text.count(MOVED_TABLE[0]) == 1 and text.count(MOVED_TABLE[1]) == 1
+    table = text.split(MOVED_TABLE[0])[1].split(MOVED_TABLE[1])[0]
+    from usp_hal._moved import MOVED, REMOVED_IN, SPLIT
+    for former in [*MOVED, *SPLIT]:
+        assert f"`{former}`" in table, former
+    for new in MOVED.values():
+        assert f"`{new}`" in table, new
+    assert REMOVED_IN in table
+
+
+def test_the_former_path_check_would_catch_each_form(tmp_path, monkeypatch):
+    from usp_hal._moved import MOVED
+    old = next(f for f in MOVED if f.count(".") == 1)          # a top-level former module
+    sub = next(f for f in MOVED if f.count(".") == 2)          # a sub-package's former module
+    parent, _, leaf = old.rpartition(".")
+    samples = {"a.md": f"see `{old}.x`\n", "b.md": f"see {old.replace('.', '/')}.py\n",
+               "c.md": f"from {parent} import attention, {leaf}\n", "d.md": f"`{sub.split('.', 1)[1]}`\n",
+               "e.md": f"current: {MOVED[old]}\n"}
+    code = tmp_path / "m.py"
+    code.write_text(f"from {parent} import {leaf}\nimport {old} as x\nfrom {MOVED[old]} import y\n")
+    paths = []
+    for name, text in samples.items():
+        paths.append(tmp_path / name)
+        paths[-1].write_text(text)
+    assert [n for n, _ in _former_imports(code, "")] == [1, 2]
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    found = _former_path_uses(paths, [code])
+    assert [f.split(":")[0] for f in found] == ["a.md", "b.md", "c.md", "d.md", "m.py", "m.py"], found

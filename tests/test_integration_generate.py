@@ -69,7 +69,7 @@ def test_other_attention_implementations_still_generate():
     from tests.integration_cases import tiny_llama
     from usp_hal.integrations import transformers as usp
 
-    usp.register("usp_hal_test_generate_plain")
+    usp.register("usp_hal_test_generate_plain", enable=True)
     model = tiny_llama(0, num_hidden_layers=1)
     model.set_attn_implementation("sdpa")
     assert model.generate(torch.randint(0, 8, (1, 6)), max_new_tokens=2, do_sample=False).shape == (1, 8)
@@ -152,7 +152,7 @@ def test_padding_refused_for_recurrent_layers():
     from usp_hal.integrations import transformers as usp
 
     mesh = get_mesh(1, 1)
-    name = usp.register("usp_hal_test_generate_u1r1", mesh=mesh, layout="zigzag", attn_type="sdpa")
+    name = usp.register("usp_hal_test_generate_u1r1", mesh=mesh, layout="zigzag", attn_type="sdpa", enable=True)
     model = tiny_hybrid("lfm2")
     model.set_attn_implementation(name)
     ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,6 @@
-"""Importing an integration changes nothing in transformers; register() / enable() make every
-process-wide change, list it (patched()) and disable() puts every original back.
+"""Importing an integration changes nothing in transformers; register() registers the attention
+name only, enable() makes every other process-wide change; patched() lists them and disable()
+puts every original back.
 
 Each check runs in a fresh interpreter: it snapshots every attribute of every loaded
 transformers module and class (and the attention interfaces' mappings) before usp-hal is
@@ -93,9 +94,9 @@ before = snapshot()
 originals = {"generate": GenerationMixin.generate, "post_init": PreTrainedModel.post_init,
              "set_attn_implementation": PreTrainedModel.set_attn_implementation}
 import usp_hal.integrations.transformers as usp
-import usp_hal.integrations.sequence_mixers, usp_hal.integrations.hybrid, usp_hal.integrations.diffusers
-import usp_hal.integrations.cache, usp_hal.integrations.trainer, usp_hal.integrations.grads
-import usp_hal.integrations.tiled_loss, usp_hal.integrations.training.trainer
+import usp_hal.integrations.sequence_mixers, usp_hal.integrations.diffusers, usp_hal.integrations.cache
+import usp_hal.integrations.training.trainer, usp_hal.integrations.training.grads
+import usp_hal.integrations.training.tiled_loss
 from usp_hal.integrations.sequence_mixers import COVERED_LAYERS
 res = {"after_import": diff(before, snapshot()),
        "identity_after_import": [GenerationMixin.generate is originals["generate"],
@@ -111,7 +112,9 @@ res = {"after_import": diff(before, snapshot()),
            "transformers.masking_utils.AttentionMaskInterface['usp_hal']"})}
 name = usp.register()
 res["name"] = name
-res["listed"] = usp.patched()
+res["after_register_only"] = diff(before, snapshot())
+res["listed_after_register_only"] = usp.patched()
+res["listed"] = usp.enable()
 registered = snapshot()
 res["after_register"] = diff(before, registered)
 res["enable_again"] = usp.enable()
@@ -122,7 +125,7 @@ res["identity_after_disable"] = [GenerationMixin.generate is originals["generate
                                  PreTrainedModel.post_init is originals["post_init"],
                                  PreTrainedModel.set_attn_implementation is originals["set_attn_implementation"]]
 res["patched_after_disable"] = usp.patched()
-usp.register("usp_hal_again")           # enable() after disable() patches again
+usp.register("usp_hal_again", enable=True)           # enable() after disable() patches again
 res["again"] = usp.patched()
 usp.disable()
 res["after_second_disable"] = diff(before, snapshot())
@@ -132,6 +135,10 @@ print(json.dumps(res))
     assert all(r["identity_after_import"]), r
     assert r["covered_modules"] == sorted(MODELING), r["covered_modules"]
     assert r["name"] == "usp_hal"
+    names = ["transformers.modeling_utils.AttentionInterface['usp_hal']",
+             "transformers.masking_utils.AttentionMaskInterface['usp_hal']"]
+    assert r["after_register_only"] == sorted(names), r["after_register_only"]     # the name, nothing else
+    assert r["listed_after_register_only"] == names, r["listed_after_register_only"]
     assert sorted(r["listed"]) == r["expected"], r["listed"]
     assert r["after_register"] == r["expected"], r["after_register"]     # exactly the listed ones changed
     assert r["enable_again"] == r["listed"] and r["after_enable_again"] == [], r     # idempotent
@@ -141,20 +148,3 @@ print(json.dumps(res))
     assert sorted(r["again"]) == sorted(p.replace("'usp_hal'", "'usp_hal_again'") for p in r["expected"]), r["again"]
     assert r["after_second_disable"] == [], r["after_second_disable"]
 
-
-def test_old_module_paths_are_the_moved_modules():
-    """integrations.hybrid, .trainer, .grads and .tiled_loss are the moved modules themselves
-    (one object: an attribute set through the old name reaches the code that reads it)."""
-    r = _run(r'''
-import usp_hal.integrations as integ
-from usp_hal.integrations import grads, hybrid, sequence_mixers, tiled_loss, trainer
-from usp_hal.integrations.training import grads as g2, tiled_loss as t2, trainer as tr2
-from usp_hal.integrations.hybrid import SequenceMixerError, find_sequence_mixers
-hybrid.CONV_EXCHANGE = "head_parallel"
-print(json.dumps({"same": [hybrid is sequence_mixers, grads is g2, tiled_loss is t2, trainer is tr2,
-                           integ.sync_gradients is g2.sync_gradients,
-                           find_sequence_mixers is sequence_mixers.find_sequence_mixers,
-                           issubclass(SequenceMixerError, NotImplementedError)],
-                  "conv": sequence_mixers.CONV_EXCHANGE}))
-''')
-    assert all(r["same"]) and r["conv"] == "head_parallel", r

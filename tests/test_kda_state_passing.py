@@ -1,5 +1,5 @@
 """KDA (kimi_linear's Kimi delta attention: the gated delta rule with a decay per key channel)
-by state passing: usp_hal.state_passing.gated_delta_rule with ``g [B, T, H, dk]`` on 2 and 4
+by state passing: usp_hal.mixers.state_passing.gated_delta_rule with ``g [B, T, H, dk]`` on 2 and 4
 gloo ranks against the float64 recurrence over the whole sequence (output and every input's
 gradient), with packed documents, with transformers' chunked KDA kernel in fp32; a dropped state
 must fail.  The float64 per-channel recurrence is checked against transformers' kernels."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests import dist_kda
-from usp_hal import state_passing as sp
+from usp_hal.mixers import state_passing as sp
 
 CU = (0, 5, 13, 26)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests import dist_masks
-from usp_hal import masks as M
+from usp_hal.sequence import masks as M
 
 pytestmark = pytest.mark.multirank
 
@@ -154,7 +154,7 @@ def test_flex_backend_serves_masked_forward_calls(pools, split):
 
 
 def test_planner_prices_skipped_and_partial_blocks():
-    from usp_hal import planner
+    from usp_hal.planning import planner
     S = 2048
     res = planner.plan(4, 8, S, 64, mask=M.chunked_local(S // 4), layouts=["basic", "zigzag"])
     rows = {r["label"]: r for r in res["rows"] if r["candidate"]["ulysses"] == 1 and "p2p" in r["label"]}

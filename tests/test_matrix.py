@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from usp_hal import platform
-from usp_hal.backend import AttentionBackend
-from usp_hal.capabilities import Package, parse_dtype
 from usp_hal.cli import main
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.backend import AttentionBackend
+from usp_hal.dispatch.capabilities import Package, parse_dtype
+from usp_hal.dispatch.registry import REGISTRY, Registry
 from usp_hal.harness import matrix
 from usp_hal.harness.verify import FEATURES, base_request, supported_features, verify_backend
-from usp_hal.registry import REGISTRY, Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ONLY = platform.available_device_types() == ("cpu",)

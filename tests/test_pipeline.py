@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import usp_hal
+from usp_hal.dispatch.reference import reference_attention, tolerance
 from usp_hal.pipeline import CallOptions
-from usp_hal.reference import reference_attention, tolerance
 
 
 def _close(a, b, dtype=torch.float64):
@@ -24,7 +24,7 @@ def test_options_round_trip_through_the_compiled_string():
 
 
 def test_compiled_op_takes_the_options_as_one_string():
-    import usp_hal.compiled  # noqa: F401  (registers the ops)
+    import usp_hal.pipeline.compiled  # noqa: F401  (registers the ops)
     schema = str(torch.ops.usp_hal.attention.default._schema)
     assert "str options" in schema and "softcap" not in schema and "window" not in schema, schema
 

@@ -4,8 +4,10 @@ import itertools
 import pytest
 import torch
 
-from usp_hal.layout import (
-    EXTRACT_FUNC_DICT,
+from usp_hal.compat.extract import EXTRACT_FUNC_DICT
+from usp_hal.parallel.ring import merge_block, plan_blocks
+from usp_hal.parallel.ulysses import head_plan
+from usp_hal.sequence.positions import (
     LAYOUTS,
     local_lengths,
     local_positions,
@@ -13,8 +15,6 @@ from usp_hal.layout import (
     ring_segments,
     segment_positions,
 )
-from usp_hal.ring import merge_block, plan_blocks
-from usp_hal.ulysses import head_plan
 
 
 def _coverage(calls, nq, nk):

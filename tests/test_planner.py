@@ -11,9 +11,9 @@ from contextlib import redirect_stdout
 import pytest
 
 import usp_hal
-from usp_hal import planner
 from usp_hal.cli import main
 from usp_hal.harness import memprobe
+from usp_hal.planning import planner
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 BENCH2 = os.path.join(DATA, "planner_bench_cpu_2ranks.json")
@@ -245,7 +245,7 @@ def test_calibrate_writes_a_profile_plan_can_use(tmp_path):
     assert k["fwd_flops"] > 1e6 and k["bwd_flops"] > 1e6 and 0.5 <= k["causal_factor"] <= 1.0
     assert set(prof["collectives"]) == {"all_to_all", "p2p", "all_gather", "all_reduce"}
     assert all(c["intra"]["bandwidth"] > 0 and c["intra"]["latency"] >= 0 for c in prof["collectives"].values())
-    # the token-proportional layers (usp_hal.stepcost) and the one-rank call
+    # the token-proportional layers (usp_hal.planning.stepcost) and the one-rank call
     assert prof["linear"]["fp32"]["flops"] > 1e6 and prof["elementwise_bandwidth"] > 1e6
     assert prof["layer_overhead"] > 0 and prof["model_overhead"] > 0 and prof["optimizer_overhead"] >= 0
     assert 0 < prof["call_overhead_local"]
@@ -259,7 +259,8 @@ def test_packed_documents_change_layouts_work_and_ring_traffic():
     """With cu_seqlens the plan counts the per-document calls the ring makes: equal documents
     that stay whole on their ranks (basic, zigzag) move no K/V and beat varlen_zigzag; for a
     mix of lengths varlen_zigzag balances the work and wins over the unbalanced layouts."""
-    from usp_hal.varlen import equal_documents, ring_work, work_balance
+    from usp_hal.sequence.blocks import ring_work, work_balance
+    from usp_hal.sequence.positions import equal_documents
     eq = planner.plan(2, 8, 4096, 64, dtype="fp32", causal=True, bwd=True, profile="cpu",
                       cu_seqlens=equal_documents(4096, 4))
     rows = {r["label"]: r for r in eq["rows"]}

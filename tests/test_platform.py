@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import platform
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.registry import AUTO_PRIORITY
 from usp_hal.harness import matrix
-from usp_hal.registry import AUTO_PRIORITY
 
 
 def test_one_entry_per_device_type_holds_every_device_fact():

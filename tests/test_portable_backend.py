@@ -15,11 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import usp_hal
 from tests import dist_cases, integration_cases
 from tests.dist_cases import kernel_call, merged_key_blocks
-from usp_hal import registry
 from usp_hal.backends.portable import PortableBackend, tile_shape
-from usp_hal.capabilities import AttnRequest
+from usp_hal.dispatch import registry
+from usp_hal.dispatch.capabilities import AttnRequest
+from usp_hal.dispatch.reference import reference_attention, tolerance
 from usp_hal.harness import compare
-from usp_hal.reference import reference_attention, tolerance
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 

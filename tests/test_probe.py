@@ -7,13 +7,13 @@ import re
 import pytest
 import torch
 
-from usp_hal import platform
-from usp_hal.backend import AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
 from usp_hal.cli import main, probe
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.backend import AttentionBackend
+from usp_hal.dispatch.reference import TOLERANCES
+from usp_hal.dispatch.registry import NO_BACKEND, AttnType, Registry
 from usp_hal.harness import verify
-from usp_hal.reference import TOLERANCES
-from usp_hal.registry import NO_BACKEND, AttnType, Registry
 
 DOCUMENTED = {t.value for t in AttnType} - {"auto"} - set(NO_BACKEND)   # the built-in names of the public API
 CPU_ONLY = platform.available_device_types() == ("cpu",)
@@ -221,7 +221,7 @@ def test_verify_skips_refused_dtypes_and_undeclared_features():
 def test_verify_requested_unavailable_backend_fails(capsys, monkeypatch):
     class NeedsPkg(SDPABackend):
         NAME = "needspkg"
-        from usp_hal.capabilities import Package
+        from usp_hal.dispatch.capabilities import Package
         REQUIRED_PACKAGES = (Package("usp-hal-no-such-dist", "usp_hal_no_such_module", extra="nope"),)
 
     reg = Registry()

@@ -6,17 +6,15 @@ import sys
 
 import pytest
 
+from tests.doc_blocks import code
+
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]   # 4 ranks under torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _snippet() -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "README has no python block"
-    return blocks[0]
+    return code("readme-demo")          # the block marked <!-- run: readme-demo --> (tests/doc_blocks.py)
 
 
 @pytest.mark.timeout(300)

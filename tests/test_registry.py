@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.contract.standin import install_standin, purge_modules
-from usp_hal import platform
-from usp_hal.backend import AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
-from usp_hal.capabilities import AttnRequest
-from usp_hal.registry import AUTO_PRIORITY, ENTRY_POINT_GROUP, NO_BACKEND, REGISTRY, AttnType, Registry
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.backend import AttentionBackend
+from usp_hal.dispatch.capabilities import AttnRequest
+from usp_hal.dispatch.registry import AUTO_PRIORITY, ENTRY_POINT_GROUP, NO_BACKEND, REGISTRY, AttnType, Registry
 
 CPU = AttnRequest(dtype=torch.float32, device_type="cpu", head_dim=64, num_heads=4)
 
@@ -155,7 +155,7 @@ def test_register_rules(reg):
 
 PLUGIN_SRC = '''
 import torch
-from usp_hal.backend import AttentionBackend
+from usp_hal.dispatch.backend import AttentionBackend
 
 
 class PluginBackend(AttentionBackend):
@@ -204,7 +204,7 @@ def test_plugin_is_invisible_without_its_distribution():
 
 
 def test_auto_priority_is_read_from_the_platform_entries():
-    from usp_hal.platform import PLATFORMS
+    from usp_hal.dispatch.platform import PLATFORMS
     assert AUTO_PRIORITY == {name: list(p.auto_priority) for name, p in PLATFORMS.items()}
 
 

@@ -1,13 +1,13 @@
-"""Properties of usp_hal.schedule over random batches (hypothesis): every job runnable by the
+"""Properties of usp_hal.planning.schedule over random batches (hypothesis): every job runnable by the
 model path, within the budget, deterministic, never predicted slower than the best fixed split,
 never below the batch's lower bound."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from usp_hal.schedule import AttentionShape, ScheduleError, Scheduler
+from usp_hal.planning.schedule import AttentionShape, ScheduleError, Scheduler
+from usp_hal.planning.stepcost import StepModel
 from usp_hal.sequence.positions import local_lengths
-from usp_hal.stepcost import StepModel
 
 SHAPE = AttentionShape(8, 64, 2, "fp32", True, True, hidden=512, intermediate=1408, layers=4, vocab=1000)
 #: one price table per profile, shared by every example (the tables do not depend on the budget or world)

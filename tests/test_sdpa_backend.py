@@ -9,8 +9,8 @@ import torch
 from tests.dist_cases import kernel_inputs, merged_key_blocks
 from usp_hal import KernelCall
 from usp_hal.backends.sdpa import SDPABackend, normalize_cuda_lse
-from usp_hal.capabilities import AttnRequest
-from usp_hal.reference import TOLERANCES, reference_attention
+from usp_hal.dispatch.capabilities import AttnRequest
+from usp_hal.dispatch.reference import TOLERANCES, reference_attention
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 IDS = ["fp64", "fp32", "bf16", "fp16"]

@@ -36,7 +36,7 @@ def test_wire_codecs_are_validated_at_construction():
         usp_hal.LongContextAttention(wire_codecs={"x": "fp8"})
     with pytest.raises(ValueError, match="unknown wire codec 'nope'"):
         usp_hal.LongContextAttention(wire_codecs={"q": "nope"})
-    from usp_hal.codec import register_codec
+    from usp_hal.parallel.codec import register_codec
     with pytest.raises(TypeError):
         register_codec(object)
     a = usp_hal.LongContextAttention(wire_codecs={"ring_v": "fp8"})

@@ -123,7 +123,7 @@ def test_usp_prefill_fills_the_cache_then_decode_matches(pools, split, window):
         assert all(sum(c) == S + 4 for c in r["counts"]), r
     assert all(r["prints"] == res[0]["prints"] for r in res)
     # each rank stores its ring shard of the prompt (the layout's split of 11 tokens over R ring ranks)
-    from usp_hal.positions import shard_lengths
+    from usp_hal.sequence.positions import shard_lengths
     for rank, r in enumerate(res):
         assert r["prompt_stored"] == [shard_lengths("zigzag", S, R)[rank // U]] * B, (rank, r)
         assert 0 <= r["capacity_bytes"] - r["used_bytes"] <= r["block_bytes"], r   # at most one block unused

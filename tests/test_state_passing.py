@@ -1,4 +1,4 @@
-"""State passing for recurrences (usp_hal.state_passing): on 2 and 4 gloo ranks, every split,
+"""State passing for recurrences (usp_hal.mixers.state_passing): on 2 and 4 gloo ranks, every split,
 basic and zigzag shards, packed documents, against float64 references of the whole sequence,
 output and every gradient; the plain kernels against each other; and mutants (a dropped
 state, an ignored document boundary) that must fail."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests import dist_state_passing as dsp
-from usp_hal import state_passing as sp
+from usp_hal.mixers import state_passing as sp
 
 pytestmark = pytest.mark.multirank
 
@@ -141,7 +141,7 @@ def test_wired_gdn_function_keeps_its_signature_outside_a_layer():
     process; outside a wired layer it must be the original however it is called (positional
     g and beta included, as state passing and FLA-style callers pass them)."""
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    from usp_hal.integrations import hybrid
+    from usp_hal.integrations import sequence_mixers as hybrid
     original = mod.torch_chunk_gated_delta_rule
     routed = hybrid._gdn_route(original)
     g = torch.Generator().manual_seed(5)

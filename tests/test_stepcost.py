@@ -1,12 +1,12 @@
-"""The whole-step price of a job (usp_hal.stepcost): its tables against the planner's direct
+"""The whole-step price of a job (usp_hal.planning.stepcost): its tables against the planner's direct
 prediction, packed documents priced as the kernel runs them, the token-proportional layers."""
 import math
 
 import numpy as np
 import pytest
 
-from usp_hal.planner import Candidate, PlanError, Problem, load_profile, predict
-from usp_hal.stepcost import AttentionShape, StepModel, least_tokens
+from usp_hal.planning.planner import Candidate, PlanError, Problem, load_profile, predict
+from usp_hal.planning.stepcost import AttentionShape, StepModel, least_tokens
 
 ATT = AttentionShape(32, 128, 8, "bf16", True, True)
 LLAMA8B = AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermediate=14336, layers=32, vocab=128256)

@@ -11,10 +11,10 @@ import torch
 
 from tests.contract import usp_cases
 from usp_hal import KernelCall
-from usp_hal.backend import INPUT_LAYOUTS, AttentionBackend
 from usp_hal.backends.sdpa import SDPABackend
-from usp_hal.reference import TOLERANCES, reference_attention
-from usp_hal.registry import REGISTRY
+from usp_hal.dispatch.backend import INPUT_LAYOUTS, AttentionBackend
+from usp_hal.dispatch.reference import TOLERANCES, reference_attention
+from usp_hal.dispatch.registry import REGISTRY
 
 
 def _check(errs):

@@ -1,4 +1,4 @@
-"""The tiled causal-LM loss (usp_hal.integrations.tiled_loss): the same loss and gradients as the
+"""The tiled causal-LM loss (usp_hal.integrations.training.tiled_loss): the same loss and gradients as the
 model's own loss, in float64, for any tile size; calls without labels or gradients untouched;
 a model that transforms its logits or has another loss refused by name; and sequence-parallel
 training with it matching one process (also through the Trainer: tests/test_trainer.py)."""
@@ -10,7 +10,12 @@ import torch
 pytest.importorskip("transformers")
 
 from tests import integration_cases as cases  # noqa: E402
-from usp_hal.integrations.tiled_loss import TiledLogits, TiledLossError, disable_tiled_loss, enable_tiled_loss  # noqa: E402
+from usp_hal.integrations.training.tiled_loss import (  # noqa: E402
+    TiledLogits,
+    TiledLossError,
+    disable_tiled_loss,
+    enable_tiled_loss,
+)
 
 pytestmark = pytest.mark.models
 
@@ -166,7 +171,7 @@ def test_another_loss_or_no_head_is_refused_at_enable():
 
 def test_the_trainer_argument_is_checked_when_made():
     pytest.importorskip("accelerate")
-    from usp_hal.integrations.trainer import USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainingArguments
     for bad in (-1, True, "5"):
         with pytest.raises(ValueError, match="usp_tiled_loss"):
             USPTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, usp_tiled_loss=bad)

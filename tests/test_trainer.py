@@ -1,4 +1,4 @@
-"""The HF Trainer path (usp_hal.integrations.trainer.USPTrainer): a tiny Llama trained by the
+"""The HF Trainer path (usp_hal.integrations.training.trainer.USPTrainer): a tiny Llama trained by the
 Trainer for 4 optimizer steps, against the plain Trainer in one process on the same global
 batches (logged losses, gradient norms before clipping at 1.0, final parameters): Ring-2 on 2
 gloo ranks on packed rows (DataCollatorWithFlattening, varlen_zigzag), and dp 2 x Ulysses-2 with
@@ -56,7 +56,7 @@ def test_trainer_matches_single_process_trainer(pools, case):
 
 
 def _args(**kw):
-    from usp_hal.integrations.trainer import USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainingArguments
     return USPTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, usp_ulysses_degree=2, **kw)
 
 
@@ -89,7 +89,7 @@ def test_unsupported_trainer_features_are_refused(name):
     if name.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
 
-    from usp_hal.integrations.trainer import USPTrainer
+    from usp_hal.integrations.training.trainer import USPTrainer
     make, reason = REFUSED[name]
     try:
         with pytest.raises(ValueError, match="USPTrainer does not support") as err:
@@ -137,7 +137,7 @@ def test_dynamic_degree_trainer_takes_rows_shorter_than_a_group(pools):
 
 
 def test_dynamic_degree_arguments_are_checked(tmp_path):
-    from usp_hal.integrations.trainer import USPTrainingArguments, _sequence
+    from usp_hal.integrations.training.trainer import USPTrainingArguments, _sequence
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="needs usp_budget_tokens >= 1"):
         USPTrainingArguments(usp_dynamic_degree=True, **common)

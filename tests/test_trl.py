@@ -13,8 +13,8 @@ of a replica must train on the same completions and, on one replica, on one proc
 
 The glue a TRL script adds (each test's docstring says what it uses): 3 lines, the import,
 ``SFTTrainer, SFTConfig = usp_trainer(SFTTrainer), usp_config(SFTConfig)`` (likewise DPO, GRPO)
-and the ``usp_*`` degrees in the config (docs/engines.md's whole GRPO script, run here, counts
-them); before, a hand-written mixin and arguments class took 9."""
+and the ``usp_*`` degrees in the config (the whole GRPO recipe, examples/engines/trl_grpo.py, run
+here, counts them); before, a hand-written mixin and arguments class took 9."""
 import dataclasses
 import os
 import re
@@ -318,23 +318,24 @@ def test_import_patches_nothing_and_other_trainers_are_refused():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _doc_grpo_script() -> str:
-    with open(os.path.join(ROOT, "docs", "engines.md"), encoding="utf-8") as f:
-        text = f.read()
-    m = re.search(r"<!-- grpo-script -->\n```python\n(.*?)```", text, flags=re.S)
-    assert m, "docs/engines.md has no GRPO script block"
-    row = next(line for line in text.splitlines() if line.startswith("| **TRL"))
-    return m.group(1), row
+GRPO_RECIPE = os.path.join(ROOT, "examples", "engines", "trl_grpo.py")
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-def test_grpo_doc_script_runs_and_adds_three_lines(tmp_path):
-    """docs/engines.md's whole GRPO script runs as written under ``torchrun --nproc_per_node 2``
-    (3 steps, Ring 2), and the lines it marks as usp-hal's are the 3 the TRL row counts."""
-    code, row = _doc_grpo_script()
-    added = [line for line in code.splitlines() if line.rstrip().endswith("# usp-hal")]
-    assert len(added) == 3 and "| 3 lines, for each trainer" in row, added
+def test_grpo_recipe_runs_under_torchrun_and_adds_three_lines(tmp_path):
+    """examples/engines/trl_grpo.py, the whole GRPO script docs/engines.md links, runs as written
+    under ``torchrun --nproc_per_node 2`` (3 steps, Ring 2), and the lines it marks as usp-hal's
+    are the 3 the TRL row counts."""
+    from pathlib import Path
+
+    from tests.test_engine_recipes import marked_lines
+    with open(os.path.join(ROOT, "docs", "engines.md"), encoding="utf-8") as f:
+        row = next(line for line in f.read().splitlines() if line.startswith("| **TRL"))
+    with open(GRPO_RECIPE, encoding="utf-8") as f:
+        code = f.read()
+    added = marked_lines(Path(GRPO_RECIPE))
+    assert len(added) == 3 and "| 3 lines (DPO 4, with `ref_model=`), for each trainer" in row, added
     assert not re.search(r"\b(register|set_attn_implementation|shard_batch)\(", code)   # the trainer does them
     script = tmp_path / "grpo_sp.py"
     script.write_text(code)

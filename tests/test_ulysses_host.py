@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp_hal import ulysses
-from usp_hal.ulysses import UlyssesExchange, head_plan, split_plan
+from usp_hal.parallel import ulysses
+from usp_hal.parallel.ulysses import UlyssesExchange, head_plan, split_plan
 
 
 class Net:

@@ -9,29 +9,25 @@ import pytest
 import torch
 
 from tests.test_plan import _coverage
-from usp_hal.capabilities import AttnRequest, not_supported_reasons
-from usp_hal.layout import (
-    EXTRACT_FUNC_DICT,
+from usp_hal.compat.extract import EXTRACT_FUNC_DICT
+from usp_hal.dispatch.capabilities import AttnRequest, not_supported_reasons
+from usp_hal.parallel.ring import BlockCall, _Accumulator, merge_block, plan_blocks
+from usp_hal.sequence.blocks import call_work, ring_work, work_balance
+from usp_hal.sequence.positions import (
     LAYOUTS,
-    get_layout,
-    local_lengths,
-    local_positions,
-    permutation,
-    ring_segments,
-    segment_positions,
-)
-from usp_hal.ring import BlockCall, _Accumulator, merge_block, plan_blocks
-from usp_hal.varlen import (
     as_cu_seqlens,
-    call_work,
     cu_seqlens_from_lengths,
     document_ids,
     document_positions,
     equal_documents,
+    get_layout,
+    local_lengths,
+    local_positions,
+    permutation,
     ring_is_local,
-    ring_work,
+    ring_segments,
+    segment_positions,
     split_documents,
-    work_balance,
 )
 
 # equal; one long + many short; lengths 1 and 2; shorter than the ring; empty documents; one document
@@ -110,7 +106,7 @@ def test_blocks_that_share_no_document_cost_no_call():
 
 
 def test_split_documents_cuts_stripes_and_contiguous_segments():
-    from usp_hal.layout import Segment
+    from usp_hal.sequence.positions import Segment
     cu = (0, 3, 8, 8, 10)
     assert split_documents([Segment(1, 6)], cu) == [(0, Segment(1, 2), 0), (1, Segment(3, 4), 2)]
     # positions 1, 3, 5, 7, 9 (stripe): doc 0 {1}, doc 1 {3, 5, 7}, doc 3 {9}; empty doc 2 skipped
@@ -274,8 +270,8 @@ def test_packed_steps_keep_every_call_once_in_at_most_two_calls_per_step(layout,
     """pack_calls (what the ring runs for a kernel with a varlen entry point): every call of the
     block plan exactly once, all of one kind per packed call, at most 2 kernel calls per
     ring step; ring_calls reports the same counts."""
-    from usp_hal.ring import PackedCall, pack_calls
-    from usp_hal.varlen import ring_calls
+    from usp_hal.parallel.ring import PackedCall, pack_calls
+    from usp_hal.sequence.blocks import ring_calls
     rng = random.Random(R)
     for _ in range(20):
         cu = cu_seqlens_from_lengths(rng.choice([1, 2, 3, 7, 20, 33]) for _ in range(rng.randint(1, 9)))

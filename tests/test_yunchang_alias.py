@@ -10,7 +10,7 @@ import torch
 
 from tests import dist_yunchang_alias
 from usp_hal.compat import alias
-from usp_hal.reference import reference_attention
+from usp_hal.dispatch.reference import reference_attention
 
 XFUSER_IMPORTS = Path(__file__).parent / "data" / "xfuser_0.7.0_yunchang_imports.txt"
 

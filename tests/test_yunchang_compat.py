@@ -6,8 +6,8 @@ import torch
 
 import usp_hal
 from tests import dist_yunchang
+from usp_hal.dispatch.reference import reference_attention
 from usp_hal.kernels import AttnType
-from usp_hal.reference import reference_attention
 
 
 @pytest.mark.multirank

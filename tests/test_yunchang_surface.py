@@ -138,7 +138,7 @@ def test_torch_attn_types_are_the_sdpa_backend():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 2, 8, generator=g, dtype=torch.float64)
     out = usp_hal.LongContextAttention(attn_type=AttnType.TORCH_MATH)(q, q, q, causal=True)
-    ref, _ = usp_hal.reference.reference_attention(q, q, q, causal=True)
+    ref, _ = usp_hal.dispatch.reference.reference_attention(q, q, q, causal=True)
     torch.testing.assert_close(out, ref, atol=1e-9, rtol=1e-9)
 
 

@@ -9,7 +9,7 @@ import os
 
 __version__ = "0.1.0"
 
-# the modules' former paths (usp_hal.comm, usp_hal.ring, ...) resolve from _moved/ (see its docstring)
+# the modules' former paths resolve from _moved/, with a DeprecationWarning (see its docstring)
 __path__.append(os.path.join(os.path.dirname(__file__), "_moved"))
 
 from .dispatch.backend import AttentionBackend, BackendUnavailable  # noqa: E402
@@ -34,10 +34,10 @@ _LAZY = {
     "LongContextAttentionQKVPacked": "attention",
     "UlyssesAttention": "attention",
     "RingAttention": "attention",
-    "shard": "sharding",
-    "unshard": "sharding",
-    "EXTRACT_FUNC_DICT": "sequence.positions",
-    "plan": "planner",
+    "shard": "parallel.sharding",
+    "unshard": "parallel.sharding",
+    "EXTRACT_FUNC_DICT": "compat.extract",
+    "plan": "planning.planner",
     "ShardedKVCache": "serving",
     "head_parallel": "mixers.head_parallel",
 }
@@ -64,11 +64,8 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("attention", "compat", "kernels", "overlap", "planner", "sharding", "serving", "schedule", "dynamic",
-               "sequence", "dispatch", "parallel", "pipeline", "mixers", "integrations",
-               # former paths (_moved/)
-               "backend", "capabilities", "codec", "comm", "layout", "mesh", "platform", "positions", "processor",
-               "reference", "registry", "ring", "rotation", "spec", "state_passing", "ulysses", "varlen", "hybrid")
+_SUBMODULES = ("attention", "compat", "kernels", "overlap", "serving", "sequence", "dispatch", "parallel", "pipeline",
+               "mixers", "planning", "integrations")
 
 
 def __dir__():
@@ -81,4 +78,8 @@ def __getattr__(name):
     if name in _LAZY or name in _YUNCHANG:
         mod = _LAZY.get(name) or _YUNCHANG[name]
         return getattr(importlib.import_module(f".{mod}", __name__), name)
+    if not name.startswith("_"):
+        from ._moved import MOVED, SPLIT
+        if f"{__name__}.{name}" in MOVED or f"{__name__}.{name}" in SPLIT:     # a former path: it warns
+            return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'usp_hal' has no attribute {name!r}")

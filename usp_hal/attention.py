@@ -4,7 +4,7 @@ faces over the call pipeline (:mod:`usp_hal.pipeline`).
 A module checks its constructor arguments (yunchang's keywords included) into a
 :class:`~usp_hal.pipeline.Pipeline` and hands every call to it: validate, agree across the
 ranks (one small all-gather), plan, run.  Under ``torch.compile`` the call is one custom
-op (:mod:`usp_hal.compiled`) over the same pipeline.
+op (:mod:`usp_hal.pipeline.compiled`) over the same pipeline.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class LongContextAttention(torch.nn.Module):
     on every rank.  ``"first_call"`` (or ``static_shapes=True``): after the first checked
     call, a call with the same spec runs no host-side collective at all (CUDA-graph
     friendly); a call that differs (or that this rank refuses) raises
-    :class:`~usp_hal.comm.OutOfStepError` on the rank that sees it and ends the use of the
+    :class:`~usp_hal.parallel.comm.OutOfStepError` on the rank that sees it and ends the use of the
     mesh's groups there (every later call on them raises it before communicating; a rank
     that went on fails at the group timeout).  ``"off"``: every call exchanges only the
     local lengths (and any rank's refusal) and compares no option: a rank-different call
@@ -58,7 +58,7 @@ class LongContextAttention(torch.nn.Module):
     ring's V blocks (and K with ``float8_key``) travel as fp8.  Lossy, see docs.  With
     gradients, the backward communicates at full precision and the gradient is the
     straight-through gradient of the quantised forward.  ``wire_codecs`` picks any
-    registered codec (``usp_hal.codec.register_codec``) per tensor: keys ``q``, ``k``, ``v``,
+    registered codec (``usp_hal.parallel.codec.register_codec``) per tensor: keys ``q``, ``k``, ``v``,
     ``out`` (Ulysses) and ``ring_k``, ``ring_v`` (ring blocks), values codec names.
 
     ``low_memory``: trade time for a smaller per-rank peak.  The heads are split into
@@ -80,7 +80,7 @@ class LongContextAttention(torch.nn.Module):
     Shard with ``usp_hal.shard(x, layout=ring_impl_type, cu_seqlens=cu_seqlens)``;
     ``ring_impl_type="varlen_zigzag"`` balances causal work per document.  The boundaries
     are part of the cross-rank check (a digest), so with ``static_shapes=True`` a call with
-    other boundaries than the first counts as a different call.  See ``usp_hal.varlen``.
+    other boundaries than the first counts as a different call.  See docs/varlen.md.
     """
 
     def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic",
@@ -99,7 +99,7 @@ class LongContextAttention(torch.nn.Module):
                 + ("; UlyssesAttention takes its process group first, LongContextAttention takes none (build the "
                    "mesh with set_seq_parallel_pg or init_sequence_parallel, or pass mesh=)"
                    if not isinstance(scatter_idx, int) else ""))
-        if attn_processor is not None:           # yunchang's user kernel (usp_hal.processor)
+        if attn_processor is not None:           # yunchang's user kernel (usp_hal.dispatch.processor)
             from .dispatch.processor import processor_attn_type
             attn_type = processor_attn_type(attn_processor, attn_type)
         self.attn_processor = attn_processor
@@ -204,9 +204,9 @@ class LongContextAttention(torch.nn.Module):
         sequence-parallel group, as for any tensor every rank holds in full.
 
         ``mask``: which keys each query sees, over global positions (and'ed with ``causal``,
-        ``window_size`` and ``cu_seqlens``): a :class:`usp_hal.masks.Mask`, a FlexAttention-style
+        ``window_size`` and ``cu_seqlens``): a :class:`usp_hal.sequence.masks.Mask`, a FlexAttention-style
         ``mask_mod(b, h, q_idx, kv_idx)``, or Magi-style slices ``[((q0, q1), (k0, k1), kind)]``
-        (see :mod:`usp_hal.masks`).  Empty blocks are skipped, full ones run without a mask.
+        (see :mod:`usp_hal.sequence.masks`).  Empty blocks are skipped, full ones run without a mask.
         A row that sees no key has output 0 and lse -inf (gradient 0).  ``sinks`` ``[H]``:
         per-head sink logits (gpt-oss ``s_aux``): each adds ``exp(sink)`` to its head's softmax
         denominator, once per row; the returned lse includes it; its gradient on each rank is
@@ -235,8 +235,9 @@ class LongContextAttention(torch.nn.Module):
                 if torch.compiler.is_compiling():
                     from .sequence.masks import Mask
                     if mask is not None and not isinstance(mask, Mask):
-                        raise TypeError("under torch.compile pass mask= as a usp_hal.masks.Mask built outside the "
-                                        "compiled function (Mask.from_mod / from_slices), not a bare mask_mod or list")
+                        raise TypeError("under torch.compile pass mask= as a usp_hal.sequence.masks.Mask built "
+                                        "outside the compiled function (Mask.from_mod / from_slices), not a bare "
+                                        "mask_mod or list")
                     opts = opts.with_(mask=mask, sinks=Sinks.given(sinks is not None))
                 else:
                     opts = self._with_mask(opts, mask, Sinks.given(sinks is not None))
@@ -272,7 +273,7 @@ class LongContextAttention(torch.nn.Module):
 
     def _with_mask(self, opts: CallOptions, mask, sinks: int) -> CallOptions:
         """``opts`` with the call's mask and sinks flag, cached per (options, mask object, sinks):
-        a bare mask_mod or slice list becomes one :class:`~usp_hal.masks.Mask` per object, so
+        a bare mask_mod or slice list becomes one :class:`~usp_hal.sequence.masks.Mask` per object, so
         its tile classification is computed once."""
         cache = self.__dict__.setdefault("_mask_options", BoundedCache(16))
         key = (opts, id(mask), sinks)

@@ -56,7 +56,7 @@ def main(ulysses: int = 1, ring: int = 2) -> dict:
     pc = ParallelismConfig(dp_replicate_size=dp, sp_size=sp)           # accelerate's sizes
     # usp-hal: begin
     device_mesh, mesh = engines.parallelism_mesh(pc, ulysses_degree=ulysses, ring_degree=ring, device_type="cpu")
-    attention = usp.register("usp_hal", mesh=mesh, layout="zigzag")
+    attention = usp.register("usp_hal", mesh=mesh, layout="zigzag", enable=True)
     # usp-hal: end
     model = build_model()
     # usp-hal: begin

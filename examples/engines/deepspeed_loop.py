@@ -56,7 +56,7 @@ def main(ulysses: int = 1, ring: int = 2, stage: int = 3) -> dict:
     dp = dist.get_world_size() // sp
     # usp-hal: begin
     mesh = usp_hal.init_sequence_parallel(ulysses_degree=ulysses, ring_degree=ring)
-    attention = usp.register("usp_hal", mesh=mesh, layout="zigzag")
+    attention = usp.register("usp_hal", mesh=mesh, layout="zigzag", enable=True)
     # usp-hal: end
     model = build_model()
     # usp-hal: begin

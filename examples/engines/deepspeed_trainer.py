@@ -22,8 +22,8 @@ from accelerate import PartialState
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 # usp-hal: begin (in place of `from transformers import Trainer, TrainingArguments`)
-from usp_hal.integrations.trainer import USPTrainer as Trainer
-from usp_hal.integrations.trainer import USPTrainingArguments as TrainingArguments
+from usp_hal.integrations.training.trainer import USPTrainer as Trainer
+from usp_hal.integrations.training.trainer import USPTrainingArguments as TrainingArguments
 
 # usp-hal: end
 

@@ -1,10 +1,10 @@
-"""Contract tests run the adapters on CPU tensors inside ``usp_hal.platform.emulate``: a
+"""Contract tests run the adapters on CPU tensors inside ``usp_hal.dispatch.platform.emulate``: a
 module sets ``EMULATE = dict(device_type=..., compute_capability=..., ...)`` and every test
 in it sees that device (a test can open another emulation inside)."""
 import pytest
 import torch
 
-from usp_hal import platform
+from usp_hal.dispatch import platform
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from usp_hal import platform as _platform
+from usp_hal.dispatch import platform as _platform
 
 FWD_CALLS = []
 BWD_CALLS = []
@@ -270,7 +270,7 @@ def usp_case(**case):
     """Runs on each rank: the stand-in installed, cuda sm90 emulated, tests.dist_cases.usp_case
     with attn_type='fa4'; returns the normalised errors (<= 1 passes)."""
     from tests import dist_cases
-    from usp_hal import platform
+    from usp_hal.dispatch import platform
 
     from .standin import standin_installed
     with standin_installed(dist=DIST, version=VERSION, files=files()), \

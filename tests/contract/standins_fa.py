@@ -21,7 +21,7 @@ architectures each FA2 version accepts and its backward head-dim rules per archi
 on ROCm the CK backend ignores softcap and the Triton backend ignores window and softcap;
 a ``-inf`` lse handed to a backward is read as 0 (the kernels' guard for an empty row max);
 the old APIs return gradients, the new ones write them in place.  The device the stand-in
-"runs on" is the one :func:`usp_hal.platform.emulate` reports.  They prove the *adapter*,
+"runs on" is the one :func:`usp_hal.dispatch.platform.emulate` reports.  They prove the *adapter*,
 not the kernel.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 
-from usp_hal.backend import parse_version
+from usp_hal.dispatch.backend import parse_version
 
 FA2_DIST = "flash-attn"
 FA3_DIST = "flash_attn_3"
@@ -157,10 +157,10 @@ def _standin_check_inputs(tensors, pad_ok, name):
 
 def _standin_device():
     """(device type, compute capability) the stand-in runs on: the emulated device."""
-    from usp_hal import platform
+    from usp_hal.dispatch import platform
     em = platform.emulated()
     if em is None:
-        raise RuntimeError("stand-in kernel called outside usp_hal.platform.emulate(): no device to run on")
+        raise RuntimeError("stand-in kernel called outside usp_hal.dispatch.platform.emulate(): no device to run on")
     return em.device_type, em.compute_capability
 
 
@@ -849,7 +849,7 @@ def reference(q, k, v, dout, **kw):
     """float64 reference (out, lse, dq, dk, dv) through autograd."""
     import torch
 
-    from usp_hal.reference import reference_attention
+    from usp_hal.dispatch.reference import reference_attention
     qd, kd, vd = (x.to(torch.float64).requires_grad_() for x in (q, k, v))
     out, lse = reference_attention(qd, kd, vd, **kw)
     out.backward(dout.to(torch.float64))
@@ -857,10 +857,10 @@ def reference(q, k, v, dout, **kw):
 
 
 def assert_matches(actual, expected, dtype, what):
-    """Compare with the per-dtype tolerance of usp_hal.reference (infinities must match)."""
+    """Compare with the per-dtype tolerance of usp_hal.dispatch.reference (infinities must match)."""
     import torch
 
-    from usp_hal.reference import tolerance
+    from usp_hal.dispatch.reference import tolerance
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol,
                                msg=lambda m: f"{what}: {m}")

@@ -5,7 +5,7 @@ real sources (each quirk carries its source at the line that models it), and com
 plain float32 attention on CPU tensors in the *kernel's* own conventions (its layout, lse
 base and shape, causal/window alignment, masked-row values, output arity), so an adapter
 that maps an argument wrongly fails against the float64 reference.  The device the
-stand-in runs on is the one :func:`usp_hal.platform.emulate` reports:
+stand-in runs on is the one :func:`usp_hal.dispatch.platform.emulate` reports:
 
 * ``sageattention`` 1.0.6 (the wheel): ``sageattn`` without ``return_lse``; head dims
   64/96/128 only; causal only for equal lengths; ``k -= km`` in place on the caller's k;
@@ -40,7 +40,7 @@ import sys
 
 import torch
 
-from usp_hal.reference import TOLERANCES, reference_attention
+from usp_hal.dispatch.reference import TOLERANCES, reference_attention
 
 from .standin import install_standin, purge_modules  # noqa: F401  (re-exported for the tests)
 
@@ -174,7 +174,7 @@ VERSION = "{version}"
 
 
 def _arch():
-    from usp_hal import platform
+    from usp_hal.dispatch import platform
     em = platform.emulated()
     if em is None or em.device_type != "cuda":
         raise AssertionError("Input tensors must be on cuda.")
@@ -460,7 +460,7 @@ def npu_files(grad_outputs: int) -> dict:
 class XPUFlashStandin:
     """CPU functions with the signatures of the XPU aten flash ops, following
     intel/torch-xpu-ops src/ATen/native/transformers/xpu/flash_attn/sycltla/ (mha_fwd.cpp,
-    mha_bwd.cpp) of the torch version and device model that ``usp_hal.platform.emulate``
+    mha_bwd.cpp) of the torch version and device model that ``usp_hal.dispatch.platform.emulate``
     reports."""
 
     def __init__(self, sum_gqa_grads: bool = True) -> None:
@@ -472,7 +472,7 @@ class XPUFlashStandin:
     def _env():
         from packaging.version import Version
 
-        from usp_hal import platform
+        from usp_hal.dispatch import platform
         em = platform.emulated()
         if em is None or em.device_type != "xpu":
             raise RuntimeError("stand-in XPU op called outside platform.emulate('xpu')")

@@ -4,7 +4,7 @@
 ``aten._scaled_dot_product_efficient_attention`` and its backward, computes on CPU tensors,
 and enforces the checks the real ops make (each with the source it was read from, pytorch
 ``aten/src/ATen/native/transformers/cuda/``), on the compute capability that
-``usp_hal.platform.emulate`` reports.  It is substituted through
+``usp_hal.dispatch.platform.emulate`` reports.  It is substituted through
 ``usp_hal.backends.sdpa.cuda_ops``.  It proves the *adapter*, not the kernels.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .standins_misc import attend, attend_grad, positions
 
 
 def _cc():
-    from usp_hal import platform
+    from usp_hal.dispatch import platform
     em = platform.emulated()
     if em is None or em.device_type not in ("cuda", "rocm"):
         raise RuntimeError("stand-in CUDA op called outside platform.emulate('cuda')")

@@ -14,7 +14,7 @@ returned vs in-place gradients, no softcap before 2.6, head dims that are not a 
 of 8 rejected from 2.7 on, bottom-right position alignment, the causal ALiBi shift and
 lse ``+inf`` for rows without keys.  The adapter's forward/backward are called directly
 with CPU tensors (``availability()`` rightly reports that a cuda device is missing) and
-compared with the float64 reference of usp_hal.reference.  The real kernel runs in the
+compared with the float64 reference of usp_hal.dispatch.reference.  The real kernel runs in the
 per-device CI matrices.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ import uuid
 import pytest
 import torch
 
-import usp_hal.platform
+import usp_hal.dispatch.platform
 from tests.dist_cases import kernel_call, merged_key_blocks
 from usp_hal import KernelCall
-from usp_hal.backend import BackendUnavailable, parse_version
 from usp_hal.backends.fa2 import FlashAttn2Backend
-from usp_hal.capabilities import AttnRequest
+from usp_hal.dispatch.backend import BackendUnavailable, parse_version
+from usp_hal.dispatch.capabilities import AttnRequest
 
 from .standin import install_standin, purge_modules
 from .standins_fa import (
@@ -270,12 +270,12 @@ def test_contract_fa2_softcap_reason_depends_on_installed_version(fa2):
 
 # --------------------------------------------------------------------------- availability
 def _only_cpu(monkeypatch):
-    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("cpu",))
+    monkeypatch.setattr(usp_hal.dispatch.platform, "available_device_types", lambda: ("cpu",))
 
 
 def _cuda(monkeypatch, cc):
-    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("cuda", "cpu"))
-    monkeypatch.setattr(usp_hal.platform, "compute_capability", lambda dev, index=0: cc)
+    monkeypatch.setattr(usp_hal.dispatch.platform, "available_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(usp_hal.dispatch.platform, "compute_capability", lambda dev, index=0: cc)
 
 
 def test_contract_fa2_availability_not_installed(monkeypatch):
@@ -324,8 +324,8 @@ def test_contract_fa2_triton_amd_build_is_detected(fa2, monkeypatch):
     """A Triton AMD install has no flash_attn_2_cuda: it is available with the variable set
     (and triton installed), and each missing piece is named otherwise."""
     fa2("2.8.3", with_extension=False, triton_amd=True)
-    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("rocm", "cpu"))
-    monkeypatch.setattr(usp_hal.platform, "compute_capability", lambda dev, index=0: None)
+    monkeypatch.setattr(usp_hal.dispatch.platform, "available_device_types", lambda: ("rocm", "cpu"))
+    monkeypatch.setattr(usp_hal.dispatch.platform, "compute_capability", lambda dev, index=0: None)
     monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
     _find_spec_with(monkeypatch, triton=True)
     avail = FlashAttn2Backend.availability()
@@ -353,7 +353,7 @@ def test_contract_fa2_triton_amd_runs_with_its_limits(fa2, monkeypatch, device):
     monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
     backend = fa2("2.8.3", with_extension=False, triton_amd=True)
     q, k, v, dout = make_inputs(h=4, hkv=2, d=40, dtype=torch.float16, seed=5)
-    with usp_hal.platform.emulate(device):
+    with usp_hal.dispatch.platform.emulate(device):
         for causal in (False, True):
             out, lse = backend.forward(q, k, v, KernelCall(scale=0.3, causal=causal))
             grads = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.3, causal=causal))
@@ -373,7 +373,7 @@ def test_contract_fa2_variable_changed_after_import_is_refused(fa2, monkeypatch)
     monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
     backend = fa2("2.8.3", triton_amd=True)
     q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
-    with usp_hal.platform.emulate("rocm"):
+    with usp_hal.dispatch.platform.emulate("rocm"):
         backend.forward(q, k, v, KernelCall(scale=0.3))
         monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE")
         with pytest.raises(BackendUnavailable, match="imported with its Triton AMD kernels"):
@@ -444,7 +444,7 @@ def test_contract_fa2_right_bound_rule_is_declared_for_dispatch():
 def test_contract_fa2_rocm_ck_ignores_softcap(fa2):
     """flash-attn's CK backend (ROCm) takes softcap and drops it: softcap is refused on rocm."""
     fa2("2.8.3")
-    with usp_hal.platform.emulate("rocm"):
+    with usp_hal.dispatch.platform.emulate("rocm"):
         q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
         iface = importlib.import_module("flash_attn.flash_attn_interface")
         raw = iface._flash_attn_forward(q, k, v, 0.0, 0.5, False, -1, -1, 1.5, None, False)[0]
@@ -477,7 +477,7 @@ def test_contract_fa2_rocm_triton_ignores_the_window(fa2, monkeypatch):
 def test_contract_fa2_architectures_per_version(fa2, version, cc, ok):
     """flash-attn <= 2.7.2 runs on sm8x and sm90 only; 2.7.3 accepts any major >= 8."""
     backend = fa2(version)
-    with usp_hal.platform.emulate("cuda", compute_capability=cc):
+    with usp_hal.dispatch.platform.emulate("cuda", compute_capability=cc):
         q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
         req = AttnRequest(dtype=torch.float16, device_type="cuda", compute_capability=cc)
         reasons = FlashAttn2Backend.not_supported_reasons(req)
@@ -501,7 +501,7 @@ def test_contract_fa2_architectures_per_version(fa2, version, cc, ok):
 def test_contract_fa2_backward_head_dims_per_architecture(fa2, version, head_dim, cc, ok):
     """2.5.0-2.5.4: backward with head dim > 192 needs sm80/sm90; 2.5.5-2.6.1: 193..224 does."""
     backend = fa2(version)
-    with usp_hal.platform.emulate("cuda", compute_capability=cc):
+    with usp_hal.dispatch.platform.emulate("cuda", compute_capability=cc):
         q, k, v, dout = make_inputs(sq=8, sk=8, h=2, hkv=2, d=head_dim, dtype=torch.float16)
         out, lse = backend.forward(q, k, v, KernelCall(scale=0.1))
         req = AttnRequest(dtype=torch.float16, device_type="cuda", head_dim=head_dim, needs_grad=True,
@@ -543,12 +543,12 @@ def test_contract_fa2_triton_amd_varlen_lse_and_alibi(fa2, monkeypatch):
     """The Triton AMD kernels lay the varlen lse out [total_q, H] (forward and backward) and add
     ALiBi as -slope * |distance| on the causal path too, with [B, H] slopes only: the adapter
     converts the lse both ways and applies no causal-path shift there."""
-    from usp_hal.ring import Packing
+    from usp_hal.parallel.ring import Packing
     monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
     backend = fa2("2.8.3", with_extension=False, triton_amd=True)
     q, k, v, dout = make_inputs(b=2, h=4, d=32, dtype=torch.float16, seed=6)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    with usp_hal.platform.emulate("rocm"):
+    with usp_hal.dispatch.platform.emulate("rocm"):
         out, lse = backend.forward(q, k, v, KernelCall(scale=0.3, causal=True, alibi_slopes=slopes))
         grads = backend.backward(dout, q, k, v, out, lse, KernelCall(scale=0.3, causal=True, alibi_slopes=slopes))
         ref = reference(q, k, v, dout, softmax_scale=0.3, causal=True, alibi_slopes=slopes)

@@ -10,7 +10,7 @@ tensors with FA3's documented behaviour (fp16/bf16, head dims multiple of 8, bot
 alignment, lse ``-inf`` for a row without keys and ``+inf`` when there are no keys).
 The adapter's forward/backward are called directly with CPU tensors (``availability()``
 rightly reports that a cuda device is missing) and compared with the float64 reference of
-usp_hal.reference.  The real kernel runs in the per-device CI matrices (sm90).
+usp_hal.dispatch.reference.  The real kernel runs in the per-device CI matrices (sm90).
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import sys
 import pytest
 import torch
 
-import usp_hal.platform
-import usp_hal.registry
+import usp_hal.dispatch.platform
+import usp_hal.dispatch.registry
 from tests.dist_cases import kernel_call, merged_key_blocks
 from usp_hal import KernelCall
-from usp_hal.backend import BackendUnavailable
 from usp_hal.backends.fa3 import FlashAttn3Backend
-from usp_hal.capabilities import AttnRequest
+from usp_hal.dispatch.backend import BackendUnavailable
+from usp_hal.dispatch.capabilities import AttnRequest
 
 from .standin import install_standin, purge_modules
 from .standins_fa import (
@@ -242,12 +242,12 @@ def test_contract_fa3_declared_rules_reach_the_core():
 
 # --------------------------------------------------------------------------- availability
 def _only_cpu(monkeypatch):
-    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("cpu",))
+    monkeypatch.setattr(usp_hal.dispatch.platform, "available_device_types", lambda: ("cpu",))
 
 
 def _cuda(monkeypatch, cc):
-    monkeypatch.setattr(usp_hal.platform, "available_device_types", lambda: ("cuda", "cpu"))
-    monkeypatch.setattr(usp_hal.platform, "compute_capability", lambda dev, index=0: cc)
+    monkeypatch.setattr(usp_hal.dispatch.platform, "available_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(usp_hal.dispatch.platform, "compute_capability", lambda dev, index=0: cc)
 
 
 def test_contract_fa3_availability_not_installed(monkeypatch):
@@ -293,7 +293,7 @@ def test_contract_fa3_sm90_only_with_an_upper_bound(fa3):
     where the stand-in's extension has no kernel image."""
     backend = fa3("new")
     for cc in ((10, 0), (12, 0)):
-        with usp_hal.platform.emulate("cuda", compute_capability=cc):
+        with usp_hal.dispatch.platform.emulate("cuda", compute_capability=cc):
             avail = FlashAttn3Backend.availability()
             assert not avail.ok and f"<= 9.0 only, found {cc[0]}.{cc[1]}" in avail.reason
             q, k, v, _ = make_inputs(d=32, dtype=torch.float16)
@@ -350,7 +350,7 @@ def test_contract_fa3_op_name_clash_is_unavailable_with_the_reason(tmp_path, mon
         q, k, v, _ = make_inputs(d=16, dtype=torch.float16)
         with pytest.raises(BackendUnavailable, match="registers flash_attn::_flash_attn_forward"):
             FlashAttn3Backend().forward(q, k, v, KernelCall(scale=0.25))
-        assert usp_hal.registry.REGISTRY.reasons("fa3", AttnRequest(dtype=torch.float16, device_type="cuda",
+        assert usp_hal.dispatch.registry.REGISTRY.reasons("fa3", AttnRequest(dtype=torch.float16, device_type="cuda",
                                                                     compute_capability=(9, 0)))[0].startswith(
             "unavailable: this FlashAttention-3 build registers")
     finally:

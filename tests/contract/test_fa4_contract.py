@@ -6,7 +6,7 @@ with the real distribution metadata, the signatures of ``_flash_attn_fwd``/``_fl
 of 4.0.0b36 and their checks (dtypes, head dims per architecture, arch gates, lse layout
 and natural log, bottom-right masks, window sides open only as ``None``), computing in
 float64 on the CPU inside ``platform.emulate("cuda")``.  Results are compared with the
-float64 reference of usp_hal.reference, directly, packed, and through
+float64 reference of usp_hal.dispatch.reference, directly, packed, and through
 ``LongContextAttention`` on one process and on a 2-rank ring.  The real kernel has not run
 here.
 """
@@ -19,12 +19,13 @@ import torch
 
 import usp_hal
 from tests.dist_cases import kernel_call, merged_key_blocks
-from usp_hal import KernelCall, platform
-from usp_hal.backend import Refusal
+from usp_hal import KernelCall
 from usp_hal.backends.fa4 import FlashAttn4Backend
-from usp_hal.capabilities import AttnRequest
-from usp_hal.reference import LSE_TOLERANCES, TOLERANCES, reference_attention
-from usp_hal.ring import Packing
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.backend import Refusal
+from usp_hal.dispatch.capabilities import AttnRequest
+from usp_hal.dispatch.reference import LSE_TOLERANCES, TOLERANCES, reference_attention
+from usp_hal.parallel.ring import Packing
 
 from . import fa4_standin
 from .standin import install_standin, purge_modules
@@ -234,7 +235,7 @@ def test_contract_fa4_availability(fa4, tmp_path, monkeypatch):
 def test_fa4_unavailable_without_the_package():
     av = FlashAttn4Backend.availability()
     assert not av.ok and "flash-attn-4 not installed" in av.reason
-    assert "fa4" not in usp_hal.registry.REGISTRY.alternatives(_req())   # never picked where it is absent
+    assert "fa4" not in usp_hal.dispatch.registry.REGISTRY.alternatives(_req())   # never picked where it is absent
 
 
 # --------------------------------------------------------------------------- through the USP core

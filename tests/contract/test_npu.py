@@ -16,9 +16,10 @@ import sys
 import pytest
 import torch
 
-from usp_hal import AttnRequest, KernelCall, get_backend, platform
-from usp_hal import backend as backend_mod
+from usp_hal import AttnRequest, KernelCall, get_backend
 from usp_hal.backends.npu import NPUBackend
+from usp_hal.dispatch import backend as backend_mod
+from usp_hal.dispatch import platform
 
 from .standins_misc import (
     assert_import_is_clean,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import REGISTRY, AttnRequest, KernelCall, get_backend, platform
-from usp_hal import backend as backend_mod
+from usp_hal import REGISTRY, AttnRequest, KernelCall, get_backend
 from usp_hal.backends.sage import SageFP8Backend
-from usp_hal.reference import TOLERANCES
+from usp_hal.dispatch import backend as backend_mod
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.reference import TOLERANCES
 
 from .standins_misc import (
     assert_import_is_clean,

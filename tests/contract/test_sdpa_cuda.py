@@ -4,7 +4,7 @@ The aten CUDA ops are replaced (``usp_hal.backends.sdpa.cuda_ops``) by CPU stand
 enforce the real ops' checks (tests/contract/standins_sdpa.py): the flash op's head dim
 multiple of 8 and <= 256, sm80+, fp16/bf16; the efficient op's bias dtype and stride
 alignment, bf16 only from sm80, equal head counts, top-left causal and padded lse.  The
-adapter runs on CPU tensors inside ``usp_hal.platform.emulate("cuda", ...)`` and is compared
+adapter runs on CPU tensors inside ``usp_hal.dispatch.platform.emulate("cuda", ...)`` and is compared
 with the float64 reference.  This proves the adapter, not the kernels.
 """
 from __future__ import annotations
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from tests.dist_cases import kernel_call
-from usp_hal import KernelCall, platform
+from usp_hal import KernelCall
 from usp_hal.backends import sdpa as sdpa_mod
 from usp_hal.backends.sdpa import SDPABackend
-from usp_hal.capabilities import AttnRequest
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.capabilities import AttnRequest
 
 from .standins_misc import assert_lse_matches, assert_matches, make_inputs, reference, reference_grads
 from .standins_sdpa import CudaSDPAStandin

@@ -3,7 +3,7 @@ gloo ranks (Ulysses-2 and, where the backend has an lse, Ring-2), forward and (w
 declared) gradients, against the float64 single-process reference.
 
 The adapter's kernel is a stand-in on the CPU (tests/contract/usp_cases.py installs it in
-each rank process) and its device is emulated by ``usp_hal.platform.emulate``: the core
+each rank process) and its device is emulated by ``usp_hal.dispatch.platform.emulate``: the core
 runs unchanged.  These prove the adapters inside the USP core, not the kernels.  Calls a
 backend cannot serve (gradients on a forward-only kernel; ring > 1 or return_lse
 without an lse) must be refused by dispatch, on every rank, before any data collective.

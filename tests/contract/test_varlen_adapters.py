@@ -2,7 +2,7 @@
 
 The block plan cuts every kernel call at document boundaries.  FA2 and FA3 have varlen
 entry points, so the ring packs each step's calls into one varlen call per kind (causal
-squares, full rectangles; ``usp_hal.ring.pack_calls``); any adapter also serves the same
+squares, full rectangles; ``usp_hal.parallel.ring.pack_calls``); any adapter also serves the same
 calls one dense call each.  Here both ways run in one process (every ring rank simulated:
 plan_blocks on the layout's segments, the adapter's calls, the core's accumulator, then the
 adapter's backward against the merged out/lse) and out, lse and gradients are compared with
@@ -19,9 +19,9 @@ import torch
 from usp_hal import KernelCall
 from usp_hal.backends.fa2 import FlashAttn2Backend
 from usp_hal.backends.fa3 import FlashAttn3Backend
-from usp_hal.layout import ring_segments, segment_positions
-from usp_hal.ring import PackedCall, _Accumulator, pack_calls, plan_blocks
-from usp_hal.varlen import cu_seqlens_from_lengths, reference_packed_attention
+from usp_hal.dispatch.reference import reference_packed_attention
+from usp_hal.parallel.ring import PackedCall, _Accumulator, pack_calls, plan_blocks
+from usp_hal.sequence.positions import cu_seqlens_from_lengths, ring_segments, segment_positions
 
 from . import usp_cases
 from .standin import install_standin, purge_modules

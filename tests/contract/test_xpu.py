@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_hal import AttnRequest, KernelCall, get_backend, platform
+from usp_hal import AttnRequest, KernelCall, get_backend
 from usp_hal.backends import xpu as xpu_mod
 from usp_hal.backends.xpu import XPUBackend
+from usp_hal.dispatch import platform
 
 from .standins_misc import (
     XPUFlashStandin,

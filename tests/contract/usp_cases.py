@@ -3,7 +3,7 @@ through ``usp_hal.LongContextAttention``.
 
 Each function installs a stand-in kernel *inside the rank process* (a package written to a
 temporary site directory, or a substituted op table), emulates the adapter's device with
-``usp_hal.platform.emulate`` and runs the whole USP core on CPU tensors and gloo, comparing
+``usp_hal.dispatch.platform.emulate`` and runs the whole USP core on CPU tensors and gloo, comparing
 with the float64 single-process reference.  Everything is undone before it returns, so
 the reused rank processes stay clean.  ``standin`` is a small picklable spec:
 ``{"kind": "fa2", "arg": "2.8.3"}``, ``{"kind": "xpu"}``, ... (see :func:`installed`).
@@ -18,9 +18,9 @@ import torch
 import usp_hal
 from tests import dist_cases
 from tests.mp import environ
-from usp_hal import platform
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.reference import reference_attention
 from usp_hal.harness import CommMeter
-from usp_hal.reference import reference_attention
 
 from .standin import standin_installed
 

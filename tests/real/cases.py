@@ -11,12 +11,13 @@ import torch
 
 import usp_hal
 from tests import dist_cases
-from usp_hal import KernelCall, platform
+from usp_hal import KernelCall
 from usp_hal.backends import interpret
+from usp_hal.dispatch import platform
+from usp_hal.dispatch.reference import reference_attention, tolerance
+from usp_hal.dispatch.registry import REGISTRY
 from usp_hal.harness import compare
 from usp_hal.harness.verify import tolerances_for
-from usp_hal.reference import reference_attention, tolerance
-from usp_hal.registry import REGISTRY
 
 DTYPES = dist_cases.DTYPES
 
@@ -76,7 +77,7 @@ def raw_sage_case(dtype: str = "fp16", S=100, H=2, D=64, causal=False, seed=0) -
 
 def packed_case(dtype: str = "fp16", causal=False, H=2, Hkv=1, D=64, lens=((9, 9), (30, 17), (5, 12)), seed=0):
     """fa2's varlen entry points (the Triton AMD varlen kernels) vs float64 per-sequence attention."""
-    from usp_hal.ring import Packing
+    from usp_hal.parallel.ring import Packing
     interpret.prepare("fa2")
     backend = REGISTRY.get("fa2")
     dt = DTYPES[dtype]

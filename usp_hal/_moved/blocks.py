@@ -1,6 +1,4 @@
-"""Former path: the module is :mod:`usp_hal.sequence.blocks` (this name is the same module object)."""
-import sys
+"""A former import path: :mod:`usp_hal._moved` says where its code lives now."""
+from usp_hal._moved import redirect
 
-from usp_hal.sequence import blocks as _module
-
-sys.modules[__name__] = _module
+redirect(__name__)

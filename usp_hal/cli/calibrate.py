@@ -1,5 +1,5 @@
 """``usp-hal calibrate``: measure this machine and write a profile for ``usp-hal plan``,
-:class:`usp_hal.dynamic.DynamicDegree` and ``USPTrainingArguments(usp_profile=)``.
+:class:`usp_hal.planning.dynamic.DynamicDegree` and ``USPTrainingArguments(usp_profile=)``.
 
 It spawns ``--nproc`` CPU ranks (gloo), all measuring at once (on a machine with fewer cores than
 ranks each rank's rates are what it gets while the others run, as in a run), and measures: the
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import planner
 from ..harness.calibrate import LAYER, calibrate
 from ..harness.pool import LaunchError, in_torchrun
+from ..planning import planner
 
 
 def add_parser(subparsers) -> None:

@@ -5,7 +5,7 @@ The machine comes from a profile (``--profile``: a built-in name or a JSON path)
 link numbers (``--intra-bw``/``--inter-bw``/``--latency`` on top of a profile's kernel
 numbers), or ``--calibrate``: spawn ranks here (like ``usp-hal run``), measure the kernel
 and the collectives in well under a minute, write the profile (``--save``) and plan with it.
-The model is described in usp_hal/planner.py and docs/planning.md.
+The model is described in usp_hal/planning/planner.py and docs/planning.md.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import json
 import sys
 from typing import Optional
 
-from .. import planner
 from ..harness import memprobe
 from ..harness.calibrate import calibrate
 from ..harness.pool import LaunchError, in_torchrun
-from ..schedule import ScheduleError
+from ..planning import planner
+from ..planning.schedule import ScheduleError
 
 DTYPES = tuple(planner.DTYPE_BYTES)
 
@@ -91,9 +91,9 @@ def add_parser(subparsers) -> None:
                       help="packed documents: N documents of equal length (shortcut for --cu-seqlens)")
     dyn = p.add_mutually_exclusive_group()
     dyn.add_argument("--length-dist", default=None, metavar="SPEC",
-                     help="also schedule a Ulysses x Ring split per global batch (usp_hal.dynamic) for sequence "
-                          "lengths drawn from SPEC (lognormal:MEDIAN:MAX[:SIGMA] or llama3-sft), --seqlen tokens "
-                          "per global batch, and print its predicted gain over the best static split")
+                     help="also schedule a Ulysses x Ring split per global batch (usp_hal.planning.dynamic) for "
+                          "sequence lengths drawn from SPEC (lognormal:MEDIAN:MAX[:SIGMA] or llama3-sft), --seqlen "
+                          "tokens per global batch, and print its predicted gain over the best static split")
     dyn.add_argument("--lengths", default=None, metavar="FILE",
                      help="the same for the sequence lengths in FILE (integers; one global batch per line)")
     p.add_argument("--budget-tokens", type=int, default=None, metavar="N",
@@ -177,7 +177,7 @@ def run(args) -> int:
 
 def _model_shape(args):
     """The model as the schedule prices it: --model-config, or the heads and --hidden etc."""
-    from ..schedule import AttentionShape
+    from ..planning.schedule import AttentionShape
     if args.model_config:
         import os
         path = os.path.join(args.model_config, "config.json") if os.path.isdir(args.model_config) else \
@@ -210,7 +210,7 @@ def _dynamic_degree(args, prof) -> Optional[dict]:
         if args.budget_tokens is not None:
             raise planner.PlanError("--budget-tokens goes with --length-dist or --lengths")
         return None
-    from ..schedule import compare_with_static, draw_batches
+    from ..planning.schedule import compare_with_static, draw_batches
     budget = args.budget_tokens if args.budget_tokens is not None else -(-args.seqlen // args.world)
     if budget < 1:
         raise planner.PlanError(f"--budget-tokens must be >= 1, got {budget}")
@@ -234,8 +234,8 @@ def _dynamic_degree(args, prof) -> Optional[dict]:
 
 def format_dynamic(d: dict) -> list:
     n = d["steps"]
-    lines = [f"split per global batch (usp_hal.dynamic) on {d['source']}, at most {d['budget_tokens']} tokens per "
-             f"rank in one job; model {d['shape']}; predicted whole step of the slowest rank (ms, mean over the "
+    lines = [f"split per global batch (usp_hal.planning.dynamic) on {d['source']}, at most {d['budget_tokens']} tokens "
+             f"per rank in one job; model {d['shape']}; predicted whole step of the slowest rank (ms, mean over the "
              "batches):"]
     if not d["static"]:
         lines.append("  no fixed split holds every batch within the budget")
@@ -288,7 +288,7 @@ def integration_lines(res: dict) -> list:
     init = f"mesh = usp.init_distributed(ulysses_degree={c['ulysses']}, ring_degree={c['ring']})"
     rot = f", rotation={c['rotation']!r}" if c.get("rotation") not in (None, "p2p") else ""
     low = ", low_memory=True" if c.get("low_memory") else ""
-    lines = [f"transformers:  {init}; usp.register(layout={c['layout']!r}{rot}{low}); then "
+    lines = [f"transformers:  {init}; usp.register(layout={c['layout']!r}{rot}{low}, enable=True); then "
              f"usp.shard_batch(batch, mesh, layout={c['layout']!r})"]
     if low:
         lines.append("               (USPTrainer: USPTrainingArguments(..., usp_low_memory=True))")

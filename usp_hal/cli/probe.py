@@ -8,7 +8,7 @@ to import is still listed, with the import error as its reason.
 ``--verify`` runs every available backend once on this device for each dtype it declares
 (small shapes; causal and not; GQA when declared) and compares ``out``, ``lse`` and, for
 backends with a backward, ``dq``/``dk``/``dv`` with the float64 reference, using the
-per-dtype tolerances of :mod:`usp_hal.reference`.  The exit status is 1 when any check
+per-dtype tolerances of :mod:`usp_hal.dispatch.reference`.  The exit status is 1 when any check
 fails.  ``--json`` prints the same data as JSON.
 
 ``--verify --interpret`` verifies, instead, the backends whose kernels are Triton code

@@ -9,7 +9,7 @@ communication, the rest), the bytes each rank sends against the minimum for the 
 and the peak memory growth per rank.
 
 Reference (``--check``):
-    ``fp64``  usp_hal.reference.reference_attention in float64;
+    ``fp64``  usp_hal.dispatch.reference.reference_attention in float64;
     ``sdpa``  torch scaled_dot_product_attention in float32 (float64 for fp64 inputs);
     ``auto``  fp64 while B*H*S^2 <= 2^25 (S <= 2048 at B=1, H=8), else sdpa.
 Both run on blocks of query rows against the full keys (bounded memory); the row blocks
@@ -34,7 +34,7 @@ from ..parallel.rotation import rotation_names
 from ..sequence.positions import layout_names
 
 REFERENCE_TEXT = {
-    "fp64": "float64 usp_hal.reference.reference_attention",
+    "fp64": "float64 usp_hal.dispatch.reference.reference_attention",
     "sdpa": "torch scaled_dot_product_attention in float32 (float64 for fp64 inputs)",
 }
 

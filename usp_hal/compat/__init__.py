@@ -4,6 +4,8 @@
   usp-hal's attention (re-exported here, so ``usp_hal.compat.X`` works as before);
   :data:`YUNCHANG_NAMES` lists the ones ``usp_hal`` resolves without listing them in its
   ``__all__``.
+* :mod:`usp_hal.compat.extract`: yunchang's ``EXTRACT_FUNC_DICT`` (``usp_hal.EXTRACT_FUNC_DICT``)
+  over usp-hal's layouts, following the default mesh's placement;
 * :mod:`usp_hal.compat.alias`: :func:`install_yunchang_alias` makes ``import yunchang`` (and the
   submodules xDiT and other yunchang consumers import) resolve to usp-hal, on request only.
 """

@@ -15,9 +15,9 @@ import line changed.  Each maps to usp-hal's behaviour or refuses with the reaso
 * ``RING_IMPL_DICT`` / ``RING_IMPL_QKVPACKED_DICT``: yunchang's keys to these functions;
 * ``basic_extract_local`` / ``zigzag_extract_local`` / ``stripe_extract_local``: the
   ``EXTRACT_FUNC_DICT`` entries;
-* the ring functions run on :func:`usp_hal.mesh.mesh_of_group` (the one-dimensional mesh of a
+* the ring functions run on :func:`usp_hal.parallel.mesh.mesh_of_group` (the one-dimensional mesh of a
   process group a caller already has, as ``UlyssesAttention(sequence_process_group)`` does);
-  an ``attn_processor`` becomes a backend through :mod:`usp_hal.processor`.
+  an ``attn_processor`` becomes a backend through :mod:`usp_hal.dispatch.processor`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Dict, Tuple
 
 from ..dispatch.processor import processor_attn_type, processor_backend
 from ..parallel.mesh import mesh_of_group
-from ..sequence.positions import EXTRACT_FUNC_DICT
+from .extract import EXTRACT_FUNC_DICT
 
 # ---------------------------------------------------------------------------- ring functions
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -67,7 +67,7 @@ from .capabilities import (
 )
 
 __all__ = ["AttentionBackend", "BackendUnavailable", "KernelCall", "Unsupported", "Refusal", "refusal_text",
-           "set_refusal_formatter", "installed_version", "parse_version", "normalize_lse", "lse_for_backward",
+           "installed_version", "parse_version", "normalize_lse", "lse_for_backward",
            "pad_head_dim", "position_mask", "no_lse"]
 
 #: INPUT_LAYOUT values: what strides the kernel accepts for q/k/v (and dout/out in backward).
@@ -128,7 +128,7 @@ class AttentionBackend:
     MIN_COMPUTE_CAPABILITY: ClassVar[dict] = {}
     MAX_COMPUTE_CAPABILITY: ClassVar[dict] = {}
     REQUIRED_PACKAGES: ClassVar[tuple] = ()
-    #: per-version / per-device limits (:class:`usp_hal.capabilities.Limit`)
+    #: per-version / per-device limits (:class:`usp_hal.dispatch.capabilities.Limit`)
     LIMITS: ClassVar[tuple] = ()
     #: where the kernel anchors causal/window masks when Sq != Sk
     POSITIONS: ClassVar[Positions] = TOP_LEFT
@@ -282,8 +282,15 @@ class AttentionBackend:
         if reasons:
             raise self._refusal(req, reasons)
 
+    #: the registry that made this instance (:meth:`~usp_hal.dispatch.registry.Registry.instance`),
+    #: asked for the message of a refusal (it adds the backends that would run the call); None
+    #: for an instance made directly: the reasons and a pointer to ``usp-hal probe``
+    registry: Any = None
+
     def _refusal(self, req: AttnRequest, reasons: list) -> Unsupported:
-        return Refusal(self.NAME, req, reasons)
+        registry = self.registry
+        message = None if registry is None else registry.refusal_message(self.NAME, req, reasons)
+        return Refusal(self.NAME, req, reasons, message)
 
     def _conform(self, *xs):
         """The inputs in a layout the kernel takes (``INPUT_LAYOUT``), copying only those that
@@ -366,7 +373,7 @@ class AttentionBackend:
     def forward_packed(self, q, k, v, call: KernelCall):
         """Sequences packed back to back: ``q`` [Tq, H, D], ``k``/``v`` [Tk, Hkv, D], sequence
         ``i`` being rows ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]`` of
-        ``call.packing`` (:class:`usp_hal.ring.Packing`).  ``call.causal`` and ``call.window``
+        ``call.packing`` (:class:`usp_hal.parallel.ring.Packing`).  ``call.causal`` and ``call.window``
         are asked only when every sequence has as many queries as keys (the masks of the
         contract, per sequence, key offset 0; no alibi, no mask).  Returns ``out`` [Tq, H, D]
         and ``lse`` [H, Tq] (float32)."""
@@ -421,13 +428,12 @@ def _packed_ranges(packing):
 
 class Refusal(Unsupported):
     """A backend's refusal of one call: its name, the request and the reasons (what
-    ``not_supported_reasons`` returned).  The message is made by the refusal formatter, which
-    the registry installs (it adds the backends that would run the call instead); without
-    one, the reasons and a pointer to ``usp-hal probe``."""
+    ``not_supported_reasons`` returned).  ``message``: the registry's (it adds the backends
+    that would run the call instead); without one, the reasons and a pointer to ``usp-hal probe``."""
 
     def __init__(self, backend: str, request: AttnRequest, reasons, message: Optional[str] = None):
         self.backend, self.request, self.reasons = backend, request, list(reasons)
-        super().__init__(message if message is not None else _FORMAT[0](backend, request, self.reasons))
+        super().__init__(message if message is not None else _plain_refusal(backend, request, self.reasons))
 
 
 def refusal_text(backend: str, request: AttnRequest, reasons) -> str:
@@ -437,15 +443,6 @@ def refusal_text(backend: str, request: AttnRequest, reasons) -> str:
 
 def _plain_refusal(backend: str, request: AttnRequest, reasons) -> str:
     return refusal_text(backend, request, reasons) + "; run `usp-hal probe` to see what each backend supports"
-
-
-_FORMAT: list = [_plain_refusal]
-
-
-def set_refusal_formatter(fn) -> None:
-    """``fn(backend name, request, reasons) -> message`` for every :class:`Refusal` from now
-    on (``usp_hal.registry`` installs its own, naming the alternatives)."""
-    _FORMAT[0] = fn
 
 
 def no_lse(q: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What a backend can do (declared as data) and what one attention call asks for.
 
 A backend class declares its capabilities as class attributes (see
-:class:`usp_hal.backend.AttentionBackend`): flags and ranges, per-version and per-device
+:class:`usp_hal.dispatch.backend.AttentionBackend`): flags and ranges, per-version and per-device
 :class:`Limit` entries, and the :class:`Positions` of its causal/window masks.  What one
 kernel call asks for besides its tensors is one frozen :class:`KernelCall`, carried from the
 plan (or a decode step) to the adapter; a call, with its tensors, is described for the
@@ -124,7 +124,7 @@ class AttnRequest:
     query and key block (ring blocks off the diagonal).  ``seqlen_q``/``seqlen_k`` (optional)
     let rules that depend on the two lengths decide at dispatch time; without them those
     rules are checked per kernel call.  ``device_model`` (optional) is what
-    :func:`usp_hal.platform.device_model` reports for the device.
+    :func:`usp_hal.dispatch.platform.device_model` reports for the device.
     """
 
     dtype: torch.dtype = torch.float32

@@ -1,6 +1,6 @@
 """Plain float64 attention: the single-process truth that every test, the probe's
 ``--verify`` and ``usp-hal run`` compare against.  Differentiable (autograd gives the
-reference gradients).  Semantics are the kernel contract's (see ``usp_hal.backend``)."""
+reference gradients).  Semantics are the kernel contract's (see ``usp_hal.dispatch.backend``)."""
 from __future__ import annotations
 
 import math
@@ -81,8 +81,8 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window=(-1
 
 def reference_packed_attention(q, k, v, cu_seqlens, **kw):
     """Float64 single-process attention of every document on its own, concatenated:
-    the truth a packed USP call is compared against (``usp_hal.reference``, per document).
-    ``kw``: the arguments of :func:`usp_hal.reference.reference_attention`."""
+    the truth a packed USP call is compared against (``usp_hal.dispatch.reference``, per document).
+    ``kw``: the arguments of :func:`usp_hal.dispatch.reference.reference_attention`."""
     cu = as_cu_seqlens(cu_seqlens, q.shape[1])
     parts = [reference_attention(q[:, a:b], k[:, a:b], v[:, a:b], **kw) for a, b in zip(cu, cu[1:])]
     return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)

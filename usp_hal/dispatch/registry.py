@@ -6,10 +6,11 @@ when the backend is used or listed.  Out-of-tree backends register through the
 subclass; its ``NAME`` is the registered name).
 
 Backends only say why they refuse a call (``not_supported_reasons``, and a
-:class:`~usp_hal.backend.Refusal` carrying those reasons); the registry, which knows every
+:class:`~usp_hal.dispatch.backend.Refusal` carrying those reasons); the registry, which knows every
 backend, formats the refusal with the alternatives (:meth:`Registry.refusal`, as xformers'
-dispatch formats its ``not_supported_reasons``), for :meth:`Registry.select` and, through
-``usp_hal.backend.set_refusal_formatter``, for a backend's own per-call refusal.
+dispatch formats its ``not_supported_reasons``), for :meth:`Registry.select` and for the own
+per-call refusal of a backend it made (:meth:`Registry.instance`: the instance asks its
+registry for the message).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import importlib.metadata
 import logging
 
 from . import platform as _platform
-from .backend import AttentionBackend, Refusal, refusal_text, set_refusal_formatter
+from .backend import AttentionBackend, Refusal, refusal_text
 from .capabilities import AttnRequest
 
 log = logging.getLogger("usp_hal")
@@ -311,6 +312,13 @@ class Registry:
                            "run `usp-hal probe` to see why")
         return text + "; no registered backend supports it (run `usp-hal probe` to see what each backend supports)"
 
+    def instance(self, attn_type, request: AttnRequest) -> AttentionBackend:
+        """A new instance of the backend :meth:`select` picks, which asks this registry for the
+        message of its own per-call refusals (naming the alternatives)."""
+        backend = self.select(attn_type, request)()
+        backend.registry = self
+        return backend
+
     def refusal(self, name: str, request: AttnRequest, reasons) -> Refusal:
         """The error for backend ``name`` refusing ``request`` for ``reasons`` (a NotImplementedError)."""
         return Refusal(name, request, reasons, self.refusal_message(name, self._complete(request), reasons))
@@ -335,8 +343,6 @@ def _format_not_supported_reasons(request: AttnRequest, report: dict) -> str:
 
 
 REGISTRY = Registry()
-# a backend's own per-call refusal names the alternatives too (the backend module never imports this one)
-set_refusal_formatter(lambda name, request, reasons: REGISTRY.refusal_message(name, request, reasons))
 
 
 class Dispatch:
@@ -354,7 +360,7 @@ class Dispatch:
     def __call__(self, request: AttnRequest) -> AttentionBackend:
         got = self.instances.get(request)
         if got is None:
-            got = self.instances[request] = self.registry.select(self.attn_type, request)()
+            got = self.instances[request] = self.registry.instance(self.attn_type, request)
         return got
 
 

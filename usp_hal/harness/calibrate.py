@@ -1,6 +1,6 @@
 """Calibration for ``usp-hal plan --calibrate``: measure the kernel, the merge, copies and
 the collectives on spawned CPU ranks and return a machine profile (see
-:mod:`usp_hal.planner` for what the numbers mean)."""
+:mod:`usp_hal.planning.planner` for what the numbers mean)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Any, Dict, Optional
 
-from .. import planner
+from ..planning import planner
 from . import pool as _pool
 
 
@@ -58,7 +58,7 @@ def rank_calibrate(dtype: str, head_dim: int, heads: int, sizes: list, msg_sizes
     out: Dict[str, Any] = {"rank": rank}
     req = AttnRequest(dtype=tdt, device_type="cpu", head_dim=head_dim, num_heads=heads, num_kv_heads=heads,
                       causal=True, needs_grad=True, needs_lse=True, key_offset=True)
-    backend = REGISTRY.select("auto", req)()
+    backend = REGISTRY.instance("auto", req)
     out["backend"] = getattr(backend, "NAME", type(backend).__name__)
     scale = head_dim ** -0.5
     fwd_pts, bwd_pts, causal = [], [], {}
@@ -291,7 +291,7 @@ def _ring_piece(backend: str, heads: int, head_dim: int, world: int, reps: int) 
 
     import usp_hal
 
-    from ..planner import ring_work
+    from ..planning.planner import ring_work
     mesh = usp_hal.init_sequence_parallel(1, world, set_default=False)
     attn = usp_hal.LongContextAttention(attn_type=backend, ring_impl_type="varlen_zigzag", mesh=mesh)
     n, docs = 512, 64
@@ -377,7 +377,7 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
     adamw = max(max(0.0, t["adamw_s"] - 28.0 * t["adamw_params"] / elem_bw) for t in tok)
     # the analytic price of a token (GEMMs at the linear rate, elementwise traffic at the elementwise
     # bandwidth) against what the Llama-shaped layer and head took: the scale every shape's price takes
-    from ..stepcost import AttentionShape
+    from ..planning.stepcost import AttentionShape
     shape = AttentionShape(layer["heads"], layer["head_dim"], layer["kv_heads"], dtype, True, True,
                            hidden=layer["hidden"], intermediate=layer["intermediate"], layers=1, vocab=layer["vocab"])
     per_layer, per_head = shape.token_cost(linear, elem_bw)
@@ -449,7 +449,7 @@ def calibrate(nproc: int = 2, *, dtype: str = "fp32", head_dim: int = 64, heads:
         "call_overhead_local": max(r["call_fixed_local"]["fwd"] for r in res),
         "call_overhead_bwd_local": max(0.0, max(r["call_fixed_local"]["fwdbwd"] for r in res)
                                        - max(r["call_fixed_local"]["fwd"] for r in res)),
-        # the token-proportional layers (usp_hal.stepcost), each the slowest rank's
+        # the token-proportional layers (usp_hal.planning.stepcost), each the slowest rank's
         "linear": {dtype: {"flops": linear}},
         "elementwise_bandwidth": elem_bw,
         "token_scale": scale,

@@ -8,7 +8,7 @@ iterations record a per-rank breakdown (kernel, communication, merge, re-layout,
 the bytes each rank sends and the peak memory growth (:mod:`usp_hal.harness.meter`).
 
 Reference (``check``):
-    ``fp64``  usp_hal.reference.reference_attention in float64;
+    ``fp64``  usp_hal.dispatch.reference.reference_attention in float64;
     ``sdpa``  torch scaled_dot_product_attention in float32 (float64 for fp64 inputs);
     ``auto``  fp64 while B*H*S^2 <= 2^25 (S <= 2048 at B=1, H=8), else sdpa.
 Both run on blocks of query rows against the full keys (bounded memory); the row blocks
@@ -555,7 +555,7 @@ def single_prepare(cfg: Any, case: str) -> dict:
     st = _Case()
     st.call = call
     st.cfg = cfg
-    st.backend = REGISTRY.select(cfg.attn_type, req)()
+    st.backend = REGISTRY.instance(cfg.attn_type, req)
     st.mem = meter.MemoryMeter(cfg.device_type)
     _CASES[case] = st
     return {"backend": st.backend.NAME,

@@ -313,7 +313,7 @@ TIMED = ("forward", "backward", "forward_packed", "backward_packed")
 @contextlib.contextmanager
 def untimed(backend):
     """Inside: ``backend`` as it was before :func:`time_backend` (its class's methods, so
-    :meth:`~usp_hal.backend.AttentionBackend.binds_forward` holds again and a plan may bind
+    :meth:`~usp_hal.dispatch.backend.AttentionBackend.binds_forward` holds again and a plan may bind
     its call as a user's would); the timers are back afterwards."""
     wrapped = {name: vars(backend).pop(name) for name in TIMED if name in vars(backend)}
     try:

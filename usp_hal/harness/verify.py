@@ -5,8 +5,8 @@ each backend's own ``not_supported_reasons`` (:func:`supported_features`,
 :func:`feature_change`); :func:`verify_backend` runs every available backend once on a
 device for each dtype it declares (small shapes; causal and not; GQA, window and softcap
 when declared) and compares ``out``, ``lse`` and, for backends with a backward,
-``dq``/``dk``/``dv`` with :func:`usp_hal.reference.reference_attention`, using the
-per-dtype tolerances of :mod:`usp_hal.reference` (or a lossy backend's own).
+``dq``/``dk``/``dv`` with :func:`usp_hal.dispatch.reference.reference_attention`, using the
+per-dtype tolerances of :mod:`usp_hal.dispatch.reference` (or a lossy backend's own).
 :func:`compare` is the one tolerance check, shared with ``usp-hal run``/``bench`` and the
 tests.  :func:`collect` gathers what ``usp-hal probe`` prints: the torch build, the
 devices, the distributed backends, every registered backend's availability (with the exact
@@ -194,7 +194,7 @@ def verify_case(backend, device_type: str, dtype: torch.dtype, head_dim: int, ca
 
 def _tensor_device(device_type: str) -> torch.device:
     """Where the case's tensors live: the device itself, or the CPU while it is emulated
-    (:func:`usp_hal.platform.emulate`: CPU tensors stand for the device)."""
+    (:func:`usp_hal.dispatch.platform.emulate`: CPU tensors stand for the device)."""
     em = _platform.emulated()
     if em is not None and em.device_type == device_type:
         return torch.device("cpu")

@@ -4,7 +4,7 @@
     ``attn_implementation="usp_hal"`` for any model that goes through transformers'
     ``AttentionInterface``, plus :func:`~usp_hal.integrations.transformers.shard_batch`.
 ``usp_hal.integrations.trl``
-    TRL's SFT, DPO and GRPO trainers over :class:`~usp_hal.integrations.trainer.USPTrainer`
+    TRL's SFT, DPO and GRPO trainers over :class:`~usp_hal.integrations.training.trainer.USPTrainer`
     (``usp_trainer(SFTTrainer)``, ``usp_config(SFTConfig)``), for the ``engines`` extra.
 ``usp_hal.integrations.diffusers``
     :func:`~usp_hal.integrations.diffusers.parallelize` for diffusers models that declare a
@@ -12,15 +12,17 @@
 
 ``usp_hal.integrations.sequence_mixers``
     the check (and the sequence-parallel wiring) of layers that mix positions outside
-    attention, for the transformers integration (old name: ``integrations.hybrid``).
+    attention, for the transformers integration.
 ``usp_hal.integrations.training``
     the Hugging Face Trainer (``.trainer``), the gradient synchronisation (``.grads``) and the
-    tiled loss (``.tiled_loss``); their old paths ``integrations.trainer``, ``.grads`` and
-    ``.tiled_loss`` import the same modules.
+    tiled loss (``.tiled_loss``).
+
+The former paths of these modules are in the compat map (:mod:`usp_hal._moved`).
 
 This package imports neither framework; each submodule imports its own on first use, and
 importing one changes nothing in the framework (the transformers integration makes its
-changes in ``register()``/``enable()``, listed by ``patched()``).  The helpers here are shared
+changes in ``register()`` and ``enable()``, listed by ``patched()``, and the gradient check
+below installs its optimizer hook there too).  The helpers here are shared
 by both:
 
 * :func:`init_distributed`: the process group (from torchrun's environment) and the mesh;
@@ -53,7 +55,7 @@ def init_distributed(ulysses_degree: Optional[int] = None, ring_degree: Optional
     the same script then runs as a single process.  Every rank must pass the same degrees.
     """
     import usp_hal
-    from usp_hal import platform as _platform
+    from usp_hal.dispatch import platform as _platform
 
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         device_type = _platform.default_device_type()

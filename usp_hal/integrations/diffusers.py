@@ -222,7 +222,7 @@ def _padded_joint_attention(ctx, query, key, value, dropout_p, scale, mask, leng
 
 
 def _padding_mask(ctx, keep: torch.Tensor):
-    """A :class:`usp_hal.masks.Mask` keeping the keys where ``keep`` ``[B, S]`` is True, one
+    """A :class:`usp_hal.sequence.masks.Mask` keeping the keys where ``keep`` ``[B, S]`` is True, one
     per distinct ``keep`` (the last few kept; its tensor is never modified, so the core's
     classification of it stays valid)."""
     from usp_hal.sequence.masks import Mask
@@ -549,7 +549,7 @@ def _shard(x, cpi, what: str, mesh):
         raise ValueError(f"{what}: expected a {cpi.expected_dims}-D tensor to split along dim {cpi.split_dim}, got "
                          f"shape {tuple(x.shape)} (the model's context-parallel plan cannot split it; pass it in the "
                          "documented shape, e.g. Flux's txt_ids/img_ids without a batch dimension)")
-    from usp_hal.sharding import empty_rank_problem
+    from usp_hal.parallel.sharding import empty_rank_problem
     short = empty_rank_problem(mesh, LAYOUT, int(x.shape[cpi.split_dim]), what=what)
     if short:              # every rank passes the same global inputs: every rank raises here alike
         raise ValueError(short)

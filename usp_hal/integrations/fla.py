@@ -1,7 +1,7 @@
 """flash-linear-attention (fla) kernels as the per-rank kernel of state passing.
 
 fla's gated DeltaNet and KDA kernels take ``initial_state`` and return the final state, in the
-layout :mod:`usp_hal.state_passing` works in (``[B, T, H, d]`` tensors, state ``[B, HV, dk,
+layout :mod:`usp_hal.mixers.state_passing` works in (``[B, T, H, d]`` tensors, state ``[B, HV, dk,
 dv]``).  That is the whole seam: :func:`gated_delta_rule` runs usp-hal's state passing
 (every rank keeps its tokens and all heads; only ``[P | S]`` states travel, one all-gather)
 with one of fla's kernels on each contiguous piece of a rank's sequence::
@@ -28,7 +28,7 @@ repeated the same way before the call.  A callable gets q and k as they are.
 
 Agreed across the ranks before any state moves, with the rest of the call (shapes, layout,
 lengths): the kernel (its name, or a callable's qualified name) and every keyword with its
-value (:func:`usp_hal.state_passing.kernel_settings`; a tensor argument by shape, dtype and a
+value (:func:`usp_hal.mixers.state_passing.kernel_settings`; a tensor argument by shape, dtype and a
 digest of its values, read to the host once per tensor version).  A rank with another kernel
 or argument, and any rank's refusal below, raise the same error on every rank.
 
@@ -217,8 +217,8 @@ def gated_delta_rule(q, k, v, g, beta, *, mesh, layout: str = "basic", cu_seqlen
     beta ``[B, T, HV]`` are this rank's tokens (``usp_hal.shard(x, layout=...,
     cu_seqlens=...)``), the output is ``[B, T, HV, dv]`` in local order.  The kernel and its
     arguments are agreed across the ranks (module docstring).  See
-    :func:`usp_hal.state_passing.gated_delta_rule`."""
-    from usp_hal import state_passing
+    :func:`usp_hal.mixers.state_passing.gated_delta_rule`."""
+    from usp_hal.mixers import state_passing
     from usp_hal.mixers.state_passing import kernel_settings
     fn, spec, label, problem = _lookup(kernel)
     problem = problem or _problem(fn, spec, label, kernel_kwargs, (q, k, v, g, beta))

@@ -1,12 +1,4 @@
-"""The old import path of :mod:`usp_hal.integrations.sequence_mixers`, kept working: importing this module gives
-that module itself (the same object in ``sys.modules``), so its functions, its state and any
-attribute set or monkeypatched through this name are the new module's."""
-import sys
-from typing import TYPE_CHECKING
+"""A former import path: :mod:`usp_hal._moved` says where its code lives now."""
+from usp_hal._moved import redirect
 
-from usp_hal.integrations import sequence_mixers as _module
-
-if TYPE_CHECKING:       # for type checkers, which do not follow the sys.modules entry
-    from usp_hal.integrations.sequence_mixers import *  # noqa: F401,F403
-
-sys.modules[__name__] = _module
+redirect(__name__)

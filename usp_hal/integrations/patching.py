@@ -5,14 +5,15 @@ the "module.qualname" of what was changed, and can be put back.  Nothing here ru
 
 :func:`patch` replaces an attribute of a class or a module (once: a second call with the same
 target changes nothing), :func:`register` adds a name to a transformers ``GeneralInterface``
-(``AttentionInterface``, ``AttentionMaskInterface``), :func:`applied` lists what is in place,
-:func:`restore_all` puts every original back.
+(``AttentionInterface``, ``AttentionMaskInterface``), :func:`hook` installs a process-wide
+hook of another library (torch's optimizer-step pre-hook) and keeps its handle, :func:`applied`
+lists what is in place, :func:`restore_all` puts every original back (and removes the hooks).
 """
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 _MISSING = object()     # the target had no value of its own (an inherited attribute, a new name)
 
@@ -23,6 +24,7 @@ class _Change:
     name: str
     before: Any         # the owner's own value before the first change, or _MISSING
     after: Any
+    undo: Optional[Callable[[], Any]] = None     # a hook's removal (its handle's remove())
 
 
 _CHANGES: Dict[str, _Change] = {}        # label -> change, in the order made
@@ -58,6 +60,20 @@ def register(interface, name: str, value) -> str:
     return key
 
 
+def hook(key: str, install: Callable[[], Any]) -> str:
+    """Install a process-wide hook under the label ``key`` unless it is in place: ``install()``
+    registers it and returns its handle (``handle.remove()`` undoes it, in :func:`restore_all`)."""
+    if key not in _CHANGES:
+        handle = install()
+        _CHANGES[key] = _Change(handle, "remove", _MISSING, handle, undo=handle.remove)
+    return key
+
+
+def is_applied(key: str) -> bool:
+    """Whether the change labelled ``key`` is in place (a dictionary lookup)."""
+    return key in _CHANGES
+
+
 def applied() -> List[str]:
     """The labels of the changes in place, in the order made."""
     return list(_CHANGES)
@@ -68,7 +84,9 @@ def restore_all() -> List[str]:
     done = []
     for key, change in reversed(list(_CHANGES.items())):
         owner, name, before = change.owner, change.name, change.before
-        if isinstance(owner, dict):
+        if change.undo is not None:
+            change.undo()
+        elif isinstance(owner, dict):
             if before is _MISSING:
                 owner.pop(name, None)
             else:

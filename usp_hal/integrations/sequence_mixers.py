@@ -5,7 +5,7 @@ Covered (run sequence-parallel, tested against one process): the gated DeltaNet 
 KDA layers of ``kimi_linear``: their projections stay on the sequence shards and only their
 per-head operators (the causal convolution, the chunked gated delta rule or KDA, the SSD scan)
 run through :func:`usp_hal.head_parallel`, the convolutions through their halo exchange, and
-the GDN, KDA and SSD recurrences through :mod:`usp_hal.state_passing` when ``recurrence`` says so
+the GDN, KDA and SSD recurrences through :mod:`usp_hal.mixers.state_passing` when ``recurrence`` says so
 (see :func:`wire` and :data:`RECURRENCES`).  Every other such layer is refused.
 
 Sequence parallelism shards the sequence for the attention layers; any other layer that
@@ -38,13 +38,16 @@ the pinned transformers is walked by the tests (``tests/test_hybrid_detect.py``)
 list of the types known to mix positions outside attention; a rule that stops seeing one
 of them fails that test.
 
-Its error is :class:`SequenceMixerError`.  The module was ``usp_hal.integrations.hybrid``; that
-name still imports it (the same module object).
+Its error is :class:`SequenceMixerError`.  The check runs from a forward pre-hook that
+:func:`usp_hal.integrations.transformers.enable` adds to every model built afterwards; a
+sequence-parallel attention call on a model whose layers were not checked is refused
+(:func:`layers_checked`).
 """
 from __future__ import annotations
 
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -282,6 +285,17 @@ def _implementation(model) -> Optional[str]:
     return impl if isinstance(impl, str) else None
 
 
+# the modules of every model whose forward pre-hook ran: the attention function refuses a
+# sequence-parallel call from any other module (its model's layers were never checked)
+_HOOKED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def layers_checked(module: nn.Module) -> bool:
+    """Whether ``module`` belongs to a model whose layers the forward pre-hook checks (the model
+    was built, or switched to a registered name, after :func:`install`).  One set lookup."""
+    return module in _HOOKED_MODULES
+
+
 def _before_forward(model, args, kwargs):
     fn = _LOOKUP(_implementation(model))
     if fn is None:
@@ -292,6 +306,7 @@ def _before_forward(model, args, kwargs):
     key = (_implementation(model), id(mesh), recurrence)
     last, checked = model.__dict__.get(_CHECKED, (None, frozenset()))
     if last != key:
+        _HOOKED_MODULES.update(model.modules())
         if mesh.sp_size > 1 or getattr(model, _COVERED_MODEL, False):
             # a model wired before is rewired on a one-rank mesh too: its layers must not keep
             # exchanging on the groups of the mesh they last ran on
@@ -364,7 +379,7 @@ COVERED_LAYERS = {
 ATTENTION_LAYERS = {"KimiLinearAttention"}      # kimi_linear's MLA
 # model types whose every layer that mixes positions is covered, tested against one process
 COVERED_MODEL_TYPES = {"qwen3_next", "lfm2", "nemotron_h", "kimi_linear"}
-# covered layers whose recurrence can also run by state passing (usp_hal.state_passing; KDA is
+# covered layers whose recurrence can also run by state passing (usp_hal.mixers.state_passing; KDA is
 # the gated delta rule with a decay per key channel: the same call, its own kernel)
 STATE_PASSING_LAYERS = {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                         "NemotronHMamba2Mixer", "KimiLinearDeltaAttention"}

@@ -10,8 +10,8 @@
 
 or with the ready-made pairs ``USPSFTTrainer``/``USPSFTConfig``, ``USPDPOTrainer``/``USPDPOConfig``
 and ``USPGRPOTrainer``/``USPGRPOConfig`` (``from usp_hal.integrations.trl import USPSFTTrainer``).
-Each trainer is TRL's over :class:`usp_hal.integrations.trainer.USPTrainer`, each config TRL's
-plus the ``usp_*`` fields of :class:`~usp_hal.integrations.trainer.USPTrainingArguments`; the
+Each trainer is TRL's over :class:`usp_hal.integrations.training.trainer.USPTrainer`, each config TRL's
+plus the ``usp_*`` fields of :class:`~usp_hal.integrations.training.trainer.USPTrainingArguments`; the
 world is cut into replicas of ``sp = ulysses x ring`` ranks as there (see that module for what
 the Trainer, accelerate and usp-hal each do, and what is refused).  Importing this module
 imports TRL lazily and patches nothing; the classes are made on first use.
@@ -543,16 +543,16 @@ _EXTRA = {"SFTTrainer": (_SFT,), "DPOTrainer": (_DPO,), "GRPOTrainer": (_GRPO,)}
 @functools.lru_cache(maxsize=None)
 def usp_trainer(trainer_cls: type) -> type:
     """``trainer_cls`` (``trl.SFTTrainer``, ``trl.DPOTrainer`` or ``trl.GRPOTrainer``) with usp-hal
-    sequence parallelism: a subclass over :class:`~usp_hal.integrations.trainer.USPTrainer`,
+    sequence parallelism: a subclass over :class:`~usp_hal.integrations.training.trainer.USPTrainer`,
     taking the ``mesh=`` keyword and ``args`` made by :func:`usp_config`.  Other trainers are
     refused (their losses are not verified)."""
-    from .trainer import USPTrainer
+    from .training.trainer import USPTrainer
     _check_version()
     extra = _EXTRA.get(getattr(trainer_cls, "__name__", ""))
     if extra is None or not getattr(trainer_cls, "__module__", "").startswith("trl."):
         raise _refuse(f"the trainer {trainer_cls!r}", "only the losses of TRL's SFTTrainer, DPOTrainer and "
                       "GRPOTrainer are verified sequence-parallel", "Use one of those, or "
-                      "usp_hal.integrations.trainer.USPTrainer for a transformers Trainer")
+                      "usp_hal.integrations.training.trainer.USPTrainer for a transformers Trainer")
     name = f"USP{trainer_cls.__name__}"
     return type(name, extra + (USPTrainer, trainer_cls), {"__module__": __name__, "__doc__": (
         f"trl.{trainer_cls.__name__} with usp-hal sequence parallelism (usp_hal.integrations.trl).")})
@@ -561,8 +561,8 @@ def usp_trainer(trainer_cls: type) -> type:
 @functools.lru_cache(maxsize=None)
 def usp_config(config_cls: type) -> type:
     """``config_cls`` (``trl.SFTConfig``, ``DPOConfig``, ``GRPOConfig``) plus the ``usp_*`` fields of
-    :class:`~usp_hal.integrations.trainer.USPTrainingArguments` (degrees, layout, backend)."""
-    from .trainer import USPTrainingArguments
+    :class:`~usp_hal.integrations.training.trainer.USPTrainingArguments` (degrees, layout, backend)."""
+    from .training.trainer import USPTrainingArguments
     name = f"USP{config_cls.__name__}"
     first = (_ReplicaGenerationBatch,) if config_cls.__name__ == "GRPOConfig" else ()
     # TRL's config first: its defaults (bf16, logging_steps, learning_rate, ...) win over TrainingArguments'

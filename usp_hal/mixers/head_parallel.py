@@ -19,7 +19,7 @@ runs it the Ulysses way::
   rank; grouped inputs carry the groups those heads use) and returns ``[B, S, h, ...]``;
 * one all-to-all brings its result back to the sequence shards: ``[B, S_local, H, ...]``.
 
-Heads are dealt as for attention (:func:`usp_hal.ulysses.head_plan`): contiguous ranges, as
+Heads are dealt as for attention (:func:`usp_hal.parallel.ulysses.head_plan`): contiguous ranges, as
 even as possible, any ``H`` (ranks beyond ``H`` hold none and skip ``fn``); where a range cuts
 a group, the rank receives the groups it needs and repeats them per head (``fn`` then sees as
 many groups as heads), and their gradients are summed back.  Backward is the same exchanges

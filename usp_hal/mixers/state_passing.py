@@ -25,7 +25,7 @@ backward sums each piece's gradient back to its owner): gradients flow to every 
 state another used.
 
 (The short causal convolutions beside these layers need no state, only a halo of
-``kernel_size - 1`` tokens: :func:`usp_hal.hybrid.halo_causal_conv`.)
+``kernel_size - 1`` tokens: :func:`usp_hal.mixers.head_parallel.halo_causal_conv`.)
 
 Kernels are passed in: ``kernel(q, k, v, g, beta, initial_state=..., output_final_state=True)
 -> (out, final_state)`` in the layout of transformers' ``torch_chunk_gated_delta_rule`` and
@@ -249,7 +249,7 @@ def state_passing(kernel: Callable, inputs: Sequence[torch.Tensor], *, value_ind
     key_dim, dv]`` and ``inputs[value_index]`` is ``[B, T, H, dv]``, the value whose columns
     the state's columns follow.  ``seqlen``: the global length, if known (checked against the
     ranks' lengths).  One small all-gather of ints on the metadata group first agrees on
-    the call across the ranks (:func:`usp_hal.hybrid.agree_mixer`): with it ``settings``
+    the call across the ranks (:func:`usp_hal.mixers.head_parallel.agree_mixer`): with it ``settings``
     (default: :func:`kernel_settings` of ``kernel``; pass the kernel's name and every
     argument it runs with, which must be equal on every rank) and ``problem`` (this rank's
     reason to refuse the call, found before it: every rank then raises it together).
@@ -313,7 +313,7 @@ def _nothing_of(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq_dim: int,
            seqlen: Optional[int], settings: str = "", problem: Optional[str] = None) -> int:
     """The global length, after every rank showed how it runs this recurrence (one small
-    all-gather of ints on the metadata group, no device sync: :func:`usp_hal.hybrid.agree_mixer`):
+    all-gather of ints on the metadata group, no device sync: :func:`usp_hal.mixers.head_parallel.agree_mixer`):
     the batch, heads, state sizes, dtype, layout, document boundaries and per-rank lengths
     must agree, and the kernel's ``settings``; else every rank raises the same error before
     the states move."""
@@ -341,7 +341,7 @@ def _agree(inputs, value_index: int, key_dim: int, mesh, layout, cu_seqlens, seq
         batch = length = heads = dv = dt = shapes_digest = 0
     if mesh.sp_size == 1:
         if problem:
-            raise ValueError(f"usp_hal.state_passing: {problem}")
+            raise ValueError(f"usp_hal.mixers.state_passing: {problem}")
         return length if seqlen is None else int(seqlen)
     shape = [heads, int(key_dim), dv, dt, len(inputs), shapes_digest]
     cu = tuple(int(c) for c in cu_seqlens) if cu_seqlens is not None else None

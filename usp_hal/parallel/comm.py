@@ -1,5 +1,5 @@
-"""Communication primitives shared by the Ulysses exchange (``usp_hal.ulysses``) and the
-ring rotations (``usp_hal.rotation``): collectives that name themselves when they fail, the
+"""Communication primitives shared by the Ulysses exchange (``usp_hal.parallel.ulysses``) and the
+ring rotations (``usp_hal.parallel.rotation``): collectives that name themselves when they fail, the
 small host-side metadata exchanges, a stable integer code per dtype, and :func:`agree`, the
 one "flag, gather, raise on every rank" check of every entry point that communicates.
 

@@ -19,8 +19,6 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..sequence import positions as _positions
-
 _DEFAULT_MESH: "Optional[SequenceParallelMesh]" = None
 
 
@@ -415,11 +413,10 @@ def _set_default(mesh: Optional[SequenceParallelMesh]) -> None:
     _DEFAULT_MESH = mesh
 
 
-def _current_default() -> Optional[SequenceParallelMesh]:
+def current_default_mesh() -> Optional[SequenceParallelMesh]:
+    """The default mesh, or None when none was made (unlike :func:`get_default_mesh`, this
+    makes none: yunchang's extract functions read the placement with it)."""
     return _DEFAULT_MESH
-
-
-_positions.default_mesh = _current_default    # EXTRACT_FUNC_DICT honours the default mesh's placement
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 plan, float32 merge of (out, lse), forward and backward over a rotation strategy.
 
 The block plan itself (:class:`BlockCall`, :func:`plan_blocks`: which calls every ring rank
-makes against every source block) is pure integer code in ``usp_hal.blocks``, re-exported
+makes against every source block) is pure integer code in ``usp_hal.sequence.blocks``, re-exported
 here under the names it has always had; this module runs it: :class:`PackedCall` (a
 varlen kernel call over several planned calls), :class:`RingContext` (the plan's blocks and
 the call's :class:`~usp_hal.dispatch.capabilities.KernelCall`, from which each block call's
@@ -152,7 +152,7 @@ class PackedCall:
 
 def pack_calls(calls: Sequence[BlockCall], windowed: bool = False) -> List[Union[BlockCall, PackedCall]]:
     """The block plan of one step for a kernel with a varlen entry point: each group of
-    :func:`usp_hal.blocks.pack_groups` (the causal squares, the full rectangles; with a
+    :func:`usp_hal.sequence.blocks.pack_groups` (the causal squares, the full rectangles; with a
     ``windowed`` call only the squares of key offset 0) as one :class:`PackedCall`."""
     return [PackedCall(g) if isinstance(g, tuple) else g for g in pack_groups(calls, windowed)]
 
@@ -218,7 +218,7 @@ class RingContext:
     packed: Dict[int, list] = field(default_factory=dict)
     #: document boundaries of a packed call (None: one sequence)
     cu_seqlens: Optional[Tuple[int, ...]] = None
-    #: a ``mask=`` call: what it keeps (:class:`usp_hal.masks.Predicate`; causal, window and
+    #: a ``mask=`` call: what it keeps (:class:`usp_hal.sequence.masks.Predicate`; causal, window and
     #: documents folded in), and this stage's global query heads (a head-dependent mask)
     predicate: Optional[Any] = None
     mask_heads: Optional[Tuple[int, int]] = None
@@ -382,7 +382,7 @@ def _single_call(ctx: RingContext, q, k) -> Optional[BlockCall]:
 
 def _kernel_call(ctx: RingContext, call: BlockCall, src: int):
     """The forward of one block call of the plan, ``(q, k, v) -> (out, lse)`` on the call's
-    rows and keys: the backend's bound call (:meth:`~usp_hal.backend.AttentionBackend.bind`,
+    rows and keys: the backend's bound call (:meth:`~usp_hal.dispatch.backend.AttentionBackend.bind`,
     validated once per shape, dtype and device; kept on this context, which lives as long
     as its plan), or its ``forward`` where the backend has a forward of its own (an
     adapter, a meter's wrapper) or the call is masked."""

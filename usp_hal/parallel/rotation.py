@@ -1,7 +1,7 @@
 """Ring rotation strategies: how each ring rank meets every key/value block, and how the
 partial dK/dV of each block gets back to its owner.
 
-The ring forward and backward (``usp_hal.ring``) each have one loop over
+The ring forward and backward (``usp_hal.parallel.ring``) each have one loop over
 ``rotation.blocks(k, v)``; the strategy decides what travels when:
 
 ``p2p``        blocks move one hop per step with ``batch_isend_irecv`` (send to the next
@@ -14,7 +14,7 @@ The ring forward and backward (``usp_hal.ring``) each have one loop over
                their owners in one ``all_to_all``.
 
 K and V (and dK and dV) travel side by side in one batch of p2p ops; a wire codec
-(``usp_hal.codec``) codes the K/V blocks into one byte buffer; the own block is coded too, so
+(``usp_hal.parallel.codec``) codes the K/V blocks into one byte buffer; the own block is coded too, so
 every key sees the same rounding.  A rank's part of a block's dK/dV is a :class:`GradPart`
 (:class:`Accum` each): nothing is allocated until a kernel call adds to it, and a kernel
 gradient over the whole block is the part itself, so a rotation mostly sends (or adds into

@@ -15,10 +15,10 @@ buffer; each source's block lands at its heads with one strided copy when the ra
 follow one pattern.  dq, dk and dv travel back together the same way.
 
 **Bytes.**  Tensors that cannot share one buffer along heads (different head dims or dtypes,
-or a wire codec that turns a tensor into several parts, ``usp_hal.codec``) travel as bytes,
+or a wire codec that turns a tensor into several parts, ``usp_hal.parallel.codec``) travel as bytes,
 every part of every destination in one all-to-all.
 
-Which heads each rank computes is :mod:`usp_hal.heads` (re-exported here).
+Which heads each rank computes is :mod:`usp_hal.parallel.heads` (re-exported here).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The call pipeline: one attention call from this rank's tensors to its result, shared by
 every face (:class:`~usp_hal.LongContextAttention` and its subclasses, the compiled custom
-op in :mod:`usp_hal.compiled`, :func:`usp_hal.async_qkv_attention`).
+op in :mod:`usp_hal.pipeline.compiled`, :func:`usp_hal.async_qkv_attention`).
 
     validate (validate.py)  tensors and options -> CallSpec + Local (entry.py: cached per signature)
     agree    (agree.py)     one metadata all-gather: lengths, refusals, disagreements

@@ -1,7 +1,7 @@
 """Step 2 of a call: every rank learns every rank's local length and sees any rank's
 refusal or any disagreement, from one small all-gather of the spec's metadata vector (on
 the mesh's CPU side group when the group has no CPU transport), through the library's one
-agreement primitive, :func:`usp_hal.comm.agree`.  All ranks then raise the
+agreement primitive, :func:`usp_hal.parallel.comm.agree`.  All ranks then raise the
 same error together, so none waits in a data collective."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def agree(pipe, mesh, checked: Checked) -> Agreed:
     ``pipe.check_ranks`` picks what is exchanged: ``"every_call"`` (every call: the spec's
     metadata vector, compared), ``"first_call"`` (that once; later calls of the same spec
     exchange nothing, a call of another spec, or one this rank refuses, raises
-    :class:`~usp_hal.comm.OutOfStepError` on the rank that sees it and ends the use of the
+    :class:`~usp_hal.parallel.comm.OutOfStepError` on the rank that sees it and ends the use of the
     mesh's groups there: :func:`out_of_step`), ``"off"`` (every call: the local lengths,
     refusals, and whether a mask awaits its check at the agreed length)."""
     spec, err, cu_seqlens = checked.spec, checked.err, checked.cu_seqlens
@@ -102,7 +102,7 @@ def out_of_step(mesh, frozen: CallSpec, spec: Optional[CallSpec], err) -> None:
     after the first call, so they may already be in this call's data exchanges with the
     first call's shapes; nothing this rank can do now reaches them without a host read on
     their steady path.  So the use of the mesh's groups ends on this rank: this call and
-    every later call of the library on them raise :class:`~usp_hal.comm.OutOfStepError`
+    every later call of the library on them raise :class:`~usp_hal.parallel.comm.OutOfStepError`
     here before communicating, and none of this rank's later calls can pair with theirs."""
     if err is not None or spec is None:
         what = f"this rank refuses the call ({type(err).__name__}: {err})"

@@ -16,7 +16,7 @@ inputs, output, log-sum-exp and every rank's length (an int64 output of the forw
 and rebuilds the plan without any metadata exchange; the backward loop moves q, k, v, the
 output, its lse and the output gradient to the head layout in three all-to-alls (q/k/v/out
 in one, the output gradient in a second, the lse in a third; one of bytes when their
-dtypes or head dims differ: :meth:`~usp_hal.ulysses.UlyssesExchange.saved_to_heads`) (eager mode
+dtypes or head dims differ: :meth:`~usp_hal.parallel.ulysses.UlyssesExchange.saved_to_heads`) (eager mode
 keeps the head-layout tensors from the forward instead; a compiled graph can only save
 tensors whose shapes it knows, and those depend on the other ranks' lengths).  With the
 fp8 wire format the backward then sees the output after its fp8 round trip (eager:

@@ -1,7 +1,7 @@
 """The cross-rank check of a masked call's mask, by what the mask selects.
 
 Before the agreement, :func:`usp_hal.pipeline.validate.mask_digest` puts in the spec a digest
-of what the mask keeps (:meth:`usp_hal.masks.Predicate.digest`) at a global length every
+of what the mask keeps (:meth:`usp_hal.sequence.masks.Predicate.digest`) at a global length every
 rank knows alike: the documents' total with ``cu_seqlens``, else the length of the module's
 last masked call.  When the agreed length is another one (the module's first masked call,
 or a new length), every rank sees that from the same agreed lengths and digests its mask at

@@ -56,7 +56,7 @@ class CallOptions:
     dropout_p: Any = 0.0
     joint_strategy: str = "none"
     joint_total: int = 0
-    mask: Any = None          # a usp_hal.masks.Mask (hashed by identity: one object, one cached plan)
+    mask: Any = None          # a usp_hal.sequence.masks.Mask (hashed by identity: one object, one cached plan)
     #: per-head sink logits (the tensor travels beside the options): one of :class:`Sinks`
     sinks: int = Sinks.NONE
 
@@ -139,7 +139,7 @@ class CallOptions:
     # the compiled op's one string argument --------------------------------------------
     def encode(self) -> str:
         """``name=repr(value);...`` (plain string formatting, which torch.compile traces); a
-        mask is written as its handle (:attr:`usp_hal.masks.Mask.handle`)."""
+        mask is written as its handle (:attr:`usp_hal.sequence.masks.Mask.handle`)."""
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)

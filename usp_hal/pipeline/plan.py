@@ -34,7 +34,7 @@ class Shape:
     local_only: bool = False                       # packed documents, none across ring ranks: no K/V exchange
     cu: Optional[Tuple[int, ...]] = None           # the document boundaries the plan was made for
     packed: Dict[int, list] = field(default_factory=dict)   # per source: the plan packed for varlen kernels
-    predicate: Optional[object] = None             # a mask= call: what it keeps (usp_hal.masks.Predicate)
+    predicate: Optional[object] = None             # a mask= call: what it keeps (usp_hal.sequence.masks.Predicate)
 
 
 @dataclass

@@ -192,7 +192,7 @@ def _show(name: str, enc, mine, local, _row) -> str:
         return f"<{enc:#x}>"
     if name == "docs":     # the document boundaries of a packed call
         return "none (no cu_seqlens)" if enc == 0 else f"cu_seqlens digest {enc & 0xffffffff:08x}"
-    if name == "mask":      # what the mask selects (usp_hal.masks.Predicate.digest)
+    if name == "mask":      # what the mask selects (usp_hal.sequence.masks.Predicate.digest)
         return "none" if enc == 0 else "a mask" if enc == 1 else \
             f"a mask selecting different pairs, digest {enc & 0xffffffff:08x}"
     if name == "sinks":

@@ -1,5 +1,5 @@
 """Step 1 of a call: check this rank's tensors and options and freeze them into a
-:class:`~usp_hal.spec.CallSpec` plus a typed :class:`Local` record (what only this rank
+:class:`~usp_hal.pipeline.spec.CallSpec` plus a typed :class:`Local` record (what only this rank
 needs: the backend, the head plan, the alibi slopes).  Nothing is communicated here; an
 error is raised to the caller, which keeps it for the agreement step."""
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Local:
     device: torch.device
     request: AttnRequest
     cu_seqlens: Optional[Tuple[int, ...]]
-    mask: Any = None          # the call's usp_hal.masks.Mask, if any
+    mask: Any = None          # the call's usp_hal.sequence.masks.Mask, if any
 
 
 def mask_seqlen(pipe, cu) -> int:
@@ -116,7 +116,7 @@ def mask_seqlen(pipe, cu) -> int:
 
 def mask_digest(pipe, mask, causal: bool, win, cu, batch: int) -> int:
     """What a masked call puts in its spec: the digest of what the mask keeps (its tile
-    classification and the bits of its partial tiles, :meth:`usp_hal.masks.Predicate.digest`)
+    classification and the bits of its partial tiles, :meth:`usp_hal.sequence.masks.Predicate.digest`)
     at :func:`mask_seqlen`; evaluating the mask here means a mask that fails on this rank
     is a refusal every rank sees in the agreement.  :data:`MASK_UNCHECKED` when no length is
     known yet, or when the mask cannot be evaluated at that length: a mask built for this
@@ -191,11 +191,11 @@ def validate(pipe, mesh, q, k, v, opts: CallOptions, alibi_slopes=None, position
     if mask is not None:
         from ..sequence.masks import Mask
         if not isinstance(mask, Mask):
-            raise TypeError(f"mask must be a usp_hal.masks.Mask, got {type(mask).__name__}")
+            raise TypeError(f"mask must be a usp_hal.sequence.masks.Mask, got {type(mask).__name__}")
         if R > 1 and not layout.contiguous:
             raise NotImplementedError(f"mask= with the {layout.name} layout and ring_degree > 1 is not supported "
                                       "(its shards are not contiguous); use ring_impl_type='basic', 'zigzag' or "
-                                      "usp_hal.masks.balanced_layout(...)")
+                                      "usp_hal.sequence.masks.balanced_layout(...)")
         if mask.batch is not None and mask.batch != b:
             raise ValueError(f"the mask was built for batch={mask.batch}, the call has batch {b}")
         if mask.heads is not None and mask.heads != h:

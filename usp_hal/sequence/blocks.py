@@ -3,7 +3,7 @@
 Every kernel call the ring makes is one :class:`BlockCall`: a contiguous range of local
 query rows against a contiguous range of the current key block, either full or causal on
 a square diagonal, with the global key-minus-query position offset for window/alibi.  The
-plan is a pure function of the two blocks' :class:`~usp_hal.positions.Segment` s, so basic,
+plan is a pure function of the two blocks' :class:`~usp_hal.sequence.positions.Segment` s, so basic,
 zigzag and stripe layouts with any (uneven) lengths are all exact::
 
     causal block, q positions a.., k positions b.. (d = a - b)   x = kernel work
@@ -30,8 +30,8 @@ group): :func:`plan_blocks` (one rank against one block), :func:`pack_groups` (h
 varlen kernel batches one step's calls), and :class:`RingPlan` / :func:`block_plans`
 (every ring rank x every source block: the calls, the shard lengths, whether the ring is
 local, the work per rank and the set of block shapes), which the call pipeline
-(``usp_hal.pipeline.plan``), ``usp_hal.varlen``, the planner and the harness all read.
-``usp_hal.ring`` runs the plan (and re-exports these names).
+(``usp_hal.pipeline.plan``), the packed-sequence summaries, the planner and the harness all read.
+``usp_hal.parallel.ring`` runs the plan (and re-exports these names).
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ def plan_ring(segments: Sequence[Sequence[Segment]], *, causal: bool, window=(-1
 
 def block_plans(layout, seqlen: int, ring_size: int, *, causal: bool = True, window=(-1, -1),
                 positional: bool = False, cu_seqlens=None) -> RingPlan:
-    """The :class:`RingPlan` of a layout (a name or a :class:`~usp_hal.positions.Layout`):
+    """The :class:`RingPlan` of a layout (a name or a :class:`~usp_hal.sequence.positions.Layout`):
     every ring rank x every source block for a global sequence of ``seqlen`` tokens
     (``cu_seqlens``: packed documents, checked against ``seqlen``).  Cached per arguments."""
     cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens, seqlen)
@@ -343,7 +343,7 @@ __all__ = ["Block", "BlockCall", "RingPlan", "balance", "block_plans", "call_wor
 def ring_work(layout, seqlen: int, ring_size: int, *, causal: bool = True,
               cu_seqlens=None) -> List[int]:
     """Per ring rank: the query-key pairs its kernels score over every block of the ring
-    (per batch row and head), from the block plan alone (:func:`usp_hal.blocks.block_plans`)."""
+    (per batch row and head), from the block plan alone (:func:`usp_hal.sequence.blocks.block_plans`)."""
     return list(block_plans(layout, seqlen, ring_size, causal=causal, cu_seqlens=cu_seqlens).work)
 
 
@@ -351,7 +351,7 @@ def ring_calls(layout, seqlen: int, ring_size: int, *, causal: bool = True, cu_s
                packed: bool = False) -> List[int]:
     """Per ring rank: the kernel calls of one forward over every block of the ring, from the
     block plan alone; ``packed``: as a backend with a varlen entry point runs them (each
-    step's calls packed per kind, :func:`usp_hal.ring.pack_calls`)."""
+    step's calls packed per kind, :func:`usp_hal.parallel.ring.pack_calls`)."""
     return list(block_plans(layout, seqlen, ring_size, causal=causal, cu_seqlens=cu_seqlens).kernel_calls(packed))
 
 

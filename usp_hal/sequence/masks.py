@@ -126,7 +126,7 @@ class Mask:
             return cls.from_mod(mask)
         if isinstance(mask, (list, tuple)):
             return cls.from_slices(mask)
-        raise TypeError(f"mask must be a usp_hal.masks.Mask, a mask_mod(b, h, q_idx, kv_idx) or a list of "
+        raise TypeError(f"mask must be a usp_hal.sequence.masks.Mask, a mask_mod(b, h, q_idx, kv_idx) or a list of "
                         f"(q_range, k_range, kind) slices, got {type(mask).__name__}")
 
     # identity across ranks -----------------------------------------------------------
@@ -683,7 +683,7 @@ def _local_positions(segs: Sequence[Segment]) -> torch.Tensor:
 
 def masked_ring(pred: Predicate, segments: Sequence[Sequence[Segment]], seqlen: int, *, split_runs: bool = True):
     """Every ring rank's calls against every source block under the predicate
-    (``[rank][src]`` lists of :class:`~usp_hal.blocks.BlockCall`), and whether no rank needs
+    (``[rank][src]`` lists of :class:`~usp_hal.sequence.blocks.BlockCall`), and whether no rank needs
     another's keys (then the ring exchanges nothing)."""
     tile = tile_size(seqlen)
     classes = pred.tiles(seqlen, tile).tolist()
@@ -737,7 +737,7 @@ def balanced_layout(mask, seqlen: int, ring_size: int, *, chunks_per_rank: int =
     hold equal token counts.  Registered under ``name`` (default ``"balanced-<digest>"``)
     for ``LongContextAttention(ring_impl_type=...)`` and ``usp_hal.shard(x, layout=...)``;
     valid for this ``seqlen`` and ``ring_size`` only.  Returns the
-    :class:`~usp_hal.positions.Layout`."""
+    :class:`~usp_hal.sequence.positions.Layout`."""
     from .positions import LAYOUTS, Layout, register_layout
     m = Mask.of(mask)
     S, R = int(seqlen), int(ring_size)

@@ -1,7 +1,7 @@
 """Pure position code: which global positions each rank holds, and where documents begin.
 
 No process group, no mesh, no kernel: integers and index tensors only, so every other
-module (the ring plan, the planner, the mesh, the collectives in ``usp_hal.sharding``) can
+module (the ring plan, the planner, the mesh, the collectives in ``usp_hal.parallel.sharding``) can
 build on it, and it imports nothing of the package.
 
 * :class:`Segment`: an arithmetic progression of global positions (a shard is a list of them);
@@ -10,8 +10,8 @@ build on it, and it imports nothing of the package.
   :func:`document_ids`, :func:`document_positions`;
 * layouts (:class:`Layout`, the ``LAYOUTS`` table, :func:`register_layout`): the split of a
   global sequence over the ring ranks, and inside each ring rank over the Ulysses ranks
-  (:func:`local_positions`, :func:`local_lengths`, :func:`ring_segments`), plus yunchang's
-  ``EXTRACT_FUNC_DICT``.
+  (:func:`local_positions`, :func:`local_lengths`, :func:`ring_segments`); yunchang's
+  ``EXTRACT_FUNC_DICT`` over them is :mod:`usp_hal.compat.extract` (it reads the default mesh).
 
 Layouts in detail.  A layout assigns each *ring* rank a shard of the global sequence; inside a ring rank's
 shard, the Ulysses ranks hold contiguous, as-even-as-possible parts (like
@@ -34,27 +34,25 @@ Layouts (R = ring degree, any global length S)::
     stripe: rank0 {0,2,4,6}   rank1 {1,3,5,7}   -> 16 / 20
 
 A shard is described by :class:`Segment` s (arithmetic progressions of positions); the
-ring plan (``usp_hal.ring.plan_blocks``) works on segments, so every layout and every
+ring plan (``usp_hal.sequence.blocks.block_plans``) works on segments, so every layout and every
 uneven length is exact.
 
 Packed sequences: every function here takes ``cu_seqlens`` (the global document
-boundaries, see ``usp_hal.varlen``).  The stream layouts (basic, zigzag, stripe) split the
+boundaries, see docs/varlen.md).  The stream layouts (basic, zigzag, stripe) split the
 packed stream as one sequence and ignore the boundaries; a per-document layout
 (``varlen_zigzag``) splits each document.  A per-document layout without ``cu_seqlens``
 treats the whole sequence as one document.
 
-Where the code lives: the layouts and every position computation are pure functions in
-``usp_hal.positions`` (no process group); :func:`shard` and :func:`unshard` are in
-``usp_hal.sharding``.  This module re-exports both, under the names it has always had.
-
-``usp_hal.layout`` and ``usp_hal.varlen`` (former paths) re-export these names.
+Where the code lives: the layouts and every position computation are pure functions here
+(no process group); :func:`usp_hal.shard` and :func:`usp_hal.unshard` are in
+:mod:`usp_hal.parallel.sharding`.
 """
 from __future__ import annotations
 
 import functools
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -310,7 +308,8 @@ class Layout:
 
     ``contiguous``: every segment has step 1, so window/alibi offsets between ring blocks
     form a band and positional masks stay exact across blocks.  ``yunchang_name`` is the
-    ``ring_impl_type`` / ``EXTRACT_FUNC_DICT`` key yunchang uses for the same layout.
+    ``ring_impl_type`` / ``EXTRACT_FUNC_DICT`` key yunchang uses for the same layout
+    (:mod:`usp_hal.compat.extract`).
 
     ``per_document``: a layout of packed documents, ``(cu_seqlens, ring_size)`` -> every
     ring rank's segments (``split`` is then unused); without ``cu_seqlens`` the whole
@@ -324,7 +323,7 @@ class Layout:
     description: str = ""
     yunchang_name: Optional[str] = None
     per_document: Optional[Callable[[Tuple[int, ...], int], Sequence[Sequence[Segment]]]] = None
-    #: ``(seqlen, ring_size)`` the layout was made for (``usp_hal.masks.balanced_layout``), None: any
+    #: ``(seqlen, ring_size)`` the layout was made for (``usp_hal.sequence.masks.balanced_layout``), None: any
     fixed: Optional[Tuple[int, int]] = None
 
     def segments(self, seqlen: int, ring_size: int, ring_rank: int, cu_seqlens=None) -> List[Segment]:
@@ -353,10 +352,6 @@ def register_layout(layout: Layout, *, override: bool = False) -> Layout:
     if layout.name in LAYOUTS and not override:
         raise ValueError(f"layout {layout.name!r} is already registered (pass override=True to replace it)")
     LAYOUTS[layout.name] = layout
-    extract = _yunchang_extract(layout.name)
-    EXTRACT_FUNC_DICT[layout.name] = extract
-    if layout.yunchang_name:
-        EXTRACT_FUNC_DICT[layout.yunchang_name] = extract
     return layout
 
 
@@ -442,78 +437,6 @@ def permutation(layout: str, seqlen: int, ring_size: int, ulysses_size: int = 1,
                       for r in range(ring_size) for u in range(ulysses_size)])
 
 
-def _no_mesh() -> Any:
-    return None
-
-
-#: the default sequence-parallel mesh, or None: ``usp_hal.mesh`` installs its reader here (this
-#: module imports nothing of the package); the yunchang-style extract functions read its placement
-default_mesh: Callable[[], Any] = _no_mesh
-
-
-def extract_ranks(rank: int, rd: int, ud: int, use_ulysses_low: Optional[bool] = None) -> Tuple[int, int]:
-    """``(ring_rank, ulysses_rank)`` of sequence-parallel rank ``rank`` (or a global rank: replicas
-    are ``rd * ud`` consecutive ranks) under the placement ``use_ulysses_low``.
-
-    ``None``: the placement of the default mesh (``set_seq_parallel_pg`` /
-    ``init_sequence_parallel``) when its degrees are ``ud`` x ``rd`` (this process's own rank
-    then reads the mesh's own ring and Ulysses ranks, as yunchang's ``zigzag_extract_local``
-    reads its groups'); yunchang's default placement (Ulysses ranks consecutive) without one."""
-    default = default_mesh()
-    if default is not None and (default.ulysses_degree, default.ring_degree) != (ud, rd):
-        default = None
-    if use_ulysses_low is None:
-        if default is not None and rank == default.rank:
-            return default.ring_rank, default.ulysses_rank
-        use_ulysses_low = True if default is None else default.use_ulysses_low
-    sp = rank % (rd * ud)
-    if use_ulysses_low:
-        return sp // ud, sp % ud
-    return sp % rd, sp // rd
-
-
-def _yunchang_extract(layout: str):
-    keep_graph = layout != "basic"      # yunchang's basic_extract_local detaches; zigzag/strip ones do not
-
-    def extract(value, rank, world_size, rd=None, ud=None, dim=1, *args, cu_seqlens=None,
-                use_ulysses_low: Optional[bool] = None, **kwargs):
-        """yunchang-compatible: ``value`` is global along ``dim``; returns the part rank ``rank``
-        holds.  ``rd``/``ud``: ring and Ulysses degrees (``rd * ud == world_size``; without them,
-        as yunchang's ``basic_extract_local(value, rank, world_size)`` allows, the default mesh's,
-        else a ring of ``world_size``).  The placement of ``rank`` in the ring x Ulysses grid is
-        the default mesh's (so ``set_seq_parallel_pg(..., use_ulysses_low=False)`` is honoured),
-        or ``use_ulysses_low`` when given (see :func:`extract_ranks`).  ``cu_seqlens``: document
-        boundaries of a packed ``value``."""
-        if rd is None or ud is None:
-            default = default_mesh()
-            if rd is None and ud is None and default is not None and default.sp_size == world_size:
-                rd, ud = default.ring_degree, default.ulysses_degree
-            elif rd is None and ud is None:
-                rd, ud = world_size, 1
-            else:
-                raise ValueError(f"{layout}_extract_local: give both rd and ud (got rd={rd}, ud={ud})")
-        if rd * ud != world_size:
-            raise ValueError(f"ring degree {rd} x ulysses degree {ud} != world size {world_size}")
-        default = default_mesh()
-        if (default is not None and default.sp_size == world_size
-                and (default.ring_degree, default.ulysses_degree) != (rd, ud)):
-            # the attention runs on the mesh's split: a shard cut for another one (e.g. rd and ud
-            # swapped) would be silently wrong
-            raise ValueError(f"{layout}_extract_local: rd={rd}, ud={ud} contradict the sequence-parallel mesh "
-                             f"(ring degree {default.ring_degree}, ulysses degree {default.ulysses_degree}); pass "
-                             f"rd={default.ring_degree}, ud={default.ulysses_degree}, or leave both out to use the "
-                             "mesh's")
-        ring_rank, ulysses_rank = extract_ranks(rank, rd, ud, use_ulysses_low)
-        pos = local_positions(layout, value.shape[dim], rd, ud, ring_rank, ulysses_rank,
-                              cu_seqlens=cu_seqlens).to(value.device)
-        local = value.index_select(dim, pos)
-        return local if keep_graph else local.detach().clone()
-    extract.__name__ = extract.__qualname__ = f"{layout}_extract_local"
-    return extract
-
-
-EXTRACT_FUNC_DICT: Dict[str, Callable] = {}
-
 register_layout(Layout("basic", _basic, contiguous=True, balances_causal=False,
                        description="rank r holds chunk r of R contiguous chunks", yunchang_name="basic"))
 register_layout(Layout("zigzag", _zigzag, contiguous=True, balances_causal=True,
@@ -524,5 +447,3 @@ register_layout(Layout("varlen_zigzag", _zigzag, contiguous=True, balances_causa
                        description="packed documents (cu_seqlens): each document in 2R chunks, chunk pair "
                                    "(j, 2R-1-j) to one rank, balanced per document",
                        per_document=_varlen_zigzag))
-for _alias, _layout in LAYOUT_ALIASES.items():
-    EXTRACT_FUNC_DICT.setdefault(_alias, EXTRACT_FUNC_DICT[_layout])

@@ -103,7 +103,7 @@ class CacheFilling:
         shard ``q``/``k``/``v`` ``[B, S_local, H|Hkv, D]`` (sharded as ``attn``'s layout shards)
         and keep the head-layout K/V its Ulysses all-to-all delivers.  Returns the call's
         output, ``[B, S_local, H, Dv]``.  ``mask``: as for the module's call (a
-        :class:`usp_hal.masks.Mask` over global positions, e.g. the prompts' padding); every
+        :class:`usp_hal.sequence.masks.Mask` over global positions, e.g. the prompts' padding); every
         key is stored, masked or not (decode excludes a left padding with ``key_start``).
         Collective."""
         from ..attention import LongContextAttention

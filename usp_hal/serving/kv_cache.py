@@ -14,7 +14,7 @@ Where the tokens live (:class:`ShardedKVCache`)::
 Decode (:meth:`ShardedKVCache.decode`) of ``n`` new tokens per sequence, with q/k/v of the new
 tokens on every rank of the sequence-parallel group (replicated after the projections):
 
-1. one metadata agreement (:func:`usp_hal.comm.agree`, ints on the CPU side group): the
+1. one metadata agreement (:func:`usp_hal.parallel.comm.agree`, ints on the CPU side group): the
    cache's configuration, the call's shapes and options, a fingerprint of the new keys,
    every rank's belief about where every token lives, and every rank's actual lengths;
    any difference raises the same error on every rank before any data moves;
@@ -96,8 +96,8 @@ _OPTIONS = "the options"
 @dataclass(frozen=True)
 class DecodeSpec:
     """What every rank of the sequence-parallel group must agree on for one decode call.
-    Its agreement vector is derived from the fields as :meth:`usp_hal.spec.CallSpec.meta`
-    derives the call's (:func:`usp_hal.spec.meta_vector`), its options come from the call's
+    Its agreement vector is derived from the fields as :meth:`usp_hal.pipeline.spec.CallSpec.meta`
+    derives the call's (:func:`usp_hal.pipeline.spec.meta_vector`), its options come from the call's
     :class:`KernelCall` by name (:func:`usp_hal.pipeline.spec.spec_of`), and a disagreement is
     told by the attention call's comparison (:func:`usp_hal.pipeline.spec.compare`), each
     field by its label.  Then come, outside the spec, this rank's ring rank and lengths."""

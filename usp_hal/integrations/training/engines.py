@@ -1,6 +1,6 @@
 """usp-hal sequence parallelism on accelerate's ``ParallelismConfig`` and under DeepSpeed ZeRO.
 
-Two pieces, both optional glue around :mod:`usp_hal.mesh` and :mod:`.grads`:
+Two pieces, both optional glue around :mod:`usp_hal.parallel.mesh` and :mod:`.grads`:
 
 * :func:`parallelism_mesh`: the sequence-parallel group of a ``ParallelismConfig`` (its ``cp``
   or ``sp`` dim) as a usp-hal mesh, split into Ulysses x Ring, beside the torch ``DeviceMesh``
@@ -83,7 +83,7 @@ def parallelism_mesh(config, *, ulysses_degree: Optional[int] = None, ring_degre
     """``(device_mesh, sp_mesh)`` for an accelerate ``ParallelismConfig`` (or an ``Accelerator``
     holding one) with a ``cp`` or ``sp`` dim.
 
-    ``sp_mesh``: the usp-hal :class:`~usp_hal.mesh.SequenceParallelMesh` of that dim, split into
+    ``sp_mesh``: the usp-hal :class:`~usp_hal.parallel.mesh.SequenceParallelMesh` of that dim, split into
     ``ulysses_degree`` x ``ring_degree`` (default: all Ulysses); its ``dp_group`` is the ranks at
     the same sequence position over ``dp_replicate`` x ``dp_shard``.  ``device_mesh``: the torch
     DeviceMesh, the accelerator's (``accelerator.torch_device_mesh``) or the one given when it has
@@ -116,7 +116,7 @@ def parallelism_mesh(config, *, ulysses_degree: Optional[int] = None, ring_degre
             if accelerator is not None:
                 device_type = accelerator.device.type
             else:
-                from usp_hal import platform as _platform
+                from usp_hal.dispatch import platform as _platform
                 device_type = _platform.default_device_type()
         dims = [d for d in ("dp_replicate", "dp_shard", dim) if s[d] > 1]
         device_mesh = init_device_mesh(device_type, tuple(s[d] for d in dims), mesh_dim_names=tuple(dims))

@@ -51,6 +51,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from usp_hal.integrations import patching
+from usp_hal.parallel.partial_grads import is_partial, mark_partial, mark_synced, partial_sources
+
 __all__ = ["sync_gradients", "set_sync_check", "mark_synced", "UnsyncedGradientsError"]
 
 # reduction modes, in the order their collectives run (the same on every rank)
@@ -64,8 +67,10 @@ class UnsyncedGradientsError(RuntimeError):
 
 # ----------------------------------------------------------------------------- the check
 _CHECK = "raise"
-_PENDING: Dict[int, str] = {}          # id(mesh) -> where the partial gradients came from
-_STEP_HOOK: Any = None
+# the partial-gradient mark of each mesh lives in usp_hal.parallel.partial_grads (DynamicDegree
+# clears it too); the step check is a process-wide optimizer hook, recorded in the patch registry
+STEP_HOOK = ("torch.optim.optimizer.register_optimizer_step_pre_hook"
+             "(usp_hal.integrations.training.grads.check_step)")
 
 
 def set_sync_check(mode: str) -> str:
@@ -107,7 +112,7 @@ def _already_synced(mesh, locals_: List[torch.Tensor]) -> Optional[str]:
     if max(deltas) == 0:
         return ("sync_gradients was called twice on the same gradients (nothing changed them since the last "
                 "sync); call it once per optimizer step, after the last backward()")
-    if id(mesh) in _PENDING:
+    if is_partial(mesh):
         return ("backward() added to gradients that sync_gradients had already synced (a sync per micro-batch "
                 "would count the earlier micro-batches again); when accumulating, call sync_gradients once, after "
                 "the last micro-batch's backward(), or zero the gradients after each sync")
@@ -119,15 +124,6 @@ def _record_synced(mesh, locals_: List[torch.Tensor]) -> None:
     _SYNCED[id(mesh)] = {id(g): (weakref.ref(g), g._version) for g in locals_}
 
 
-def mark_synced(mesh=None) -> None:
-    """Declare the gradients of ``mesh`` (default: every mesh) reduced, e.g. by your own
-    all-reduce over ``mesh.sp_group``."""
-    if mesh is None:
-        _PENDING.clear()
-    else:
-        _PENDING.pop(id(mesh), None)
-
-
 def watch(out: torch.Tensor, mesh, where: str) -> torch.Tensor:
     """Mark ``mesh`` as holding partial gradients when backward passes through ``out`` (the
     output of a sequence-parallel attention call).  Called by the integrations."""
@@ -136,28 +132,34 @@ def watch(out: torch.Tensor, mesh, where: str) -> torch.Tensor:
     compiler = getattr(torch, "compiler", None)
     if compiler is not None and compiler.is_compiling():
         return out                      # a hook would break the graph; the check is eager-only
-    key = id(mesh)
 
     def mark(grad):
-        _PENDING[key] = where
+        mark_partial(mesh, where)
         return None
 
     out.register_hook(mark)
-    _install_step_hook()
+    install_step_check()
     return out
 
 
-def _install_step_hook() -> None:
-    global _STEP_HOOK
-    if _STEP_HOOK is None:
+def install_step_check() -> str:
+    """Install the optimizer-step check (:func:`check_step`, a process-wide
+    ``torch.optim`` step pre-hook) once, through the patch registry: ``patched()`` lists it and
+    ``disable()`` removes it.  :func:`watch` calls it; returns its label."""
+    if patching.is_applied(STEP_HOOK):
+        return STEP_HOOK
+
+    def install():
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        _STEP_HOOK = register_optimizer_step_pre_hook(_before_step)
+        return register_optimizer_step_pre_hook(check_step)
+    return patching.hook(STEP_HOOK, install)
 
 
-def _before_step(optimizer, args, kwargs) -> None:
-    if not _PENDING or _CHECK == "off":
+def check_step(optimizer, args, kwargs) -> None:
+    """The step pre-hook: raise (or warn) when a mesh holds partial gradients."""
+    where = partial_sources()
+    if not where or _CHECK == "off":
         return
-    where = sorted(set(_PENDING.values()))
     msg = (f"{type(optimizer).__name__}.step() after a sequence-parallel backward ({', '.join(where)}) without "
            "usp_hal.integrations.sync_gradients(model, mesh): each rank holds the gradients of its own tokens only, "
            "so this step would train on partial gradients. Call sync_gradients(model, mesh, loss) after backward() "
@@ -166,7 +168,7 @@ def _before_step(optimizer, args, kwargs) -> None:
     if _CHECK == "raise":
         raise UnsyncedGradientsError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    _PENDING.clear()
+    mark_synced()
 
 
 # ----------------------------------------------------------------------------- sync
@@ -226,7 +228,7 @@ def _divide_factor_problem(model: torch.nn.Module) -> Optional[str]:
                         f"{size} (the default mean), so sync_gradients cannot tell what is left to reduce. Where "
                         "FSDP's mesh holds the whole sequence-parallel group and the loss is normalised over the "
                         "global batch (torchtitan's set-up), the gradients are already whole: skip sync_gradients "
-                        "and call usp_hal.integrations.grads.mark_synced(mesh); otherwise leave the factor at its "
+                        "and call usp_hal.integrations.mark_synced(mesh); otherwise leave the factor at its "
                         "default")
     return None
 

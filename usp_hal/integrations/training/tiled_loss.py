@@ -4,7 +4,7 @@
 sequences they are what a training step holds most of: with a 128k vocabulary each token's
 float32 logits take 512 KiB.
 
-    from usp_hal.integrations.tiled_loss import enable_tiled_loss
+    from usp_hal.integrations.training.tiled_loss import enable_tiled_loss
     enable_tiled_loss(model)                          # a transformers causal LM
     model(**usp.shard_batch(batch, mesh)).loss.backward()
 

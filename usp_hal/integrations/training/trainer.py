@@ -2,7 +2,7 @@
 
 ::
 
-    from usp_hal.integrations.trainer import USPTrainer, USPTrainingArguments
+    from usp_hal.integrations.training.trainer import USPTrainer, USPTrainingArguments
 
     args = USPTrainingArguments(output_dir="out", usp_ulysses_degree=2, usp_ring_degree=1,
                                 per_device_train_batch_size=4, max_steps=1000, ...)
@@ -103,14 +103,14 @@ class USPTrainingArguments(TrainingArguments):
                 "peak per rank for some more time"})
     usp_tiled_loss: int = field(default=0, metadata={
         "help": "compute the loss in tiles of this many tokens, the logits of one tile at a time "
-                "(usp_hal.integrations.tiled_loss); 0: the model's own loss"})
+                "(usp_hal.integrations.training.tiled_loss); 0: the model's own loss"})
     usp_recurrence: str = field(default="auto", metadata={
         "help": "how the recurrences of covered hybrid layers (gated DeltaNet, KDA, Mamba2) cross the shards: "
                 "'auto', 'head_parallel' or 'state_passing' (register(..., recurrence=), docs/hybrid.md)",
         "choices": list(RECURRENCES)})
 
     usp_dynamic_degree: bool = field(default=False, metadata={
-        "help": "a Ulysses x Ring split per global batch (usp_hal.dynamic, docs/dynamic-degree.md): every "
+        "help": "a Ulysses x Ring split per global batch (usp_hal.planning.dynamic, docs/dynamic-degree.md): every "
                 "rank loads its own rows, the step's rows of every rank are placed on groups of ranks sized "
                 "for each; needs usp_budget_tokens, and the degrees left at 1"})
     usp_budget_tokens: int = field(default=0, metadata={
@@ -143,7 +143,7 @@ class USPTrainingArguments(TrainingArguments):
 def _check_profile(args) -> None:
     """usp_profile must price this run's steps: an attention kernel rate and a linear-layer rate
     in the dtype the Trainer trains in (bf16 / fp16 / fp32 from its own flags)."""
-    from usp_hal.planner import PlanError, load_profile
+    from usp_hal.planning.planner import PlanError, load_profile
     dtype = _dtype_of(args)
     try:
         prof = load_profile(args.usp_profile)
@@ -374,7 +374,7 @@ class USPTrainer(Trainer):
                                        mesh=None if self.usp_dynamic is not None else self.usp_mesh, layout=layout,
                                        attn_type=getattr(self.args, "usp_attn_type", "auto"),
                                        low_memory=bool(getattr(self.args, "usp_low_memory", False)),
-                                       recurrence=getattr(self.args, "usp_recurrence", "auto"))
+                                       recurrence=getattr(self.args, "usp_recurrence", "auto"), enable=True)
         self._reduction_checked = False
 
     # ------------------------------------------------------------------------- set-up

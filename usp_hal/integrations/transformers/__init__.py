@@ -1,12 +1,14 @@
 """usp-hal as a transformers attention implementation.
 
 :func:`register` registers ``"usp_hal"`` (or the name given) in transformers'
-``AttentionInterface`` (and its mask counterpart), so a model whose attention goes through that
-interface runs sequence-parallel (tested: Llama with GQA, Mistral with a sliding window) with::
+``AttentionInterface`` (and its mask counterpart), and :func:`enable` makes the other changes a
+model needs (``register(..., enable=True)`` does both), so a model whose attention goes through
+that interface runs sequence-parallel (tested: Llama with GQA, Mistral with a sliding window)
+with::
 
     import usp_hal.integrations.transformers as usp
     mesh = usp.init_distributed(ulysses_degree=2, ring_degree=1)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=usp.register())
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=usp.register(enable=True))
     out = model(**usp.shard_batch(batch, mesh))          # batch: the global input_ids, labels
     out.loss.backward()
     loss = usp.sync_gradients(model, mesh, out.loss)     # gradients and loss of the whole sequence
@@ -74,12 +76,15 @@ rank 0 alone after sequence-parallel steps; switch the attention back with
 Transformers drops a 2-D mask silently for an attention implementation without a mask
 function, so one is registered too: it never builds a mask, it reports what it was asked for.
 
-Importing this package changes nothing in transformers.  :func:`register` (through
-:func:`enable`) replaces ``GenerationMixin.generate`` (the sharded generate() above),
-``PreTrainedModel.post_init`` and ``set_attn_implementation`` (the check of a model's layers,
-:mod:`usp_hal.integrations.sequence_mixers`) and the per-head functions of the covered hybrid
-layers' modeling modules, and logs it; :func:`patched` lists what is in place and
-:func:`disable` restores the originals.
+Importing this package changes nothing in transformers.  :func:`register` adds the attention
+name (and its mask function) to transformers' interfaces, nothing else.  :func:`enable` (or
+``register(..., enable=True)``) replaces ``GenerationMixin.generate`` (the sharded generate()
+above), ``PreTrainedModel.post_init`` and ``set_attn_implementation`` (the check of a model's
+layers, :mod:`usp_hal.integrations.sequence_mixers`) and the per-head functions of the covered
+hybrid layers' modeling modules.  Call it before building the model: a sequence-parallel call
+of a model whose layers were never checked is refused on every rank, naming it.  Both log what
+they change; :func:`patched` lists what is in place (the gradient check's optimizer hook too)
+and :func:`disable` restores the originals.
 
 The modules: :mod:`.attention` (the attention function, :func:`register`, :func:`enable`,
 :func:`disable`), :mod:`.masks` (what the model's mask function asks for), :mod:`.generate`

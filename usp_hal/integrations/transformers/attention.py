@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 import usp_hal
+from usp_hal.integrations.sequence_mixers import layers_checked
 from usp_hal.integrations.training.grads import watch
 from usp_hal.parallel.comm import agree
 
@@ -159,7 +160,7 @@ class USPAttentionFunction:
         return None
 
     def _agree(self, mesh, problem: Optional[str], extra: list) -> list:
-        """One small all-gather (``usp_hal.comm.agree``): every rank's error flag and ``extra``
+        """One small all-gather (``usp_hal.parallel.comm.agree``): every rank's error flag and ``extra``
         ints; raise on every rank (with every rank's reason) if any rank has a problem."""
         return agree(problem, mesh.metadata_group, what="usp_hal attention (transformers) cannot run this call",
                      where=mesh.where("sequence-parallel"), values=extra, width=len(extra), ranks=mesh.sp_ranks)
@@ -184,6 +185,8 @@ class USPAttentionFunction:
         if padding is not None:
             why = why or _padding_problem(module, cu)
         problem = self._local_problem(query, key, attention_mask, kwargs, why)
+        if problem is None and mesh.sp_size > 1 and not layers_checked(module):
+            problem = _UNCHECKED
         vkey = self._validated.make_key(mesh, query, position_ids, attention_mask, cu_arg)
         if mesh.sp_size > 1 and not self._validated.hit(vkey):
             self._validated.key = None
@@ -306,6 +309,11 @@ def _window(sliding_window, info: Optional[MaskInfo], causal: bool):
 
 _DEFAULT: Optional[USPAttentionFunction] = None
 
+_UNCHECKED = ("the layers of this model were never checked: call usp_hal.integrations.transformers.enable() (or "
+              "register(..., enable=True)) before building the model (or before set_attn_implementation), so that "
+              "layers which mix positions outside attention are refused or wired before its first sequence-parallel "
+              "forward")
+
 
 def usp_attention_forward(module, query, key, value, attention_mask=None, **kwargs):
     """The attention function behind ``attn_implementation="usp_hal"`` with the settings of the
@@ -314,7 +322,7 @@ def usp_attention_forward(module, query, key, value, attention_mask=None, **kwar
 
 
 def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAULT_LAYOUT, attn_type="auto",
-             rotation: str = "p2p", low_memory=False, recurrence: str = "auto") -> str:
+             rotation: str = "p2p", low_memory=False, recurrence: str = "auto", enable: bool = False) -> str:
     """Register usp-hal attention with transformers under ``name`` and return the name.
 
     ``mesh``: the sequence-parallel mesh (default: the default mesh at call time);
@@ -325,10 +333,16 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
     ``recurrence``: how the recurrences of covered hybrid layers (gated DeltaNet, KDA, Mamba2)
     cross the shards: ``"head_parallel"``, ``"state_passing"`` or ``"auto"`` (state passing
     when the ring degree is above 1 and the layer has it; see docs/hybrid.md).
-    Importing this module registers nothing: this call does, after :func:`enable` (the
-    process-wide patches).  It adds ``name`` to transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface`` and logs what it changed; :func:`patched` lists every change in
-    place and :func:`disable` undoes them.  Registering a name again replaces its settings.
+
+    Importing this module registers nothing: this call registers the name, and only the name.
+    It adds ``name`` to transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` and
+    logs what it changed; :func:`patched` lists every change in place and :func:`disable`
+    undoes them.  Registering a name again replaces its settings.
+
+    A sequence-parallel forward also needs :func:`enable` (the check of the model's layers, the
+    wiring of the covered hybrid layers, and sequence-parallel ``generate()``), called before
+    the model is built: ``enable=True`` calls it here.  Without it, a sequence-parallel call
+    of the model is refused on every rank, naming it.
     """
     global _DEFAULT
     _check_version()
@@ -339,7 +353,8 @@ def register(name: str = ATTN_IMPLEMENTATION, *, mesh=None, layout: str = DEFAUL
     set_recurrence(name, recurrence)        # a bad value fails at registration
     fn = USPAttentionFunction(mesh=mesh, layout=layout, attn_type=attn_type, rotation=rotation, low_memory=low_memory)
     _FUNCTIONS[name] = fn
-    enable()
+    if enable:
+        _enable()
     before = set(patching.applied())
     if name == ATTN_IMPLEMENTATION:
         _DEFAULT = fn
@@ -372,8 +387,14 @@ def enable() -> List[str]:
       ``mamba2_chunk_scan``, ``mamba2_split_conv1d_scan_combined``): each calls the original,
       except while a wired layer runs.
 
-    :func:`register` calls it.  What it changes is logged (logger ``usp_hal``, level INFO) and
-    :func:`disable` restores the originals."""
+    Call it before building the model (``register(..., enable=True)`` calls it): a model
+    checks its layers through the ``post_init`` hook, and a sequence-parallel attention call of
+    a model whose layers were never checked is refused.  What it changes is logged (logger
+    ``usp_hal``, level INFO) and :func:`disable` restores the originals."""
+    return _enable()
+
+
+def _enable() -> List[str]:
     _check_version()
     from transformers.generation.utils import GenerationMixin
 

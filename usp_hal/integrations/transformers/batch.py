@@ -20,7 +20,7 @@ PADDING_ATTR = "_usp_hal_padding"   # a Padding, set by shard_batch on those pos
 class Padding:
     """The padding of a batch given to :func:`shard_batch` with an ``attention_mask`` that has
     zeros: ``keep`` ``[B, S]`` (bool, global, the same on every rank: shard_batch checks) says
-    which keys every row attends.  ``mask`` is that as a :class:`usp_hal.masks.Mask` over global
+    which keys every row attends.  ``mask`` is that as a :class:`usp_hal.sequence.masks.Mask` over global
     positions (per row), and'ed by the attention with causality and windows; ``left`` holds
     each row's number of leading pads when every row is left-padded (zeros, then ones), else
     None.  It travels with the position_ids shard_batch returns (attribute ``PADDING_ATTR``)."""
@@ -57,7 +57,7 @@ _OUTSIDE = ("usp_hal attention (transformers): this {what} did not come through 
             "shard_batch), so it is not a sequence-parallel call and usp_hal enters no "
             "collective for it. On every rank of the group pass model(**shard_batch(batch, mesh)); under a "
             "transformers or TRL Trainer, which calls the model itself, train with "
-            "usp_hal.integrations.trainer.USPTrainer, or for TRL's trainers usp_hal.integrations.trl "
+            "usp_hal.integrations.training.trainer.USPTrainer, or for TRL's trainers usp_hal.integrations.trl "
             "(USPSFTTrainer, USPDPOTrainer, usp_trainer(SFTTrainer)), which shard every batch; to run the "
             "model on one rank or on whole sequences, switch its attention back first: "
             "model.set_attn_implementation('sdpa') (and back to the usp_hal name afterwards)")
@@ -130,7 +130,7 @@ def shard_batch(batch: Dict[str, Any], mesh=None, layout: str = DEFAULT_LAYOUT, 
     plan = None
     try:
         plan = _batch_plan(batch, layout, cu_seqlens, ignore_index)
-        from usp_hal.sharding import empty_rank_problem
+        from usp_hal.parallel.sharding import empty_rank_problem
         short = empty_rank_problem(mesh, layout, plan[4], plan[5])
         if short:
             raise ValueError(f"shard_batch: {short}")

@@ -1,4 +1,4 @@
-"""The per-batch degree (:mod:`usp_hal.dynamic`) for a transformers model: its shape read from
+"""The per-batch degree (:mod:`usp_hal.planning.dynamic`) for a transformers model: its shape read from
 the config, packing decided from its layers, and the layout to register.
 
     dd = usp.dynamic_degree(model, budget_tokens=16384, profile="h100-nvlink")
@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from usp_hal.dynamic import DynamicDegree
-from usp_hal.stepcost import AttentionShape
+from usp_hal.planning.dynamic import DynamicDegree
+from usp_hal.planning.stepcost import AttentionShape
 
 from .batch import shard_batch
 
@@ -54,7 +54,7 @@ def model_shape(model, dtype: Optional[str] = None) -> AttentionShape:
 
 def dynamic_degree(model, *, budget_tokens: int, profile="h100-nvlink", dtype: Optional[str] = None,
                    pack: Optional[bool] = None, **kwargs) -> DynamicDegree:
-    """A :class:`usp_hal.dynamic.DynamicDegree` for ``model``: its whole-step shape from the
+    """A :class:`usp_hal.planning.dynamic.DynamicDegree` for ``model``: its whole-step shape from the
     config (:func:`model_shape`) and packing from its layers (:func:`packing_problem`:
     ``pack=None`` packs when the layers allow and logs why not otherwise; ``pack=True`` for a
     model that cannot pack raises here, on every rank alike, before any data moves).  Other
@@ -91,7 +91,7 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens=(16, 512)
     import torch
     import torch.distributed as dist
 
-    from usp_hal.schedule import Job
+    from usp_hal.planning.schedule import Job
     sch = dd.scheduler
     m = sch.model
     out = {}

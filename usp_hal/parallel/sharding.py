@@ -1,9 +1,9 @@
 """The collectives of the public API: :func:`shard` (local) and :func:`unshard` (an
 all-gather over the mesh's sequence-parallel group), on top of the pure position code of
-``usp_hal.positions``.
+``usp_hal.sequence.positions``.
 
 :func:`unshard` validates its arguments on every rank and agrees on them
-(``usp_hal.comm.agree``) before its data collective: a bad argument on any one rank (a
+(``usp_hal.parallel.comm.agree``) before its data collective: a bad argument on any one rank (a
 ``seq_dim`` out of range, a part of more than 8 dims, ``cu_seqlens`` that do not fit, parts of
 different shapes) raises the same ``ValueError`` on every rank, and no rank is left waiting in
 the all-gather.
@@ -16,9 +16,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .parallel.comm import agree, collective, digest_ints, dtype_code
-from .parallel.mesh import get_default_mesh
-from .sequence.positions import as_cu_seqlens, check_layout, local_lengths, local_positions
+from ..sequence.positions import as_cu_seqlens, check_layout, local_lengths, local_positions
+from .comm import agree, collective, digest_ints, dtype_code
+from .mesh import get_default_mesh
 
 MAX_DIMS = 8
 """The most dims a part given to :func:`unshard` may have (the metadata vector is fixed)."""
@@ -64,7 +64,7 @@ def shard(x: torch.Tensor, layout: str = "basic", mesh=None, seq_dim: int = 1, *
     """This rank's part of a global tensor (every rank passes the same global ``x``).
 
     ``cu_seqlens``: the document boundaries of a packed ``x`` (``[0, l1, l1+l2, ..., S]``,
-    see ``usp_hal.varlen``); a per-document layout such as ``"varlen_zigzag"`` splits every
+    see docs/varlen.md); a per-document layout such as ``"varlen_zigzag"`` splits every
     document, the other layouts split the packed stream and only check the boundaries.
     Pass the same ``cu_seqlens`` to the attention call and to :func:`unshard`.
 

@@ -7,8 +7,8 @@ The model (docs/planning.md has the long form) predicts the time of one attentio
     time = kernel + imbalance + ulysses all-to-all + ring exposed comm + other
 
 * **kernel**: the query-key pairs each rank scores, counted with the library's own block
-  plans (``usp_hal.blocks.block_plans``: every ring rank x source block), times the heads
-  the rank holds after the Ulysses split (``usp_hal.heads.head_plan``; ranks beyond H hold
+  plans (``usp_hal.sequence.blocks.block_plans``: every ring rank x source block), times the heads
+  the rank holds after the Ulysses split (``usp_hal.parallel.heads.head_plan``; ranks beyond H hold
   none), at the profile's throughput per (dtype, head dim), plus a cost per kernel call.
   Causal squares cost ``causal_factor`` of a full square (measured on CPU); a profile
   that measured it per size gives ``causal_tile`` instead: an n x n causal square costs
@@ -29,10 +29,10 @@ document, so the kernel term counts exactly the calls the ring makes; ``varlen_z
 joins the candidate layouts; a layout that keeps every document on one ring rank exchanges
 no K/V (the ring's local-only rotation), so its ring term is zero.
 
-Candidates come from the tables: every registered layout (``usp_hal.layout.LAYOUTS``; a
+Candidates come from the tables: every registered layout (``usp_hal.sequence.positions.LAYOUTS``; a
 per-document one only with ``cu_seqlens``), every registered rotation
-(``usp_hal.rotation.ROTATIONS``; modelled as p2p or all-gather by what it derives from),
-and, with ``fp8=True``, every lossy wire codec (``usp_hal.codec.CODECS``) on q/v/out or
+(``usp_hal.parallel.rotation.ROTATIONS``; modelled as p2p or all-gather by what it derives from),
+and, with ``fp8=True``, every lossy wire codec (``usp_hal.parallel.codec.CODECS``) on q/v/out or
 q/k/v/out, whose bytes are the codec's own ``wire_bytes``.
 
 Machine descriptions are profiles (``usp_hal/profiles/*.json``): link bandwidths and
@@ -50,15 +50,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .parallel.codec import CODECS, get_codec
-from .parallel.heads import head_plan, most_groups
-from .parallel.rotation import ROTATIONS as _ROTATION_TABLE
-from .parallel.rotation import AllGatherRotation, P2PRotation
-from .sequence.blocks import balance, block_plans
-from .sequence.positions import LAYOUTS as _LAYOUT_TABLE
-from .sequence.positions import as_cu_seqlens, get_layout, ring_segments
+from ..parallel.codec import CODECS, get_codec
+from ..parallel.heads import head_plan, most_groups
+from ..parallel.rotation import ROTATIONS as _ROTATION_TABLE
+from ..parallel.rotation import AllGatherRotation, P2PRotation
+from ..sequence.blocks import balance, block_plans
+from ..sequence.positions import LAYOUTS as _LAYOUT_TABLE
+from ..sequence.positions import as_cu_seqlens, get_layout, ring_segments
 
-PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "profiles")   # usp_hal/profiles/
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "half": "fp16"}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -74,14 +74,14 @@ class PlanError(ValueError):
 
 # ---------------------------------------------------------------------------------- the tables
 def layout_candidates(packed: bool = False) -> Tuple[str, ...]:
-    """The registered layouts (``usp_hal.layout.LAYOUTS``, in registration order); a
+    """The registered layouts (``usp_hal.sequence.positions.LAYOUTS``, in registration order); a
     per-document layout only for packed documents (``packed``)."""
     return tuple(name for name, lay in _LAYOUT_TABLE.items()
                  if (packed or lay.per_document is None) and lay.fixed is None)
 
 
 def rotation_candidates() -> Tuple[str, ...]:
-    """The registered rotations (``usp_hal.rotation.ROTATIONS``)."""
+    """The registered rotations (``usp_hal.parallel.rotation.ROTATIONS``)."""
     return tuple(_ROTATION_TABLE)
 
 
@@ -104,7 +104,7 @@ def rotation_model(name: str) -> Optional[str]:
 
 def wire_candidates(dtype: str) -> Tuple[str, ...]:
     """The Ulysses wire formats worth trying for ``dtype``: ``"none"``, and for 16-bit inputs
-    every lossy codec of ``usp_hal.codec.CODECS`` on q/v/out (``"qvo"``) and on q/k/v/out
+    every lossy codec of ``usp_hal.parallel.codec.CODECS`` on q/v/out (``"qvo"``) and on q/k/v/out
     (``"qkvo"``); the fp8 codec spelled as the bare pattern, another as ``"name:pattern"``."""
     out = ["none"]
     if dtype in ("bf16", "fp16"):
@@ -213,7 +213,7 @@ class Problem:
     causal: bool = False
     bwd: bool = False
     cu_seqlens: Optional[Tuple[int, ...]] = None      # packed documents: global boundaries
-    mask: Optional[object] = None                     # a usp_hal.masks.Mask (its plan is priced)
+    mask: Optional[object] = None                     # a usp_hal.sequence.masks.Mask (its plan is priced)
 
     @property
     def hkv(self) -> int:
@@ -260,7 +260,7 @@ class Prediction:
     why: str = ""
     valid: bool = True
     reason: str = ""
-    #: the model's parts before they are summed into terms (what :mod:`usp_hal.stepcost`
+    #: the model's parts before they are summed into terms (what :mod:`usp_hal.planning.stepcost`
     #: tabulates to price packed jobs from their documents)
     detail: Optional[dict] = field(default=None, repr=False, compare=False)
 
@@ -403,7 +403,7 @@ def kernel_varlen(entry: dict) -> bool:
     ``varlen`` field, else what the registered backend it names declares (``VARLEN_KERNEL``)."""
     if "varlen" in entry:
         return bool(entry["varlen"])
-    from .dispatch.registry import REGISTRY
+    from ..dispatch.registry import REGISTRY
     try:
         cls = REGISTRY.get(str(entry.get("backend")))
     except (KeyError, ValueError, ImportError, RuntimeError):
@@ -439,7 +439,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     hk = [b - a for a, b in hp.kv]                  # KV heads that travel to each Ulysses rank
     hk_local = [hp.local_heads(u)[1] for u in range(U)]
     if P.mask is not None:     # the masked plan: skipped tiles cost nothing, partial runs their rectangle
-        from .sequence.masks import ring_work as masked_ring_work
+        from ..sequence.masks import ring_work as masked_ring_work
         work, shard, local_ring = masked_ring_work(P.mask, C.layout, S, R, P.causal, P.cu_seqlens)
     else:
         work, shard, local_ring = ring_work(C.layout, S, R, P.causal, P.cu_seqlens)
@@ -457,7 +457,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     penalty = float(profile.get("overlap_penalty", 0.0))
     fixed = call_fixed(profile, P.world, P.bwd)
     # a varlen kernel runs a step's per-document calls of one kind (causal squares, full
-    # rectangles) as one launch (usp_hal.ring packs them); another kernel launches each
+    # rectangles) as one launch (usp_hal.parallel.ring packs them); another kernel launches each
     varlen = P.cu_seqlens is not None and P.mask is None and kernel_varlen(kent)
 
     def kwork(call, h, bwd):
@@ -492,7 +492,7 @@ def predict(problem: Problem, cand: Candidate, profile: dict) -> Prediction:
     merges = 0.0
     for r in range(R):
         # the ring's accumulator copies a row's first partial result and merges the later ones
-        # (usp_hal.ring.Accumulator), so only rows that already hold one merge: packed
+        # (usp_hal.parallel.ring.Accumulator), so only rows that already hold one merge: packed
         # documents, whose calls cover disjoint rows and keys, merge nothing
         calls = [c for st in work[r] for c in st]
         again_q = max(0, sum(c[0] for c in calls) - shard[r])
@@ -739,7 +739,7 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     ``init`` and ``module`` (the two lines to use), ``profile`` and ``problem``.
     ``cu_seqlens``: a packed batch's global document boundaries (the layouts then include
     ``varlen_zigzag``; shard and call with the same boundaries).  ``mask``: a
-    :class:`usp_hal.masks.Mask` (or what ``forward(mask=)`` takes): each candidate is priced
+    :class:`usp_hal.sequence.masks.Mask` (or what ``forward(mask=)`` takes): each candidate is priced
     with its masked block plan (skipped tiles free, partial runs as their whole rectangle).
     ``memory_budget``: bytes per rank.  The candidates then include ``low_memory=True``, each
     one's memory per rank is metered (:func:`metered_memory`) by ``meter``, and one over
@@ -767,7 +767,7 @@ def plan(world: int, heads: int, seqlen: int, head_dim: int, *, kv_heads: Option
     except (TypeError, ValueError) as exc:
         raise PlanError(f"--cu-seqlens: {exc}") from None
     if mask is not None:
-        from .sequence.masks import Mask
+        from ..sequence.masks import Mask
         mask = Mask.of(mask)
     problem = Problem(world, heads, seqlen, head_dim, kv_heads, batch, dtype, bool(causal), bool(bwd), cu, mask)
     _check(problem)

@@ -4,7 +4,7 @@ A *job* is one model call, forward and backward, on a group of ``g`` ranks with 
 Ulysses x Ring split, holding one sequence or several packed ones.  Its time on the busiest
 rank of the group is
 
-    layers x one attention call            usp_hal.planner.predict: kernel, merges, the all-to-alls,
+    layers x one attention call            usp_hal.planning.planner.predict: kernel, merges, the all-to-alls,
                                            the ring's exposed exchange, the call's fixed cost
   + token-proportional layers              tokens per rank x (GEMM flops / the profile's linear rate
                                            + elementwise bytes / its elementwise bandwidth): the
@@ -18,7 +18,7 @@ over the world and the optimizer step).
 
 Packed documents share no keys: their attention is priced as the kernel runs them, per
 document, without any merge between them, and with one launch per kind of call when the
-profile's kernel has a varlen entry point (``usp_hal.planner.kernel_varlen``); the packed
+profile's kernel has a varlen entry point (``usp_hal.planning.planner.kernel_varlen``); the packed
 call's fixed cost, its all-to-alls and its ring messages are paid once, for all its tokens.
 
 Pricing must be cheap enough to run every step.  A :class:`StepModel` therefore tabulates the
@@ -34,8 +34,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..sequence.positions import local_lengths
 from .planner import DTYPE_ALIASES, DTYPE_BYTES, Candidate, PlanError, Problem, kernel_varlen, load_profile, predict
-from .sequence.positions import local_lengths
 
 #: lengths below this are tabulated one by one (where shards are a few tokens, rounding matters)
 DENSE = 64
@@ -252,7 +252,7 @@ class _Table:
 
 def least_tokens(g: int, u: int, layout: str) -> int:
     """The fewest tokens a sequence needs so that every rank of a ``u x (g / u)`` group holds
-    one in ``layout`` (what ``usp_hal.sharding.empty_rank_problem`` asks of the model path)."""
+    one in ``layout`` (what ``usp_hal.parallel.sharding.empty_rank_problem`` asks of the model path)."""
     if g == 1:
         return 1
     r = g // u
@@ -546,7 +546,7 @@ class StepModel:
 
 
 def _heads_on_busiest(shape: AttentionShape, u: int) -> int:
-    from .parallel.heads import head_plan
+    from ..parallel.heads import head_plan
     return max(b - a for a, b in head_plan(shape.heads, shape.kv_heads or shape.heads, u).q)
 
 

@@ -1,5 +1,5 @@
 """The Ulysses x Ring degree per global batch, at run time: the groups built once, a schedule
-per step (see :mod:`usp_hal.schedule` for how sequences are placed and priced).
+per step (see :mod:`usp_hal.planning.schedule` for how sequences are placed and priced).
 
     shape = AttentionShape.from_config(model.config, dtype="bf16")     # attention and token layers
     dd = DynamicDegree(shape, budget_tokens=16384, profile="h100-nvlink")
@@ -29,8 +29,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .parallel.comm import agree, collective, digest_ints
-from .parallel.mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
+from ..parallel.comm import agree, collective, digest_ints
+from ..parallel.mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
+from ..parallel.partial_grads import mark_synced
 from .planner import PlanError, load_profile
 from .schedule import (
     MARGIN,
@@ -60,12 +61,12 @@ def _digest_text(text: str) -> int:
 class DynamicDegree:
     """The meshes a schedule may use, built once; one schedule per global batch.
 
-    ``shape``: the model as the step's price needs it (:class:`usp_hal.stepcost.AttentionShape`:
+    ``shape``: the model as the step's price needs it (:class:`usp_hal.planning.stepcost.AttentionShape`:
     its attention call and, for whole-step pricing, its token-proportional layers, e.g.
     ``AttentionShape.from_config(model.config)``); ``budget_tokens``: the most tokens one rank
     may hold in one job; ``profile``: the planner profile that prices the jobs (use the one of
     the machine the run is on, or one ``usp-hal calibrate`` wrote there); ``sizes``: group sizes
-    (default :func:`usp_hal.schedule.group_sizes` of the world); ``ulysses_degrees``: the Ulysses
+    (default :func:`usp_hal.planning.schedule.group_sizes` of the world); ``ulysses_degrees``: the Ulysses
     degrees a group may use besides 1 (``(1,)``: rings only); ``pack=False``: each sequence a
     job of its own (for models whose layers cannot keep packed documents apart);
     ``margin``: a step whose dynamic schedule is predicted to gain less than this over the best
@@ -141,7 +142,7 @@ class DynamicDegree:
             extra = [int(n) for n in vals[_FIRST:]]
             mine[:len(extra)] = torch.tensor(extra, dtype=torch.long)
             out = torch.empty(more * self.world, dtype=torch.long)
-            from .parallel.comm import all_gather_single
+            from ..parallel.comm import all_gather_single
             collective("DynamicDegree.schedule: the sequence lengths", "default process group", all_gather_single,
                        out, mine)
             flat = out.tolist()
@@ -201,7 +202,7 @@ class DynamicDegree:
         global batch.  Each rank's losses must be its tokens' share of the global batch's loss
         (``num_items_in_batch`` = the global batch's label count); then the sum is exactly what
         one process computes.  Returns the global loss (detached), or None.  Clears the
-        partial-gradient mark of every mesh (:func:`usp_hal.integrations.grads.mark_synced`)."""
+        partial-gradient mark of every mesh (:func:`usp_hal.parallel.partial_grads.mark_synced`)."""
         import torch
 
         params = [p for p in (model.parameters() if hasattr(model, "parameters") else model) if p.requires_grad]
@@ -231,7 +232,6 @@ class DynamicDegree:
             total = flat[-1:].reshape(()) if loss is not None else None
         else:
             total = loss.detach() if loss is not None else None
-        from .integrations.training.grads import mark_synced
         for mesh in self.meshes.values():
             mark_synced(mesh)
         return total

@@ -4,7 +4,7 @@ whole training step.
 One split for a whole run cuts every sequence over the whole sequence-parallel group, a short
 one as much as a long one.  :class:`Scheduler` instead places each sequence of a global batch on
 a *group* of ranks sized for it, with that group's best Ulysses x Ring split, and prices every
-job as the model call it is (:mod:`usp_hal.stepcost`: attention, the token-proportional layers,
+job as the model call it is (:mod:`usp_hal.planning.stepcost`: attention, the token-proportional layers,
 communication and per-call overheads):
 
 - the groups are contiguous, aligned blocks of ranks whose size is a power of two dividing the
@@ -590,8 +590,8 @@ class Scheduler:
         if st is not None and dyn.predicted > (1.0 - self.margin) * st.predicted:
             if not self._told:
                 self._told = True
-                logger.info("usp_hal.schedule: a step's dynamic schedule is predicted to gain %.1f%% over the fixed "
-                            "split %s, under the %.0f%% margin: such steps run the fixed split (logged once)",
+                logger.info("usp_hal.planning.schedule: a step's dynamic schedule is predicted to gain %.1f%% over "
+                            "the fixed split %s, under the %.0f%% margin: such steps run the fixed split (logged once)",
                             100 * (1 - dyn.predicted / st.predicted), st.label, 100 * self.margin)
             return st
         return dyn
@@ -670,7 +670,7 @@ def schedule_batch(lengths: Sequence[int], world: int, shape: AttentionShape, *,
     """Place every sequence of a global batch on a group of ranks with its own U x R split
     (:meth:`Scheduler.schedule`; see :class:`Scheduler` for the arguments).  ``lengths``: every
     sequence's token count, in the batch's order (gather them with
-    :meth:`usp_hal.dynamic.DynamicDegree.gather_lengths`)."""
+    :meth:`usp_hal.planning.dynamic.DynamicDegree.gather_lengths`)."""
     return scheduler(world, shape, budget_tokens=budget_tokens, profile=profile, sizes=sizes,
                      ulysses_degrees=ulysses_degrees, pack=pack, margin=margin).schedule(lengths)
 
