@@ -51,10 +51,18 @@ def _varlen():
 
 
 def _dynamic_degree():
-    model = torch.nn.Linear(4, 4)
-    model(torch.ones(1, 4)).sum().backward()
-    return {"my_lengths": [3000, 1200, 700, 64] if dist.get_rank() == 0 else [2500, 900, 128],
-            "model": model, "loss": torch.tensor(0.5)}
+    from transformers import AutoModelForCausalLM
+    rows = [[300, 120, 70, 6], [250, 90, 12]]          # each rank's sequences (the block names its own)
+    lengths = [n for row in rows for n in row]         # the gathered batch, in rank order
+    seqs = [_ids(n, seed=i) for i, n in enumerate(lengths)]
+
+    def batch_of(job):
+        ids = torch.cat([seqs[i] for i in job.seqs], 1)
+        return {"input_ids": ids, "labels": ids}
+    torch.manual_seed(0)                               # the model the block builds: the same weights on every rank
+    return {"AutoModelForCausalLM": AutoModelForCausalLM, "config": _tiny_llama_config(),
+            "my_lengths": rows[dist.get_rank()], "batch_of": batch_of,
+            "labels_in_the_global_batch": sum(n - 1 for n in lengths)}
 
 
 def _fsdp():
