@@ -72,3 +72,28 @@ def bad_submesh(what: str):
         kw = {"ring_degree": 2} if dist.get_rank() == 3 else {}
         usp_hal.init_sequence_parallel(device_mesh=dm["sp"], set_default=False, **kw)
     return "no error"
+
+
+def groups_reused(U: int = 2, R: int = 2):
+    """Build the same meshes again (plain, a DeviceMesh slice, and a DynamicDegree's set): after
+    the first of each, no process group is created, and the reused groups still work."""
+    import usp_hal
+    from usp_hal.planning.dynamic import DynamicDegree
+    from usp_hal.planning.stepcost import AttentionShape
+    pg_map = dist.distributed_c10d._world.pg_map
+    shape = AttentionShape(heads=8, head_dim=16, kv_heads=2, dtype="fp32", causal=True, bwd=True)
+
+    def build():
+        a = usp_hal.init_sequence_parallel(U, R, set_default=False)
+        b = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=30)
+        dd = DynamicDegree(shape, budget_tokens=64, profile="cpu-4ranks")
+        return a, b, dd
+    first = build()
+    n = len(pg_map)
+    again = build()
+    created = len(pg_map) - n
+    same = [again[0].ring_group is first[0].ring_group, again[1].ulysses_group is first[1].ulysses_group,
+            again[0].ulysses_group is not again[1].ulysses_group]       # another timeout: its own groups
+    x = torch.ones(1)
+    dist.all_reduce(x, group=again[0].ring_group)
+    return {"created": created, "same": same, "sum": float(x), "meshes": len(again[2].meshes)}

@@ -33,3 +33,12 @@ def test_bad_device_mesh_raises_on_every_rank(pools, what, needle):
     res = pools(4).run_all(dist_mesh.bad_submesh, what=what, timeout=60)
     for r in res:
         assert r[0] == "err" and "ValueError" in r[1] and needle in r[1], res
+
+
+def test_a_mesh_built_again_reuses_its_process_groups(pools):
+    """Each process group costs its members a communicator (threads here, GPU memory and set-up
+    time on NCCL): building the same meshes again (a second model, another DynamicDegree) must
+    not create more."""
+    for r in pools(4).run(dist_mesh.groups_reused, timeout=120):
+        assert r["created"] == 0, r
+        assert all(r["same"]) and r["sum"] == 2.0 and r["meshes"] >= 4, r

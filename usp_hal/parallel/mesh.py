@@ -177,6 +177,35 @@ def _needs_cpu_side_group(group) -> bool:
     return not host_transport(group)
 
 
+_GROUPS: Dict[Any, Any] = {}   # see _group: the default group under "world", then (role, ranks, backend, timeout)
+
+
+def _group(ranks, role: str, backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = None):
+    """``torch.distributed.new_group(ranks)``, once per (role, ranks, backend, timeout) for the
+    life of the default process group: a mesh built again with the same layout (a second
+    model, another ``DynamicDegree``, a test case) gets the groups the first one created.
+
+    Each group costs every member a communicator (threads and buffers; on NCCL, GPU memory
+    and seconds to create), so creating them on every call grows a long-lived process
+    without bound.  Every rank must still call this for every group in the same order,
+    which ``init_sequence_parallel`` does on every rank alike, so every rank either finds a
+    group or creates it.  ``role`` ("sp", "ulysses", "ring", "dp", "meta") keeps a mesh's
+    groups of equal ranks apart, as before.  A new default group (after
+    ``destroy_process_group``) or a group destroyed by the caller starts afresh."""
+    world = dist.distributed_c10d._get_default_group()
+    if _GROUPS.get("world") is not world:
+        _GROUPS.clear()
+        _GROUPS["world"] = world
+    key = (role, tuple(int(r) for r in ranks), backend, timeout)
+    grp = _GROUPS.get(key)
+    if grp is None or grp not in dist.distributed_c10d._world.pg_map:
+        kw: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if backend is not None:
+            kw["backend"] = backend
+        grp = _GROUPS[key] = dist.new_group(list(ranks), **kw)
+    return grp
+
+
 def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,
                            use_ulysses_low: bool = True, device_mesh=None,
                            set_default: bool = True, timeout=None) -> SequenceParallelMesh:
@@ -230,19 +259,18 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     _check_degrees(ulysses_degree, ring_degree, world)
     sp_groups, uly_groups, ring_groups, dp_groups = _layout_ranks(ulysses_degree, ring_degree, world, use_ulysses_low)
     mine = {}
-    kw: Dict[str, Any] = {} if tmo is None else {"timeout": tmo}
     for kind, groups in (("sp", sp_groups), ("ulysses", uly_groups), ("ring", ring_groups), ("dp", dp_groups)):
         for ranks in groups:
             if len(ranks) == world and timeout is None:
                 grp = dist.group.WORLD
             else:
-                grp = dist.new_group(ranks, **kw)   # every rank creates every group, in the same order
+                grp = _group(ranks, kind, timeout=tmo)   # every rank, every group, in the same order
             if rank in ranks:
                 mine[kind] = (tuple(ranks), grp)
     meta = None
     if _needs_cpu_side_group(mine["sp"][1]) and dist.is_backend_available("gloo"):
         for ranks in sp_groups:   # a CPU group for the metadata check (no device sync per call)
-            grp = dist.new_group(ranks, backend="gloo", **kw)
+            grp = _group(ranks, "meta", backend="gloo", timeout=tmo)
             if rank in ranks:
                 meta = grp
     mesh = SequenceParallelMesh(
@@ -333,7 +361,6 @@ def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_defa
             replicas.append(ranks)
     replicas.sort()
     tmo = _resolve_timeout(timeout)
-    kw: Dict[str, Any] = {} if tmo is None else {"timeout": tmo}
     mine: Dict[str, Any] = {}
     per = [_replica_groups(ranks, udeg, rdeg, low) for ranks in replicas]
     dp_groups = [[ranks[i] for ranks in replicas] for i in range(udeg * rdeg)]
@@ -343,14 +370,14 @@ def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_defa
     kinds.append(("dp", dp_groups))
     for kind, groups in kinds:   # every rank creates every replica's groups, in the same order
         for ranks in groups:
-            grp = dist.group.WORLD if len(ranks) == world and timeout is None else dist.new_group(list(ranks), **kw)
+            grp = dist.group.WORLD if len(ranks) == world and timeout is None else _group(ranks, kind, timeout=tmo)
             if rank in ranks:
                 mine[kind] = (tuple(ranks), grp)
     sp_group = mine["sp"][1]
     meta = None
     if _needs_cpu_side_group(sp_group) and dist.is_backend_available("gloo"):
         for p in per:
-            grp = dist.new_group(list(p[0][0]), backend="gloo", **kw)
+            grp = _group(p[0][0], "meta", backend="gloo", timeout=tmo)
             if rank in p[0][0]:
                 meta = grp
     mine_rep = next(p for p in per if rank in p[0][0])
