@@ -75,8 +75,9 @@ def bad_submesh(what: str):
 
 
 def groups_reused(U: int = 2, R: int = 2):
-    """Build the same meshes again (plain, a DeviceMesh slice, and a DynamicDegree's set): after
-    the first of each, no process group is created, and the reused groups still work."""
+    """Build the same meshes again: with ``reuse_groups=True`` (plain, with a timeout, and a
+    DynamicDegree's set) no process group is created after the first of each, and the reused
+    groups work; by default each mesh has groups of its own (two threads may use two meshes)."""
     import usp_hal
     from usp_hal.planning.dynamic import DynamicDegree
     from usp_hal.planning.stepcost import AttentionShape
@@ -84,8 +85,8 @@ def groups_reused(U: int = 2, R: int = 2):
     shape = AttentionShape(heads=8, head_dim=16, kv_heads=2, dtype="fp32", causal=True, bwd=True)
 
     def build():
-        a = usp_hal.init_sequence_parallel(U, R, set_default=False)
-        b = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=30)
+        a = usp_hal.init_sequence_parallel(U, R, set_default=False, reuse_groups=True)
+        b = usp_hal.init_sequence_parallel(U, R, set_default=False, timeout=30, reuse_groups=True)
         dd = DynamicDegree(shape, budget_tokens=64, profile="cpu-4ranks")
         return a, b, dd
     first = build()
@@ -94,6 +95,8 @@ def groups_reused(U: int = 2, R: int = 2):
     created = len(pg_map) - n
     same = [again[0].ring_group is first[0].ring_group, again[1].ulysses_group is first[1].ulysses_group,
             again[0].ulysses_group is not again[1].ulysses_group]       # another timeout: its own groups
+    own = usp_hal.init_sequence_parallel(U, R, set_default=False)
     x = torch.ones(1)
     dist.all_reduce(x, group=again[0].ring_group)
-    return {"created": created, "same": same, "sum": float(x), "meshes": len(again[2].meshes)}
+    return {"created": created, "same": same, "sum": float(x), "meshes": len(again[2].meshes),
+            "own": own.ring_group is not first[0].ring_group and len(pg_map) > n + created}

@@ -60,7 +60,7 @@ def ring_on_ranks(S: int = 512, H: int = 4, D: int = 64, seed: int = 0) -> dict:
     import torch.distributed as dist
 
     import usp_hal
-    mesh = usp_hal.init_sequence_parallel(1, dist.get_world_size(), set_default=False)
+    mesh = usp_hal.init_sequence_parallel(1, dist.get_world_size(), set_default=False, reuse_groups=True)
     attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type="basic", mesh=mesh)
     res = {}
     for causal in (False, True):

@@ -53,6 +53,8 @@ def init_distributed(ulysses_degree: Optional[int] = None, ring_degree: Optional
     device's backend (``gloo`` on CPU) and this process is bound to its ``LOCAL_RANK``
     device.  Without them, and without a process group, the result is the trivial 1 x 1 mesh:
     the same script then runs as a single process.  Every rank must pass the same degrees.
+    Called again with the same degrees, the mesh shares the first one's process groups
+    (``init_sequence_parallel(..., reuse_groups=True)``).
     """
     import usp_hal
     from usp_hal.dispatch import platform as _platform
@@ -61,4 +63,5 @@ def init_distributed(ulysses_degree: Optional[int] = None, ring_degree: Optional
         device_type = _platform.default_device_type()
         _platform.set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(_platform.dist_backend_string(device_type))
-    return usp_hal.init_sequence_parallel(ulysses_degree, ring_degree, use_ulysses_low=use_ulysses_low)
+    return usp_hal.init_sequence_parallel(ulysses_degree, ring_degree, use_ulysses_low=use_ulysses_low,
+                                          reuse_groups=True)     # called again: the same groups

@@ -180,18 +180,25 @@ def _needs_cpu_side_group(group) -> bool:
 _GROUPS: Dict[Any, Any] = {}   # see _group: the default group under "world", then (role, ranks, backend, timeout)
 
 
-def _group(ranks, role: str, backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = None):
-    """``torch.distributed.new_group(ranks)``, once per (role, ranks, backend, timeout) for the
-    life of the default process group: a mesh built again with the same layout (a second
-    model, another ``DynamicDegree``, a test case) gets the groups the first one created.
+def _group(ranks, role: str, backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = None,
+           reuse: bool = False):
+    """``torch.distributed.new_group(ranks)``; with ``reuse``, once per (role, ranks, backend,
+    timeout) for the life of the default process group: a mesh built again with the same
+    layout and ``reuse_groups=True`` (another ``DynamicDegree``, a second trainer) gets the
+    groups the first one created.
 
     Each group costs every member a communicator (threads and buffers; on NCCL, GPU memory
     and seconds to create), so creating them on every call grows a long-lived process
     without bound.  Every rank must still call this for every group in the same order,
     which ``init_sequence_parallel`` does on every rank alike, so every rank either finds a
     group or creates it.  ``role`` ("sp", "ulysses", "ring", "dp", "meta") keeps a mesh's
-    groups of equal ranks apart, as before.  A new default group (after
-    ``destroy_process_group``) or a group destroyed by the caller starts afresh."""
+    groups of equal ranks apart.  A new default group (after ``destroy_process_group``) or a
+    group destroyed by the caller starts afresh."""
+    kw: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if backend is not None:
+        kw["backend"] = backend
+    if not reuse:
+        return dist.new_group(list(ranks), **kw)
     world = dist.distributed_c10d._get_default_group()
     if _GROUPS.get("world") is not world:
         _GROUPS.clear()
@@ -199,16 +206,13 @@ def _group(ranks, role: str, backend: Optional[str] = None, timeout: Optional[da
     key = (role, tuple(int(r) for r in ranks), backend, timeout)
     grp = _GROUPS.get(key)
     if grp is None or grp not in dist.distributed_c10d._world.pg_map:
-        kw: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        if backend is not None:
-            kw["backend"] = backend
         grp = _GROUPS[key] = dist.new_group(list(ranks), **kw)
     return grp
 
 
 def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,
                            use_ulysses_low: bool = True, device_mesh=None,
-                           set_default: bool = True, timeout=None) -> SequenceParallelMesh:
+                           set_default: bool = True, timeout=None, reuse_groups: bool = False) -> SequenceParallelMesh:
     """Build the sequence-parallel mesh (call after ``torch.distributed.init_process_group``).
 
     Every rank must call this with the same arguments (it creates process groups); the
@@ -224,13 +228,21 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     Ulysses by default; a dim named "ring" is all Ring).  Every rank of the world must call
     it, with its own slice: the groups of every replica are created on every rank.
 
+    ``reuse_groups=True``: a mesh built again with the same layout and timeout shares the
+    process groups the first such mesh created, instead of creating more (each is a
+    communicator per member: threads, buffers, on NCCL GPU memory and set-up time).  Meshes
+    that share groups must not run collectives at the same time (from two threads), and a
+    shared group whose use has ended (an out-of-step call) stays ended for every mesh on it;
+    by default every mesh has its own groups.
+
     ``timeout`` (seconds or a timedelta) applies to every group the mesh creates; by
     default they inherit the timeout of the default process group.  When the default group
     has no CPU transport (e.g. plain ``nccl``), a gloo side group over the same ranks is
     created for the per-call metadata check, so that check never synchronises the device.
     """
     if device_mesh is not None:
-        return _from_device_mesh(device_mesh, ulysses_degree, ring_degree, use_ulysses_low, set_default, timeout)
+        return _from_device_mesh(device_mesh, ulysses_degree, ring_degree, use_ulysses_low, set_default, timeout,
+                                 reuse_groups)
     if not (dist.is_available() and dist.is_initialized()):
         u, r = ulysses_degree or 1, ring_degree or 1
         _check_degrees(u, r, 1)
@@ -242,9 +254,10 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     if world > 1:
         _agree([-1 if ulysses_degree is None else int(ulysses_degree) if isinstance(ulysses_degree, int) else -2,
                 -1 if ring_degree is None else int(ring_degree) if isinstance(ring_degree, int) else -2,
-                int(bool(use_ulysses_low))],
+                int(bool(use_ulysses_low)), int(bool(reuse_groups))],
                "init_sequence_parallel: the ranks were called with different arguments (every rank must pass the "
-               "same ones; None is -1, a non-integer -2)", ("ulysses_degree", "ring_degree", "use_ulysses_low"))
+               "same ones; None is -1, a non-integer -2)",
+               ("ulysses_degree", "ring_degree", "use_ulysses_low", "reuse_groups"))
     tmo = _resolve_timeout(timeout)
     if ulysses_degree is None and ring_degree is None:
         ulysses_degree, ring_degree = world, 1
@@ -264,13 +277,13 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
             if len(ranks) == world and timeout is None:
                 grp = dist.group.WORLD
             else:
-                grp = _group(ranks, kind, timeout=tmo)   # every rank, every group, in the same order
+                grp = _group(ranks, kind, timeout=tmo, reuse=reuse_groups)   # every rank, every group, in order
             if rank in ranks:
                 mine[kind] = (tuple(ranks), grp)
     meta = None
     if _needs_cpu_side_group(mine["sp"][1]) and dist.is_backend_available("gloo"):
         for ranks in sp_groups:   # a CPU group for the metadata check (no device sync per call)
-            grp = _group(ranks, "meta", backend="gloo", timeout=tmo)
+            grp = _group(ranks, "meta", backend="gloo", timeout=tmo, reuse=reuse_groups)
             if rank in ranks:
                 meta = grp
     mesh = SequenceParallelMesh(
@@ -329,7 +342,7 @@ def _device_mesh_layout(dm, ulysses_degree, ring_degree, use_ulysses_low):
 
 
 def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_default: bool,
-                      timeout=None) -> SequenceParallelMesh:
+                      timeout=None, reuse_groups: bool = False) -> SequenceParallelMesh:
     """The mesh of a torch DeviceMesh, or of a slice of a larger one (``mesh["ulysses", "ring"]``
     of a ``("dp", "ulysses", "ring")`` mesh, a 1-D ``mesh["sp"]``).
 
@@ -370,14 +383,15 @@ def _from_device_mesh(dm, ulysses_degree, ring_degree, use_ulysses_low, set_defa
     kinds.append(("dp", dp_groups))
     for kind, groups in kinds:   # every rank creates every replica's groups, in the same order
         for ranks in groups:
-            grp = dist.group.WORLD if len(ranks) == world and timeout is None else _group(ranks, kind, timeout=tmo)
+            grp = dist.group.WORLD if len(ranks) == world and timeout is None else _group(ranks, kind, timeout=tmo,
+                                                                                     reuse=reuse_groups)
             if rank in ranks:
                 mine[kind] = (tuple(ranks), grp)
     sp_group = mine["sp"][1]
     meta = None
     if _needs_cpu_side_group(sp_group) and dist.is_backend_available("gloo"):
         for p in per:
-            grp = _group(p[0][0], "meta", backend="gloo", timeout=tmo)
+            grp = _group(p[0][0], "meta", backend="gloo", timeout=tmo, reuse=reuse_groups)
             if rank in p[0][0]:
                 meta = grp
     mine_rep = next(p for p in per if rank in p[0][0])

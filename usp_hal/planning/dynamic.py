@@ -14,8 +14,9 @@ another budget, profile, shape, group sizes, packing or Ulysses degrees makes ev
 naming the setting), then builds one mesh per (group size, Ulysses degree) of the sizes, on every
 rank in the same order, contiguous ranks first to Ulysses (the intra-node rule) and the rest to
 the ring: for a world of W ranks, at most ``sum over sizes g of d(g)`` meshes (d: the number of
-divisors), each with ``W / g`` sequence-parallel groups; 6 meshes on 4 ranks, 10 on 8.  A step
-creates no group: it only selects among them.  Jobs of one rank make no collective, those of a
+divisors), each with ``W / g`` sequence-parallel groups; 6 meshes on 4 ranks, 10 on 8 (built
+with ``reuse_groups=True``: another DynamicDegree on the same world shares their process groups).
+A step creates no group: it only selects among them.  Jobs of one rank make no collective, those of a
 group make theirs on that group's own process groups, and every rank runs its jobs in the
 schedule's one order, so no two groups can wait on each other.
 """
@@ -107,9 +108,11 @@ class DynamicDegree:
         self.meshes: Dict[Tuple[int, int, int], SequenceParallelMesh] = {}
         for g in self.sizes:                               # the same order on every rank
             for u in ulysses_degrees_of(g, self.ulysses_degrees):
-                self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout)
+                self.meshes[(g, u, g // u)] = init_sequence_parallel(u, g // u, set_default=False, timeout=timeout,
+                                                                     reuse_groups=True)
         if (1, 1, 1) not in self.meshes:                   # each rank alone: a round without a job of its own
-            self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout)
+            self.meshes[(1, 1, 1)] = init_sequence_parallel(1, 1, set_default=False, timeout=timeout,
+                                                            reuse_groups=True)
         self._lock = threading.Lock()
         self._ahead: Optional[ThreadPoolExecutor] = None
 

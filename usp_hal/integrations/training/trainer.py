@@ -457,7 +457,8 @@ class USPTrainer(Trainer):
                              f"{world} ranks (the data-parallel size is world / sp)")
         # the process group exists by now: TrainingArguments' device set-up (accelerate's
         # PartialState) started it under torchrun.  Replicas are runs of u*r consecutive ranks.
-        return usp_hal.init_sequence_parallel(u, r, set_default=False)
+        # a second trainer (a sweep in one process) shares this one's process groups
+        return usp_hal.init_sequence_parallel(u, r, set_default=False, reuse_groups=True)
 
     def _drop_uneven_last_batch(self) -> None:
         """Several replicas: accelerate fills an epoch's last, partial batch with rows from the
