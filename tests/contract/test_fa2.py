@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import usp_hal.dispatch.platform
+import usp_hal.dispatch.registry
 from tests.dist_cases import kernel_call, merged_key_blocks
 from usp_hal import KernelCall
 from usp_hal.backends.fa2 import FlashAttn2Backend
@@ -224,6 +225,11 @@ def test_contract_fa2_refuses_what_it_cannot_do(fa2):
     backend = fa2("2.8.3")
     q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
     s = 32 ** -0.5
+    # made directly, the refusal gives the reasons and points to the probe; made as the
+    # package makes it (Registry.instance), it also names the backends that would run the call
+    with pytest.raises(NotImplementedError, match=r"dtype=fp32[\s\S]*usp-hal probe"):
+        backend.forward(q.float(), k.float(), v.float(), KernelCall(scale=s))
+    backend.registry = usp_hal.dispatch.registry.REGISTRY
     with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
         backend.forward(q, k, v, KernelCall(scale=s, dropout_p=0.1))
     with pytest.raises(NotImplementedError, match=r"dtype=fp32[\s\S]*sdpa"):

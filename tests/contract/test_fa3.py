@@ -202,6 +202,11 @@ def test_contract_fa3_refuses_what_it_cannot_do(fa3):
     backend = fa3("new")
     q, k, v, dout = make_inputs(d=32, dtype=torch.float16)
     s = 32 ** -0.5
+    # made directly, the refusal gives the reasons and points to the probe; made as the
+    # package makes it (Registry.instance), it also names the backends that would run the call
+    with pytest.raises(NotImplementedError, match=r"dtype=fp32[\s\S]*usp-hal probe"):
+        backend.forward(q.float(), k.float(), v.float(), KernelCall(scale=s))
+    backend.registry = usp_hal.dispatch.registry.REGISTRY
     with pytest.raises(NotImplementedError, match="alibi_slopes not supported"):
         backend.forward(q, k, v, KernelCall(scale=s, alibi_slopes=torch.ones(4)))
     with pytest.raises(NotImplementedError, match="dropout_p=0.1 not supported"):
