@@ -290,6 +290,14 @@ def _implementation(model) -> Optional[str]:
 _HOOKED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+@torch.compiler.disable
+def _mark_hooked(model: nn.Module) -> None:
+    """Record ``model``'s modules as checked, run eagerly: under ``torch.compile`` a traced
+    update of the set would only be replayed after the frame, after the attention calls in it
+    have looked the modules up."""
+    _HOOKED_MODULES.update(model.modules())
+
+
 def layers_checked(module: nn.Module) -> bool:
     """Whether ``module`` belongs to a model whose layers the forward pre-hook checks (the model
     was built, or switched to a registered name, after :func:`install`).  One set lookup."""
@@ -306,7 +314,7 @@ def _before_forward(model, args, kwargs):
     key = (_implementation(model), id(mesh), recurrence)
     last, checked = model.__dict__.get(_CHECKED, (None, frozenset()))
     if last != key:
-        _HOOKED_MODULES.update(model.modules())
+        _mark_hooked(model)
         if mesh.sp_size > 1 or getattr(model, _COVERED_MODEL, False):
             # a model wired before is rewired on a one-rank mesh too: its layers must not keep
             # exchanging on the groups of the mesh they last ran on
