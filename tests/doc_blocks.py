@@ -32,10 +32,12 @@ def doc_files() -> List[Path]:
 def blocks_of(text: str, path: str = "") -> List[Block]:
     out = []
     for m in BLOCK.finditer(text):
-        before = text[:m.start()].rstrip("\n").splitlines()
+        before = text[:m.start()].rstrip().splitlines()     # a block in a list item is indented
         mark = MARK.match(before[-1].strip()) if before else None
         line = text[:m.start(1)].count("\n") + 1
-        out.append(Block(path, line, mark.group(1) if mark else None, mark.group(2) if mark else "", m.group(1)))
+        fence = text[text.rfind("\n", 0, m.start()) + 1:m.start()]     # a list item's indentation, or ""
+        body = "".join(ln[len(fence):] if ln.startswith(fence) else ln for ln in m.group(1).splitlines(True))
+        out.append(Block(path, line, mark.group(1) if mark else None, mark.group(2) if mark else "", body))
     return out
 
 

@@ -42,6 +42,10 @@ result = {"reasons": MyKernelBackend.not_supported_reasons(AttnRequest(device_ty
 '''),
     # a fragment of the class body above: the methods, in a class of their own
     "backend-packed": ("", ""),
+    "backend-reasons": ("", '''
+from usp_hal import AttnRequest
+result["limited"] = MyLimitedBackend.not_supported_reasons(AttnRequest(device_type="cuda", num_heads=300))
+'''),
     "backend-register": ("import usp_hal\n", '''
 result["listed"] = "mykernel" in usp_hal.list_backends()
 result["attn_type"] = attn.attn_type
@@ -65,7 +69,7 @@ sink_logits = torch.zeros(2)
 result = {"out": list(out.shape), "finite": bool(torch.isfinite(out).all())}
 '''),
 }
-GROUPS_ALONE = [("backend-contract",), ("backend-class", "backend-packed", "backend-register"),
+GROUPS_ALONE = [("backend-contract",), ("backend-class", "backend-packed", "backend-reasons", "backend-register"),
                 ("seam-layout", "seam-codec"), ("masks",)]
 
 # ids -> (ranks, what the blocks leave that is the same on every rank); a tuple of ids runs in
@@ -73,7 +77,7 @@ GROUPS_ALONE = [("backend-contract",), ("backend-class", "backend-packed", "back
 POOLED = {("quickstart-transformers",): (2, ("loss",)), ("quickstart-fsdp",): (4, ("loss",)),
           ("quickstart-trainer",): (4, ()), ("quickstart-diffusers",): (2, ()),
           ("quickstart-diffusers-training",): (2, ("out", "loss")), ("quickstart-tiled-loss",): (2, ()),
-          ("serving-cache",): (4, ("out",)), ("serving-generate", "serving-padded"): (2, ("new_tokens", "out")),
+          ("serving-cache",): (4, ("out",)), ("serving-generate", "serving-padded"): (2, ("new_tokens",)),
           ("varlen",): (2, ("full",)), ("head-parallel",): (2, ()), ("dynamic-degree",): (2, ("sched",))}
 
 # id -> (ranks, prelude, postlude)
@@ -173,6 +177,7 @@ def test_blocks_run_in_one_process(ids, tmp_path):
         assert r["out"] < 1e-12 and r["lse"] < 1e-12 and r["grads"] == [[1, 32, 2, 64]] * 3, r
     if "backend-class" in ids:      # a CUDA-only kernel refuses a CPU call, naming the device
         assert any("cpu" in reason for reason in r["reasons"]) and r["listed"] and r["attn_type"] == "mykernel", r
+        assert any("heads=300 > 256" in reason for reason in r["limited"]), r
     if "seam-layout" in ids:
         assert r["halves"] == list(range(10)), r
         assert r["codec"] == {"q": "bf16", "k": "identity", "v": "bf16", "out": "bf16"}, r
