@@ -30,8 +30,9 @@ the schedules' totals.
 
 The last line: ``dynamic/static+ predicted=<the NVLink profile's ratio> measured=<this CPU,
 every seed's total> slowest/mean=<the NVLink dynamic schedule's worst batch> schedule/bound=<its
-total over the bound> plan-error=<the largest |predicted / measured - 1|> spearman=<the lowest
-over the seeds>``.
+total over the bound> plan-error=<the largest |predicted / measured - 1| over the measured
+schedules, each its batches' mean step (the line before gives the per-batch errors)> spearman=<the
+lowest over the seeds>``.
 """
 from __future__ import annotations
 
@@ -234,7 +235,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           "the machine calibrated just before (usp_hal.harness.calibrate, 4 ranks at once) unless --profile names "
           "one, then the model path's own cost per call and per token on each split against that price "
           "(usp.calibrate_calls, two job sizes)")
-    worst_err, worst_spear = 0.0, 1.0
+    worst_err, worst_spear, batch_errs = 0.0, 1.0, []
     ratios, dyn_all, st_all = [], 0.0, 0.0
     for seed in seeds:      # each seed priced by a calibration made just before it (the machine's speed drifts)
         t0 = time.monotonic()
@@ -259,7 +260,8 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         for n in names:
             p, m = sum(preds[n]) / steps, sum(runs[n]) / steps
             errs = [abs(a / b - 1) for a, b in zip(preds[n], runs[n])]
-            worst_err = max(worst_err, max(errs))
+            worst_err = max(worst_err, abs(p / m - 1))
+            batch_errs += errs
             print(f"    {n:32s} {p * 1e3:12.1f} {m * 1e3:18.1f} {100 * (p / m - 1):+8.1f}%  (worst batch "
                   f"{100 * max(errs):.1f}%)")
         sp = spearman([sum(preds[n]) for n in names], [sum(runs[n]) for n in names])
@@ -270,6 +272,9 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         st_all += sum(runs[best])
         print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f}, predicted "
               f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules")
+    within = sum(e <= 0.25 for e in batch_errs)
+    print(f"  the plan's error per schedule (its batches' mean step): at most {100 * worst_err:.1f}%; per batch: "
+          f"{within} of {len(batch_errs)} within 25%, the worst {100 * max(batch_errs):.1f}%")
     return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear}
 
 
