@@ -108,10 +108,10 @@ def test_min_comm_formulas():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_runs_exit_cleanly_ten_times():
-    """``torchrun --nproc_per_node=2 -m usp_hal run --ulysses 2``: every one of 10 runs, two at
-    a time (each on a free port: ``--standalone``), prints PASS and exits 0 (the ranks tear the process group
-    down together, also on a loaded machine)."""
+def test_torchrun_runs_exit_cleanly_four_times():
+    """``torchrun --nproc_per_node=2 -m usp_hal run --ulysses 2``: every one of 4 runs, two at
+    a time (each on a free port: ``--standalone``; 4 ranks on 2 cores, a loaded machine), prints
+    PASS and exits 0 (the ranks tear the process group down together)."""
     import os
     import subprocess
     import sys
@@ -123,7 +123,7 @@ def test_torchrun_runs_exit_cleanly_ten_times():
                                  "--standalone", "-m", "usp_hal", "run", "--ulysses", "2",
                                  "--seqlen", "128", "--iters", "1", "--warmup", "0"],
                                 cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for pair in range(5):
+    for pair in range(2):
         runs = [(i, start(i)) for i in (2 * pair, 2 * pair + 1)]
         for i, proc in runs:
             try:
