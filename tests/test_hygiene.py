@@ -257,7 +257,7 @@ LAYERS = {
 }
 
 # The faces sit on the layers: the top-level modules (``usp_hal`` itself, attention, overlap,
-# kernels, bounded), ``serving`` and ``compat``; none of them may import what sits on them
+# kernels, bounded, lazy), ``serving`` and ``compat``; none of them may import what sits on them
 # (``usp_hal.__main__`` is the CLI's entry point, part of it; the adapters are plugged in below).
 FACES = ("usp_hal.serving", "usp_hal.compat")
 ABOVE_THE_FACES = ("usp_hal.integrations", "usp_hal.harness", "usp_hal.cli", "usp_hal.__main__")
@@ -265,7 +265,7 @@ NOT_FACES = ABOVE_THE_FACES + ("usp_hal.backends",)
 
 
 # pure leaf utilities any layer may use; they import nothing of the package
-LEAVES = ("usp_hal.bounded",)
+LEAVES = ("usp_hal.bounded", "usp_hal.lazy")
 
 
 def _layer_of(mod: str):
