@@ -19,6 +19,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# a worker holds every process group its cases created (each a communicator with its threads:
+# three per gloo group); past this many, the pool is replaced after the case, so a long suite
+# never schedules hundreds of idle communication threads on two cores
+GROUP_LIMIT = 64
+
+
+_CASES = [0]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "pools" not in item.fixturenames:
+        return
+    _CASES[0] += 1
+    if _CASES[0] % 8:                       # asked every 8 cases: a case creates a few groups at most
+        return
+    from tests.mp import process_groups
+    for world, pool in list(_POOLS.items()):
+        try:
+            held = max(pool.run(process_groups, timeout=30))
+        except Exception:   # noqa: BLE001 - a pool that cannot answer is replaced as well
+            held = GROUP_LIMIT + 1
+        if held > GROUP_LIMIT:
+            pool.stop()
+            pool.close()
+            del _POOLS[world]
+
+
 def _pool(world):
     pool = _POOLS.get(world)
     if pool is None:

@@ -60,3 +60,9 @@ class WorkerPool(RankPool):
             return RankPool.run_all(self, fn, timeout, ranks=ranks, **kwargs)
         finally:
             self.close()
+
+
+def process_groups() -> int:
+    """How many process groups this rank holds (run on a pool's ranks)."""
+    import torch.distributed as dist
+    return len(dist.distributed_c10d._world.pg_map)
