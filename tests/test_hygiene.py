@@ -135,6 +135,14 @@ def _modules():
     return mods
 
 
+def _source(node, package: str) -> str:
+    """The absolute module a ``from ... import`` names, resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(mods):
     """module -> [(imported module, imported name or None)], module-level and function-level
     imports alike (``TYPE_CHECKING`` ones included)."""
@@ -147,11 +155,7 @@ def _imports(mods):
             if isinstance(node, ast.Import):
                 found += [(a.name, None) for a in node.names if a.name in mods]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    src = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    src = node.module or ""
+                src = _source(node, package)
                 for a in node.names:
                     if f"{src}.{a.name}" in mods:
                         found.append((f"{src}.{a.name}", None))
@@ -441,11 +445,7 @@ def _former_imports(path: Path, package: str):
             found += [(node.lineno, a.name) for a in node.names
                       if any(a.name == f or a.name.startswith(f + ".") for f in former)]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                src = ".".join(base + ([node.module] if node.module else []))
-            else:
-                src = node.module or ""
+            src = _source(node, package)
             if any(src == f or src.startswith(f + ".") for f in former):
                 found.append((node.lineno, src))
             found += [(node.lineno, f"{src}.{a.name}") for a in node.names if f"{src}.{a.name}" in former]
