@@ -194,6 +194,10 @@ def expect_error(U=2, R=1, bad_rank=0, what="heads", layout="basic", **_):
         kw["causal"] = True
     if what == "dropout" and rank == bad_rank:
         kw["dropout_p"] = 0.1
+    if what == "scale" and rank == bad_rank:
+        kw["softmax_scale"] = 0.5
+    if what == "deterministic" and rank == bad_rank:
+        kw["deterministic"] = True
     attn(q, k, k.clone(), **kw)
     return "no error"
 
