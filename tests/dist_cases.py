@@ -194,6 +194,10 @@ def expect_error(U=2, R=1, bad_rank=0, what="heads", layout="basic", **_):
         kw["causal"] = True
     if what == "dropout" and rank == bad_rank:
         kw["dropout_p"] = 0.1
+    if what == "scale" and rank == bad_rank:
+        kw["softmax_scale"] = 0.5
+    if what == "deterministic" and rank == bad_rank:
+        kw["deterministic"] = True
     attn(q, k, k.clone(), **kw)
     return "no error"
 
@@ -320,9 +324,10 @@ def property_case(**kw):
 
 
 def qkv_overlap_case(U=2, R=1, H=4, Hkv=2, D=8, S=14, causal=True, layout="zigzag", flat=True, grad=True,
-                     low_memory=False):
+                     low_memory=False, options=False):
     """async_qkv_attention (projections overlapped with the all-to-alls) vs projecting first and
-    calling the module: same output, same gradients for the hidden states and the weights."""
+    calling the module: same output, same gradients for the hidden states and the weights.
+    ``options``: with a window, a scale, alibi slopes and ``return_lse`` too (the lse compared)."""
     mesh = get_mesh(U, R)
     g = torch.Generator().manual_seed(11)
     E = 16
@@ -347,13 +352,22 @@ def qkv_overlap_case(U=2, R=1, H=4, Hkv=2, D=8, S=14, causal=True, layout="zigza
             m.zero_grad(set_to_none=True)
         return res
 
+    kw: dict = dict(causal=causal)
+    if options:
+        kw.update(window_size=(4, 1), softmax_scale=0.3, return_lse=True,
+                  alibi_slopes=torch.rand(H, generator=g, dtype=torch.float64))
     q, k, v = (m(hl).view(1, hl.shape[1], h, D) for m, h in zip(lin, (H, Hkv, Hkv)))
-    ref = attn(q, k, v, causal=causal)
+    ref = attn(q, k, v, **kw)
+    ref, ref_lse = ref if options else (ref, None)
     if grad:
         ref.sum().backward()
         ref_g = grads()
-    out = usp_hal.async_qkv_attention(attn, hl, *projs(), heads=H, kv_heads=Hkv, head_dim=D, causal=causal)
-    errs = {"out": _err(out, ref.detach(), torch.float64)}
+    out = usp_hal.async_qkv_attention(attn, hl, *projs(), heads=H, kv_heads=Hkv, head_dim=D, **kw)
+    errs = {}
+    if options:
+        out, lse = out
+        errs["lse"] = _err(lse, ref_lse, torch.float64, lse=True)
+    errs["out"] = _err(out, ref.detach(), torch.float64)
     if grad:
         out.sum().backward()
         for i, (a, b) in enumerate(zip(grads(), ref_g)):

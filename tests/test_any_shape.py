@@ -90,7 +90,8 @@ def _all_raise(results, *needles):
 
 
 @pytest.mark.parametrize("what,needle", [("heads", "heads"), ("dtype", "dtype"), ("causal", "causal"),
-                                         ("dropout", "dropout")])
+                                         ("dropout", "dropout"), ("scale", "scale: rank 0=0.5, rank 1=0.3535"),
+                                         ("deterministic", "deterministic: rank 0=1, rank 1=0")])
 def test_mismatch_between_ranks_raises_everywhere(pools, what, needle):
     _all_raise(pools(2).run_all(dist_cases.expect_error, timeout=30, U=2, R=1, what=what), needle)
     # the group is still usable afterwards

@@ -38,6 +38,26 @@ def test_qkv_projection_overlap_equals_projecting_first(pools, U, R, H, Hkv, fla
     _ok(pools(U * R).run(dist_cases.qkv_overlap_case, timeout=60, U=U, R=R, H=H, Hkv=Hkv, flat=flat))
 
 
+@pytest.mark.parametrize("U,R", [(2, 1), (1, 2)])
+def test_qkv_projection_overlap_carries_every_call_option(pools, U, R):
+    """window, scale, alibi and return_lse given to async_qkv_attention (its **options) reach the
+    overlapped call (U2) and the projecting-first one (R2) as they reach the module's."""
+    _ok(pools(U * R).run(dist_cases.qkv_overlap_case, timeout=60, U=U, R=R, H=4, Hkv=2, options=True))
+
+
+def test_qkv_projection_overlap_refuses_an_unknown_option_by_name():
+    import torch
+
+    import usp_hal
+    attn = usp_hal.LongContextAttention(attn_type="sdpa")
+    lin = torch.nn.Linear(8, 8)
+    for bad, needle in (({"causal": True, "sofcap": 1.0}, "'sofcap'"), ({"mask": object()}, "does not take mask"),
+                        ({"return_attn_probs": True}, "'return_attn_probs'")):
+        with pytest.raises(TypeError, match=needle) as info:
+            usp_hal.async_qkv_attention(attn, torch.ones(1, 4, 8), lin, lin, lin, heads=2, **bad)
+        assert "async_qkv_attention" in str(info.value)
+
+
 def test_qkv_projection_overlap_inference(pools):
     _ok(pools(2).run(dist_cases.qkv_overlap_case, timeout=60, U=2, R=1, grad=False))
 

@@ -18,7 +18,8 @@ another shape raises on its rank, and its peers stop at the group timeout.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import inspect
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -44,20 +45,43 @@ def _params_need_grad(fn) -> bool:
     return callable(params) and any(p.requires_grad for p in params())
 
 
+#: keywords of ``LongContextAttention.forward`` that :meth:`CallOptions.of` takes but this
+#: function does not: each needs tensors beside the options that only the module's forward takes
+_MODULE_ONLY = ("mask", "sinks", "joint_strategy", "joint_total")
+
+
+def _call_options(options: dict) -> Tuple[CallOptions, Optional[torch.Tensor]]:
+    """``options`` (the call keywords of ``LongContextAttention.forward``) as the call's
+    :class:`CallOptions` and its alibi slopes, which travel beside them; an unknown keyword, or
+    one that needs the module's own forward, is refused with a TypeError naming it."""
+    rest = dict(options)
+    alibi_slopes = rest.pop("alibi_slopes", None)
+    module_only = [n for n in rest if n in _MODULE_ONLY]
+    if module_only:
+        raise TypeError(f"async_qkv_attention() does not take {', '.join(module_only)}: each needs tensors that only "
+                        "LongContextAttention.forward takes; project q, k and v, then call attn(q, k, v, ...)")
+    try:
+        return CallOptions.of(**rest), alibi_slopes
+    except TypeError as exc:
+        takes = [n for n in inspect.signature(CallOptions.of).parameters if n not in _MODULE_ONLY]
+        raise TypeError(f"async_qkv_attention(): {exc}; the call options it takes are those of "
+                        f"LongContextAttention.forward: {', '.join(sorted(takes + ['alibi_slopes']))}") from None
+
+
 def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj: Callable, k_proj: Callable,
                         v_proj: Callable, *, heads: int, kv_heads: Optional[int] = None,
-                        head_dim: Optional[int] = None, v_head_dim: Optional[int] = None, causal: bool = False,
-                        softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                        deterministic: bool = False, return_lse: bool = False, cu_seqlens=None):
+                        head_dim: Optional[int] = None, v_head_dim: Optional[int] = None, cu_seqlens=None,
+                        **options):
     """Project q, k, v from ``hidden`` and run ``attn`` on them, each all-to-all in flight
-    while the next projection computes (see the module doc).  Returns what
-    ``attn(q, k, v, ...)`` returns; ``cu_seqlens``: packed documents, as for ``attn``."""
+    while the next projection computes (see the module doc).  ``options``: the call keywords
+    of ``attn(q, k, v, ...)`` (``LongContextAttention.forward``: ``causal``, ``softmax_scale``,
+    ``window_size``, ``alibi_slopes``, ``return_lse``, ...; not ``mask``, ``sinks`` or joint
+    tokens), with its defaults.  Returns what ``attn(q, k, v, **options)`` returns;
+    ``cu_seqlens``: packed documents, as for ``attn``."""
     if not isinstance(attn, LongContextAttention):
         raise TypeError(f"attn must be a usp_hal.LongContextAttention, got {type(attn).__name__}")
+    opts, alibi_slopes = _call_options(options)
     mesh = attn.pipeline.resolve_mesh()
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-              alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
-              cu_seqlens=cu_seqlens)
     q = _as_heads(q_proj(hidden), heads, head_dim, "q_proj")
     kvh = kv_heads or heads
     d = q.shape[-1]
@@ -68,15 +92,13 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
         # another to save memory): project, then attend
         k = _as_heads(k_proj(hidden), kvh, d, "k_proj")
         v = _as_heads(v_proj(hidden), kvh, dv, "v_proj")
-        return attn(q, k, v, **kw)
+        return attn(q, k, v, **options, cu_seqlens=cu_seqlens)
     b, s = q.shape[0], q.shape[1]
     grad = torch.is_grad_enabled() and (q.requires_grad or hidden.requires_grad or _params_need_grad(k_proj)
                                         or _params_need_grad(v_proj))
     kp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, d)     # declared shapes, no memory
     vp = q.new_zeros((), requires_grad=grad).expand(b, s, kvh, dv)
     pipe = attn.pipeline
-    opts = CallOptions.of(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                          deterministic=deterministic, return_lse=return_lse)
     _, plan = pipe.prepare(mesh, q, kp, vp, opts, alibi_slopes=alibi_slopes, needs_grad=grad,
                            cu_seqlens=cu_seqlens)
     ex = plan.stages[0].exchange
@@ -92,7 +114,7 @@ def async_qkv_attention(attn: LongContextAttention, hidden: torch.Tensor, q_proj
     _check_like(v, (b, s, kvh, dv), q, "v_proj")
     pending.append(ex.start_heads(v, "kv", async_op=True, what=what, name="v"))
     out, lse = _run.run(plan, q, k, v, _run.Received(ex, pending))
-    return (out, lse) if return_lse else out
+    return (out, lse) if opts.return_lse else out
 
 
 def _check_like(x: torch.Tensor, shape, q: torch.Tensor, what: str) -> None:

@@ -26,7 +26,7 @@ import json
 import sys
 
 from ..dispatch.capabilities import parse_dtype
-from ..harness.verify import collect
+from ..harness.verify import OPTION_FEATURES, collect
 
 
 # ----------------------------------------------------------------------------- text output
@@ -71,8 +71,9 @@ def format_text(report: dict) -> str:
     width = max(len(k) for k, _ in facts)
     out = [f"{k.ljust(width)}  {v}" for k, v in facts]
 
-    headers = ["backend", "available", "version", "fwd", "bwd", "lse(ring)", "causal", "window",
-               "softcap", "gqa", "dtypes", "devices", "min cc"]
+    # the options as declared (capability_row: one flag under each feature's name)
+    headers = ["backend", "available", "version", "fwd", "bwd", "lse(ring)", *OPTION_FEATURES, "dtypes", "devices",
+               "min cc"]
     rows = []
     for r in report["backends"]:
         c = r["capabilities"]
@@ -83,9 +84,8 @@ def format_text(report: dict) -> str:
         bwd = _yes(c["backward"])
         if c["backward"] and here.get("backward") is False:
             bwd = f"no on {r['device']}"          # the class has one, a declared limit refuses it here
-        rows.append([r["name"], _yes(r["available"]), r["version"] or "-", _yes(c["forward"]),
-                     bwd, _yes(c["lse"]), _yes(c["causal"]), _yes(c["window"]),
-                     _yes(c["softcap"]), _yes(c["gqa"]), ",".join(c["dtypes"]), ",".join(c["devices"]),
+        rows.append([r["name"], _yes(r["available"]), r["version"] or "-", _yes(c["forward"]), bwd, _yes(c["lse"]),
+                     *(_yes(c[f]) for f in OPTION_FEATURES), ",".join(c["dtypes"]), ",".join(c["devices"]),
                      _min_cc(c)])
     out += ["", "Backends (capabilities as declared; '?' = adapter could not be imported)",
             format_table(headers, rows)]

@@ -3,8 +3,10 @@
 :func:`install_yunchang_alias` puts module objects under ``yunchang`` and the submodule names
 xDiT (xfuser 0.7.0) and other yunchang consumers import into ``sys.modules``; nothing is
 installed by importing usp-hal.  Each name is backed by usp-hal's own code with yunchang 0.6.4's
-signature (the file of yunchang 0.6.4 it mirrors is named beside it); a function usp-hal cannot
-honour raises :class:`YunchangUnsupported` naming why and what to call instead.
+signature (the file of yunchang 0.6.4 it mirrors is named beside it); the functions that take
+yunchang's attention keywords are defined in :mod:`usp_hal.compat.yunchang`, with the top-level
+ones, so this module maps module names to objects.  A function usp-hal cannot honour raises
+:class:`YunchangUnsupported` naming why and what to call instead.
 
 ========================================  ===============================================
 ``yunchang``                              yunchang's top-level names (usp_hal's)
@@ -36,19 +38,20 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch.platform import synchronize
-from ..dispatch.registry import REGISTRY
 from ..parallel import comm as _comm
 from . import yunchang as _yc
+from .yunchang import (
+    RingFlashAttnFunc,
+    YunchangUnsupported,
+    ring_flash_attn_backward,
+    ring_flash_attn_forward,
+    select_flash_attn_impl,
+)
 
 __all__ = ["install_yunchang_alias", "remove_yunchang_alias", "YunchangUnsupported", "YunchangAliasModuleNotFound",
            "ALIAS_MODULES"]
 
 log = logging.getLogger(__name__)
-
-
-class YunchangUnsupported(NotImplementedError):
-    """A yunchang function whose contract usp-hal cannot honour; the message names the
-    alternative."""
 
 
 def _refuse(name: str, why: str, instead: str):
@@ -96,44 +99,6 @@ def set_seq_parallel_pg(sp_ulysses_degree, sp_ring_degree, rank, world_size, use
 def _flags() -> Dict[str, bool]:
     from usp_hal.backends.yunchang_flags import yunchang_flags
     return yunchang_flags()
-
-
-# --------------------------------------------------------------------------- yunchang.kernels
-
-def _local_fn(backend):
-    # the "fwd-only" contract of yunchang/kernels/__init__.py (v0.6.4): fn(q, k, v, dropout_p=,
-    # softmax_scale=, causal=, window_size=, softcap=, alibi_slopes=, return_softmax=) -> (out, lse)
-    def fwd(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None, return_softmax=False):
-        if return_softmax:
-            raise YunchangUnsupported("select_flash_attn_impl(...)(return_softmax=True): usp-hal's kernels "
-                                      "return (out, lse), never the attention probabilities; use "
-                                      "return_softmax=False (with dropout_p=0, as yunchang passes it)")
-        from ..dispatch.capabilities import KernelCall
-        return backend.forward(q, k, v, KernelCall(scale=softmax_scale, causal=causal, window=tuple(window_size),
-                                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p))
-    fwd.__name__ = f"{backend.NAME}_forward"
-    return fwd
-
-
-# yunchang/kernels/__init__.py (v0.6.4): select_flash_attn_impl(impl_type, stage="fwd-bwd", attn_processor=None)
-def select_flash_attn_impl(impl_type, stage: str = "fwd-bwd", attn_processor=None):
-    """``stage="fwd-only"``: the usp-hal backend of ``impl_type`` (or ``attn_processor`` as one,
-    :func:`usp_hal.dispatch.processor.processor_attn_type`) as a function returning
-    ``(out [B, S, H, D], lse [B, H, S])``.  The ``bwd-only`` and ``fwd-bwd`` stages are refused:
-    their call contracts differ per kernel in yunchang."""
-    if stage != "fwd-only":
-        if stage not in ("bwd-only", "fwd-bwd"):
-            raise ValueError(f"Unknown stage: {stage}")
-        raise YunchangUnsupported(
-            f"select_flash_attn_impl(stage={stage!r}): yunchang's {stage} functions take each kernel's own "
-            "arguments; usp-hal serves stage='fwd-only' (out, lse): use stage='fwd-only', and for gradients "
-            "yunchang.ring.ring_flash_attn.ring_flash_attn_backward or usp_hal.LongContextAttention")
-    if attn_processor is not None:
-        cls = _yc.processor_attn_type(attn_processor, impl_type)
-    else:
-        cls = REGISTRY.get(impl_type)
-    return _local_fn(cls())
 
 
 # ------------------------------------------------------------------------ yunchang.comm.all_to_all
@@ -292,87 +257,6 @@ _NPU_STATS = ("the Ascend fused-attention kernel keeps (softmax_max, softmax_sum
 update_npu_out = _refuse("ring.utils.update_npu_out", _NPU_STATS,
                          "yunchang.ring.ring_npu_flash_attn.ring_npu_flash_attn_func or "
                          "usp_hal.LongContextAttention(attn_type='npu')")
-
-
-# ------------------------------------------------------------------ yunchang.ring.ring_flash_attn
-
-def _basic_ring(group, q, k, v, softmax_scale, dropout_p, causal, window_size, softcap, alibi_slopes,
-                deterministic, attn_type, attn_processor):
-    return _yc._ring("basic", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                     deterministic, True, group, attn_type, attn_processor)[:2]
-
-
-# yunchang/ring/ring_flash_attn.py (v0.6.4): ring_flash_attn_forward(process_group, q, k, v, softmax_scale,
-#     dropout_p=0, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-#     attn_type=AttnType.FA, attn_processor=None) -> (out, lse [B, H, S])
-def ring_flash_attn_forward(process_group, q, k, v, softmax_scale, dropout_p=0, causal=True, window_size=(-1, -1),
-                            softcap=0.0, alibi_slopes=None, deterministic=False, attn_type="auto",
-                            attn_processor=None):
-    """The basic ring's forward over ``process_group`` (usp-hal's ring): ``(out, lse [B, H, S])``.
-    ``attn_type`` defaults to ``"auto"`` (usp-hal's choice), not yunchang's ``AttnType.FA``."""
-    with torch.no_grad():
-        out, lse = _basic_ring(process_group, q, k, v, softmax_scale, dropout_p, causal, window_size, softcap,
-                               alibi_slopes, deterministic, attn_type, attn_processor)
-    return out, lse
-
-
-# yunchang/ring/ring_flash_attn.py (v0.6.4): ring_flash_attn_backward(process_group, dout, q, k, v, out,
-#     softmax_lse, softmax_scale, dropout_p=0, causal=True, window_size=(-1, -1), softcap=0.0,
-#     alibi_slopes=None, deterministic=False, attn_type=AttnType.FA) -> (dq, dk, dv)
-def ring_flash_attn_backward(process_group, dout, q, k, v, out, softmax_lse, softmax_scale, dropout_p=0,
-                             causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, attn_type="auto"):
-    """``(dq, dk, dv)`` of the basic ring over ``process_group``: usp-hal's ring forward is run
-    again with autograd and differentiated (``out``/``softmax_lse`` are not read)."""
-    if dropout_p:
-        raise YunchangUnsupported("ring_flash_attn_backward(dropout_p>0): the dropout mask of the forward is not "
-                                  "kept, so a recomputed backward would draw another; use "
-                                  "usp_hal.LongContextAttention (one autograd graph) or dropout_p=0")
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        o, _ = _basic_ring(process_group, *leaves, softmax_scale, dropout_p, causal, window_size, softcap,
-                           alibi_slopes, deterministic, attn_type, None)
-        dq, dk, dv = torch.autograd.grad(o, leaves, dout)
-    return dq, dk, dv
-
-
-class RingFlashAttnFunc(torch.autograd.Function):
-    """yunchang/ring/ring_flash_attn.py (v0.6.4): ``RingFlashAttnFunc.apply(q, k, v, dropout_p,
-    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, group,
-    attn_type, attn_processor)``: ``out``, or ``(out, lse, None)`` with ``return_softmax``.  A
-    subclass that overrides ``forward`` (as xDiT's does) and saves ``(q, k, v, out, lse)`` keeps
-    this backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax, group, attn_type, attn_processor):
-        if softmax_scale is None:
-            softmax_scale = q.shape[-1] ** (-0.5)
-        if alibi_slopes is not None:
-            raise YunchangUnsupported("RingFlashAttnFunc with alibi_slopes: yunchang's asserts it is None; "
-                                      "use usp_hal.LongContextAttention(...)(..., alibi_slopes=...)")
-        out, lse = ring_flash_attn_forward(group, q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                                           causal=causal, window_size=window_size, softcap=softcap,
-                                           alibi_slopes=alibi_slopes, deterministic=False, attn_type=attn_type,
-                                           attn_processor=attn_processor)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.dropout_p, ctx.softmax_scale, ctx.causal, ctx.window_size = dropout_p, softmax_scale, causal, window_size
-        ctx.softcap, ctx.alibi_slopes, ctx.deterministic = softcap, alibi_slopes, deterministic
-        ctx.group, ctx.attn_type, ctx.attn_processor = group, attn_type, attn_processor
-        return out if not return_softmax else (out, lse, None)
-
-    @staticmethod
-    def backward(ctx, dout, *args):
-        if getattr(ctx, "attn_processor", None) is not None:
-            raise YunchangUnsupported("RingFlashAttnFunc backward with attn_processor: the processor is a "
-                                      "forward-only kernel (as in yunchang); train with attn_processor=None")
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_flash_attn_backward(ctx.group, dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale,
-                                              dropout_p=ctx.dropout_p, causal=ctx.causal,
-                                              window_size=ctx.window_size, softcap=ctx.softcap,
-                                              alibi_slopes=ctx.alibi_slopes, deterministic=ctx.deterministic,
-                                              attn_type=ctx.attn_type)
-        return (dq, dk, dv) + (None,) * 11
 
 
 # --------------------------------------------------------------- yunchang.ring.ring_npu_flash_attn

@@ -18,15 +18,31 @@ import line changed.  Each maps to usp-hal's behaviour or refuses with the reaso
 * the ring functions run on :func:`usp_hal.parallel.mesh.mesh_of_group` (the one-dimensional mesh of a
   process group a caller already has, as ``UlyssesAttention(sequence_process_group)`` does);
   an ``attn_processor`` becomes a backend through :mod:`usp_hal.dispatch.processor`.
+
+The other functions with yunchang's attention keywords are here too, so yunchang's signatures
+live in this one file: ``select_flash_attn_impl`` (yunchang.kernels) and
+``ring_flash_attn_forward`` / ``ring_flash_attn_backward`` / ``RingFlashAttnFunc``
+(yunchang.ring.ring_flash_attn).  ``usp_hal`` does not re-export them;
+:func:`usp_hal.compat.alias.install_yunchang_alias` serves them under those module names.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Any, Dict, Tuple
 
+import torch
+
+from ..dispatch.capabilities import KernelCall
 from ..dispatch.processor import processor_attn_type, processor_backend
+from ..dispatch.registry import REGISTRY
 from ..parallel.mesh import mesh_of_group
 from .extract import EXTRACT_FUNC_DICT
+
+
+class YunchangUnsupported(NotImplementedError):
+    """A yunchang function whose contract usp-hal cannot honour; the message names the
+    alternative."""
+
 
 # ---------------------------------------------------------------------------- ring functions
 
@@ -167,6 +183,123 @@ def ring_npu_flash_attn_func(group, q, k, v, head_num=None, input_layout="BSND")
     if input_layout != "BSND":
         raise NotImplementedError(f"input_layout={input_layout!r}: only 'BSND' ([B, S, H, D]) is supported")
     return _ring("basic", q, k, v, 0.0, None, False, (-1, -1), 0.0, None, False, False, group, "npu")
+
+
+# ------------------------------------------- yunchang.kernels and yunchang.ring.ring_flash_attn
+# served as those submodules by usp_hal.compat.alias (install_yunchang_alias), not by ``usp_hal``
+
+def _local_fn(backend):
+    # the "fwd-only" contract of yunchang/kernels/__init__.py (v0.6.4): fn(q, k, v, dropout_p=,
+    # softmax_scale=, causal=, window_size=, softcap=, alibi_slopes=, return_softmax=) -> (out, lse)
+    def fwd(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None, return_softmax=False):
+        if return_softmax:
+            raise YunchangUnsupported("select_flash_attn_impl(...)(return_softmax=True): usp-hal's kernels "
+                                      "return (out, lse), never the attention probabilities; use "
+                                      "return_softmax=False (with dropout_p=0, as yunchang passes it)")
+        return backend.forward(q, k, v, KernelCall(scale=softmax_scale, causal=causal, window=tuple(window_size),
+                                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p))
+    fwd.__name__ = f"{backend.NAME}_forward"
+    return fwd
+
+
+# yunchang/kernels/__init__.py (v0.6.4): select_flash_attn_impl(impl_type, stage="fwd-bwd", attn_processor=None)
+def select_flash_attn_impl(impl_type, stage: str = "fwd-bwd", attn_processor=None):
+    """``stage="fwd-only"``: the usp-hal backend of ``impl_type`` (or ``attn_processor`` as one,
+    :func:`usp_hal.dispatch.processor.processor_attn_type`) as a function returning
+    ``(out [B, S, H, D], lse [B, H, S])``.  The ``bwd-only`` and ``fwd-bwd`` stages are refused:
+    their call contracts differ per kernel in yunchang."""
+    if stage != "fwd-only":
+        if stage not in ("bwd-only", "fwd-bwd"):
+            raise ValueError(f"Unknown stage: {stage}")
+        raise YunchangUnsupported(
+            f"select_flash_attn_impl(stage={stage!r}): yunchang's {stage} functions take each kernel's own "
+            "arguments; usp-hal serves stage='fwd-only' (out, lse): use stage='fwd-only', and for gradients "
+            "yunchang.ring.ring_flash_attn.ring_flash_attn_backward or usp_hal.LongContextAttention")
+    if attn_processor is not None:
+        cls = processor_attn_type(attn_processor, impl_type)
+    else:
+        cls = REGISTRY.get(impl_type)
+    return _local_fn(cls())
+
+
+def _basic_ring(group, q, k, v, softmax_scale, dropout_p, causal, window_size, softcap, alibi_slopes,
+                deterministic, attn_type, attn_processor):
+    return _ring("basic", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                 deterministic, True, group, attn_type, attn_processor)[:2]
+
+
+# yunchang/ring/ring_flash_attn.py (v0.6.4): ring_flash_attn_forward(process_group, q, k, v, softmax_scale,
+#     dropout_p=0, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+#     attn_type=AttnType.FA, attn_processor=None) -> (out, lse [B, H, S])
+def ring_flash_attn_forward(process_group, q, k, v, softmax_scale, dropout_p=0, causal=True, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, deterministic=False, attn_type="auto",
+                            attn_processor=None):
+    """The basic ring's forward over ``process_group`` (usp-hal's ring): ``(out, lse [B, H, S])``.
+    ``attn_type`` defaults to ``"auto"`` (usp-hal's choice), not yunchang's ``AttnType.FA``."""
+    with torch.no_grad():
+        out, lse = _basic_ring(process_group, q, k, v, softmax_scale, dropout_p, causal, window_size, softcap,
+                               alibi_slopes, deterministic, attn_type, attn_processor)
+    return out, lse
+
+
+# yunchang/ring/ring_flash_attn.py (v0.6.4): ring_flash_attn_backward(process_group, dout, q, k, v, out,
+#     softmax_lse, softmax_scale, dropout_p=0, causal=True, window_size=(-1, -1), softcap=0.0,
+#     alibi_slopes=None, deterministic=False, attn_type=AttnType.FA) -> (dq, dk, dv)
+def ring_flash_attn_backward(process_group, dout, q, k, v, out, softmax_lse, softmax_scale, dropout_p=0,
+                             causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, attn_type="auto"):
+    """``(dq, dk, dv)`` of the basic ring over ``process_group``: usp-hal's ring forward is run
+    again with autograd and differentiated (``out``/``softmax_lse`` are not read)."""
+    if dropout_p:
+        raise YunchangUnsupported("ring_flash_attn_backward(dropout_p>0): the dropout mask of the forward is not "
+                                  "kept, so a recomputed backward would draw another; use "
+                                  "usp_hal.LongContextAttention (one autograd graph) or dropout_p=0")
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        o, _ = _basic_ring(process_group, *leaves, softmax_scale, dropout_p, causal, window_size, softcap,
+                           alibi_slopes, deterministic, attn_type, None)
+        dq, dk, dv = torch.autograd.grad(o, leaves, dout)
+    return dq, dk, dv
+
+
+class RingFlashAttnFunc(torch.autograd.Function):
+    """yunchang/ring/ring_flash_attn.py (v0.6.4): ``RingFlashAttnFunc.apply(q, k, v, dropout_p,
+    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, group,
+    attn_type, attn_processor)``: ``out``, or ``(out, lse, None)`` with ``return_softmax``.  A
+    subclass that overrides ``forward`` (as xDiT's does) and saves ``(q, k, v, out, lse)`` keeps
+    this backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, group, attn_type, attn_processor):
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** (-0.5)
+        if alibi_slopes is not None:
+            raise YunchangUnsupported("RingFlashAttnFunc with alibi_slopes: yunchang's asserts it is None; "
+                                      "use usp_hal.LongContextAttention(...)(..., alibi_slopes=...)")
+        out, lse = ring_flash_attn_forward(group, q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                           causal=causal, window_size=window_size, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, deterministic=False, attn_type=attn_type,
+                                           attn_processor=attn_processor)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.dropout_p, ctx.softmax_scale, ctx.causal, ctx.window_size = dropout_p, softmax_scale, causal, window_size
+        ctx.softcap, ctx.alibi_slopes, ctx.deterministic = softcap, alibi_slopes, deterministic
+        ctx.group, ctx.attn_type, ctx.attn_processor = group, attn_type, attn_processor
+        return out if not return_softmax else (out, lse, None)
+
+    @staticmethod
+    def backward(ctx, dout, *args):
+        if getattr(ctx, "attn_processor", None) is not None:
+            raise YunchangUnsupported("RingFlashAttnFunc backward with attn_processor: the processor is a "
+                                      "forward-only kernel (as in yunchang); train with attn_processor=None")
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_flash_attn_backward(ctx.group, dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale,
+                                              dropout_p=ctx.dropout_p, causal=ctx.causal,
+                                              window_size=ctx.window_size, softcap=ctx.softcap,
+                                              alibi_slopes=ctx.alibi_slopes, deterministic=ctx.deterministic,
+                                              attn_type=ctx.attn_type)
+        return (dq, dk, dv) + (None,) * 11
 
 
 def _varlen_refused(name: str, tensors: Tuple[str, ...]):

@@ -92,6 +92,16 @@ class KernelCall:
         """A variant of this call (e.g. a ring block's: ``call.with_(causal=..., key_offset=...)``)."""
         return replace(self, **kw)
 
+    def flash_kwargs(self) -> dict:
+        """This call as flash-attn's keywords: ``dropout_p``, ``softmax_scale``, ``causal``,
+        ``window_size``, ``softcap``, ``alibi_slopes``, the options of flash-attn's
+        ``flash_attn_func`` that a forward uses, and the ones yunchang 0.6.4's "fwd-only" kernel
+        contract passes (yunchang/ring/ring_flash_attn.py, with ``return_softmax=``).  A default
+        ``KernelCall()`` gives flash-attn's defaults.  Not ``deterministic``, which only
+        flash-attn's backward reads."""
+        return dict(dropout_p=self.dropout_p, softmax_scale=self.scale, causal=self.causal, window_size=self.window,
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+
     def scale_for(self, head_dim: int) -> float:
         """The scale as a float: the given one, or ``1/sqrt(head_dim)``."""
         return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(head_dim)

@@ -17,12 +17,13 @@ def processor_backend(processor, flash_style: bool = False) -> "type[AttentionBa
       scale=softmax_scale, tensor_layout="NHD")`` returns the output alone, so, as there, it runs
       only where one kernel call sees every key (ring degree 1);
     * ``flash_style=True`` (its last branch, an ``attn_type`` that is none of its members):
-      ``processor(q, k, v, dropout_p=, softmax_scale=, causal=, window_size=, softcap=,
-      alibi_slopes=, return_softmax=False)`` returns ``(out, lse [B, H, S] float32)``, which the
-      ring merges, so any ring degree runs.
+      ``processor(q, k, v, **call.flash_kwargs(), return_softmax=False)`` (flash-attn's keywords,
+      :meth:`usp_hal.dispatch.capabilities.KernelCall.flash_kwargs`) returns
+      ``(out, lse [B, H, S] float32)``, which the ring merges, so any ring degree runs.
 
-    Forward only in both (yunchang's backward picks its kernel by ``attn_type`` alone); a call
-    that needs gradients, a window, softcap or alibi is refused with the reason."""
+    Forward only in both (yunchang's backward picks its kernel by ``attn_type`` alone); the
+    backend declares no option beyond causal masking, so a call that needs gradients or any
+    other option is refused with the reason."""
     if not callable(processor):
         raise TypeError(f"attn_processor must be callable (a torch.nn.Module), got {type(processor).__name__}")
 
@@ -38,9 +39,7 @@ def processor_backend(processor, flash_style: bool = False) -> "type[AttentionBa
 
         def kernel_forward(self, q, k, v, call: KernelCall):
             if flash_style:
-                out, lse = processor(q, k, v, dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal,
-                                     window_size=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
-                                     return_softmax=False)[:2]
+                out, lse = processor(q, k, v, **call.flash_kwargs(), return_softmax=False)[:2]
                 return out, lse
             return processor(q, k, v, is_causal=call.causal, scale=call.scale, tensor_layout="NHD"), None
 

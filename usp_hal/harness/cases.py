@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from ..dispatch.backend import installed_version
-from ..dispatch.capabilities import Package
+from ..dispatch.capabilities import KernelCall, Package
 from ..parallel.rotation import rotation_names
 from ..sequence.blocks import balance
 from ..sequence.positions import layout_names
@@ -666,8 +666,8 @@ def execute(cfg: RunConfig, executor, timeout: float) -> dict:
 #   lse, so its ring merges wrongly; TORCH_FLASH/TORCH_EFFICIENT call CUDA-only aten ops).  Its
 #   ``attn_processor=`` hook is used instead: ``select_flash_attn_impl`` returns the processor
 #   when ``attn_type`` is none of its AttnType members, and the basic ring calls it as
-#   ``fn(q, k, v, dropout_p=, softmax_scale=, causal=, window_size=, softcap=, alibi_slopes=,
-#   return_softmax=)`` with q, k, v as [B, S, H, D], expecting ``(out [B, S, H, D], lse [B, H, S])``
+#   ``fn(q, k, v, <flash-attn's keywords>, return_softmax=)`` (the keywords of
+#   ``KernelCall.flash_kwargs``) with q, k, v as [B, S, H, D], expecting ``(out [B, S, H, D], lse [B, H, S])``
 #   (its merge transposes lse to [B, S, H, 1] and keeps the first block's out in float32).
 #   Only the basic ring passes ``attn_processor`` on; its zigzag and stripe rings do not (they
 #   have no same-kernel path on CPU and are skipped with that reason), and its backward never
@@ -691,16 +691,25 @@ def peer_available(name: str):
 _PEER: Any = {}
 
 
-def yunchang_cpu_processor(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, return_softmax=False, **unused):
+def _is_default(value, default) -> bool:
+    if value is None or default is None:
+        return value is default
+    return (tuple(value) if isinstance(default, tuple) else value) == default
+
+
+def yunchang_cpu_processor(q, k, v, softmax_scale=None, causal=False, return_softmax=False, **options):
     """The ``attn_processor`` yunchang gets on CPU: usp-hal's CPU kernel
     (``aten._scaled_dot_product_flash_attention_for_cpu``) on q, k, v of [B, S, H, D], returning
     ``(out [B, S, H, D], lse [B, H, S] float32, natural log)``, the pair yunchang's ring
-    merges.  Anything the bench never asks for (dropout, window, softcap, alibi) is refused."""
+    merges.  yunchang's other keywords (``options``: flash-attn's, as
+    :meth:`usp_hal.dispatch.capabilities.KernelCall.flash_kwargs` names them) are what the bench
+    never asks for: a value other than flash-attn's default is refused, naming the option."""
     import torch
-    if dropout_p or tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None:
-        raise ValueError("the bench's yunchang processor takes plain attention only (no dropout, window, "
-                         "softcap or alibi)")
+    defaults = KernelCall().flash_kwargs()
+    asked = [name for name, value in options.items() if name in defaults and not _is_default(value, defaults[name])]
+    if asked:
+        raise ValueError(f"the bench's yunchang processor takes plain attention only, not {', '.join(asked)}: "
+                         "the bench's peer comparison asks for the scale and causal alone")
     # the CPU op reads the head dim as contiguous whatever its stride: make it so (a no-op here)
     qt, kt, vt = (x.transpose(1, 2) if x.stride(-1) == 1 else x.contiguous().transpose(1, 2) for x in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, bool(causal),

@@ -4,10 +4,11 @@
 Nothing here is written by hand per backend.  A *profile* is a CI device (a device type and,
 for CUDA, a compute capability).  For each profile and each backend shipped with usp-hal,
 every declared dtype is put to the backend's own ``not_supported_reasons``; the dtypes it
-accepts become matrix entries, each with the feature flags (``fwd``, ``bwd``, ``ring``,
-``causal``, ``window``, ``softcap``, ``gqa``) that the same function accepts for that dtype
-on that device.  Per-version and per-device rules (``LIMITS``) are therefore honoured too.
-:func:`generate_docs` renders ``docs/backends.md`` from the same declarations.
+accepts become matrix entries, each with the feature flags
+(:data:`usp_hal.harness.verify.FEATURES`) that the same function accepts for that dtype on
+that device.  Per-version and per-device rules (``LIMITS``) are therefore honoured too.
+:func:`generate_docs` renders ``docs/backends.md`` from the same declarations, one row per
+feature of :data:`usp_hal.harness.verify.DECLARED`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..dispatch import platform as _platform
 from ..dispatch.backend import installed_version
 from ..dispatch.capabilities import capability_row, parse_dtype
 from ..dispatch.registry import ENTRY_POINT_GROUP, REGISTRY
-from .verify import FEATURE_VARIANTS, FEATURES, base_request, feature_change, supported_features
+from .verify import DECLARED, FEATURES, Feature, base_request, feature_change, supported_features
 
 DOCS_PATH = "docs/backends.md"
 DOCS_COMMAND = "usp-hal matrix --docs"
@@ -234,12 +235,18 @@ def _accepts(cls, base, **change) -> bool:
     return not cls.not_supported_reasons(base.with_(**change))
 
 
-def _feature(name: str):
-    return lambda cls: _by_device(cls, lambda base: _yes(feature_change(cls, base, name) is not None))
-
-
-def _extra_flag(**change):
-    return lambda cls: _by_device(cls, lambda base: _yes(_accepts(cls, base, **change)))
+def _feature_cell(feature: Feature):
+    """A feature's row: the text of the first of its variants the backend accepts, "no" when
+    none is (or the feature's own text where the change it needs is refused)."""
+    def value(cls, base) -> str:
+        if feature.needs is not None and not _accepts(cls, base, **feature.needs[0]):
+            return feature.needs[1]
+        for i, change in enumerate(feature.variants):
+            if _accepts(cls, base, **change):
+                text = feature.texts[i] if i < len(feature.texts) else "yes"
+                return text(cls) if callable(text) else text
+        return "no"
+    return lambda cls: _by_device(cls, lambda base: value(cls, base))
 
 
 def _dtypes_cell(cls) -> str:
@@ -251,33 +258,16 @@ def _dtypes_cell(cls) -> str:
 
 def _across_blocks_cell(cls) -> str:
     def value(base):
-        kinds = [feature_change(cls, base, "window"), dict(alibi=True)]
-        usable = [k for k in kinds if k is not None and _accepts(cls, base, **k)]
+        kinds = [feature_change(cls, base, "window"), feature_change(cls, base, "alibi")]
+        usable = [k for k in kinds if k is not None]
         if not usable:
             return "n/a"
         return _yes(all(_accepts(cls, base, key_offset=True, **k) for k in usable))
     return _by_device(cls, value)
 
 
-def _window_cell(cls) -> str:
-    two_sided, left_only = FEATURE_VARIANTS["window"]
-    def value(base):
-        if _accepts(cls, base, **two_sided):
-            return "yes"
-        if _accepts(cls, base, **left_only):
-            return "left bound only (causal)"
-        return "no"
-    return _by_device(cls, value)
-
-
-def _deterministic_cell(cls) -> str:
-    def value(base):
-        if not _accepts(cls, base, needs_grad=True):
-            return "n/a (no backward)"
-        if not _accepts(cls, base, needs_grad=True, deterministic=True):
-            return "no"
-        return "yes" if cls.IS_DETERMINISTIC else "on request (deterministic=True)"
-    return _by_device(cls, value)
+def _ulysses_only_cell(cls) -> str:
+    return _by_device(cls, lambda b: "no" if feature_change(cls, b, "ring") is not None else "yes (no lse)")
 
 
 def _varlen_cell(cls) -> str:
@@ -286,29 +276,31 @@ def _varlen_cell(cls) -> str:
     return "varlen kernel calls" if cls.VARLEN_KERNEL else "one call per document piece"
 
 
-# (row label, cell for one backend class)
-_DOC_ROWS = (
+# (row label, cell for one backend class): the rows before the features', the rows that follow
+# a feature's own row, and the rows after them all
+_HEAD_ROWS = (
     ("devices", lambda c: ", ".join(sorted(c.SUPPORTED_DEVICES))),
     ("dtypes", _dtypes_cell),
     ("head dims", _head_dims),
-    ("forward", _feature("fwd")),
-    ("backward", _feature("bwd")),
-    ("ring (returns lse)", _feature("ring")),
-    ("limited to Ulysses-only meshes",
-     lambda c: _by_device(c, lambda b: "no" if feature_change(c, b, "ring") is not None else "yes (no lse)")),
-    ("causal", _feature("causal")),
-    ("sliding window", _window_cell),
-    ("window/alibi across ring blocks", _across_blocks_cell),
-    ("softcap", _feature("softcap")),
-    ("alibi", _extra_flag(alibi=True)),
-    ("dropout", _extra_flag(dropout_p=0.1)),
-    ("GQA/MQA", _feature("gqa")),
-    ("packed documents (cu_seqlens)", _varlen_cell),
-    ("deterministic backward", _deterministic_cell),
+)
+_AFTER_FEATURE = {
+    "ring": (("limited to Ulysses-only meshes", _ulysses_only_cell),),
+    "window": (("window/alibi across ring blocks", _across_blocks_cell),),
+    "gqa": (("packed documents (cu_seqlens)", _varlen_cell),),
+}
+_TAIL_ROWS = (
     ("compute capability", _min_cc),
     ("input strides taken as they are", lambda c: c.INPUT_LAYOUT),
     ("packages", _packages),
 )
+
+
+def _doc_rows() -> list:
+    rows = list(_HEAD_ROWS)
+    for feature in DECLARED:
+        rows.append((feature.label, _feature_cell(feature)))
+        rows += _AFTER_FEATURE.get(feature.name, ())
+    return rows + list(_TAIL_ROWS)
 
 
 def reason_text(reason: str) -> str:
@@ -320,7 +312,7 @@ def reason_text(reason: str) -> str:
 
 
 def generate_docs(registry=None) -> str:
-    """The text of docs/backends.md (deterministic: declarations only, no machine facts)."""
+    """The text of docs/backends.md (the same on every machine: declarations only, no machine facts)."""
     classes = project_backends(registry)
     names = [c.NAME for c in classes]
     lines = [
@@ -337,7 +329,7 @@ def generate_docs(registry=None) -> str:
         "## What each backend supports",
         "",
     ]
-    rows = [[label] + [cell(c) for c in classes] for label, cell in _DOC_ROWS]
+    rows = [[label] + [cell(c) for c in classes] for label, cell in _doc_rows()]
     lines += _md_table(["", *names], rows)
     lines += ["", "Notes:", ""]
     lines += [

@@ -1,10 +1,11 @@
 """Verification against the float64 reference, and what the probe reports.
 
-Feature flags (:data:`FEATURES`) and the request changes that exercise them are decided by
-each backend's own ``not_supported_reasons`` (:func:`supported_features`,
-:func:`feature_change`); :func:`verify_backend` runs every available backend once on a
-device for each dtype it declares (small shapes; causal and not; GQA, window and softcap
-when declared) and compares ``out``, ``lse`` and, for backends with a backward,
+Features (:data:`DECLARED`: their flags :data:`FEATURES`, the request changes that exercise
+them, their rows in the backend table) are decided by each backend's own
+``not_supported_reasons`` (:func:`supported_features`, :func:`feature_change`);
+:func:`verify_backend` runs every available backend once on a device for each dtype it
+declares (small shapes; causal and not; GQA and each feature with a case of its own when
+declared) and compares ``out``, ``lse`` and, for backends with a backward,
 ``dq``/``dk``/``dv`` with :func:`usp_hal.dispatch.reference.reference_attention`, using the
 per-dtype tolerances of :mod:`usp_hal.dispatch.reference` (or a lossy backend's own).
 :func:`compare` is the one tolerance check, shared with ``usp-hal run``/``bench`` and the
@@ -21,7 +22,8 @@ import json
 import math
 import sys
 import time
-from typing import Any, Dict, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -32,9 +34,6 @@ from ..dispatch.reference import TOLERANCES, reference_attention
 from ..dispatch.registry import REGISTRY
 
 # ----------------------------------------------------------------------------- features
-#: Feature flags a backend is tested for, in display order.
-FEATURES = ("fwd", "bwd", "ring", "causal", "window", "softcap", "gqa")
-
 VERIFY_BATCH = 2
 VERIFY_SEQLEN = 32
 VERIFY_HEADS = 4
@@ -46,18 +45,60 @@ FP8_RMS_BUDGET = 0.05       # a lossy (fp8 wire format) result: RMS error <= 5% 
 # first head dim (in this order) that a backend's declarations accept is used for checks
 HEAD_DIM_CANDIDATES = (64, 128, 32, 96, 80, 16, 256, 8)
 
-#: feature -> request changes that exercise it, in order of preference.  A feature is
-#: supported when the backend's ``not_supported_reasons`` accepts one of them; the first
-#: accepted one is what gets verified.
-FEATURE_VARIANTS = {
-    "fwd": ({},),
-    "bwd": ({"needs_grad": True},),
-    "ring": ({"needs_lse": True},),
-    "causal": ({"causal": True},),
-    "window": ({"window": VERIFY_WINDOW}, {"window": VERIFY_LEFT_WINDOW, "causal": True}),
-    "softcap": ({"softcap": VERIFY_SOFTCAP},),
-    "gqa": ({"num_kv_heads": VERIFY_KV_HEADS},),
-}
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature a backend may support, and how it is tested.
+
+    ``variants``: request changes that use it, in order of preference; the backend supports
+    it when its ``not_supported_reasons`` accepts one of them, and the first accepted one is
+    what gets verified.  ``texts``: what the backend table (docs/backends.md) says for each
+    variant when it is the first accepted ("yes" where not given; a function of the backend
+    class for a text that depends on its declarations); "no" when none is.  ``needs``: the
+    change the feature only applies to and the table's text where that is refused.
+    ``label``: its row in the table.  ``column``: a flag of the CI matrix, the probe and
+    :func:`verify_backend` (else the table alone shows it).  ``own_case``: verification runs
+    a case of its own for it (causal and GQA are combined with the others instead)."""
+
+    name: str
+    label: str
+    variants: Tuple[dict, ...]
+    texts: Tuple[Any, ...] = ()
+    needs: Optional[Tuple[dict, str]] = None
+    column: bool = True
+    own_case: bool = False
+
+
+def _determinism(backend) -> str:
+    return "yes" if backend.IS_DETERMINISTIC else "on request (deterministic=True)"
+
+
+#: Every feature a backend is tested for or documented with, in display order: adding one here
+#: adds its row to docs/backends.md and, with ``column``, its flag to the CI matrix and the probe.
+DECLARED: Tuple[Feature, ...] = (
+    Feature("fwd", "forward", ({},)),
+    Feature("bwd", "backward", ({"needs_grad": True},)),
+    Feature("ring", "ring (returns lse)", ({"needs_lse": True},)),
+    Feature("causal", "causal", ({"causal": True},)),
+    Feature("window", "sliding window", ({"window": VERIFY_WINDOW}, {"window": VERIFY_LEFT_WINDOW, "causal": True}),
+            texts=("yes", "left bound only (causal)"), own_case=True),
+    Feature("softcap", "softcap", ({"softcap": VERIFY_SOFTCAP},), own_case=True),
+    Feature("alibi", "alibi", ({"alibi": True},), column=False),
+    Feature("dropout", "dropout", ({"dropout_p": 0.1},), column=False),
+    Feature("gqa", "GQA/MQA", ({"num_kv_heads": VERIFY_KV_HEADS},)),
+    Feature("deterministic", "deterministic backward", ({"needs_grad": True, "deterministic": True},),
+            texts=(_determinism,), needs=({"needs_grad": True}, "n/a (no backward)"), column=False),
+)
+
+#: Feature flags a backend is tested for, in display order (the CI matrix's columns).
+FEATURES = tuple(f.name for f in DECLARED if f.column)
+
+#: The flags that are options of a call or of its shapes rather than a way of running it
+#: (forward, backward, ring): the probe shows each as the capability declared under its name.
+OPTION_FEATURES = tuple(f for f in FEATURES if f not in ("fwd", "bwd", "ring"))
+
+#: feature -> request changes that exercise it, in order of preference (:attr:`Feature.variants`).
+FEATURE_VARIANTS = {f.name: f.variants for f in DECLARED}
 
 
 def feature_change(backend, base: AttnRequest, feature: str) -> Optional[dict]:
@@ -65,7 +106,7 @@ def feature_change(backend, base: AttnRequest, feature: str) -> Optional[dict]:
     try:
         variants = FEATURE_VARIANTS[feature]
     except KeyError:
-        raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(FEATURES)}") from None
+        raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(FEATURE_VARIANTS)}") from None
     for change in variants:
         if not backend.not_supported_reasons(base.with_(**change)):
             return dict(change)
@@ -115,7 +156,7 @@ def _cases(backend, base: AttnRequest, use: dict) -> list:
         if gqa is not None:
             change = {**gqa, **(causal or {})}
             cases.append(("gqa-causal" if change.get("causal") else "gqa", change))
-    for feature in ("window", "softcap"):
+    for feature in (f.name for f in DECLARED if f.own_case and f.column):
         fchange = feature_change(backend, base, feature) if use.get(feature) else None
         if fchange is not None:
             cases.append((feature + ("-causal" if fchange.get("causal") else ""), fchange))

@@ -2,7 +2,9 @@
 sequence-parallel group must agree on, as one frozen, typed object.
 
 ``LongContextAttention`` builds a :class:`CallSpec` from its arguments once per call (after
-validating them locally).  Its integer metadata vector (:meth:`CallSpec.meta`) is derived
+validating them locally): the fields the pipeline reads by name, and the rest of the call's
+:class:`KernelCall` as one field of values (:data:`CALL_VALUES`), so a new scalar option of
+the call is agreed on without a field here.  Its integer metadata vector (:meth:`CallSpec.meta`) is derived
 from the fields, one encoder per field type, and is what the ranks exchange: one small
 all-gather tells every rank every rank's local length and shows any disagreement, which
 :func:`compare` turns into one error naming each differing field and each rank's value.
@@ -12,9 +14,10 @@ from __future__ import annotations
 
 import functools
 import struct
+import typing
 import zlib
-from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,6 +27,18 @@ from ..parallel.comm import digest_ints, dtype_code
 
 # fields that may differ between ranks (everything else must agree)
 PER_RANK = ("local_len", "positions")
+
+#: :class:`KernelCall` fields a spec does not hold as they are: its tensors and its packing,
+#: which a spec agrees on as digests of its own (``alibi``, ``mask``, ``docs``), and
+#: ``key_offset``, which only a ring block has (0 for a whole call)
+NOT_AS_VALUES = ("alibi_slopes", "mask", "packing", "key_offset")
+
+#: the metadata of a spec field (``field(metadata=CALL_VALUES)``) that holds the rest of its
+#: call's :class:`KernelCall` values: every call field the spec neither declares by name nor
+#: lists in :data:`NOT_AS_VALUES`, in the call's field order (:func:`call_names`).  Each is
+#: encoded, compared and named in errors as if the spec declared it, so a new scalar option of
+#: a kernel call is agreed on by the ranks without a spec field of its own.
+CALL_VALUES = {"call_values": True}
 
 
 @dataclass(frozen=True)
@@ -40,11 +55,8 @@ class CallSpec:
     device_type: str
     causal: bool
     window: Tuple[int, int]
-    softcap: float
-    scale: float
+    call_values: Tuple[Any, ...] = field(metadata=CALL_VALUES)   # the call's other values: call_names()
     alibi: int                 # 0: none; else a digest of the slope values
-    dropout_p: float
-    deterministic: bool
     needs_grad: bool
     return_lse: bool
     layout: str
@@ -75,23 +87,75 @@ class CallSpec:
 
 def spec_of(cls, call: KernelCall, **rest):
     """An instance of the spec dataclass ``cls`` whose fields named like a :class:`KernelCall`
-    field come from ``call`` (so a new kernel option is agreed on by declaring it in both)."""
-    shared = _SHARED.get(cls)
-    if shared is None:
-        own = {f.name for f in fields(KernelCall)}
-        shared = _SHARED[cls] = tuple(f.name for f in fields(cls) if f.name in own)
-    return cls(**{name: getattr(call, name) for name in shared if name not in rest}, **rest)
+    field come from ``call``, and whose :data:`CALL_VALUES` field (if it has one) holds the
+    call's other values (:func:`call_names`); ``rest``: the other fields."""
+    shared, holder, names = _shape(cls).call_fields
+    got = {name: getattr(call, name) for name in shared if name not in rest}
+    if holder is not None and holder not in rest:
+        got[holder] = tuple(getattr(call, name) for name in names)
+    return cls(**got, **rest)
 
 
-_SHARED: Dict[type, Tuple[str, ...]] = {}
+def call_names(cls=None) -> Tuple[str, ...]:
+    """The :class:`KernelCall` fields that the :data:`CALL_VALUES` field of the spec dataclass
+    ``cls`` (by default :class:`CallSpec`) holds, in order."""
+    return _shape(cls if cls is not None else CallSpec).call_fields[2]
+
+
+class _Unit(NamedTuple):
+    """One named value of a spec's metadata vector: a field, or one call value of the
+    :data:`CALL_VALUES` field."""
+    name: str
+    width: int          # integers it takes (an (int, int) pair: 2)
+    real: bool          # a float (or an optional one): encoded as its IEEE bits, shown as a number
+    label: str          # what the spec's field says it is ("": its name alone)
+    per_rank: bool      # may differ between ranks (:data:`PER_RANK`, :class:`CallSpec` only)
+
+
+class _Shape(NamedTuple):
+    units: Tuple[_Unit, ...]
+    call_fields: Tuple[Tuple[str, ...], Optional[str], Tuple[str, ...]]   # (shared, holder, held names)
+
+
+def _unit(name: str, hint, label: str, per_rank: bool) -> _Unit:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    width = len(args) if typing.get_origin(hint) is tuple and Ellipsis not in args else 1
+    real = hint is float or (typing.get_origin(hint) is typing.Union and args == [float])
+    return _Unit(name, width, real, label, per_rank)
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(cls) -> _Shape:
+    """The units of ``cls``'s metadata vector and how its fields come from a :class:`KernelCall`."""
+    own = {f.name: f for f in fields(cls)}
+    hints, call_hints = typing.get_type_hints(cls), typing.get_type_hints(KernelCall)
+    values = [f.name for f in fields(KernelCall) if f.name not in NOT_AS_VALUES]
+    shared = tuple(name for name in values if name in own)
+    holders = [f.name for f in fields(cls) if f.metadata.get("call_values")]
+    holder = holders[0] if holders else None
+    held = tuple(name for name in values if name not in own) if holder is not None else ()
+    units: List[_Unit] = []
+    for f in fields(cls):
+        label = f.metadata.get("label", "")
+        if f.name == holder:
+            units += [_unit(name, call_hints[name], label, False) for name in held]
+        else:
+            units.append(_unit(f.name, hints[f.name], label, cls is CallSpec and f.name in PER_RANK))
+    return _Shape(tuple(units), (shared, holder, held))
 
 
 def meta_vector(spec) -> List[int]:
     """A frozen spec dataclass's metadata vector: error flag 0, then every field encoded as
-    integers, one encoder per field type (a tuple gives one integer per item)."""
+    integers, one encoder per field type (a tuple gives one integer per item; the
+    :data:`CALL_VALUES` field, each value as its own field)."""
     out = [0]
     for f in fields(spec):
-        out += _encode(getattr(spec, f.name))
+        value = getattr(spec, f.name)
+        if f.metadata.get("call_values"):
+            for item in value:
+                out += _encode(item)
+        else:
+            out += _encode(value)
     return out
 
 
@@ -99,28 +163,21 @@ def meta_vector(spec) -> List[int]:
 def field_index(name: str) -> int:
     """Index of field ``name`` in a metadata vector (after the error flag)."""
     i = 1
-    for f in fields(CallSpec):
-        if f.name == name:
+    for u in _shape(CallSpec).units:
+        if u.name == name:
             return i
-        i += _width(f.name)
+        i += u.width
     raise KeyError(name)
 
 
 @functools.lru_cache(maxsize=None)
 def meta_length() -> int:
     """Length of every rank's metadata vector (the same for a rank that failed)."""
-    return 1 + sum(_width(f.name) for f in fields(CallSpec))
+    return 1 + sum(u.width for u in _shape(CallSpec).units)
 
 
 def error_meta() -> List[int]:
     return [1] + [0] * (meta_length() - 1)
-
-
-_WIDTH = {"window": 2}
-
-
-def _width(name: str) -> int:
-    return _WIDTH.get(name, 1)
 
 
 def _encode(value) -> List[int]:
@@ -140,15 +197,15 @@ def _encode(value) -> List[int]:
 
 
 def decode_rows(rows: Sequence[Sequence[int]], kind: type = CallSpec) -> List[Dict[str, int]]:
-    """Per rank: field name -> encoded value(s) (tuple for multi-int fields) of a ``kind`` spec."""
+    """Per rank: field name -> encoded value(s) (tuple for multi-int fields) of a ``kind`` spec
+    (the values of its :data:`CALL_VALUES` field by their :class:`KernelCall` names)."""
     out = []
     for row in rows:
         i = 1
         d: dict = {}
-        for f in fields(kind):
-            w = _width(f.name)
-            d[f.name] = tuple(row[i:i + w]) if w > 1 else row[i]
-            i += w
+        for u in _shape(kind).units:
+            d[u.name] = tuple(row[i:i + u.width]) if u.width > 1 else row[i]
+            i += u.width
         out.append(d)
     return out
 
@@ -162,21 +219,30 @@ def compare(rows: Sequence[Sequence[int]], ranks: Sequence[object], local=None, 
     kind = kind if kind is not None else type(local) if local is not None else CallSpec
     decoded = decode_rows(rows, kind)
     diffs = []
-    for f in fields(kind):
-        if kind is CallSpec and f.name in PER_RANK:
+    for u in _shape(kind).units:
+        if u.per_rank:
             continue
-        vals = [d[f.name] for d in decoded]
+        vals = [d[u.name] for d in decoded]
         if len(set(vals)) > 1:
-            mine = getattr(local, f.name) if local is not None else None
-            shown = ", ".join(f"rank {r}={_show(f.name, v, mine, local, d)}" for r, v, d in zip(ranks, vals, decoded))
-            label = f.metadata.get("label")
-            diffs.append(f"{label} ({f.name}): {shown}" if label else f"{f.name}: {shown}")
+            mine = _value(local, u.name) if local is not None else None
+            shown = ", ".join(f"rank {r}={_show(u, v, mine, local)}" for r, v in zip(ranks, vals))
+            diffs.append(f"{u.label} ({u.name}): {shown}" if u.label else f"{u.name}: {shown}")
     return diffs
 
 
-def _show(name: str, enc, mine, local, _row) -> str:
+def _value(spec, name: str):
+    """A spec's value of field ``name``, or of that call value of its :data:`CALL_VALUES` field."""
+    kind: type = type(spec)
+    _, holder, held = _shape(kind).call_fields
+    if holder is not None and name in held:
+        return getattr(spec, holder)[held.index(name)]
+    return getattr(spec, name)
+
+
+def _show(unit: _Unit, enc, mine, local) -> str:
     """Readable value of an encoded field (exact for numbers; names for known strings)."""
-    if name in ("softcap", "scale", "dropout_p"):
+    name = unit.name
+    if unit.real:
         return repr(struct.unpack("<d", struct.pack("<q", enc))[0])
     if name == "dtype":
         for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
@@ -246,5 +312,6 @@ class TensorDigests:
         return self._seen.get_or(key, lambda: digest_tensor(t))
 
 
-__all__ = ["CallSpec", "TensorDigests", "compare", "decode_rows", "digest_ints", "digest_tensor", "error_meta",
-           "field_index", "fingerprint", "meta_length", "meta_vector", "spec_of"]
+__all__ = ["CALL_VALUES", "CallSpec", "NOT_AS_VALUES", "TensorDigests", "call_names", "compare", "decode_rows",
+           "digest_ints", "digest_tensor", "error_meta", "field_index", "fingerprint", "meta_length", "meta_vector",
+           "spec_of"]

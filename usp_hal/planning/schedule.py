@@ -21,8 +21,8 @@ communication and per-call overheads):
   :meth:`Scheduler.static`) is placed with the same care, and when the dynamic schedule's
   predicted gain over it is below ``margin`` the step runs the fixed split (logged once).
 
-Every input is a number, every step deterministic: ranks that compute the schedule from the same
-gathered lengths get the same schedule.  A batch that cannot be placed (a sequence over the
+Every input is a number, every step a pure function of its inputs: ranks that compute the
+schedule from the same gathered lengths get the same schedule.  A batch that cannot be placed (a sequence over the
 budget on every group) raises :class:`ScheduleError` naming the sequence and the budget.
 """
 from __future__ import annotations
