@@ -79,22 +79,51 @@ else
         fi
     fi
 fi
-if ! "$PY" -c "import usp_hal.backends" 2>/dev/null; then
+# ---- probe and matrix: the four commands in one process (each start of Python with torch costs
+# seconds of the budget); each writes its file as `usp-hal probe > probe.txt 2>&1`, `usp-hal probe
+# --json > probe.json`, and the two `usp-hal matrix` do; the process prints which of them passed
+log "probe"
+cli_ok=$("$PY" - "$OUT" <<'PYEOF'
+import contextlib, os, sys, traceback
+try:
+    import usp_hal.backends  # noqa: F401
+except Exception:
+    sys.exit(3)
+from usp_hal.cli import main
+out = sys.argv[1]
+with open(os.devnull, "w") as devnull:
+    for name, path, argv, err in (
+            ("probe", "probe.txt", ["probe"], "file"),
+            ("probe-json", "probe.json", ["probe", "--json"], devnull),
+            ("matrix", "matrix-cuda-sm90.json", ["matrix", "--device", "cuda-sm90"], sys.stderr),
+            ("matrix-md", "matrix-cuda-sm90.md", ["matrix", "--device", "cuda-sm90", "--format", "markdown"],
+             sys.stderr)):
+        with open(os.path.join(out, path), "w") as f, contextlib.redirect_stdout(f), \
+                contextlib.redirect_stderr(f if err == "file" else err):
+            try:
+                rc = main(argv)
+            except SystemExit as exc:
+                rc = exc.code
+            except Exception:
+                traceback.print_exc()
+                rc = 1
+        if not rc:
+            print(name)
+PYEOF
+)
+if [[ $? -eq 3 ]]; then
     echo "usp_hal cannot be imported after the install step; see $OUT/install.log" >&2
     exit 1
 fi
-
-# ---- probe and matrix
-log "probe"
-if "$PY" -m usp_hal probe > "$OUT/probe.txt" 2>&1 && "$PY" -m usp_hal probe --json > "$OUT/probe.json" 2>/dev/null; then
+has() { [[ " $(echo $cli_ok) " == *" $1 "* ]]; }
+if has probe && has probe-json; then
     step probe pass "probe.txt, probe.json"
 else
     step probe fail "usp-hal probe failed (probe.txt)"
 fi
 cat "$OUT/probe.txt"
 log "matrix"
-if "$PY" -m usp_hal matrix --device cuda-sm90 > "$OUT/matrix-cuda-sm90.json" \
-    && "$PY" -m usp_hal matrix --device cuda-sm90 --format markdown > "$OUT/matrix-cuda-sm90.md"; then
+if has matrix && has matrix-md; then
     step matrix pass "$("$PY" -c "import json,sys; print(len(json.load(open(sys.argv[1]))), 'entries for cuda-sm90')" "$OUT/matrix-cuda-sm90.json")"
 else
     step matrix fail "usp-hal matrix --device cuda-sm90 failed"

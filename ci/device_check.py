@@ -664,21 +664,34 @@ def fla_state_passing_case(device: str, op: str) -> dict:
 
 def fla_state_passing_one(device: str, op: str) -> dict:
     try:
+        import fla  # noqa: F401  (here, where the kernel runs: the launcher never imports it)
+    except ImportError as exc:
+        return {"not_installed": str(exc)}
+    try:
         return fla_state_passing_case(device, op)
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
 
+def _fla_missing(why) -> Skip:
+    return Skip(f"flash-linear-attention is not installed ({why}); pip install --no-deps "
+                "flash-linear-attention==0.6.0 fla-core==0.6.0 (pure Python; einops needed)")
+
+
 def _fla_check(op: str):
     def run(ctx: Context) -> dict:
-        try:
-            import fla  # noqa: F401
-        except ImportError as exc:
-            raise Skip(f"flash-linear-attention is not installed ({exc}); pip install --no-deps "
-                       "flash-linear-attention==0.6.0 fla-core==0.6.0 (pure Python; einops needed)") from None
+        # fla (and the transformers it imports) is imported by the ranks only: importing it here
+        # as well cost the launcher seconds of the budget; an absent package is skipped without
+        # starting ranks, one that is there but does not import is skipped as the ranks report
+        import importlib.util
+        if importlib.util.find_spec("fla") is None:
+            raise _fla_missing("No module named 'fla'")
         got = _run_on_ranks(2, fla_state_passing_one, 180 if ctx.cuda else 120, device=ctx.device, op=op)
         if isinstance(got, Exception):
             return {"status": "fail", "detail": f"the 2 ranks failed: {str(got)[:400]}"}
+        missing = [res["not_installed"] for res in got if "not_installed" in res]
+        if missing:
+            raise _fla_missing(missing[0])
         return _sum_up({f"rank {r}": res for r, res in enumerate(got)})
     return run
 

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from tests.mp import WorkerPool
@@ -26,6 +28,7 @@ GROUP_LIMIT = 64
 
 
 _CASES = [0]
+END_GRACE = 1.0     # seconds the pools' workers get to exit at the end of the run
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -57,8 +60,19 @@ def _pool(world):
 def pools():
     """Callable world_size -> WorkerPool (spawned once per size, reused across cases)."""
     yield _pool
-    for p in _POOLS.values():       # every pool's workers wind down together
-        p.stop()
+    # every pool's workers are told to finish together and given END_GRACE seconds in all;
+    # those still destroying their process groups or leaving the interpreter then are killed
+    # (nothing is asked of them any more: waited for pool after pool, that was seconds of
+    # every run's end on two cores)
     for p in _POOLS.values():
+        p.stop()
+    deadline = time.monotonic() + END_GRACE
+    for p in _POOLS.values():
+        for proc in p.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in _POOLS.values():
+        for proc in p.procs:
+            if proc.is_alive():
+                proc.kill()
         p.close()
     _POOLS.clear()

@@ -33,7 +33,7 @@ def test_mesh_local_positions(pools, layout):
 
 
 # ----------------------------------------------------------------------------- dying / skipping ranks
-FAULT_TIMEOUT = 8.0     # seconds: the process groups' timeout in these cases
+FAULT_TIMEOUT = 4.0     # seconds: the process groups' timeout in these cases (each case waits it out once)
 
 
 def _survivors_raise(res, survivors, limit):
