@@ -53,6 +53,7 @@ from usp_hal.planning.schedule import (
     split_label,
     static_rule,
 )
+from usp_hal.planning.trial import MeasuredTrial
 
 WORLD = 4
 PROFILES = ("h100-nvlink", "l40-pcie")
@@ -63,6 +64,9 @@ GPU_MODEL = AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermed
 CPU_LAYER = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 896, "vocab": 2048}
 CPU_LAYERS = 2
 SCALE = 16
+#: the measured trial's timed steps per arm (after one warm-up step of each)
+TRIAL = 2
+TRIALED = "dynamic, measured trial"
 
 
 def cpu_shape() -> AttentionShape:
@@ -167,6 +171,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     assert shape == cpu_shape(), (shape, cpu_shape())
     dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
     extra = usp.calibrate_calls(model, dd)          # the model path's own fixed cost per call and split
+    model_ = dd.scheduler.model
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                                 ulysses_degrees=(1,), model=dd.scheduler.model),
@@ -177,6 +182,11 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     out: Dict[int, dict] = {}
     for seed in seeds:
         bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=SCALE)
+        # the per-batch schedule under a measured trial (DynamicDegree(trial_steps=TRIAL)): it
+        # sees only its own steps' times, the slowest rank's, as DynamicDegree gives them
+        trial = MeasuredTrial(Scheduler(WORLD, shape, budget_tokens=budget, profile=model_.profile, model=model_),
+                              TRIAL)
+        trial_labels: List[str] = []
         base = dd.scheduler
         totals = {}
         for u, r in base.static_splits(max(map(max, bs))):
@@ -185,11 +195,14 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
             except ScheduleError:
                 continue
         best = min(totals, key=lambda k: totals[k])
-        names = list(variants) + [("static+ " if k == best else "static ") + split_label(WORLD, *k) for k in totals]
+        names = list(variants) + [TRIALED] + [("static+ " if k == best else "static ") + split_label(WORLD, *k)
+                                              for k in totals]
         runs: Dict[str, List[float]] = {n: [] for n in names}
         preds: Dict[str, List[float]] = {n: [] for n in names}
         for step, b in enumerate(bs):
             scheds: Dict[str, Schedule] = {n: s.schedule(b) for n, s in variants.items()}
+            serial, scheds[TRIALED] = trial.choose(b, at=step)
+            trial_labels.append(scheds[TRIALED].label)
             for k in totals:
                 scheds[("static+ " if k == best else "static ") + split_label(WORLD, *k)] = base.static(b, *k)
             items = sum(n - 1 for n in b)
@@ -199,10 +212,18 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                 t0 = time.perf_counter()
                 _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
                 dist_.barrier()
+                took = time.perf_counter() - t0
+                if n == TRIALED:
+                    slowest = torch.tensor([took], dtype=torch.float64)
+                    dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
+                    trial.record(serial, float(slowest), at=step + 1)
                 if step:                   # the first batch warms every path up
-                    runs[n].append(time.perf_counter() - t0)
+                    runs[n].append(took)
                     preds[n].append(scheds[n].predicted)
-        out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best)}
+        out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best),
+                     "trial": {"kept": trial.decided, "ratio": trial.ratio,
+                               "split": split_label(WORLD, *trial.split) if trial.split else None,
+                               "labels": trial_labels}}
     out["call_extra"] = extra
     return out
 
@@ -237,6 +258,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           "(usp.calibrate_calls, two job sizes)")
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
     ratios, dyn_all, st_all = [], 0.0, 0.0
+    trial_ratios, trial_all = [], 0.0
     for seed in seeds:      # each seed priced by a calibration made just before it (the machine's speed drifts)
         t0 = time.monotonic()
         if profile is None:
@@ -272,10 +294,21 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         st_all += sum(runs[best])
         print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f}, predicted "
               f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules")
+        tr = res[0][seed]["trial"]
+        trial_ratios.append(sum(runs[TRIALED]) / sum(runs[best]))
+        trial_all += sum(runs[TRIALED])
+        ratio_txt = f"{tr['ratio']:.3f}" if tr["ratio"] is not None else "-"
+        print(f"    seed {seed}: the measured trial (fixed split {tr['split']}, {TRIAL} timed steps of each after a "
+              f"warm-up) measured the per-batch schedule at {ratio_txt}x the fixed split and kept "
+              f"{tr['kept'] or 'trying'}; steps: {', '.join(tr['labels'])}; measured {TRIALED}/static+ "
+              f"{trial_ratios[-1]:.3f} (the trial's steps included)")
     within = sum(e <= 0.25 for e in batch_errs)
     print(f"  the plan's error per schedule (its batches' mean step): at most {100 * worst_err:.1f}%; per batch: "
           f"{within} of {len(batch_errs)} within 25%, the worst {100 * max(batch_errs):.1f}%")
-    return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear}
+    print(f"  {TRIALED} / static+: {trial_all / st_all:.3f} over the seeds; per seed "
+          + ", ".join(f"{x:.3f}" for x in trial_ratios))
+    return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear,
+            "trial": trial_all / st_all, "trial_seeds": trial_ratios}
 
 
 def host_time(n_seq: int = 1000, world: int = 64, reps: int = 20) -> float:

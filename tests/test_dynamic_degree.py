@@ -271,6 +271,7 @@ def test_short_sequences_run_in_the_documented_loop_as_one_process(pools, world,
     ("pack", [True, False, True, True]),
     ("sizes", [(1, 2, 4), (1, 2, 4), (1, 4), (1, 2, 4)]),
     ("ulysses_degrees", [None, None, None, (1,)]),
+    ("trial_steps", [0, 0, 2, 0]),
 ])
 def test_settings_that_differ_between_ranks_are_refused_on_every_rank(pools, setting, values):
     """A rank built with another budget (one derived from its own free memory, say), profile,
@@ -308,7 +309,7 @@ def test_a_bad_length_on_one_rank_is_refused_on_every_rank(pools, bad, needle, g
 @pytest.mark.multirank
 @pytest.mark.timeout(200)
 def test_lengths_beyond_the_first_message_are_gathered(pools):
-    """Ranks giving 3, 0, 150 and 61 lengths: the fixed-size first message carries 61, a second
+    """Ranks giving 3, 0, 150 and 61 lengths: the fixed-size first message carries 59, a second
     all-gather the rest; every rank gets every rank's lengths in rank order."""
     counts = [3, 0, 150, 61]
     res = pools(4).run(dist_dynamic.many_lengths, timeout=120, counts=counts)
@@ -350,3 +351,64 @@ def test_a_model_that_cannot_pack_is_not_packed_or_refused_at_set_up(pools):
     res = pools(4).run(dist_dynamic.hybrid_packing, timeout=240, pack=True)
     assert all(r and "cannot pack documents" in r and "Qwen3NextGatedDeltaNet" in r and "pack=False" in r
                for r in res), res
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("slow", ["dynamic", "fixed"])
+def test_the_measured_trial_keeps_the_faster_arm_on_every_rank(pools, slow, ahead):
+    """trial_steps=2: the first steps run the per-batch schedule and one fixed split in turn (a
+    warm-up and two timed steps of each), timed by the gathers the steps make anyway; when the
+    per-batch schedule is slower than the model says (a sleep in its jobs), every later step
+    runs the fixed split on every rank, and when the fixed split is the slow one the per-batch
+    schedule stays.  Without the trial the
+    per-batch schedule runs every step (margin 0), slow or not."""
+    res = pools(4).run(dist_dynamic.measured_trial, timeout=240, slow=slow, ahead=ahead)
+    assert all(r == res[0] for r in res), res
+    got = res[0]
+    assert got["decided"] == ("fixed" if slow == "dynamic" else "schedule"), got
+    assert (got["ratio"] > 1.0) == (slow == "dynamic"), got
+    first = got["labels"][:6]
+    assert first.count("dynamic") == 3 and len(set(first)) == 2, got       # the trial: three steps of each arm
+    fixed = next(lab for lab in first if lab != "dynamic")
+    assert got["labels"][-3:] == [fixed if slow == "dynamic" else "dynamic"] * 3, got
+
+
+def test_the_measured_trial_is_a_pure_function_of_the_lengths_and_the_times():
+    """Two trials fed the same batches and times choose alike; a time counts only from the step
+    index given with it (a schedule computed ahead sees what every rank sees); the fixed split
+    is frozen at its first step and a batch it cannot hold runs the per-batch schedule."""
+    from usp_hal.planning.schedule import Scheduler
+    from usp_hal.planning.trial import MeasuredTrial
+    batches = [[1500 + 10 * k, 900, 700, 300, 200, 100, 90, 80] for k in range(9)] + [[3900, 50, 40]]
+
+    def run(times):
+        t = MeasuredTrial(Scheduler(4, SHAPE, budget_tokens=1024, profile="h100-nvlink", margin=0.0), trial=2)
+        labels = []
+        for step, b in enumerate(batches):
+            serial, s = t.choose(b, at=step)
+            labels.append(s.label)
+            t.record(serial, times(s), at=step + 1)
+        return t, labels
+
+    slow_dyn, labels = run(lambda s: 2.0 if s.label == "dynamic" else 1.0)
+    again, labels2 = run(lambda s: 2.0 if s.label == "dynamic" else 1.0)
+    assert labels == labels2 and slow_dyn.samples == again.samples
+    fixed = slow_dyn.split and labels[1]
+    assert labels[:6] == ["dynamic", fixed] * 3, labels
+    assert slow_dyn.decided == "fixed" and slow_dyn.ratio > 1
+    assert labels[6:9] == [fixed] * 3, labels
+    assert slow_dyn.split[0] * slow_dyn.split[1] == 2, slow_dyn.split
+    assert labels[9] == "dynamic", "3,900 tokens do not fit the frozen split's 2 ranks x 1,024: the schedule runs"
+    slow_fixed, labels = run(lambda s: 1.0 if s.label == "dynamic" else 2.0)
+    assert slow_fixed.decided == "schedule" and labels[6:] == ["dynamic"] * 4, labels
+    late = MeasuredTrial(slow_dyn.scheduler, trial=2)
+    serial, _ = late.choose(batches[0], at=0)
+    late.record(serial, 1.0, at=3)
+    late.choose(batches[1], at=2)
+    assert late.samples["schedule"] == [], "a time given for step 3 does not count at step 2"
+    late.choose(batches[2], at=3)
+    assert len(late.samples["schedule"]) == 1
+    with pytest.raises(ValueError, match="trial"):
+        MeasuredTrial(slow_dyn.scheduler, trial=0)
