@@ -21,12 +21,14 @@ its fastest job); the slowest rank's step in parts.
 from a transformers config with every size divided by 16 (2 layers, hidden 256, MLP 896, 8 heads
 of 32, 2 KV heads, vocabulary 2,048, fp32), lengths divided by 16, 2,048 tokens per rank, at most
 1,024 tokens per rank in one job, so that the linear layers' compute dominates a step (about a
-second per step here, per-call costs a few percent).  Per seed, 7 batches (after one warm-up),
+second per step here, per-call costs a few percent).  Per seed, 11 batches (after one warm-up),
 each run under every schedule in turn (the order rotating), a whole step each: every job's
 forward and backward through the transformers integration, the gradients summed over the world,
 an AdamW step.  The slowest rank's step time (barrier to barrier); per schedule the predicted
 time (the calibrated profile) against it: the plan's error and the Spearman rank correlation of
-the schedules' totals.
+the schedules' totals.  One of the schedules is the per-batch schedule under the measured trial
+(usp_hal.planning.trial, as ``DynamicDegree(trial_steps=2)`` runs it): it sees only its own
+steps' times, the warm-up batch included, and its trial steps count in its total.
 
 The last line: ``dynamic/static+ predicted=<the NVLink profile's ratio> measured=<this CPU,
 every seed's total> slowest/mean=<the NVLink dynamic schedule's worst batch> schedule/bound=<its
@@ -336,7 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--time", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure whole steps on 4 gloo ranks here")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the measured runs' seeds")
-    ap.add_argument("--time-steps", type=int, default=7, help="measured batches per seed")
+    ap.add_argument("--time-steps", type=int, default=11, help="measured batches per seed")
     ap.add_argument("--profile", default=None, help="price the measured runs with this profile (default: calibrate)")
     ap.add_argument("--host-time", action="store_true", help="also time the scheduling of 1,000 sequences on 64 ranks")
     args = ap.parse_args(argv)
