@@ -156,6 +156,7 @@ def test_plan_prints_the_gain_for_a_length_distribution(tmp_path, capsys):
     assert ("USPTrainingArguments(..., usp_dynamic_degree=True, usp_budget_tokens=16384, "
             "usp_profile='h100-nvlink')") in on
     assert "usp.dynamic_degree(model, budget_tokens=16384, profile='h100-nvlink')" in on
+    assert "usp_dynamic_trial_steps=3" in on and "trial_steps=3 (custom loop)" in on
     f = tmp_path / "lengths.txt"
     f.write_text("4000 300 300 100\n2000,2000\n")
     assert main(base + ["--seqlen", "4700", "--lengths", str(f), "--json"]) == 0
