@@ -69,6 +69,9 @@ SCALE = 16
 #: the measured trial's timed steps per arm (after one warm-up step of each)
 TRIAL = 2
 TRIALED = "dynamic, measured trial"
+#: whole-step calibration: batches of their own (seeded apart from the measured ones)
+CAL_BATCHES = 2
+CAL_SEED = 1000
 
 
 def cpu_shape() -> AttentionShape:
@@ -173,14 +176,18 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     assert shape == cpu_shape(), (shape, cpu_shape())
     dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
     extra = usp.calibrate_calls(model, dd)          # the model path's own fixed cost per call and split
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rank = dist_.get_rank()
+    # whole steps on batches of their own (not among the measured ones), the price fitted to them
+    cal = draw_batches(DISTS[dist], CAL_BATCHES, WORLD * tokens_per_rank, seed=CAL_SEED + seeds[0], scale=SCALE)
+    scale = dd.calibrate_steps(cal, lambda lens, sched: _step(model, opt, dd, sched, rank, CAL_SEED, cal.index(lens),
+                                                              sum(n - 1 for n in lens), c["vocab"]))
     model_ = dd.scheduler.model
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                                 ulysses_degrees=(1,), model=dd.scheduler.model),
                 "dynamic unpacked": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                               pack=False, model=dd.scheduler.model)}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    rank = dist_.get_rank()
     out: Dict[int, dict] = {}
     for seed in seeds:
         bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=SCALE)
@@ -227,6 +234,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                                "split": split_label(WORLD, *trial.split) if trial.split else None,
                                "labels": trial_labels}}
     out["call_extra"] = extra
+    out["part_scale"] = scale
     return out
 
 
@@ -276,6 +284,9 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         extra = ", ".join(f"{k}: {v[0] * 1e3:+.1f} ms {v[1] * 1e6:+.1f} us/token {v[2] * 1e3:+.2f} ms/doc" for k, v in
                           res[0]["call_extra"].items())
         print(f"  seed {seed}: {how}; the model path against its price (g,u,r): {extra}")
+        print(f"  seed {seed}: whole steps against their price ({CAL_BATCHES} batches of their own, each under the "
+              "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the parts scaled "
+              "by: " + ", ".join(f"{k} {v:.2f}" for k, v in res[0]["part_scale"].items()))
         runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
         preds = res[0][seed]["preds"]
         names = list(runs)

@@ -308,3 +308,26 @@ def measured_trial(slow: str, steps: int = 12, trial: int = 2, ahead: bool = Fal
             sched = nxt.result(timeout=60) if nxt is not None else dd.schedule(lengths(step + 1))
     t = dd.trial
     return {"labels": labels, "decided": t.decided, "ratio": t.ratio, "split": t.split, "samples": t.samples}
+
+
+def calibrated_steps(batches, budget: int = 64):
+    """DynamicDegree.calibrate_steps over ``batches``, each step every job of this rank's
+    attention forward and backward (fp32): the factors, the schedules each step ran, and the
+    factors the price model then holds."""
+    dd = DynamicDegree(SHAPE, budget_tokens=budget, profile="cpu-4ranks")
+    ran = []
+
+    def run(lens, sched):
+        ran.append((list(lens), sched.label, len(sched.jobs)))
+        for job in dd.my_jobs(sched):
+            with dd.on(job):
+                attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=job.cost.layout)
+                parts = [_sequence(i, n) for i, n in zip(job.seqs, job.lengths)]
+                q, k, v, dout = (torch.cat([p[j] for p in parts], 1) for j in range(4))
+                cu, lay = job.cu_seqlens, job.cost.layout
+                ql, kl, vl = (usp_hal.shard(x.float(), layout=lay, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
+                out = attn(ql, kl, vl, causal=True, cu_seqlens=cu) if cu else attn(ql, kl, vl, causal=True)
+                out.backward(usp_hal.shard(dout.float(), layout=lay, cu_seqlens=cu))
+
+    scale = dd.calibrate_steps(batches, run)
+    return {"scale": scale, "ran": ran, "held": dict(dd.scheduler.model.part_scale)}

@@ -413,3 +413,21 @@ def test_the_measured_trial_is_a_pure_function_of_the_lengths_and_the_times():
     assert len(late.samples["schedule"]) == 1
     with pytest.raises(ValueError, match="trial"):
         MeasuredTrial(slow_dyn.scheduler, trial=0)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_whole_step_calibration_runs_every_schedule_and_fits_alike_on_every_rank(pools):
+    """DynamicDegree.calibrate_steps: each batch run under the per-batch schedule, its unpacked
+    form and every fixed split that holds it, each step timed as the slowest rank's; every rank
+    fits the same factors and prices with them from then on."""
+    batches = [[200, 9, 12, 7, 30, 5], [150, 40, 22, 64]]
+    res = pools(4).run(dist_dynamic.calibrated_steps, timeout=240, batches=batches)
+    assert all(r["scale"] == res[0]["scale"] and r["ran"] == res[0]["ran"] for r in res), res
+    got = res[0]
+    assert got["held"] == got["scale"]
+    assert any(abs(v - 1.0) > 1e-6 for v in got["scale"].values()), got["scale"]
+    for b in batches:
+        mine = [(lab, n) for lens, lab, n in got["ran"] if lens == b]
+        assert mine[0][0] == mine[1][0] == "dynamic" and mine[1][1] == len(b), mine   # unpacked: a job each
+        assert len(mine) >= 3 and all(lab != "dynamic" for lab, _ in mine[2:]), mine

@@ -113,3 +113,39 @@ def test_least_tokens_gives_every_rank_one():
         n = least_tokens(g, u, lay)
         assert min(min(r) for r in local_lengths(lay, n, g // u, u)) >= 1
         assert min(min(r) for r in local_lengths(lay, n - 1, g // u, u)) == 0
+
+
+def test_a_whole_step_fit_recovers_the_parts_factors_and_leaves_unexercised_parts_at_one():
+    """Steps made of known parts, timed as those parts times known factors (noise-free): the fit
+    gives back the factors (near: each is held towards 1); a part no sample has (communication
+    here) stays 1; bad times are refused; the factors change every price the model gives after
+    set_part_scale."""
+    import random
+
+    from usp_hal.planning.stepcost import SCALED, fit_part_scale
+    rnd = random.Random(3)
+    truth = {"attention": 1.6, "tokens": 0.8, "communication": 1.0, "overhead": 0.5, "constant": 1.2}
+    samples = []
+    for _ in range(40):
+        parts = {"attention": rnd.uniform(0.1, 1.0), "tokens": rnd.uniform(0.5, 3.0), "communication": 0.0,
+                 "overhead": rnd.uniform(0.0, 0.6), "idle": rnd.uniform(0.0, 0.2), "constant": 0.3}
+        took = sum(truth[k] * parts[k] for k in SCALED) + parts["idle"]
+        samples.append((parts, took))
+    got = fit_part_scale(samples)
+    for k in ("attention", "tokens", "overhead"):      # within 10%: the prior pulls each factor towards 1
+        assert abs(got[k] - truth[k]) < 0.1 * truth[k], (k, got)
+    assert got["communication"] == pytest.approx(1.0), got
+    with pytest.raises(ValueError, match="measured step"):
+        fit_part_scale([(samples[0][0], 0.0)])
+    shape = AttentionShape(heads=8, head_dim=32, kv_heads=2, dtype="fp32", causal=True, bwd=True, hidden=256,
+                           intermediate=896, layers=2, vocab=2048)
+    m = StepModel(shape, "cpu")
+    before = m.job((300,), 2, 1, "varlen_zigzag")
+    const = m.step_constant(4)
+    m.set_part_scale({"tokens": 2.0, "constant": 3.0})
+    after = m.job((300,), 2, 1, "varlen_zigzag")
+    assert after.tokens == pytest.approx(2 * before.tokens) and after.attention == pytest.approx(before.attention)
+    assert after.time == pytest.approx(before.time + before.tokens)
+    assert m.step_constant(4) == pytest.approx(3 * const)
+    with pytest.raises(ValueError, match="unknown parts"):
+        m.set_part_scale({"kernel": 2.0})

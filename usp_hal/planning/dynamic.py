@@ -47,7 +47,7 @@ from .schedule import (
     length_problem,
     ulysses_degrees_of,
 )
-from .stepcost import shape_fields
+from .stepcost import fit_part_scale, shape_fields
 from .trial import MeasuredTrial
 
 #: the most sequences one rank may contribute to a step
@@ -244,6 +244,51 @@ class DynamicDegree:
             self._recent.append((serial, sched))
             self._jobs_serial = {id(j): k for k, sc in self._recent for j in sc.jobs}
             return sched
+
+    def calibrate_steps(self, batches: Sequence[Sequence[int]], run) -> Dict[str, float]:
+        """Whole steps measured against their price, and the price fitted to them: each batch
+        of ``batches`` (every rank the same lengths) run as a whole step by ``run(lengths,
+        schedule)`` (the caller's own step: every job of this rank, the gradient sync, the
+        optimizer) under the per-batch schedule, the per-batch schedule with every sequence a
+        job of its own (the per-call costs), and every fixed split that holds it; each step the
+        slowest rank's time (barrier to barrier, the device synced).  The parts of the price
+        (attention, token layers, communication, per-call overhead, the step's constant part)
+        are then scaled to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`),
+        the same factors on every rank, used by every schedule made after it.  Run it after a
+        warm-up step; it costs ``len(batches) x (2 + fixed splits)`` steps.  Returns the factors."""
+        import torch
+
+        model = self.scheduler.model
+        model.set_part_scale({})
+        unpacked = Scheduler(self.world, self.shape, budget_tokens=self.budget_tokens, sizes=self.sizes,
+                             ulysses_degrees=self.ulysses_degrees, pack=False, model=model)
+        samples = []
+        for b in batches:
+            lens = [int(n) for n in b]
+            scheds = [self.scheduler.dynamic(lens)]
+            try:
+                scheds.append(unpacked.dynamic(lens))
+            except ScheduleError:
+                pass
+            for u, r in self.scheduler.static_splits(max(lens)):
+                try:
+                    scheds.append(self.scheduler.static(lens, u, r))
+                except ScheduleError:
+                    continue
+            for sched in scheds:
+                if self.world > 1:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                run(lens, sched)
+                if torch.accelerator.is_available():
+                    torch.accelerator.synchronize()
+                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                if self.world > 1:
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                samples.append((sched.parts(), float(took)))
+        scale = fit_part_scale(samples)
+        model.set_part_scale(scale)
+        return scale
 
     def mesh(self, job: Job) -> SequenceParallelMesh:
         """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""
