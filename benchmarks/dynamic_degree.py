@@ -310,10 +310,10 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         tr = res[0][seed]["trial"]
         trial_ratios.append(sum(runs[TRIALED]) / sum(runs[best]))
         trial_all += sum(runs[TRIALED])
-        ratio_txt = f"{tr['ratio']:.3f}" if tr["ratio"] is not None else "-"
+        verdict = (f"measured the per-batch schedule at {tr['ratio']:.3f}x the fixed split and kept {tr['kept']}"
+                   if tr["ratio"] is not None else "had not ended")
         print(f"    seed {seed}: the measured trial (fixed split {tr['split']}, {TRIAL} timed steps of each after a "
-              f"warm-up) measured the per-batch schedule at {ratio_txt}x the fixed split and kept "
-              f"{tr['kept'] or 'trying'}; steps: {', '.join(tr['labels'])}; measured {TRIALED}/static+ "
+              f"warm-up) {verdict}; steps: {', '.join(tr['labels'])}; measured {TRIALED}/static+ "
               f"{trial_ratios[-1]:.3f} (the trial's steps included)")
     within = sum(e <= 0.25 for e in batch_errs)
     print(f"  the plan's error per schedule (its batches' mean step): at most {100 * worst_err:.1f}%; per batch: "
