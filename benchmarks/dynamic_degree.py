@@ -285,7 +285,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
                           res[0]["call_extra"].items())
         print(f"  seed {seed}: {how}; the model path against its price (g,u,r): {extra}")
         print(f"  seed {seed}: whole steps against their price ({CAL_BATCHES} batches of their own, each under the "
-              "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the parts scaled "
+              "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the price scaled "
               "by: " + ", ".join(f"{k} {v:.2f}" for k, v in res[0]["part_scale"].items()))
         runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
         preds = res[0][seed]["preds"]

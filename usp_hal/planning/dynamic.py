@@ -251,10 +251,10 @@ class DynamicDegree:
         schedule)`` (the caller's own step: every job of this rank, the gradient sync, the
         optimizer) under the per-batch schedule, the per-batch schedule with every sequence a
         job of its own (the per-call costs), and every fixed split that holds it; each step the
-        slowest rank's time (barrier to barrier, the device synced).  The parts of the price
-        (attention, token layers, communication, per-call overhead, the step's constant part)
-        are then scaled to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`),
-        the same factors on every rank, used by every schedule made after it.  Run it after a
+        slowest rank's time (barrier to barrier, the device synced).  The price is then scaled
+        to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
+        the whole step and one for the per-call overhead), the same factors on every rank,
+        used by every schedule made after it.  Run it after a
         warm-up step; it costs ``len(batches) x (2 + fixed splits)`` steps.  Returns the factors."""
         import torch
 

@@ -581,25 +581,37 @@ PRIOR = 0.01
 SCALE_RANGE = (0.2, 5.0)
 
 
-def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]]) -> Dict[str, float]:
+def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
+                   apart: Sequence[str] = ("overhead",)) -> Dict[str, float]:
     """Factors for the parts of :data:`SCALED` that bring priced steps nearest their measured
     times: ``samples`` of (a schedule's slowest-rank parts, :meth:`Schedule.parts` priced with
-    every factor 1, and the step's measured seconds).  Least squares on the relative error, each
-    factor held near 1 by :data:`PRIOR` (a part no sample exercises stays 1) and kept within
+    every factor 1, and the step's measured seconds).  One factor common to every part, and one
+    of its own for each part in ``apart`` (the per-call overhead: what separates a schedule of
+    many calls from one of few; parts that every schedule of a batch pays alike, such as the
+    token layers and the step's constant part, cannot be told apart by a few batches, so they
+    share the common one).  Least squares on the relative error, each factor held near 1 by
+    :data:`PRIOR` (a part no sample exercises stays at the common factor) and kept within
     :data:`SCALE_RANGE`; the idle part is not scaled.  A pure function: ranks given the same
     samples get the same factors."""
+    apart = [k for k in apart if k in SCALED]
+    common = [k for k in SCALED if k not in apart]
     rows, target = [], []
     for parts, took in samples:
         if not (took > 0 and math.isfinite(took)):
             raise ValueError(f"fit_part_scale: a measured step of {took!r} seconds")
-        rows.append([float(parts.get(k, 0.0)) / took for k in SCALED])
+        rows.append([sum(float(parts.get(k, 0.0)) for k in common) / took] +
+                    [float(parts.get(k, 0.0)) / took for k in apart])
         target.append(1.0 - float(parts.get("idle", 0.0)) / took)
+    n = 1 + len(apart)
     w = math.sqrt(PRIOR)
-    a = np.vstack([np.array(rows, dtype=np.float64).reshape(-1, len(SCALED)), w * np.eye(len(SCALED))])
-    b = np.concatenate([np.array(target, dtype=np.float64), w * np.ones(len(SCALED))])
+    a = np.vstack([np.array(rows, dtype=np.float64).reshape(-1, n), w * np.eye(n)])
+    b = np.concatenate([np.array(target, dtype=np.float64), w * np.ones(n)])
     x = np.linalg.lstsq(a, b, rcond=None)[0]
     lo, hi = SCALE_RANGE
-    return {k: float(min(hi, max(lo, v))) for k, v in zip(SCALED, x)}
+    x = [float(min(hi, max(lo, v))) for v in x]
+    out = {k: x[0] for k in common}
+    out.update({k: x[1 + i] for i, k in enumerate(apart)})
+    return {k: out[k] for k in SCALED}
 
 
 def _heads_on_busiest(shape: AttentionShape, u: int) -> int:
