@@ -17,7 +17,10 @@ as earlier versions placed them (static_rule) beside it; a lower bound per batch
 its fastest job); the slowest rank's step in parts.
 
 **Measured** (this CPU, 4 gloo ranks, one thread each): the machine is calibrated first
-(usp_hal.harness.calibrate, 4 ranks at once) unless --profile names a profile; a Llama built
+(usp_hal.harness.calibrate, 4 ranks at once) unless --profile names a profile, then the model
+path's own cost per call on each split (usp.calibrate_calls), then whole steps of 2 batches of
+their own (DynamicDegree.calibrate_steps: the price scaled by one factor for the step and one
+for the per-call overhead); a Llama built
 from a transformers config with every size divided by 16 (2 layers, hidden 256, MLP 896, 8 heads
 of 32, 2 KV heads, vocabulary 2,048, fp32), lengths divided by 16, 2,048 tokens per rank, at most
 1,024 tokens per rank in one job, so that the linear layers' compute dominates a step (about a
@@ -265,7 +268,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; per seed, "
           "the machine calibrated just before (usp_hal.harness.calibrate, 4 ranks at once) unless --profile names "
           "one, then the model path's own cost per call and per token on each split against that price "
-          "(usp.calibrate_calls, two job sizes)")
+          "(usp.calibrate_calls, two job sizes), then whole steps (DynamicDegree.calibrate_steps)")
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
     ratios, dyn_all, st_all = [], 0.0, 0.0
     trial_ratios, trial_all = [], 0.0
