@@ -310,6 +310,12 @@ def measured_trial(slow: str, steps: int = 12, trial: int = 2, ahead: bool = Fal
     return {"labels": labels, "decided": t.decided, "ratio": t.ratio, "split": t.split, "samples": t.samples}
 
 
+def calibrated_steps_error(batches):
+    """calibrate_steps given this rank's entry of ``batches``: every rank's error."""
+    dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks")
+    return _error(lambda: dd.calibrate_steps(batches[dist.get_rank()], lambda lens, sched: None))
+
+
 def calibrated_steps(batches, budget: int = 64):
     """DynamicDegree.calibrate_steps over ``batches``, each step every job of this rank's
     attention forward and backward (fp32): the factors, the schedules each step ran, and the

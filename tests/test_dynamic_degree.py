@@ -431,3 +431,17 @@ def test_whole_step_calibration_runs_every_schedule_and_fits_alike_on_every_rank
         mine = [(lab, n) for lens, lab, n in got["ran"] if lens == b]
         assert mine[0][0] == mine[1][0] == "dynamic" and mine[1][1] == len(b), mine   # unpacked: a job each
         assert len(mine) >= 3 and all(lab != "dynamic" for lab, _ in mine[2:]), mine
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_whole_step_calibration_on_different_batches_is_refused_on_every_rank(pools):
+    """A rank given other calibration batches (or a bad length) would run other schedules, and
+    the ranks would wait on each other: every rank raises the same error before any step."""
+    same = [[200, 9, 12], [150, 40]]
+    res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120,
+                       batches=[same, same, [[200, 9, 13], [150, 40]], same])
+    assert all(r and "calibrate_steps: the batches" in r and "lengths digest" in r for r in res), res
+    assert len(set(res)) == 1, res
+    res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120, batches=[same, [[2.5]], same, same])
+    assert all(r and "rank 1" in r and "2.5" in r for r in res), res

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ..parallel.comm import agree, collective, digest_ints
+from ..parallel.comm import agree, collective, digest_ints, group_meta
 from ..parallel.mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
 from ..parallel.partial_grads import mark_synced
 from .planner import PlanError, load_profile
@@ -254,10 +254,17 @@ class DynamicDegree:
         slowest rank's time (barrier to barrier, the device synced).  The price is then scaled
         to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
         the whole step and one for the per-call overhead), the same factors on every rank,
-        used by every schedule made after it.  Run it after a
-        warm-up step; it costs ``len(batches) x (2 + fixed splits)`` steps.  Returns the factors."""
+        used by every schedule made after it.  Run it after a warm-up step; it costs
+        ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it with the same
+        batches (it runs collectives).  Returns the factors."""
         import torch
 
+        problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)
+                        for why in [length_problem(n)] if why), None)
+        flat = [] if problem else [x for b in batches for x in (len(b), *map(int, b))]
+        agree(problem, None, what="DynamicDegree.calibrate_steps: the batches", where="default process group",
+              values=[len(batches), digest_ints(flat)] if not problem else [], width=2,
+              same=("batches", "lengths digest"))
         model = self.scheduler.model
         model.set_part_scale({})
         unpacked = Scheduler(self.world, self.shape, budget_tokens=self.budget_tokens, sizes=self.sizes,
@@ -282,10 +289,11 @@ class DynamicDegree:
                 run(lens, sched)
                 if torch.accelerator.is_available():
                     torch.accelerator.synchronize()
-                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                if self.world > 1:
+                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                    device=group_meta(None)[0] if self.world > 1 else "cpu")
+                if self.world > 1:     # the slowest rank's time, the same on every rank
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                samples.append((sched.parts(), float(took)))
+                samples.append((sched.parts(), float(took.item())))
         scale = fit_part_scale(samples)
         model.set_part_scale(scale)
         return scale
