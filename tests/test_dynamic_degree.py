@@ -404,6 +404,16 @@ def test_the_measured_trial_is_a_pure_function_of_the_lengths_and_the_times():
     assert labels[9] == "dynamic", "3,900 tokens do not fit the frozen split's 2 ranks x 1,024: the schedule runs"
     slow_fixed, labels = run(lambda s: 1.0 if s.label == "dynamic" else 2.0)
     assert slow_fixed.decided == "schedule" and labels[6:] == ["dynamic"] * 4, labels
+    from usp_hal.planning.trial import PATIENCE
+    # every batch's schedule is the fixed split's placement: nothing to compare, the trial ends
+    same = MeasuredTrial(Scheduler(4, SHAPE, budget_tokens=1024, profile="h100-nvlink"), trial=1)
+    got = set()
+    for step in range(PATIENCE * 4 + 1):
+        serial, s = same.choose([500, 500, 500, 500], at=step)
+        got.add(s.label)
+        same.record(serial, 1.0, at=step + 1)
+    assert got == {"dp4 x one rank"}, got
+    assert same.decided == "schedule" and same.ratio is None and same.samples["schedule"] == []
     late = MeasuredTrial(slow_dyn.scheduler, trial=2)
     serial, _ = late.choose(batches[0], at=0)
     late.record(serial, 1.0, at=3)

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: the per-batch schedule ("schedule") and the fixed split ("fixed")
 ARMS = ("schedule", "fixed")
+#: a trial still open after this many times its steps ends: the per-batch schedule was (nearly
+#: always) the fixed split's placement, so there is little to compare, and the price of the
+#: fixed split's placement is no longer paid each step
+PATIENCE = 10
 
 
 class MeasuredTrial:
@@ -89,6 +93,11 @@ class MeasuredTrial:
         self._serial += 1
         serial = self._serial
         self._apply(serial if at is None else int(at))
+        if self.decided is None and serial > PATIENCE * 2 * (self.trial + 1):
+            self.decided = "schedule"
+            logger.info("usp_hal.planning.trial: after %d steps the per-batch schedule has had too few steps that "
+                        "differ from the fixed split to compare (%d timed of %d): the per-batch schedule from now "
+                        "on (logged once)", serial - 1, len(self.samples["schedule"]), self.trial + 1)
         lens = check_lengths(lengths)
         if self.decided == "schedule":
             return serial, self.scheduler.schedule(lens)
