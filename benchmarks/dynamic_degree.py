@@ -17,16 +17,21 @@ as earlier versions placed them (static_rule) beside it; a lower bound per batch
 its fastest job); the slowest rank's step in parts.
 
 **Measured** (this CPU, 4 gloo ranks, one thread each): the machine is calibrated first
-(usp_hal.harness.calibrate, 4 ranks at once) unless --profile names a profile; a Llama built
+(usp_hal.harness.calibrate, 4 ranks at once) unless --profile names a profile, then the model
+path's own cost per call on each split (usp.calibrate_calls), then whole steps of 2 batches of
+their own (DynamicDegree.calibrate_steps: the price scaled by one factor for the step and one
+for the per-call overhead); a Llama built
 from a transformers config with every size divided by 16 (2 layers, hidden 256, MLP 896, 8 heads
 of 32, 2 KV heads, vocabulary 2,048, fp32), lengths divided by 16, 2,048 tokens per rank, at most
 1,024 tokens per rank in one job, so that the linear layers' compute dominates a step (about a
-second per step here, per-call costs a few percent).  Per seed, 7 batches (after one warm-up),
+second per step here, per-call costs a few percent).  Per seed, 11 batches (after one warm-up),
 each run under every schedule in turn (the order rotating), a whole step each: every job's
 forward and backward through the transformers integration, the gradients summed over the world,
 an AdamW step.  The slowest rank's step time (barrier to barrier); per schedule the predicted
 time (the calibrated profile) against it: the plan's error and the Spearman rank correlation of
-the schedules' totals.
+the schedules' totals.  One of the schedules is the per-batch schedule under the measured trial
+(usp_hal.planning.trial, as ``DynamicDegree(trial_steps=2)`` runs it): it sees only its own
+steps' times, the warm-up batch included, and its trial steps count in its total.
 
 The last line: ``dynamic/static+ predicted=<the NVLink profile's ratio> measured=<this CPU,
 every seed's total> slowest/mean=<the NVLink dynamic schedule's worst batch> schedule/bound=<its
@@ -53,6 +58,7 @@ from usp_hal.planning.schedule import (
     split_label,
     static_rule,
 )
+from usp_hal.planning.trial import MeasuredTrial
 
 WORLD = 4
 PROFILES = ("h100-nvlink", "l40-pcie")
@@ -63,6 +69,12 @@ GPU_MODEL = AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermed
 CPU_LAYER = {"hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "intermediate": 896, "vocab": 2048}
 CPU_LAYERS = 2
 SCALE = 16
+#: the measured trial's timed steps per arm (after one warm-up step of each)
+TRIAL = 2
+TRIALED = "dynamic, measured trial"
+#: whole-step calibration: batches of their own (seeded apart from the measured ones)
+CAL_BATCHES = 2
+CAL_SEED = 1000
 
 
 def cpu_shape() -> AttentionShape:
@@ -167,16 +179,26 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     assert shape == cpu_shape(), (shape, cpu_shape())
     dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
     extra = usp.calibrate_calls(model, dd)          # the model path's own fixed cost per call and split
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rank = dist_.get_rank()
+    # whole steps on batches of their own (not among the measured ones), the price fitted to them
+    cal = draw_batches(DISTS[dist], CAL_BATCHES, WORLD * tokens_per_rank, seed=CAL_SEED + seeds[0], scale=SCALE)
+    scale = dd.calibrate_steps(cal, lambda lens, sched: _step(model, opt, dd, sched, rank, CAL_SEED, cal.index(lens),
+                                                              sum(n - 1 for n in lens), c["vocab"]))
+    model_ = dd.scheduler.model
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                                 ulysses_degrees=(1,), model=dd.scheduler.model),
                 "dynamic unpacked": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                               pack=False, model=dd.scheduler.model)}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    rank = dist_.get_rank()
     out: Dict[int, dict] = {}
     for seed in seeds:
         bs = draw_batches(DISTS[dist], steps + 1, WORLD * tokens_per_rank, seed=seed, scale=SCALE)
+        # the per-batch schedule under a measured trial (DynamicDegree(trial_steps=TRIAL)): it
+        # sees only its own steps' times, the slowest rank's, as DynamicDegree gives them
+        trial = MeasuredTrial(Scheduler(WORLD, shape, budget_tokens=budget, profile=model_.profile, model=model_),
+                              TRIAL)
+        trial_labels: List[str] = []
         base = dd.scheduler
         totals = {}
         for u, r in base.static_splits(max(map(max, bs))):
@@ -185,11 +207,14 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
             except ScheduleError:
                 continue
         best = min(totals, key=lambda k: totals[k])
-        names = list(variants) + [("static+ " if k == best else "static ") + split_label(WORLD, *k) for k in totals]
+        names = list(variants) + [TRIALED] + [("static+ " if k == best else "static ") + split_label(WORLD, *k)
+                                              for k in totals]
         runs: Dict[str, List[float]] = {n: [] for n in names}
         preds: Dict[str, List[float]] = {n: [] for n in names}
         for step, b in enumerate(bs):
             scheds: Dict[str, Schedule] = {n: s.schedule(b) for n, s in variants.items()}
+            serial, scheds[TRIALED] = trial.choose(b, at=step)
+            trial_labels.append(scheds[TRIALED].label)
             for k in totals:
                 scheds[("static+ " if k == best else "static ") + split_label(WORLD, *k)] = base.static(b, *k)
             items = sum(n - 1 for n in b)
@@ -199,11 +224,20 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                 t0 = time.perf_counter()
                 _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
                 dist_.barrier()
+                took = time.perf_counter() - t0
+                if n == TRIALED:
+                    slowest = torch.tensor([took], dtype=torch.float64)
+                    dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
+                    trial.record(serial, float(slowest), at=step + 1)
                 if step:                   # the first batch warms every path up
-                    runs[n].append(time.perf_counter() - t0)
+                    runs[n].append(took)
                     preds[n].append(scheds[n].predicted)
-        out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best)}
+        out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best),
+                     "trial": {"kept": trial.decided, "ratio": trial.ratio,
+                               "split": split_label(WORLD, *trial.split) if trial.split else None,
+                               "labels": trial_labels}}
     out["call_extra"] = extra
+    out["part_scale"] = scale
     return out
 
 
@@ -234,9 +268,10 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; per seed, "
           "the machine calibrated just before (usp_hal.harness.calibrate, 4 ranks at once) unless --profile names "
           "one, then the model path's own cost per call and per token on each split against that price "
-          "(usp.calibrate_calls, two job sizes)")
+          "(usp.calibrate_calls, two job sizes), then whole steps (DynamicDegree.calibrate_steps)")
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
     ratios, dyn_all, st_all = [], 0.0, 0.0
+    trial_ratios, trial_all = [], 0.0
     for seed in seeds:      # each seed priced by a calibration made just before it (the machine's speed drifts)
         t0 = time.monotonic()
         if profile is None:
@@ -252,6 +287,9 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         extra = ", ".join(f"{k}: {v[0] * 1e3:+.1f} ms {v[1] * 1e6:+.1f} us/token {v[2] * 1e3:+.2f} ms/doc" for k, v in
                           res[0]["call_extra"].items())
         print(f"  seed {seed}: {how}; the model path against its price (g,u,r): {extra}")
+        print(f"  seed {seed}: whole steps against their price ({CAL_BATCHES} batches of their own, each under the "
+              "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the price scaled "
+              "by: " + ", ".join(f"{k} {v:.2f}" for k, v in res[0]["part_scale"].items()))
         runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
         preds = res[0][seed]["preds"]
         names = list(runs)
@@ -272,10 +310,21 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         st_all += sum(runs[best])
         print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f}, predicted "
               f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules")
+        tr = res[0][seed]["trial"]
+        trial_ratios.append(sum(runs[TRIALED]) / sum(runs[best]))
+        trial_all += sum(runs[TRIALED])
+        verdict = (f"measured the per-batch schedule at {tr['ratio']:.3f}x the fixed split and kept {tr['kept']}"
+                   if tr["ratio"] is not None else "had not ended")
+        print(f"    seed {seed}: the measured trial (fixed split {tr['split']}, {TRIAL} timed steps of each after a "
+              f"warm-up) {verdict}; steps: {', '.join(tr['labels'])}; measured {TRIALED}/static+ "
+              f"{trial_ratios[-1]:.3f} (the trial's steps included)")
     within = sum(e <= 0.25 for e in batch_errs)
     print(f"  the plan's error per schedule (its batches' mean step): at most {100 * worst_err:.1f}%; per batch: "
           f"{within} of {len(batch_errs)} within 25%, the worst {100 * max(batch_errs):.1f}%")
-    return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear}
+    print(f"  {TRIALED} / static+: {trial_all / st_all:.3f} over the seeds; per seed "
+          + ", ".join(f"{x:.3f}" for x in trial_ratios))
+    return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear,
+            "trial": trial_all / st_all, "trial_seeds": trial_ratios}
 
 
 def host_time(n_seq: int = 1000, world: int = 64, reps: int = 20) -> float:
@@ -303,7 +352,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--time", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure whole steps on 4 gloo ranks here")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the measured runs' seeds")
-    ap.add_argument("--time-steps", type=int, default=7, help="measured batches per seed")
+    ap.add_argument("--time-steps", type=int, default=11, help="measured batches per seed")
     ap.add_argument("--profile", default=None, help="price the measured runs with this profile (default: calibrate)")
     ap.add_argument("--host-time", action="store_true", help="also time the scheduling of 1,000 sequences on 64 ranks")
     args = ap.parse_args(argv)

@@ -279,3 +279,61 @@ def ahead(local_lengths, budget: int = 64):
     fut = dd.schedule_ahead(mine)
     now = dd.schedule(mine)
     return fut.result(timeout=60) == now
+
+
+def measured_trial(slow: str, steps: int = 12, trial: int = 2, ahead: bool = False, delay: float = 0.15):
+    """``steps`` steps of a DynamicDegree with ``trial_steps=trial`` (margin 0: the per-batch
+    schedule is never replaced on the model's word), each rank entering its jobs; a step of the
+    arm named by ``slow`` ("dynamic": the per-batch schedule, or "fixed": a fixed split) sleeps
+    ``delay`` seconds in each job, as a schedule the model prices wrong would.  Returns each
+    step's schedule label, the trial's decision and its measured ratio.  With ``ahead`` the next
+    step's schedule is computed in the background while the step runs (schedule_ahead)."""
+    import time
+    rank = dist.get_rank()
+    dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks", margin=0.0, trial_steps=trial)
+
+    def lengths(step):     # one 200-token sequence needs the whole world; the rest fit one rank
+        return [200 + step] if rank == 0 else [9 + step % 3, 12, 7 + rank]
+
+    labels = []
+    sched = dd.schedule(lengths(0))
+    for step in range(steps):
+        nxt = dd.schedule_ahead(lengths(step + 1)) if ahead and step + 1 < steps else None
+        for job in dd.my_jobs(sched):
+            with dd.on(job):
+                if (sched.label == "dynamic") == (slow == "dynamic"):
+                    time.sleep(delay)
+        labels.append(sched.label)
+        if step + 1 < steps:
+            sched = nxt.result(timeout=60) if nxt is not None else dd.schedule(lengths(step + 1))
+    t = dd.trial
+    return {"labels": labels, "decided": t.decided, "ratio": t.ratio, "split": t.split, "samples": t.samples}
+
+
+def calibrated_steps_error(batches):
+    """calibrate_steps given this rank's entry of ``batches``: every rank's error."""
+    dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks")
+    return _error(lambda: dd.calibrate_steps(batches[dist.get_rank()], lambda lens, sched: None))
+
+
+def calibrated_steps(batches, budget: int = 64):
+    """DynamicDegree.calibrate_steps over ``batches``, each step every job of this rank's
+    attention forward and backward (fp32): the factors, the schedules each step ran, and the
+    factors the price model then holds."""
+    dd = DynamicDegree(SHAPE, budget_tokens=budget, profile="cpu-4ranks")
+    ran = []
+
+    def run(lens, sched):
+        ran.append((list(lens), sched.label, len(sched.jobs)))
+        for job in dd.my_jobs(sched):
+            with dd.on(job):
+                attn = usp_hal.LongContextAttention(attn_type="sdpa", ring_impl_type=job.cost.layout)
+                parts = [_sequence(i, n) for i, n in zip(job.seqs, job.lengths)]
+                q, k, v, dout = (torch.cat([p[j] for p in parts], 1) for j in range(4))
+                cu, lay = job.cu_seqlens, job.cost.layout
+                ql, kl, vl = (usp_hal.shard(x.float(), layout=lay, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
+                out = attn(ql, kl, vl, causal=True, cu_seqlens=cu) if cu else attn(ql, kl, vl, causal=True)
+                out.backward(usp_hal.shard(dout.float(), layout=lay, cu_seqlens=cu))
+
+    scale = dd.calibrate_steps(batches, run)
+    return {"scale": scale, "ran": ran, "held": dict(dd.scheduler.model.part_scale)}

@@ -156,6 +156,7 @@ def test_plan_prints_the_gain_for_a_length_distribution(tmp_path, capsys):
     assert ("USPTrainingArguments(..., usp_dynamic_degree=True, usp_budget_tokens=16384, "
             "usp_profile='h100-nvlink')") in on
     assert "usp.dynamic_degree(model, budget_tokens=16384, profile='h100-nvlink')" in on
+    assert "usp_dynamic_trial_steps=3" in on and "trial_steps=3 (custom loop)" in on
     f = tmp_path / "lengths.txt"
     f.write_text("4000 300 300 100\n2000,2000\n")
     assert main(base + ["--seqlen", "4700", "--lengths", str(f), "--json"]) == 0
@@ -271,6 +272,7 @@ def test_short_sequences_run_in_the_documented_loop_as_one_process(pools, world,
     ("pack", [True, False, True, True]),
     ("sizes", [(1, 2, 4), (1, 2, 4), (1, 4), (1, 2, 4)]),
     ("ulysses_degrees", [None, None, None, (1,)]),
+    ("trial_steps", [0, 0, 2, 0]),
 ])
 def test_settings_that_differ_between_ranks_are_refused_on_every_rank(pools, setting, values):
     """A rank built with another budget (one derived from its own free memory, say), profile,
@@ -308,7 +310,7 @@ def test_a_bad_length_on_one_rank_is_refused_on_every_rank(pools, bad, needle, g
 @pytest.mark.multirank
 @pytest.mark.timeout(200)
 def test_lengths_beyond_the_first_message_are_gathered(pools):
-    """Ranks giving 3, 0, 150 and 61 lengths: the fixed-size first message carries 61, a second
+    """Ranks giving 3, 0, 150 and 61 lengths: the fixed-size first message carries 59, a second
     all-gather the rest; every rank gets every rank's lengths in rank order."""
     counts = [3, 0, 150, 61]
     res = pools(4).run(dist_dynamic.many_lengths, timeout=120, counts=counts)
@@ -350,3 +352,106 @@ def test_a_model_that_cannot_pack_is_not_packed_or_refused_at_set_up(pools):
     res = pools(4).run(dist_dynamic.hybrid_packing, timeout=240, pack=True)
     assert all(r and "cannot pack documents" in r and "Qwen3NextGatedDeltaNet" in r and "pack=False" in r
                for r in res), res
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("slow", ["dynamic", "fixed"])
+def test_the_measured_trial_keeps_the_faster_arm_on_every_rank(pools, slow, ahead):
+    """trial_steps=2: the first steps run the per-batch schedule and one fixed split in turn (a
+    warm-up and two timed steps of each), timed by the gathers the steps make anyway; when the
+    per-batch schedule is slower than the model says (a sleep in its jobs), every later step
+    runs the fixed split on every rank, and when the fixed split is the slow one the per-batch
+    schedule stays.  Without the trial the
+    per-batch schedule runs every step (margin 0), slow or not."""
+    res = pools(4).run(dist_dynamic.measured_trial, timeout=240, slow=slow, ahead=ahead)
+    assert all(r == res[0] for r in res), res
+    got = res[0]
+    assert got["decided"] == ("fixed" if slow == "dynamic" else "schedule"), got
+    assert (got["ratio"] > 1.0) == (slow == "dynamic"), got
+    first = got["labels"][:6]
+    assert first.count("dynamic") == 3 and len(set(first)) == 2, got       # the trial: three steps of each arm
+    fixed = next(lab for lab in first if lab != "dynamic")
+    assert got["labels"][-3:] == [fixed if slow == "dynamic" else "dynamic"] * 3, got
+
+
+def test_the_measured_trial_is_a_pure_function_of_the_lengths_and_the_times():
+    """Two trials fed the same batches and times choose alike; a time counts only from the step
+    index given with it (a schedule computed ahead sees what every rank sees); the fixed split
+    is frozen at its first step and a batch it cannot hold runs the per-batch schedule."""
+    from usp_hal.planning.schedule import Scheduler
+    from usp_hal.planning.trial import MeasuredTrial
+    batches = [[1500 + 10 * k, 900, 700, 300, 200, 100, 90, 80] for k in range(9)] + [[3900, 50, 40]]
+
+    def run(times):
+        t = MeasuredTrial(Scheduler(4, SHAPE, budget_tokens=1024, profile="h100-nvlink", margin=0.0), trial=2)
+        labels = []
+        for step, b in enumerate(batches):
+            serial, s = t.choose(b, at=step)
+            labels.append(s.label)
+            t.record(serial, times(s), at=step + 1)
+        return t, labels
+
+    slow_dyn, labels = run(lambda s: 2.0 if s.label == "dynamic" else 1.0)
+    again, labels2 = run(lambda s: 2.0 if s.label == "dynamic" else 1.0)
+    assert labels == labels2 and slow_dyn.samples == again.samples
+    fixed = slow_dyn.split and labels[1]
+    assert labels[:6] == ["dynamic", fixed] * 3, labels
+    assert slow_dyn.decided == "fixed" and slow_dyn.ratio > 1
+    assert labels[6:9] == [fixed] * 3, labels
+    assert slow_dyn.split[0] * slow_dyn.split[1] == 2, slow_dyn.split
+    assert labels[9] == "dynamic", "3,900 tokens do not fit the frozen split's 2 ranks x 1,024: the schedule runs"
+    slow_fixed, labels = run(lambda s: 1.0 if s.label == "dynamic" else 2.0)
+    assert slow_fixed.decided == "schedule" and labels[6:] == ["dynamic"] * 4, labels
+    from usp_hal.planning.trial import PATIENCE
+    # every batch's schedule is the fixed split's placement: nothing to compare, the trial ends
+    same = MeasuredTrial(Scheduler(4, SHAPE, budget_tokens=1024, profile="h100-nvlink"), trial=1)
+    got = set()
+    for step in range(PATIENCE * 4 + 1):
+        serial, s = same.choose([500, 500, 500, 500], at=step)
+        got.add(s.label)
+        same.record(serial, 1.0, at=step + 1)
+    assert got == {"dp4 x one rank"}, got
+    assert same.decided == "schedule" and same.ratio is None and same.samples["schedule"] == []
+    late = MeasuredTrial(slow_dyn.scheduler, trial=2)
+    serial, _ = late.choose(batches[0], at=0)
+    late.record(serial, 1.0, at=3)
+    late.choose(batches[1], at=2)
+    assert late.samples["schedule"] == [], "a time given for step 3 does not count at step 2"
+    late.choose(batches[2], at=3)
+    assert len(late.samples["schedule"]) == 1
+    with pytest.raises(ValueError, match="trial"):
+        MeasuredTrial(slow_dyn.scheduler, trial=0)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_whole_step_calibration_runs_every_schedule_and_fits_alike_on_every_rank(pools):
+    """DynamicDegree.calibrate_steps: each batch run under the per-batch schedule, its unpacked
+    form and every fixed split that holds it, each step timed as the slowest rank's; every rank
+    fits the same factors and prices with them from then on."""
+    batches = [[200, 9, 12, 7, 30, 5], [150, 40, 22, 64]]
+    res = pools(4).run(dist_dynamic.calibrated_steps, timeout=240, batches=batches)
+    assert all(r["scale"] == res[0]["scale"] and r["ran"] == res[0]["ran"] for r in res), res
+    got = res[0]
+    assert got["held"] == got["scale"]
+    assert any(abs(v - 1.0) > 1e-6 for v in got["scale"].values()), got["scale"]
+    for b in batches:
+        mine = [(lab, n) for lens, lab, n in got["ran"] if lens == b]
+        assert mine[0][0] == mine[1][0] == "dynamic" and mine[1][1] == len(b), mine   # unpacked: a job each
+        assert len(mine) >= 3 and all(lab != "dynamic" for lab, _ in mine[2:]), mine
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_whole_step_calibration_on_different_batches_is_refused_on_every_rank(pools):
+    """A rank given other calibration batches (or a bad length) would run other schedules, and
+    the ranks would wait on each other: every rank raises the same error before any step."""
+    same = [[200, 9, 12], [150, 40]]
+    res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120,
+                       batches=[same, same, [[200, 9, 13], [150, 40]], same])
+    assert all(r and "calibrate_steps: the batches" in r and "lengths digest" in r for r in res), res
+    assert len(set(res)) == 1, res
+    res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120, batches=[same, [[2.5]], same, same])
+    assert all(r and "rank 1" in r and "2.5" in r for r in res), res

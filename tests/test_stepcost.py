@@ -113,3 +113,44 @@ def test_least_tokens_gives_every_rank_one():
         n = least_tokens(g, u, lay)
         assert min(min(r) for r in local_lengths(lay, n, g // u, u)) >= 1
         assert min(min(r) for r in local_lengths(lay, n - 1, g // u, u)) == 0
+
+
+def test_a_whole_step_fit_recovers_the_factors_and_holds_an_unexercised_part():
+    """Steps made of known parts, timed as those parts times known factors (noise-free): the fit
+    gives back the common factor and the per-call overhead's own (near: each is held towards 1);
+    with no overhead in any step, that factor stays 1; bad times are refused; the factors change
+    every price the model gives after set_part_scale."""
+    import random
+
+    from usp_hal.planning.stepcost import SCALED, fit_part_scale
+    rnd = random.Random(3)
+
+    def steps(common, overhead):
+        truth = {k: common for k in SCALED}
+        truth["overhead"] = overhead
+        out = []
+        for _ in range(40):
+            parts = {"attention": rnd.uniform(0.1, 1.0), "tokens": rnd.uniform(0.5, 3.0),
+                     "communication": rnd.uniform(0.0, 0.2), "overhead": rnd.uniform(0.0, 0.6) if overhead else 0.0,
+                     "idle": rnd.uniform(0.0, 0.2), "constant": 0.3}
+            out.append((parts, sum(truth[k] * parts[k] for k in SCALED) + parts["idle"]))
+        return out
+    got = fit_part_scale(steps(0.8, 0.5))
+    assert all(got[k] == pytest.approx(0.8, rel=0.02) for k in SCALED if k != "overhead"), got
+    assert got["overhead"] == pytest.approx(0.5, rel=0.1), got      # within 10%: the prior pulls it towards 1
+    got = fit_part_scale(steps(1.3, 0.0))
+    assert got["tokens"] == pytest.approx(1.3, rel=0.02) and got["overhead"] == pytest.approx(1.0), got
+    with pytest.raises(ValueError, match="measured step"):
+        fit_part_scale([(steps(1, 1)[0][0], 0.0)])
+    shape = AttentionShape(heads=8, head_dim=32, kv_heads=2, dtype="fp32", causal=True, bwd=True, hidden=256,
+                           intermediate=896, layers=2, vocab=2048)
+    m = StepModel(shape, "cpu")
+    before = m.job((300,), 2, 1, "varlen_zigzag")
+    const = m.step_constant(4)
+    m.set_part_scale({"tokens": 2.0, "constant": 3.0})
+    after = m.job((300,), 2, 1, "varlen_zigzag")
+    assert after.tokens == pytest.approx(2 * before.tokens) and after.attention == pytest.approx(before.attention)
+    assert after.time == pytest.approx(before.time + before.tokens)
+    assert m.step_constant(4) == pytest.approx(3 * const)
+    with pytest.raises(ValueError, match="unknown parts"):
+        m.set_part_scale({"kernel": 2.0})

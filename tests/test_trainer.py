@@ -136,6 +136,24 @@ def test_dynamic_degree_trainer_takes_rows_shorter_than_a_group(pools):
     assert loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL, (loss_diff, param_diff)
 
 
+@pytest.mark.multirank
+def test_dynamic_degree_trainer_times_its_steps_for_the_measured_trial(pools):
+    """usp_dynamic_trial_steps=1: the Trainer's steps run the per-batch split and a fixed split in
+    turn, each step timed by the lengths' gather (the same times on every rank), and still train
+    like the plain Trainer in one process."""
+    res = pools(4).run(dist_trainer.dynamic_trainer_run, timeout=300, steps=5, trial_steps=1)
+    ref = dist_trainer.dynamic_reference_run(steps=5)
+    r0 = res[0]
+    assert all(r["trial"] == r0["trial"] for r in res), [r["trial"] for r in res]
+    samples = r0["trial"]["samples"]
+    assert len(samples["schedule"]) >= 1 and len(samples["fixed"]) >= 1, r0["trial"]
+    assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
+    loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
+    param_diff = float((r0["params"] - ref["params"]).abs().max())
+    assert len(r0["losses"]) == len(ref["losses"]) == 5
+    assert loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL, (loss_diff, param_diff)
+
+
 def test_dynamic_degree_arguments_are_checked(tmp_path):
     from usp_hal.integrations.training.trainer import USPTrainingArguments, _sequence
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])

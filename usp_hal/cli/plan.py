@@ -255,7 +255,9 @@ def format_dynamic(d: dict) -> list:
               f"    USPTrainer: USPTrainingArguments(..., usp_dynamic_degree=True, usp_budget_tokens="
               f"{d['budget_tokens']}, usp_profile={prof!r})",
               f"    custom loop: dd = usp.dynamic_degree(model, budget_tokens={d['budget_tokens']}, profile={prof!r}) "
-              "(usp_hal.integrations.transformers; then dd.schedule(lengths) per step, docs/dynamic-degree.md)"]
+              "(usp_hal.integrations.transformers; then dd.schedule(lengths) per step, docs/dynamic-degree.md)",
+              "    keep it only where measured faster than a fixed split: usp_dynamic_trial_steps=3 (USPTrainer) or "
+              "trial_steps=3 (custom loop)"]
     return lines
 
 

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import zlib
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ..parallel.comm import agree, collective, digest_ints
+from ..parallel.comm import agree, collective, digest_ints, group_meta
 from ..parallel.mesh import SequenceParallelMesh, default_mesh_set_to, init_sequence_parallel
 from ..parallel.partial_grads import mark_synced
 from .planner import PlanError, load_profile
@@ -45,14 +47,17 @@ from .schedule import (
     length_problem,
     ulysses_degrees_of,
 )
-from .stepcost import shape_fields
+from .stepcost import fit_part_scale, shape_fields
+from .trial import MeasuredTrial
 
 #: the most sequences one rank may contribute to a step
 MAX_LOCAL_SEQUENCES = 1 << 16
 #: lengths that travel in the gather's first (fixed-size) message; more take a second all-gather
-_FIRST = 61
+_FIRST = 59
+#: schedules whose jobs :meth:`DynamicDegree.on` still recognises (for the step timing)
+_RECENT = 4
 
-_SETTINGS = ("budget_tokens", "shape", "profile", "sizes", "pack", "ulysses_degrees", "margin")
+_SETTINGS = ("budget_tokens", "shape", "profile", "sizes", "pack", "ulysses_degrees", "margin", "trial_steps")
 
 
 def _digest_text(text: str) -> int:
@@ -71,15 +76,18 @@ class DynamicDegree:
     degrees a group may use besides 1 (``(1,)``: rings only); ``pack=False``: each sequence a
     job of its own (for models whose layers cannot keep packed documents apart);
     ``margin``: a step whose dynamic schedule is predicted to gain less than this over the best
-    fixed split runs that split (0: never); ``timeout``: given to every group (as
-    :func:`usp_hal.init_sequence_parallel`).
+    fixed split runs that split (0: never); ``trial_steps``: when not 0, the first steps run the
+    per-batch schedule and one fixed split in turn, this many timed steps of each, and the run
+    keeps whichever was measured faster (:class:`usp_hal.planning.trial.MeasuredTrial`; the
+    times travel with the lengths each step gathers anyway: no collective or device sync is
+    added); ``timeout``: given to every group (as :func:`usp_hal.init_sequence_parallel`).
 
     Every setting is agreed over the default group before any group is built: a rank whose
     settings differ makes every rank raise the same :class:`ValueError` naming the setting."""
 
     def __init__(self, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
                  sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
-                 pack: bool = True, margin: float = MARGIN, timeout=None):
+                 pack: bool = True, margin: float = MARGIN, trial_steps: int = 0, timeout=None):
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         problem: Optional[BaseException] = None
@@ -90,10 +98,14 @@ class DynamicDegree:
             prof = load_profile(profile) if isinstance(profile, str) else profile
             self.scheduler = Scheduler(self.world, shape, budget_tokens=budget_tokens, profile=prof, sizes=sizes,
                                        ulysses_degrees=ulysses_degrees, pack=pack, margin=margin)
+            if isinstance(trial_steps, bool) or not isinstance(trial_steps, int) or trial_steps < 0:
+                raise ValueError(f"DynamicDegree: trial_steps must be an int >= 0 (0: no measured trial), got "
+                                 f"{trial_steps!r}")
             s = self.scheduler
             values = [s.budget, _digest_text(repr([getattr(shape, f) for f in shape_fields()])),
                       _digest_text(json.dumps(prof, sort_keys=True, default=str)), digest_ints(list(s.sizes)),
-                      int(s.pack), digest_ints(list(s.ulysses_degrees or (0,))), int(round(s.margin * 1e9))]
+                      int(s.pack), digest_ints(list(s.ulysses_degrees or (0,))), int(round(s.margin * 1e9)),
+                      int(trial_steps)]
         except (ScheduleError, PlanError, TypeError, ValueError) as exc:
             problem = exc
         # one all-gather before any group is built: the same settings everywhere, or every rank raises
@@ -115,6 +127,17 @@ class DynamicDegree:
                                                             reuse_groups=True)
         self._lock = threading.Lock()
         self._ahead: Optional[ThreadPoolExecutor] = None
+        self.trial = MeasuredTrial(self.scheduler, trial_steps) if trial_steps else None
+        # step timing: a schedule's serial is the index of the gather it was computed from; the
+        # period between two gathers' ends (the gather reads its result on the host, so it ends
+        # after every rank's work before it, on any device) is charged to the one schedule whose
+        # jobs this rank entered in it, and sent with the next gather
+        self._gathers = 0
+        self._gather_end: Optional[float] = None
+        self._entered = 0
+        self._last = (0, 0)                      # (serial, microseconds) of the last period
+        self._jobs_serial: Dict[int, int] = {}
+        self._recent: deque = deque(maxlen=_RECENT)
 
     # ------------------------------------------------------------------ per step
     def gather_lengths(self, lengths: Sequence[int], problem: Optional[str] = None) -> Tuple[List[int], List[int]]:
@@ -133,9 +156,10 @@ class DynamicDegree:
                 if why:
                     problem = f"lengths must be positive integers: sequence {i} of this rank {why}"
                     break
-        send = [] if problem else [len(vals), *(int(n) for n in vals[:_FIRST])]
+        send = [] if problem else [len(vals), *self._last, *(int(n) for n in vals[:_FIRST])]
         rows = agree(problem, None, what="DynamicDegree.schedule: the sequence lengths", where="default process group",
-                     values=send, width=_FIRST + 1)
+                     values=send, width=_FIRST + 3)
+        self._timed([row[1] for row in rows], [row[2] for row in rows])
         counts = [row[0] for row in rows]
         more = max(counts) - _FIRST
         tails: List[List[int]] = [[] for _ in rows]
@@ -153,10 +177,24 @@ class DynamicDegree:
         gathered, owner = [], []
         for r, row in enumerate(rows):
             n = row[0]
-            mine_ = (row[1:1 + min(n, _FIRST)] + tails[r])[:n]
+            mine_ = (row[3:3 + min(n, _FIRST)] + tails[r])[:n]
             gathered += mine_
             owner += [r] * n
         return gathered, owner
+
+    def _timed(self, serials: List[int], micros: List[int]) -> None:
+        """After a gather: the period it closes, charged to the schedule whose jobs ran in it
+        (sent with the next gather), and the period every rank sent, given to the trial."""
+        end = time.perf_counter()
+        self._gathers += 1
+        ran = {s for s in serials if s > 0}
+        if self.trial is not None and len(ran) == 1 and max(micros) > 0:
+            with self._lock:                   # the slowest rank's period, the same on every rank
+                self.trial.record(ran.pop(), max(micros) / 1e6, at=self._gathers)
+        if self._gather_end is not None:
+            self._last = (self._entered, max(1, int((end - self._gather_end) * 1e6)))
+        self._entered = 0
+        self._gather_end = end
 
     def schedule_ahead(self, lengths: Sequence[int], *, global_batch: bool = False) -> "Future[Schedule]":
         """The lengths gathered now (the same collective as :meth:`schedule`, checked the same
@@ -166,7 +204,7 @@ class DynamicDegree:
         gathered = self._gathered(lengths, global_batch)
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usp_hal-schedule")
-        return self._ahead.submit(self.plan, gathered)
+        return self._ahead.submit(self._plan_at, gathered, self._gathers)
 
     def schedule(self, lengths: Sequence[int], *, global_batch: bool = False) -> Schedule:
         """This step's schedule.  ``lengths``: this rank's sequences (the schedule's indices run
@@ -182,15 +220,83 @@ class DynamicDegree:
             return self.gather_lengths(lengths)[0]
         vals = list(lengths)
         problem = next((f"sequence {i} {why}" for i, n in enumerate(vals) for why in [length_problem(n)] if why), None)
-        send = [] if problem else [len(vals), digest_ints([int(n) for n in vals])]
-        agree(problem, None, what="DynamicDegree.schedule: the global batch's lengths",
-              where="default process group", values=send, width=2, same=("sequences", "lengths digest"))
+        send = [] if problem else [len(vals), digest_ints([int(n) for n in vals]), *self._last]
+
+        def same_batch(rows: List[List[int]]) -> List[str]:
+            return [f"{label}: " + ", ".join(f"rank {r}={row[j]}" for r, row in enumerate(rows))
+                    for j, label in enumerate(("sequences", "lengths digest")) if len({row[j] for row in rows}) > 1]
+        rows = agree(problem, None, what="DynamicDegree.schedule: the global batch's lengths",
+                     where="default process group", values=send, width=4, check=same_batch)
+        self._timed([row[2] for row in rows], [row[3] for row in rows])
         return [int(n) for n in vals]
 
     def plan(self, lengths: Sequence[int]) -> Schedule:
         """The schedule of lengths every rank already holds alike (no collective)."""
+        if self._ahead is not None:    # after a schedule ahead of it, not beside it: the same order everywhere
+            return self._ahead.submit(self._plan_at, list(lengths), self._gathers).result()
+        return self._plan_at(lengths, self._gathers)
+
+    def _plan_at(self, lengths: Sequence[int], at: int) -> Schedule:
         with self._lock:         # the price tables grow as lengths come: one schedule at a time
-            return self.scheduler.schedule(lengths)
+            if self.trial is None:
+                return self.scheduler.schedule(lengths)
+            serial, sched = self.trial.choose(lengths, at=at)
+            self._recent.append((serial, sched))
+            self._jobs_serial = {id(j): k for k, sc in self._recent for j in sc.jobs}
+            return sched
+
+    def calibrate_steps(self, batches: Sequence[Sequence[int]], run) -> Dict[str, float]:
+        """Whole steps measured against their price, and the price fitted to them: each batch
+        of ``batches`` (every rank the same lengths) run as a whole step by ``run(lengths,
+        schedule)`` (the caller's own step: every job of this rank, the gradient sync, the
+        optimizer) under the per-batch schedule, the per-batch schedule with every sequence a
+        job of its own (the per-call costs), and every fixed split that holds it; each step the
+        slowest rank's time (barrier to barrier, the device synced).  The price is then scaled
+        to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
+        the whole step and one for the per-call overhead), the same factors on every rank,
+        used by every schedule made after it.  Run it after a warm-up step; it costs
+        ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it with the same
+        batches (it runs collectives).  Returns the factors."""
+        import torch
+
+        problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)
+                        for why in [length_problem(n)] if why), None)
+        flat = [] if problem else [x for b in batches for x in (len(b), *map(int, b))]
+        agree(problem, None, what="DynamicDegree.calibrate_steps: the batches", where="default process group",
+              values=[len(batches), digest_ints(flat)] if not problem else [], width=2,
+              same=("batches", "lengths digest"))
+        model = self.scheduler.model
+        model.set_part_scale({})
+        unpacked = Scheduler(self.world, self.shape, budget_tokens=self.budget_tokens, sizes=self.sizes,
+                             ulysses_degrees=self.ulysses_degrees, pack=False, model=model)
+        samples = []
+        for b in batches:
+            lens = [int(n) for n in b]
+            scheds = [self.scheduler.dynamic(lens)]
+            try:
+                scheds.append(unpacked.dynamic(lens))
+            except ScheduleError:
+                pass
+            for u, r in self.scheduler.static_splits(max(lens)):
+                try:
+                    scheds.append(self.scheduler.static(lens, u, r))
+                except ScheduleError:
+                    continue
+            for sched in scheds:
+                if self.world > 1:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                run(lens, sched)
+                if torch.accelerator.is_available():
+                    torch.accelerator.synchronize()
+                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                    device=group_meta(None)[0] if self.world > 1 else "cpu")
+                if self.world > 1:     # the slowest rank's time, the same on every rank
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                samples.append((sched.parts(), float(took.item())))
+        scale = fit_part_scale(samples)
+        model.set_part_scale(scale)
+        return scale
 
     def mesh(self, job: Job) -> SequenceParallelMesh:
         """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""
@@ -244,6 +350,7 @@ class DynamicDegree:
         mesh; ``None`` (a round of :meth:`Schedule.slots` without a job here): this rank alone."""
         if job is None:
             return default_mesh_set_to(self.meshes[(1, 1, 1)])
+        self._entered = self._jobs_serial.get(id(job), self._entered)
         mesh = self.mesh(job)
         if self.rank not in job.ranks or mesh.sp_ranks != tuple(job.ranks):
             raise ValueError(f"rank {self.rank} is not in this job's group (ranks {list(job.ranks)})")

@@ -320,8 +320,12 @@ class Scheduler:
         self.pack, self.margin, self.rings = bool(pack), float(margin), bool(rings)
         self.shape = shape
         self.model = model if model is not None else StepModel(shape, profile, top=self.budget)
-        self.constant = self.model.step_constant(world)
         self._told = False
+
+    @property
+    def constant(self) -> float:
+        """What every schedule of a step pays alike (:meth:`StepModel.step_constant`)."""
+        return self.model.step_constant(self.world)
 
     # ---------------------------------------------------------------- prices
     def layout(self, g: int, u: int, packed: bool = False) -> str:
@@ -372,7 +376,9 @@ class Scheduler:
         m = self.model
         tab = m.table(1, 1, "basic")
         launch = tab.launch * (2 if self.shape.bwd else 1) if m.varlen else 0.0
-        return m.layers * (tab.fixed + launch) + m.call_overhead() + m.call_extra.get((1, 1), (0.0,))[0]
+        sc = m.part_scale
+        return (m.layers * tab.fixed + m.call_overhead() + m.call_extra.get((1, 1), (0.0,))[0]) * sc["overhead"] + \
+            m.layers * launch * sc["attention"]
 
     def _jobs(self, specs: Sequence[Tuple[Sequence[int], int, int, int]], lens: Tuple[int, ...]) -> List[Job]:
         """Jobs of (sequences, first rank, group size, Ulysses degree), in order, priced a

@@ -43,6 +43,9 @@ DENSE = 64
 PER_OCTAVE = 16
 #: the parts a job's time is reported in (they sum to it)
 PARTS = ("attention", "tokens", "communication", "overhead")
+#: what a whole-step calibration scales (:meth:`StepModel.set_part_scale`): each part, and the
+#: step's constant part
+SCALED = PARTS + ("constant",)
 
 # ATen ops of transformers' LlamaDecoderLayer with SDPA attention, counted with a dispatch mode
 # (transformers 5.23.0): 77 in the forward, 142 in the backward; the elementwise traffic per token
@@ -305,9 +308,28 @@ class StepModel:
         #: call, seconds per token per rank), measured on the run's own model
         #: (usp_hal.integrations.transformers.calibrate_calls; a profile's "call_extra")
         self.call_extra: Dict[Tuple[int, int], Tuple[float, ...]] = {}
+        #: measured whole steps over their price, per part (:func:`fit_part_scale`; a profile's
+        #: "part_scale"; 1 where not measured)
+        self.part_scale: Dict[str, float] = {k: 1.0 for k in SCALED}
         self._tables: Dict[Tuple[int, int, str], _Table] = {}
         self._jobs: Dict[tuple, Cost] = {}
         self.set_call_extra(self.profile.get("call_extra") or {})
+        self.set_part_scale(self.profile.get("part_scale") or {})
+
+    def set_part_scale(self, scale: dict) -> None:
+        """``{part: factor}`` for the parts of :data:`SCALED` (others stay 1): each job's
+        attention, token layers, communication and per-call overhead, and the step's constant
+        part, times its factor (what :func:`fit_part_scale` measures on whole steps)."""
+        bad = sorted(set(scale) - set(SCALED))
+        if bad:
+            raise ValueError(f"part_scale: unknown parts {bad}; the parts are {list(SCALED)}")
+        for k in SCALED:
+            f = float(scale.get(k, 1.0))
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"part_scale: {k} must be a positive number, got {scale.get(k)!r}")
+            self.part_scale[k] = f
+        self.__dict__.pop("_token_s", None)
+        self._jobs.clear()
 
     def set_call_extra(self, extra: dict) -> None:
         """``{"g,u,r": [seconds per call, per token per rank, per packed document]}`` (a number:
@@ -344,17 +366,21 @@ class StepModel:
         if got is None:
             layer, head = self.shape.token_cost(self.linear_flops, self.elem_bw)
             scale = self.profile.get("token_scale") or {}
-            got = self.__dict__["_token_s"] = (self.layers * layer * float(scale.get("layer", 1.0)) if
-                                               self.shape.hidden else 0.0) + head * float(scale.get("head", 1.0))
+            got = self.__dict__["_token_s"] = ((self.layers * layer * float(scale.get("layer", 1.0)) if
+                                                self.shape.hidden else 0.0) + head * float(scale.get("head", 1.0))
+                                               ) * self.part_scale["tokens"]
         return got
 
     def call_overhead(self) -> float:
-        """The fixed seconds of one model call beyond its attention calls."""
+        """The fixed seconds of one model call beyond its attention calls (unscaled)."""
         return self.layers * self.layer_overhead + self.model_overhead
 
     def step_constant(self, world: int) -> float:
         """What every schedule of a step pays alike: the gradients summed over the world (one
         all-reduce) and the optimizer step (AdamW)."""
+        return self._step_constant(world) * self.part_scale["constant"]
+
+    def _step_constant(self, world: int) -> float:
         params = self.shape.parameters()
         if not params:
             return 0.0
@@ -438,9 +464,13 @@ class StepModel:
                 out[k] = L * t[k]
         if "pairs" in t:
             out["pairs"] = t["pairs"]
+        sc = self.part_scale
+        for k in ("attention", "communication"):
+            if k in out:
+                out[k] = out[k] * sc[k]
         fixed, per_token = self._extra(g, u, np.ceil(n / g))
         if "overhead" in t:
-            out["overhead"] = L * t["overhead"] + self.call_overhead() + fixed
+            out["overhead"] = (L * t["overhead"] + self.call_overhead() + fixed) * sc["overhead"]
         if "tokens" in want or "time" in want:
             out["tokens"] = self.tokens_time(np.ceil(n / g)) + per_token
         if "time" in want:
@@ -489,11 +519,11 @@ class StepModel:
                     Candidate(u, g // u, layout), self.profile)
         d = p.detail
         assert d is not None
-        L = self.layers
-        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"])
-        communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"])
+        L, sc = self.layers, self.part_scale
+        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"]) * sc["attention"]
+        communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"]) * sc["communication"]
         fixed, per_token = self._extra(g, u, math.ceil(total / g), len(lengths))
-        overhead = L * d["fixed"] + self.call_overhead() + float(fixed)
+        overhead = (L * d["fixed"] + self.call_overhead() + float(fixed)) * sc["overhead"]
         tokens = float(self.tokens_time(math.ceil(total / g)) + per_token)
         from .planner import call_pairs, ring_work
         work, _, _ = ring_work(layout, total, g // u, s.causal, cu)
@@ -532,17 +562,56 @@ class StepModel:
                 ring_time += hop_first + (r - 2) * hop_rest + rest
         launches = (c0 + cr * (r - 1)) * (2 if self.shape.bwd else 1) * tab.busy
         kmean = summed("kernel_work") + ov * launches
-        L = self.layers
-        attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"])
-        communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small)
+        L, sc = self.layers, self.part_scale
+        attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"]) * sc["attention"]
+        communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small) * sc["communication"]
         fixed, per_token = self._extra(g, u, np.ceil(total / g), sizes)
-        overhead = L * tab.fixed + self.call_overhead() + fixed
+        overhead = (L * tab.fixed + self.call_overhead() + fixed) * sc["overhead"]
         tokens = self.tokens_time(np.ceil(total / g)) + per_token
         time = attention + communication + overhead + tokens
         pairs = summed("pairs")
         return [Cost(u, r, layout, float(time[k]), int(pairs[k]), L * float(at_n["bytes"][k]),
                      int(round(L * float(at_n["collectives"][k]))), float(attention[k]), float(tokens[k]),
                      float(communication[k]), float(overhead[k])) for k in range(len(jobs))]
+
+
+#: how strongly a fitted factor is held near 1 (per factor, in squared relative error: 0.01 is
+#: one step's 10% error), and the factors' range
+PRIOR = 0.01
+SCALE_RANGE = (0.2, 5.0)
+
+
+def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
+                   apart: Sequence[str] = ("overhead",)) -> Dict[str, float]:
+    """Factors for the parts of :data:`SCALED` that bring priced steps nearest their measured
+    times: ``samples`` of (a schedule's slowest-rank parts, :meth:`Schedule.parts` priced with
+    every factor 1, and the step's measured seconds).  One factor common to every part, and one
+    of its own for each part in ``apart`` (the per-call overhead: what separates a schedule of
+    many calls from one of few; parts that every schedule of a batch pays alike, such as the
+    token layers and the step's constant part, cannot be told apart by a few batches, so they
+    share the common one).  Least squares on the relative error, each factor held near 1 by
+    :data:`PRIOR` (a part no sample exercises stays at the common factor) and kept within
+    :data:`SCALE_RANGE`; the idle part is not scaled.  A pure function: ranks given the same
+    samples get the same factors."""
+    apart = [k for k in apart if k in SCALED]
+    common = [k for k in SCALED if k not in apart]
+    rows, target = [], []
+    for parts, took in samples:
+        if not (took > 0 and math.isfinite(took)):
+            raise ValueError(f"fit_part_scale: a measured step of {took!r} seconds")
+        rows.append([sum(float(parts.get(k, 0.0)) for k in common) / took] +
+                    [float(parts.get(k, 0.0)) / took for k in apart])
+        target.append(1.0 - float(parts.get("idle", 0.0)) / took)
+    n = 1 + len(apart)
+    w = math.sqrt(PRIOR)
+    a = np.vstack([np.array(rows, dtype=np.float64).reshape(-1, n), w * np.eye(n)])
+    b = np.concatenate([np.array(target, dtype=np.float64), w * np.ones(n)])
+    x = np.linalg.lstsq(a, b, rcond=None)[0]
+    lo, hi = SCALE_RANGE
+    x = [float(min(hi, max(lo, v))) for v in x]
+    out = {k: x[0] for k in common}
+    out.update({k: x[1 + i] for i, k in enumerate(apart)})
+    return {k: out[k] for k in SCALED}
 
 
 def _heads_on_busiest(shape: AttentionShape, u: int) -> int:

@@ -117,6 +117,10 @@ class USPTrainingArguments(TrainingArguments):
         "help": "with usp_dynamic_degree: the most tokens one rank holds in one model call"})
     usp_profile: str = field(default="h100-nvlink", metadata={
         "help": "with usp_dynamic_degree: the planner profile that prices the groups (usp-hal plan lists them)"})
+    usp_dynamic_trial_steps: int = field(default=0, metadata={
+        "help": "with usp_dynamic_degree: when not 0, the first steps run the per-batch split and one fixed split "
+                "in turn, this many timed steps of each after a warm-up, and the run keeps the one measured "
+                "faster (DynamicDegree(trial_steps=), docs/dynamic-degree.md)"})
 
     def __post_init__(self):
         check_recurrence(self.usp_recurrence)       # a bad value fails here, before any set-up
@@ -258,7 +262,7 @@ def _dynamic_degree(model, args):
     """The per-batch degree for the model: its whole-step shape from the config, packing as its
     layers allow (usp_hal.integrations.transformers.dynamic_degree)."""
     return usp.dynamic_degree(model, budget_tokens=int(args.usp_budget_tokens), profile=args.usp_profile,
-                              dtype=_dtype_of(args))
+                              dtype=_dtype_of(args), trial_steps=int(getattr(args, "usp_dynamic_trial_steps", 0)))
 
 
 def _gather_rows(rows: list, lengths: List[int], owner: List[int], world: int) -> list:
