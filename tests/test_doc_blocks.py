@@ -95,6 +95,7 @@ def proj(t):                                       # this rank's q, k, v from it
 assert out.shape == (B, x_local.shape[1], H, D) and bool(torch.isfinite(out).all()), out.shape
 if dist.get_rank() == 0:
     print("quickstart-core ran:", tuple(out.shape))
+dist.barrier()                     # the teardown docs/quickstart.md gives: every rank done first
 dist.destroy_process_group()
 ''')}
 
