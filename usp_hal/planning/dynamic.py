@@ -255,9 +255,8 @@ class DynamicDegree:
         to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
         the whole step, one for the per-call overhead, one for communication), the same
         factors on every rank, used by every schedule made after it.  Run it after a warm-up
-        step; it costs
-        ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it with the same
-        batches (it runs collectives).  Returns the factors."""
+        step; it costs ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it
+        with the same batches (it runs collectives).  Returns the factors."""
         import torch
 
         problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)
