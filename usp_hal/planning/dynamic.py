@@ -253,10 +253,10 @@ class DynamicDegree:
         job of its own (the per-call costs), and every fixed split that holds it; each step the
         slowest rank's time (barrier to barrier, the device synced).  The price is then scaled
         to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
-        the whole step, one for the per-call overhead, one for communication), the same
-        factors on every rank, used by every schedule made after it.  Run it after a warm-up
-        step; it costs ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it
-        with the same batches (it runs collectives).  Returns the factors."""
+        the whole step and one for the per-call overhead), the same factors on every rank,
+        used by every schedule made after it.  Run it after a warm-up step; it costs
+        ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it with the same
+        batches (it runs collectives).  Returns the factors."""
         import torch
 
         problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)

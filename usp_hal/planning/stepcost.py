@@ -582,16 +582,15 @@ SCALE_RANGE = (0.2, 5.0)
 
 
 def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
-                   apart: Sequence[str] = ("overhead", "communication")) -> Dict[str, float]:
+                   apart: Sequence[str] = ("overhead",)) -> Dict[str, float]:
     """Factors for the parts of :data:`SCALED` that bring priced steps nearest their measured
     times: ``samples`` of (a schedule's slowest-rank parts, :meth:`Schedule.parts` priced with
     every factor 1, and the step's measured seconds).  One factor common to every part, and one
-    of its own for each part in ``apart``: the per-call overhead (what separates a schedule of
-    many calls from one of few) and communication (what separates the splits: Ulysses' all-to-
-    alls, a ring's exposed exchange, none on one rank).  The parts that every schedule of a
-    batch pays about alike, such as the token layers and the step's constant part, cannot be
-    told apart by a few batches, so they share the common one.  Least squares on the relative
-    error, each factor held near 1 by :data:`PRIOR` (a part no sample exercises stays 1) and kept within
+    of its own for each part in ``apart`` (the per-call overhead: what separates a schedule of
+    many calls from one of few; parts that every schedule of a batch pays alike, such as the
+    token layers and the step's constant part, cannot be told apart by a few batches, so they
+    share the common one).  Least squares on the relative error, each factor held near 1 by
+    :data:`PRIOR` (a part no sample exercises stays at the common factor) and kept within
     :data:`SCALE_RANGE`; the idle part is not scaled.  A pure function: ranks given the same
     samples get the same factors."""
     apart = [k for k in apart if k in SCALED]
