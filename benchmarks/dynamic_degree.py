@@ -178,7 +178,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     shape = AttentionShape.from_config(cfg, dtype="fp32")
     assert shape == cpu_shape(), (shape, cpu_shape())
     dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
-    extra = usp.calibrate_calls(model, dd)          # the model path's own fixed cost per call and split
+    extra = usp.calibrate_calls(model, dd)          # the model path against its price, per call and split
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     rank = dist_.get_rank()
     # whole steps on batches of their own (not among the measured ones), the price fitted to them
@@ -268,7 +268,8 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           f"{tokens} tokens per rank per step, budget {budget}; {steps} batches per seed after a warm-up; per seed, "
           "the machine calibrated just before (usp_hal.harness.calibrate, 4 ranks at once) unless --profile names "
           "one, then the model path's own cost per call and per token on each split against that price "
-          "(usp.calibrate_calls, two job sizes), then whole steps (DynamicDegree.calibrate_steps)")
+          "(usp.calibrate_calls: three job sizes and a packed one, with one factor on the priced attention), then "
+          "whole steps (DynamicDegree.calibrate_steps)")
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
     ratios, dyn_all, st_all = [], 0.0, 0.0
     trial_ratios, trial_all = [], 0.0
@@ -284,8 +285,9 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
             how = f"profile {profile}"
         res = run_on_ranks(measured_ranks, world=WORLD, timeout=5400, dist=dist, seeds=[seed], steps=steps,
                            tokens_per_rank=tokens, budget=budget, profile=prof)
-        extra = ", ".join(f"{k}: {v[0] * 1e3:+.1f} ms {v[1] * 1e6:+.1f} us/token {v[2] * 1e3:+.2f} ms/doc" for k, v in
-                          res[0]["call_extra"].items())
+        extra = f"attention x{res[0]['call_extra']['attention']:.2f}; " + ", ".join(
+            f"{k}: {v[0] * 1e3:+.1f} ms {v[1] * 1e6:+.1f} us/token {v[2] * 1e3:+.2f} ms/doc"
+            for k, v in res[0]["call_extra"].items() if k != "attention")
         print(f"  seed {seed}: {how}; the model path against its price (g,u,r): {extra}")
         print(f"  seed {seed}: whole steps against their price ({CAL_BATCHES} batches of their own, each under the "
               "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the price scaled "

@@ -337,3 +337,23 @@ def calibrated_steps(batches, budget: int = 64):
 
     scale = dd.calibrate_steps(batches, run)
     return {"scale": scale, "ran": ran, "held": dict(dd.scheduler.model.part_scale)}
+
+
+def calibrated_calls(tokens=(8, 24, 64), budget: int = 64, error: bool = False):
+    """usp.calibrate_calls on a tiny Llama (transformers integration, every split of 4 ranks):
+    what it returns, what the price model then holds, and whether it left gradients
+    (``error``: only what it raised, or None)."""
+    from tests.integration_cases import tiny_llama
+    from usp_hal.integrations import transformers as usp
+    model = tiny_llama(0, num_hidden_layers=1)
+    name = usp.register("usp_hal_test_calls", mesh=None, layout=usp.DYNAMIC_LAYOUT, attn_type="sdpa", enable=True)
+    model.set_attn_implementation(name)
+    dd = usp.dynamic_degree(model, budget_tokens=budget, profile="cpu-4ranks")
+    if error:
+        return _error(lambda: usp.calibrate_calls(model, dd, reps=1, tokens=tokens, doc=8))
+    out = usp.calibrate_calls(model, dd, reps=1, tokens=tokens, doc=8)
+    m = dd.scheduler.model
+    return {"out": out, "splits": sorted("{},{},{}".format(*k) for k in dd.meshes),
+            "held": {"attention": m.call_attention, **{f"{g},{u},{g // u}": list(v) for (g, u), v in
+                                                       m.call_extra.items()}},
+            "grads": sum(p.grad is not None for p in model.parameters())}

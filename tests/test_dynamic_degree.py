@@ -429,16 +429,20 @@ def test_the_measured_trial_is_a_pure_function_of_the_lengths_and_the_times():
 @pytest.mark.timeout(300)
 def test_whole_step_calibration_runs_every_schedule_and_fits_alike_on_every_rank(pools):
     """DynamicDegree.calibrate_steps: each batch run under the per-batch schedule, its unpacked
-    form and every fixed split that holds it, each step timed as the slowest rank's; every rank
-    fits the same factors and prices with them from then on."""
+    form and every fixed split that holds it, each step timed as the slowest rank's, after the
+    first batch's schedules ran once untimed (the warm-up); every rank fits the same factors
+    and prices with them from then on."""
     batches = [[200, 9, 12, 7, 30, 5], [150, 40, 22, 64]]
     res = pools(4).run(dist_dynamic.calibrated_steps, timeout=240, batches=batches)
     assert all(r["scale"] == res[0]["scale"] and r["ran"] == res[0]["ran"] for r in res), res
     got = res[0]
     assert got["held"] == got["scale"]
     assert any(abs(v - 1.0) > 1e-6 for v in got["scale"].values()), got["scale"]
+    first = [(lab, n) for lens, lab, n in got["ran"] if lens == batches[0]]
+    half = len(first) // 2
+    assert first[:half] == first[half:] and got["ran"][:half] == got["ran"][half:2 * half], got["ran"]  # warm-up
     for b in batches:
-        mine = [(lab, n) for lens, lab, n in got["ran"] if lens == b]
+        mine = [(lab, n) for lens, lab, n in got["ran"] if lens == b][-half if b == batches[0] else 0:]
         assert mine[0][0] == mine[1][0] == "dynamic" and mine[1][1] == len(b), mine   # unpacked: a job each
         assert len(mine) >= 3 and all(lab != "dynamic" for lab, _ in mine[2:]), mine
 
@@ -455,3 +459,21 @@ def test_whole_step_calibration_on_different_batches_is_refused_on_every_rank(po
     assert len(set(res)) == 1, res
     res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120, batches=[same, [[2.5]], same, same])
     assert all(r and "rank 1" in r and "2.5" in r for r in res), res
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_the_model_paths_own_cost_is_measured_on_every_split_alike(pools):
+    """usp.calibrate_calls on 4 ranks: the same result on every rank (a fit of the slowest
+    rank's times), a part per call, per token and per document for every split and one
+    attention factor within its range, held by the price model; no gradient left behind; a
+    single job size (the budget caps both) is refused before any job runs."""
+    res = pools(4).run(dist_dynamic.calibrated_calls, timeout=180)
+    assert all(r["out"] == res[0]["out"] for r in res), res
+    got = res[0]
+    assert sorted(k for k in got["out"] if k != "attention") == got["splits"] and len(got["splits"]) == 6, got
+    assert 0.2 <= got["out"]["attention"] <= 5.0
+    assert all(len(v) == 3 and v[2] >= 0 for k, v in got["out"].items() if k != "attention"), got
+    assert got["held"] == pytest.approx(got["out"]) and got["grads"] == 0, got
+    res = pools(4).run(dist_dynamic.calibrated_calls, timeout=60, tokens=(64, 128), error=True)
+    assert all(r and "two sizes or more" in r and "budget, 64" in r for r in res) and len(set(res)) == 1, res

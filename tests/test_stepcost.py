@@ -154,3 +154,69 @@ def test_a_whole_step_fit_recovers_the_factors_and_holds_an_unexercised_part():
     assert m.step_constant(4) == pytest.approx(3 * const)
     with pytest.raises(ValueError, match="unknown parts"):
         m.set_part_scale({"kernel": 2.0})
+
+
+CPU_MODEL = AttentionShape(heads=8, head_dim=32, kv_heads=2, dtype="fp32", causal=True, bwd=True, hidden=256,
+                           intermediate=896, layers=2, vocab=2048)
+
+
+def test_the_call_fit_recovers_the_attention_factor_and_each_splits_parts():
+    """Jobs priced by the cpu profile, "measured" as that price with the attention at 0.75x
+    and known parts per call, per token and per packed document on each split (noise-free):
+    fit_call_extra gives those back, and the model then prices jobs it never saw (64, 512 and
+    768 tokens per rank, documents of 100 tokens) as measured; a split with one size, or a
+    time that is not a number, is refused."""
+    from usp_hal.planning.stepcost import fit_call_extra
+    m = StepModel(CPU_MODEL, "cpu")
+    truth = {(1, 1, 1): (0.004, -40e-6, 1e-3), (2, 1, 2): (-0.012, 15e-6, 0.4e-3), (4, 2, 2): (0.02, -5e-6, 0.0),
+             (4, 4, 1): (0.009, 30e-6, 2e-3)}
+    alpha = 0.75
+
+    def measured(split, lengths):
+        g, u, _ = split
+        c = m.job(lengths, g, u, "varlen_zigzag" if g > u else "basic")
+        f, p, d = truth[split]
+        return c, c.time + f + p * (sum(lengths) // g) + (alpha - 1) * c.attention + d * (len(lengths) - 1)
+    samples = []
+    for split in truth:
+        g = split[0]
+        for n in (16, 256, 1024):
+            samples.append((split, n, 1, *measured(split, (n * g,))))
+        docs = tuple([32] * (1024 * g // 32))
+        samples.append((split, 1024, len(docs), *measured(split, docs)))
+    got = fit_call_extra(samples)
+    assert got["attention"] == pytest.approx(alpha, rel=1e-6)
+    for (g, u, r), want in truth.items():
+        assert got[f"{g},{u},{r}"] == pytest.approx(list(want), rel=1e-4, abs=1e-9), (g, u, r)
+    unseen = [(s, lengths, measured(s, lengths)[1]) for s in truth
+              for lengths in [(64 * s[0],), (512 * s[0],), (768 * s[0],), (100,) * (8 * s[0])]]
+    m.set_call_extra(got)
+    for (g, u, r), lengths, took in unseen:
+        lay = "varlen_zigzag" if g > u else "basic"
+        assert m.job(lengths, g, u, lay).time == pytest.approx(took, rel=1e-6), ((g, u, r), lengths)
+    with pytest.raises(ValueError, match="two sizes or more"):
+        fit_call_extra([s for s in samples if not (s[0] == (2, 1, 2) and s[2] == 1 and s[1] < 1024)])
+    with pytest.raises(ValueError, match="measured job"):
+        fit_call_extra([(s[0], s[1], s[2], s[3], float("nan")) if k == 0 else s for k, s in enumerate(samples)])
+
+
+def test_the_call_attention_factor_scales_every_priced_attention():
+    """set_call_extra({"attention": a}) scales the attention of a job alone, a packed job, the
+    direct prediction and a one-rank job's fixed part by a (the other parts unchanged), and a
+    factor that is not a positive number is refused."""
+    from usp_hal.planning.schedule import Scheduler
+    m = StepModel(CPU_MODEL, "cpu")
+    jobs = [((700,), 2, 1, "varlen_zigzag"), ((90, 300, 41), 4, 2, "varlen_zigzag"), ((500,), 1, 1, "basic")]
+    before = [m.job(*j) for j in jobs] + [m.job_exact(*jobs[1])]
+    fixed = Scheduler(4, CPU_MODEL, budget_tokens=1024, profile="cpu", model=m)._one_rank_fixed()
+    m.set_call_extra({"attention": 0.5})
+    after = [m.job(*j) for j in jobs] + [m.job_exact(*jobs[1])]
+    for b, a in zip(before, after):
+        assert b.attention > 0 and a.attention == pytest.approx(0.5 * b.attention)
+        assert (a.tokens, a.communication, a.overhead) == pytest.approx((b.tokens, b.communication, b.overhead))
+        assert a.time == pytest.approx(b.time - 0.5 * b.attention)
+    fixed_after = Scheduler(4, CPU_MODEL, budget_tokens=1024, profile="cpu", model=m)._one_rank_fixed()
+    assert fixed_after <= fixed
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="attention must be a positive number"):
+            m.set_call_extra({"attention": bad})

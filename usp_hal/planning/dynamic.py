@@ -245,7 +245,7 @@ class DynamicDegree:
             self._jobs_serial = {id(j): k for k, sc in self._recent for j in sc.jobs}
             return sched
 
-    def calibrate_steps(self, batches: Sequence[Sequence[int]], run) -> Dict[str, float]:
+    def calibrate_steps(self, batches: Sequence[Sequence[int]], run, *, warmup: bool = True) -> Dict[str, float]:
         """Whole steps measured against their price, and the price fitted to them: each batch
         of ``batches`` (every rank the same lengths) run as a whole step by ``run(lengths,
         schedule)`` (the caller's own step: every job of this rank, the gradient sync, the
@@ -254,9 +254,11 @@ class DynamicDegree:
         slowest rank's time (barrier to barrier, the device synced).  The price is then scaled
         to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
         the whole step and one for the per-call overhead), the same factors on every rank,
-        used by every schedule made after it.  Run it after a warm-up step; it costs
-        ``len(batches) x (2 + fixed splits)`` steps.  Every rank must call it with the same
-        batches (it runs collectives).  Returns the factors."""
+        used by every schedule made after it.  ``warmup``: the first batch runs under each of
+        its schedules once more, untimed, before any timed step (a run's first steps pay for
+        what later ones reuse: the optimizer's state, memory, each split's first call).  It
+        costs ``(len(batches) + warmup) x (2 + fixed splits)`` steps.  Every rank must call it
+        with the same batches (it runs collectives).  Returns the factors."""
         import torch
 
         problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)
@@ -270,7 +272,8 @@ class DynamicDegree:
         unpacked = Scheduler(self.world, self.shape, budget_tokens=self.budget_tokens, sizes=self.sizes,
                              ulysses_degrees=self.ulysses_degrees, pack=False, model=model)
         samples = []
-        for b in batches:
+        for k, b in enumerate(([batches[0]] if warmup and batches else []) + list(batches)):
+            timed = k > 0 or not warmup
             lens = [int(n) for n in b]
             scheds = [self.scheduler.dynamic(lens)]
             try:
@@ -293,7 +296,8 @@ class DynamicDegree:
                                     device=group_meta(None)[0] if self.world > 1 else "cpu")
                 if self.world > 1:     # the slowest rank's time, the same on every rank
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                samples.append((sched.parts(), float(took.item())))
+                if timed:
+                    samples.append((sched.parts(), float(took.item())))
         scale = fit_part_scale(samples)
         model.set_part_scale(scale)
         return scale

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -308,6 +308,9 @@ class StepModel:
         #: call, seconds per token per rank), measured on the run's own model
         #: (usp_hal.integrations.transformers.calibrate_calls; a profile's "call_extra")
         self.call_extra: Dict[Tuple[int, int], Tuple[float, ...]] = {}
+        #: the model path's attention over its price, the same on every split (calibrate_calls;
+        #: a profile's call_extra["attention"]; 1 where not measured)
+        self.call_attention = 1.0
         #: measured whole steps over their price, per part (:func:`fit_part_scale`; a profile's
         #: "part_scale"; 1 where not measured)
         self.part_scale: Dict[str, float] = {k: 1.0 for k in SCALED}
@@ -333,9 +336,15 @@ class StepModel:
 
     def set_call_extra(self, extra: dict) -> None:
         """``{"g,u,r": [seconds per call, per token per rank, per packed document]}`` (a number:
-        per call)."""
+        per call), and ``"attention"``: the factor on every job's priced attention."""
         self.call_extra.clear()
+        att = float(extra.get("attention", 1.0))
+        if not (math.isfinite(att) and att > 0):
+            raise ValueError(f"call_extra: attention must be a positive number, got {extra.get('attention')!r}")
+        self.call_attention = att
         for key, val in extra.items():
+            if key == "attention":
+                continue
             g, u, _ = (int(x) for x in str(key).split(","))
             vals = [float(val)] if isinstance(val, (int, float)) else [float(v) for v in val]
             self.call_extra[(g, u)] = tuple(vals + [0.0] * (3 - len(vals)))
@@ -468,6 +477,8 @@ class StepModel:
         for k in ("attention", "communication"):
             if k in out:
                 out[k] = out[k] * sc[k]
+        if "attention" in out:
+            out["attention"] = out["attention"] * self.call_attention
         fixed, per_token = self._extra(g, u, np.ceil(n / g))
         if "overhead" in t:
             out["overhead"] = (L * t["overhead"] + self.call_overhead() + fixed) * sc["overhead"]
@@ -520,7 +531,8 @@ class StepModel:
         d = p.detail
         assert d is not None
         L, sc = self.layers, self.part_scale
-        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"]) * sc["attention"]
+        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"]) * sc["attention"] \
+            * self.call_attention
         communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"]) * sc["communication"]
         fixed, per_token = self._extra(g, u, math.ceil(total / g), len(lengths))
         overhead = (L * d["fixed"] + self.call_overhead() + float(fixed)) * sc["overhead"]
@@ -563,7 +575,8 @@ class StepModel:
         launches = (c0 + cr * (r - 1)) * (2 if self.shape.bwd else 1) * tab.busy
         kmean = summed("kernel_work") + ov * launches
         L, sc = self.layers, self.part_scale
-        attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"]) * sc["attention"]
+        attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"]) \
+            * sc["attention"] * self.call_attention
         communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small) * sc["communication"]
         fixed, per_token = self._extra(g, u, np.ceil(total / g), sizes)
         overhead = (L * tab.fixed + self.call_overhead() + fixed) * sc["overhead"]
@@ -612,6 +625,57 @@ def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
     out = {k: x[0] for k in common}
     out.update({k: x[1 + i] for i, k in enumerate(apart)})
     return {k: out[k] for k in SCALED}
+
+
+def fit_call_extra(samples: Sequence[Tuple[Tuple[int, int, int], int, int, Cost, float]]) -> Dict[str, Any]:
+    """The model path's own cost against its price (what
+    :func:`usp_hal.integrations.transformers.calibrate_calls` measures), from ``samples`` of
+    (split ``(g, u, r)``, tokens per rank, packed documents, the job's price (a :class:`Cost`
+    priced without any ``call_extra``), the job's measured seconds).
+
+    The single-sequence jobs' excess (measured less priced) is fitted by one least-squares fit
+    on the relative error: per split a part per call and one per token, and one factor on the
+    priced attention common to every split (the kernel as the model path runs it against the
+    kernel the profile measured: what grows with the square of a job's length, which a part
+    per token cannot follow; kept within :data:`SCALE_RANGE`).  A packed job's excess beyond
+    that fit, over its documents but one, is the split's part per packed document (0 where
+    none was measured; never below 0).  A split's part per token is never below half its
+    price per token, and its part per call never below minus its priced overhead.  Each split
+    needs single-sequence jobs of two sizes or more.  Returns ``{"attention": factor, "g,u,r":
+    [seconds per call, seconds per token per rank, seconds per document], ...}``, what
+    :meth:`StepModel.set_call_extra` takes.  A pure function: ranks given the same samples get
+    the same result."""
+    splits = sorted({tuple(int(v) for v in s[0]) for s in samples})
+    single = [s for s in samples if s[2] == 1]
+    for split in splits:
+        have = {int(n) for sp, n, _, _, _ in single if tuple(sp) == split}
+        if len(have) < 2:
+            raise ValueError(f"fit_call_extra: split {split} has single-sequence jobs of {sorted(have)} tokens per "
+                             "rank; two sizes or more tell its part per call from its part per token")
+    for s in samples:
+        if not (s[4] > 0 and math.isfinite(s[4])):
+            raise ValueError(f"fit_call_extra: a measured job of {s[4]!r} seconds")
+    rows = np.zeros((len(single), 2 * len(splits) + 1))
+    rhs = np.zeros(len(single))
+    for k, (sp, n, _, cost, took) in enumerate(single):
+        i = splits.index(tuple(sp))
+        w = 1.0 / max(cost.time, 1e-9)
+        rows[k, 2 * i], rows[k, 2 * i + 1], rows[k, -1] = w, w * float(n), w * cost.attention
+        rhs[k] = w * (took - cost.time)
+    x = np.linalg.lstsq(rows, rhs, rcond=None)[0]
+    lo, hi = SCALE_RANGE
+    att = float(min(hi, max(lo, 1.0 + x[-1])))
+    out: Dict[str, Any] = {"attention": att}
+    for i, split in enumerate(splits):
+        mine = [s for s in single if tuple(s[0]) == split]
+        top = max(mine, key=lambda s: s[1])
+        least = min(mine, key=lambda s: s[1])
+        per_token = max(float(x[2 * i + 1]), -0.5 * top[3].tokens / top[1])
+        fixed = max(float(x[2 * i]), -least[3].overhead)
+        docs = [max(0.0, (took - cost.time - (fixed + per_token * n + (att - 1.0) * cost.attention)) / (d - 1))
+                for sp, n, d, cost, took in samples if tuple(sp) == split and d > 1]
+        out["{},{},{}".format(*split)] = [fixed, per_token, sum(docs) / len(docs) if docs else 0.0]
+    return out
 
 
 def _heads_on_busiest(shape: AttentionShape, u: int) -> int:

@@ -72,19 +72,25 @@ def dynamic_degree(model, *, budget_tokens: int, profile="h100-nvlink", dtype: O
                          **kwargs)
 
 
-def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens=(16, 512), doc: int = 32) -> dict:
+def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 5, tokens=(16, 256, 1024), doc: int = 32) -> dict:
     """``model``'s own cost per call on each split of ``dd`` against what its profile prices:
-    jobs of ``model`` on every group of a split at once (one sequence of ``tokens[0]`` and of
-    ``tokens[1]`` per rank, and the second as packed documents of ``doc`` tokens), forward and
-    backward through this integration (``model`` registered with ``mesh=None``), each the
-    slowest rank's median time less the price of that job, fitted as a part per call, per token
-    and per packed document.  What it measures is real on any machine (each call's agreements,
-    the integration's checks and per-document bookkeeping, Python, the model's own layers
-    against the stand-in the profile measured); how much it adds depends on the machine: a few
-    milliseconds per call where ranks share cores.  Returns ``{"g,u,r": [seconds per call,
-    seconds per token per rank, seconds per document]}``, the same on every rank, and puts it in
-    ``dd``'s price model (its ``call_extra``), so schedules made after it price it.  Every rank
-    must call it (it runs collectives); the gradients it leaves are zeroed."""
+    jobs of ``model`` on every group of a split at once (one sequence of each size in
+    ``tokens`` per rank, sizes past ``dd``'s budget left out, and the largest as packed
+    documents of ``doc`` tokens), forward and backward through this integration (``model``
+    registered with ``mesh=None``), each the slowest rank's median time less the price of that
+    job.  Every job of every split is timed once per round, the order rotating from round to
+    round, so that a drift of the machine's speed falls on all of them alike; the first round
+    warms up.  The fit is :func:`usp_hal.planning.stepcost.fit_call_extra`: per split a part
+    per call, per token and per packed document, and one factor on the priced attention common
+    to every split.
+    What it measures is real on any machine (each call's agreements, the integration's checks
+    and per-document bookkeeping, Python, the model's own layers against the stand-in the
+    profile measured); how much it adds depends on the machine: a few milliseconds per call
+    where ranks share cores.  Returns ``{"attention": factor, "g,u,r": [seconds per call,
+    seconds per token per rank, seconds per document], ...}``, the same on every rank, and
+    puts it in ``dd``'s price model (its ``call_extra`` and ``call_attention``), so schedules
+    made after it price it.  Every rank must call it (it runs collectives); the gradients it
+    leaves are zeroed."""
     import statistics
     import time
 
@@ -92,20 +98,29 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens=(16, 512)
     import torch.distributed as dist
 
     from usp_hal.planning.schedule import Job
+    from usp_hal.planning.stepcost import fit_call_extra
     sch = dd.scheduler
     m = sch.model
-    out = {}
     vocab = int(getattr(model.config, "vocab_size", 2))
     m.set_call_extra({})
-    small, large = tokens[0], min(tokens[1], sch.budget)
-
-    def beyond(g: int, u: int, lengths, block: int):
-        """The job's time (slowest rank, median) less its price, and its price."""
-        cost = m.job(lengths, g, u, sch.layout(g, u, len(lengths) > 1))
-        job = Job(tuple(range(len(lengths))), lengths, block * g, g, cost)
-        ids = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(block))
-        ts = []
-        for _ in range(reps + 1):
+    sizes = sorted({min(int(t), sch.budget) for t in tokens})
+    if len(sizes) < 2:
+        raise ValueError(f"calibrate_calls: tokens={tuple(tokens)} (capped at the budget, {sch.budget}) must give "
+                         "two sizes or more, to tell the per-call part from the per-token part")
+    large = sizes[-1]
+    jobs = []                      # (split, tokens per rank, job, ids)
+    for (g, u, r) in sorted(dd.meshes):
+        block = dd.rank // g
+        docs = max(2, large * g // doc)
+        for n, lengths in [(t, (t * g,)) for t in sizes] + [(large, tuple([large * g // docs] * docs))]:
+            cost = m.job(lengths, g, u, sch.layout(g, u, len(lengths) > 1))
+            ids = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(block))
+            jobs.append(((g, u, r), n, Job(tuple(range(len(lengths))), lengths, block * g, g, cost), ids))
+    times: list = [[] for _ in jobs]
+    for rnd in range(reps + 1):
+        shift = rnd % len(jobs)
+        for k in list(range(shift, len(jobs))) + list(range(shift)):
+            _, _, job, ids = jobs[k]
             dist.barrier()
             t0 = time.perf_counter()
             with dd.on(job) as job_mesh:
@@ -114,21 +129,10 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 3, tokens=(16, 512)
                 model(**batch).loss.backward()
             took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            ts.append(float(took))
-        return statistics.median(ts[1:]) - cost.time, cost
-
-    for (g, u, r) in sorted(dd.meshes):
-        block = dd.rank // g
-        e0, c0 = beyond(g, u, (small * g,), block)
-        e1, c1 = beyond(g, u, (large * g,), block)
-        docs = max(2, large * g // doc)
-        e2, _ = beyond(g, u, tuple([large * g // docs] * docs), block)
-        per_token = (e1 - e0) / (large - small)
-        # never priced below half the profile's per-token price or without its per-call parts
-        per_token = max(per_token, -0.5 * c1.tokens / large)
-        fixed = max(e0 - per_token * small, -c0.overhead)
-        per_doc = max(0.0, (e2 - e1) / (docs - 1))
-        out[f"{g},{u},{r}"] = [fixed, per_token, per_doc]
+            if rnd:
+                times[k].append(float(took))
+    out = fit_call_extra([(split, n, len(job.lengths), job.cost, statistics.median(ts))
+                          for (split, n, job, _), ts in zip(jobs, times)])
     m.set_call_extra(out)
     model.zero_grad(set_to_none=True)
     return out
