@@ -18,13 +18,14 @@ its fastest job); the slowest rank's step in parts.
 
 **Measured** (this CPU, 4 gloo ranks, one thread each): the machine is calibrated first
 (usp_hal.harness.calibrate, 4 ranks at once) unless --profile names a profile, then the model
-path's own cost per call on each split (usp.calibrate_calls), then whole steps of 2 batches of
-their own (DynamicDegree.calibrate_steps: the price scaled by one factor for the step and one
-for the per-call overhead); a Llama built
-from a transformers config with every size divided by 16 (2 layers, hidden 256, MLP 896, 8 heads
-of 32, 2 KV heads, vocabulary 2,048, fp32), lengths divided by 16, 2,048 tokens per rank, at most
-1,024 tokens per rank in one job, so that the linear layers' compute dominates a step (about a
-second per step here, per-call costs a few percent).  Per seed, 11 batches (after one warm-up),
+path's own cost on each split (usp.calibrate_calls: parts per call, per token and per packed
+document, and one factor on the priced attention), then whole steps of 2 batches of their own
+after a warm-up (DynamicDegree.calibrate_steps: the price scaled by one factor for the step and
+one for the per-call overhead); a Llama built from a transformers config with every size
+divided by 16 (2 layers, hidden 256, MLP 896, 8 heads of 32, 2 KV heads, vocabulary 2,048,
+fp32), lengths divided by 16, 2,048 tokens per rank, at most 1,024 tokens per rank in one job,
+so that the linear layers' compute dominates a step (about a second per step here, per-call
+costs a few percent).  Per seed, 11 batches (after one warm-up),
 each run under every schedule in turn (the order rotating), a whole step each: every job's
 forward and backward through the transformers integration, the gradients summed over the world,
 an AdamW step.  The slowest rank's step time (barrier to barrier); per schedule the predicted
