@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from usp_hal.parallel.partial_grads import mark_synced
 from usp_hal.planning.dynamic import DynamicDegree
 from usp_hal.planning.stepcost import AttentionShape
 
@@ -90,7 +91,8 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 5, tokens=(16, 256,
     seconds per token per rank, seconds per document], ...}``, the same on every rank, and
     puts it in ``dd``'s price model (its ``call_extra`` and ``call_attention``), so schedules
     made after it price it.  Every rank must call it (it runs collectives); the gradients it
-    leaves are zeroed."""
+    leaves are dropped (``zero_grad(set_to_none=True)``) and its meshes marked synced, so the
+    next optimizer step sees none of its backward passes."""
     import statistics
     import time
 
@@ -135,4 +137,6 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 5, tokens=(16, 256,
                           for (split, n, job, _), ts in zip(jobs, times)])
     m.set_call_extra(out)
     model.zero_grad(set_to_none=True)
+    for mesh in dd.meshes.values():      # its gradients are gone: no optimizer step may see them as pending
+        mark_synced(mesh)
     return out
