@@ -4,6 +4,7 @@
     python -m benchmarks.dynamic_degree --dist llama3-sft    # the second length distribution
     python -m benchmarks.dynamic_degree --no-time            # the predictions only
     python -m benchmarks.dynamic_degree --host-time          # also the scheduling's host time, 64 ranks
+    python -m benchmarks.dynamic_degree --calls-spread 3     # only calibrate_calls, 3 times: its spread
 
 **Predicted** (the planner's whole-step model, usp_hal.planning.stepcost): a Llama-3-8B-shaped model (32
 layers, hidden 4,096, MLP 14,336, 32 heads of 128, 8 KV heads, vocabulary 128,256, bf16) on 4 GPUs
@@ -164,21 +165,11 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     seconds (this rank's view: barrier to barrier) and the predicted seconds."""
     import torch
     import torch.distributed as dist_
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from usp_hal.integrations import transformers as usp
-    from usp_hal.planning.dynamic import DynamicDegree
     c = CPU_LAYER
-    cfg = LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["intermediate"], num_hidden_layers=CPU_LAYERS,
-                      num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
-                      vocab_size=c["vocab"], max_position_embeddings=1 << 16)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    name = usp.register("usp_hal_bench_dynamic", mesh=None, layout="varlen_zigzag", attn_type="sdpa", enable=True)
-    model.set_attn_implementation(name)
-    shape = AttentionShape.from_config(cfg, dtype="fp32")
-    assert shape == cpu_shape(), (shape, cpu_shape())
-    dd = DynamicDegree(shape, budget_tokens=budget, profile=profile)
+    model, dd = _cpu_model(budget, profile)
+    shape = dd.shape
     extra = usp.calibrate_calls(model, dd)          # the model path against its price, per call and split
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     rank = dist_.get_rank()
@@ -240,6 +231,52 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     out["call_extra"] = extra
     out["part_scale"] = scale
     return out
+
+
+def _cpu_model(budget: int, profile):
+    """The measured model (CPU_LAYER, CPU_LAYERS; the transformers integration) and its
+    DynamicDegree."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from usp_hal.integrations import transformers as usp
+    from usp_hal.planning.dynamic import DynamicDegree
+    c = CPU_LAYER
+    cfg = LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["intermediate"], num_hidden_layers=CPU_LAYERS,
+                      num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
+                      vocab_size=c["vocab"], max_position_embeddings=1 << 16)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    name = usp.register("usp_hal_bench_dynamic", mesh=None, layout="varlen_zigzag", attn_type="sdpa", enable=True)
+    model.set_attn_implementation(name)
+    shape = AttentionShape.from_config(cfg, dtype="fp32")
+    assert shape == cpu_shape(), (shape, cpu_shape())
+    return model, DynamicDegree(shape, budget_tokens=budget, profile=profile)
+
+
+def _calls_ranks(rounds: int, budget: int, profile) -> list:
+    from usp_hal.integrations import transformers as usp
+    model, dd = _cpu_model(budget, profile)
+    return [usp.calibrate_calls(model, dd) for _ in range(rounds)]
+
+
+def calls_spread(rounds: int) -> None:
+    """usp.calibrate_calls ``rounds`` times on one calibration of this machine: how far its
+    parts move between runs minutes apart (what the measured steps' price rests on)."""
+    from benchmarks._ranks import run_on_ranks
+    from usp_hal.harness.calibrate import calibrate
+    prof = calibrate(WORLD, dtype="fp32", head_dim=CPU_LAYER["head_dim"], heads=CPU_LAYER["heads"], layer=CPU_LAYER,
+                     timeout=600)
+    runs = run_on_ranks(_calls_ranks, world=WORLD, timeout=3600, rounds=rounds, budget=16384 // SCALE,
+                        profile=prof)[0]
+    att = [r["attention"] for r in runs]
+    print(f"\nusp.calibrate_calls {rounds} times on one calibration ({cpu_shape().describe()}, budget "
+          f"{16384 // SCALE}): attention factor {min(att):.3f}-{max(att):.3f}")
+    print("  split   per call (ms)        per token (us)       per document (ms)")
+    for k in [k for k in runs[0] if k != "attention"]:
+        cols = [[r[k][i] * f for r in runs] for i, f in enumerate((1e3, 1e6, 1e3))]
+        print(f"  {k:7s} " + "  ".join(f"{min(v):+8.1f} to {max(v):+8.1f}" for v in cols) +
+              f"   (per token: {max(cols[1]) - min(cols[1]):.0f} apart)")
 
 
 def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, items: int, vocab: int) -> None:
@@ -358,7 +395,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--time-steps", type=int, default=11, help="measured batches per seed")
     ap.add_argument("--profile", default=None, help="price the measured runs with this profile (default: calibrate)")
     ap.add_argument("--host-time", action="store_true", help="also time the scheduling of 1,000 sequences on 64 ranks")
+    ap.add_argument("--calls-spread", type=int, default=0, metavar="N",
+                    help="only run usp.calibrate_calls N times on one calibration here and print its spread")
     args = ap.parse_args(argv)
+    if args.calls_spread:
+        calls_spread(args.calls_spread)
+        return 0
     pred = predicted(args.dist, args.steps, args.tokens_per_rank, args.budget, args.seed)
     meas = {"ratio": float("nan"), "plan_error": float("nan"), "spearman": float("nan")}
     if args.time:
