@@ -310,10 +310,12 @@ def measured_trial(slow: str, steps: int = 12, trial: int = 2, ahead: bool = Fal
     return {"labels": labels, "decided": t.decided, "ratio": t.ratio, "split": t.split, "samples": t.samples}
 
 
-def calibrated_steps_error(batches):
-    """calibrate_steps given this rank's entry of ``batches``: every rank's error."""
+def calibrated_steps_error(batches, warmup=(True, True, True, True)):
+    """calibrate_steps given this rank's entry of ``batches`` and of ``warmup``: every rank's
+    error."""
     dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks")
-    return _error(lambda: dd.calibrate_steps(batches[dist.get_rank()], lambda lens, sched: None))
+    rank = dist.get_rank()
+    return _error(lambda: dd.calibrate_steps(batches[rank], lambda lens, sched: None, warmup=warmup[rank]))
 
 
 def calibrated_steps(batches, budget: int = 64):
@@ -339,16 +341,17 @@ def calibrated_steps(batches, budget: int = 64):
     return {"scale": scale, "ran": ran, "held": dict(dd.scheduler.model.part_scale)}
 
 
-def calibrated_calls(tokens=(8, 24, 64), budget: int = 64, error: bool = False):
+def calibrated_calls(tokens=(8, 24, 64), budget: int = 64, error: bool = False, rank_tokens=None):
     """usp.calibrate_calls on a tiny Llama (transformers integration, every split of 4 ranks):
     what it returns, what the price model then holds, and whether it left gradients
-    (``error``: only what it raised, or None)."""
+    (``error``: only what it raised, or None; ``rank_tokens``: {rank: its own tokens})."""
     from tests.integration_cases import tiny_llama
     from usp_hal.integrations import transformers as usp
     model = tiny_llama(0, num_hidden_layers=1)
     name = usp.register("usp_hal_test_calls", mesh=None, layout=usp.DYNAMIC_LAYOUT, attn_type="sdpa", enable=True)
     model.set_attn_implementation(name)
     dd = usp.dynamic_degree(model, budget_tokens=budget, profile="cpu-4ranks")
+    tokens = (rank_tokens or {}).get(dist.get_rank(), tokens)
     if error:
         return _error(lambda: usp.calibrate_calls(model, dd, reps=1, tokens=tokens, doc=8))
     out = usp.calibrate_calls(model, dd, reps=1, tokens=tokens, doc=8)

@@ -459,6 +459,10 @@ def test_whole_step_calibration_on_different_batches_is_refused_on_every_rank(po
     assert len(set(res)) == 1, res
     res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120, batches=[same, [[2.5]], same, same])
     assert all(r and "rank 1" in r and "2.5" in r for r in res), res
+    res = pools(4).run(dist_dynamic.calibrated_steps_error, timeout=120, batches=[same] * 4,
+                       warmup=[True, True, True, False])
+    assert all(r and "calibrate_steps: the batches" in r and "warmup" in r for r in res), res
+    assert len(set(res)) == 1, res
 
 
 @pytest.mark.multirank
@@ -468,7 +472,8 @@ def test_the_model_paths_own_cost_is_measured_on_every_split_alike(pools):
     rank's times), a part per call, per token and per document for every split and one
     attention factor within its range, held by the price model; no gradient and no pending
     partial-gradient mark left behind (an optimizer step right after it runs); a single job
-    size (the budget caps both) is refused before any job runs."""
+    size (the budget caps both), or sizes that differ between ranks, are refused on every rank
+    before any job runs."""
     res = pools(4).run(dist_dynamic.calibrated_calls, timeout=180)
     assert all(r["out"] == res[0]["out"] for r in res), res
     got = res[0]
@@ -479,3 +484,7 @@ def test_the_model_paths_own_cost_is_measured_on_every_split_alike(pools):
     assert all(got["held"][k] == pytest.approx(v) for k, v in got["out"].items()), got
     res = pools(4).run(dist_dynamic.calibrated_calls, timeout=60, tokens=(64, 128), error=True)
     assert all(r and "two sizes or more" in r and "budget, 64" in r for r in res) and len(set(res)) == 1, res
+    # one rank with other sizes would run other jobs: refused on every rank before any job
+    res = pools(4).run(dist_dynamic.calibrated_calls, timeout=60, error=True, rank_tokens={2: (8, 32)})
+    assert all(r and "calibrate_calls: the jobs" in r and "sizes digest" in r for r in res), res
+    assert len(set(res)) == 1, res

@@ -258,15 +258,15 @@ class DynamicDegree:
         its schedules once more, untimed, before any timed step (a run's first steps pay for
         what later ones reuse: the optimizer's state, memory, each split's first call).  It
         costs ``(len(batches) + warmup) x (2 + fixed splits)`` steps.  Every rank must call it
-        with the same batches (it runs collectives).  Returns the factors."""
+        with the same batches and ``warmup`` (it runs collectives; they are agreed first).  Returns the factors."""
         import torch
 
         problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)
                         for why in [length_problem(n)] if why), None)
         flat = [] if problem else [x for b in batches for x in (len(b), *map(int, b))]
         agree(problem, None, what="DynamicDegree.calibrate_steps: the batches", where="default process group",
-              values=[len(batches), digest_ints(flat)] if not problem else [], width=2,
-              same=("batches", "lengths digest"))
+              values=[len(batches), digest_ints(flat), int(bool(warmup))] if not problem else [], width=3,
+              same=("batches", "lengths digest", "warmup"))
         model = self.scheduler.model
         model.set_part_scale({})
         unpacked = Scheduler(self.world, self.shape, budget_tokens=self.budget_tokens, sizes=self.sizes,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from usp_hal.parallel.comm import agree, digest_ints
 from usp_hal.parallel.partial_grads import mark_synced
 from usp_hal.planning.dynamic import DynamicDegree
 from usp_hal.planning.stepcost import AttentionShape
@@ -106,9 +107,16 @@ def calibrate_calls(model, dd: DynamicDegree, *, reps: int = 5, tokens=(16, 256,
     vocab = int(getattr(model.config, "vocab_size", 2))
     m.set_call_extra({})
     sizes = sorted({min(int(t), sch.budget) for t in tokens})
-    if len(sizes) < 2:
-        raise ValueError(f"calibrate_calls: tokens={tuple(tokens)} (capped at the budget, {sch.budget}) must give "
-                         "two sizes or more, to tell the per-call part from the per-token part")
+    problem = None
+    if len(sizes) < 2 or sizes[0] < 1:
+        problem = (f"tokens={tuple(tokens)} (capped at the budget, {sch.budget}) must give two sizes or more, each "
+                   "at least 1 token per rank, to tell the per-call part from the per-token part")
+    elif int(reps) < 1 or int(doc) < 1:
+        problem = f"reps={reps} and doc={doc} must be at least 1"
+    # every rank runs the same jobs, or none does: the settings agreed before the first job
+    agree(problem, None, what="calibrate_calls: the jobs", where="default process group",
+          values=[] if problem else [int(reps), int(doc), digest_ints(sizes)], width=3,
+          same=("reps", "doc", "sizes digest"))
     large = sizes[-1]
     jobs = []                      # (split, tokens per rank, job, ids)
     for (g, u, r) in sorted(dd.meshes):
