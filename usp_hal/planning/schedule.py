@@ -378,7 +378,7 @@ class Scheduler:
         launch = tab.launch * (2 if self.shape.bwd else 1) if m.varlen else 0.0
         sc = m.part_scale
         return (m.layers * tab.fixed + m.call_overhead() + m.call_extra.get((1, 1), (0.0,))[0]) * sc["overhead"] + \
-            m.layers * launch * sc["attention"] * m.call_attention
+            m.layers * launch * m.attention_scale
 
     def _jobs(self, specs: Sequence[Tuple[Sequence[int], int, int, int]], lens: Tuple[int, ...]) -> List[Job]:
         """Jobs of (sequences, first rank, group size, Ulysses degree), in order, priced a

@@ -334,6 +334,12 @@ class StepModel:
         self.__dict__.pop("_token_s", None)
         self._jobs.clear()
 
+    @property
+    def attention_scale(self) -> float:
+        """The factor on every priced attention: the whole-step calibration's (``part_scale``)
+        times the model path's own (``call_attention``)."""
+        return self.part_scale["attention"] * self.call_attention
+
     def set_call_extra(self, extra: dict) -> None:
         """``{"g,u,r": [seconds per call, per token per rank, per packed document]}`` (a number:
         per call), and ``"attention"``: the factor on every job's priced attention."""
@@ -474,11 +480,10 @@ class StepModel:
         if "pairs" in t:
             out["pairs"] = t["pairs"]
         sc = self.part_scale
-        for k in ("attention", "communication"):
-            if k in out:
-                out[k] = out[k] * sc[k]
         if "attention" in out:
-            out["attention"] = out["attention"] * self.call_attention
+            out["attention"] = out["attention"] * self.attention_scale
+        if "communication" in out:
+            out["communication"] = out["communication"] * sc["communication"]
         fixed, per_token = self._extra(g, u, np.ceil(n / g))
         if "overhead" in t:
             out["overhead"] = (L * t["overhead"] + self.call_overhead() + fixed) * sc["overhead"]
@@ -531,8 +536,7 @@ class StepModel:
         d = p.detail
         assert d is not None
         L, sc = self.layers, self.part_scale
-        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"]) * sc["attention"] \
-            * self.call_attention
+        attention = L * (p.terms["kernel"] + p.terms["imbalance"] + d["merges"] + d["copies"]) * self.attention_scale
         communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"]) * sc["communication"]
         fixed, per_token = self._extra(g, u, math.ceil(total / g), len(lengths))
         overhead = (L * d["fixed"] + self.call_overhead() + float(fixed)) * sc["overhead"]
@@ -575,8 +579,8 @@ class StepModel:
         launches = (c0 + cr * (r - 1)) * (2 if self.shape.bwd else 1) * tab.busy
         kmean = summed("kernel_work") + ov * launches
         L, sc = self.layers, self.part_scale
-        attention = L * (kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"]) \
-            * sc["attention"] * self.call_attention
+        work = kmean + np.maximum(0.0, crit - kmean) + summed("merges") + at_n["copies"]
+        attention = L * work * self.attention_scale
         communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small) * sc["communication"]
         fixed, per_token = self._extra(g, u, np.ceil(total / g), sizes)
         overhead = (L * tab.fixed + self.call_overhead() + fixed) * sc["overhead"]
