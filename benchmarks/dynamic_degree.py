@@ -60,6 +60,7 @@ from usp_hal.planning.schedule import (
     split_label,
     static_rule,
 )
+from usp_hal.planning.stepcost import SCALED, StepRefit
 from usp_hal.planning.trial import MeasuredTrial
 
 WORLD = 4
@@ -74,6 +75,9 @@ SCALE = 16
 #: the measured trial's timed steps per arm (after one warm-up step of each)
 TRIAL = 2
 TRIALED = "dynamic, measured trial"
+#: the whole-step factors refitted to the last this many measured steps (StepRefit, as
+#: DynamicDegree(refit_steps=REFIT) does): about 3 batches of every schedule here
+REFIT = 32
 #: whole-step calibration: batches of their own (seeded apart from the measured ones)
 CAL_BATCHES = 2
 CAL_SEED = 1000
@@ -178,6 +182,8 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     scale = dd.calibrate_steps(cal, lambda lens, sched: _step(model, opt, dd, sched, rank, CAL_SEED, cal.index(lens),
                                                               sum(n - 1 for n in lens), c["vocab"]))
     model_ = dd.scheduler.model
+    cal_scale = dict(model_.part_scale)           # the calibration's factors, for the column priced by them alone
+    refit = StepRefit(model_, REFIT, dd.calibration_samples)
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                                 ulysses_degrees=(1,), model=dd.scheduler.model),
@@ -202,7 +208,9 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
         names = list(variants) + [TRIALED] + [("static+ " if k == best else "static ") + split_label(WORLD, *k)
                                               for k in totals]
         runs: Dict[str, List[float]] = {n: [] for n in names}
+        common: List[float] = []
         preds: Dict[str, List[float]] = {n: [] for n in names}
+        preds_cal: Dict[str, List[float]] = {n: [] for n in names}
         for step, b in enumerate(bs):
             scheds: Dict[str, Schedule] = {n: s.schedule(b) for n, s in variants.items()}
             serial, scheds[TRIALED] = trial.choose(b, at=step)
@@ -217,14 +225,18 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                 _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
                 dist_.barrier()
                 took = time.perf_counter() - t0
+                slowest = torch.tensor([took], dtype=torch.float64)
+                dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
                 if n == TRIALED:
-                    slowest = torch.tensor([took], dtype=torch.float64)
-                    dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
                     trial.record(serial, float(slowest), at=step + 1)
+                raw = scheds[n].parts(unscaled=True)
                 if step:                   # the first batch warms every path up
                     runs[n].append(took)
-                    preds[n].append(scheds[n].predicted)
-        out[seed] = {"runs": runs, "preds": preds, "best": split_label(WORLD, *best),
+                    preds[n].append(scheds[n].predicted)     # priced before the batch ran, by the refitted factors
+                    preds_cal[n].append(sum(raw[k] * cal_scale[k] for k in SCALED) + raw["idle"])
+                common.append(refit.record(raw, float(slowest))["tokens"])   # for the batches after this one
+        out[seed] = {"runs": runs, "preds": preds, "preds_cal": preds_cal, "common": common,
+                     "best": split_label(WORLD, *best),
                      "trial": {"kept": trial.decided, "ratio": trial.ratio,
                                "split": split_label(WORLD, *trial.split) if trial.split else None,
                                "labels": trial_labels}}
@@ -309,6 +321,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           "(usp.calibrate_calls: three job sizes and a packed one, with one factor on the priced attention), then "
           "whole steps (DynamicDegree.calibrate_steps)")
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
+    worst_cal, worst_spear_cal = 0.0, 1.0
     ratios, dyn_all, st_all = [], 0.0, 0.0
     trial_ratios, trial_all = [], 0.0
     for seed in seeds:      # each seed priced by a calibration made just before it (the machine's speed drifts)
@@ -331,25 +344,33 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
               "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the price scaled "
               "by: " + ", ".join(f"{k} {v:.2f}" for k, v in res[0]["part_scale"].items()))
         runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
-        preds = res[0][seed]["preds"]
+        preds, preds_cal = res[0][seed]["preds"], res[0][seed]["preds_cal"]
         names = list(runs)
         best = next(n for n in names if n.startswith("static+ "))
-        print(f"  seed {seed}: schedule                 predicted (ms/step)  measured (ms/step)  error")
+        com = res[0][seed]["common"]
+        print(f"  seed {seed}: the factors refitted after every measured step to the last {REFIT} (StepRefit): the "
+              f"common factor {min(com):.2f}-{max(com):.2f}; each batch's schedules priced before it ran")
+        print(f"  seed {seed}: schedule                 predicted (ms/step)  measured (ms/step)  error    "
+              "(the calibration's factors alone: predicted, error)")
         for n in names:
-            p, m = sum(preds[n]) / steps, sum(runs[n]) / steps
+            p, m, pc = sum(preds[n]) / steps, sum(runs[n]) / steps, sum(preds_cal[n]) / steps
             errs = [abs(a / b - 1) for a, b in zip(preds[n], runs[n])]
             worst_err = max(worst_err, abs(p / m - 1))
+            worst_cal = max(worst_cal, abs(pc / m - 1))
             batch_errs += errs
             print(f"    {n:32s} {p * 1e3:12.1f} {m * 1e3:18.1f} {100 * (p / m - 1):+8.1f}%  (worst batch "
-                  f"{100 * max(errs):.1f}%)")
+                  f"{100 * max(errs):.1f}%)  {pc * 1e3:8.1f} {100 * (pc / m - 1):+7.1f}%")
         sp = spearman([sum(preds[n]) for n in names], [sum(runs[n]) for n in names])
+        sp_cal = spearman([sum(preds_cal[n]) for n in names], [sum(runs[n]) for n in names])
         worst_spear = min(worst_spear, sp)
+        worst_spear_cal = min(worst_spear_cal, sp_cal)
         r = sum(runs["dynamic"]) / sum(runs[best])
         ratios.append(r)
         dyn_all += sum(runs["dynamic"])
         st_all += sum(runs[best])
         print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f}, predicted "
-              f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules")
+              f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules (the "
+              f"calibration's factors alone: {sp_cal:.3f})")
         tr = res[0][seed]["trial"]
         trial_ratios.append(sum(runs[TRIALED]) / sum(runs[best]))
         trial_all += sum(runs[TRIALED])
@@ -360,7 +381,9 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
               f"{trial_ratios[-1]:.3f} (the trial's steps included)")
     within = sum(e <= 0.25 for e in batch_errs)
     print(f"  the plan's error per schedule (its batches' mean step): at most {100 * worst_err:.1f}%; per batch: "
-          f"{within} of {len(batch_errs)} within 25%, the worst {100 * max(batch_errs):.1f}%")
+          f"{within} of {len(batch_errs)} within 25%, the worst {100 * max(batch_errs):.1f}%; priced by the "
+          f"calibration's factors alone (no refit): at most {100 * worst_cal:.1f}%, spearman at least "
+          f"{worst_spear_cal:.3f}")
     print(f"  {TRIALED} / static+: {trial_all / st_all:.3f} over the seeds; per seed "
           + ", ".join(f"{x:.3f}" for x in trial_ratios))
     return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear,

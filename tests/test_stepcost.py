@@ -220,3 +220,71 @@ def test_the_call_attention_factor_scales_every_priced_attention():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="attention must be a positive number"):
             m.set_call_extra({"attention": bad})
+
+
+def test_every_part_is_its_factor_times_its_unscaled_price():
+    """With the model path's own parts set (a part per token among them), each whole-step factor
+    scales its part and nothing else: for a job alone, a packed job and the direct prediction,
+    and for a schedule, whose parts(unscaled=True) give back the parts of the same schedule
+    priced with every factor 1 (what a refit of the factors is fitted to)."""
+    from usp_hal.planning.schedule import Scheduler
+    from usp_hal.planning.stepcost import SCALED
+    m = StepModel(CPU_MODEL, "cpu")
+    m.set_call_extra({"attention": 0.9, "2,1,2": [0.01, 80e-6, 1e-3], "4,2,2": [0.02, -30e-6, 0.0],
+                      "1,1,1": [0.003, 40e-6, 1e-3]})
+    jobs = [((700,), 2, 1, "varlen_zigzag"), ((90, 300, 41), 4, 2, "varlen_zigzag"), ((500,), 1, 1, "basic")]
+    before = [m.job(*j) for j in jobs] + [m.job_exact(*jobs[1])]
+    sched = Scheduler(4, CPU_MODEL, budget_tokens=512, profile="cpu", model=m)
+    batch = [700, 300, 90, 41, 500, 260, 33]
+    plain = sched.static(batch, 4, 1)        # one group of the world: the same jobs at any price
+    scale = {"attention": 1.7, "tokens": 0.6, "communication": 2.5, "overhead": 0.4, "constant": 1.3}
+    m.set_part_scale(scale)
+    after = [m.job(*j) for j in jobs] + [m.job_exact(*jobs[1])]
+    for b, a in zip(before, after):
+        for k in ("attention", "tokens", "communication", "overhead"):
+            assert getattr(a, k) == pytest.approx(scale[k] * getattr(b, k), rel=1e-9), k
+    scaled = sched.static(batch, 4, 1)
+    assert [(j.seqs, j.first) for j in scaled.jobs] == [(j.seqs, j.first) for j in plain.jobs]
+    assert scaled.scale == tuple(scale[k] for k in SCALED) and scaled.predicted != plain.predicted
+    got, want = scaled.parts(unscaled=True), plain.parts()
+    assert got == pytest.approx(want, rel=1e-9), (got, want)
+    assert plain.parts(unscaled=True) == plain.parts()
+
+
+def test_the_refit_follows_the_recent_steps_and_forgets_older_ones():
+    """StepRefit: steps measured at 1.5x their price move the factors to about 1.5 once they
+    fill the window, whatever the calibration's samples said (steps at 0.8x), and the model
+    prices with the refitted factors; two refits fed the same steps hold the same factors; a
+    window below 1 or a time that is not a positive number is refused."""
+    import random
+
+    from usp_hal.planning.stepcost import StepRefit
+    rnd = random.Random(5)
+
+    def step(f):
+        parts = {"attention": rnd.uniform(0.1, 1.0), "tokens": rnd.uniform(0.5, 3.0),
+                 "communication": rnd.uniform(0.0, 0.2), "overhead": rnd.uniform(0.2, 1.0), "idle": 0.0,
+                 "constant": 0.3}
+        return parts, f * sum(v for k, v in parts.items() if k != "idle")
+    cal = [step(0.8) for _ in range(10)]
+    later = [step(1.5) for _ in range(12)]
+    runs = []
+    for _ in range(2):
+        m = StepModel(CPU_MODEL, "cpu")
+        before = m.job((700,), 2, 1, "varlen_zigzag").tokens
+        r = StepRefit(m, 8, cal)
+        first = r.record(*later[0])
+        assert first["tokens"] < 1.0, first          # mostly the calibration's steps yet
+        for s in later[1:]:
+            got = r.record(*s)
+        assert len(r.samples) == 8
+        assert got["tokens"] == pytest.approx(1.5, rel=0.03) and got["overhead"] == pytest.approx(1.5, rel=0.1)
+        assert m.part_scale == got
+        assert m.job((700,), 2, 1, "varlen_zigzag").tokens == pytest.approx(got["tokens"] * before)
+        runs.append(got)
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="window"):
+        StepRefit(m, 0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="measured step"):
+            r.record(later[0][0], bad)

@@ -298,6 +298,8 @@ class DynamicDegree:
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if timed:
                     samples.append((sched.parts(), float(took.item())))
+        #: the steps measured here (their parts priced with every factor 1, the slowest rank's seconds)
+        self.calibration_samples = samples
         scale = fit_part_scale(samples)
         model.set_part_scale(scale)
         return scale

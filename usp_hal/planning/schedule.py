@@ -36,7 +36,7 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stepcost import AttentionShape, Cost, StepModel, fits_packed, least_tokens  # noqa: F401  (re-exported)
+from .stepcost import SCALED, AttentionShape, Cost, StepModel, fits_packed, least_tokens  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Schedule:
     finish: Tuple[float, ...] = field(default=())   # predicted time each rank ends its jobs
     label: str = "dynamic"                 # "dynamic", or the fixed split that runs the step
     constant: float = 0.0                  # what every schedule pays alike (gradient all-reduce, optimizer)
+    scale: Tuple[float, ...] = ()          # the model's part_scale when it was priced, in SCALED's order
 
     @property
     def predicted(self) -> float:
@@ -131,9 +132,11 @@ class Schedule:
         return {"pairs": max(self.per_rank("pairs")), "bytes": max(self.per_rank("bytes")),
                 "collectives": max(self.per_rank("collectives")), "predicted": self.predicted}
 
-    def parts(self) -> Dict[str, float]:
+    def parts(self, unscaled: bool = False) -> Dict[str, float]:
         """The slowest rank's predicted step in parts: attention, tokens (the token-proportional
-        layers), communication, overhead (per-call), idle (waiting for a group) and constant."""
+        layers), communication, overhead (per-call), idle (waiting for a group) and constant.
+        ``unscaled``: each part as priced with every whole-step factor 1 (each part is its
+        factor times that; what :func:`usp_hal.planning.stepcost.fit_part_scale` fits)."""
         r = max(range(self.world), key=lambda i: (self.finish[i], -i))
         out = {k: 0.0 for k in ("attention", "tokens", "communication", "overhead")}
         for j in self.jobs_of(r):
@@ -141,6 +144,9 @@ class Schedule:
                 out[k] += v
         out["idle"] = max(0.0, self.finish[r] - sum(out.values()))
         out["constant"] = self.constant
+        if unscaled:
+            for k, f in zip(SCALED, self.scale):
+                out[k] /= f
         return out
 
     def slots(self) -> List[List[Optional[Job]]]:
@@ -394,7 +400,8 @@ class Scheduler:
                 for (seqs, first, g, _), c in zip(specs, costs) if c is not None]
 
     def _schedule(self, jobs: List[Job], label: str) -> Schedule:
-        return Schedule(self.world, self.budget, tuple(jobs), _finish_times(jobs, self.world), label, self.constant)
+        return Schedule(self.world, self.budget, tuple(jobs), _finish_times(jobs, self.world), label, self.constant,
+                        tuple(self.model.part_scale[k] for k in SCALED))
 
     # ---------------------------------------------------------------- the dynamic schedule
     def dynamic(self, lengths: Sequence[int]) -> Schedule:

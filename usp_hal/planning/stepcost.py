@@ -29,6 +29,7 @@ interpolates; tests/test_stepcost.py holds the tables to the direct prediction.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -488,7 +489,7 @@ class StepModel:
         if "overhead" in t:
             out["overhead"] = (L * t["overhead"] + self.call_overhead() + fixed) * sc["overhead"]
         if "tokens" in want or "time" in want:
-            out["tokens"] = self.tokens_time(np.ceil(n / g)) + per_token
+            out["tokens"] = self.tokens_time(np.ceil(n / g)) + per_token * sc["tokens"]
         if "time" in want:
             out["time"] = out["attention"] + out["communication"] + out["tokens"] + out["overhead"]
         return out
@@ -540,7 +541,7 @@ class StepModel:
         communication = L * (p.terms["ulysses_a2a"] + p.terms["ring_exposed"] + d["small"]) * sc["communication"]
         fixed, per_token = self._extra(g, u, math.ceil(total / g), len(lengths))
         overhead = (L * d["fixed"] + self.call_overhead() + float(fixed)) * sc["overhead"]
-        tokens = float(self.tokens_time(math.ceil(total / g)) + per_token)
+        tokens = float(self.tokens_time(math.ceil(total / g)) + per_token * sc["tokens"])
         from .planner import call_pairs, ring_work
         work, _, _ = ring_work(layout, total, g // u, s.causal, cu)
         pairs = max(sum(call_pairs(c) for st in rank for c in st) for rank in work) * _heads_on_busiest(s, u)
@@ -584,7 +585,7 @@ class StepModel:
         communication = L * (at_n["a2a"] + np.maximum(0.0, ring_time - crit) + tab.small) * sc["communication"]
         fixed, per_token = self._extra(g, u, np.ceil(total / g), sizes)
         overhead = (L * tab.fixed + self.call_overhead() + fixed) * sc["overhead"]
-        tokens = self.tokens_time(np.ceil(total / g)) + per_token
+        tokens = self.tokens_time(np.ceil(total / g)) + per_token * sc["tokens"]
         time = attention + communication + overhead + tokens
         pairs = summed("pairs")
         return [Cost(u, r, layout, float(time[k]), int(pairs[k]), L * float(at_n["bytes"][k]),
@@ -629,6 +630,41 @@ def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
     out = {k: x[0] for k in common}
     out.update({k: x[1 + i] for i, k in enumerate(apart)})
     return {k: out[k] for k in SCALED}
+
+
+class StepRefit:
+    """The whole-step factors (:func:`fit_part_scale`) kept fitted to a run's last ``window``
+    measured steps, so the price follows the machine's speed as the run goes on instead of
+    holding what a few calibration batches measured before it.
+
+    ``record(parts, seconds)``: a step's slowest-rank parts priced with every factor 1
+    (:meth:`usp_hal.planning.schedule.Schedule.parts` with ``unscaled=True``) and its measured
+    seconds (the slowest rank's, the same on every rank); the factors are refitted to the window
+    and set on ``model``, for every job priced after it.  ``samples``: where the window starts
+    (what :meth:`usp_hal.planning.dynamic.DynamicDegree.calibrate_steps` measured).  A pure
+    function of what it is given: ranks fed the same steps hold the same factors."""
+
+    def __init__(self, model: "StepModel", window: int, samples: Sequence[Tuple[Dict[str, float], float]] = ()):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"StepRefit: window must be an int >= 1 (the measured steps fitted), got {window!r}")
+        self.model = model
+        self.window = window
+        self.samples: "deque[Tuple[Dict[str, float], float]]" = deque(maxlen=window)
+        for parts, took in samples:
+            self._add(parts, took)
+
+    def _add(self, parts: Dict[str, float], seconds: float) -> None:
+        took = float(seconds)
+        if not (took > 0 and math.isfinite(took)):
+            raise ValueError(f"StepRefit: a measured step of {seconds!r} seconds")
+        self.samples.append(({k: float(v) for k, v in parts.items()}, took))
+
+    def record(self, parts: Dict[str, float], seconds: float) -> Dict[str, float]:
+        """One more measured step; returns the factors now set on the model."""
+        self._add(parts, seconds)
+        scale = fit_part_scale(list(self.samples))
+        self.model.set_part_scale(scale)
+        return scale
 
 
 def fit_call_extra(samples: Sequence[Tuple[Tuple[int, int, int], int, int, Cost, float]]) -> Dict[str, Any]:
