@@ -310,6 +310,40 @@ def measured_trial(slow: str, steps: int = 12, trial: int = 2, ahead: bool = Fal
     return {"labels": labels, "decided": t.decided, "ratio": t.ratio, "split": t.split, "samples": t.samples}
 
 
+def refitted(steps: int = 8, window: int = 4, ahead: bool = False, delay: float = 0.05, calibrate: bool = False):
+    """``steps`` steps of a DynamicDegree with ``refit_steps=window``, each job sleeping
+    ``delay`` seconds (a machine far slower than the cpu profile prices); with ``calibrate``,
+    calibrate_steps on one batch first.  Returns what every rank must hold alike: the factors
+    after each step's schedule, each schedule's jobs, and the refit's window."""
+    import time
+    rank = dist.get_rank()
+    dd = DynamicDegree(SHAPE, budget_tokens=64, profile="cpu-4ranks", margin=0.0, refit_steps=window)
+
+    def lengths(step):
+        return [200 + step] if rank == 0 else [9 + step % 3, 12, 7 + rank]
+
+    def run(sched):
+        for job in dd.my_jobs(sched):
+            with dd.on(job):
+                time.sleep(delay)
+    first = None
+    if calibrate:
+        batch = [n for r in range(dist.get_world_size()) for n in ([200] if r == 0 else [9, 12, 7 + r])]
+        first = dict(dd.calibrate_steps([batch], lambda lens, sched: run(sched), warmup=False))
+    model = dd.scheduler.model
+    factors, jobs = [], []
+    sched = dd.schedule(lengths(0))
+    for step in range(steps):
+        nxt = dd.schedule_ahead(lengths(step + 1)) if ahead and step + 1 < steps else None
+        run(sched)
+        if step + 1 < steps:
+            sched = nxt.result(timeout=60) if nxt is not None else dd.schedule(lengths(step + 1))
+        factors.append(dict(model.part_scale))
+        jobs.append([(j.seqs, j.first, j.size, j.cost.ulysses) for j in sched.jobs])
+    return {"factors": factors, "jobs": jobs, "window": [(p, t) for p, t in dd.refit.samples], "first": first,
+            "calibration": len(dd.calibration_samples)}
+
+
 def calibrated_steps_error(batches, warmup=(True, True, True, True)):
     """calibrate_steps given this rank's entry of ``batches`` and of ``warmup``: every rank's
     error."""

@@ -268,7 +268,7 @@ class TailRows(torch.utils.data.Dataset):
 
 
 def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 3e-3, budget: int = 16,
-                        lengths=None, trial_steps: int = 0):
+                        lengths=None, trial_steps: int = 0, refit_steps: int = 0):
     """USPTrainer with usp_dynamic_degree on every rank of the pool (each rank loads its own rows);
     returns the logged losses and grad norms, the group sizes of the last step and, on rank 0,
     the final parameters."""
@@ -281,7 +281,7 @@ def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = USPTrainingArguments(usp_dynamic_degree=True, usp_budget_tokens=budget, usp_profile="cpu-4ranks",
-                                        usp_dynamic_trial_steps=trial_steps,
+                                        usp_dynamic_trial_steps=trial_steps, usp_dynamic_refit_steps=refit_steps,
                                         usp_attn_type="sdpa", per_device_train_batch_size=bs,
                                         train_sampling_strategy="sequential", **_common(tmp, steps, 1, lr, seed))
             trainer = USPTrainer(model=model, args=args, train_dataset=TailRows(steps, seed=seed, lengths=lengths),
@@ -295,6 +295,9 @@ def dynamic_trainer_run(steps: int = 3, bs: int = 3, seed: int = 0, lr: float = 
     trial = trainer.usp_dynamic.trial
     if trial is not None:
         res["trial"] = {"samples": trial.samples, "split": trial.split, "decided": trial.decided}
+    refit = trainer.usp_dynamic.refit
+    if refit is not None:
+        res["refit"] = {"window": list(refit.samples), "factors": dict(refit.model.part_scale)}
     if dist.get_rank() == 0:
         res["params"] = _flat(model)
     return res

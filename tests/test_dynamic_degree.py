@@ -157,6 +157,7 @@ def test_plan_prints_the_gain_for_a_length_distribution(tmp_path, capsys):
             "usp_profile='h100-nvlink')") in on
     assert "usp.dynamic_degree(model, budget_tokens=16384, profile='h100-nvlink')" in on
     assert "usp_dynamic_trial_steps=3" in on and "trial_steps=3 (custom loop)" in on
+    assert "usp_dynamic_refit_steps=32" in on and "refit_steps=32 (custom loop)" in on
     f = tmp_path / "lengths.txt"
     f.write_text("4000 300 300 100\n2000,2000\n")
     assert main(base + ["--seqlen", "4700", "--lengths", str(f), "--json"]) == 0
@@ -273,6 +274,7 @@ def test_short_sequences_run_in_the_documented_loop_as_one_process(pools, world,
     ("sizes", [(1, 2, 4), (1, 2, 4), (1, 4), (1, 2, 4)]),
     ("ulysses_degrees", [None, None, None, (1,)]),
     ("trial_steps", [0, 0, 2, 0]),
+    ("refit_steps", [16, 16, 16, 0]),
 ])
 def test_settings_that_differ_between_ranks_are_refused_on_every_rank(pools, setting, values):
     """A rank built with another budget (one derived from its own free memory, say), profile,
@@ -423,6 +425,29 @@ def test_the_measured_trial_is_a_pure_function_of_the_lengths_and_the_times():
     assert len(late.samples["schedule"]) == 1
     with pytest.raises(ValueError, match="trial"):
         MeasuredTrial(slow_dyn.scheduler, trial=0)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_price_is_refitted_to_the_runs_own_steps_alike_on_every_rank(pools, ahead):
+    """refit_steps=4: each step's time (the slowest rank's, brought by the next gather) refits
+    the whole-step factors; on a machine far slower than the profile prices (a sleep in every
+    job) the factors rise from 1 after the first timed step, every rank holds the same factors
+    and schedules at every step (also with the schedule computed ahead, which sees a step's time
+    only from the gather after it), and the window keeps the last 4 steps, each at least the
+    sleep; with calibrate_steps first, the window starts from its steps."""
+    res = pools(4).run(dist_dynamic.refitted, timeout=240, ahead=ahead)
+    assert all(r == res[0] for r in res), res
+    got = res[0]
+    assert got["factors"][0] == {k: 1.0 for k in got["factors"][0]}, got["factors"][0]    # nothing timed yet
+    assert all(v > 1.5 for v in got["factors"][-1].values()), got["factors"][-1]
+    assert len(got["window"]) == 4 and all(t >= 0.05 for _, t in got["window"]), got["window"]
+    res = pools(4).run(dist_dynamic.refitted, timeout=240, steps=3, window=8, calibrate=True)
+    assert all(r == res[0] for r in res), res
+    got = res[0]
+    assert got["calibration"] >= 2 and len(got["window"]) == got["calibration"] + 1, got
+    assert got["factors"][0] == got["first"], "the first step after calibrate_steps is priced by its factors"
 
 
 @pytest.mark.multirank

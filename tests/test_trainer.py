@@ -138,15 +138,17 @@ def test_dynamic_degree_trainer_takes_rows_shorter_than_a_group(pools):
 
 @pytest.mark.multirank
 def test_dynamic_degree_trainer_times_its_steps_for_the_measured_trial(pools):
-    """usp_dynamic_trial_steps=1: the Trainer's steps run the per-batch split and a fixed split in
-    turn, each step timed by the lengths' gather (the same times on every rank), and still train
-    like the plain Trainer in one process."""
-    res = pools(4).run(dist_trainer.dynamic_trainer_run, timeout=300, steps=5, trial_steps=1)
+    """usp_dynamic_trial_steps=1 and usp_dynamic_refit_steps=3: the Trainer's steps run the
+    per-batch split and a fixed split in turn, each step timed by the lengths' gather (the same
+    times on every rank), the price refitted to the last 3 of them (the same factors on every
+    rank), and still train like the plain Trainer in one process."""
+    res = pools(4).run(dist_trainer.dynamic_trainer_run, timeout=300, steps=5, trial_steps=1, refit_steps=3)
     ref = dist_trainer.dynamic_reference_run(steps=5)
     r0 = res[0]
-    assert all(r["trial"] == r0["trial"] for r in res), [r["trial"] for r in res]
+    assert all(r["trial"] == r0["trial"] and r["refit"] == r0["refit"] for r in res), [r["trial"] for r in res]
     samples = r0["trial"]["samples"]
     assert len(samples["schedule"]) >= 1 and len(samples["fixed"]) >= 1, r0["trial"]
+    assert 1 <= len(r0["refit"]["window"]) <= 3 and r0["refit"]["factors"] != {k: 1.0 for k in r0["refit"]["factors"]}
     assert all(r["losses"] == r0["losses"] for r in res), [r["losses"] for r in res]
     loss_diff = max(abs(a - b) for a, b in zip(r0["losses"], ref["losses"]))
     param_diff = float((r0["params"] - ref["params"]).abs().max())

@@ -257,7 +257,9 @@ def format_dynamic(d: dict) -> list:
               f"    custom loop: dd = usp.dynamic_degree(model, budget_tokens={d['budget_tokens']}, profile={prof!r}) "
               "(usp_hal.integrations.transformers; then dd.schedule(lengths) per step, docs/dynamic-degree.md)",
               "    keep it only where measured faster than a fixed split: usp_dynamic_trial_steps=3 (USPTrainer) or "
-              "trial_steps=3 (custom loop)"]
+              "trial_steps=3 (custom loop)",
+              "    keep the price fitted to the run's own last 32 steps: usp_dynamic_refit_steps=32 (USPTrainer) or "
+              "refit_steps=32 (custom loop)"]
     return lines
 
 

@@ -47,7 +47,7 @@ from .schedule import (
     length_problem,
     ulysses_degrees_of,
 )
-from .stepcost import fit_part_scale, shape_fields
+from .stepcost import StepRefit, fit_part_scale, shape_fields
 from .trial import MeasuredTrial
 
 #: the most sequences one rank may contribute to a step
@@ -57,7 +57,8 @@ _FIRST = 59
 #: schedules whose jobs :meth:`DynamicDegree.on` still recognises (for the step timing)
 _RECENT = 4
 
-_SETTINGS = ("budget_tokens", "shape", "profile", "sizes", "pack", "ulysses_degrees", "margin", "trial_steps")
+_SETTINGS = ("budget_tokens", "shape", "profile", "sizes", "pack", "ulysses_degrees", "margin", "trial_steps",
+             "refit_steps")
 
 
 def _digest_text(text: str) -> int:
@@ -80,14 +81,20 @@ class DynamicDegree:
     per-batch schedule and one fixed split in turn, this many timed steps of each, and the run
     keeps whichever was measured faster (:class:`usp_hal.planning.trial.MeasuredTrial`; the
     times travel with the lengths each step gathers anyway: no collective or device sync is
-    added); ``timeout``: given to every group (as :func:`usp_hal.init_sequence_parallel`).
+    added); ``refit_steps``: when not 0, the whole-step factors (what :meth:`calibrate_steps`
+    fits) are refitted after every measured step to the last this many (its samples first), so
+    the price follows the machine's speed through the run (:class:`usp_hal.planning.stepcost.StepRefit`;
+    timed as the trial is, from the gathers: no collective or device sync is added; a step's time
+    counts for the schedules computed after the gather that brought it, as every rank sees it);
+    ``timeout``: given to every group (as :func:`usp_hal.init_sequence_parallel`).
 
     Every setting is agreed over the default group before any group is built: a rank whose
     settings differ makes every rank raise the same :class:`ValueError` naming the setting."""
 
     def __init__(self, shape: AttentionShape, *, budget_tokens: int, profile="h100-nvlink",
                  sizes: Optional[Sequence[int]] = None, ulysses_degrees: Optional[Sequence[int]] = None,
-                 pack: bool = True, margin: float = MARGIN, trial_steps: int = 0, timeout=None):
+                 pack: bool = True, margin: float = MARGIN, trial_steps: int = 0, refit_steps: int = 0,
+                 timeout=None):
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         problem: Optional[BaseException] = None
@@ -101,11 +108,14 @@ class DynamicDegree:
             if isinstance(trial_steps, bool) or not isinstance(trial_steps, int) or trial_steps < 0:
                 raise ValueError(f"DynamicDegree: trial_steps must be an int >= 0 (0: no measured trial), got "
                                  f"{trial_steps!r}")
+            if isinstance(refit_steps, bool) or not isinstance(refit_steps, int) or refit_steps < 0:
+                raise ValueError(f"DynamicDegree: refit_steps must be an int >= 0 (the measured steps the price is "
+                                 f"refitted to; 0: the price stays as calibrated), got {refit_steps!r}")
             s = self.scheduler
             values = [s.budget, _digest_text(repr([getattr(shape, f) for f in shape_fields()])),
                       _digest_text(json.dumps(prof, sort_keys=True, default=str)), digest_ints(list(s.sizes)),
                       int(s.pack), digest_ints(list(s.ulysses_degrees or (0,))), int(round(s.margin * 1e9)),
-                      int(trial_steps)]
+                      int(trial_steps), int(refit_steps)]
         except (ScheduleError, PlanError, TypeError, ValueError) as exc:
             problem = exc
         # one all-gather before any group is built: the same settings everywhere, or every rank raises
@@ -128,6 +138,11 @@ class DynamicDegree:
         self._lock = threading.Lock()
         self._ahead: Optional[ThreadPoolExecutor] = None
         self.trial = MeasuredTrial(self.scheduler, trial_steps) if trial_steps else None
+        self.refit = StepRefit(self.scheduler.model, refit_steps) if refit_steps else None
+        #: the steps :meth:`calibrate_steps` measured (parts priced with every factor 1, seconds)
+        self.calibration_samples: List[Tuple[Dict[str, float], float]] = []
+        self._serial = 0                         # schedules given out (the trial counts its own)
+        self._refits: List[Tuple[int, int, float]] = []    # (at, serial, seconds) not yet refitted to
         # step timing: a schedule's serial is the index of the gather it was computed from; the
         # period between two gathers' ends (the gather reads its result on the host, so it ends
         # after every rank's work before it, on any device) is charged to the one schedule whose
@@ -188,9 +203,13 @@ class DynamicDegree:
         end = time.perf_counter()
         self._gathers += 1
         ran = {s for s in serials if s > 0}
-        if self.trial is not None and len(ran) == 1 and max(micros) > 0:
+        if len(ran) == 1 and max(micros) > 0:
+            serial = ran.pop()
             with self._lock:                   # the slowest rank's period, the same on every rank
-                self.trial.record(ran.pop(), max(micros) / 1e6, at=self._gathers)
+                if self.trial is not None:
+                    self.trial.record(serial, max(micros) / 1e6, at=self._gathers)
+                if self.refit is not None:
+                    self._refits.append((self._gathers, serial, max(micros) / 1e6))
         if self._gather_end is not None:
             self._last = (self._entered, max(1, int((end - self._gather_end) * 1e6)))
         self._entered = 0
@@ -238,12 +257,32 @@ class DynamicDegree:
 
     def _plan_at(self, lengths: Sequence[int], at: int) -> Schedule:
         with self._lock:         # the price tables grow as lengths come: one schedule at a time
-            if self.trial is None:
+            if self.trial is None and self.refit is None:
                 return self.scheduler.schedule(lengths)
-            serial, sched = self.trial.choose(lengths, at=at)
+            if self.refit is not None:
+                self._refit_to(at)
+            if self.trial is not None:
+                serial, sched = self.trial.choose(lengths, at=at)
+            else:
+                self._serial += 1
+                serial, sched = self._serial, self.scheduler.schedule(lengths)
             self._recent.append((serial, sched))
             self._jobs_serial = {id(j): k for k, sc in self._recent for j in sc.jobs}
             return sched
+
+    def _refit_to(self, at: int) -> None:
+        """The steps timed by gathers up to ``at`` refitted to, in the order they came (what a
+        schedule computed ahead of a gather must not see yet: every rank sees the same)."""
+        assert self.refit is not None
+        keep = []
+        for when, serial, seconds in self._refits:
+            if when > at:
+                keep.append((when, serial, seconds))
+                continue
+            sched = next((sc for k, sc in self._recent if k == serial), None)
+            if sched is not None:
+                self.refit.record(sched.parts(unscaled=True), seconds)
+        self._refits = keep
 
     def calibrate_steps(self, batches: Sequence[Sequence[int]], run, *, warmup: bool = True) -> Dict[str, float]:
         """Whole steps measured against their price, and the price fitted to them: each batch
@@ -298,10 +337,13 @@ class DynamicDegree:
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if timed:
                     samples.append((sched.parts(), float(took.item())))
-        #: the steps measured here (their parts priced with every factor 1, the slowest rank's seconds)
         self.calibration_samples = samples
+        self._gather_end, self._entered, self._last = None, 0, (0, 0)   # the next period starts at a gather
         scale = fit_part_scale(samples)
         model.set_part_scale(scale)
+        if self.refit is not None:             # the window starts from these steps
+            with self._lock:
+                self.refit = StepRefit(model, self.refit.window, samples)
         return scale
 
     def mesh(self, job: Job) -> SequenceParallelMesh:

@@ -632,6 +632,11 @@ def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
     return {k: out[k] for k in SCALED}
 
 
+#: a measured step more than this many times from the window's median (over its unscaled
+#: price) is left out of :class:`StepRefit`'s fit
+REFIT_OUTLIER = 2.0
+
+
 class StepRefit:
     """The whole-step factors (:func:`fit_part_scale`) kept fitted to a run's last ``window``
     measured steps, so the price follows the machine's speed as the run goes on instead of
@@ -640,9 +645,13 @@ class StepRefit:
     ``record(parts, seconds)``: a step's slowest-rank parts priced with every factor 1
     (:meth:`usp_hal.planning.schedule.Schedule.parts` with ``unscaled=True``) and its measured
     seconds (the slowest rank's, the same on every rank); the factors are refitted to the window
-    and set on ``model``, for every job priced after it.  ``samples``: where the window starts
-    (what :meth:`usp_hal.planning.dynamic.DynamicDegree.calibrate_steps` measured).  A pure
-    function of what it is given: ranks fed the same steps hold the same factors."""
+    and set on ``model``, for every job priced after it.  A step whose time over its unscaled
+    price is more than :data:`REFIT_OUTLIER` times from the window's median (a period that held
+    an evaluation or a checkpoint, say) stays in the window but out of the fit, so one such step
+    cannot move the price; a lasting change of speed becomes the median within half a window.
+    ``samples``: where the window starts (what
+    :meth:`usp_hal.planning.dynamic.DynamicDegree.calibrate_steps` measured).  A pure function
+    of what it is given: ranks fed the same steps hold the same factors."""
 
     def __init__(self, model: "StepModel", window: int, samples: Sequence[Tuple[Dict[str, float], float]] = ()):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -662,7 +671,10 @@ class StepRefit:
     def record(self, parts: Dict[str, float], seconds: float) -> Dict[str, float]:
         """One more measured step; returns the factors now set on the model."""
         self._add(parts, seconds)
-        scale = fit_part_scale(list(self.samples))
+        ratios = [took / max(sum(p.values()), 1e-30) for p, took in self.samples]
+        mid = float(np.median(ratios))
+        kept = [s for s, x in zip(self.samples, ratios) if mid / REFIT_OUTLIER <= x <= mid * REFIT_OUTLIER]
+        scale = fit_part_scale(kept)
         self.model.set_part_scale(scale)
         return scale
 

@@ -121,6 +121,10 @@ class USPTrainingArguments(TrainingArguments):
         "help": "with usp_dynamic_degree: when not 0, the first steps run the per-batch split and one fixed split "
                 "in turn, this many timed steps of each after a warm-up, and the run keeps the one measured "
                 "faster (DynamicDegree(trial_steps=), docs/dynamic-degree.md)"})
+    usp_dynamic_refit_steps: int = field(default=0, metadata={
+        "help": "with usp_dynamic_degree: when not 0, the price's whole-step factors are refitted after every "
+                "step to this many last measured steps, so it follows the machine's speed through the run "
+                "(DynamicDegree(refit_steps=), docs/dynamic-degree.md)"})
 
     def __post_init__(self):
         check_recurrence(self.usp_recurrence)       # a bad value fails here, before any set-up
@@ -262,7 +266,8 @@ def _dynamic_degree(model, args):
     """The per-batch degree for the model: its whole-step shape from the config, packing as its
     layers allow (usp_hal.integrations.transformers.dynamic_degree)."""
     return usp.dynamic_degree(model, budget_tokens=int(args.usp_budget_tokens), profile=args.usp_profile,
-                              dtype=_dtype_of(args), trial_steps=int(getattr(args, "usp_dynamic_trial_steps", 0)))
+                              dtype=_dtype_of(args), trial_steps=int(getattr(args, "usp_dynamic_trial_steps", 0)),
+                              refit_steps=int(getattr(args, "usp_dynamic_refit_steps", 0)))
 
 
 def _gather_rows(rows: list, lengths: List[int], owner: List[int], world: int) -> list:
