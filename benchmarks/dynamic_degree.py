@@ -209,6 +209,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                                               for k in totals]
         runs: Dict[str, List[float]] = {n: [] for n in names}
         common: List[float] = []
+        steps_ran: List[dict] = []                    # every step in the order it ran (for --dump)
         preds: Dict[str, List[float]] = {n: [] for n in names}
         preds_cal: Dict[str, List[float]] = {n: [] for n in names}
         for step, b in enumerate(bs):
@@ -235,7 +236,10 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                     preds[n].append(scheds[n].predicted)     # priced before the batch ran, by the refitted factors
                     preds_cal[n].append(sum(raw[k] * cal_scale[k] for k in SCALED) + raw["idle"])
                 common.append(refit.record(raw, float(slowest))["tokens"])   # for the batches after this one
+                steps_ran.append({"batch": step, "schedule": n, "parts": raw, "seconds": float(slowest),
+                                  "predicted": scheds[n].predicted})
         out[seed] = {"runs": runs, "preds": preds, "preds_cal": preds_cal, "common": common,
+                     "steps": steps_ran, "calibration": dd.calibration_samples, "cal_scale": cal_scale,
                      "best": split_label(WORLD, *best),
                      "trial": {"kept": trial.decided, "ratio": trial.ratio,
                                "split": split_label(WORLD, *trial.split) if trial.split else None,
@@ -310,7 +314,7 @@ def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, item
     opt.zero_grad(set_to_none=False)
 
 
-def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) -> dict:
+def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], dump: Optional[str] = None) -> dict:
     from benchmarks._ranks import run_on_ranks
     from usp_hal.planning.planner import load_profile
     tokens, budget = 32768 // SCALE, 16384 // SCALE
@@ -323,6 +327,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
     worst_cal, worst_spear_cal = 0.0, 1.0
     ratios, dyn_all, st_all = [], 0.0, 0.0
+    fastest_ratios, dumped = [], {}
     trial_ratios, trial_all = [], 0.0
     for seed in seeds:      # each seed priced by a calibration made just before it (the machine's speed drifts)
         t0 = time.monotonic()
@@ -368,7 +373,12 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
         ratios.append(r)
         dyn_all += sum(runs["dynamic"])
         st_all += sum(runs[best])
-        print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f}, predicted "
+        fixed = [n for n in names if n.startswith("static")]
+        fastest = min(fixed, key=lambda n: sum(runs[n]))
+        fastest_ratios.append(sum(runs["dynamic"]) / sum(runs[fastest]))
+        dumped[seed] = {k: res[0][seed][k] for k in ("steps", "calibration", "cal_scale")}
+        print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f} (against the fixed split measured "
+              f"fastest, {fastest.split(' ', 1)[1]}: {fastest_ratios[-1]:.3f}), predicted "
               f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules (the "
               f"calibration's factors alone: {sp_cal:.3f})")
         tr = res[0][seed]["trial"]
@@ -386,6 +396,12 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str]) ->
           f"{worst_spear_cal:.3f}")
     print(f"  {TRIALED} / static+: {trial_all / st_all:.3f} over the seeds; per seed "
           + ", ".join(f"{x:.3f}" for x in trial_ratios))
+    print("  dynamic / the fixed split measured fastest in each seed (known only after running them all): "
+          + ", ".join(f"{x:.3f}" for x in fastest_ratios))
+    if dump:
+        import json
+        with open(dump, "w") as f:
+            json.dump({"dist": dist, "window": REFIT, "seeds": dumped}, f)
     return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear,
             "trial": trial_all / st_all, "trial_seeds": trial_ratios}
 
@@ -418,6 +434,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--time-steps", type=int, default=11, help="measured batches per seed")
     ap.add_argument("--profile", default=None, help="price the measured runs with this profile (default: calibrate)")
     ap.add_argument("--host-time", action="store_true", help="also time the scheduling of 1,000 sequences on 64 ranks")
+    ap.add_argument("--dump", default=None, metavar="PATH",
+                    help="write every measured step (its schedule, unscaled parts and seconds) as JSON here")
     ap.add_argument("--calls-spread", type=int, default=0, metavar="N",
                     help="only run usp.calibrate_calls N times on one calibration here and print its spread")
     args = ap.parse_args(argv)
@@ -427,7 +445,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pred = predicted(args.dist, args.steps, args.tokens_per_rank, args.budget, args.seed)
     meas = {"ratio": float("nan"), "plan_error": float("nan"), "spearman": float("nan")}
     if args.time:
-        meas = measured(args.dist, args.seeds, args.time_steps, args.profile)
+        meas = measured(args.dist, args.seeds, args.time_steps, args.profile, args.dump)
     if args.host_time:
         print(f"\nscheduling one batch of 1,000 sequences on 64 ranks: {host_time() * 1e3:.2f} ms of host time "
               "(median, the price tables built)")
