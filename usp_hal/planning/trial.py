@@ -8,8 +8,8 @@ fixed split in turn, one warm-up step and then ``trial`` timed steps of each (an
 step pays its groups' and kernels' first use), and from then on keeps the one that was faster.
 
 - The fixed split is the one a user would pick for the run: the split with the lowest
-  predicted total over the batches seen so far, among those that held every one of them,
-  frozen once chosen.  A later batch it cannot hold runs the per-batch schedule.
+  predicted total over the batches seen so far (each batch placed on each split, as static+
+  is priced), among those that held every one of them, frozen once chosen.  A later batch it cannot hold runs the per-batch schedule.
 - Batches differ, so a step's time is compared as its measured time over the fixed split's
   predicted time for the same batch; the arms' medians of that ratio are compared.
 - Each decision is a pure function of the lengths and of the recorded times, which every rank
@@ -131,7 +131,14 @@ class MeasuredTrial:
         splits that held each of them; frozen when the trial's first fixed step is issued."""
         if self.split is not None and (self._issued["fixed"] or self.decided):
             return self.split
-        est = {(u, r): e for e, _, u, r in self.scheduler._static_estimates(lens)}
+        # each split placed, as static+ is priced: the quick estimate (Scheduler._static_estimates)
+        # can rank the splits otherwise where per-call costs are large (a CPU profile)
+        est: Dict[Tuple[int, int], float] = {}
+        for u, r in self.scheduler.static_splits(max(lens)):
+            try:
+                est[(u, r)] = self.scheduler.static(lens, u, r).predicted
+            except ScheduleError:
+                continue
         if self._totals is None:
             self._totals = dict(est)
         else:
