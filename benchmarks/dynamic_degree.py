@@ -22,8 +22,11 @@ its fastest job); the slowest rank's step in parts.
 path's own cost on each split (usp.calibrate_calls: parts per call, per token and per packed
 document, and one factor on the priced attention), then whole steps of 2 batches of their own
 after a warm-up (DynamicDegree.calibrate_steps: the price scaled by one factor for the step and
-one for the per-call overhead); a Llama built from a transformers config with every size
-divided by 16 (2 layers, hidden 256, MLP 896, 8 heads of 32, 2 KV heads, vocabulary 2,048,
+one for the per-call overhead), and during the run those factors refitted after every measured
+step to the last REFIT steps (StepRefit, as DynamicDegree(refit_steps=REFIT) does: each batch's
+schedules priced before it runs, from the steps before it; the same schedules priced by the
+calibration's factors alone are printed beside them); a Llama built from a transformers config
+with every size divided by 16 (2 layers, hidden 256, MLP 896, 8 heads of 32, 2 KV heads, vocabulary 2,048,
 fp32), lengths divided by 16, 2,048 tokens per rank, at most 1,024 tokens per rank in one job,
 so that the linear layers' compute dominates a step (about a second per step here, per-call
 costs a few percent).  Per seed, 11 batches (after one warm-up),
