@@ -9,7 +9,8 @@ step pays its groups' and kernels' first use), and from then on keeps the one th
 
 - The fixed split is the one a user would pick for the run: the split with the lowest
   predicted total over the batches seen so far (each batch placed on each split, as static+
-  is priced), among those that held every one of them, frozen once chosen.  A later batch it cannot hold runs the per-batch schedule.
+  is priced), among those that held every one of them, frozen once chosen.  A later batch it
+  cannot hold runs the per-batch schedule.
 - Batches differ, so a step's time is compared as its measured time over the fixed split's
   predicted time for the same batch; the arms' medians of that ratio are compared.
 - Each decision is a pure function of the lengths and of the recorded times, which every rank
