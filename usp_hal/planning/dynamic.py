@@ -319,11 +319,7 @@ class DynamicDegree:
                 scheds.append(unpacked.dynamic(lens))
             except ScheduleError:
                 pass
-            for u, r in self.scheduler.static_splits(max(lens)):
-                try:
-                    scheds.append(self.scheduler.static(lens, u, r))
-                except ScheduleError:
-                    continue
+            scheds += list(self.scheduler.statics(lens).values())
             for sched in scheds:
                 if self.world > 1:
                     dist.barrier()

@@ -554,6 +554,18 @@ class Scheduler:
             sizes = [g for g in sizes if least <= g <= REACH * least]
         return [(u, g // u) for g in sizes for u in self.splits(g)]
 
+    def statics(self, lengths: Sequence[int]) -> Dict[Tuple[int, int], Schedule]:
+        """Every fixed split that holds the batch, placed (:meth:`static`), by (ulysses, ring);
+        the splits that cannot hold it left out."""
+        lens = check_lengths(lengths)
+        out: Dict[Tuple[int, int], Schedule] = {}
+        for u, r in self.static_splits(max(lens)):
+            try:
+                out[(u, r)] = self.static(lens, u, r)
+            except ScheduleError:
+                continue
+        return out
+
     def _static_estimates(self, lens: Tuple[int, ...]) -> List[Tuple[float, int, int, int]]:
         """(estimate, -ulysses, ulysses, ring) of every fixed split that holds the batch, best
         first.  The estimate of a split: the larger of its work per replica (each sequence's job

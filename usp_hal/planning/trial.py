@@ -102,9 +102,11 @@ class MeasuredTrial:
         lens = check_lengths(lengths)
         if self.decided == "schedule":
             return serial, self.scheduler.schedule(lens)
-        split = self._split(lens)
+        split, placed = self._split(lens)
         fixed = None
-        if split is not None:
+        if split is not None and placed is not None:
+            fixed = placed.get(split)
+        elif split is not None:
             try:
                 fixed = self.scheduler.static(lens, *split)
             except ScheduleError:
@@ -127,25 +129,23 @@ class MeasuredTrial:
         self._pending[serial] = (want, fixed.predicted)
         return serial, fixed if want == "fixed" else dyn
 
-    def _split(self, lens: Tuple[int, ...]) -> Optional[Tuple[int, int]]:
+    def _split(self, lens: Tuple[int, ...]) -> Tuple[Optional[Tuple[int, int]],
+                                                    Optional[Dict[Tuple[int, int], Schedule]]]:
         """The run's fixed split: the lowest predicted total over the batches seen, among the
-        splits that held each of them; frozen when the trial's first fixed step is issued."""
+        splits that held each of them; frozen when the trial's first fixed step is issued.  With
+        it, this batch placed on every split (None once frozen: nothing was placed)."""
         if self.split is not None and (self._issued["fixed"] or self.decided):
-            return self.split
+            return self.split, None
         # each split placed, as static+ is priced: the quick estimate (Scheduler._static_estimates)
         # can rank the splits otherwise where per-call costs are large (a CPU profile)
-        est: Dict[Tuple[int, int], float] = {}
-        for u, r in self.scheduler.static_splits(max(lens)):
-            try:
-                est[(u, r)] = self.scheduler.static(lens, u, r).predicted
-            except ScheduleError:
-                continue
+        placed = self.scheduler.statics(lens)
+        est = {k: sc.predicted for k, sc in placed.items()}
         if self._totals is None:
             self._totals = dict(est)
         else:
             self._totals = {k: v + est[k] for k, v in self._totals.items() if k in est}
         self.split = min(self._totals, key=lambda k: (self._totals[k], -k[0])) if self._totals else None   # type: ignore[index]
-        return self.split
+        return self.split, placed
 
 
 __all__ = ["ARMS", "MeasuredTrial"]
