@@ -5,6 +5,7 @@
     python -m benchmarks.dynamic_degree --no-time            # the predictions only
     python -m benchmarks.dynamic_degree --host-time          # also the scheduling's host time, 64 ranks
     python -m benchmarks.dynamic_degree --calls-spread 3     # only calibrate_calls, 3 times: its spread
+    python -m benchmarks.dynamic_degree --packs              # only packed jobs timed alone against their price
 
 **Predicted** (the planner's whole-step model, usp_hal.planning.stepcost): a Llama-3-8B-shaped model (32
 layers, hidden 4,096, MLP 14,336, 32 heads of 128, 8 KV heads, vocabulary 128,256, bf16) on 4 GPUs
@@ -298,6 +299,71 @@ def calls_spread(rounds: int) -> None:
               f"   (per token: {max(cols[1]) - min(cols[1]):.0f} apart)")
 
 
+def _packs_ranks(jobs: list, reps: int, budget: int, profile) -> dict:
+    import statistics as st
+
+    import torch
+    import torch.distributed as dist_
+
+    from usp_hal.integrations import transformers as usp
+    from usp_hal.planning.schedule import Job
+    model, dd = _cpu_model(budget, profile)
+    extra = usp.calibrate_calls(model, dd)
+    sch = dd.scheduler
+    rows = []
+    for (u, r), lengths in jobs:
+        g = u * r
+        cost = sch.model.job(tuple(lengths), g, u, sch.layout(g, u, len(lengths) > 1))
+        job = Job(tuple(range(len(lengths))), tuple(lengths), 0, g, cost)
+        ids = torch.randint(0, CPU_LAYER["vocab"], (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+        ts = []
+        for rep in range(reps + 1):          # the first warms up
+            dist_.barrier()
+            t0 = time.perf_counter()
+            with dd.on(job) as mesh:
+                cu = list(job.cu_seqlens) if job.cu_seqlens else None
+                batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, cost.layout, cu_seqlens=cu)
+                model(**batch).loss.backward()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist_.all_reduce(took, op=dist_.ReduceOp.MAX)
+            if rep:
+                ts.append(float(took))
+        rows.append((st.median(ts), cost.time))
+    model.zero_grad(set_to_none=True)
+    return {"extra": extra, "rows": rows}
+
+
+def packs(dist: str, seed: int, reps: int = 3) -> None:
+    """The packed jobs that whole steps run, each timed alone (the slowest rank's median of
+    ``reps``, after a warm-up) against its price, on every 4-rank fixed split: rank 0's jobs of
+    one measured batch as Scheduler.static places them, and beside each a pack of as many tokens
+    in documents of equal length.  Where the jobs alone match their price but whole steps of the
+    same split do not, the miss is in what a step adds, not in the job's price."""
+    from benchmarks._ranks import run_on_ranks
+    from usp_hal.harness.calibrate import calibrate
+    budget = 16384 // SCALE
+    prof = calibrate(WORLD, dtype="fp32", head_dim=CPU_LAYER["head_dim"], heads=CPU_LAYER["heads"], layer=CPU_LAYER,
+                     timeout=600)
+    batch = draw_batches(DISTS[dist], 2, WORLD * 32768 // SCALE, seed=seed, scale=SCALE)[1]
+    base = Scheduler(WORLD, cpu_shape(), budget_tokens=budget, profile=prof)
+    jobs = []
+    for u, r in [(u, r) for u, r in base.static_splits(max(batch)) if u * r == WORLD]:
+        for job in base.static(batch, u, r).jobs_of(0):
+            total, n = sum(job.lengths), len(job.lengths)
+            jobs.append(((u, r), list(job.lengths)))
+            if n > 1:
+                jobs.append(((u, r), [total // n] * (n - 1) + [total - (total // n) * (n - 1)]))
+    res = run_on_ranks(_packs_ranks, world=WORLD, timeout=3600, jobs=jobs, reps=reps, budget=budget,
+                       profile=prof)[0]
+    print(f"\npacked jobs timed alone ({dist}, seed {seed}, batch 1; {cpu_shape().describe()}; the model path's "
+          "parts from usp.calibrate_calls just before): rank 0's jobs of each 4-rank fixed split, and the same "
+          "tokens in equal documents")
+    print("  split    documents  longest  measured (ms)  priced (ms)  measured/priced")
+    for ((u, r), lengths), (took, price) in zip(jobs, res["rows"]):
+        print(f"  {split_label(WORLD, u, r):8s} {len(lengths):9d} {max(lengths):8d} {took * 1e3:14.0f} "
+              f"{price * 1e3:12.0f} {took / price:16.2f}")
+
+
 def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, items: int, vocab: int) -> None:
     import torch
 
@@ -441,7 +507,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="write every measured step (its schedule, unscaled parts and seconds) as JSON here")
     ap.add_argument("--calls-spread", type=int, default=0, metavar="N",
                     help="only run usp.calibrate_calls N times on one calibration here and print its spread")
+    ap.add_argument("--packs", action="store_true",
+                    help="only time the packed jobs of the 4-rank fixed splits alone against their price")
     args = ap.parse_args(argv)
+    if args.packs:
+        packs(args.dist, args.seeds[0])
+        return 0
     if args.calls_spread:
         calls_spread(args.calls_spread)
         return 0
