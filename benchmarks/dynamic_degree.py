@@ -5,7 +5,7 @@
     python -m benchmarks.dynamic_degree --no-time            # the predictions only
     python -m benchmarks.dynamic_degree --host-time          # also the scheduling's host time, 64 ranks
     python -m benchmarks.dynamic_degree --calls-spread 3     # only calibrate_calls, 3 times: its spread
-    python -m benchmarks.dynamic_degree --packs              # only packed jobs timed alone against their price
+    python -m benchmarks.dynamic_degree --packs              # only one batch's packed jobs against their price
 
 **Predicted** (the planner's whole-step model, usp_hal.planning.stepcost): a Llama-3-8B-shaped model (32
 layers, hidden 4,096, MLP 14,336, 32 heads of 128, 8 KV heads, vocabulary 128,256, bf16) on 4 GPUs
@@ -310,35 +310,48 @@ def _packs_ranks(jobs: list, reps: int, budget: int, profile) -> dict:
     model, dd = _cpu_model(budget, profile)
     extra = usp.calibrate_calls(model, dd)
     sch = dd.scheduler
-    rows = []
-    for (u, r), lengths in jobs:
-        g = u * r
-        cost = sch.model.job(tuple(lengths), g, u, sch.layout(g, u, len(lengths) > 1))
-        job = Job(tuple(range(len(lengths))), tuple(lengths), 0, g, cost)
-        ids = torch.randint(0, CPU_LAYER["vocab"], (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+
+    def timed(run) -> float:
         ts = []
         for rep in range(reps + 1):          # the first warms up
             dist_.barrier()
             t0 = time.perf_counter()
-            with dd.on(job) as mesh:
-                cu = list(job.cu_seqlens) if job.cu_seqlens else None
-                batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, cost.layout, cu_seqlens=cu)
-                model(**batch).loss.backward()
+            run()
             took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist_.all_reduce(took, op=dist_.ReduceOp.MAX)
             if rep:
                 ts.append(float(took))
-        rows.append((st.median(ts), cost.time))
+        return st.median(ts)
+
+    def call(job, ids):
+        with dd.on(job) as mesh:
+            cu = list(job.cu_seqlens) if job.cu_seqlens else None
+            batch = usp.shard_batch({"input_ids": ids, "labels": ids}, mesh, job.cost.layout, cu_seqlens=cu)
+            model(**batch).loss.backward()
+
+    out = []
+    for (u, r), packs in jobs:
+        g = u * r
+        built = []
+        for lengths in packs:
+            cost = sch.model.job(tuple(lengths), g, u, sch.layout(g, u, len(lengths) > 1))
+            ids = torch.randint(0, CPU_LAYER["vocab"], (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+            built.append((Job(tuple(range(len(lengths))), tuple(lengths), 0, g, cost), ids))
+        alone = [(timed(lambda j=j, x=x: call(j, x)), j.cost.time) for j, x in built]
+        real = built[::2]                       # the step's own jobs (not their equal twins)
+        step = timed(lambda real=real: [call(j, x) for j, x in real])    # back to back, as a step runs them
+        out.append({"alone": alone, "step": step})
     model.zero_grad(set_to_none=True)
-    return {"extra": extra, "rows": rows}
+    return {"extra": extra, "splits": out}
 
 
 def packs(dist: str, seed: int, reps: int = 3) -> None:
-    """The packed jobs that whole steps run, each timed alone (the slowest rank's median of
-    ``reps``, after a warm-up) against its price, on every 4-rank fixed split: rank 0's jobs of
-    one measured batch as Scheduler.static places them, and beside each a pack of as many tokens
-    in documents of equal length.  Where the jobs alone match their price but whole steps of the
-    same split do not, the miss is in what a step adds, not in the job's price."""
+    """The packed jobs that whole steps run, against their price, on every 4-rank fixed split:
+    rank 0's jobs of one measured batch as Scheduler.static places them, each timed alone (the
+    slowest rank's median of ``reps``, after a warm-up) beside a pack of the same tokens in
+    documents of equal length, and the split's jobs run back to back as a step runs them (no
+    barrier between them) against the sum of the same jobs alone: whether the price of a job
+    misses, and whether a step adds to its jobs."""
     from benchmarks._ranks import run_on_ranks
     from usp_hal.harness.calibrate import calibrate
     budget = 16384 // SCALE
@@ -348,20 +361,26 @@ def packs(dist: str, seed: int, reps: int = 3) -> None:
     base = Scheduler(WORLD, cpu_shape(), budget_tokens=budget, profile=prof)
     jobs = []
     for u, r in [(u, r) for u, r in base.static_splits(max(batch)) if u * r == WORLD]:
+        lists = []
         for job in base.static(batch, u, r).jobs_of(0):
             total, n = sum(job.lengths), len(job.lengths)
-            jobs.append(((u, r), list(job.lengths)))
-            if n > 1:
-                jobs.append(((u, r), [total // n] * (n - 1) + [total - (total // n) * (n - 1)]))
+            lists.append(list(job.lengths))      # each job, then its twin of equal documents
+            lists.append([total // n] * (n - 1) + [total - (total // n) * (n - 1)])
+        jobs.append(((u, r), lists))
     res = run_on_ranks(_packs_ranks, world=WORLD, timeout=3600, jobs=jobs, reps=reps, budget=budget,
                        profile=prof)[0]
-    print(f"\npacked jobs timed alone ({dist}, seed {seed}, batch 1; {cpu_shape().describe()}; the model path's "
-          "parts from usp.calibrate_calls just before): rank 0's jobs of each 4-rank fixed split, and the same "
-          "tokens in equal documents")
-    print("  split    documents  longest  measured (ms)  priced (ms)  measured/priced")
-    for ((u, r), lengths), (took, price) in zip(jobs, res["rows"]):
-        print(f"  {split_label(WORLD, u, r):8s} {len(lengths):9d} {max(lengths):8d} {took * 1e3:14.0f} "
-              f"{price * 1e3:12.0f} {took / price:16.2f}")
+    print(f"\npacked jobs against their price ({dist}, seed {seed}, batch 1; {cpu_shape().describe()}; the model "
+          "path's parts from usp.calibrate_calls just before): rank 0's jobs of each 4-rank fixed split, each beside "
+          "the same tokens in equal documents, timed alone; then the split's jobs back to back")
+    print("  split    documents  longest  alone (ms)  priced (ms)  alone/priced   equal documents: alone/priced")
+    for ((u, r), lists), got in zip(jobs, res["splits"]):
+        for k in range(0, len(lists), 2):
+            (took, price), (took_eq, price_eq) = got["alone"][k], got["alone"][k + 1]
+            print(f"  {split_label(WORLD, u, r):8s} {len(lists[k]):9d} {max(lists[k]):8d} {took * 1e3:11.0f} "
+                  f"{price * 1e3:12.0f} {took / price:13.2f} {took_eq / price_eq:31.2f}")
+        alone = sum(t for t, _ in got["alone"][::2])
+        print(f"  {split_label(WORLD, u, r):8s} back to back {got['step'] * 1e3:.0f} ms against {alone * 1e3:.0f} ms "
+              f"alone ({got['step'] / alone:.3f}); priced {sum(p for _, p in got['alone'][::2]) * 1e3:.0f} ms")
 
 
 def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, items: int, vocab: int) -> None:
@@ -508,7 +527,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--calls-spread", type=int, default=0, metavar="N",
                     help="only run usp.calibrate_calls N times on one calibration here and print its spread")
     ap.add_argument("--packs", action="store_true",
-                    help="only time the packed jobs of the 4-rank fixed splits alone against their price")
+                    help="only time one batch's packed jobs of the 4-rank fixed splits against their price")
     args = ap.parse_args(argv)
     if args.packs:
         packs(args.dist, args.seeds[0])
