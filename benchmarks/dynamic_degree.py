@@ -360,9 +360,11 @@ def packs(dist: str, seed: int, reps: int = 3) -> None:
     batch = draw_batches(DISTS[dist], 2, WORLD * 32768 // SCALE, seed=seed, scale=SCALE)[1]
     base = Scheduler(WORLD, cpu_shape(), budget_tokens=budget, profile=prof)
     jobs = []
-    for u, r in [(u, r) for u, r in base.static_splits(max(batch)) if u * r == WORLD]:
+    for (u, r), placed in base.statics(batch).items():
+        if u * r != WORLD:
+            continue
         lists = []
-        for job in base.static(batch, u, r).jobs_of(0):
+        for job in placed.jobs_of(0):
             total, n = sum(job.lengths), len(job.lengths)
             lists.append(list(job.lengths))      # each job, then its twin of equal documents
             lists.append([total // n] * (n - 1) + [total - (total // n) * (n - 1)])
