@@ -491,9 +491,17 @@ class Scheduler:
 
     def _unplaceable(self, i: int, n: int) -> str:
         big = max(self.sizes)
-        return (f"sequence {i} has {n} tokens: {math.ceil(n / big)} per rank even on all {big} ranks, over the budget "
-                f"of {self.budget} tokens per rank; raise budget_tokens (low_memory=True lowers what a token costs) "
-                "or add ranks")
+        fit = [g for g in self.sizes if math.ceil(n / g) <= self.budget]
+        if not fit:
+            return (f"sequence {i} has {n} tokens: {math.ceil(n / big)} per rank even on all {big} ranks, over the "
+                    f"budget of {self.budget} tokens per rank; raise budget_tokens (low_memory=True lowers what a "
+                    "token costs) or add ranks")
+        runs = [g for g in self.sizes if g < fit[0] and
+                any(n >= least_tokens(g, u, self.layout(g, u)) for u in self.splits(g))]
+        return (f"sequence {i} has {n} tokens: the groups that hold it within the budget of {self.budget} tokens per "
+                f"rank ({', '.join(map(str, fit))} ranks) would leave a rank without a token of it, and a smaller "
+                f"group puts more than {self.budget} on a rank; raise budget_tokens to "
+                f"{math.ceil(n / max(runs)) if runs else n}")
 
     # ---------------------------------------------------------------- fixed splits (static+)
     def static(self, lengths: Sequence[int], ulysses: int, ring: int) -> Schedule:
@@ -589,16 +597,27 @@ class Scheduler:
         return sorted(ranked)
 
     def best_static(self, lengths: Sequence[int]) -> Optional[Schedule]:
-        """The fixed split with the lowest estimate for this batch (:meth:`_static_estimates`),
-        placed; None when no fixed split holds the batch."""
+        """The placed fixed split with the lowest price among those of the best estimates
+        (:meth:`_static_estimates`): as many placed as the dynamic schedule places choices, about
+        :data:`PLACEMENTS` sequences in all and at least one (so a batch of few sequences has
+        every split placed: where per-call costs weigh, the estimate can rank the splits otherwise
+        than their placed prices; a batch of many has the estimate's first placed, as its host
+        time allows); None when no fixed split holds the batch."""
         lens = check_lengths(lengths)
-        for _, _, u, r in self._static_estimates(lens)[:2]:
+        want = max(1, PLACEMENTS // len(lens))
+        best: Optional[Schedule] = None
+        placed = 0
+        for _, _, u, r in self._static_estimates(lens):
             try:
                 got = self.static(lens, u, r)
             except ScheduleError:
                 continue
-            return got
-        return None
+            placed += 1
+            if best is None or got.predicted < best.predicted:
+                best = got
+            if placed >= want:
+                break
+        return best
 
     # ---------------------------------------------------------------- the step's schedule
     def schedule(self, lengths: Sequence[int]) -> Schedule:
@@ -623,16 +642,24 @@ class Scheduler:
 
     def bound(self, lengths: Sequence[int]) -> float:
         """A lower bound of any schedule's predicted step for the batch: each sequence at its
-        cheapest rank-seconds (alone on a rank: without a job's fixed cost, as if packed) over
-        the world, and no less than its fastest job; plus the step's constant part."""
+        cheapest rank-seconds beyond a job's fixed cost (as if packed with others, on a group of
+        any size) over the world, and no less than its fastest job; plus the step's constant part."""
         lens = check_lengths(lengths)
         arr = np.array(lens, dtype=np.float64)
         alone = self._alone(arr)
         times = np.stack([alone[g][0] for g in self.sizes])
-        work = times * np.array(self.sizes, dtype=np.float64)[:, None]
-        if self.sizes[0] == 1:
-            work[0] = times[0] - self._one_rank_fixed()
+        fixed = np.array([self._group_fixed(g) for g in self.sizes])[:, None]
+        work = np.maximum(times - fixed, 0.0) * np.array(self.sizes, dtype=np.float64)[:, None]
         return max(float(work.min(axis=0).sum()) / self.world, float(times.min(axis=0).max())) + self.constant
+
+    def _group_fixed(self, g: int) -> float:
+        """At most what a job on ``g`` ranks costs before the tokens of its sequences: a
+        one-rank job's fixed part, or a larger group's cheapest job of the fewest tokens that
+        give every rank one."""
+        if g == 1:
+            return self._one_rank_fixed()
+        return min((float(self.model.alone([least_tokens(g, u, self.layout(g, u))], g, u, self.layout(g, u),
+                                           ("time",))["time"][0]) for u in self.splits(g)), default=0.0)
 
 
 def _merge_short(bins: List[List[int]], lens, sp: int, u: int, cap: int, layout: str) -> Optional[List[List[int]]]:
