@@ -33,7 +33,9 @@ so that the linear layers' compute dominates a step (about a second per step her
 costs a few percent).  Per seed, 11 batches (after one warm-up),
 each run under every schedule in turn (the order rotating), a whole step each: every job's
 forward and backward through the transformers integration, the gradients summed over the world,
-an AdamW step.  The slowest rank's step time (barrier to barrier); per schedule the predicted
+an AdamW step; then again in the reverse order (REPEAT passes; --repeat).  The slowest rank's
+step time (barrier to barrier), the least of its passes (the Spearman of the first pass alone,
+one step each, is printed beside); per schedule the predicted
 time (the calibrated profile) against it: the plan's error and the Spearman rank correlation of
 the schedules' totals.  One of the schedules is the per-batch schedule under the measured trial
 (usp_hal.planning.trial, as ``DynamicDegree(trial_steps=2)`` runs it): it sees only its own
@@ -82,6 +84,10 @@ TRIALED = "dynamic, measured trial"
 #: the whole-step factors refitted to the last this many measured steps (StepRefit, as
 #: DynamicDegree(refit_steps=REFIT) does): about 3 batches of every schedule here
 REFIT = 32
+#: passes over each measured batch's schedules, every other one in the reverse order; a
+#: schedule's step on a batch is the least of its passes (the work is the same each pass: what
+#: differs is what the machine adds, 4 ranks sharing its cores)
+REPEAT = 2
 #: whole-step calibration: batches of their own (seeded apart from the measured ones)
 CAL_BATCHES = 2
 CAL_SEED = 1000
@@ -149,8 +155,8 @@ def predicted(dist: str, steps: int, tokens_per_rank: int, budget: int, seed: in
         bound = float(cmp["bound"])           # type: ignore[arg-type]
         ratio = float(cmp["ratio"]) if cmp["ratio"] is not None else float("nan")    # type: ignore[arg-type]
         print(f"  lower bound {bound / steps * 1e3:.1f} ms per step: every sequence at its cheapest rank-seconds "
-              "(alone on a rank: without a job's fixed cost) over the ranks, and no less than its fastest job, plus "
-              "the step's constant part (gradient all-reduce, optimizer)")
+              "beyond a job's fixed cost (as if packed, on a group of any size) over the ranks, and no less than its "
+              "fastest job, plus the step's constant part (gradient all-reduce, optimizer)")
         line = (f"{prof}: dynamic/static+ predicted={ratio:.3f} (static+ = {best}) slowest/mean={cmp['balance']:.3f} "
                 f"token-balance={cmp['token_balance']:.3f} schedule/bound={dyn['predicted'] / bound:.3f} "
                 f"fixed-split steps={cmp['fallbacks']}/{steps}")
@@ -167,10 +173,13 @@ def _ids(seed: int, step: int, i: int, n: int, vocab: int):
     return torch.randint(0, vocab, (1, n), generator=g)
 
 
-def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int, budget: int, profile) -> dict:
+def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int, budget: int, profile,
+                   repeat: int = 1) -> dict:
     """On each of 4 ranks: per seed, ``steps`` + 1 batches, each run under every schedule in
-    turn (rotating), a whole training step each; returns per seed, batch and schedule the
-    seconds (this rank's view: barrier to barrier) and the predicted seconds."""
+    turn (rotating), a whole training step each, ``repeat`` times (every other pass in the
+    reverse order); returns per seed, batch and schedule the seconds (the slowest rank's,
+    barrier to barrier: the least over the passes, and the first pass's alone) and the
+    predicted seconds."""
     import torch
     import torch.distributed as dist_
 
@@ -187,7 +196,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                                                               sum(n - 1 for n in lens), c["vocab"]))
     model_ = dd.scheduler.model
     cal_scale = dict(model_.part_scale)           # the calibration's factors, for the column priced by them alone
-    refit = StepRefit(model_, REFIT, dd.calibration_samples)
+    refit = StepRefit(model_, REFIT * repeat, dd.calibration_samples)
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
                                                 ulysses_degrees=(1,), model=dd.scheduler.model),
@@ -212,6 +221,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
         names = list(variants) + [TRIALED] + [("static+ " if k == best else "static ") + split_label(WORLD, *k)
                                               for k in totals]
         runs: Dict[str, List[float]] = {n: [] for n in names}
+        firsts: Dict[str, List[float]] = {n: [] for n in names}
         common: List[float] = []
         steps_ran: List[dict] = []                    # every step in the order it ran (for --dump)
         preds: Dict[str, List[float]] = {n: [] for n in names}
@@ -224,25 +234,32 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                 scheds[("static+ " if k == best else "static ") + split_label(WORLD, *k)] = base.static(b, *k)
             items = sum(n - 1 for n in b)
             shift = step % len(names)
-            for n in names[shift:] + names[:shift]:
-                dist_.barrier()
-                t0 = time.perf_counter()
-                _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
-                dist_.barrier()
-                took = time.perf_counter() - t0
-                slowest = torch.tensor([took], dtype=torch.float64)
-                dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
-                if n == TRIALED:
-                    trial.record(serial, float(slowest), at=step + 1)
-                raw = scheds[n].parts(unscaled=True)
-                if step:                   # the first batch warms every path up
-                    runs[n].append(took)
-                    preds[n].append(scheds[n].predicted)     # priced before the batch ran, by the refitted factors
+            order = names[shift:] + names[:shift]
+            took_at: Dict[str, List[float]] = {n: [] for n in names}
+            priced = {n: scheds[n].predicted for n in names}    # before the batch ran, by the refitted factors
+            for rep in range(repeat):
+                for n in (order if rep % 2 == 0 else order[::-1]):
+                    dist_.barrier()
+                    t0 = time.perf_counter()
+                    _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
+                    dist_.barrier()
+                    slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
+                    took_at[n].append(float(slowest))
+                    if n == TRIALED and rep == 0:      # the trial sees one step per batch, as a run gives it
+                        trial.record(serial, float(slowest), at=step + 1)
+                    raw = scheds[n].parts(unscaled=True)
+                    common.append(refit.record(raw, float(slowest))["tokens"])   # for the batches after this one
+                    steps_ran.append({"batch": step, "schedule": n, "parts": raw, "seconds": float(slowest),
+                                      "predicted": priced[n], "repeat": rep})
+            if step:                           # the first batch warms every path up
+                for n in names:
+                    raw = scheds[n].parts(unscaled=True)
+                    runs[n].append(min(took_at[n]))
+                    firsts[n].append(took_at[n][0])
+                    preds[n].append(priced[n])
                     preds_cal[n].append(sum(raw[k] * cal_scale[k] for k in SCALED) + raw["idle"])
-                common.append(refit.record(raw, float(slowest))["tokens"])   # for the batches after this one
-                steps_ran.append({"batch": step, "schedule": n, "parts": raw, "seconds": float(slowest),
-                                  "predicted": scheds[n].predicted})
-        out[seed] = {"runs": runs, "preds": preds, "preds_cal": preds_cal, "common": common,
+        out[seed] = {"runs": runs, "firsts": firsts, "preds": preds, "preds_cal": preds_cal, "common": common,
                      "steps": steps_ran, "calibration": dd.calibration_samples, "cal_scale": cal_scale,
                      "best": split_label(WORLD, *best),
                      "trial": {"kept": trial.decided, "ratio": trial.ratio,
@@ -404,7 +421,8 @@ def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, item
     opt.zero_grad(set_to_none=False)
 
 
-def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], dump: Optional[str] = None) -> dict:
+def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], dump: Optional[str] = None,
+             repeat: int = REPEAT) -> dict:
     from benchmarks._ranks import run_on_ranks
     from usp_hal.planning.planner import load_profile
     tokens, budget = 32768 // SCALE, 16384 // SCALE
@@ -415,7 +433,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
           "(usp.calibrate_calls: three job sizes and a packed one, with one factor on the priced attention), then "
           "whole steps (DynamicDegree.calibrate_steps)")
     worst_err, worst_spear, batch_errs = 0.0, 1.0, []
-    worst_cal, worst_spear_cal = 0.0, 1.0
+    worst_cal, worst_spear_cal, worst_spear_first = 0.0, 1.0, 1.0
     ratios, dyn_all, st_all = [], 0.0, 0.0
     fastest_ratios, dumped = [], {}
     trial_ratios, trial_all = [], 0.0
@@ -430,7 +448,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
             prof = load_profile(profile)
             how = f"profile {profile}"
         res = run_on_ranks(measured_ranks, world=WORLD, timeout=5400, dist=dist, seeds=[seed], steps=steps,
-                           tokens_per_rank=tokens, budget=budget, profile=prof)
+                           tokens_per_rank=tokens, budget=budget, profile=prof, repeat=repeat)
         extra = f"attention x{res[0]['call_extra']['attention']:.2f}; " + ", ".join(
             f"{k}: {v[0] * 1e3:+.1f} ms {v[1] * 1e6:+.1f} us/token {v[2] * 1e3:+.2f} ms/doc"
             for k, v in res[0]["call_extra"].items() if k != "attention")
@@ -438,7 +456,8 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
         print(f"  seed {seed}: whole steps against their price ({CAL_BATCHES} batches of their own, each under the "
               "per-batch schedule, unpacked, and every fixed split: DynamicDegree.calibrate_steps), the price scaled "
               "by: " + ", ".join(f"{k} {v:.2f}" for k, v in res[0]["part_scale"].items()))
-        runs = {n: [max(r[seed]["runs"][n][i] for r in res) for i in range(steps)] for n in res[0][seed]["runs"]}
+        runs = res[0][seed]["runs"]               # the slowest rank's, the least over the passes
+        firsts = res[0][seed]["firsts"]           # the same, the first pass alone (one step each)
         preds, preds_cal = res[0][seed]["preds"], res[0][seed]["preds_cal"]
         names = list(runs)
         best = next(n for n in names if n.startswith("static+ "))
@@ -457,6 +476,8 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
                   f"{100 * max(errs):.1f}%)  {pc * 1e3:8.1f} {100 * (pc / m - 1):+7.1f}%")
         sp = spearman([sum(preds[n]) for n in names], [sum(runs[n]) for n in names])
         sp_cal = spearman([sum(preds_cal[n]) for n in names], [sum(runs[n]) for n in names])
+        sp_first = spearman([sum(preds[n]) for n in names], [sum(firsts[n]) for n in names])
+        worst_spear_first = min(worst_spear_first, sp_first)
         worst_spear = min(worst_spear, sp)
         worst_spear_cal = min(worst_spear_cal, sp_cal)
         r = sum(runs["dynamic"]) / sum(runs[best])
@@ -470,7 +491,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
         print(f"    seed {seed}: measured dynamic/static+ ({best[8:]}) {r:.3f} (against the fixed split measured "
               f"fastest, {fastest.split(' ', 1)[1]}: {fastest_ratios[-1]:.3f}), predicted "
               f"{sum(preds['dynamic']) / sum(preds[best]):.3f}; spearman {sp:.3f} over {len(names)} schedules (the "
-              f"calibration's factors alone: {sp_cal:.3f})")
+              f"calibration's factors alone: {sp_cal:.3f}; the first pass's steps alone: {sp_first:.3f})")
         tr = res[0][seed]["trial"]
         trial_ratios.append(sum(runs[TRIALED]) / sum(runs[best]))
         trial_all += sum(runs[TRIALED])
@@ -483,7 +504,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
     print(f"  the plan's error per schedule (its batches' mean step): at most {100 * worst_err:.1f}%; per batch: "
           f"{within} of {len(batch_errs)} within 25%, the worst {100 * max(batch_errs):.1f}%; priced by the "
           f"calibration's factors alone (no refit): at most {100 * worst_cal:.1f}%, spearman at least "
-          f"{worst_spear_cal:.3f}")
+          f"{worst_spear_cal:.3f}; the first of the {repeat} passes alone: spearman at least {worst_spear_first:.3f}")
     print(f"  {TRIALED} / static+: {trial_all / st_all:.3f} over the seeds; per seed "
           + ", ".join(f"{x:.3f}" for x in trial_ratios))
     print("  dynamic / the fixed split measured fastest in each seed (known only after running them all): "
@@ -491,7 +512,7 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
     if dump:
         import json
         with open(dump, "w") as f:
-            json.dump({"dist": dist, "window": REFIT, "seeds": dumped}, f)
+            json.dump({"dist": dist, "window": REFIT * repeat, "repeat": repeat, "seeds": dumped}, f)
     return {"ratio": dyn_all / st_all, "seeds": ratios, "plan_error": worst_err, "spearman": worst_spear,
             "trial": trial_all / st_all, "trial_seeds": trial_ratios}
 
@@ -522,6 +543,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also measure whole steps on 4 gloo ranks here")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the measured runs' seeds")
     ap.add_argument("--time-steps", type=int, default=11, help="measured batches per seed")
+    ap.add_argument("--repeat", type=int, default=REPEAT,
+                    help="passes over each batch's schedules (every other one in the reverse order); a schedule's "
+                         "step on a batch is the least of its passes")
     ap.add_argument("--profile", default=None, help="price the measured runs with this profile (default: calibrate)")
     ap.add_argument("--host-time", action="store_true", help="also time the scheduling of 1,000 sequences on 64 ranks")
     ap.add_argument("--dump", default=None, metavar="PATH",
@@ -540,7 +564,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pred = predicted(args.dist, args.steps, args.tokens_per_rank, args.budget, args.seed)
     meas = {"ratio": float("nan"), "plan_error": float("nan"), "spearman": float("nan")}
     if args.time:
-        meas = measured(args.dist, args.seeds, args.time_steps, args.profile, args.dump)
+        meas = measured(args.dist, args.seeds, args.time_steps, args.profile, args.dump, args.repeat)
     if args.host_time:
         print(f"\nscheduling one batch of 1,000 sequences on 64 ranks: {host_time() * 1e3:.2f} ms of host time "
               "(median, the price tables built)")
