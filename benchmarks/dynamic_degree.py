@@ -33,9 +33,11 @@ so that the linear layers' compute dominates a step (about a second per step her
 costs a few percent).  Per seed, 11 batches (after one warm-up),
 each run under every schedule in turn (the order rotating), a whole step each: every job's
 forward and backward through the transformers integration, the gradients summed over the world,
-an AdamW step; then again in the reverse order (REPEAT passes; --repeat).  The slowest rank's
-step time (barrier to barrier), the least of its passes (the Spearman of the first pass alone,
-one step each, is printed beside); per schedule the predicted
+an AdamW step; then again in the reverse order (REPEAT passes; --repeat).  Schedules that
+place a batch alike (the same jobs on the same ranks in the same order: the per-batch schedule
+where it falls back to a fixed split, say) are one step, counted for each of them.  The slowest
+rank's step time (barrier to barrier), the least of its passes (the Spearman of the first pass
+alone is printed beside); per schedule the predicted
 time (the calibrated profile) against it: the plan's error and the Spearman rank correlation of
 the schedules' totals.  One of the schedules is the per-batch schedule under the measured trial
 (usp_hal.planning.trial, as ``DynamicDegree(trial_steps=2)`` runs it): it sees only its own
@@ -237,21 +239,29 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
             order = names[shift:] + names[:shift]
             took_at: Dict[str, List[float]] = {n: [] for n in names}
             priced = {n: scheds[n].predicted for n in names}    # before the batch ran, by the refitted factors
+            # schedules that place the batch alike (the same jobs on the same ranks, in the same
+            # order) are the same work: one step runs them, and counts for each of them
+            alike: Dict[tuple, List[str]] = {}
+            for n in order:
+                alike.setdefault(_placement(scheds[n]), []).append(n)
+            leads = [group[0] for group in alike.values()]
             for rep in range(repeat):
-                for n in (order if rep % 2 == 0 else order[::-1]):
+                for lead in (leads if rep % 2 == 0 else leads[::-1]):
+                    group = alike[_placement(scheds[lead])]
                     dist_.barrier()
                     t0 = time.perf_counter()
-                    _step(model, opt, dd, scheds[n], rank, seed, step, items, c["vocab"])
+                    _step(model, opt, dd, scheds[lead], rank, seed, step, items, c["vocab"])
                     dist_.barrier()
                     slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                     dist_.all_reduce(slowest, op=dist_.ReduceOp.MAX)
-                    took_at[n].append(float(slowest))
-                    if n == TRIALED and rep == 0:      # the trial sees one step per batch, as a run gives it
+                    for n in group:
+                        took_at[n].append(float(slowest))
+                    if TRIALED in group and rep == 0:      # the trial sees one step per batch, as a run gives it
                         trial.record(serial, float(slowest), at=step + 1)
-                    raw = scheds[n].parts(unscaled=True)
+                    raw = scheds[lead].parts(unscaled=True)
                     common.append(refit.record(raw, float(slowest))["tokens"])   # for the batches after this one
-                    steps_ran.append({"batch": step, "schedule": n, "parts": raw, "seconds": float(slowest),
-                                      "predicted": priced[n], "repeat": rep})
+                    steps_ran.append({"batch": step, "schedule": lead, "alike": group[1:], "parts": raw,
+                                      "seconds": float(slowest), "predicted": priced[lead], "repeat": rep})
             if step:                           # the first batch warms every path up
                 for n in names:
                     raw = scheds[n].parts(unscaled=True)
@@ -400,6 +410,11 @@ def packs(dist: str, seed: int, reps: int = 3) -> None:
         alone = sum(t for t, _ in got["alone"][::2])
         print(f"  {split_label(WORLD, u, r):8s} back to back {got['step'] * 1e3:.0f} ms against {alone * 1e3:.0f} ms "
               f"alone ({got['step'] / alone:.3f}); priced {sum(p for _, p in got['alone'][::2]) * 1e3:.0f} ms")
+
+
+def _placement(sched: Schedule) -> tuple:
+    """What a step runs under a schedule: each job's sequences, ranks and split, in order."""
+    return tuple((j.seqs, j.first, j.size, j.cost.ulysses, j.cost.ring, j.cost.layout) for j in sched.jobs)
 
 
 def _step(model, opt, dd, sched: Schedule, rank: int, seed: int, step: int, items: int, vocab: int) -> None:
