@@ -244,10 +244,10 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
             alike: Dict[tuple, List[str]] = {}
             for n in order:
                 alike.setdefault(_placement(scheds[n]), []).append(n)
-            leads = [group[0] for group in alike.values()]
+            groups = list(alike.values())
             for rep in range(repeat):
-                for lead in (leads if rep % 2 == 0 else leads[::-1]):
-                    group = alike[_placement(scheds[lead])]
+                for group in (groups if rep % 2 == 0 else groups[::-1]):
+                    lead = group[0]
                     dist_.barrier()
                     t0 = time.perf_counter()
                     _step(model, opt, dd, scheds[lead], rank, seed, step, items, c["vocab"])
