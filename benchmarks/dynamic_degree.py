@@ -68,7 +68,7 @@ from usp_hal.planning.schedule import (
     split_label,
     static_rule,
 )
-from usp_hal.planning.stepcost import SCALED, StepRefit
+from usp_hal.planning.stepcost import SCALED, StepRefit, split_key
 from usp_hal.planning.trial import MeasuredTrial
 
 WORLD = 4
@@ -197,7 +197,8 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
     scale = dd.calibrate_steps(cal, lambda lens, sched: _step(model, opt, dd, sched, rank, CAL_SEED, cal.index(lens),
                                                               sum(n - 1 for n in lens), c["vocab"]))
     model_ = dd.scheduler.model
-    cal_scale = dict(model_.part_scale)           # the calibration's factors, for the column priced by them alone
+    # the calibration's factors and split shifts, for the column priced by them alone
+    cal_scale = {**model_.part_scale, **{split_key(*k): v for k, v in model_.split_shift.items()}}
     refit = StepRefit(model_, REFIT * repeat, dd.calibration_samples)
     variants = {"dynamic": dd.scheduler,
                 "dynamic rings only": Scheduler(WORLD, shape, budget_tokens=budget, profile=dd.scheduler.model.profile,
@@ -268,7 +269,9 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                     runs[n].append(min(took_at[n]))
                     firsts[n].append(took_at[n][0])
                     preds[n].append(priced[n])
-                    preds_cal[n].append(sum(raw[k] * cal_scale[k] for k in SCALED) + raw["idle"])
+                    preds_cal[n].append(sum(raw[k] * cal_scale[k] for k in SCALED) + raw["idle"] +
+                                        sum(v * cal_scale.get(k, 0.0) for k, v in raw.items()
+                                            if k not in SCALED and k != "idle"))
         out[seed] = {"runs": runs, "firsts": firsts, "preds": preds, "preds_cal": preds_cal, "common": common,
                      "steps": steps_ran, "calibration": dd.calibration_samples, "cal_scale": cal_scale,
                      "best": split_label(WORLD, *best),

@@ -338,7 +338,7 @@ def refitted(steps: int = 8, window: int = 4, ahead: bool = False, delay: float 
         run(sched)
         if step + 1 < steps:
             sched = nxt.result(timeout=60) if nxt is not None else dd.schedule(lengths(step + 1))
-        factors.append(dict(model.part_scale))
+        factors.append(model.factors())
         jobs.append([(j.seqs, j.first, j.size, j.cost.ulysses) for j in sched.jobs])
     return {"factors": factors, "jobs": jobs, "window": [(p, t) for p, t in dd.refit.samples], "first": first,
             "calibration": len(dd.calibration_samples)}
@@ -372,7 +372,7 @@ def calibrated_steps(batches, budget: int = 64):
                 out.backward(usp_hal.shard(dout.float(), layout=lay, cu_seqlens=cu))
 
     scale = dd.calibrate_steps(batches, run)
-    return {"scale": scale, "ran": ran, "held": dict(dd.scheduler.model.part_scale)}
+    return {"scale": scale, "ran": ran, "held": dd.scheduler.model.factors()}
 
 
 def calibrated_calls(tokens=(8, 24, 64), budget: int = 64, error: bool = False, rank_tokens=None):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from usp_hal.planning.planner import Candidate, PlanError, Problem, load_profile, predict
-from usp_hal.planning.stepcost import AttentionShape, StepModel, least_tokens
+from usp_hal.planning.stepcost import PARTS, AttentionShape, StepModel, least_tokens
 
 ATT = AttentionShape(32, 128, 8, "bf16", True, True)
 LLAMA8B = AttentionShape(32, 128, 8, "bf16", True, True, hidden=4096, intermediate=14336, layers=32, vocab=128256)
@@ -247,8 +247,65 @@ def test_every_part_is_its_factor_times_its_unscaled_price():
     assert [(j.seqs, j.first) for j in scaled.jobs] == [(j.seqs, j.first) for j in plain.jobs]
     assert scaled.scale == tuple(scale[k] for k in SCALED) and scaled.predicted != plain.predicted
     got, want = scaled.parts(unscaled=True), plain.parts()
-    assert got == pytest.approx(want, rel=1e-9), (got, want)
-    assert plain.parts(unscaled=True) == plain.parts()
+    assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-9), (got, want)
+    assert plain.parts(unscaled=True) == {**plain.parts(), "4,4": sum(plain.parts()[k] for k in PARTS)}
+
+
+def test_a_split_priced_wrong_gets_a_shift_of_its_own():
+    """Whole steps of three fixed splits timed as their parts would run if jobs on U2xR2 (4,2)
+    took 1.15x their price and jobs on U1xR4 (4,1) 0.95x, the rest as priced (0.5% noise): with
+    the shifts held as weakly as the factors the fit prices each split's jobs at 1.15, 0.95 and
+    1.0 per second of their price (the common factor plus the split's shift), as held by
+    default a little nearer 1, and holds the factors near 1; set on the model, a job on
+    (4,2) pays each part at its factor plus the shift and a job on another split does not; a
+    schedule priced so gives back, by parts(unscaled=True), the same schedule priced with no
+    factor, its breakdown by split summing to the four job parts; a shift that is not a number
+    is refused."""
+    import random
+
+    from usp_hal.planning.schedule import Scheduler, draw_batches
+    from usp_hal.planning.stepcost import PRIOR, SCALED, fit_part_scale
+    m = StepModel(CPU_MODEL, "cpu")
+    sched = Scheduler(4, CPU_MODEL, budget_tokens=1024, profile="cpu", model=m)
+    truth = {"4,2": 0.15, "4,1": -0.05}
+    rnd = random.Random(7)
+    samples = []
+    for b in draw_batches("lognormal:1024:32768:1.5", 6, 4 * 2048, seed=4, scale=16):
+        for u, r in ((2, 2), (1, 4), (2, 1)):
+            raw = sched.static(b, u, r).parts(unscaled=True)
+            took = sum(raw[k] for k in PARTS) + raw["constant"] + raw["idle"] + \
+                sum(raw.get(k, 0.0) * d for k, d in truth.items())
+            samples.append((raw, took * rnd.uniform(0.995, 1.005)))
+    # held as weakly as the factors: what a job of each split pays per second of its price, the
+    # common factor plus its shift (the factor and the shifts share what every split pays
+    # alike: the prior divides it between them)
+    loose = fit_part_scale(samples, shift_prior=PRIOR)
+    paid = {k: loose["tokens"] + loose[k] for k in ("4,2", "4,1", "2,2")}
+    assert paid == pytest.approx({"4,2": 1.15, "4,1": 0.95, "2,2": 1.0}, abs=0.01), loose
+    # as held by default (SHIFT_PRIOR: 6 steps of each split carry a shift most of the way)
+    got = fit_part_scale(samples)
+    paid = {k: got["tokens"] + got[k] for k in ("4,2", "4,1", "2,2")}
+    assert 1.1 < paid["4,2"] < 1.15 and 0.95 < paid["4,1"] < 0.98 and paid["2,2"] == pytest.approx(1.0, abs=0.01), got
+    assert all(got[k] == pytest.approx(1.0, abs=0.05) for k in SCALED), got
+    assert got == fit_part_scale(list(samples))
+    plain = StepModel(CPU_MODEL, "cpu")
+    m.set_part_scale(got)
+    assert m.split_shift == {(4, 2): got["4,2"], (4, 1): got["4,1"], (2, 2): got["2,2"]}
+    for g, u, lay, lens in ((4, 2, "varlen_zigzag", (900, 77)), (4, 2, "zigzag", (1500,)), (1, 1, "basic", (300,))):
+        a, b = m.job(lens, g, u, lay), plain.job(lens, g, u, lay)
+        d = got.get(f"{g},{u}", 0.0)
+        for k in PARTS:
+            assert getattr(a, k) == pytest.approx((got[k] + d) * getattr(b, k), rel=1e-9), (g, u, k)
+    batch = [700, 300, 90, 41, 500, 260, 33]
+    before = Scheduler(4, CPU_MODEL, budget_tokens=512, profile="cpu", model=plain).static(batch, 2, 2)
+    after = Scheduler(4, CPU_MODEL, budget_tokens=512, profile="cpu", model=m).static(batch, 2, 2)
+    assert [(j.seqs, j.first) for j in after.jobs] == [(j.seqs, j.first) for j in before.jobs]
+    assert after.shift and after.predicted != before.predicted
+    un = after.parts(unscaled=True)
+    assert un == pytest.approx(before.parts(unscaled=True), rel=1e-9), (un, before.parts(unscaled=True))
+    assert un["4,2"] == pytest.approx(sum(un[k] for k in PARTS), rel=1e-12)
+    with pytest.raises(ValueError, match="split 4,2"):
+        m.set_part_scale({"4,2": float("nan")})
 
 
 def test_the_refit_follows_the_recent_steps_and_forgets_older_ones():

@@ -292,12 +292,14 @@ class DynamicDegree:
         job of its own (the per-call costs), and every fixed split that holds it; each step the
         slowest rank's time (barrier to barrier, the device synced).  The price is then scaled
         to fit those times (:func:`usp_hal.planning.stepcost.fit_part_scale`: one factor for
-        the whole step and one for the per-call overhead), the same factors on every rank,
+        the whole step, one for the per-call overhead, and a shift per split for what a split's
+        jobs pay beyond them), the same factors on every rank,
         used by every schedule made after it.  ``warmup``: the first batch runs under each of
         its schedules once more, untimed, before any timed step (a run's first steps pay for
         what later ones reuse: the optimizer's state, memory, each split's first call).  It
         costs ``(len(batches) + warmup) x (2 + fixed splits)`` steps.  Every rank must call it
-        with the same batches and ``warmup`` (it runs collectives; they are agreed first).  Returns the factors."""
+        with the same batches and ``warmup`` (it runs collectives; they are agreed first).  Returns the factors
+        and shifts the price model then holds (:meth:`usp_hal.planning.stepcost.StepModel.factors`)."""
         import torch
 
         problem = next((f"batch {k}, sequence {i} {why}" for k, b in enumerate(batches) for i, n in enumerate(b)
@@ -332,15 +334,14 @@ class DynamicDegree:
                 if self.world > 1:     # the slowest rank's time, the same on every rank
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if timed:
-                    samples.append((sched.parts(), float(took.item())))
+                    samples.append((sched.parts(unscaled=True), float(took.item())))
         self.calibration_samples = samples
         self._gather_end, self._entered, self._last = None, 0, (0, 0)   # the next period starts at a gather
-        scale = fit_part_scale(samples)
-        model.set_part_scale(scale)
+        model.set_part_scale(fit_part_scale(samples))
         if self.refit is not None:             # the window starts from these steps
             with self._lock:
                 self.refit = StepRefit(model, self.refit.window, samples)
-        return scale
+        return model.factors()
 
     def mesh(self, job: Job) -> SequenceParallelMesh:
         """The mesh a job runs on (its block is one of that mesh's sequence-parallel groups)."""

@@ -36,7 +36,16 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stepcost import SCALED, AttentionShape, Cost, StepModel, fits_packed, least_tokens  # noqa: F401  (re-exported)
+from .stepcost import (  # noqa: F401  (re-exported)
+    PARTS,
+    SCALED,
+    AttentionShape,
+    Cost,
+    StepModel,
+    fits_packed,
+    least_tokens,
+    split_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,7 @@ class Schedule:
     label: str = "dynamic"                 # "dynamic", or the fixed split that runs the step
     constant: float = 0.0                  # what every schedule pays alike (gradient all-reduce, optimizer)
     scale: Tuple[float, ...] = ()          # the model's part_scale when it was priced, in SCALED's order
+    shift: Tuple[Tuple[Tuple[int, int], float], ...] = ()   # and its split_shift, ((g, u), shift) pairs
 
     @property
     def predicted(self) -> float:
@@ -135,18 +145,34 @@ class Schedule:
     def parts(self, unscaled: bool = False) -> Dict[str, float]:
         """The slowest rank's predicted step in parts: attention, tokens (the token-proportional
         layers), communication, overhead (per-call), idle (waiting for a group) and constant.
-        ``unscaled``: each part as priced with every whole-step factor 1 (each part is its
-        factor times that; what :func:`usp_hal.planning.stepcost.fit_part_scale` fits)."""
+        ``unscaled``: each part as priced with every whole-step factor 1 and no split's shift
+        (each part is its factor, plus its split's shift, times that; what
+        :func:`usp_hal.planning.stepcost.fit_part_scale` fits), and beside them, per split
+        ``"g,u"`` the slowest rank has jobs on, those jobs' unscaled parts summed (a breakdown
+        of the four job parts, not more time)."""
         r = max(range(self.world), key=lambda i: (self.finish[i], -i))
+        mine = self.jobs_of(r)
         out = {k: 0.0 for k in ("attention", "tokens", "communication", "overhead")}
-        for j in self.jobs_of(r):
+        for j in mine:
             for k, v in j.cost.parts().items():
                 out[k] += v
         out["idle"] = max(0.0, self.finish[r] - sum(out.values()))
         out["constant"] = self.constant
-        if unscaled:
-            for k, f in zip(SCALED, self.scale):
-                out[k] /= f
+        if not unscaled:
+            return out
+        scale = dict(zip(SCALED, self.scale))
+        shift = dict(self.shift)
+        out.update({k: 0.0 for k in PARTS})
+        out["constant"] = self.constant / scale.get("constant", 1.0)
+        for j in mine:
+            d = shift.get((j.size, j.cost.ulysses), 0.0)
+            key = split_key(j.size, j.cost.ulysses)
+            out.setdefault(key, 0.0)
+            for k, v in j.cost.parts().items():
+                f = scale.get(k, 1.0)
+                raw = v / max(f + d, 0.2 * f)
+                out[k] += raw
+                out[key] += raw
         return out
 
     def slots(self) -> List[List[Optional[Job]]]:
@@ -382,9 +408,9 @@ class Scheduler:
         m = self.model
         tab = m.table(1, 1, "basic")
         launch = tab.launch * (2 if self.shape.bwd else 1) if m.varlen else 0.0
-        sc = m.part_scale
-        return (m.layers * tab.fixed + m.call_overhead() + m.call_extra.get((1, 1), (0.0,))[0]) * sc["overhead"] + \
-            m.layers * launch * m.attention_scale
+        f = m.part_factors(1, 1)
+        return (m.layers * tab.fixed + m.call_overhead() + m.call_extra.get((1, 1), (0.0,))[0]) * f["overhead"] + \
+            m.layers * launch * m.call_attention * f["attention"]
 
     def _jobs(self, specs: Sequence[Tuple[Sequence[int], int, int, int]], lens: Tuple[int, ...]) -> List[Job]:
         """Jobs of (sequences, first rank, group size, Ulysses degree), in order, priced a
@@ -401,7 +427,7 @@ class Scheduler:
 
     def _schedule(self, jobs: List[Job], label: str) -> Schedule:
         return Schedule(self.world, self.budget, tuple(jobs), _finish_times(jobs, self.world), label, self.constant,
-                        tuple(self.model.part_scale[k] for k in SCALED))
+                        tuple(self.model.part_scale[k] for k in SCALED), tuple(sorted(self.model.split_shift.items())))
 
     # ---------------------------------------------------------------- the dynamic schedule
     def dynamic(self, lengths: Sequence[int]) -> Schedule:

@@ -315,6 +315,10 @@ class StepModel:
         #: measured whole steps over their price, per part (:func:`fit_part_scale`; a profile's
         #: "part_scale"; 1 where not measured)
         self.part_scale: Dict[str, float] = {k: 1.0 for k in SCALED}
+        #: measured whole steps against their price, per split beyond the parts' factors
+        #: (:func:`fit_part_scale`'s ``"g,u"`` entries): a job on (g, u) pays each part at
+        #: its factor plus this (0 where not measured)
+        self.split_shift: Dict[Tuple[int, int], float] = {}
         self._tables: Dict[Tuple[int, int, str], _Table] = {}
         self._jobs: Dict[tuple, Cost] = {}
         self.set_call_extra(self.profile.get("call_extra") or {})
@@ -323,17 +327,52 @@ class StepModel:
     def set_part_scale(self, scale: dict) -> None:
         """``{part: factor}`` for the parts of :data:`SCALED` (others stay 1): each job's
         attention, token layers, communication and per-call overhead, and the step's constant
-        part, times its factor (what :func:`fit_part_scale` measures on whole steps)."""
-        bad = sorted(set(scale) - set(SCALED))
+        part, times its factor (what :func:`fit_part_scale` measures on whole steps); and
+        ``{"g,u": shift}``: a job on a group of g ranks with Ulysses degree u pays each part at
+        its factor plus the shift (the split's own error beyond the common factors; none given:
+        0).  A part's factor plus a shift is kept at least a fifth of the factor."""
+        splits = {k: v for k, v in scale.items() if _split_key(k) is not None}
+        bad = sorted(set(scale) - set(SCALED) - set(splits))
         if bad:
-            raise ValueError(f"part_scale: unknown parts {bad}; the parts are {list(SCALED)}")
+            raise ValueError(f"part_scale: unknown parts {bad}; the parts are {list(SCALED)} and \"g,u\" splits")
         for k in SCALED:
             f = float(scale.get(k, 1.0))
             if not (math.isfinite(f) and f > 0):
                 raise ValueError(f"part_scale: {k} must be a positive number, got {scale.get(k)!r}")
             self.part_scale[k] = f
+        self.split_shift.clear()
+        for k, v in splits.items():
+            d = float(v)
+            if not math.isfinite(d):
+                raise ValueError(f"part_scale: split {k} must have a finite shift, got {v!r}")
+            if d:
+                self.split_shift[_split_key(k)] = d     # type: ignore[index]
         self.__dict__.pop("_token_s", None)
         self._jobs.clear()
+
+    def factors(self) -> Dict[str, float]:
+        """What :meth:`set_part_scale` was given, as it holds it: every part's factor and each
+        split's shift (``"g,u"``) that is not 0."""
+        return {**self.part_scale, **{split_key(g, u): d for (g, u), d in sorted(self.split_shift.items())}}
+
+    def part_factors(self, g: int, u: int) -> Dict[str, float]:
+        """What each part of a job on (g, u) is priced at over its unscaled price: the part's
+        factor plus the split's shift (:meth:`set_part_scale`)."""
+        d = self.split_shift.get((int(g), int(u)), 0.0)
+        return {k: max(self.part_scale[k] + d, 0.2 * self.part_scale[k]) for k in PARTS}
+
+    def _shifted(self, g: int, u: int, parts: Dict[str, Any]) -> Dict[str, Any]:
+        """``parts`` (priced at the parts' factors) moved to the split's own
+        (:meth:`part_factors`), in place; ``time`` summed again where present."""
+        if (g, u) not in self.split_shift:
+            return parts
+        f = self.part_factors(g, u)
+        for k in PARTS:
+            if k in parts:
+                parts[k] = parts[k] * (f[k] / self.part_scale[k])
+        if "time" in parts:
+            parts["time"] = parts["attention"] + parts["communication"] + parts["tokens"] + parts["overhead"]
+        return parts
 
     @property
     def attention_scale(self) -> float:
@@ -492,7 +531,7 @@ class StepModel:
             out["tokens"] = self.tokens_time(np.ceil(n / g)) + per_token * sc["tokens"]
         if "time" in want:
             out["time"] = out["attention"] + out["communication"] + out["tokens"] + out["overhead"]
-        return out
+        return self._shifted(g, u, out)
 
     def job(self, lengths: Tuple[int, ...], g: int, u: int, layout: str) -> Cost:
         """The price of one job: one sequence, or several packed (each document priced on its
@@ -542,6 +581,9 @@ class StepModel:
         fixed, per_token = self._extra(g, u, math.ceil(total / g), len(lengths))
         overhead = (L * d["fixed"] + self.call_overhead() + float(fixed)) * sc["overhead"]
         tokens = float(self.tokens_time(math.ceil(total / g)) + per_token * sc["tokens"])
+        moved = self._shifted(g, u, {"attention": attention, "tokens": tokens, "communication": communication,
+                                     "overhead": overhead})
+        attention, tokens, communication, overhead = (moved[k] for k in PARTS)
         from .planner import call_pairs, ring_work
         work, _, _ = ring_work(layout, total, g // u, s.causal, cu)
         pairs = max(sum(call_pairs(c) for st in rank for c in st) for rank in work) * _heads_on_busiest(s, u)
@@ -586,6 +628,9 @@ class StepModel:
         fixed, per_token = self._extra(g, u, np.ceil(total / g), sizes)
         overhead = (L * tab.fixed + self.call_overhead() + fixed) * sc["overhead"]
         tokens = self.tokens_time(np.ceil(total / g)) + per_token * sc["tokens"]
+        moved = self._shifted(g, u, {"attention": attention, "tokens": tokens, "communication": communication,
+                                     "overhead": overhead})
+        attention, tokens, communication, overhead = (moved[k] for k in PARTS)
         time = attention + communication + overhead + tokens
         pairs = summed("pairs")
         return [Cost(u, r, layout, float(time[k]), int(pairs[k]), L * float(at_n["bytes"][k]),
@@ -597,39 +642,68 @@ class StepModel:
 #: one step's 10% error), and the factors' range
 PRIOR = 0.01
 SCALE_RANGE = (0.2, 5.0)
+#: how strongly a split's shift is held at 0: as much as one step made only of that split's
+#: jobs (on this CPU a step's time moves by about as much as a split's error, 5-10%, so one
+#: step alone should not set it; eight such steps carry it most of the way)
+SHIFT_PRIOR = 1.0
 
 
 def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
-                   apart: Sequence[str] = ("overhead",)) -> Dict[str, float]:
+                   apart: Sequence[str] = ("overhead",), shift_prior: float = SHIFT_PRIOR) -> Dict[str, float]:
     """Factors for the parts of :data:`SCALED` that bring priced steps nearest their measured
     times: ``samples`` of (a schedule's slowest-rank parts, :meth:`Schedule.parts` priced with
-    every factor 1, and the step's measured seconds).  One factor common to every part, and one
-    of its own for each part in ``apart`` (the per-call overhead: what separates a schedule of
-    many calls from one of few; parts that every schedule of a batch pays alike, such as the
-    token layers and the step's constant part, cannot be told apart by a few batches, so they
-    share the common one).  Least squares on the relative error, each factor held near 1 by
-    :data:`PRIOR` (a part no sample exercises stays at the common factor) and kept within
-    :data:`SCALE_RANGE`; the idle part is not scaled.  A pure function: ranks given the same
-    samples get the same factors."""
+    every factor 1 (``unscaled=True``), and the step's measured seconds).  One factor common to
+    every part, and one of its own for each part in ``apart`` (the per-call overhead: what
+    separates a schedule of many calls from one of few; parts that every schedule of a batch
+    pays alike, such as the token layers and the step's constant part, cannot be told apart by
+    a few batches, so they share the common one).  Where the parts carry ``"g,u"`` entries (the
+    slowest rank's jobs on each split, unscaled, as :meth:`Schedule.parts` gives them), also a
+    shift per split: what a job on that split pays beyond the common factors, per second of its
+    unscaled price (a split whose kernel, messages or calls the profile misses by more than the
+    others).  Least squares on the relative error, each factor held near 1 by :data:`PRIOR`
+    (a part no sample exercises keeps the common factor) and each shift near 0 by
+    ``shift_prior`` (:data:`SHIFT_PRIOR`; a split no sample exercises pays the common factors),
+    the factors kept within :data:`SCALE_RANGE` and the shifts within it less 1; the idle part
+    is not scaled.  Returns ``{part: factor}`` and, with splits, ``{"g,u": shift}``.  A pure
+    function: ranks given the same samples get the same factors."""
     apart = [k for k in apart if k in SCALED]
     common = [k for k in SCALED if k not in apart]
+    splits = sorted({k for parts, _ in samples for k in parts if _split_key(k) is not None},
+                    key=lambda k: _split_key(k))     # type: ignore[arg-type,return-value]
     rows, target = [], []
     for parts, took in samples:
         if not (took > 0 and math.isfinite(took)):
             raise ValueError(f"fit_part_scale: a measured step of {took!r} seconds")
         rows.append([sum(float(parts.get(k, 0.0)) for k in common) / took] +
-                    [float(parts.get(k, 0.0)) / took for k in apart])
+                    [float(parts.get(k, 0.0)) / took for k in apart] +
+                    [float(parts.get(k, 0.0)) / took for k in splits])
         target.append(1.0 - float(parts.get("idle", 0.0)) / took)
     n = 1 + len(apart)
     w = math.sqrt(PRIOR)
-    a = np.vstack([np.array(rows, dtype=np.float64).reshape(-1, n), w * np.eye(n)])
-    b = np.concatenate([np.array(target, dtype=np.float64), w * np.ones(n)])
+    prior = np.diag([w] * n + [math.sqrt(float(shift_prior))] * len(splits))
+    a = np.vstack([np.array(rows, dtype=np.float64).reshape(-1, n + len(splits)), prior])
+    b = np.concatenate([np.array(target, dtype=np.float64), w * np.ones(n), np.zeros(len(splits))])
     x = np.linalg.lstsq(a, b, rcond=None)[0]
     lo, hi = SCALE_RANGE
-    x = [float(min(hi, max(lo, v))) for v in x]
-    out = {k: x[0] for k in common}
-    out.update({k: x[1 + i] for i, k in enumerate(apart)})
-    return {k: out[k] for k in SCALED}
+    factors = [float(min(hi, max(lo, v))) for v in x[:n]]
+    out = {k: factors[0] for k in common}
+    out.update({k: factors[1 + i] for i, k in enumerate(apart)})
+    res = {k: out[k] for k in SCALED}
+    res.update({k: float(min(hi - 1.0, max(lo - 1.0, x[n + i]))) for i, k in enumerate(splits)})
+    return res
+
+
+def _split_key(key) -> Optional[Tuple[int, int]]:
+    """``"g,u"`` -> (g, u); None for anything else (a part's name)."""
+    bits = str(key).split(",")
+    if len(bits) != 2 or not all(b.strip().isdigit() for b in bits):
+        return None
+    return int(bits[0]), int(bits[1])
+
+
+def split_key(g: int, u: int) -> str:
+    """The ``"g,u"`` name of a split in :meth:`Schedule.parts` and :func:`fit_part_scale`."""
+    return f"{int(g)},{int(u)}"
 
 
 #: a measured step more than this many times from the window's median (over its unscaled
@@ -669,14 +743,14 @@ class StepRefit:
         self.samples.append(({k: float(v) for k, v in parts.items()}, took))
 
     def record(self, parts: Dict[str, float], seconds: float) -> Dict[str, float]:
-        """One more measured step; returns the factors now set on the model."""
+        """One more measured step; returns the factors (and split shifts) now set on the model."""
         self._add(parts, seconds)
-        ratios = [took / max(sum(p.values()), 1e-30) for p, took in self.samples]
+        ratios = [took / max(sum(p.get(k, 0.0) for k in SCALED + ("idle",)), 1e-30) for p, took in self.samples]
         mid = float(np.median(ratios))
         kept = [s for s, x in zip(self.samples, ratios) if mid / REFIT_OUTLIER <= x <= mid * REFIT_OUTLIER]
         scale = fit_part_scale(kept)
         self.model.set_part_scale(scale)
-        return scale
+        return self.model.factors()
 
 
 def fit_call_extra(samples: Sequence[Tuple[Tuple[int, int, int], int, int, Cost, float]]) -> Dict[str, Any]:
