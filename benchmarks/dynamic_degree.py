@@ -6,6 +6,7 @@
     python -m benchmarks.dynamic_degree --host-time          # also the scheduling's host time, 64 ranks
     python -m benchmarks.dynamic_degree --calls-spread 3     # only calibrate_calls, 3 times: its spread
     python -m benchmarks.dynamic_degree --packs              # only one batch's packed jobs against their price
+    python -m benchmarks.dynamic_degree --replay DUMP        # a --dump's steps priced with and without split shifts
 
 **Predicted** (the planner's whole-step model, usp_hal.planning.stepcost): a Llama-3-8B-shaped model (32
 layers, hidden 4,096, MLP 14,336, 32 heads of 128, 8 KV heads, vocabulary 128,256, bf16) on 4 GPUs
@@ -23,7 +24,7 @@ its fastest job); the slowest rank's step in parts.
 path's own cost on each split (usp.calibrate_calls: parts per call, per token and per packed
 document, and one factor on the priced attention), then whole steps of 2 batches of their own
 after a warm-up (DynamicDegree.calibrate_steps: the price scaled by one factor for the step and
-one for the per-call overhead), and during the run those factors refitted after every measured
+one for the per-call overhead, and shifted per split), and during the run those refitted after every measured
 step to the last REFIT steps (StepRefit, as DynamicDegree(refit_steps=REFIT) does: each batch's
 schedules priced before it runs, from the steps before it; the same schedules priced by the
 calibration's factors alone are printed beside them); a Llama built from a transformers config
@@ -535,6 +536,71 @@ def measured(dist: str, seeds: List[int], steps: int, profile: Optional[str], du
             "trial": trial_all / st_all, "trial_seeds": trial_ratios}
 
 
+def replay(path: str) -> None:
+    """A ``--dump`` replayed: each measured batch's schedules priced by the refit as it stood
+    before the batch (StepRefit over the calibration's steps, then every step that ran, in
+    order), once with the per-split shifts (the run's own price: it reproduces the run's
+    predictions) and once without (the parts' factors alone, as before the shifts), against
+    the same measured steps (each the least of its passes): the Spearman and the plan's error
+    per seed, each way.  No step is run: both prices face the same measurements."""
+    import json
+
+    from usp_hal.planning.stepcost import fit_part_scale
+
+    class _Held:                      # what StepRefit sets factors on, without a model to price
+        def __init__(self):
+            self.held: Dict[str, float] = {}
+
+        def set_part_scale(self, scale):
+            self.held = dict(scale)
+
+        def factors(self):
+            return dict(self.held)
+
+    def priced(parts, f):
+        return sum(parts[k] * f.get(k, 1.0) for k in SCALED) + parts["idle"] + sum(
+            v * f.get(k, 0.0) for k, v in parts.items() if k not in SCALED and k != "idle")
+
+    def plain(parts):
+        return {k: v for k, v in parts.items() if k in SCALED or k == "idle"}
+
+    with open(path) as f:
+        dump = json.load(f)
+    lacks = [k for k in ("dist", "window", "repeat", "seeds") if k not in dump] if isinstance(dump, dict) else ["all"]
+    if lacks:
+        raise ValueError(f"--replay {path}: not a --dump of this benchmark (it lacks {', '.join(lacks)})")
+    print(f"{path}: {dump['dist']}, refit window {dump['window']} steps, {dump['repeat']} passes")
+    for shifts in (True, False):
+        keep = (lambda p: p) if shifts else plain
+        line = []
+        for seed, got in dump["seeds"].items():
+            held = _Held()
+            cal = [(keep(p), t) for p, t in got["calibration"]]
+            held.set_part_scale(fit_part_scale(cal))
+            refit = StepRefit(held, dump["window"], cal)     # type: ignore[arg-type]
+            preds: Dict[str, float] = {}
+            meas: Dict[str, float] = {}
+            for b in sorted({s["batch"] for s in got["steps"]}):
+                scale = held.factors()
+                mine = [s for s in got["steps"] if s["batch"] == b]
+                took: Dict[str, List[float]] = {}
+                for s in mine:
+                    for n in [s["schedule"]] + s["alike"]:
+                        took.setdefault(n, []).append(s["seconds"])
+                        if b and s["repeat"] == 0:         # the first batch warms up, as in the run
+                            preds[n] = preds.get(n, 0.0) + priced(keep(s["parts"]), scale)
+                for n, ts in took.items():
+                    if b:
+                        meas[n] = meas.get(n, 0.0) + min(ts)
+                for s in mine:
+                    refit.record(keep(s["parts"]), s["seconds"])
+            names = list(preds)
+            sp = spearman([preds[n] for n in names], [meas[n] for n in names])
+            err = max(abs(preds[n] / meas[n] - 1) for n in names)
+            line.append(f"seed {seed}: spearman {sp:.3f}, plan error {100 * err:.1f}%")
+        print(f"  {'with the split shifts' if shifts else 'without them':22s} " + "; ".join(line))
+
+
 def host_time(n_seq: int = 1000, world: int = 64, reps: int = 20) -> float:
     """Seconds of host time to schedule one global batch of ``n_seq`` sequences on ``world``
     ranks (the median after the tables are built), H100 profile, Llama-3-8B shape."""
@@ -572,7 +638,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="only run usp.calibrate_calls N times on one calibration here and print its spread")
     ap.add_argument("--packs", action="store_true",
                     help="only time one batch's packed jobs of the 4-rank fixed splits against their price")
+    ap.add_argument("--replay", default=None, metavar="PATH",
+                    help="only replay a --dump: its steps priced with and without the per-split shifts")
     args = ap.parse_args(argv)
+    if args.replay:
+        replay(args.replay)
+        return 0
     if args.packs:
         packs(args.dist, args.seeds[0])
         return 0

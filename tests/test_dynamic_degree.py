@@ -104,6 +104,54 @@ def test_the_benchmark_predictions_meet_the_goals(capsys):
             assert float(got["predicted"]) <= 1.0 and float(got["slowest/mean"]) <= 1.02, ln
 
 
+def test_the_benchmark_replay_prices_a_dump_with_and_without_the_split_shifts(tmp_path, capsys):
+    """benchmarks.dynamic_degree --replay on a dump of whole steps of three fixed splits whose
+    U2xR2 jobs run at 1.15x their price and U1xR4's at 0.9x (the rest as priced, 1% noise):
+    with the per-split shifts the replay's largest error of a schedule is under a third of the
+    error without them, and it ranks the three schedules as measured; a dump it cannot read is
+    an error, not a line of numbers."""
+    import json
+    import random
+
+    from benchmarks.dynamic_degree import main
+    from usp_hal.planning.schedule import Scheduler, draw_batches
+    from usp_hal.planning.stepcost import PARTS
+    sched = Scheduler(4, AttentionShape(8, 32, 2, "fp32", True, True, hidden=256, intermediate=896, layers=2,
+                                        vocab=2048), budget_tokens=1024, profile="cpu")
+    rnd = random.Random(1)
+    truth = {"4,2": 0.15, "4,1": -0.1}
+
+    def step(b, u, r):
+        raw = sched.static(b, u, r).parts(unscaled=True)
+        took = sum(raw[k] for k in PARTS) + raw["constant"] + raw["idle"] + \
+            sum(raw.get(k, 0.0) * d for k, d in truth.items())
+        return raw, took * rnd.uniform(0.99, 1.01)
+    splits = {"static U2xR2": (2, 2), "static U1xR4": (1, 4), "static dp2 x U2xR1": (2, 1)}
+    bs = draw_batches("lognormal:1024:32768:1.5", 10, 4 * 2048, seed=2, scale=16)
+    cal = [step(b, *ur) for b in bs[:2] for ur in splits.values()]
+    steps = []
+    for k, b in enumerate(bs[2:]):
+        for name, ur in splits.items():
+            raw, took = step(b, *ur)
+            steps.append({"batch": k, "schedule": name, "alike": [], "parts": raw, "seconds": took,
+                          "predicted": 0.0, "repeat": 0})
+    path = tmp_path / "dump.json"
+    path.write_text(json.dumps({"dist": "lognormal", "window": 12, "repeat": 1,
+                                "seeds": {"0": {"steps": steps, "calibration": cal}}}))
+    assert main(["--replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    got = {}
+    for ln in out.splitlines()[1:]:
+        m = re.search(r"spearman ([0-9.]+), plan error ([0-9.]+)%", ln)
+        assert m, out
+        got["with" if "with the split shifts" in ln else "without"] = (float(m.group(1)), float(m.group(2)))
+    assert set(got) == {"with", "without"}, out
+    assert got["with"][0] == 1.0 and got["with"][1] < got["without"][1] / 3, got
+    assert got["without"][1] > 5.0, got
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a --dump of this benchmark"):
+        main(["--replay", str(path)])
+
 # ----------------------------------------------------------------------------- on 4 ranks
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
