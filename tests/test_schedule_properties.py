@@ -2,7 +2,7 @@
 model path, within the budget, deterministic, never predicted slower than the best fixed split,
 never below the batch's lower bound."""
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from usp_hal.planning.schedule import AttentionShape, ScheduleError, Scheduler
@@ -104,3 +104,36 @@ def test_a_job_of_short_sequences_borrows_a_longer_one_when_the_others_are_full(
     s = _scheduler(4, 4, "cpu-4ranks").static([10, 6, 15, 1, 2], 4, 1)
     assert sorted(sorted(j.lengths) for j in s.jobs) == [[1, 15], [2, 6], [10]]
     assert all(_runnable(j) for j in s.jobs)
+
+
+#: a price model whose parts' factors and per-split shifts each example sets (its own tables)
+SHIFTED = StepModel(SHAPE, "cpu-4ranks")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=batches, world=st.sampled_from([2, 4]), budget=st.integers(1, 1200),
+       factors=st.lists(st.floats(0.5, 2.0), min_size=5, max_size=5),
+       shifts=st.dictionaries(st.sampled_from(["1,1", "2,1", "2,2", "4,1", "4,2", "4,4"]), st.floats(-0.4, 0.6)))
+# two 1-token sequences packed on 2 ranks, priced below either alone on one rank (the bound
+# once took a 1-token sequence's fastest job to be alone on one rank)
+@example(lengths=[1, 1], world=2, budget=1, factors=[1.0] * 5, shifts={"2,1": -0.25})
+def test_a_price_with_factors_and_split_shifts_keeps_the_schedules_guarantees(lengths, world, budget, factors, shifts):
+    """Fitted factors and per-split shifts (what calibrate_steps and the refit set) change the
+    price of every job, not the schedule's promises: never slower than the best placed fixed
+    split, never below the bound (a pack of sequences too short for a group alone may be the
+    cheapest job there is), every job of the slowest rank in the split breakdown."""
+    from usp_hal.planning.stepcost import PARTS, SCALED
+    SHIFTED.set_part_scale({**dict(zip(SCALED, factors)), **shifts})
+    sch = Scheduler(world, SHAPE, budget_tokens=budget, profile=SHIFTED.profile, model=SHIFTED)
+    try:
+        s = sch.schedule(lengths)
+    except ScheduleError:
+        return
+    placed = sch.statics(lengths)
+    if placed:
+        least = min(p.predicted for p in placed.values())
+        assert s.predicted <= least * (1 + 1e-9), (s.label, s.predicted, least)
+    assert sch.bound(lengths) <= s.predicted * (1 + 1e-9), (sch.bound(lengths), s.predicted)
+    raw = s.parts(unscaled=True)
+    splits = sum(v for k, v in raw.items() if k not in SCALED and k != "idle")
+    assert splits == pytest.approx(sum(raw[k] for k in PARTS), rel=1e-9)

@@ -669,14 +669,22 @@ class Scheduler:
     def bound(self, lengths: Sequence[int]) -> float:
         """A lower bound of any schedule's predicted step for the batch: each sequence at its
         cheapest rank-seconds beyond a job's fixed cost (as if packed with others, on a group of
-        any size) over the world, and no less than its fastest job; plus the step's constant part."""
+        any size) over the world, and no less than its fastest job (a sequence with fewer tokens
+        than some group has ranks, which a pack there may hold for less, counts in neither); plus
+        the step's constant part."""
         lens = check_lengths(lengths)
         arr = np.array(lens, dtype=np.float64)
         alone = self._alone(arr)
         times = np.stack([alone[g][0] for g in self.sizes])
         fixed = np.array([self._group_fixed(g) for g in self.sizes])[:, None]
         work = np.maximum(times - fixed, 0.0) * np.array(self.sizes, dtype=np.float64)[:, None]
-        return max(float(work.min(axis=0).sum()) / self.world, float(times.min(axis=0).max())) + self.constant
+        # a sequence too short to be alone on a group may still share a pack there, one token
+        # on a rank, in a job cheaper than any alone (a split priced cheaper per job than one
+        # rank, by a fitted shift, say): it counts as adding nothing, to either term
+        short = np.stack([(arr < g) & (np.ceil(arr / g) <= self.budget) for g in self.sizes]) & self.pack
+        work = np.where(short, 0.0, work)
+        fastest = np.where(short, 0.0, times)
+        return max(float(work.min(axis=0).sum()) / self.world, float(fastest.min(axis=0).max())) + self.constant
 
     def _group_fixed(self, g: int) -> float:
         """At most what a job on ``g`` ranks costs before the tokens of its sequences: a
