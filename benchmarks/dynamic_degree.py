@@ -69,7 +69,7 @@ from usp_hal.planning.schedule import (
     split_label,
     static_rule,
 )
-from usp_hal.planning.stepcost import SCALED, StepRefit, split_key
+from usp_hal.planning.stepcost import SCALED, StepRefit, fitted_seconds, split_key
 from usp_hal.planning.trial import MeasuredTrial
 
 WORLD = 4
@@ -270,9 +270,7 @@ def measured_ranks(dist: str, seeds: List[int], steps: int, tokens_per_rank: int
                     runs[n].append(min(took_at[n]))
                     firsts[n].append(took_at[n][0])
                     preds[n].append(priced[n])
-                    preds_cal[n].append(sum(raw[k] * cal_scale[k] for k in SCALED) + raw["idle"] +
-                                        sum(v * cal_scale.get(k, 0.0) for k, v in raw.items()
-                                            if k not in SCALED and k != "idle"))
+                    preds_cal[n].append(fitted_seconds(raw, cal_scale))
         out[seed] = {"runs": runs, "firsts": firsts, "preds": preds, "preds_cal": preds_cal, "common": common,
                      "steps": steps_ran, "calibration": dd.calibration_samples, "cal_scale": cal_scale,
                      "best": split_label(WORLD, *best),
@@ -557,10 +555,6 @@ def replay(path: str) -> None:
         def factors(self):
             return dict(self.held)
 
-    def priced(parts, f):
-        return sum(parts[k] * f.get(k, 1.0) for k in SCALED) + parts["idle"] + sum(
-            v * f.get(k, 0.0) for k, v in parts.items() if k not in SCALED and k != "idle")
-
     def plain(parts):
         return {k: v for k, v in parts.items() if k in SCALED or k == "idle"}
 
@@ -588,7 +582,7 @@ def replay(path: str) -> None:
                     for n in [s["schedule"]] + s["alike"]:
                         took.setdefault(n, []).append(s["seconds"])
                         if b and s["repeat"] == 0:         # the first batch warms up, as in the run
-                            preds[n] = preds.get(n, 0.0) + priced(keep(s["parts"]), scale)
+                            preds[n] = preds.get(n, 0.0) + fitted_seconds(keep(s["parts"]), scale)
                 for n, ts in took.items():
                     if b:
                         meas[n] = meas.get(n, 0.0) + min(ts)

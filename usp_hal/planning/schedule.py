@@ -44,6 +44,7 @@ from .stepcost import (  # noqa: F401  (re-exported)
     StepModel,
     fits_packed,
     least_tokens,
+    shifted_factor,
     split_key,
 )
 
@@ -169,8 +170,7 @@ class Schedule:
             key = split_key(j.size, j.cost.ulysses)
             out.setdefault(key, 0.0)
             for k, v in j.cost.parts().items():
-                f = scale.get(k, 1.0)
-                raw = v / max(f + d, 0.2 * f)
+                raw = v / shifted_factor(scale.get(k, 1.0), d)
                 out[k] += raw
                 out[key] += raw
         return out

@@ -359,7 +359,7 @@ class StepModel:
         """What each part of a job on (g, u) is priced at over its unscaled price: the part's
         factor plus the split's shift (:meth:`set_part_scale`)."""
         d = self.split_shift.get((int(g), int(u)), 0.0)
-        return {k: max(self.part_scale[k] + d, 0.2 * self.part_scale[k]) for k in PARTS}
+        return {k: shifted_factor(self.part_scale[k], d) for k in PARTS}
 
     def _shifted(self, g: int, u: int, parts: Dict[str, Any]) -> Dict[str, Any]:
         """``parts`` (priced at the parts' factors) moved to the split's own
@@ -691,6 +691,21 @@ def fit_part_scale(samples: Sequence[Tuple[Dict[str, float], float]],
     res = {k: out[k] for k in SCALED}
     res.update({k: float(min(hi - 1.0, max(lo - 1.0, x[n + i]))) for i, k in enumerate(splits)})
     return res
+
+
+def shifted_factor(factor: float, shift: float) -> float:
+    """A part's factor on a split with that shift: their sum, kept at least a fifth of the factor
+    (what a job is priced at, and what :meth:`Schedule.parts` divides by to undo it)."""
+    return max(factor + shift, 0.2 * factor)
+
+
+def fitted_seconds(parts: Dict[str, float], factors: Dict[str, float]) -> float:
+    """A step's seconds as :func:`fit_part_scale` models them: its unscaled parts
+    (:meth:`Schedule.parts` with ``unscaled=True``) each at its factor, each split's share at
+    its shift, and the idle part as it is (``factors``: what :meth:`StepModel.factors` gives;
+    a part it lacks at 1, a split at 0)."""
+    return (sum(parts[k] * factors.get(k, 1.0) for k in SCALED) + parts["idle"] +
+            sum(v * factors.get(k, 0.0) for k, v in parts.items() if _split_key(k) is not None))
 
 
 def _split_key(key) -> Optional[Tuple[int, int]]:
